@@ -1,0 +1,3 @@
+from tasks.cli import main
+
+raise SystemExit(main())

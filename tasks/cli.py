@@ -1,0 +1,59 @@
+"""`python -m tasks <stage> [--config F] [--set section.key=value …] [--run-dir D] [--json] [stage flags]`.
+
+Also `python -m tasks summary --run-dir D` (the end-of-run table). Errors print one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tasks.errors import StageError
+from tasks.stages import STAGES
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="preset name in configs/ or a YAML file (default demo-cpu)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable)")
+    parser.add_argument("--run-dir", default=None, help="where results go (default var/runs/cli-<time>)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\nstages: " + ", ".join(STAGES) + ", summary")
+        return 0
+    stage = argv.pop(0)
+    try:
+        if stage == "summary":
+            from tasks.summary import main as summary_main
+
+            return summary_main(argv)
+        from tasks.config import load_config
+        from tasks.runner import default_run_dir, run_stage, stage_module
+
+        module = stage_module(stage)
+        parser = argparse.ArgumentParser(prog=f"python -m tasks {stage}", description=(module.__doc__ or "").strip())
+        _common(parser)
+        if hasattr(module, "add_cli_args"):
+            module.add_cli_args(parser)
+        args = parser.parse_args(argv)
+        cfg = load_config(args.config, sets=args.sets)
+        if args.no_tracking:
+            cfg.tracking.enabled = False
+        run_dir = args.run_dir or default_run_dir()
+        result = run_stage(stage, cfg, run_dir, args=args)
+    except StageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(f"{stage}: {result.get('status')} — {result.get('summary', '')}  (results in {run_dir}/{stage}.json)")
+    return 0

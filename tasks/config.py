@@ -1,0 +1,395 @@
+"""The one typed pipeline configuration.
+
+Layers, later wins: dataclass defaults → a YAML preset from configs/ (or a file) → overrides (DAG Params, `--conf`,
+as a nested dict or dotted keys) → CLI `--set section.key=value`. `validate()` reports every problem, one line each.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+DEFAULT_PRESET = "demo-cpu"
+
+
+@dataclass
+class HardwareConfig:
+    device: str = "auto"                  # auto | cpu | cuda | npu
+    nproc_per_node: int = 0               # processes per node; 0 = one per device (2 on CPU)
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "127.0.0.1:29400"  # c10d rendezvous host:port (multi-node: the first node's address)
+    cluster: str = "cpu-laptop"           # planner cluster preset (910b, 910c, a100-80g, h100-80g, cpu-laptop)
+    device_memory_gb: float = 0.0         # 0 = from the cluster preset / measured
+    intra_node_gbps: float = 0.0          # 0 = from the cluster preset
+    inter_node_gbps: float = 0.0
+    peak_tflops: float = 0.0
+    hccl_connect_timeout: int = 120       # s, CANN range [120, 7200]
+    hccl_exec_timeout: int = 1836         # s, 0 = never (A2/A3)
+    probe_sizes_mb: list = field(default_factory=lambda: [1, 4, 16])
+    expected_bus_gbps: float = 0.0        # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
+    max_clock_offset_ms: float = 500.0
+    min_free_disk_gb: float = 1.0
+    min_host_memory_gb: float = 2.0
+
+
+@dataclass
+class DataConfig:
+    inputs: list = field(default_factory=lambda: ["stdlib"])  # files/dirs/globs; "stdlib" = Python's own sources
+    text_field: str = "text"              # .jsonl/.parquet column holding the text
+    out_dir: str = "var/data"             # shard sets are versioned directories below it
+    max_documents: int = 0                # 0 = all
+    min_chars: int = 16
+    max_chars: int = 1_000_000
+    on_decode_error: str = "replace"      # replace | skip
+    tokenizer: str = "train"              # "train" (byte-level BPE on the corpus) or a tokenizer.json / model dir
+    vocab_size: int = 4096
+    seq_len: int = 256
+    val_fraction: float = 0.05
+    shard_size_mb: float = 16.0
+    tokenize_processes: int = 2
+    loader_workers: int = 1
+    shuffle_buffer: int = 256
+    verify_sha256: bool = False
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "demo"                  # tasks.model presets: debug, demo, qwen2-0.5b, … llama3-70b, llama-13b
+    hf_path: str = ""                     # initialise from a local HF directory instead of random weights
+    # Shape overrides (0 / "" = the preset's value).
+    dim: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    ffn_dim: int = 0
+    vocab_size: int = 0                   # 0 = preset, or the tokenizer's size when the preset allows
+    rope_theta: float = 0.0
+    max_seq_len: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 0                           # 0 = chosen by the planner
+    tp: int = 0
+    pp: int = 0
+    zero: int = 3                         # 0 plain DP (replicated), 1/2/3 ZeRO stage (3 = FSDP fully_shard)
+    sequence_parallel: bool = True
+    recompute: str = "none"               # none | selective | full
+    recompute_every: int = 1              # checkpoint every k-th layer (full)
+    pp_schedule: str = "1f1b"             # gpipe | 1f1b | interleaved1f1b
+    microbatches: int = 0                 # 0 = global_batch / micro_batch per DP rank
+    virtual_stages: int = 2               # for interleaved1f1b
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 60
+    global_batch: int = 8                 # sequences per optimizer step, all ranks
+    micro_batch: int = 2                  # sequences per forward on one rank
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    precision: str = "bf16"               # fp32 | bf16 | fp16
+    seed: int = 1234
+    checkpoint_every: int = 20
+    keep_checkpoints: int = 2
+    log_every: int = 1
+    timeout_s: int = 1800                 # collective timeout
+
+
+@dataclass
+class SmokeConfig:
+    steps: int = 20                       # per precision (FP32 then BF16)
+    lr: float = 3e-3
+    window: int = 5                       # k: compare mean of the first k with the last k losses
+    min_drop: float = 0.05                # relative drop required
+    bf16_tolerance: float = 0.05          # max relative gap between the FP32 and BF16 curves
+    micro_batch: int = 4
+
+
+@dataclass
+class PlanConfig:
+    zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    recompute: list = field(default_factory=lambda: ["none", "selective", "full"])
+    schedules: list = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"])
+    efficiency: float = 0.4               # achieved fraction of peak FLOP/s
+    runtime_reserve_gb: float = 0.0       # 0 = backend default (CANN/HCCL ≈ 5 GB on NPU)
+    top_k: int = 10
+
+
+@dataclass
+class ProfileConfig:
+    enabled: bool = True
+    skip_first: int = 1
+    wait: int = 0
+    warmup: int = 1
+    active: int = 2
+    record_shapes: bool = False
+    profile_memory: bool = True
+    with_stack: bool = False
+    npu_level: str = "Level1"             # Level_none | Level0 | Level1 | Level2
+    aic_metrics: str = "PipeUtilization"
+    use_msprof: bool = False              # wrap the run in `msprof --application` when msprof is on PATH
+    fail_on_regression: bool = False
+    regression_threshold: float = 0.10
+
+
+@dataclass
+class QuantizeConfig:
+    method: str = "int8_weight_only"      # int8_weight_only | int8_dynamic (W8A8) | smoothquant (AMCT)
+    backend: str = "auto"                 # auto (AMCT when it imports, else torchao) | amct | torchao
+    skip_layers: list = field(default_factory=lambda: ["lm_head", "embed"])
+    calibration_batches: int = 4
+    amct_flow: str = "llm"                # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
+
+
+@dataclass
+class EvaluateConfig:
+    max_drop_pct: float = 2.0             # gate: INT8 perplexity may rise at most this much
+    eval_batches: int = 8
+    latency_tokens: int = 32
+    prompts: list = field(default_factory=lambda: ["def ", "import ", "class "])
+    max_new_tokens: int = 24
+    registered_model: str = "llm-pipeline-demo"
+    fail_on_gate: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    uri: str = ""                         # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
+    experiment: str = "llm-pipeline"
+    artifact_root: str = ""               # "" = <repo>/var/mlartifacts (new experiments only)
+    ui_url: str = "http://127.0.0.1:5000"
+    enabled: bool = True
+
+
+@dataclass
+class PipelineConfig:
+    hardware: HardwareConfig = field(default_factory=HardwareConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    preset: str = ""                      # which preset/file this came from (informational)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        import hashlib
+
+        body = json.dumps({k: v for k, v in self.to_dict().items() if k != "preset"}, sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:12]
+
+
+SECTIONS = [f.name for f in dataclasses.fields(PipelineConfig) if f.name != "preset"]
+
+# Enumerations and ranges: checked by validate(); the DAG's Params mirror them.
+CHOICES = {
+    "hardware.device": ["auto", "cpu", "cuda", "npu"],
+    "data.on_decode_error": ["replace", "skip"],
+    "parallel.recompute": ["none", "selective", "full"],
+    "parallel.pp_schedule": ["gpipe", "1f1b", "interleaved1f1b"],
+    "parallel.zero": [0, 1, 2, 3],
+    "train.precision": ["fp32", "bf16", "fp16"],
+    "profile.npu_level": ["Level_none", "Level0", "Level1", "Level2"],
+    "quantize.method": ["int8_weight_only", "int8_dynamic", "smoothquant"],
+    "quantize.backend": ["auto", "amct", "torchao"],
+    "quantize.amct_flow": ["llm", "ptq"],
+}
+RANGES = {  # inclusive (min, max); None = unbounded
+    "hardware.nproc_per_node": (0, 1024), "hardware.nnodes": (1, 4096), "hardware.node_rank": (0, 4095),
+    "hardware.hccl_connect_timeout": (120, 7200), "hardware.hccl_exec_timeout": (0, 2147483647),
+    "data.seq_len": (8, 1 << 20), "data.vocab_size": (256, 1 << 22), "data.val_fraction": (0.0, 0.5),
+    "data.shard_size_mb": (0.01, 100_000), "data.tokenize_processes": (1, 256), "data.loader_workers": (0, 64),
+    "data.max_documents": (0, None), "data.min_chars": (0, None),
+    "parallel.dp": (0, 1 << 16), "parallel.tp": (0, 1024), "parallel.pp": (0, 1024),
+    "parallel.recompute_every": (1, 1024), "parallel.microbatches": (0, 1 << 16), "parallel.virtual_stages": (1, 64),
+    "train.steps": (1, None), "train.global_batch": (1, None), "train.micro_batch": (1, None),
+    "train.lr": (0.0, None), "train.warmup_steps": (0, None), "train.grad_clip": (0.0, None),
+    "train.checkpoint_every": (0, None), "train.keep_checkpoints": (1, 1000),
+    "smoke.steps": (2, 100_000), "smoke.window": (1, 10_000), "smoke.bf16_tolerance": (0.0, 10.0),
+    "plan.efficiency": (0.01, 1.0),
+    "quantize.calibration_batches": (1, 100_000),
+    "evaluate.max_drop_pct": (0.0, 100.0), "evaluate.eval_batches": (1, 100_000),
+}
+
+
+class _Missing:
+    pass
+
+
+def _section_types(section_cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Coerce YAML/JSON/CLI values to the field's declared type; strings from --set are parsed as YAML scalars."""
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        typ = [t for t in typing.get_args(typ) if t is not type(None)][0]
+    if isinstance(value, str) and typ is not str:
+        try:
+            value = yaml.safe_load(value) if value.strip() else value
+        except yaml.YAMLError:
+            pass
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    if typ is list or origin is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return list(value)
+    return value
+
+
+def _flatten(overrides: dict, prefix: str = "") -> dict[str, Any]:
+    """{"data": {"seq_len": 128}} and {"data.seq_len": 128} both become {"data.seq_len": 128}."""
+    flat = {}
+    for key, value in (overrides or {}).items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted.count(".") == 0 and key in SECTIONS:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def apply_overrides(cfg: PipelineConfig, overrides: dict) -> PipelineConfig:
+    problems = []
+    for dotted, value in _flatten(overrides).items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS:
+            problems.append(f"{dotted}: unknown section {section!r} (known: {', '.join(SECTIONS)})")
+            continue
+        sec = getattr(cfg, section)
+        types_ = _section_types(type(sec))
+        if key not in types_:
+            problems.append(f"{dotted}: unknown key (known in {section}: {', '.join(types_)})")
+            continue
+        try:
+            setattr(sec, key, _coerce(value, types_[key], dotted))
+        except ConfigError as e:
+            problems.extend(e.problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def parse_sets(sets) -> dict[str, str]:
+    out = {}
+    for item in sets or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        out[key.strip()] = value
+    return out
+
+
+def resolve_preset(preset_or_path: str | None) -> Path:
+    name = preset_or_path or os.environ.get("LLM_PIPELINE_PRESET") or DEFAULT_PRESET
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"config file {name} does not exist")
+        return path
+    candidate = CONFIG_DIR / f"{name}.yaml"
+    if not candidate.is_file():
+        known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(known)})")
+    return candidate
+
+
+def load_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(preset_or_path: str | None = None, overrides: dict | None = None, sets=()) -> PipelineConfig:
+    path = resolve_preset(preset_or_path)
+    cfg = PipelineConfig(preset=str(path.stem if path.parent == CONFIG_DIR else path))
+    apply_overrides(cfg, load_yaml(path))
+    apply_overrides(cfg, overrides or {})
+    apply_overrides(cfg, parse_sets(sets))
+    validate(cfg)
+    return cfg
+
+
+def get(cfg: PipelineConfig, dotted: str):
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def validate(cfg: PipelineConfig) -> PipelineConfig:
+    problems = []
+    for dotted, allowed in CHOICES.items():
+        if get(cfg, dotted) not in allowed:
+            problems.append(f"{dotted}: {get(cfg, dotted)!r} is not one of {', '.join(map(str, allowed))}")
+    for dotted, (lo, hi) in RANGES.items():
+        v = get(cfg, dotted)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            problems.append(f"{dotted}: {v} must be {bound}")
+    t = cfg.train
+    if t.micro_batch > t.global_batch:
+        problems.append(f"train.micro_batch: {t.micro_batch} exceeds train.global_batch {t.global_batch}")
+    if t.min_lr > t.lr:
+        problems.append(f"train.min_lr: {t.min_lr} exceeds train.lr {t.lr}")
+    if cfg.hardware.node_rank >= cfg.hardware.nnodes:
+        problems.append(f"hardware.node_rank: {cfg.hardware.node_rank} must be < hardware.nnodes {cfg.hardware.nnodes}")
+    if ":" not in cfg.hardware.rdzv_endpoint:
+        problems.append(f"hardware.rdzv_endpoint: {cfg.hardware.rdzv_endpoint!r} must be host:port")
+    if not cfg.data.inputs:
+        problems.append("data.inputs: at least one input path is required")
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def repo_path(p: str | os.PathLike) -> Path:
+    """Relative paths in the config are relative to the repository root, whatever the working directory."""
+    p = Path(p).expanduser()
+    return p if p.is_absolute() else REPO_ROOT / p

@@ -1,0 +1,199 @@
+"""Backend layer: the one place that knows npu / cuda / cpu, and the only module that imports torch_npu.
+
+torch_npu is imported lazily and its ImportError/RuntimeError become `BackendUnavailable` with the cause: with
+torch_npu installed but CANN missing, even `import torch` fails ("Failed to load the backend extension: torch_npu
+… libhccl.so"), so callers that must survive that (the environment stage) probe in a subprocess first.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tasks.errors import StageError
+
+DIST_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+
+
+class BackendUnavailable(StageError):
+    pass
+
+
+@dataclass(frozen=True)
+class Backend:
+    kind: str            # npu | cuda | cpu
+    dist_backend: str    # hccl | nccl | gloo
+    device_count: int    # accelerators visible; on CPU the usable core count
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind != "cpu"
+
+
+_torch_npu = None
+
+
+def import_torch_npu():
+    """Import torch_npu once; raise BackendUnavailable naming the cause and the fix."""
+    global _torch_npu
+    if _torch_npu is not None:
+        return _torch_npu
+    try:
+        import torch_npu  # noqa: F401  (registers the "npu" device with torch)
+    except (ImportError, RuntimeError, OSError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "libhccl" in msg or "libascend" in msg or "backend extension" in msg:
+            raise BackendUnavailable(f"torch_npu is installed but CANN is not loaded ({msg}); run "
+                                     "`source /usr/local/Ascend/ascend-toolkit/set_env.sh` (or cann/set_env.sh), "
+                                     "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to run on CPU") from None
+        raise BackendUnavailable(f"device npu requested but torch_npu is not importable ({msg}); install "
+                                 "requirements-npu.txt on an Ascend host with CANN") from None
+    _torch_npu = torch_npu
+    return torch_npu
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def detect(requested: str = "auto") -> Backend:
+    """Pick the backend: the configured one (failing clearly when it is absent) or the best available."""
+    import torch
+
+    if requested not in ("auto", "npu", "cuda", "cpu"):
+        raise StageError(f"hardware.device: unknown device {requested!r} (npu, cuda, cpu or auto)")
+    if requested in ("auto", "npu"):
+        try:
+            import_torch_npu()
+            if torch.npu.is_available() and torch.npu.device_count() > 0:
+                return Backend("npu", "hccl", torch.npu.device_count())
+            if requested == "npu":
+                raise BackendUnavailable("device npu requested but torch_npu sees no NPU (check npu-smi info "
+                                         "and ASCEND_RT_VISIBLE_DEVICES)")
+        except BackendUnavailable:
+            if requested == "npu":
+                raise
+    if requested in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            return Backend("cuda", "nccl", torch.cuda.device_count())
+        if requested == "cuda":
+            raise BackendUnavailable("device cuda requested but torch.cuda.is_available() is False")
+    return Backend("cpu", "gloo", _cpu_count())
+
+
+def device_module(kind: str):
+    """torch.npu / torch.cuda / None for CPU."""
+    import torch
+
+    if kind == "npu":
+        import_torch_npu()
+        return torch.npu
+    if kind == "cuda":
+        return torch.cuda
+    return None
+
+
+def torch_device(kind: str, local_rank: int = 0):
+    import torch
+
+    if kind == "cpu":
+        return torch.device("cpu")
+    mod = device_module(kind)
+    index = local_rank % max(mod.device_count(), 1)
+    mod.set_device(index)
+    return torch.device(kind, index)
+
+
+def synchronize(device) -> None:
+    mod = device_module(device.type)
+    if mod is not None:
+        mod.synchronize(device)
+
+
+def bf16_supported(kind: str) -> bool:
+    if kind == "cuda":
+        import torch
+
+        return torch.cuda.is_bf16_supported()
+    return True  # 910B/910C and CPU autocast support bfloat16
+
+
+def reset_peak(device) -> None:
+    mod = device_module(device.type)
+    if mod is not None:
+        mod.reset_peak_memory_stats(device)
+    else:
+        _cpu_peak_baseline[0] = _rss_bytes()
+
+
+_cpu_peak_baseline = [0]
+
+
+def _rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def memory_stats(device) -> dict[str, int]:
+    """allocated / reserved / peak bytes on the device; on CPU the process RSS and its peak (what torch can't say)."""
+    mod = device_module(device.type)
+    if mod is not None:
+        return {"allocated_bytes": int(mod.memory_allocated(device)),
+                "reserved_bytes": int(mod.memory_reserved(device)),
+                "peak_bytes": int(mod.max_memory_allocated(device)),
+                "peak_reserved_bytes": int(mod.max_memory_reserved(device))}
+    rss = _rss_bytes()
+    return {"allocated_bytes": rss, "reserved_bytes": rss, "peak_bytes": _peak_rss_bytes(),
+            "peak_reserved_bytes": _peak_rss_bytes()}
+
+
+def device_memory_total(device) -> int:
+    mod = device_module(device.type)
+    if mod is not None:
+        return int(mod.get_device_properties(device).total_memory)
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def hccl_env(hardware) -> dict[str, str]:
+    """HCCL variables for NPU jobs, from the hardware config (existing values in the environment win)."""
+    env = {"HCCL_CONNECT_TIMEOUT": str(hardware.hccl_connect_timeout),
+           "HCCL_EXEC_TIMEOUT": str(hardware.hccl_exec_timeout)}
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
+def launch_env(backend: Backend, hardware) -> dict[str, str]:
+    """Extra environment for torchrun workers of this backend."""
+    env = {}
+    if backend.kind == "npu":
+        env.update(hccl_env(hardware))
+        # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy.
+        env.setdefault("PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF",
+                                                                "expandable_segments:True"))
+    return env
+
+
+def visible_devices_env(kind: str) -> str:
+    return {"npu": "ASCEND_RT_VISIBLE_DEVICES", "cuda": "CUDA_VISIBLE_DEVICES"}.get(kind, "")
+
+
+def autocast(device, dtype_name: str):
+    """Autocast context for the precision name (fp32 → a no-op context)."""
+    import contextlib
+
+    import torch
+
+    if dtype_name == "fp32":
+        return contextlib.nullcontext()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    return torch.autocast(device_type=device.type, dtype=dtype)

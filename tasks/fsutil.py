@@ -1,0 +1,68 @@
+"""Atomic file output: a reader never sees a half-written file, and a killed writer leaves only a temp file."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj, **kwargs) -> Path:
+    kwargs.setdefault("indent", 2)
+    kwargs.setdefault("sort_keys", True)
+    return atomic_write_text(path, json.dumps(obj, default=str, **kwargs) + "\n")
+
+
+def publish_dir(tmp_dir: Path, final_dir: Path) -> Path:
+    """Move a fully written temp directory into place; an existing complete `final_dir` wins (idempotent)."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    for p in sorted(tmp_dir.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(tmp_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp_dir, final_dir)
+    except OSError:
+        if final_dir.exists():  # another writer published first: keep theirs
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        else:
+            raise
+    fsync_dir(final_dir.parent)
+    return final_dir
+
+
+def read_json(path: str | os.PathLike):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

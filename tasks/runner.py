@@ -1,0 +1,96 @@
+"""run_stage(): the one path from a config to a stage result, shared by the CLI and the Airflow tasks."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks import tracking
+from tasks.config import REPO_ROOT, PipelineConfig
+from tasks.errors import StageError
+from tasks.fsutil import atomic_write_json, read_json
+from tasks.stages import STAGES
+
+
+@dataclass
+class StageContext:
+    run_dir: Path
+    stage: str
+    args: argparse.Namespace = field(default_factory=argparse.Namespace)
+    inputs: dict = field(default_factory=dict)      # earlier stages' results, by stage name
+    mlflow_run_id: str | None = None
+    parent_run_id: str | None = None
+
+
+def stage_module(stage: str):
+    if stage not in STAGES:
+        raise StageError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)})")
+    return importlib.import_module(STAGES[stage])
+
+
+def default_args(stage: str) -> argparse.Namespace:
+    """The stage's own flags at their defaults (what an Airflow task gets)."""
+    parser = argparse.ArgumentParser()
+    add = getattr(stage_module(stage), "add_cli_args", None)
+    if add:
+        add(parser)
+    return parser.parse_args([])
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
+
+
+def default_run_dir(name: str | None = None) -> Path:
+    return REPO_ROOT / "var" / "runs" / safe_name(name or time.strftime("cli-%Y%m%d-%H%M%S"))
+
+
+def load_inputs(run_dir: Path) -> dict:
+    inputs = {}
+    for stage in STAGES:
+        path = run_dir / f"{stage}.json"
+        if path.is_file():
+            inputs[stage] = read_json(path)
+    return inputs
+
+
+def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argparse.Namespace | None = None,
+              parent_run_id: str | None = None) -> dict:
+    """Run one stage; write `<run_dir>/<stage>.json`; return the result (raises StageError on failure)."""
+    module = stage_module(stage)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = args if args is not None else default_args(stage)
+    started = time.time()
+    result_path = run_dir / f"{stage}.json"
+    with tracking.stage_run(cfg, stage, parent_run_id) as run_id:
+        ctx = StageContext(run_dir=run_dir, stage=stage, args=args, inputs=load_inputs(run_dir),
+                           mlflow_run_id=run_id, parent_run_id=parent_run_id)
+        try:
+            result = module.run(cfg, ctx)
+        except StageError as e:
+            _record_failure(result_path, stage, str(e), run_id, started)
+            tracking.set_tags({"pipeline.error": str(e)[:5000]})
+            raise
+        except Exception as e:  # a bug or an unexpected runtime error: still one line on top, trace in the file
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+            _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
+            tracking.set_tags({"pipeline.error": cause[:5000]})
+            raise
+        result = dict(result or {})
+        result.setdefault("status", "ok")
+        result.setdefault("summary", "")
+        result.update(stage=stage, mlflow_run_id=run_id, seconds=round(time.time() - started, 2))
+        tracking.set_tags({"pipeline.status": result["status"]})
+    atomic_write_json(result_path, result)
+    return result
+
+
+def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, trace: str = "") -> None:
+    atomic_write_json(path, {"stage": stage, "status": "failed", "summary": cause, "error": cause,
+                             "mlflow_run_id": run_id, "seconds": round(time.time() - started, 2),
+                             "traceback": trace})

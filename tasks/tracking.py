@@ -1,0 +1,211 @@
+"""MLflow tracking: one parent run per DAG run, one child run per stage, rank-0-only logging.
+
+mlflow is imported inside functions: DAG files import tasks lazily, and the parser must stay fast.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from tasks.config import REPO_ROOT, PipelineConfig, repo_path
+from tasks.errors import StageError
+
+_KEY_BAD = re.compile(r"[^/\w.\- ]")  # MLflow accepts ^[/\w.\- ]*$
+
+
+def sanitize_key(key: str) -> str:
+    """Make any string a legal MLflow metric/param key ("loss(fp32)@step" → "loss_fp32__step")."""
+    return _KEY_BAD.sub("_", str(key))[:250] or "_"
+
+
+def default_uri() -> str:
+    return f"sqlite:///{REPO_ROOT / 'var' / 'mlflow.db'}"
+
+
+def tracking_uri(cfg: PipelineConfig | None = None) -> str:
+    if cfg is not None and cfg.tracking.uri:
+        return cfg.tracking.uri
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
+
+
+def is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _configure(cfg: PipelineConfig):
+    import mlflow
+
+    uri = tracking_uri(cfg)
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    check_reachable(uri)
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is None:
+        root = cfg.tracking.artifact_root or str(REPO_ROOT / "var" / "mlartifacts")
+        if "://" not in root:
+            root = str(repo_path(root))
+        try:
+            exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=root)
+        except Exception:  # created concurrently by another task: use theirs
+            exp_id = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    else:
+        exp_id = exp.experiment_id
+    mlflow.set_experiment(experiment_id=exp_id)
+    return mlflow, client, exp_id
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """An http(s) tracking server that does not answer fails now, in one line, not after minutes of retries."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise StageError(f"MLflow tracking server {uri} is unreachable ({reason}); start it (make ui) or set "
+                         f"MLFLOW_TRACKING_URI / tracking.uri") from None
+
+
+def parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 1) -> str:
+    """Get or create the parent run of one DAG run (idempotent: a retried task finds the same parent)."""
+    mlflow, client, exp_id = _configure(cfg)
+    found = client.search_runs([exp_id], filter_string=f"tags.`airflow.dag_id` = '{dag_id}' and "
+                               f"tags.`airflow.run_id` = '{run_id}' and tags.`pipeline.kind` = 'parent'",
+                               max_results=1)
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(exp_id, run_name=f"{dag_id}/{run_id}", tags={
+        "airflow.dag_id": dag_id, "airflow.run_id": run_id, "airflow.try_number": str(try_number),
+        "pipeline.kind": "parent", "git.sha": git_sha(), "config.hash": cfg.digest(), "config.preset": cfg.preset,
+    })
+    client.log_text(run.info.run_id, json.dumps(cfg.to_dict(), indent=2), "config.json")
+    return run.info.run_id
+
+
+@contextlib.contextmanager
+def stage_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None, tags: dict | None = None):
+    """Start (and end) the MLflow child run of one stage; yields the run id, or None with tracking off."""
+    if not cfg.tracking.enabled or not is_rank0():
+        yield None
+        return
+    mlflow, client, exp_id = _configure(cfg)
+    all_tags = {"pipeline.stage": stage, "pipeline.kind": "stage", "git.sha": git_sha(),
+                "config.hash": cfg.digest(), **(tags or {})}
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+        parent = client.get_run(parent_run_id)
+        for k in ("airflow.dag_id", "airflow.run_id"):
+            if k in parent.data.tags:
+                all_tags[k] = parent.data.tags[k]
+    with mlflow.start_run(run_name=stage, tags=all_tags) as run:
+        yield run.info.run_id
+
+
+def active_run_id() -> str | None:
+    import mlflow
+
+    run = mlflow.active_run()
+    return run.info.run_id if run else None
+
+
+def log_params(params: dict) -> None:
+    if not is_rank0() or active_run_id() is None:
+        return
+    import mlflow
+
+    flat = {sanitize_key(k): str(v)[:6000] for k, v in _flatten(params).items()}
+    mlflow.log_params(flat)
+
+
+def log_metrics(metrics: dict, step: int | None = None) -> None:
+    if not is_rank0() or active_run_id() is None:
+        return
+    import mlflow
+
+    clean = {sanitize_key(k): float(v) for k, v in _flatten(metrics).items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if clean:
+        mlflow.log_metrics(clean, step=step)
+
+
+def log_artifact(path: str | os.PathLike, artifact_path: str | None = None) -> None:
+    if not is_rank0() or active_run_id() is None:
+        return
+    import mlflow
+
+    p = Path(path)
+    (mlflow.log_artifacts if p.is_dir() else mlflow.log_artifact)(str(p), artifact_path)
+
+
+def log_json_artifact(obj, name: str) -> None:
+    if not is_rank0() or active_run_id() is None:
+        return
+    import mlflow
+
+    mlflow.log_text(json.dumps(obj, indent=2, sort_keys=True, default=str), name)
+
+
+def log_figure(fig, name: str) -> None:
+    if not is_rank0() or active_run_id() is None:
+        return
+    import mlflow
+
+    mlflow.log_figure(fig, name)
+
+
+def set_tags(tags: dict) -> None:
+    if not is_rank0() or active_run_id() is None:
+        return
+    import mlflow
+
+    mlflow.set_tags({k: str(v) for k, v in tags.items()})
+
+
+def subprocess_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
+    """Environment that hands the stage's run to a child process (torchrun rank 0 resumes it)."""
+    env = {"MLFLOW_TRACKING_URI": tracking_uri(cfg)}
+    if run_id:
+        env["MLFLOW_RUN_ID"] = run_id
+    return env
+
+
+def run_url(cfg: PipelineConfig, run_id: str, experiment_id: str | None = None) -> str:
+    if experiment_id is None:
+        import mlflow
+
+        experiment_id = mlflow.MlflowClient(tracking_uri(cfg)).get_run(run_id).info.experiment_id
+    return f"{cfg.tracking.ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def temp_artifact_dir():
+    return tempfile.TemporaryDirectory(prefix="mlflow-artifacts-")

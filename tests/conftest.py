@@ -1,0 +1,37 @@
+"""Shared test set-up: every test talks to real MLflow/Airflow, but in temporary stores, never the repo's var/."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """A real SQLite-backed MLflow store shared by the session's tests."""
+    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def cfg(mlflow_uri, tmp_path):
+    """The demo-cpu config with tracking in the test store and data under tmp_path."""
+    from tasks.config import load_config
+
+    c = load_config("demo-cpu")
+    c.tracking.uri = mlflow_uri
+    c.tracking.artifact_root = str(tmp_path / "mlartifacts")
+    c.tracking.experiment = "tests"
+    c.data.out_dir = str(tmp_path / "data")
+    return c
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    return REPO / "tests" / "fixtures"
