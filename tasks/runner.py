@@ -45,8 +45,10 @@ def safe_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "run"
 
 
-def default_run_dir(name: str | None = None) -> Path:
-    return REPO_ROOT / "var" / "runs" / safe_name(name or time.strftime("cli-%Y%m%d-%H%M%S"))
+def default_run_dir(*parts: str) -> Path:
+    """var/runs/<part>/…: one directory per DAG run (dag id / run id) or per CLI invocation (cli-<time>)."""
+    parts = parts or (time.strftime("cli-%Y%m%d-%H%M%S"),)
+    return REPO_ROOT.joinpath("var", "runs", *(safe_name(p) for p in parts))
 
 
 def load_inputs(run_dir: Path) -> dict:

@@ -10,6 +10,16 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The embedded Airflow defaults (what scripts/airflow-env.sh exports), so `pytest` works without the Makefile too.
+for key, value in {
+    "AIRFLOW_HOME": str(REPO), "AIRFLOW_CONFIG": str(REPO / "airflow.cfg"),
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{REPO / 'var' / 'airflow.db'}",
+    "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"), "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+    "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(REPO / "var" / "logs"),
+}.items():
+    os.environ.setdefault(key, value)
+(REPO / "var" / "logs").mkdir(parents=True, exist_ok=True)
 
 
 @pytest.fixture(scope="session")

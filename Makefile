@@ -1,0 +1,46 @@
+# Two commands do everything on a fresh clone: `make run` (the whole pipeline on the CPU demo) and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+ENV := source scripts/airflow-env.sh &&
+CONF ?= {}
+
+.PHONY: help venv run test test-fast bench db clean
+
+help:
+	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
+	@echo "make test   - set up .venv and run the whole test suite (what CI runs)"
+	@echo "make bench  - run the benchmarks; writes bench/results.json and bench/results.md"
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet -r requirements.txt -c constraints.txt
+	touch $(STAMP)
+
+db: venv
+	@$(ENV) airflow db migrate > var/logs/db-migrate.log 2>&1 || (cat var/logs/db-migrate.log; exit 1)
+
+run: db
+	@$(ENV) time airflow dags test llm_pipeline --conf '$(CONF)' 2>&1 | tee var/logs/make-run.log | \
+	  grep -E "summary|Stage|stage|ERROR|error:|Run directory|MLflow|^-|^[A-Z][a-zA-Z &()→0-9-]+ +(ok|warn|failed|-) " ; \
+	  status=$${PIPESTATUS[0]}; \
+	  run_dir=$$(ls -td var/runs/llm_pipeline/*/ 2>/dev/null | head -1); \
+	  echo; $(ENV) python -m tasks summary --run-dir "$$run_dir"; \
+	  echo; echo "Full log: var/logs/make-run.log   Run directory: $$run_dir"; \
+	  echo "MLflow UI: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/var/mlflow.db --host 127.0.0.1 --port 5000"; \
+	  exit $$status
+
+test: db
+	@$(ENV) python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: db
+	@$(ENV) python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: venv
+	@$(ENV) python bench/run_all.py
+
+clean:
+	rm -rf var

@@ -1,0 +1,51 @@
+"""
+### LLM data refresh: re-shard the corpus daily; publish a new shard set as an Asset event
+
+A cache hit (same corpus, same config) publishes nothing. A new shard-set version is attached to the
+`llm-shard-set` alias, which schedules `llm_pipeline` (data-aware retraining). The main DAG shards too (a cache
+hit then), but never publishes, so a run can never trigger itself.
+"""
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import Asset, AssetAlias, Param, dag, task
+
+from tasks.pipeline import param_schemas
+
+SHARD_SET = AssetAlias("llm-shard-set")
+DATA_PARAMS = ("preset", "data_inputs", "max_documents", "vocab_size", "seq_len")
+
+
+@dag(
+    dag_id="llm_data",
+    schedule="@daily",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    doc_md=__doc__,
+    tags=["llm", "data"],
+    params={n: Param(**s) for n, s in param_schemas().items() if n in DATA_PARAMS},
+)
+def llm_data():
+    @task(task_id="shard", outlets=[SHARD_SET], doc_md="Shard the corpus; publish the shard set when it is new.")
+    def shard(*, outlet_events=None) -> dict:
+        from airflow.sdk import get_current_context
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from tasks.errors import StageError
+        from tasks.pipeline import run_for_dag_run
+
+        ctx = get_current_context()
+        try:
+            result = run_for_dag_run("shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"])
+        except StageError as e:
+            raise AirflowFailException(str(e)) from None
+        if not result.get("cache_hit", False):
+            outlet_events[SHARD_SET].add(Asset(uri=result["asset_uri"], name=f"llm-shards-{result['version']}"),
+                                         extra={"manifest_digest": result.get("manifest_digest", "")})
+        return result
+
+    shard()
+
+
+llm_data()

@@ -1,0 +1,135 @@
+"""What the orchestrator needs from tasks/, without importing Airflow: trigger-form Params and the stage call.
+
+The DAG turns PARAMS into `airflow.sdk.Param`s (JSON schema, sections, ranges, enums come from tasks.config, so the
+form refuses exactly what config validation refuses), and calls `run_for_dag_run()` from each task.
+"""
+from __future__ import annotations
+
+import typing
+
+from tasks import tracking
+from tasks.config import CHOICES, RANGES, PipelineConfig, get, load_config, _section_types
+from tasks.runner import default_run_dir, run_stage
+
+# (param name, config key, form section, title, description). The order is the form's order.
+PARAMS = [
+    ("preset", None, "Hardware", "Configuration preset",
+     "A YAML preset in configs/ (demo-cpu runs on a laptop). The fields below override it."),
+    ("device", "hardware.device", "Hardware", "Device", "auto picks npu, then cuda, then cpu."),
+    ("nproc_per_node", "hardware.nproc_per_node", "Hardware", "Processes per node",
+     "Training ranks per node: one per NPU/GPU; on CPU the number of gloo ranks."),
+    ("nnodes", "hardware.nnodes", "Hardware", "Nodes", "Nodes in the torchrun c10d rendezvous."),
+    ("data_inputs", "data.inputs", "Data", "Corpus inputs",
+     "Files, directories or globs (.txt, .jsonl, .parquet, gzip'd or not); 'stdlib' = Python's own sources."),
+    ("max_documents", "data.max_documents", "Data", "Max documents", "0 = the whole corpus."),
+    ("vocab_size", "data.vocab_size", "Data", "Tokenizer vocabulary", "Byte-level BPE trained on the corpus."),
+    ("seq_len", "data.seq_len", "Data", "Sequence length", "Tokens per packed training window."),
+    ("model_preset", "model.preset", "Model", "Model preset",
+     "Shapes: debug, demo, qwen2-0.5b/1.5b/7b, llama3-8b/70b, llama-13b."),
+    ("dp", "parallel.dp", "Parallelism", "Data parallel (DP)", "0 = chosen by the planner."),
+    ("tp", "parallel.tp", "Parallelism", "Tensor parallel (TP)", "Within a node; divides heads and KV heads."),
+    ("pp", "parallel.pp", "Parallelism", "Pipeline parallel (PP)", "Across nodes; divides the layers."),
+    ("zero", "parallel.zero", "Parallelism", "ZeRO stage", "0 replicated, 1/2 sharded states, 3 FSDP."),
+    ("recompute", "parallel.recompute", "Parallelism", "Activation recompute", "Trade compute for memory."),
+    ("pp_schedule", "parallel.pp_schedule", "Parallelism", "Pipeline schedule", "Used when PP > 1."),
+    ("steps", "train.steps", "Training", "Optimizer steps", "Length of the training run."),
+    ("global_batch", "train.global_batch", "Training", "Global batch (sequences)", "Across all ranks."),
+    ("micro_batch", "train.micro_batch", "Training", "Micro-batch (sequences)", "Per rank per forward."),
+    ("lr", "train.lr", "Training", "Peak learning rate", "AdamW with warm-up and cosine decay."),
+    ("precision", "train.precision", "Training", "Precision", "bf16 autocast on NPU/CPU; fp32 for debugging."),
+    ("smoke_steps", "smoke.steps", "Training", "Smoke steps", "Per precision, on one device, before training."),
+    ("quant_method", "quantize.method", "Quantization", "INT8 method",
+     "Weight-only INT8, dynamic W8A8, or SmoothQuant (AMCT on Ascend)."),
+    ("max_drop_pct", "evaluate.max_drop_pct", "Quantization", "Max perplexity drop (%)",
+     "The gate: a larger INT8 perplexity rise refuses registration."),
+    ("registered_model", "evaluate.registered_model", "Quantization", "Registered model name",
+     "MLflow Model Registry name; versions get the alias candidate, and champion when better."),
+]
+
+LABELS = {  # readable labels for enum values in the trigger form
+    "parallel.zero": {0: "0 — plain DP", 1: "1 — optimizer states sharded", 2: "2 — + gradients",
+                      3: "3 — + parameters (FSDP)"},
+    "quantize.method": {"int8_weight_only": "INT8 weight-only", "int8_dynamic": "W8A8 dynamic",
+                        "smoothquant": "SmoothQuant W8A8 (AMCT)"},
+    "train.precision": {"fp32": "FP32", "bf16": "BF16 (autocast)", "fp16": "FP16 (autocast)"},
+    "parallel.recompute": {"none": "none", "selective": "selective (attention)", "full": "full"},
+}
+
+_JSON_TYPE = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array"}
+
+
+def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
+    """name → Param kwargs (default, type, title, description, section, enum/values_display, minimum/maximum)."""
+    import json
+    from pathlib import Path
+
+    from tasks.config import CONFIG_DIR
+
+    cfg = cfg or load_config()
+    out = {}
+    for name, key, section, title, desc in PARAMS:
+        if key is None:
+            presets = sorted(p.stem for p in Path(CONFIG_DIR).glob("*.yaml"))
+            out[name] = dict(default=cfg.preset or "demo-cpu", type="string", enum=presets, title=title,
+                             description=desc, section=section)
+            continue
+        sec, _, field = key.partition(".")
+        typ = _section_types(type(getattr(cfg, sec)))[field]
+        typ = typing.get_origin(typ) or typ
+        schema = dict(default=get(cfg, key), type=_JSON_TYPE[typ], title=title, description=desc, section=section)
+        if key in CHOICES:
+            schema["enum"] = CHOICES[key]
+            if key in LABELS:
+                schema["values_display"] = {json.dumps(k) if not isinstance(k, str) else k: v
+                                            for k, v in LABELS[key].items()}
+        if key in RANGES:
+            lo, hi = RANGES[key]
+            if lo is not None:
+                schema["minimum"] = lo
+            if hi is not None:
+                schema["maximum"] = hi
+        if typ is list:
+            schema["items"] = {"type": "string"}
+        out[name] = schema
+    return out
+
+
+def overrides_from_params(params: dict) -> tuple[str | None, dict]:
+    """Split trigger Params into (preset, {config.key: value}); unknown names are ignored (Airflow adds its own)."""
+    keys = {name: key for name, key, *_ in PARAMS}
+    preset = params.get("preset")
+    overrides = {keys[n]: v for n, v in params.items() if n in keys and keys[n] is not None and v is not None}
+    return preset, overrides
+
+
+def config_for_params(params: dict) -> PipelineConfig:
+    preset, overrides = overrides_from_params(params)
+    return load_config(preset, overrides=overrides)
+
+
+def run_for_dag_run(stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1) -> dict:
+    """One Airflow task: config from Params, the DAG run's MLflow parent run, the stage in the run's directory."""
+    cfg = config_for_params(params)
+    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
+    run_dir = default_run_dir(dag_id, run_id)
+    result = run_stage(stage, cfg, run_dir, parent_run_id=parent)
+    result["run_dir"] = str(run_dir)
+    return result
+
+
+def print_summary(params: dict, dag_id: str, run_id: str) -> str:
+    """Print the end-of-run table (stage, status, key figure, MLflow link); return the run directory."""
+    from tasks.summary import render
+
+    cfg = config_for_params(params)
+    run_dir = default_run_dir(dag_id, run_id)
+    experiment_id = None
+    if cfg.tracking.enabled:
+        import mlflow
+
+        exp = mlflow.MlflowClient(tracking.tracking_uri(cfg)).get_experiment_by_name(cfg.tracking.experiment)
+        experiment_id = exp.experiment_id if exp else None
+    print(render(run_dir, cfg.tracking.ui_url, experiment_id))
+    print(f"\nRun directory: {run_dir}\nMLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri(cfg)} "
+          f"--host 127.0.0.1 --port 5000  (then open {cfg.tracking.ui_url})")
+    return str(run_dir)

@@ -1,0 +1,61 @@
+"""The DAG files through real Airflow: import, structure, Params refusing bad values before a run starts."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def dagbag():
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(REPO / "dags"))
+
+
+def test_dags_import_without_errors(dagbag):
+    assert dagbag.import_errors == {}
+    assert {"llm_pipeline", "llm_data"} <= set(dagbag.dags)
+
+
+def test_main_dag_shape(dagbag):
+    dag = dagbag.dags["llm_pipeline"]
+    stages = ["env", "shard", "smoke", "plan", "train", "profile", "quantize", "evaluate"]
+    for up, down in zip(stages, stages[1:]):
+        assert dag.get_task(down).upstream_task_ids == {up}
+    assert dag.catchup is False and "0 3 * * 1" in str(dag.timetable)
+    assert all(dag.get_task(t).doc_md for t in stages)
+    assert dag.get_task("train").retries == 2  # a retry resumes from the last checkpoint
+
+
+def test_params_have_sections_types_and_ranges(dagbag):
+    params = dagbag.dags["llm_pipeline"].params
+    sections = {params.get_param(k).schema.get("section") for k in params}
+    assert {"Hardware", "Data", "Model", "Parallelism", "Training", "Quantization"} <= sections
+    steps = params.get_param("steps").schema
+    assert steps["type"] == "integer" and steps["minimum"] == 1
+    assert params.get_param("precision").schema["enum"] == ["fp32", "bf16", "fp16"]
+
+
+def test_dag_files_import_no_heavy_modules():
+    code = ("import sys; sys.path.insert(0, 'dags'); import llm_pipeline, llm_data; "
+            "bad = [m for m in ('torch', 'mlflow', 'webdataset', 'torchao') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_out_of_range_param_fails_before_the_run(tmp_path):
+    runs = REPO / "var" / "runs" / "llm_pipeline"
+    before = set(runs.glob("*")) if runs.exists() else set()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = f"source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{{\"steps\": 0}}'"
+    out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "ParamValidationError" in text and "steps" in text
+    assert (set(runs.glob("*")) if runs.exists() else set()) == before  # no stage ran
