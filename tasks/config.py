@@ -389,7 +389,16 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     return cfg
 
 
+def var_dir() -> Path:
+    """Where runs, stores and caches live: <repo>/var, or $LLM_PIPELINE_VAR_DIR (tests, shared disks)."""
+    return Path(os.environ.get("LLM_PIPELINE_VAR_DIR") or REPO_ROOT / "var")
+
+
 def repo_path(p: str | os.PathLike) -> Path:
     """Relative paths in the config are relative to the repository root, whatever the working directory."""
     p = Path(p).expanduser()
-    return p if p.is_absolute() else REPO_ROOT / p
+    if p.is_absolute():
+        return p
+    if p.parts and p.parts[0] == "var":  # "var/…" follows var_dir()
+        return var_dir().joinpath(*p.parts[1:])
+    return REPO_ROOT / p

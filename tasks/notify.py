@@ -9,7 +9,7 @@ import json
 import logging
 import time
 
-from tasks.config import REPO_ROOT
+from tasks.config import var_dir
 from tasks.fsutil import read_json
 from tasks.runner import default_run_dir
 
@@ -36,7 +36,7 @@ def record_failure(dag_id: str, run_id: str, stage: str, exception=None) -> dict
 
 
 def deliver(note: dict) -> None:
-    path = REPO_ROOT / "var" / "notifications.jsonl"
+    path = var_dir() / "notifications.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(note) + "\n")

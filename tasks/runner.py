@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks import tracking
-from tasks.config import REPO_ROOT, PipelineConfig
+from tasks.config import PipelineConfig, var_dir
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
 from tasks.stages import STAGES
@@ -48,7 +48,7 @@ def safe_name(name: str) -> str:
 def default_run_dir(*parts: str) -> Path:
     """var/runs/<part>/…: one directory per DAG run (dag id / run id) or per CLI invocation (cli-<time>)."""
     parts = parts or (time.strftime("cli-%Y%m%d-%H%M%S"),)
-    return REPO_ROOT.joinpath("var", "runs", *(safe_name(p) for p in parts))
+    return var_dir().joinpath("runs", *(safe_name(p) for p in parts))
 
 
 def load_inputs(run_dir: Path) -> dict:

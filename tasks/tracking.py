@@ -12,7 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from tasks.config import REPO_ROOT, PipelineConfig, repo_path
+from tasks.config import REPO_ROOT, PipelineConfig, repo_path, var_dir
 from tasks.errors import StageError
 
 _KEY_BAD = re.compile(r"[^/\w.\- ]")  # MLflow accepts ^[/\w.\- ]*$
@@ -24,7 +24,7 @@ def sanitize_key(key: str) -> str:
 
 
 def default_uri() -> str:
-    return f"sqlite:///{REPO_ROOT / 'var' / 'mlflow.db'}"
+    return f"sqlite:///{var_dir() / 'mlflow.db'}"
 
 
 def tracking_uri(cfg: PipelineConfig | None = None) -> str:
@@ -57,7 +57,7 @@ def _configure(cfg: PipelineConfig):
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
-        root = cfg.tracking.artifact_root or str(REPO_ROOT / "var" / "mlartifacts")
+        root = cfg.tracking.artifact_root or str(var_dir() / "mlartifacts")
         if "://" not in root:
             root = str(repo_path(root))
         try:
