@@ -1,0 +1,144 @@
+"""Version compatibility: torch_npu ↔ torch ↔ CANN ↔ Python (a published table), driver ↔ firmware ↔ CANN.
+
+The table is data (compat_matrix.yaml); a mismatch names the exact pair to install.
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from tasks.envcheck import check
+
+MATRIX_FILE = Path(__file__).with_name("compat_matrix.yaml")
+
+
+@lru_cache(maxsize=4)
+def load_matrix(path: str | Path = MATRIX_FILE) -> dict:
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    pairs = [{k: (v if k == "eol" else str(v)) for k, v in row.items()} for row in data["pairs"]]
+    python = {str(k): [str(x) for x in v] for k, v in data["python"].items()}
+    return {"pairs": pairs, "python": python}
+
+
+def base_version(v: str) -> str:
+    """'2.13.0+cpu' → '2.13.0'; '2.9.0.post2' → '2.9.0' (torch_npu builds share torch's X.Y.Z)."""
+    m = re.match(r"\d+(\.\d+)*", v or "")
+    return m.group(0) if m else v
+
+
+def _key(v: str) -> tuple:
+    return tuple(int(x) for x in re.findall(r"\d+", v))
+
+
+def _norm_cann(v: str) -> str:
+    return v.upper().removeprefix("CANN").strip()
+
+
+def _family(cann: str) -> str:
+    return ".".join(_norm_cann(cann).split(".")[:2])   # 8.3.RC1 → 8.3
+
+
+def best_pair(matrix: dict, cann: str, torch: str | None = None) -> dict | None:
+    """The torch/torch_npu pair to install for this CANN: same torch if published, else the newest supported."""
+    rows = [r for r in matrix["pairs"] if _norm_cann(r["cann"]) == _norm_cann(cann)]
+    rows = rows or [r for r in matrix["pairs"] if _family(r["cann"]) == _family(cann)]
+    if not rows:
+        return None
+    ranked = sorted(rows, key=lambda r: (not r.get("eol"), _key(r["torch"]), _key(r["torch_npu"])))
+    same = [r for r in ranked if torch and r["torch"] == base_version(torch)]
+    return (same or ranked)[-1]
+
+
+def _install(row: dict) -> str:
+    return f"pip install torch=={row['torch']} torch-npu=={row['torch_npu']} (CANN {row['cann']})"
+
+
+def check_python(matrix: dict, python: str, torch: str | None) -> dict:
+    if not torch:
+        return check("python-torch", "fail", "torch is not installed: pip install -r requirements.txt")
+    tv, pv = base_version(torch), ".".join(python.split(".")[:2])
+    supported = matrix["python"].get(tv)
+    if supported is None:
+        return check("python-torch", "warn", f"torch {tv} is not in the published Python table; Python {pv} unverified")
+    if pv not in supported:
+        return check("python-torch", "fail", f"Python {pv} is not supported by torch {tv} (supported: "
+                                             f"{', '.join(supported)}): use one of those Python versions")
+    return check("python-torch", "ok", f"Python {pv} is supported by torch {tv}")
+
+
+def check_npu_stack(matrix: dict, torch: str | None, torch_npu: str | None, cann: str | None) -> dict:
+    """torch_npu ↔ torch ↔ CANN against the published pairs; a failure says exactly what to install."""
+    name = "torch_npu-torch-cann"
+    if not torch_npu and not cann:
+        return check(name, "ok", "no Ascend software (torch_npu, CANN) installed: nothing to match")
+    if not torch_npu:
+        pair = best_pair(matrix, cann, torch)
+        hint = _install(pair) if pair else f"CANN {cann} is not in the published table"
+        return check(name, "warn", f"CANN {cann} is installed but torch_npu is not; to use the NPUs: {hint}")
+    row = next((r for r in matrix["pairs"] if r["torch_npu"] == torch_npu.split("+")[0]), None)
+    if row is None:  # newer than the table: torch_npu X.Y.Z still pairs with torch X.Y.Z
+        if torch and base_version(torch_npu) != base_version(torch):
+            return check(name, "fail", f"torch_npu {torch_npu} is built for torch {base_version(torch_npu)} but "
+                                       f"torch is {torch}: pip install torch=={base_version(torch_npu)}")
+        return check(name, "warn", f"torch_npu {torch_npu} is not in the published table; its CANN "
+                                   f"({cann or 'none found'}) is unverified")
+    if not cann:
+        return check(name, "fail", f"torch_npu {torch_npu} needs CANN {row['cann']} but no CANN toolkit was found: "
+                                   f"install CANN {row['cann']} and source its set_env.sh")
+    if torch and base_version(torch) != row["torch"]:
+        pair = best_pair(matrix, cann, torch)
+        alt = f"{_install(pair)}" if pair else f"pip install torch=={row['torch']}"
+        return check(name, "fail", f"torch_npu {torch_npu} requires torch {row['torch']} but torch {torch} is "
+                                   f"installed: {alt}")
+    if _norm_cann(cann) != _norm_cann(row["cann"]):
+        if _family(cann) == _family(row["cann"]):
+            return check(name, "warn", f"torch_npu {torch_npu} was published for CANN {row['cann']}; "
+                                       f"CANN {cann} is the same release line")
+        pair = best_pair(matrix, cann, torch)
+        alt = f"{_install(pair)}, or " if pair else ""
+        return check(name, "fail", f"torch_npu {torch_npu} (torch {row['torch']}) requires CANN {row['cann']} but "
+                                   f"CANN {cann} is installed: {alt}install CANN {row['cann']}")
+    if row.get("eol"):
+        return check(name, "warn", f"torch_npu {torch_npu} + torch {row['torch']} + CANN {row['cann']} is a "
+                                   f"published but end-of-life pair (branch {row['branch']})")
+    return check(name, "ok", f"torch_npu {torch_npu} + torch {row['torch']} + CANN {row['cann']} "
+                             f"(branch {row['branch']})")
+
+
+def check_firmware(driver: dict | None, firmware: dict | None) -> dict | None:
+    """The driver's version.info states the firmware range it works with (compatible_version_fw=[lo,hi])."""
+    if not driver or not firmware or not driver.get("compatible_firmware"):
+        return None
+    lo, hi = driver["compatible_firmware"]
+    fw = firmware["version"]
+    n = max(len(_key(lo)), len(_key(hi)))
+    if not _key(lo) <= _key(fw)[:n] <= _key(hi):
+        return check("driver-firmware", "fail", f"firmware {fw} is outside the range [{lo}, {hi}] that driver "
+                                                f"{driver['version']} supports: install a firmware in that range")
+    return check("driver-firmware", "ok", f"firmware {fw} within driver {driver['version']}'s range [{lo}, {hi}]")
+
+
+def check_driver_cann(driver: dict | None, cann: dict | None) -> dict | None:
+    """The toolkit's install-info lists the driver releases (V100R001Cxx) it was qualified with."""
+    if not driver or not cann or not cann.get("compatible_version") or not driver.get("innerversion"):
+        return None
+    release = re.match(r"V\d+R\d+C\d+", driver["innerversion"])
+    if release and release.group(0) not in cann["compatible_version"]:
+        listed = ",".join(cann["compatible_version"])
+        return check("driver-cann", "warn", f"driver {driver['version']} ({release.group(0)}) is not in CANN "
+                                            f"{cann['version']}'s compatible list {listed}")
+    return check("driver-cann", "ok", f"driver {driver['version']} is in CANN {cann['version']}'s compatible list")
+
+
+def version_checks(v: dict, matrix: dict | None = None) -> list[dict]:
+    """All version checks over `versions.collect()` output."""
+    matrix = matrix or load_matrix()
+    cann = (v.get("cann") or {}).get("version")
+    out = [check_python(matrix, v["python"], v.get("torch")),
+           check_npu_stack(matrix, v.get("torch"), v.get("torch_npu"), cann),
+           check_firmware(v.get("driver"), v.get("firmware")),
+           check_driver_cann(v.get("driver"), v.get("cann"))]
+    return [c for c in out if c]

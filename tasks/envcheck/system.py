@@ -1,0 +1,175 @@
+"""Host checks: clock offset (HCCL needs nodes within ~500 ms), HCCL timeouts, visible devices, memory, disk."""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from tasks.envcheck import check
+
+GB = 1024 ** 3
+HCCL_RANGES = {"HCCL_CONNECT_TIMEOUT": (120, 7200), "HCCL_EXEC_TIMEOUT": (0, 2147483647),
+               "HCCL_EVENT_TIMEOUT": (0, 2147483647)}   # CANN 8.x documentation, A2/A3 (910B/910C)
+
+
+# --- clock ----------------------------------------------------------------------------------------------------
+
+def parse_chronyc(text: str) -> dict:
+    """`chronyc tracking`: 'System time : 0.000001622 seconds slow of NTP time' → offset_ms -0.001622."""
+    m = re.search(r"System time\s*:\s*([\d.]+)\s+seconds\s+(fast|slow)", text)
+    leap = re.search(r"Leap status\s*:\s*(.+)", text)
+    offset = float(m.group(1)) * 1000 * (1 if m.group(2) == "fast" else -1) if m else None
+    return {"source": "chronyc", "offset_ms": offset,
+            "synchronised": None if not leap else leap.group(1).strip() != "Not synchronised"}
+
+
+def parse_timedatectl(text: str) -> dict:
+    """`timedatectl show` (NTPSynchronized=yes) or `timedatectl status` (System clock synchronized: yes)."""
+    m = re.search(r"(?:NTPSynchronized=|System clock synchronized:\s*)(yes|no)", text)
+    return {"source": "timedatectl", "offset_ms": None, "synchronised": (m.group(1) == "yes") if m else None}
+
+
+def _run(argv: list[str]) -> str | None:
+    if not shutil.which(argv[0]):
+        return None
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def clock_status() -> dict:
+    """Offset to NTP from chrony when it runs, else systemd's sync flag; unknown when neither answers."""
+    for argv, parse in ((["chronyc", "tracking"], parse_chronyc), (["timedatectl", "show"], parse_timedatectl)):
+        out = _run(argv)
+        if out:
+            found = parse(out)
+            if found["offset_ms"] is not None or found["synchronised"] is not None:
+                return found
+    return {"source": None, "offset_ms": None, "synchronised": None}
+
+
+def check_clock(clock: dict, nnodes: int, max_offset_ms: float) -> dict:
+    """Beyond the limit HCCL link set-up times out across nodes: a failure on multi-node, a warning on one."""
+    bad = "fail" if nnodes > 1 else "warn"
+    off = clock.get("offset_ms")
+    if off is not None and abs(off) > max_offset_ms:
+        return check("clock", bad, f"clock is {off:+.1f} ms off NTP ({clock['source']}), above "
+                                   f"hardware.max_clock_offset_ms {max_offset_ms:g}: fix NTP (chronyc makestep)")
+    if clock.get("synchronised") is False:
+        return check("clock", bad, f"clock is not NTP-synchronised ({clock['source']}): enable chrony/NTP on "
+                                   "every node")
+    if off is None and clock.get("synchronised") is None:
+        return check("clock", "warn" if nnodes > 1 else "ok",
+                     "clock offset unknown (no chronyc or timedatectl answer)"
+                     + ("; check NTP on every node" if nnodes > 1 else "; single node, not needed"))
+    what = f"{off:+.3f} ms" if off is not None else "synchronised"
+    return check("clock", "ok", f"clock {what} ({clock['source']})")
+
+
+# --- HCCL timeouts and visible devices --------------------------------------------------------------------------
+
+def check_hccl(values: dict[str, str], kind: str) -> dict:
+    """HCCL_*_TIMEOUT must be integers in CANN's ranges and EVENT > EXEC; off NPU a bad value only warns."""
+    problems = []
+    parsed = {}
+    for var, raw in values.items():
+        lo, hi = HCCL_RANGES[var]
+        try:
+            parsed[var] = int(str(raw).strip())
+        except ValueError:
+            problems.append(f"{var}={raw!r} is not an integer")
+            continue
+        if not lo <= parsed[var] <= hi:
+            problems.append(f"{var}={parsed[var]} outside [{lo}, {hi}]")
+    ev, ex = parsed.get("HCCL_EVENT_TIMEOUT"), parsed.get("HCCL_EXEC_TIMEOUT")
+    if ev is not None and ex and ev <= ex:
+        problems.append(f"HCCL_EVENT_TIMEOUT={ev} must exceed HCCL_EXEC_TIMEOUT={ex}")
+    if problems:
+        return check("hccl-timeouts", "fail" if kind == "npu" else "warn", "; ".join(problems))
+    shown = ", ".join(f"{k}={v}" for k, v in parsed.items())
+    return check("hccl-timeouts", "ok", shown + ("" if kind == "npu" else f" (unused on {kind})"))
+
+
+def parse_visible(value: str) -> tuple[list[int], str | None]:
+    """Device ids as CANN reads ASCEND_RT_VISIBLE_DEVICES: ascending, and parsing stops at the first bad entry."""
+    ids = []
+    for item in value.split(","):
+        if not re.fullmatch(r"\d+", item):
+            return ids, f"entry {item!r} is not a device id, so only {ids} are used"
+        if ids and int(item) <= ids[-1]:
+            return ids, f"ids must be ascending and unique ({item} after {ids[-1]}), so only {ids} are used"
+        ids.append(int(item))
+    return ids, None
+
+
+def check_visible(kind: str, var: str, value: str | None, device_count: int, nproc_per_node: int,
+                  physical_count: int | None = None) -> dict:
+    """The visible-devices variable, the devices torch sees and nproc_per_node must agree."""
+    if kind == "cpu":
+        ranks = nproc_per_node or 2
+        return check("visible-devices", "ok", f"cpu: {ranks} gloo ranks per node on {device_count} cores")
+    label = kind.upper() + "s"
+    if value is not None and value.strip():
+        ids, problem = parse_visible(value.strip())
+        if problem:
+            return check("visible-devices", "fail", f"{var}={value!r}: {problem}; write ascending ids without "
+                                                    f"spaces, e.g. 0,1,2,3")
+        if physical_count is not None and ids and ids[-1] >= physical_count:
+            return check("visible-devices", "fail", f"{var}={value} names device {ids[-1]} but the host has "
+                                                    f"{physical_count} {label} (npu-smi)")
+        if len(ids) != device_count:
+            return check("visible-devices", "warn", f"{var}={value} lists {len(ids)} devices but torch sees "
+                                                    f"{device_count}")
+    ranks = nproc_per_node or device_count
+    if ranks > device_count:
+        return check("visible-devices", "fail", f"hardware.nproc_per_node {ranks} exceeds the {device_count} visible "
+                                                f"{label}{f' ({var}={value})' if value else ''}")
+    return check("visible-devices", "ok", f"{ranks} ranks on {device_count} visible {label}"
+                                          + (f" ({var}={value})" if value else ""))
+
+
+# --- host memory and disk ---------------------------------------------------------------------------------------
+
+def host_facts() -> dict:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    model = ""
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"hostname": platform.node(), "machine": platform.machine(), "cpu_model": model or platform.processor(),
+            "cores_logical": psutil.cpu_count(), "cores_physical": psutil.cpu_count(logical=False),
+            "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count(),
+            "memory_total_gb": round(vm.total / GB, 2), "memory_available_gb": round(vm.available / GB, 2)}
+
+
+def check_host_memory(available_gb: float, total_gb: float, min_gb: float) -> dict:
+    if available_gb < min_gb:
+        return check("host-memory", "fail", f"only {available_gb:.1f} GB of {total_gb:.1f} GB host memory available, "
+                                            f"below hardware.min_host_memory_gb {min_gb:g}")
+    return check("host-memory", "ok", f"{available_gb:.1f} GB of {total_gb:.1f} GB available")
+
+
+def free_gb(path: str | os.PathLike) -> float:
+    """Free space where `path` will be created (its nearest existing ancestor)."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free / GB
+
+
+def check_disk(paths: dict[str, str | os.PathLike], min_gb: float) -> tuple[dict, dict]:
+    """Free space for each labelled path (shards, checkpoints); fails below hardware.min_free_disk_gb."""
+    free = {label: round(free_gb(p), 2) for label, p in paths.items()}
+    low = [f"{label} ({paths[label]}): {gb:.1f} GB free" for label, gb in free.items() if gb < min_gb]
+    if low:
+        return check("disk", "fail", "; ".join(low) + f", below hardware.min_free_disk_gb {min_gb:g}"), free
+    return check("disk", "ok", ", ".join(f"{label} {gb:.0f} GB free" for label, gb in free.items())), free

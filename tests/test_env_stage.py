@@ -1,0 +1,129 @@
+"""The env stage end to end: the real CLI with a real 2-rank gloo torchrun probe and MLflow, the npu error, and the
+stage over fixture files (Ascend install tree, npu-smi output from a stand-in npu-smi on PATH)."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.config import load_config
+from tasks.errors import StageError
+from tasks.fsutil import read_json
+from tasks.runner import run_stage
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = REPO / "tests" / "fixtures" / "env"
+
+
+def _cli(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    env.pop("ASCEND_HOME_PATH", None)
+    return subprocess.run([sys.executable, "-m", "tasks", "env", "--run-dir", str(tmp / "run"),
+                           "--set", f"tracking.uri=sqlite:///{tmp}/m.db",
+                           "--set", f"tracking.artifact_root={tmp}/art", "--json", *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One real CLI run, collective probe included (2 gloo ranks under torchrun), shared by the assertions."""
+    tmp = tmp_path_factory.mktemp("env-cli")
+    proc = _cli(tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, json.loads(proc.stdout), proc.stderr
+
+
+def test_cli_result_is_small_and_complete(cli_run):
+    tmp, result, stderr = cli_run
+    assert result["status"] == "ok" and result["backend"] == "cpu" and result["device_count"] >= 1
+    assert result["summary"].startswith("cpu ×2, torch 2.13.0, all_reduce ok ")
+    assert len(json.dumps(result)) < 1000                               # XCom-sized
+    assert read_json(tmp / "run" / "env.json")["summary"] == result["summary"]   # the runner's result file
+    assert "env: OK — cpu ×2" in stderr and "[  ok] allreduce" in stderr
+
+
+def test_cli_probe_really_ran_two_gloo_ranks(cli_run):
+    tmp, result, _ = cli_run
+    report = read_json(result["env_json"])
+    p = report["probe"]
+    assert (p["world_size"], p["backend"], p["allreduce_ok"], p["allreduce_max_error"]) == (2, "gloo", True, 0.0)
+    expected = [float(s) for s in load_config("demo-cpu").hardware.probe_sizes_mb]
+    assert [s["size_mb"] for s in p["sizes"]] == expected              # hardware.probe_sizes_mb
+    assert all(s["busbw_gbps"] > 0 and s["seconds"] > 0 for s in p["sizes"])
+    names = [c["name"] for c in report["checks"]]
+    for name in ("python-torch", "torch_npu-torch-cann", "import-torch", "backend", "clock", "hccl-timeouts",
+                 "visible-devices", "host-memory", "disk", "allreduce", "bus-bandwidth"):
+        assert name in names
+    assert report["versions"]["torch"].startswith("2.13.0") and report["host"]["memory_total_gb"] > 0
+    assert report["import_torch"] == {"ok": True, "torch": report["versions"]["torch"]}   # the subprocess check
+
+
+def test_cli_logged_to_mlflow(cli_run):
+    import mlflow
+
+    tmp, result, _ = cli_run
+    client = mlflow.MlflowClient(f"sqlite:///{tmp}/m.db")
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.data.params["env.backend"] == "cpu" and run.data.params["env.torch"].startswith("2.13.0")
+    sizes = load_config("demo-cpu").hardware.probe_sizes_mb
+    assert {f"env.busbw_gbps.{float(s):g}mb" for s in sizes} <= set(run.data.metrics)
+    assert run.data.metrics["env.checks_fail"] == 0
+    assert run.data.tags["pipeline.stage"] == "env"
+    assert "env.json" in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+
+def test_cli_npu_without_torch_npu_is_one_line_exit_2(tmp_path):
+    proc = _cli(tmp_path, "--set", "hardware.device=npu", "--no-tracking")
+    assert proc.returncode == 2
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "torch_npu is not importable" in errors[0] and "Traceback" not in proc.stderr
+    report = read_json(tmp_path / "run" / "env" / "env.json")
+    assert report["status"] == "fail" and read_json(tmp_path / "run" / "env.json")["status"] == "failed"
+
+
+@pytest.fixture
+def fake_npu_smi(tmp_path, monkeypatch):
+    """Put an `npu-smi` on PATH that prints a fixture (the real tool's exact text), like a host with NPUs."""
+    def install(fixture: str):
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir(exist_ok=True)
+        exe = bin_dir / "npu-smi"
+        exe.write_text(f"#!/bin/sh\ncat '{ENV / 'npu-smi' / fixture}'\n")
+        exe.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    return install
+
+
+def test_stage_over_fixtures_warns_npus_unused(cfg, tmp_path, fake_npu_smi):
+    fake_npu_smi("910b2c.txt")
+    args = argparse.Namespace(no_probe=True, ascend_root=str(ENV / "ascend-legacy"))
+    result = run_stage("env", cfg, tmp_path / "run", args=args)
+    assert result["status"] == "warn"
+    assert {"torch_npu-torch-cann", "npu-idle", "backend", "allreduce"} <= set(result["warnings"])
+    report = read_json(result["env_json"])
+    assert report["versions"]["cann"]["version"] == "8.3.RC1" and report["versions"]["driver"]["version"] == "24.1.rc1"
+    assert report["npu_smi"]["chips"][0]["name"] == "910B2C"
+    checks = {c["name"]: c for c in report["checks"]}
+    assert "pip install torch==2.8.0 torch-npu==2.8.0 (CANN 8.3.RC1)" in checks["torch_npu-torch-cann"]["detail"]
+    assert "npu-smi lists 2 NPU chips but the backend is cpu" in checks["backend"]["detail"]
+
+
+def test_stage_failure_is_one_line_and_still_reported(cfg, tmp_path, fake_npu_smi):
+    import mlflow
+
+    fake_npu_smi("310b4.txt")
+    args = argparse.Namespace(no_probe=True, ascend_root=str(ENV / "ascend-cann"))
+    with pytest.raises(StageError) as err:
+        run_stage("env", cfg, tmp_path / "run", args=args)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("driver-firmware: firmware 7.3.0.1.231 is outside")
+    assert "+1 more failed checks" in msg                                 # the 310B4 Alarm
+    report = read_json(tmp_path / "run" / "env" / "env.json")
+    assert report["status"] == "fail"
+    run_id = read_json(tmp_path / "run" / "env.json")["mlflow_run_id"]   # the failed run still holds the facts
+    assert mlflow.MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["env.checks_fail"] == 2
+    assert {c["name"] for c in report["checks"] if c["status"] == "fail"} == {"driver-firmware", "npu-health"}
