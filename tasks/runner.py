@@ -51,7 +51,8 @@ def default_run_dir(*parts: str) -> Path:
     return var_dir().joinpath("runs", *(safe_name(p) for p in parts))
 
 
-def load_inputs(run_dir: Path) -> dict:
+def load_inputs(run_dir) -> dict:
+    run_dir = Path(run_dir)
     inputs = {}
     for stage in STAGES:
         path = run_dir / f"{stage}.json"
