@@ -1,0 +1,217 @@
+"""Plan the parallel layout: estimate per-device memory and step time for every (dp, tp, pp, ZeRO, recompute,
+micro-batch, schedule), rank the ones that fit, explain the rest. The best plan configures training unless the
+config pins parallel.dp/tp/pp. What-if questions (another model or cluster) take the flags below.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+from pathlib import Path
+
+from tasks import tracking
+from tasks.config import PipelineConfig
+from tasks.errors import StageError
+from tasks.fsutil import atomic_write_json, atomic_write_text
+from tasks.planner.cluster import PRESETS as CLUSTERS
+from tasks.planner.cluster import get_cluster
+from tasks.planner.memory import GB, PRECISION_BYTES, shape_of
+from tasks.planner.search import Problem, search
+from tasks.planner.table import render
+
+_SHAPE_FLAGS = {"hidden": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
+                "vocab": "vocab_size", "ffn": "ffn_dim"}
+_MODEL_FLAGS = ("model", "hf_config", "params", *_SHAPE_FLAGS)
+_CLUSTER_FLAGS = ("cluster", "nodes", "devices_per_node", "device_memory_gb")
+
+
+def _positive(kind):
+    """argparse type: a number > 0; integers may be written 13e9."""
+    def parse(text: str):
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0.0
+        if not (0 < value < float("inf")) or (kind is int and value != int(value)):
+            raise argparse.ArgumentTypeError(f"{text} must be a {'whole ' if kind is int else ''}number > 0")
+        return kind(value)
+    return parse
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model (default: the config's model.*)")
+    g.add_argument("--model", default=None, help="tasks.model preset, e.g. llama3-70b")
+    g.add_argument("--hf-config", default=None, metavar="PATH", help="an HF config.json (or its directory)")
+    g.add_argument("--params", type=_positive(float), default=None, metavar="N",
+                   help="bare parameter count (13e9): model states only")
+    for flag in _SHAPE_FLAGS:
+        g.add_argument(f"--{flag.replace('_', '-')}", type=_positive(int), default=None, help="override a shape number")
+    g = parser.add_argument_group("cluster (default: the config's hardware.*)")
+    g.add_argument("--cluster", default=None, choices=sorted(CLUSTERS), help="cluster preset")
+    g.add_argument("--nodes", type=_positive(int), default=None)
+    g.add_argument("--devices-per-node", type=_positive(int), default=None)
+    g.add_argument("--device-memory-gb", type=_positive(float), default=None)
+    g = parser.add_argument_group("training (default: data.seq_len, train.*, parallel.*, plan.*)")
+    g.add_argument("--seq-len", type=_positive(int), default=None)
+    g.add_argument("--global-batch", type=_positive(int), default=None)
+    g.add_argument("--micro-batch", type=_positive(int), default=None, help="fix the micro-batch (default: search)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
+    g.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
+    g.add_argument("--dp", type=_positive(int), default=None, help="pin the data-parallel degree")
+    g.add_argument("--tp", type=_positive(int), default=None, help="pin the tensor-parallel degree")
+    g.add_argument("--pp", type=_positive(int), default=None, help="pin the pipeline-parallel degree")
+    g.add_argument("--precision", choices=sorted(PRECISION_BYTES), default=None)
+    g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+
+
+def _arg(ctx, name):
+    return getattr(ctx.args, name, None)
+
+
+def _model(cfg: PipelineConfig, ctx, seq_len: int):
+    """(ModelShape or None, parameter count, description) from the flags or the config."""
+    if _arg(ctx, "params") is not None:
+        n = _arg(ctx, "params")
+        return None, n, f"{_count(n)} params (model states only: no shape, so no activations)"
+    from tasks.model.config import from_pipeline, get_preset
+
+    if _arg(ctx, "hf_config"):
+        tcfg, name = _hf_config(Path(_arg(ctx, "hf_config"))), _arg(ctx, "hf_config")
+    elif _arg(ctx, "model"):
+        tcfg, name = get_preset(_arg(ctx, "model")), _arg(ctx, "model")
+    else:
+        c = copy.deepcopy(cfg)
+        c.data.seq_len = seq_len  # the planned length need not fit the preset's RoPE table: only its shape matters
+        c.model.max_seq_len = max(c.model.max_seq_len, seq_len)
+        shard = ctx.inputs.get("shard") or {}
+        vocab = shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
+        tcfg, name = from_pipeline(c, vocab_size=vocab), cfg.model.hf_path or cfg.model.preset
+    shape = {field: _arg(ctx, flag) for flag, field in _SHAPE_FLAGS.items() if _arg(ctx, flag) is not None}
+    if "n_heads" in shape and "n_kv_heads" not in shape:
+        shape["n_kv_heads"] = shape["n_heads"]  # explicit heads without --kv-heads: plain multi-head attention
+    tcfg = dataclasses.replace(tcfg, **shape).validate()
+    sh = shape_of(tcfg)
+    return sh, sh.num_params, (f"{name} ({_count(sh.num_params)} params, h {sh.hidden}, L {sh.layers}, "
+                               f"heads {sh.heads}/{sh.kv_heads} kv, ffn {sh.ffn}, vocab {sh.vocab})")
+
+
+def _count(n: float) -> str:
+    return next(f"{n / d:.2f}{u}" for d, u in ((1e9, "B"), (1e6, "M"), (1, "")) if n >= d or d == 1)
+
+
+def _hf_config(path: Path):
+    from tasks.model.hf_io import config_from_hf
+
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise StageError(f"--hf-config {path}: cannot read JSON ({e})") from None
+    try:
+        return config_from_hf(hf)
+    except KeyError as e:
+        raise StageError(f"--hf-config {path}: missing key {e}") from None
+
+
+def _cluster(cfg: PipelineConfig, ctx):
+    hw = cfg.hardware
+    name = _arg(ctx, "cluster") or hw.cluster
+    own = name == hw.cluster  # the config's hardware.* figures describe its own cluster, not another preset
+    return get_cluster(name, nodes=_arg(ctx, "nodes") or (hw.nnodes if own else 0),
+                       devices_per_node=_arg(ctx, "devices_per_node") or (hw.nproc_per_node if own else 0),
+                       memory_gb=_arg(ctx, "device_memory_gb") or (hw.device_memory_gb if own else 0),
+                       intra_gbps=hw.intra_node_gbps if own else 0, inter_gbps=hw.inter_node_gbps if own else 0,
+                       peak_tflops=hw.peak_tflops if own else 0, reserve_gb=cfg.plan.runtime_reserve_gb)
+
+
+def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem, str, bool]:
+    """The planning problem from flags and config; also the model description and whether the config pins the
+    whole layout (then its zero/recompute/schedule/micro-batch are taken as they are)."""
+    seq_len = _arg(ctx, "seq_len") or cfg.data.seq_len
+    shape, n_params, model_desc = _model(cfg, ctx, seq_len)
+    what_if = any(_arg(ctx, f) is not None for f in _MODEL_FLAGS + _CLUSTER_FLAGS)
+    pins = {k: _arg(ctx, k) for k in ("dp", "tp", "pp") if _arg(ctx, k)}
+    if config_pins and not pins and not what_if:  # the config's pins describe its own model and cluster
+        pins = {k: getattr(cfg.parallel, k) for k in ("dp", "tp", "pp") if getattr(cfg.parallel, k)}
+    pinned = config_pins and len(pins) == 3 and not what_if and not any(_arg(ctx, k) for k in ("dp", "tp", "pp"))
+    par = cfg.parallel
+    mb = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if pinned else None)
+    zero, rc = _arg(ctx, "zero"), _arg(ctx, "recompute")
+    pb = Problem(
+        cluster=_cluster(cfg, ctx), shape=shape, n_params=n_params, seq_len=seq_len,
+        global_batch=_arg(ctx, "global_batch") or cfg.train.global_batch,
+        precision=_arg(ctx, "precision") or cfg.train.precision, optimizer=_arg(ctx, "optimizer") or "adamw",
+        micro_batches=[mb] if mb else [],
+        zero_stages=[zero] if zero is not None else ([par.zero] if pinned else list(cfg.plan.zero_stages)),
+        recompute=[rc] if rc else ([par.recompute] if pinned else list(cfg.plan.recompute)),
+        schedules=[par.pp_schedule] if pinned else list(cfg.plan.schedules),
+        virtual=par.virtual_stages, sequence_parallel=par.sequence_parallel,
+        flash_attention=cfg.plan.flash_attention, efficiency=cfg.plan.efficiency, pins=pins)
+    return pb, model_desc, pinned
+
+
+def _choose(result: dict, pinned: bool, pb: Problem, model_desc: str, plan_path: Path) -> tuple[dict, str]:
+    """The plan training gets, and the stage status; no feasible plan fails in one line (a pinned layout that
+    only misses on memory warns instead: the user chose it, and the estimate may be pessimistic)."""
+    if result["plans"]:
+        return result["plans"][0], "ok"
+    rejected = result["rejected"]
+    closest = next((r for r in rejected if "total_bytes" in r), rejected[0] if rejected else None)
+    if pinned and closest and "total_bytes" in closest:
+        return closest, "warn"
+    c = pb.cluster
+    raise StageError(f"no feasible plan for {model_desc.split(' (')[0]} on {c.nodes}×{c.devices_per_node} {c.name} "
+                     f"devices of {c.memory_gb:g} GB: closest {closest['reason'] if closest else 'none tried'} "
+                     f"(see {plan_path})")
+
+
+def run(cfg: PipelineConfig, ctx) -> dict:
+    pb, model_desc, pinned = problem(cfg, ctx)
+    result = search(pb)
+    # A pinned layout is only verified; the table (and train's out-of-memory advice) still ranks the alternatives.
+    ranked = search(problem(cfg, ctx, config_pins=False)[0]) if pinned else result
+    c = pb.cluster
+    out = ctx.run_dir / "plan"  # <run-dir>/plan.json is the runner's result file: keep ours beside it
+    plan_path = out / "plan.json"
+    header = (f"model: {model_desc}\ncluster: {c.describe()}, reserve {c.reserve_gb:g} GB\n"
+              f"training: seq {pb.seq_len}, global batch {pb.global_batch}, {pb.precision}, {pb.optimizer}"
+              f"{', pinned ' + str(pb.pins) if pb.pins else ''}")
+    table = render(ranked, header, top_k=cfg.plan.top_k, pinned=result if pinned else None)
+    atomic_write_json(plan_path, {"model": model_desc, "cluster": dataclasses.asdict(c), "seq_len": pb.seq_len,
+                                  "global_batch": pb.global_batch, "precision": pb.precision,
+                                  "optimizer": pb.optimizer, "pins": pb.pins, "pinned": pinned,
+                                  "chosen": (result["plans"] or result["rejected"] or [None])[0], **ranked})
+    table_path = atomic_write_text(out / "plan_table.txt", table + "\n")
+    tracking.log_artifact(plan_path)
+    tracking.log_artifact(table_path)
+    chosen, status = _choose(result, pinned, pb, model_desc, plan_path)
+
+    tracking.log_params({f"plan.{k}": chosen[k] for k in ("dp", "tp", "pp", "zero", "recompute", "pp_schedule",
+                                                            "micro_batch", "microbatches")})
+    tracking.log_metrics({"plan.total_gb": chosen["total_bytes"] / GB, "plan.step_s": chosen["step_s"],
+                          "plan.tokens_per_s": chosen["tokens_per_s"], "plan.feasible": len(ranked["plans"]),
+                          "plan.rejected": len(ranked["rejected"])})
+    parallel = {k: chosen[k] for k in ("dp", "tp", "pp", "zero", "recompute", "microbatches", "micro_batch")}
+    parallel["pp_schedule"] = chosen["pp_schedule"] if chosen["pp"] > 1 else cfg.parallel.pp_schedule
+    parallel["virtual_stages"] = chosen["virtual"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
+    parallel["sequence_parallel"] = chosen["sequence_parallel"]
+    layout = (f"dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} zero{chosen['zero']} {chosen['recompute']} "
+              f"mb{chosen['micro_batch']}×{chosen['microbatches']}")
+    summary = (f"{'pinned ' if pinned else ''}{layout}: {chosen['total_bytes'] / GB:.2f} GB of {c.memory_gb:g} GB"
+               f"/device, est. step {chosen['step_s']:.3g} s ({len(ranked['plans'])} feasible, "
+               f"{len(ranked['rejected'])} rejected)")
+    if status == "warn":
+        summary = f"pinned {layout} {chosen['reason']} (estimate); training may run out of memory"
+    device = cfg.hardware.device
+    if device in ("npu", "cuda") and c.kind != device and not _arg(ctx, "cluster"):
+        status, summary = "warn", (f"hardware.device is {device} but hardware.cluster {c.name} describes {c.kind} "
+                                   f"devices: set hardware.cluster; {summary}")
+    if not getattr(ctx.args, "json", False):  # --json keeps stdout machine-readable
+        print(table)
+    return {"status": status, "summary": summary, "plan_json": str(plan_path), "table": str(table_path),
+            "parallel": parallel, "pinned": pinned, "feasible": len(ranked["plans"]),
+            "rejected": len(ranked["rejected"]),
+            "best": {k: chosen[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                                            "buffers_bytes", "reserve_bytes", "total_bytes", "step_s",
+                                            "tokens_per_s", "bubble")}}

@@ -1,0 +1,75 @@
+"""Cluster presets for the planner: devices per node, memory, link bandwidths (GB/s, 1e9 bytes/s), peak FLOP/s.
+
+Figures are nominal vendor numbers; every one can be overridden (hardware.* in the config, or the plan flags).
+Memory is the nominal capacity in decimal GB, so a "64 GB" card (64 GiB = 68.7e9 bytes) keeps ~7 % headroom beyond
+the runtime reserve. Bandwidths are per device and per direction, the β of the ring formulas in planner.search.
+
+- 910b (Atlas 800T A2, Ascend 910B2/B3): 8 NPUs per node, 64 GB HBM each. Inside a node the NPUs form a full mesh of
+  HCCS links, 7 per NPU at 56 GB/s each (392 GB/s per NPU in aggregate). A ring step uses one neighbour link, so we
+  take the per-link 56 GB/s (conservative for HCCL's mesh algorithms; the env stage's bus-bandwidth probe expects
+  ~50 GB/s). Across nodes each NPU has its own 200 Gb/s RoCE port: 25 GB/s. Dense FP16/BF16 peak ~313 TFLOP/s
+  (the commonly quoted 910B figure; a 910B2 is sometimes quoted higher, set hardware.peak_tflops if yours is).
+- 910c (Atlas A3 / CloudMatrix384; Zuo et al. 2025, arXiv:2506.12708 §3): a 910C is two dies, each seen by
+  torch_npu as one device with 64 GB of the package's 128 GB HBM and 376 TFLOP/s FP16; 16 devices per node; each
+  die has 7 × 224 Gb/s UB links (196 GB/s) for scale-up and a 200 Gb/s RDMA port (25 GB/s) for scale-out.
+- a100-80g (DGX A100): NVLink 3 600 GB/s bidirectional = 300 GB/s per direction through NVSwitch; 8 × HDR
+  200 Gb/s (25 GB/s per GPU); 312 TFLOP/s dense BF16 (A100 datasheet).
+- h100-80g (DGX H100, SXM): NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; 8 × NDR 400 Gb/s (50 GB/s per
+  GPU); 989 TFLOP/s dense BF16 (H100 datasheet).
+- cpu-laptop: the CI demo, 2 gloo processes on one machine; rough memcpy-bound gloo and 1 Gb/s Ethernet figures.
+
+Runtime reserve (memory the framework never sees): CANN + HCCL + driver take ~5 GB per NPU (MindSpeed auto_settings,
+static_mem_modeling.py: 5000 MB "cann+hccl+driver+os"); a CUDA context + NCCL ~1 GB; nothing on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tasks.errors import ConfigError
+
+RESERVE_GB = {"npu": 5.0, "cuda": 1.0, "cpu": 0.0}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    kind: str                 # npu | cuda | cpu
+    nodes: int
+    devices_per_node: int
+    memory_gb: float
+    intra_gbps: float         # GB/s per device inside a node
+    inter_gbps: float         # GB/s per device between nodes
+    peak_tflops: float        # dense 16-bit (fp32 runs at a fraction: see search.FP32_PEAK_FRACTION)
+    reserve_gb: float
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.nodes} × {self.devices_per_node} devices, {self.memory_gb:g} GB each, "
+                f"{self.intra_gbps:g}/{self.inter_gbps:g} GB/s intra/inter, {self.peak_tflops:g} TFLOP/s")
+
+
+PRESETS = {
+    "910b": Cluster("910b", "npu", 1, 8, 64.0, 56.0, 25.0, 313.0, RESERVE_GB["npu"]),
+    "910c": Cluster("910c", "npu", 1, 16, 64.0, 196.0, 25.0, 376.0, RESERVE_GB["npu"]),
+    "a100-80g": Cluster("a100-80g", "cuda", 1, 8, 80.0, 300.0, 25.0, 312.0, RESERVE_GB["cuda"]),
+    "h100-80g": Cluster("h100-80g", "cuda", 1, 8, 80.0, 450.0, 50.0, 989.0, RESERVE_GB["cuda"]),
+    "cpu-laptop": Cluster("cpu-laptop", "cpu", 1, 2, 8.0, 2.0, 0.125, 0.1, RESERVE_GB["cpu"]),
+}
+
+
+def get_cluster(name: str, nodes: int = 0, devices_per_node: int = 0, memory_gb: float = 0.0,
+                intra_gbps: float = 0.0, inter_gbps: float = 0.0, peak_tflops: float = 0.0,
+                reserve_gb: float = 0.0) -> Cluster:
+    """A preset with every non-zero override applied."""
+    if name not in PRESETS:
+        raise ConfigError(f"hardware.cluster: unknown cluster {name!r} (known: {', '.join(PRESETS)})")
+    overrides = {"nodes": nodes, "devices_per_node": devices_per_node, "memory_gb": memory_gb,
+                 "intra_gbps": intra_gbps, "inter_gbps": inter_gbps, "peak_tflops": peak_tflops,
+                 "reserve_gb": reserve_gb}
+    bad = [f"{k}: {v} must be >= 0" for k, v in overrides.items() if v < 0]
+    if bad:
+        raise ConfigError(bad)
+    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v})

@@ -1,0 +1,214 @@
+"""Per-device training memory, in bytes, from plain shape numbers (testable without the model package).
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020, §3.1 and Figure 1): mixed precision keeps a 16-bit
+copy of the parameters (2 B) and gradients (2 B) plus K bytes of optimizer state per parameter; for AdamW K = 12
+(fp32 master copy + momentum + variance). ZeRO-1 shards the K bytes over data-parallel ranks, ZeRO-2 also the
+gradients, ZeRO-3 also the parameters. "Transformer Math 101" (EleutherAI, 2023) lists the same per-parameter
+figures: params 2 B (bf16/fp16) or 4 B (fp32), gradients 2 B or 4 B, AdamW 12 B and SGD with momentum 8 B
+(fp32 copy + momentum). In pure fp32 training the parameters already are the fp32 copy, so the optimizer adds only
+its moments (AdamW 8 B, SGD 4 B): fp32 + AdamW = 4 + 4 + 8 = 16 B per parameter, the same total as mixed precision.
+(Megatron keeps fp32 gradients, 18 B per parameter; FSDP2's MixedPrecisionPolicy keeps fp32 sharded parameters: both
+land within a few percent of these sums once sharded.)
+
+Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+Table 2, per transformer layer (s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree):
+  no parallelism        sbh(34 + 5as/h)          TP + selective recompute        sbh(10 + 24/t)
+  TP                    sbh(10 + 24/t + 5as/(ht)) TP + SP + selective recompute  sbh(34/t)
+  TP + SP               sbh(34/t + 5as/(ht))      full recompute                 2sbh
+derived from its §4.1 per-tensor count (16-bit activations, 1-byte dropout masks, a GeLU MLP of width 4h). We keep
+that count but let the MLP width be `ffn` and, for gated (SwiGLU) MLPs, store the four ffn-wide tensors eager
+PyTorch autograd keeps (gate and up projections, silu(gate), and the down projection's input) instead of GeLU's two.
+With ffn = 4h and a GeLU MLP the formulas are exactly Table 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 1e9  # decimal gigabytes throughout, as the ZeRO paper's figures
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+OPTIMIZER_STATE_BYTES = {  # (mixed precision, pure fp32) bytes per parameter: see the module docstring
+    "adamw": (12, 8),
+    "sgd": (8, 4),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool = False        # output projection shares the embedding
+    qkv_bias: bool = False
+    gated: bool = True        # SwiGLU MLP (Llama, Qwen2); False = the paper's GeLU MLP
+
+    @property
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
+        attn = 2 * h * h + 2 * h * kv + (h + 2 * kv if self.qkv_bias else 0)
+        mlp = (3 if self.gated else 2) * h * self.ffn
+        return attn + mlp + 2 * h  # + two norm weights
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def num_params(self) -> int:
+        out = 0 if self.tied else self.embedding_params
+        return self.layers * self.layer_params + self.embedding_params + out + self.hidden  # + final norm
+
+
+def shape_of(tcfg) -> ModelShape:
+    """ModelShape of a tasks.model TransformerConfig (duck-typed, so this module imports nothing heavy)."""
+    return ModelShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
+                      ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, tied=tcfg.tie_embeddings, qkv_bias=tcfg.qkv_bias)
+
+
+def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per parameter."""
+    p = PRECISION_BYTES[precision]
+    mixed, pure = OPTIMIZER_STATE_BYTES[optimizer]
+    return p, p, (pure if precision == "fp32" else mixed)
+
+
+def model_state_bytes(n_params: float, precision: str = "bf16", optimizer: str = "adamw", zero: int = 0,
+                      dp: int = 1) -> dict[str, float]:
+    """ZeRO §3.1: per-device params/grads/optimizer bytes for `n_params` replicated over `dp` ranks."""
+    bp, bg, bo = state_bytes_per_param(precision, optimizer)
+    return {"params_bytes": n_params * bp / (dp if zero >= 3 else 1),
+            "grads_bytes": n_params * bg / (dp if zero >= 2 else 1),
+            "optimizer_bytes": n_params * bo / (dp if zero >= 1 else 1)}
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                           recompute: str = "none", ffn: int | None = None, gated: bool = False,
+                           act_bytes: int = 2, flash: bool = False, kv: int | None = None) -> float:
+    """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2 / §4.1).
+
+    `flash`: a fused attention kernel (FlashAttention; torch SDPA on CUDA/CPU, npu_fusion_attention on Ascend) keeps
+    no s×s scores, only a fp32 log-sum-exp per head and position — the 5as/h term becomes 4a/h. "selective" then
+    means the project's op-level policy (tasks/parallel/ac.py, as torchtitan's): keep the block input and every
+    matmul and attention output, recompute the element-wise ops. Without `flash` it is the paper's: recompute the
+    attention core only.
+    """
+    A, sp = act_bytes, sp and t > 1
+    if recompute == "full":  # only the layer input is kept; under SP it is sharded along the sequence
+        return A * s * b * h / (t if sp else 1)
+    ffn = 4 * h if ffn is None else ffn
+    # Attention core per sbh: softmax and dropout outputs (16-bit) + the dropout mask (1 B) = 5as/h at 2 B; a fused
+    # kernel keeps only the fp32 log-sum-exp.
+    core = 4 * a / h if flash else (2 * A + 1) * a * s / h
+    if recompute == "selective" and flash:
+        kv = a if kv is None else kv
+        # Split by TP: q, k, v, the attention output (+ its log-sum-exp) and the gate/up (or GeLU-input) outputs.
+        split = A * (2 + 2 * kv / a + (2 if gated else 1) * ffn / h) + core
+        # The row-parallel outputs (wo, w2) are full-size partial sums; the block input is sharded under SP.
+        return s * b * h * (2 * A + A / (t if sp else 1) + split / t)
+    if recompute == "selective":
+        core = 0.0
+    # Not split by TP (per sbh): two norm inputs, the QKV and MLP inputs (16-bit each) + two 1-byte dropout masks.
+    replicated = 4 * A + 2
+    # Split by TP: Q, K, V and the output-projection input, plus the ffn-wide MLP tensors.
+    split = 4 * A + (4 if gated else 2) * A * ffn / h
+    per_sbh = (replicated + split + core) / t if sp else replicated + (split + core) / t
+    return s * b * h * per_sbh
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: int = 1) -> float:
+    """Micro-batches of activations (in units of one stage's layers) stage `stage` holds at its peak.
+
+    GPipe runs every forward before any backward: all m. 1F1B: stage i holds p - i (the first stage p).
+    Interleaved 1F1B (Megatron's warm-up count 2(p-i-1) + (v-1)p, plus the one in flight) holds that many chunks of
+    L/(p·v) layers: on the first stage p(1 + (p-1)/(p·v)) stage-equivalents, Korthikanti's interleaving factor.
+    """
+    if pp == 1:
+        return 1.0  # gradient accumulation: one micro-batch at a time
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "1f1b":
+        return float(min(pp - stage, microbatches))
+    chunks = min(2 * (pp - stage - 1) + (virtual - 1) * pp + 1, microbatches * virtual)
+    return chunks / virtual
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    schedule: str = "1f1b"     # ignored when pp == 1
+    micro_batch: int = 1
+    microbatches: int = 1      # per data-parallel rank and optimizer step
+    virtual: int = 1           # interleaved virtual stages per rank
+    sp: bool = True            # sequence parallel (only meaningful with tp > 1)
+    flash: bool = False        # fused attention: no s×s activations (see layer_activation_bytes)
+
+
+def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, precision: str = "bf16",
+                    optimizer: str = "adamw") -> dict[str, float]:
+    """Bytes on one device of pipeline stage `stage` (0 = holds the embedding, pp-1 = holds the output layer)."""
+    t, p, A = lay.tp, lay.pp, PRECISION_BYTES[precision]
+    first, last = stage == 0, stage == p - 1
+    layers = shape.layers / p
+    h, v = shape.hidden, shape.vocab
+    # Matrices and the vocabulary are split by TP; norm weights are replicated (2h per layer, h final norm).
+    n = layers * ((shape.layer_params - 2 * h) / t + 2 * h)
+    if first:
+        n += shape.embedding_params / t
+    if last:  # final norm + output projection (a tied one is the embedding itself unless the stages differ)
+        n += h + (0 if shape.tied and p == 1 else shape.embedding_params / t)
+    states = model_state_bytes(n, precision, optimizer, lay.zero, lay.dp)
+
+    s, b = seq_len, lay.micro_batch
+    flight = in_flight(lay.schedule, p, lay.microbatches, stage, lay.virtual)
+    per_layer = layer_activation_bytes(s, b, h, shape.heads, t, lay.sp, lay.recompute, shape.ffn, shape.gated, A,
+                                       lay.flash, shape.kv_heads)
+    act = per_layer * layers * flight
+    if lay.recompute == "full":  # backward of one layer re-creates all of that layer's activations
+        act += layer_activation_bytes(s, b, h, shape.heads, t, lay.sp, "none", shape.ffn, shape.gated, A, lay.flash)
+    sp = lay.sp and t > 1
+    if first:  # Korthikanti §4.3: int64 input ids (8sb) and the embedding dropout mask (sbh, split under SP)
+        act += (8 * s * b + s * b * h / (t if sp else 1)) * flight
+    if last:   # final-norm and output-layer inputs (4sbh) + fp32 logits for the loss (4sbv, vocab-parallel)
+        act += (4 * s * b * h / (t if sp else 1) + 4 * s * b * v / t) * flight
+    # ZeRO-3 all-gathers each layer's full parameters before use: the current and the prefetched layer.
+    gather = 2 * (shape.layer_params / t) * A if lay.zero >= 3 and lay.dp > 1 else 0.0
+    return {**states, "activations_bytes": act, "buffers_bytes": gather}
+
+
+def estimate(shape: ModelShape | None, seq_len: int, lay: Layout, precision: str = "bf16",
+             optimizer: str = "adamw", n_params: float | None = None, reserve_bytes: float = 0.0) -> dict:
+    """Per-device peak bytes: the worse of the first and the last pipeline stage, plus the runtime reserve.
+
+    With `shape` None only the model states of `n_params` parameters are known (split evenly over tp·pp).
+    """
+    if shape is None:
+        parts = model_state_bytes(n_params / (lay.tp * lay.pp), precision, optimizer, lay.zero, lay.dp)
+        parts.update(activations_bytes=0.0, buffers_bytes=0.0)
+        worst, stage = parts, 0
+    else:
+        stages = [stage_breakdown(shape, seq_len, lay, i, precision, optimizer) for i in sorted({0, lay.pp - 1})]
+        worst = max(stages, key=lambda d: sum(d.values()))
+        stage = 0 if worst is stages[0] else lay.pp - 1
+    out = {k: float(v) for k, v in worst.items()}
+    out["reserve_bytes"] = float(reserve_bytes)
+    out["total_bytes"] = sum(out.values())
+    out["peak_stage"] = stage
+    return out
+
+
+def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
+                     recompute: str = "none", precision: str = "bf16", optimizer: str = "adamw",
+                     schedule: str = "1f1b", microbatches: int = 1, virtual: int = 1,
+                     sequence_parallel: bool = True, flash_attention: bool = True) -> int:
+    """Estimated peak bytes the framework allocates on one device for a run (no runtime reserve): what the smoke
+    and training stages divide by the measured peak to log `memory.estimate_over_measured`."""
+    lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, schedule=schedule, micro_batch=micro_batch,
+                 microbatches=microbatches, virtual=virtual, sp=sequence_parallel, flash=flash_attention)
+    return int(estimate(shape_of(tcfg), seq_len, lay, precision, optimizer)["total_bytes"])

@@ -1,0 +1,232 @@
+"""Enumerate (dp, tp, pp, zero, recompute, micro-batch, schedule), estimate memory and step time, rank, explain.
+
+Rank layout: TP innermost (inside a node), then PP, DP outermost — so a TP group never leaves a node, PP crosses
+nodes once tp·pp exceeds a node, and DP crosses nodes once the world does.
+
+Step time (no overlap of communication with compute, so it is an upper estimate; ranks compare like with like):
+- compute: FLOPs / (world × peak × efficiency), FLOPs = tokens × (6 × matmul params + 12·L·h·s attention),
+  plus the recomputed forward (full: 2 × layer params + 4·L·h·s per token; selective: the attention core 4·L·h·s,
+  or nothing with fused attention, where selective recomputes element-wise ops only);
+- pipeline bubble: compute × (m + p − 1)/m for GPipe and 1F1B (bubble fraction (p − 1)/(m + p − 1)),
+  × (1 + (p − 1)/(v·m)) for interleaved 1F1B (Narayanan et al. 2021, §2.2);
+- TP: 4 all-reduces of s·b·h activations per layer and micro-batch (2 forward, 2 backward; 2 more forward with full
+  recompute), ring cost 2(t−1)/t × bytes / intra-node bandwidth (SP's all-gather + reduce-scatter move the same);
+- PP: one activation send forward and one gradient send backward per micro-batch and (virtual) stage boundary;
+- DP (ring, (d−1)/d × bytes per reduce-scatter or all-gather): ZeRO-0 all-reduces the fp32 gradients (2 passes);
+  ZeRO-1/2 reduce-scatter them and all-gather the updated 16-bit parameters; ZeRO-3 all-gathers the parameters
+  for every micro-batch's forward and backward (ZeRO paper §7: 1.5× the all-reduce volume with one micro-batch).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from tasks.planner.cluster import Cluster
+from tasks.planner.memory import GB, PRECISION_BYTES, Layout, ModelShape, estimate
+
+FP32_PEAK_FRACTION = 0.5  # fp32 matmuls run as TF32/HF32 at about half the 16-bit peak on A100/H100/910B
+GRAD_REDUCE_BYTES = 4     # gradients are reduced in fp32 (Megatron's bf16 default; FSDP2 reduce_dtype here)
+
+
+@dataclass
+class Problem:
+    cluster: Cluster
+    shape: ModelShape | None            # None: only `n_params` is known (model-state sums)
+    seq_len: int
+    global_batch: int
+    n_params: float = 0.0
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    micro_batches: list = field(default_factory=list)   # empty: powers of two that divide the per-rank batch
+    zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
+    recompute: list = field(default_factory=lambda: ["none", "selective", "full"])
+    schedules: list = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"])
+    virtual: int = 2
+    sequence_parallel: bool = True
+    flash_attention: bool = True                        # the model's SDPA is a fused kernel on every backend
+    efficiency: float = 0.4
+    pins: dict = field(default_factory=dict)            # {"dp"|"tp"|"pp": n} fixes that degree
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_problem(pb: Problem, dp: int, tp: int, pp: int) -> str | None:
+    """Why (dp, tp, pp) cannot run at all, or None."""
+    c, sh = pb.cluster, pb.shape
+    if dp * tp * pp != c.world:
+        return f"dp {dp} × tp {tp} × pp {pp} = {dp * tp * pp} ≠ world {c.world} devices"
+    if tp > c.devices_per_node:
+        return f"tp {tp} spans nodes ({c.devices_per_node} devices per node)"
+    if c.devices_per_node % tp:
+        return f"tp {tp} does not divide {c.devices_per_node} devices per node"
+    if sh is not None:
+        if sh.heads % tp:
+            return f"tp {tp} does not divide {sh.heads} heads"
+        if sh.kv_heads % tp:
+            return f"tp {tp} does not divide {sh.kv_heads} KV heads"
+        if sh.layers % pp:
+            return f"pp {pp} does not divide {sh.layers} layers"
+        if sh.tied and tp * pp > 1:  # the project's trainer (tasks/parallel) shards a tied embedding with dp only
+            return f"tied embeddings need tp = pp = 1 (tp {tp}, pp {pp})"
+    if pb.sequence_parallel and tp > 1 and pb.seq_len % tp:
+        return f"tp {tp} does not divide seq len {pb.seq_len} (sequence parallel)"
+    if pb.global_batch % dp:
+        return f"dp {dp} does not divide global batch {pb.global_batch}"
+    return None
+
+
+def schedule_problem(pb: Problem, lay: Layout) -> str | None:
+    p, m = lay.pp, lay.microbatches
+    if lay.schedule == "1f1b" and m < p:  # torch.distributed.pipelining.Schedule1F1B refuses it
+        return f"1f1b needs >= {p} micro-batches per rank, got {m}"
+    if lay.schedule == "interleaved1f1b":
+        if pb.shape is not None and pb.shape.layers % (p * lay.virtual):
+            return f"interleaved: pp {p} × {lay.virtual} virtual stages does not divide {pb.shape.layers} layers"
+        rounds = max(1, m // p)  # ScheduleInterleaved1F1B's own check
+        if m % rounds:
+            return f"interleaved: {m} micro-batches is not a multiple of {rounds} rounds"
+    return None
+
+
+def _ring(bytes_: float, n: int, gbps: float, factor: float = 2.0) -> float:
+    """Seconds for a ring collective over n ranks: all-reduce factor 2, all-gather / reduce-scatter factor 1."""
+    return 0.0 if n <= 1 or bytes_ <= 0 else factor * (n - 1) / n * bytes_ / (gbps * GB)
+
+
+def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
+    c, sh, s = pb.cluster, pb.shape, pb.seq_len
+    tokens = pb.global_batch * s
+    A = PRECISION_BYTES[pb.precision]
+    peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    if sh is None:
+        per_token, layer_params = 6.0 * pb.n_params, 0.0
+    else:
+        L, h = sh.layers, sh.hidden
+        attention_fwd = 4.0 * L * h * s
+        per_token = 6.0 * (L * sh.layer_params + sh.embedding_params) + 3 * attention_fwd
+        # Recompute: full repeats the forward; selective the attention core (paper) or, with fused attention, only
+        # element-wise ops (the project's policy keeps matmul and attention outputs), whose FLOPs we neglect.
+        selective = 0.0 if lay.flash else attention_fwd
+        per_token += {"full": 2.0 * L * sh.layer_params + attention_fwd, "selective": selective}.get(
+            lay.recompute, 0.0)
+        layer_params = sh.layer_params
+    compute = tokens * per_token / (c.world * peak)
+    p, m = lay.pp, lay.microbatches
+    if p == 1:
+        bubble = 0.0
+    elif lay.schedule == "interleaved1f1b":
+        bubble = (p - 1) / (lay.virtual * m + p - 1)
+    else:
+        bubble = (p - 1) / (m + p - 1)
+    pipeline = compute / (1 - bubble)
+
+    tp_s = pp_s = 0.0
+    if sh is not None:
+        act = s * lay.micro_batch * sh.hidden * A
+        per_mb = 4 + (2 if lay.recompute == "full" else 0)
+        tp_s = per_mb * m * (sh.layers / p) * _ring(act, lay.tp, c.intra_gbps)
+        pp_bw = c.inter_gbps if lay.tp * p > c.devices_per_node else c.intra_gbps
+        pp_s = 0.0 if p == 1 else 2 * m * (lay.virtual if lay.schedule == "interleaved1f1b" else 1) * act / (
+            pp_bw * GB)
+    shard = (sh.layers / p * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
+    dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
+    grads = _ring(shard * GRAD_REDUCE_BYTES, lay.dp, dp_bw, 1.0)  # one reduce-scatter
+    gather = _ring(shard * A, lay.dp, dp_bw, 1.0)                  # one all-gather of the parameters
+    dp_s = {0: 2 * grads, 1: grads + gather, 2: grads + gather}.get(lay.zero, grads + 2 * m * gather)
+    total = pipeline + tp_s + pp_s + dp_s
+    return {"step_s": total, "compute_s": compute, "bubble": bubble, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
+            "dp_comm_s": dp_s, "tokens_per_s": tokens / total}
+
+
+def _micro_batches(pb: Problem, per_rank: int) -> list[int]:
+    if pb.micro_batches:
+        return list(pb.micro_batches)
+    fits = [mb for mb in (1, 2, 4, 8, 16, 32, 64) if per_rank % mb == 0]
+    return fits if pb.shape is not None else fits[-1:]  # without a shape the micro-batch changes nothing
+
+
+def candidates(pb: Problem):
+    """Yield (row, reason, layout): every combination; reason None when it can run (memory not yet checked),
+    layout None when the row is rejected before a full layout exists."""
+    c = pb.cluster
+    if pb.pins and c.world % math.prod(pb.pins.values()):
+        pins = " × ".join(f"{k} {v}" for k, v in pb.pins.items())
+        yield dict(pb.pins), f"pinned {pins} does not divide world {c.world} devices", None
+        return
+    if len(pb.pins) == 3 and math.prod(pb.pins.values()) != c.world:
+        yield dict(pb.pins), layout_problem(pb, pb.pins["dp"], pb.pins["tp"], pb.pins["pp"]), None
+        return
+    for tp in _divisors(c.world):
+        for pp in _divisors(c.world // tp):
+            dp = c.world // (tp * pp)
+            if any(pb.pins.get(k) and pb.pins[k] != v for k, v in (("dp", dp), ("tp", tp), ("pp", pp))):
+                continue
+            base = {"dp": dp, "tp": tp, "pp": pp}
+            why = layout_problem(pb, dp, tp, pp)
+            if why:
+                yield base, why, None
+                continue
+            zeros = pb.zero_stages if dp > 1 else [min(pb.zero_stages)]  # ZeRO shards nothing on one rank
+            recomputes = pb.recompute if pb.shape is not None else ["none"]  # no activations without a shape
+            per_rank = pb.global_batch // dp
+            for mb in _micro_batches(pb, per_rank):
+                if per_rank % mb:
+                    yield {**base, "micro_batch": mb}, (f"micro-batch {mb} does not divide the {per_rank} "
+                                                        f"sequences per dp rank"), None
+                    continue
+                for sched in (pb.schedules if pp > 1 else ["1f1b"]):
+                    for zero in zeros:
+                        for rc in recomputes:
+                            lay = Layout(dp, tp, pp, zero, rc, sched, mb, per_rank // mb,
+                                         pb.virtual if sched == "interleaved1f1b" else 1,
+                                         pb.sequence_parallel and tp > 1, pb.flash_attention)
+                            yield _row(lay), schedule_problem(pb, lay), lay
+
+
+def _row(lay: Layout) -> dict:
+    d = asdict(lay)
+    d["pp_schedule"] = d.pop("schedule") if lay.pp > 1 else "none"
+    d["sequence_parallel"] = d.pop("sp")
+    return d
+
+
+def evaluate(pb: Problem, lay: Layout) -> dict:
+    """The plan row of one runnable layout: the layout, its memory breakdown and step time."""
+    mem = estimate(pb.shape, pb.seq_len, lay, pb.precision, pb.optimizer, pb.n_params,
+                   pb.cluster.reserve_gb * GB)
+    return {**_row(lay), **mem, **step_time(pb, lay)}
+
+
+_RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def rank_key(plan: dict):
+    # Faster first; ties (within rounding) go to the larger micro-batch — bigger GEMMs run nearer peak, which the
+    # model does not see — then to less recompute (its element-wise share is not costed), then the smaller footprint.
+    return (float(f"{plan['step_s']:.3g}"), -plan["micro_batch"], _RECOMPUTE_ORDER[plan["recompute"]],
+            plan["total_bytes"])
+
+
+def search(pb: Problem) -> dict:
+    """{"plans": feasible plans best first, "rejected": [{..., "reason"}]}."""
+    limit = pb.cluster.memory_gb * GB
+    plans, rejected = [], []
+    for row, why, lay in candidates(pb):
+        if why:
+            rejected.append({**row, "reason": why})
+            continue
+        plan = evaluate(pb, lay)
+        if plan["total_bytes"] > limit:
+            rejected.append({**plan, "reason": f"needs {plan['total_bytes'] / GB:.1f} GB > "
+                                               f"{pb.cluster.memory_gb:g} GB"})
+        else:
+            plans.append(plan)
+    if pb.shape is None:  # TP/PP traffic is unknown without a shape: the least model parallelism that fits first
+        plans.sort(key=lambda p: (p["tp"] * p["pp"], rank_key(p)))
+    else:
+        plans.sort(key=rank_key)
+    rejected.sort(key=lambda r: r.get("total_bytes", float("inf")))
+    return {"plans": plans, "rejected": rejected}
+

@@ -1,0 +1,59 @@
+"""The ranked plan table (what `python -m tasks plan` prints and the stage logs as plan_table.txt)."""
+from __future__ import annotations
+
+from tasks.planner.memory import GB
+
+MB = 1e6
+
+_HEAD = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'recompute':<9} {'schedule':<15} {'mb×m':>7} "
+         f"{'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'other':>6} {'total':>7} {'step s':>9} "
+         f"{'tok/s':>9} {'bubble':>6}")
+
+
+def plan_line(i, p: dict, unit: float = GB) -> str:
+    other = p["buffers_bytes"] + p["reserve_bytes"]
+    mem = " ".join(f"{x / unit:7.2f}" for x in (p["params_bytes"], p["grads_bytes"], p["optimizer_bytes"],
+                                                  p["activations_bytes"]))
+    return (f"{i:>3} {p['dp']:>4} {p['tp']:>3} {p['pp']:>3} {p['zero']:>4} {p['recompute']:<9} "
+            f"{p['pp_schedule']:<15} {str(p['micro_batch']) + '×' + str(p['microbatches']):>7} "
+            f"{mem} {other / unit:6.2f} {p['total_bytes'] / unit:7.2f} {p['step_s']:9.3g} "
+            f"{p['tokens_per_s']:9.3g} {p['bubble']:6.1%}")
+
+
+def _layout_name(r: dict) -> str:
+    keys = [("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("zero", "zero"), ("recompute", "recompute "),
+            ("pp_schedule", ""), ("micro_batch", "mb ")]
+    return " ".join(f"{label}{r[k]}" for k, label in keys if k in r and r[k] != "none")
+
+
+def render(result: dict, header: str, top_k: int = 10, rejected_k: int = 10, pinned: dict | None = None) -> str:
+    """Header, the top_k feasible plans, then why the rest were rejected (each distinct structural reason once,
+    the memory rejections closest to fitting first). `pinned`: the search result of a layout the config pins,
+    shown first."""
+    plans, rejected = result["plans"], result["rejected"]
+    small = max((p["total_bytes"] for p in plans), default=GB) < GB  # a demo model reads better in MB
+    unit, name = (MB, "MB") if small else (GB, "GB")
+    lines = [header, ""]
+    if pinned is not None:
+        mine = (pinned["plans"] or pinned["rejected"] or [None])[0]
+        lines += ["pinned by the config (parallel.dp/tp/pp): " + ("no layout" if mine is None else
+                                                                     mine.get("reason", "fits")), _HEAD]
+        lines += [plan_line("pin", mine, unit)] if mine and "total_bytes" in mine else []
+        lines += ["", "alternatives:"]
+    lines += [f"feasible plans: {len(plans)} (memory in {name} = 1e{6 if small else 9} bytes per device; "
+              f"'other' = ZeRO-3 gather buffers + runtime reserve; step s assumes no compute/communication overlap)"]
+    lines += [_HEAD] if plans else []
+    lines += [plan_line(i, p, unit) for i, p in enumerate(plans[:top_k], 1)]
+    if len(plans) > top_k:
+        lines.append(f"    … {len(plans) - top_k} more in plan.json")
+    lines += ["", f"rejected: {len(rejected)}"]
+    by_memory = [r for r in rejected if "total_bytes" in r]  # closest to fitting first
+    structural = {}
+    for r in rejected:
+        if "total_bytes" not in r:
+            structural.setdefault(r["reason"], r)  # each distinct reason once
+    shown = list(structural.values())[:rejected_k] + by_memory[:rejected_k]
+    lines += [f"  {_layout_name(r):<58} {r['reason']}" for r in shown]
+    if len(rejected) > len(shown):
+        lines.append(f"  … {len(rejected) - len(shown)} more in plan.json")
+    return "\n".join(lines)

@@ -1,0 +1,156 @@
+"""The plan stage: config pins, what-if flags, MLflow artifacts, the CLI, and the estimator against real autograd."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tasks.errors import StageError
+from tasks.fsutil import read_json
+from tasks.runner import run_stage
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plan_args(*argv: str) -> argparse.Namespace:
+    from tasks.plan import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_pinned_demo_plan_is_logged_to_mlflow(cfg, tmp_path):
+    import mlflow
+
+    result = run_stage("plan", cfg, tmp_path)
+    assert result["status"] == "ok" and result["pinned"] is True
+    assert result["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "recompute": "none", "pp_schedule": "1f1b",
+                                  "microbatches": 1, "micro_batch": 4, "virtual_stages": 1,
+                                  "sequence_parallel": False}
+    assert result["summary"].startswith("pinned dp2 tp1 pp1 zero3")
+    saved = read_json(result["plan_json"])
+    assert saved["pinned"] and saved["chosen"]["total_bytes"] == result["best"]["total_bytes"]
+    assert len(saved["plans"]) == result["feasible"] > 1  # the alternatives stay ranked, for the table and train
+    table = open(result["table"]).read()
+    assert "pinned by the config (parallel.dp/tp/pp): fits" in table and "alternatives:" in table
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    assert {a.path for a in client.list_artifacts(result["mlflow_run_id"])} >= {"plan.json", "plan_table.txt"}
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.data.params["plan.dp"] == "2" and run.data.metrics["plan.feasible"] == result["feasible"]
+
+
+def test_cluster_preset_that_does_not_match_the_device_warns(cfg, tmp_path):
+    cfg.tracking.enabled = False
+    cfg.hardware.device = "npu"
+    result = run_stage("plan", cfg, tmp_path)
+    assert result["status"] == "warn"
+    assert result["summary"].startswith("hardware.device is npu but hardware.cluster cpu-laptop describes cpu")
+
+
+def test_pinned_layout_over_memory_warns(cfg, tmp_path):
+    cfg.tracking.enabled = False
+    cfg.hardware.device_memory_gb = 0.001
+    result = run_stage("plan", cfg, tmp_path)
+    assert result["status"] == "warn" and result["parallel"]["dp"] == 2
+    assert "needs 0.0 GB > 0.001 GB" in result["summary"] and "may run out of memory" in result["summary"]
+
+
+def test_unpinned_plan_chooses_the_layout(cfg, tmp_path):
+    cfg.tracking.enabled = False
+    cfg.parallel.dp = cfg.parallel.tp = cfg.parallel.pp = 0
+    result = run_stage("plan", cfg, tmp_path)
+    par, saved = result["parallel"], read_json(result["plan_json"])
+    assert result["pinned"] is False and par["dp"] * par["tp"] * par["pp"] == 2  # 2 CPU processes
+    best = saved["plans"][0]
+    assert {k: best[k] for k in ("dp", "tp", "pp", "zero", "micro_batch")} == {
+        k: par[k] for k in ("dp", "tp", "pp", "zero", "micro_batch")}
+    assert par["micro_batch"] * par["microbatches"] * par["dp"] == cfg.train.global_batch
+
+
+def test_what_if_flags_ignore_the_config_pins(cfg, tmp_path):
+    cfg.tracking.enabled = False
+    args = plan_args("--model", "llama3-8b", "--cluster", "910b", "--seq-len", "4096", "--global-batch", "32")
+    result = run_stage("plan", cfg, tmp_path, args=args)
+    par = result["parallel"]
+    assert result["pinned"] is False and par["dp"] * par["tp"] * par["pp"] == 8
+    assert result["best"]["reserve_bytes"] == 5e9  # CANN/HCCL reserve of the NPU preset
+    assert "llama3-8b (8.03B params" in read_json(result["plan_json"])["model"]
+
+
+def test_hf_config_and_explicit_shape(cfg, tmp_path):
+    from tasks.model.config import num_params
+    from tasks.model.hf_io import config_from_hf
+
+    cfg.tracking.enabled = False
+    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+          "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+          "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "hidden_act": "silu",
+          "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    result = run_stage("plan", cfg, tmp_path / "a", args=plan_args("--hf-config", str(tmp_path)))
+    n = num_params(config_from_hf(hf))
+    assert f"({n / 1e6:.2f}M params" in read_json(result["plan_json"])["model"]
+    args = plan_args("--hidden", "256", "--layers", "6", "--heads", "8", "--vocab", "4096", "--ffn", "512")
+    model = read_json(run_stage("plan", cfg, tmp_path / "b", args=args)["plan_json"])["model"]
+    assert "h 256, L 6, heads 8/8 kv, ffn 512, vocab 4096" in model
+
+
+def test_infeasible_plan_fails_with_the_reason_and_keeps_the_table(cfg, tmp_path):
+    cfg.tracking.enabled = False
+    args = plan_args("--params", "13e9", "--nodes", "1", "--devices-per-node", "1", "--device-memory-gb", "64")
+    with pytest.raises(StageError, match=r"needs 208\.0 GB > 64 GB") as err:
+        run_stage("plan", cfg, tmp_path, args=args)
+    assert "\n" not in str(err.value)
+    saved = read_json(tmp_path / "plan" / "plan.json")
+    assert saved["plans"] == [] and saved["rejected"][0]["total_bytes"] == 208e9
+
+
+def test_cli_13b_on_one_card_subprocess(tmp_path):
+    cmd = [sys.executable, "-m", "tasks", "plan", "--no-tracking", "--run-dir", str(tmp_path), "--params", "13e9",
+           "--nodes", "1", "--devices-per-node", "1", "--device-memory-gb", "64", "--json"]
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    assert "no feasible plan for 13.00B params" in proc.stderr and "needs 208.0 GB > 64 GB" in proc.stderr
+
+
+def test_cli_70b_json(tmp_path, capsys):
+    from tasks.cli import main
+
+    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--model", "llama3-70b", "--cluster", "910b",
+               "--nodes", "8", "--seq-len", "4096", "--global-batch", "64", "--tp", "8", "--pp", "8", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["parallel"]["tp"], result["parallel"]["pp"]) == (8, 8)
+    assert result["best"]["total_bytes"] <= 64e9
+    assert "pinned {'tp': 8, 'pp': 8}" in (tmp_path / "plan" / "plan_table.txt").read_text()
+
+
+def test_estimate_for_run_against_autograd_saved_tensors():
+    """Calibration on the real model: the estimate of what autograd keeps, against the bytes it does keep."""
+    import torch
+
+    from tasks.model import build_model, get_preset, materialize
+    from tasks.model.loss import lm_loss
+    from tasks.planner import estimate_for_run
+    from tasks.planner.calibrate import saved_activation_bytes
+    from tasks.planner.memory import Layout, estimate, shape_of
+
+    tcfg = get_preset("demo")
+    model = materialize(build_model(tcfg), "cpu")
+    tokens = torch.randint(0, tcfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    measured = saved_activation_bytes(model, tokens, lm_loss)
+    est = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash=True), "fp32")
+    assert 0.75 < est["activations_bytes"] / measured < 1.25  # 0.93 when written
+    # The unfused formula counts s×s scores the fused SDPA never keeps.
+    unfused = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash=False), "fp32")
+    assert unfused["activations_bytes"] > est["activations_bytes"]
+    total = estimate_for_run(tcfg, 128, 4, precision="fp32")
+    assert total == int(est["total_bytes"])
+    assert total == pytest.approx(est["activations_bytes"] + 16 * shape_of(tcfg).num_params)

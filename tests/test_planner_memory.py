@@ -1,0 +1,131 @@
+"""The memory estimator against the published figures (ZeRO Figure 1, Korthikanti Table 2, Transformer Math 101)."""
+from __future__ import annotations
+
+import pytest
+
+from tasks.planner.memory import (Layout, ModelShape, estimate, in_flight, layer_activation_bytes,
+                                  model_state_bytes, state_bytes_per_param)
+
+
+@pytest.mark.parametrize("zero,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(zero, expected_gb):
+    # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, K = 12, Nd = 64, mixed precision (2Ψ + 2Ψ + KΨ).
+    parts = model_state_bytes(7.5e9, "bf16", "adamw", zero=zero, dp=64)
+    assert round(sum(parts.values()) / 1e9, 1) == expected_gb
+
+
+def test_zero_paper_figure_1_exact_bytes():
+    # Unrounded: (2 + 2 + 12)Ψ, 4Ψ + 12Ψ/64, 2Ψ + 14Ψ/64, 16Ψ/64.
+    psi = 7.5e9
+    totals = [sum(model_state_bytes(psi, "bf16", "adamw", z, 64).values()) for z in range(4)]
+    assert totals == [16 * psi, 4 * psi + 12 * psi / 64, 2 * psi + 14 * psi / 64, 16 * psi / 64]
+
+
+def test_seed_13b_model_states_208_gb():
+    parts = model_state_bytes(13e9, "bf16", "adamw")
+    assert parts == {"params_bytes": 26e9, "grads_bytes": 26e9, "optimizer_bytes": 156e9}
+    assert sum(parts.values()) == 208e9
+
+
+def test_bytes_per_param_by_precision_and_optimizer():
+    assert state_bytes_per_param("bf16", "adamw") == (2, 2, 12)  # fp32 master + m + v
+    assert state_bytes_per_param("fp16", "adamw") == (2, 2, 12)
+    assert state_bytes_per_param("fp32", "adamw") == (4, 4, 8)   # the weights are the fp32 copy: m + v only
+    assert state_bytes_per_param("bf16", "sgd") == (2, 2, 8)     # fp32 copy + momentum
+    assert state_bytes_per_param("fp32", "sgd") == (4, 4, 4)
+
+
+# Korthikanti et al. 2022, Table 2, written out from the paper's text (bytes per layer).
+TABLE_2 = {
+    ("none", False, False): lambda s, b, h, a, t: s * b * h * (34 + 5 * a * s / h),
+    ("none", True, False): lambda s, b, h, a, t: s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+    ("none", True, True): lambda s, b, h, a, t: s * b * h * (34 / t + 5 * a * s / (h * t)),
+    ("selective", True, False): lambda s, b, h, a, t: s * b * h * (10 + 24 / t),
+    ("selective", True, True): lambda s, b, h, a, t: s * b * h * 34 / t,
+    ("full", False, False): lambda s, b, h, a, t: s * b * h * 2,
+}
+POINTS = [(2048, 1, 12288, 96, 8), (4096, 2, 4096, 32, 4), (1024, 4, 2048, 16, 2), (512, 8, 1024, 8, 1)]
+
+
+@pytest.mark.parametrize("row", list(TABLE_2))
+@pytest.mark.parametrize("point", POINTS)
+def test_korthikanti_table_2(row, point):
+    recompute, tensor_parallel, sp = row
+    s, b, h, a, t = point
+    t = t if tensor_parallel else 1
+    got = layer_activation_bytes(s, b, h, a, t=t, sp=sp, recompute=recompute)
+    assert got == pytest.approx(TABLE_2[row](s, b, h, a, t), rel=1e-12)
+
+
+def test_korthikanti_gpt3_point_by_hand():
+    # s=2048, b=1, h=12288, a=96, t=8: sbh = 25,165,824 and 5as/h = 80.
+    kw = dict(s=2048, b=1, h=12288, a=96)
+    assert layer_activation_bytes(**kw) == 25_165_824 * 114
+    assert layer_activation_bytes(**kw, t=8) == 25_165_824 * 23                       # 10 + 3 + 10
+    assert layer_activation_bytes(**kw, t=8, sp=True) == 25_165_824 * 14.25           # 4.25 + 10
+    assert layer_activation_bytes(**kw, t=8, recompute="selective") == 25_165_824 * 13
+    assert layer_activation_bytes(**kw, t=8, sp=True, recompute="selective") == 25_165_824 * 4.25
+    assert layer_activation_bytes(**kw, t=8, recompute="full") == 25_165_824 * 2
+    # Under SP the kept layer input is sharded along the sequence too.
+    assert layer_activation_bytes(**kw, t=8, sp=True, recompute="full") == 25_165_824 * 2 / 8
+
+
+def test_activation_generalisations():
+    s, b, h, a = 1024, 1, 4096, 32
+    base = layer_activation_bytes(s, b, h, a, recompute="selective")
+    assert base == s * b * h * 34
+    # A gated MLP of width f keeps 4 f-wide tensors instead of GeLU's 2: +2·2·f/h per sbh at 16 bits.
+    gated = layer_activation_bytes(s, b, h, a, recompute="selective", ffn=11008, gated=True)
+    assert gated == pytest.approx(s * b * h * (34 - 16 + 8 * 11008 / h))
+    # fp32 activations: every 16-bit tensor doubles, the 1-byte dropout masks stay.
+    assert layer_activation_bytes(s, b, h, a, act_bytes=4) == s * b * h * (16 + 2 + 16 + 32 + 9 * a * s / h)
+
+
+def test_in_flight_micro_batches_per_schedule():
+    assert in_flight("1f1b", pp=1, microbatches=16, stage=0) == 1
+    assert in_flight("gpipe", pp=4, microbatches=16, stage=0) == 16
+    assert in_flight("1f1b", pp=4, microbatches=16, stage=0) == 4
+    assert in_flight("1f1b", pp=4, microbatches=16, stage=3) == 1
+    assert in_flight("1f1b", pp=4, microbatches=2, stage=0) == 2
+    # Interleaved, first stage: p(1 + (p-1)/(p·v)) stage-equivalents (Korthikanti §4.2.3).
+    for p, v in ((4, 2), (8, 4), (2, 3)):
+        assert in_flight("interleaved1f1b", pp=p, microbatches=64, stage=0, virtual=v) == pytest.approx(
+            p * (1 + (p - 1) / (p * v)))
+
+
+def test_shape_parameter_count_matches_the_model_package():
+    from tasks.model.config import PRESETS, num_params
+    from tasks.planner.memory import shape_of
+
+    for name, tcfg in PRESETS.items():
+        assert shape_of(tcfg).num_params == num_params(tcfg), name
+    assert 69e9 < shape_of(PRESETS["llama3-70b"]).num_params < 72e9
+
+
+def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
+    sh = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    lay = Layout(dp=1, tp=1, pp=4, schedule="1f1b", micro_batch=1, microbatches=8, recompute="selective")
+    est = estimate(sh, 4096, lay, reserve_bytes=5e9)
+    parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes", "reserve_bytes")
+    assert est["total_bytes"] == pytest.approx(sum(est[k] for k in parts))
+    assert est["reserve_bytes"] == 5e9
+    assert est["peak_stage"] == 0  # four micro-batches in flight beat the last stage's logits
+    # Eight layers of params plus the embedding, 16 B each.
+    assert est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"] == pytest.approx(
+        16 * (8 * sh.layer_params + sh.embedding_params))
+    # ZeRO-3 over 8 ranks shards all model states and adds the two-layer all-gather buffer.
+    z3 = estimate(sh, 4096, Layout(dp=8, zero=3, micro_batch=1, recompute="full"))
+    assert z3["params_bytes"] == pytest.approx(2 * sh.num_params / 8)
+    assert z3["buffers_bytes"] == 2 * 2 * sh.layer_params
+
+
+def test_fused_attention_and_the_projects_selective_policy_by_hand():
+    # Llama-3-8B layer, s=4096, b=1, bf16: per sbh, fused attention keeps a fp32 log-sum-exp (4a/h = 1/32).
+    kw = dict(s=4096, b=1, h=4096, a=32, kv=8, ffn=14336, gated=True, flash=True)
+    sbh = 4096 * 4096
+    assert layer_activation_bytes(**kw) == pytest.approx(sbh * (10 + 8 + 8 * 3.5 + 1 / 32))
+    # Op-level selective AC keeps the block input, wo/w2 outputs (3 × 2 B) and q, k, v, attention, gate and up
+    # outputs (2 B × (1 + 2·8/32 + 1 + 2·3.5)).
+    assert layer_activation_bytes(**kw, recompute="selective") == pytest.approx(sbh * (6 + 2 * 9.5 + 1 / 32))
+    assert layer_activation_bytes(**kw, recompute="selective", t=4, sp=True) == pytest.approx(
+        sbh * (4 + 2 / 4 + (19 + 1 / 32) / 4))
