@@ -1,0 +1,147 @@
+"""Profiling: a short profiled run of the same trainer and plan, analysed into one report with advisor findings and a
+comparison with the last successful profile of the experiment.
+
+`python -m tasks profile` collects (torch_npu.profiler on NPU, torch.profiler on CUDA/CPU, optionally wrapped in
+msprof) and analyses; `python -m tasks profile analyze PATH [--json]` analyses any supported folder — torch_npu
+`*_ascend_pt`/`ASCEND_PROFILER_OUTPUT`, msprof `PROF_*`, msprof-analyze `cluster_analysis_output`, torch.profiler
+traces — in pure Python on any machine. Writes <run-dir>/profile/{report.json, report.md, *.png}.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from tasks import tracking
+from tasks.config import PipelineConfig
+from tasks.errors import StageError
+from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
+from tasks.profiling import baseline, charts
+from tasks.profiling.advisor import advise
+from tasks.profiling.collect import steps_needed
+from tasks.profiling.loader import load_profile
+from tasks.profiling.msprof import find_msprof, msprof_wrap, run_msprof_analyze
+from tasks.profiling.render import render_markdown
+from tasks.profiling.report import build_report, headline
+
+ASCEND_FORMATS = ("ascend_pt", "msprof")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", nargs="?", choices=("collect", "analyze"), default="collect",
+                        help="collect: profile a short training run, then analyse (default); analyze: analyse PATH")
+    parser.add_argument("path", nargs="?", default=None,
+                        help="analyze: a profiling folder (*_ascend_pt, ASCEND_PROFILER_OUTPUT, PROF_*, "
+                             "cluster_analysis_output, a folder of them) or torch.profiler trace(s)")
+    parser.add_argument("--shards", default=None, metavar="DIR",
+                        help="collect: shard set directory (default: the shard stage's result in the run directory)")
+
+
+def analyze(path: str | Path) -> dict:
+    """The report of a profiling folder or trace, findings included (no baseline: that needs MLflow)."""
+    report = build_report(load_profile(path))
+    report["findings"] = advise(report)
+    return report
+
+
+def write_outputs(report: dict, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"breakdown_png": charts.step_breakdown(report, out_dir / "step_breakdown.png"),
+             "top_ops_png": charts.top_ops(report, out_dir / "top_ops.png")}
+    paths = {k: v for k, v in paths.items() if v}
+    md = render_markdown(report, {k.removesuffix("_png"): p.name for k, p in paths.items()})
+    paths["report_json"] = atomic_write_json(out_dir / "report.json", report)
+    paths["report_md"] = atomic_write_text(out_dir / "report.md", md)
+    return paths
+
+
+def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
+    """Run the training stage's own launcher for a few steps with `--profile-dir`; returns the traces folder.
+
+    Same trainer, model, shard set and layout (train.prepare resolves them exactly as the train stage does);
+    its checkpoints and metrics go under <run-dir>/profile/run so the training run is untouched.
+    """
+    from tasks import train
+
+    traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
+    if marker.is_file() and read_json(marker).get("config_hash") == cfg.digest():
+        return traces, [f"reused the traces collected earlier in {traces}"]
+    shutil.rmtree(traces, ignore_errors=True)
+    spec = train.prepare(cfg, ctx)
+    work = out_dir / "run"
+    shutil.rmtree(work, ignore_errors=True)
+    spec["config"]["train"].update(steps=steps_needed(cfg.profile), checkpoint_every=0)
+    spec.update(run_dir=str(work), resume=False)
+    spec_path = atomic_write_json(work / "launch.json", spec)
+    argv = train.torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile")
+    argv += ["--profile-dir", str(traces)]
+    msprof = find_msprof() if cfg.profile.use_msprof and spec["backend"] == "npu" else None
+    notes = [f"msprof wrapped the run: {out_dir / 'msprof'}" if msprof else
+             "profile.use_msprof is set but msprof is not on PATH: collected with torch_npu.profiler only"
+             ] if cfg.profile.use_msprof else []
+    log_path = out_dir / "logs" / "torchrun.log"
+    rc, log = train.launch(msprof_wrap(argv, out_dir / "msprof", msprof),
+                           train.launch_env(cfg, spec["backend"], spec["nproc"], None), log_path)
+    if rc != 0:
+        if "unrecognized arguments: --profile-dir" in log:
+            raise StageError("the training worker does not accept --profile-dir (tasks/parallel/worker.py must call "
+                             "tasks.profiling.collect.make_profiler); analyse existing traces with "
+                             "`python -m tasks profile analyze PATH`")
+        raise StageError(f"profiled training run failed (exit {rc}); see {log_path} and {work}/logs/rank-*.log",
+                         retryable=True)
+    if not traces.is_dir() or not any(traces.iterdir()):
+        raise StageError(f"the profiled run wrote no traces to {traces}: with {steps_needed(cfg.profile)} steps the "
+                         "schedule (profile.skip_first/wait/warmup/active) never reached an active step")
+    atomic_write_json(marker, {"config_hash": cfg.digest(), "steps": steps_needed(cfg.profile),
+                               "backend": spec["backend"], "world": spec["world"]})
+    return traces, notes
+
+
+def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None) -> None:
+    n_high = sum(f["severity"] == "high" for f in report["findings"])
+    tracking.log_metrics({**baseline.report_metrics(report), "profile.findings": len(report["findings"]),
+                          "profile.findings_high": n_high})
+    tracking.set_tags({baseline.FORMAT_TAG: report["source"]["format"], "profile.source": report["source"]["path"],
+                       "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]}))})
+    for p in paths.values():
+        tracking.log_artifact(p, "profile")
+    if extra_dir and extra_dir.is_dir():
+        tracking.log_artifact(extra_dir, "profile/msprof_analyze")
+
+
+def run(cfg: PipelineConfig, ctx) -> dict:
+    out_dir = ctx.run_dir / "profile"
+    if getattr(ctx.args, "action", "collect") == "analyze":
+        if not getattr(ctx.args, "path", None):
+            raise StageError("profile analyze needs the folder to analyse: python -m tasks profile analyze PATH")
+        source, notes = Path(ctx.args.path).expanduser().resolve(), []
+    elif not cfg.profile.enabled:
+        return {"status": "ok", "summary": "skipped (profile.enabled is false)", "skipped": True}
+    else:
+        source, notes = collect(cfg, ctx, out_dir)
+    report = analyze(source)
+    fmt = report["source"]["format"]
+    report["source"]["notes"] += notes
+    analyze_dir = out_dir / "msprof_analyze"
+    if fmt in ASCEND_FORMATS:  # cross-check with Huawei's own tool where it is installed
+        report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir)
+    comparison, regressions = baseline.compare(report, baseline.find_baseline(cfg, fmt, ctx.mlflow_run_id),
+                                               cfg.profile.regression_threshold)
+    report["baseline"] = comparison
+    report["findings"] += regressions
+    paths = write_outputs(report, out_dir)
+    if ctx.mlflow_run_id:
+        _log(report, paths, analyze_dir)
+    summary = headline(report)
+    if regressions and cfg.profile.fail_on_regression:
+        raise StageError(f"{regressions[0]['title']} ({summary}); see {paths['report_md']}")
+    findings = report["findings"]
+    return {
+        "status": "warn" if regressions or any(f["severity"] == "high" for f in findings) else "ok",
+        "summary": summary, "report": str(paths["report_json"]), "report_md": str(paths["report_md"]),
+        "findings": len(findings), "rules": [f"{f['severity']}:{f['rule']}" for f in findings],
+        "step_ms": round(report["step"]["step_us"] / 1000, 3),
+        "comm_not_overlapped_share": round(report["step"]["shares"]["comm_not_overlapped"], 4),
+        "format": fmt, "source": str(source), "world": report["world"],
+        "baseline_run_id": comparison["run_id"] if comparison else None,
+    }

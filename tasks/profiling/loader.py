@@ -1,0 +1,100 @@
+"""`load_profile(PATH)`: find what a folder holds and read it into one Profile.
+
+PATH may be one rank's `*_ascend_pt` or `ASCEND_PROFILER_OUTPUT`, a folder of ranks, an msprof `PROF_*` folder, an
+msprof-analyze `cluster_analysis_output` (or a folder holding one), torch.profiler traces, or one trace file. When a
+folder holds several kinds, per-rank Ascend data wins over the cluster summary (it has operators too), which wins
+over traces.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tasks.errors import StageError
+from tasks.profiling import ascend, tables
+from tasks.profiling.model import Profile
+from tasks.profiling.torch_trace import read_torch_trace
+
+CLUSTER_DIR = "cluster_analysis_output"
+EXPECTED = ("*_ascend_pt/ or ASCEND_PROFILER_OUTPUT/, PROF_*/mindstudio_profiler_output/, cluster_analysis_output/, "
+            "or torch.profiler *.json traces")
+
+
+def _is_rank_unit(p: Path) -> bool:
+    return p.name.endswith("_ascend_pt") or p.name == ascend.OUTPUT_DIR or p.name.startswith("PROF_")
+
+
+def _is_cluster(p: Path) -> bool:
+    if p.name == CLUSTER_DIR:
+        return True
+    for csv_path in p.glob("*.csv"):  # detected by header: teams rename the folder
+        if tables.detect_kind(tables.read_header(csv_path)) == "cluster_step_trace":
+            return True
+    return False
+
+
+def _looks_like_torch_trace(p: Path) -> bool:
+    with open(p, "rb") as f:
+        head = f.read(4096)
+    return b'"traceEvents"' in head or b'"schemaVersion"' in head
+
+
+def discover(root: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """(rank folders, cluster folders, torch trace files) below root; a unit's own subfolders are not searched."""
+    units, clusters, traces = [], [], []
+    if _is_rank_unit(root):
+        return [root], [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here != root and _is_rank_unit(here):
+            units.append(here)
+            dirnames[:] = []
+            continue
+        if _is_cluster(here):
+            clusters.append(here)
+            dirnames[:] = []
+            continue
+        if ascend.OUTPUT_DIR in dirnames:  # an *_ascend_pt folder whose name was changed
+            units.append(here)
+            dirnames[:] = []
+            continue
+        traces += [here / f for f in filenames if f.endswith(".json") and _looks_like_torch_trace(here / f)]
+        dirnames.sort()
+    return sorted(units), clusters, sorted(traces)
+
+
+def load_profile(path: str | os.PathLike) -> Profile:
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise StageError(f"{root}: no such file or folder")
+    if root.is_file():
+        if root.suffix != ".json" or not _looks_like_torch_trace(root):
+            raise StageError(f"{root}: not a torch.profiler trace; point at the profiling folder ({EXPECTED})")
+        return Profile(str(root), "torch_trace", [read_torch_trace(root)])
+    units, clusters, traces = discover(root)
+    if units:
+        ranks, variants = [], []
+        for i, unit in enumerate(units):
+            r, v = ascend.read_rank_folder(unit, fallback_rank=i)
+            ranks += r
+            variants += v
+        fmt = "msprof" if all(u.name.startswith("PROF_") for u in units) else "ascend_pt"
+        return _checked(Profile(str(root), fmt, ranks, variants=sorted(set(variants))))
+    if clusters:
+        ranks, variants = ascend.read_cluster(clusters[0])
+        return _checked(Profile(str(root), "cluster_analysis", ranks, variants=variants))
+    if traces:
+        ranks = [read_torch_trace(p, fallback_rank=i) for i, p in enumerate(traces)]
+        return _checked(Profile(str(root), "torch_trace", ranks))
+    raise StageError(f"{root}: no profiling data found (expected {EXPECTED})")
+
+
+def _checked(profile: Profile) -> Profile:
+    seen = {}
+    for r in profile.ranks:
+        if r.rank in seen:
+            raise StageError(f"{profile.path}: rank {r.rank} appears twice ({seen[r.rank]} and {r.origin}); "
+                             "analyse one profiling session at a time")
+        seen[r.rank] = r.origin
+    profile.ranks.sort(key=lambda r: r.rank)
+    return profile
