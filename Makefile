@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ENV := source scripts/airflow-env.sh &&
 CONF ?= {}
 
-.PHONY: help venv run test test-fast bench db clean
+.PHONY: help venv run test test-fast bench db clean ui stop browser
 
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
@@ -38,6 +38,15 @@ test: db
 
 test-fast: db
 	@$(ENV) python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are
+	@bash scripts/ui.sh
+
+stop:  ## stop what `make ui` started (SIGINT to Airflow standalone, then MLflow)
+	@bash scripts/stop.sh
+
+browser:  ## Debian's chromium for tests/test_browser.py (apt-get; a no-op when installed)
+	@bash scripts/install-browser.sh
 
 bench: venv
 	@$(ENV) python bench/run_all.py

@@ -1,0 +1,50 @@
+"""
+### LLM health: hourly device and host check of this training host
+
+Samples the chips (`npu-smi info`; torch memory on CUDA/NPU) and the host (memory, disk, NTP clock) and logs them
+to the MLflow experiment `llm-pipeline-health` (one run per check: temperatures, HBM fill, clock offset over time).
+The task **fails with a one-line cause** on an alarm: a chip in alarm or at/above `hardware.max_device_temp_c`, a
+dropped card, HBM full with no process on the chip, a clock beyond `hardware.max_clock_offset_ms` (multi-node),
+or disk/host memory below the minimums. Logic: `tasks/health.py` (also `python -c "from tasks.health import …"`).
+"""
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+
+@dag(
+    dag_id="llm_health",
+    schedule="@hourly",
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    doc_md=__doc__,
+    tags=["llm", "ascend", "health"],
+    params={"preset": Param("demo-cpu", type="string", title="Configuration preset",
+                            description="The preset whose hardware section sets the alarm thresholds.")},
+    default_args={"retries": 0},
+)
+def llm_health():
+    @task(task_id="health", doc_md="Sample devices and host, log to MLflow, fail with the cause on an alarm.")
+    def health() -> dict:
+        from airflow.sdk import get_current_context
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from tasks.config import load_config
+        from tasks.errors import StageError
+        from tasks.health import run_health
+        from tasks.runner import default_run_dir
+
+        ctx = get_current_context()
+        cfg = load_config(ctx["params"]["preset"])
+        try:
+            return run_health(cfg, default_run_dir(ctx["dag"].dag_id, ctx["run_id"]),
+                              tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]})
+        except StageError as e:
+            raise AirflowFailException(str(e)) from None  # an alarm: a retry an hour later is the next run
+
+    health()
+
+
+llm_health()

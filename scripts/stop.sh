@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# `make stop`: stop what `make ui` started. Airflow standalone gets SIGINT (its own shutdown stops its four
+# components; SIGTERM to it alone would orphan them), MLflow gets SIGTERM. ui.sh started each in its own session
+# (setsid), so the PID is also the process-group id. Airflow task processes start their own sessions, so the
+# descendants are listed before the signal: whatever of the group or that list is left after STOP_WAIT_S (20)
+# seconds gets SIGTERM, then SIGKILL. Zombies don't count as alive (PID 1 in a container may never reap them).
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+var="${LLM_PIPELINE_VAR_DIR:-$repo/var}"
+
+group_alive() { ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'; }
+
+descendants() {  # every process below $1, whatever its session
+  ps -eo pid=,ppid= | awk -v root="$1" '{kids[$2] = kids[$2] " " $1}
+    END {todo[root]; while (length(todo)) for (p in todo) {delete todo[p]; n = split(kids[p], k, " ");
+         for (i = 1; i <= n; i++) {print k[i]; todo[k[i]]}}}'
+}
+
+live() { for p in "$@"; do ps -o stat= -p "$p" 2>/dev/null | grep -qv '^Z' && echo "$p"; done; }
+
+wait_gone() {  # pgid seconds pids...
+  local pgid="$1" deadline=$((SECONDS + $2)); shift 2
+  while { group_alive "$pgid" || [ -n "$(live "$@")" ]; } && [ $SECONDS -lt "$deadline" ]; do sleep 1; done
+  ! group_alive "$pgid" && [ -z "$(live "$@")" ]
+}
+
+stop() {  # name signal
+  local pidfile="$var/$1.pid" pid
+  [ -f "$pidfile" ] || { echo "stop: $1 not running (no $pidfile)"; return 0; }
+  pid="$(cat "$pidfile")"
+  if ! group_alive "$pid"; then echo "stop: $1 not running (stale pid $pid)"; rm -f "$pidfile"; return 0; fi
+  local kids; kids=$(descendants "$pid")
+  kill -s "$2" "$pid" 2>/dev/null
+  # shellcheck disable=SC2086
+  if ! wait_gone "$pid" "${STOP_WAIT_S:-20}" $kids; then
+    echo "stop: $1 still running ${STOP_WAIT_S:-20} s after SIG$2; sending SIGTERM to what is left" >&2
+    kill -s TERM -- "-$pid" $(live $kids) 2>/dev/null
+    wait_gone "$pid" 10 $kids || kill -s KILL -- "-$pid" $(live $kids) 2>/dev/null
+  fi
+  rm -f "$pidfile"
+  echo "stop: $1 stopped"
+}
+stop airflow INT
+stop mlflow TERM

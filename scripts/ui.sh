@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# `make ui`: Airflow (standalone: api-server, scheduler, dag-processor, triggerer) and an MLflow server, both on
+# 127.0.0.1 and both asking for a password. PIDs, logs and generated secrets go to $LLM_PIPELINE_VAR_DIR (default var/);
+# `make stop` (scripts/stop.sh) stops both.
+#
+# Environment: AIRFLOW_PORT (8080), MLFLOW_PORT (5000), LLM_PIPELINE_VAR_DIR (var/), MLFLOW_TRACKING_URI (SQLite in var/),
+# UI_WAIT_S (180: how long to wait for both to answer).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+var="$(mkdir -p "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && cd "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && pwd)"
+host=127.0.0.1
+af_port="${AIRFLOW_PORT:-8080}"
+ml_port="${MLFLOW_PORT:-5000}"
+
+# State lives in $var (a test points it at a temp dir); airflow-env.sh keeps values that are already set.
+export LLM_PIPELINE_VAR_DIR="$var"   # the stages' runs, data and MLflow artifacts follow it (tasks.config.var_dir)
+export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$var/airflow.db}"
+export MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$var/mlflow.db}"
+# shellcheck source=scripts/airflow-env.sh
+source "$repo/scripts/airflow-env.sh"
+export AIRFLOW__LOGGING__BASE_LOG_FOLDER="$var/logs"
+export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE="$var/simple_auth_manager_passwords.json.generated"
+export AIRFLOW__API__HOST="$host" AIRFLOW__API__PORT="$af_port"
+export AIRFLOW__API__BASE_URL="http://$host:$af_port"
+export MLFLOW_UI_URL="${MLFLOW_UI_URL:-http://$host:$ml_port}"   # read by plugins/mlflow_link.py
+mkdir -p "$var/logs"
+
+running() { [ -f "$1" ] && ps -o stat= -p "$(cat "$1")" 2>/dev/null | grep -qv '^Z'; }  # a zombie is not running
+port_busy() { python -c 'import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0)' "$1"; }
+for name in airflow mlflow; do
+  if running "$var/$name.pid"; then
+    echo "ui: $name already running (pid $(cat "$var/$name.pid")); run 'make stop' first" >&2
+    exit 1
+  fi
+done
+for port in "$af_port" "$ml_port"; do
+  if port_busy "$port"; then echo "ui: port $port on $host is already in use (set AIRFLOW_PORT / MLFLOW_PORT)" >&2; exit 1; fi
+done
+
+# Secrets are generated once per state dir, kept private, never committed (var/ is git-ignored).
+umask 077
+secret() { [ -s "$1" ] || python -c 'import secrets; print(secrets.token_urlsafe(24))' > "$1"; cat "$1"; }
+# Every Airflow component must sign/verify task tokens with the same key; an empty one is random per process.
+export AIRFLOW__API_AUTH__JWT_SECRET="${AIRFLOW__API_AUTH__JWT_SECRET:-$(secret "$var/airflow_jwt_secret")}"
+export AIRFLOW__CORE__FERNET_KEY="${AIRFLOW__CORE__FERNET_KEY:-$(
+  [ -s "$var/airflow_fernet_key" ] || python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())' > "$var/airflow_fernet_key"
+  cat "$var/airflow_fernet_key")}"
+ml_password_file="$var/mlflow_admin_password"
+export MLFLOW_AUTH_ADMIN_PASSWORD="${MLFLOW_AUTH_ADMIN_PASSWORD:-$(secret "$ml_password_file")}"
+export MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:-$(secret "$var/mlflow_flask_secret")}"  # CSRF
+cat > "$var/mlflow_basic_auth.ini" <<EOF
+[mlflow]
+default_permission = READ
+database_uri = sqlite:///$var/mlflow_auth.db
+admin_username = admin
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+EOF
+export MLFLOW_AUTH_CONFIG_PATH="$var/mlflow_basic_auth.ini"
+umask 022
+
+mkdir -p "$var/mlartifacts"
+setsid mlflow server --app-name basic-auth --host "$host" --port "$ml_port" --workers 1 \
+  --backend-store-uri "$MLFLOW_TRACKING_URI" --default-artifact-root "$var/mlartifacts" \
+  > "$var/logs/mlflow-server.log" 2>&1 < /dev/null &
+echo $! > "$var/mlflow.pid"
+
+setsid python "$repo/scripts/sigint-exec.py" airflow standalone \
+  > "$var/logs/airflow-standalone.log" 2>&1 < /dev/null &
+echo $! > "$var/airflow.pid"
+
+fail() { bash "$repo/scripts/stop.sh" >&2; exit 1; }  # leave nothing half-started behind
+wait_for() {  # name url pidfile log
+  local deadline=$((SECONDS + ${UI_WAIT_S:-180}))
+  until python - "$2" <<'EOF' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1], timeout=3).read()
+EOF
+  do
+    if ! running "$3"; then echo "ui: $1 exited; see $4" >&2; tail -n 20 "$4" >&2; fail; fi
+    if [ $SECONDS -ge $deadline ]; then echo "ui: $1 did not answer $2 in time; see $4" >&2; fail; fi
+    sleep 2
+  done
+}
+wait_for mlflow "http://$host:$ml_port/health" "$var/mlflow.pid" "$var/logs/mlflow-server.log"
+wait_for airflow "http://$host:$af_port/api/v2/monitor/health" "$var/airflow.pid" "$var/logs/airflow-standalone.log"
+
+cat <<EOF
+Airflow  http://$host:$af_port   user admin, password in $AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE
+MLflow   http://$host:$ml_port   user admin, password in $ml_password_file
+Logs     $var/logs/airflow-standalone.log, $var/logs/mlflow-server.log
+Stop     make stop
+EOF

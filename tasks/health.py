@@ -1,0 +1,203 @@
+"""Hourly health check (dags/llm_health.py): light environment validation and device sampling, logged to MLflow.
+
+It raises an alarm (StageError: the Airflow task fails with a one-line cause) on the signs that precede failed
+Ascend jobs: a chip in alarm or too hot, a dropped card (fewer chips than expected or than this host had before),
+HBM full with no process on the chip (memory a crashed job left behind: the next job OOMs), a clock off NTP
+(HCCL link set-up times out across nodes), and too little disk or host memory. Warnings are logged, not raised.
+
+`collect()` does the I/O (npu-smi, torch memory on CUDA/NPU, host memory/disk, chrony); `assess()` turns a sample
+into checks and is pure, so the alarm logic is tested on npu-smi fixture files.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import time
+from pathlib import Path
+
+from tasks import tracking
+from tasks.config import PipelineConfig, repo_path, var_dir
+from tasks.envcheck import check, npu_smi, system, versions, worst
+from tasks.errors import StageError
+from tasks.fsutil import atomic_write_json, read_json
+
+GB = 1024 ** 3
+
+
+def state_path() -> Path:
+    """The most chips this host has shown: how a card that dropped off the bus is noticed without configuration."""
+    return var_dir() / "health" / f"{socket.gethostname()}.json"
+
+
+def torch_devices(kind: str) -> list[dict]:
+    """Per-device memory from the runtime (all processes): what HBM/VRAM use looks like without npu-smi."""
+    from tasks import device
+
+    mod = device.device_module(kind)
+    out = []
+    for i in range(mod.device_count()):
+        free, total = mod.mem_get_info(i)
+        out.append({"index": i, "used_mb": (total - free) // 2**20, "total_mb": total // 2**20})
+    return out
+
+
+def collect(cfg: PipelineConfig) -> dict:
+    """One sample of this host: versions, devices (npu-smi and/or torch), host memory, disk, clock."""
+    from tasks import device
+
+    hw = cfg.hardware
+    sample = {"time": time.time(), "host": system.host_facts(),
+              "versions": {"torch": versions.package_version("torch"),
+                           "torch_npu": versions.package_version("torch-npu"),
+                           "cann": (versions.find_cann() or {}).get("version")},
+              "clock": system.clock_status(), "npu_smi": None, "torch_devices": [],
+              "disk_paths": {"var": str(var_dir()), "data": str(repo_path(cfg.data.out_dir))}}
+    text = npu_smi.run()
+    if text:
+        sample["npu_smi"] = npu_smi.parse(text)
+    try:
+        backend = device.detect(hw.device)
+    except StageError as e:  # e.g. device npu configured but torch_npu/CANN broken: that is the alarm
+        sample["backend"] = {"kind": hw.device, "error": str(e)}
+        return sample
+    sample["backend"] = {"kind": backend.kind, "device_count": backend.device_count}
+    if backend.is_accelerator:
+        sample["torch_devices"] = torch_devices(backend.kind)
+    return sample
+
+
+def _chip_label(c: dict) -> str:
+    return f"NPU {c['npu']} chip {c['chip']}"
+
+
+def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
+    """Temperature, chip health, dropped cards and HBM fill, from npu-smi (or torch's view on CUDA)."""
+    out = []
+    info = sample.get("npu_smi")
+    backend = sample.get("backend", {})
+    if backend.get("error"):
+        out.append(check("backend", "fail", backend["error"]))
+    if info:
+        out += [c for c in npu_smi.checks(info) if c["name"] == "npu-health"]  # busy chips are normal here
+        temps = [c["temp_c"] for c in info["chips"] if c["temp_c"] is not None]
+        hot = [f"{_chip_label(c)} at {c['temp_c']} C" for c in info["chips"]
+               if c["temp_c"] is not None and c["temp_c"] >= hw.max_device_temp_c]
+        if hot:
+            out.append(check("temperature", "fail", "; ".join(hot) + " (alarm at hardware.max_device_temp_c "
+                                                                     f"{hw.max_device_temp_c:g} C)"))
+        else:
+            out.append(check("temperature", "ok", f"max {max(temps)} C" if temps else "not reported"))
+        busy = {(p["npu"], p["chip"]) for p in info["processes"]}
+        full = [c for c in info["chips"] if c["memory_kind"] == "HBM" and c["memory_total_mb"] and
+                100 * c["memory_used_mb"] / c["memory_total_mb"] >= hw.max_hbm_used_pct]
+        leaked = [c for c in full if (c["npu"], c["chip"]) not in busy]
+        if leaked:
+            out.append(check("hbm", "fail", "; ".join(f"{_chip_label(c)} HBM {c['memory_used_mb']}/"
+                                                      f"{c['memory_total_mb']} MB with no process on it" for c in leaked)
+                             + ": memory left by a dead job; reset the chip (npu-smi set -t reset) or reboot"))
+        elif full:
+            out.append(check("hbm", "warn", ", ".join(_chip_label(c) for c in full) + " HBM ≥ "
+                                                      f"{hw.max_hbm_used_pct:g}% (in use by a running process)"))
+        else:
+            out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every chip"))
+        count = len({c["npu"] for c in info["chips"]})
+        kind = "NPU cards (npu-smi)"
+    elif backend.get("kind") in ("cuda", "npu") and "device_count" in backend:
+        count = backend["device_count"]
+        kind = f"{backend['kind'].upper()} devices (torch)"
+        full = [d for d in sample["torch_devices"] if d["total_mb"] and
+                100 * d["used_mb"] / d["total_mb"] >= hw.max_hbm_used_pct]
+        out.append(check("hbm", "warn", ", ".join(f"device {d['index']} {d['used_mb']}/{d['total_mb']} MB"
+                                                  for d in full)) if full else
+                   check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every device"))
+    else:
+        return out  # CPU host: host memory and disk are the device checks
+    expected = hw.expected_devices or last_seen
+    source = "hardware.expected_devices" if hw.expected_devices else "seen on this host before"
+    if expected and count < expected:
+        out.append(check("devices", "fail", f"dropped card: {count} {kind} visible, {expected} expected ({source}); "
+                                            "check `npu-smi info -l` and dmesg, then reseat or replace"))
+    else:
+        out.append(check("devices", "ok", f"{count} {kind}"))
+    return out
+
+
+def assess(sample: dict, cfg: PipelineConfig, last_seen: int = 0) -> list[dict]:
+    """Every check for one sample; pure (no I/O), so the alarm rules are testable on fixture output."""
+    hw = cfg.hardware
+    host = sample["host"]
+    checks = device_checks(sample, hw, last_seen)
+    checks.append(system.check_clock(sample["clock"], hw.nnodes, hw.max_clock_offset_ms))
+    checks.append(system.check_host_memory(host["memory_available_gb"], host["memory_total_gb"],
+                                           hw.min_host_memory_gb))
+    disk, free = system.check_disk(sample["disk_paths"], hw.min_free_disk_gb)
+    sample["disk_free_gb"] = free
+    checks.append(disk)
+    return checks
+
+
+def metrics(sample: dict) -> dict[str, float]:
+    """What the MLflow health run plots over time."""
+    out = {"host.memory_available_gb": sample["host"]["memory_available_gb"]}
+    out.update({f"disk.{k}.free_gb": v for k, v in sample.get("disk_free_gb", {}).items()})
+    if sample["clock"].get("offset_ms") is not None:
+        out["clock.offset_ms"] = sample["clock"]["offset_ms"]
+    for c in (sample.get("npu_smi") or {}).get("chips", []):
+        key = f"npu{c['npu']}.chip{c['chip']}"
+        for name in ("temp_c", "power_w", "aicore_pct"):
+            if c[name] is not None:
+                out[f"{key}.{name}"] = c[name]
+        if c["memory_total_mb"]:
+            out[f"{key}.memory_used_pct"] = round(100 * c["memory_used_mb"] / c["memory_total_mb"], 2)
+    for d in sample.get("torch_devices", []):
+        out[f"device{d['index']}.memory_used_pct"] = round(100 * d["used_mb"] / max(d["total_mb"], 1), 2)
+    return out
+
+
+def device_count(sample: dict) -> int:
+    if sample.get("npu_smi"):
+        return len({c["npu"] for c in sample["npu_smi"]["chips"]})
+    return sample.get("backend", {}).get("device_count", 0) if sample.get("torch_devices") else 0
+
+
+def run(cfg: PipelineConfig, ctx) -> dict:
+    """Stage-like entry point: sample, assess, log to MLflow, raise the alarms as one line."""
+    path = state_path()
+    last_seen = read_json(path).get("max_devices", 0) if path.is_file() else 0
+    sample = collect(cfg)
+    checks = assess(sample, cfg, last_seen)
+    status = worst(checks)
+    count = device_count(sample)
+    if count > last_seen:
+        atomic_write_json(path, {"max_devices": count, "time": sample["time"]})
+    tracking.log_metrics(metrics(sample))
+    tracking.log_json_artifact({"sample": sample, "checks": checks}, "health.json")
+    tracking.set_tags({"health.status": status})
+    atomic_write_json(Path(ctx.run_dir) / "health.json", {"sample": sample, "checks": checks})
+    failed = [f"{c['name']}: {c['detail']}" for c in checks if c["status"] == "fail"]
+    if failed:
+        raise StageError("health alarm: " + " | ".join(failed))
+    warned = [c["name"] for c in checks if c["status"] == "warn"]
+    backend = sample.get("backend", {}).get("kind", "?")
+    return {"status": "warn" if warned else "ok", "checks": checks,
+            "summary": f"{backend}: {len(checks)} checks, " + (f"warnings: {', '.join(warned)}" if warned else "all ok")}
+
+
+def run_health(cfg: PipelineConfig, run_dir: str | Path, tags: dict | None = None) -> dict:
+    """One health check as its own MLflow run (experiment `<tracking.experiment>-health`); used by the DAG."""
+    from tasks.runner import StageContext
+
+    cfg = copy.deepcopy(cfg)
+    cfg.tracking.experiment = f"{cfg.tracking.experiment}-health"
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with tracking.stage_run(cfg, "health", tags={"pipeline.kind": "health", **(tags or {})}) as run_id:
+        try:
+            result = run(cfg, StageContext(run_dir=run_dir, stage="health", mlflow_run_id=run_id))
+        except StageError as e:
+            tracking.set_tags({"pipeline.error": str(e)[:5000]})
+            raise
+    result.update(stage="health", mlflow_run_id=run_id)
+    print(json.dumps({k: result[k] for k in ("status", "summary", "mlflow_run_id")}))
+    return result

@@ -1,0 +1,109 @@
+"""Health check: alarm rules on npu-smi / chronyc fixture output, a real sample of this host logged to MLflow,
+and the hourly DAG file parsing with real Airflow and without heavy imports."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from tasks import health
+from tasks.envcheck import npu_smi, system
+from tasks.errors import StageError
+
+REPO = Path(__file__).resolve().parent.parent
+FIX = REPO / "tests" / "fixtures"
+
+
+def npu_sample(name: str, clock_fixture: str = "chronyc-tracking.txt") -> dict:
+    """A sample as collect() builds it on an Ascend host, from fixture files in npu-smi/chronyc's own formats."""
+    path = FIX / "health" / name if (FIX / "health" / name).is_file() else FIX / "env" / "npu-smi" / name
+    return {"host": {"memory_available_gb": 900.0, "memory_total_gb": 1024.0},
+            "npu_smi": npu_smi.parse(path.read_text()), "torch_devices": [],
+            "backend": {"kind": "npu", "device_count": 2},
+            "clock": system.parse_chronyc((FIX / "env" / clock_fixture).read_text()),
+            "disk_paths": {"var": str(REPO)}}
+
+
+def by_name(checks):
+    return {c["name"]: c for c in checks}
+
+
+def test_healthy_ascend_host_passes(cfg):
+    checks = by_name(health.assess(npu_sample("910b2c.txt"), cfg, last_seen=2))
+    assert {n: c["status"] for n, c in checks.items() if n in ("temperature", "hbm", "devices", "npu-health")} == \
+        {"temperature": "ok", "hbm": "ok", "devices": "ok", "npu-health": "ok"}
+    assert checks["temperature"]["detail"] == "max 51 C"
+
+
+def test_temperature_alarm_names_the_chip(cfg):
+    checks = by_name(health.assess(npu_sample("910b2c-hot.txt"), cfg))
+    assert checks["temperature"]["status"] == "fail"
+    assert "NPU 1 chip 0 at 97 C" in checks["temperature"]["detail"]
+    assert "NPU 0" not in checks["temperature"]["detail"]
+
+
+def test_chip_in_alarm_state_fails(cfg):
+    checks = by_name(health.assess(npu_sample("310b4.txt"), cfg))
+    assert checks["npu-health"]["status"] == "fail" and "Alarm" in checks["npu-health"]["detail"]
+
+
+def test_hbm_full_without_a_process_is_a_leak(cfg):
+    checks = by_name(health.assess(npu_sample("910b2c-hbm-leak.txt"), cfg))
+    assert checks["hbm"]["status"] == "fail"
+    assert "NPU 1 chip 0 HBM 63940/65536 MB with no process" in checks["hbm"]["detail"]
+    assert "NPU 0" not in checks["hbm"]["detail"]  # full, but its training process owns it
+    cfg.hardware.max_hbm_used_pct = 99.5
+    assert by_name(health.assess(npu_sample("910b2c-hbm-leak.txt"), cfg))["hbm"]["status"] == "ok"
+
+
+def test_dropped_card_against_history_and_config(cfg):
+    one = npu_sample("910b3-one-card.txt")
+    assert by_name(health.assess(one, cfg, last_seen=1))["devices"]["status"] == "ok"
+    dropped = by_name(health.assess(one, cfg, last_seen=8))["devices"]
+    assert dropped["status"] == "fail" and "1 NPU cards (npu-smi) visible, 8 expected" in dropped["detail"]
+    cfg.hardware.expected_devices = 2
+    assert "hardware.expected_devices" in by_name(health.assess(one, cfg, last_seen=0))["devices"]["detail"]
+
+
+def test_clock_offset_alarm_on_multi_node(cfg):
+    cfg.hardware.nnodes = 2
+    clock = by_name(health.assess(npu_sample("910b2c.txt", "chronyc-tracking-drifted.txt"), cfg))["clock"]
+    assert clock["status"] == "fail" and "+742.3 ms off NTP" in clock["detail"]
+
+
+def test_real_sample_of_this_host_is_logged_to_mlflow(cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    cfg.hardware.min_host_memory_gb = 0.01
+    cfg.hardware.min_free_disk_gb = 0.01
+    result = health.run_health(cfg, tmp_path / "run")
+    assert result["status"] in ("ok", "warn") and result["mlflow_run_id"]
+    run = mlflow.MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"])
+    assert run.data.tags["health.status"] == result["status"]
+    assert run.data.metrics["host.memory_available_gb"] > 0
+    assert run.data.metrics["disk.var.free_gb"] > 0
+    assert (tmp_path / "run" / "health.json").is_file()
+
+    cfg.hardware.min_free_disk_gb = 1e9  # an alarm: the task fails with one line, and MLflow keeps the sample
+    with pytest.raises(StageError) as err:
+        health.run_health(cfg, tmp_path / "run2")
+    cause = str(err.value)
+    assert cause.startswith("health alarm: disk: ") and "\n" not in cause
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    exp = client.get_experiment_by_name(cfg.tracking.experiment + "-health")
+    failed = client.search_runs([exp.experiment_id], "attributes.status = 'FAILED'")
+    assert len(failed) == 1 and failed[0].data.tags["pipeline.error"] == cause
+    assert failed[0].data.metrics["disk.var.free_gb"] > 0
+
+
+def test_health_dag_parses_light_and_hourly(tmp_path):
+    code = ("import sys; from airflow.dag_processing.dagbag import DagBag; "
+            "b = DagBag(dag_folder='dags/llm_health.py'); d = b.dags['llm_health']; "
+            "heavy = [m for m in ('torch', 'mlflow') if m in sys.modules]; "
+            "print(b.import_errors, d.catchup, \"'0 * * * *'\" in str(d.timetable), d.task_ids, heavy)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
+    env.update(PYTHONPATH=str(REPO), AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "{} False True ['health'] []"

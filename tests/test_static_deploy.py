@@ -1,0 +1,177 @@
+"""Static checks of the deployment files: Dockerfiles, compose file and Kubernetes manifests parse, name files that
+exist, pin torch/torch_npu as a published pair, take secrets only from the environment and bind to 127.0.0.1."""
+import importlib.util
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tasks import k8s_job
+from tasks.errors import ConfigError, StageError
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+K8S = REPO / "deploy" / "k8s"
+SECRET_WORDS = re.compile(r"PASSWORD|SECRET|FERNET|TOKEN", re.I)
+ENV_REF = re.compile(r"\$\{[A-Z_]+(:\?[^}]*)?\}")
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.ascend", "Dockerfile.cpu"])
+def test_dockerfiles_parse_and_copy_files_that_exist(name):
+    steps = instructions(DOCKER / name)
+    known = {"ARG", "FROM", "ENV", "WORKDIR", "COPY", "RUN", "ENTRYPOINT", "CMD"}
+    assert {w for w, _ in steps} <= known, {w for w, _ in steps} - known
+    assert [w for w, _ in steps if w not in ("ARG",)][0] == "FROM"
+    for word, args in steps:
+        if word == "COPY":
+            *sources, _dest = shlex.split(args)
+            for src in sources:
+                assert (REPO / src).exists(), f"{name}: COPY {src} does not exist in the build context"
+        if word == "RUN":
+            for req in re.findall(r"-r\s+(\S+\.txt)", args):
+                assert req.startswith("/tmp/") or (REPO / req).is_file(), f"{name}: {req} missing"
+
+
+def test_ascend_image_is_cann_based_sources_set_env_and_pins_a_published_pair():
+    steps = instructions(DOCKER / "Dockerfile.ascend")
+    base = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)["CANN_IMAGE"]
+    assert base.startswith("quay.io/ascend/cann:"), base
+    cann = base.split(":")[1].split("-")[0]
+    entry = (DOCKER / "entrypoint-ascend.sh").read_text()
+    assert "set_env.sh" in entry and "source" in entry
+    assert ("ENTRYPOINT", '["/usr/local/bin/entrypoint-ascend.sh"]') in steps
+    pins = dict(line.split("==") for line in (REPO / "requirements-npu.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert pins["torch"] == pins["torch-npu"].split(".post")[0]
+    matrix = yaml.safe_load((REPO / "tasks" / "envcheck" / "compat_matrix.yaml").read_text())["pairs"]
+    row = next(r for r in matrix if str(r["torch_npu"]) == pins["torch-npu"])  # the env stage's own matrix
+    assert str(row["torch"]) == pins["torch"] and str(row["cann"]) == cann
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
+
+
+def test_compose_services_files_and_ports():
+    services = compose()["services"]
+    assert {"postgres", "mlflow", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
+            "airflow-triggerer"} <= set(services)
+    for name, svc in services.items():
+        build = svc.get("build")
+        if build:
+            assert (DOCKER / build["context"] / build["dockerfile"]).is_file(), name
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (DOCKER / src).is_file(), f"{name}: {src} missing"
+        for port in svc.get("ports", []):
+            assert port.startswith(("${BIND_ADDRESS:-127.0.0.1}:", "127.0.0.1:")), f"{name}: {port} not on loopback"
+    assert "postgres" not in [n for n, s in services.items() if s.get("ports")]
+    assert "--app-name basic-auth" in services["mlflow"]["command"]
+    volumes = compose()["volumes"]
+    assert "mlartifacts" in volumes
+    assert any(v.startswith("mlartifacts:") for v in services["mlflow"]["volumes"])
+    assert any(v.startswith("mlartifacts:") for v in services["airflow-scheduler"]["volumes"])
+
+
+def test_compose_takes_every_secret_from_the_environment():
+    text = (DOCKER / "docker-compose.yml").read_text()
+    for name, svc in compose()["services"].items():
+        env = svc.get("environment", {})
+        for key, value in env.items():
+            if SECRET_WORDS.search(key) and not key.endswith(("_FILE", "_PATH")):
+                assert ENV_REF.fullmatch(str(value)), f"{name}.{key} = {value!r}: take it from ${{VAR:?}}"
+    for url in re.findall(r"\w+://[^\s\"']+", text):
+        userinfo = url.split("://", 1)[1].split("@")[0] if "@" in url else ""
+        if ":" in userinfo:
+            assert ENV_REF.search(userinfo), f"credential in URL {url}"
+    required = set(re.findall(r"\$\{([A-Z_]+):\?", text))
+    assert {"POSTGRES_PASSWORD", "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_JWT_SECRET", "MLFLOW_ADMIN_PASSWORD",
+            "MLFLOW_FLASK_SECRET", "AIRFLOW_FERNET_KEY"} <= required
+
+
+def test_no_secrets_committed_in_deploy_files():
+    pattern = re.compile(r"(?i)(password|secret|passwd|api[_-]?key)\s*[:=]\s*['\"]?([^\s'\"$#{]{6,})")
+    files = [*DOCKER.iterdir(), *K8S.iterdir(), *(REPO / "scripts").iterdir(), REPO / "airflow.cfg"]
+    for f in files:
+        text = f.read_text()
+        assert "BEGIN PRIVATE KEY" not in text and "BEGIN RSA" not in text, f
+        for m in pattern.finditer(text):
+            assert m.group(2).startswith(("sqlite", "mlflow.server")), f"{f.name}: {m.group(0)}"
+    ignored = (REPO / ".gitignore").read_text().split()
+    assert "var/" in ignored  # make ui writes its generated passwords there
+
+
+def test_local_ui_binds_loopback_and_scripts_parse():
+    ui = (REPO / "scripts" / "ui.sh").read_text()
+    assert "host=127.0.0.1" in ui and '--host "$host"' in ui and "--app-name basic-auth" in ui
+    assert re.search(r"^\[api\][^\[]*^host = 127\.0\.0\.1", (REPO / "airflow.cfg").read_text(), re.M | re.S)
+    for script in ("ui.sh", "stop.sh", "install-browser.sh", "airflow-env.sh"):
+        out = subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], capture_output=True, text=True)
+        assert out.returncode == 0, f"{script}: {out.stderr}"
+    assert "SIGINT" in (REPO / "scripts" / "stop.sh").read_text()
+
+
+def test_k8s_manifests_one_pod_per_node_with_rendezvous_service():
+    service, job = yaml.safe_load_all((K8S / "train-job.yaml").read_text())
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["huawei.com/Ascend910"] >= 1
+    assert "hardware.rdzv_endpoint=llm-train-0.llm-train:29400" in container["args"][0]
+    assert "hardware.node_rank=$JOB_COMPLETION_INDEX" in container["args"][0]
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    pvc_docs = list(yaml.safe_load_all((K8S / "pvc.yaml").read_text()))
+    assert claims == {d["metadata"]["name"] for d in pvc_docs if d["kind"] == "PersistentVolumeClaim"}
+
+
+def test_render_for_a_dag_run(cfg, tmp_path):
+    cfg.hardware.nnodes = 4
+    cfg.hardware.nproc_per_node = 8
+    cfg.hardware.k8s_image = "registry.example/llm-pipeline:ascend"
+    name = k8s_job.job_name("llm_pipeline", "manual__2026-11-29T14:00:00+00:00", 2)
+    assert re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", name) and len(name) <= 50
+    service, job = k8s_job.render(cfg, tmp_path / "run", name)
+    assert service["metadata"]["name"] == job["metadata"]["name"] == name
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == cfg.hardware.k8s_image
+    assert container["resources"]["requests"]["huawei.com/Ascend910"] == 8
+    args = container["args"][0]
+    assert f"hardware.rdzv_endpoint={name}-0.{name}:29400" in args and "$JOB_COMPLETION_INDEX" in args
+    written = yaml.safe_load((tmp_path / "run" / "k8s" / f"{name}.yaml").read_text())
+    assert written["hardware"]["nnodes"] == 4 and written["tracking"]["uri"] == ""
+    cfg.hardware.k8s_image = ""
+    with pytest.raises(ConfigError, match="hardware.k8s_image"):
+        k8s_job.render(cfg, tmp_path / "run", name)
+
+
+def test_kubernetes_launcher_without_the_provider_says_what_to_install(cfg):
+    if importlib.util.find_spec("airflow.providers.cncf") is not None:
+        pytest.skip("the cncf provider is installed here")
+    spec = importlib.util.spec_from_file_location("k8s_launch", REPO / "dags" / "k8s_launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # importing the module needs no provider
+    with pytest.raises(StageError, match="requirements-k8s.txt"):
+        module.run_train_job(cfg, "llm_pipeline", "manual__1")
