@@ -33,10 +33,10 @@ run: db
 	  echo "MLflow UI: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/var/mlflow.db --host 127.0.0.1 --port 5000"; \
 	  exit $$status
 
-test: db
+test: db browser
 	@$(ENV) python -m pytest -q $(PYTEST_ARGS)
 
-test-fast: db
+test-fast: db browser
 	@$(ENV) python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are

@@ -45,11 +45,16 @@ def run_stage_task(stage: str) -> dict:
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.errors import StageError
-    from tasks.pipeline import run_for_dag_run
+    from tasks.pipeline import config_for_params, run_for_dag_run
 
     ctx = get_current_context()
+    params, dag_id, run_id, try_number = dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], ctx["ti"].try_number
     try:
-        return run_for_dag_run(stage, dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], ctx["ti"].try_number)
+        if stage == "train" and config_for_params(params).hardware.launcher == "kubernetes":
+            from k8s_launch import run_train_job  # dags/k8s_launch.py: imports the cncf provider itself
+
+            return run_train_job(config_for_params(params), dag_id, run_id, try_number)
+        return run_for_dag_run(stage, params, dag_id, run_id, try_number)
     except StageError as e:
         if e.retryable:
             raise  # e.g. a rank died: Airflow's retry resumes training from the last checkpoint
@@ -121,10 +126,15 @@ def llm_pipeline():
         ctx = get_current_context()
         return print_summary(dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"])
 
-    chain = [env(), shard(), smoke(), plan(), train(), profile(), quantize(), evaluate()]
-    for upstream, downstream in zip(chain, chain[1:]):
+    @task(task_id="pipeline_ok", doc_md="Fails unless every stage succeeded, so the run's state tells the truth "
+                                        "(the summary task runs either way).")
+    def pipeline_ok() -> None:
+        return None
+
+    stages = [env(), shard(), smoke(), plan(), train(), profile(), quantize(), evaluate()]
+    for upstream, downstream in zip(stages, stages[1:]):
         upstream >> downstream
-    chain[-1] >> summary()
+    stages[-1] >> [summary(), pipeline_ok()]
 
 
 llm_pipeline()

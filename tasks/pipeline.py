@@ -19,6 +19,8 @@ PARAMS = [
     ("nproc_per_node", "hardware.nproc_per_node", "Hardware", "Processes per node",
      "Training ranks per node: one per NPU/GPU; on CPU the number of gloo ranks."),
     ("nnodes", "hardware.nnodes", "Hardware", "Nodes", "Nodes in the torchrun c10d rendezvous."),
+    ("launcher", "hardware.launcher", "Hardware", "Training launcher",
+     "local: torchrun on this host; kubernetes: a Job on the Ascend cluster (deploy/k8s)."),
     ("data_inputs", "data.inputs", "Data", "Corpus inputs",
      "Files, directories or globs (.txt, .jsonl, .parquet, gzip'd or not); 'stdlib' = Python's own sources."),
     ("max_documents", "data.max_documents", "Data", "Max documents", "0 = the whole corpus."),
@@ -95,10 +97,16 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
 
 
 def overrides_from_params(params: dict) -> tuple[str | None, dict]:
-    """Split trigger Params into (preset, {config.key: value}); unknown names are ignored (Airflow adds its own)."""
+    """Split trigger Params into (preset, {config.key: value}); unknown names are ignored (Airflow adds its own).
+
+    The form shows the default preset's values; only fields the user changed override the chosen preset, so
+    picking another preset (e.g. ci-tiny) is not silently undone by the form's untouched defaults.
+    """
     keys = {name: key for name, key, *_ in PARAMS}
+    defaults = {name: s["default"] for name, s in param_schemas().items()}
     preset = params.get("preset")
-    overrides = {keys[n]: v for n, v in params.items() if n in keys and keys[n] is not None and v is not None}
+    overrides = {keys[n]: v for n, v in params.items()
+                 if keys.get(n) is not None and v is not None and v != defaults.get(n)}
     return preset, overrides
 
 

@@ -77,18 +77,21 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
             result = module.run(cfg, ctx)
         except StageError as e:
             _record_failure(result_path, stage, str(e), run_id, started)
-            tracking.set_tags({"pipeline.error": str(e)[:5000]})
+            if run_id:
+                tracking.set_tags({"pipeline.error": str(e)[:5000]})
             raise
         except Exception as e:  # a bug or an unexpected runtime error: still one line on top, trace in the file
             cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
             _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
-            tracking.set_tags({"pipeline.error": cause[:5000]})
+            if run_id:
+                tracking.set_tags({"pipeline.error": cause[:5000]})
             raise
         result = dict(result or {})
         result.setdefault("status", "ok")
         result.setdefault("summary", "")
         result.update(stage=stage, mlflow_run_id=run_id, seconds=round(time.time() - started, 2))
-        tracking.set_tags({"pipeline.status": result["status"]})
+        if run_id:
+            tracking.set_tags({"pipeline.status": result["status"]})
     atomic_write_json(result_path, result)
     return result
 

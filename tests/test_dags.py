@@ -18,7 +18,7 @@ def dagbag():
 
 def test_dags_import_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert {"llm_pipeline", "llm_data"} <= set(dagbag.dags)
+    assert {"llm_pipeline", "llm_data", "llm_health"} <= set(dagbag.dags)
 
 
 def test_main_dag_shape(dagbag):
@@ -29,6 +29,9 @@ def test_main_dag_shape(dagbag):
     assert dag.catchup is False and "0 3 * * 1" in str(dag.timetable)
     assert all(dag.get_task(t).doc_md for t in stages)
     assert dag.get_task("train").retries == 2  # a retry resumes from the last checkpoint
+    assert dag.get_task("pipeline_ok").upstream_task_ids == {"evaluate"}
+    assert dag.get_task("pipeline_ok").trigger_rule == "all_success"
+    assert dag.get_task("summary").trigger_rule == "all_done"
 
 
 def test_params_have_sections_types_and_ranges(dagbag):
@@ -41,7 +44,7 @@ def test_params_have_sections_types_and_ranges(dagbag):
 
 
 def test_dag_files_import_no_heavy_modules():
-    code = ("import sys; sys.path.insert(0, 'dags'); import llm_pipeline, llm_data; "
+    code = ("import sys; sys.path.insert(0, 'dags'); import llm_pipeline, llm_data, llm_health; "
             "bad = [m for m in ('torch', 'mlflow', 'webdataset', 'torchao') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -59,3 +62,13 @@ def test_out_of_range_param_fails_before_the_run(tmp_path):
     text = out.stdout + out.stderr
     assert "ParamValidationError" in text and "steps" in text
     assert (set(runs.glob("*")) if runs.exists() else set()) == before  # no stage ran
+
+
+def test_form_defaults_do_not_undo_the_chosen_preset():
+    from tasks.pipeline import config_for_params, param_schemas
+
+    form = {name: s["default"] for name, s in param_schemas().items()}  # what an untouched form submits
+    cfg = config_for_params({**form, "preset": "ci-tiny"})
+    assert (cfg.model.preset, cfg.train.steps, cfg.data.seq_len) == ("debug", 6, 64)  # ci-tiny's own values
+    cfg = config_for_params({**form, "preset": "ci-tiny", "steps": 3})
+    assert cfg.train.steps == 3 and cfg.data.seq_len == 64  # a changed field still wins
