@@ -1,0 +1,105 @@
+"""Why a training launch failed, in one line for the operator (after the seeds' troubleshooting tables).
+
+Workers leave evidence in `<run-dir>/train/`: `diagnosis.json` (non-finite loss/gradient, written by rank 0),
+`failures/oom-rank-K.json` and `failures/timeout-rank-K.json` (written by the rank that hit it) and heartbeats.
+The launcher turns that evidence, torchrun's exit report and the planner's result into a StageError.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+from tasks.errors import StageError
+from tasks.parallel.metrics import read_heartbeats
+
+GB = 1 << 30
+PHASES = ("data", "compute", "checkpoint", "done")  # heartbeat phases within a step, in order
+
+
+def is_oom(exc: BaseException) -> bool:
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+def is_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text or "watchdog" in text
+
+
+def oom_advice(stats: dict) -> str:
+    """Fragmentation (reserved ≫ allocated) is cured by allocator settings; otherwise the plan must change."""
+    alloc, reserved = stats.get("allocated_bytes", 0), stats.get("reserved_bytes", 0)
+    if reserved and (reserved - alloc) > 0.2 * reserved:
+        return (f"{(reserved - alloc) / GB:.1f} GB reserved but unallocated (fragmentation): set "
+                "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True (or max_split_size_mb:128; "
+                "PYTORCH_CUDA_ALLOC_CONF on CUDA)")
+    return "memory is really in use: raise zero to 3, recompute to full, tp/pp, or lower train.micro_batch"
+
+
+def next_feasible_plan(plans: list[dict], layout: dict) -> str:
+    """The planner's best-ranked feasible plan that differs from the one that ran out of memory."""
+    key = ("dp", "tp", "pp", "zero", "recompute", "micro_batch")
+    for p in plans:
+        if all(k in p for k in ("dp", "tp", "pp")) and any(p.get(k) != layout.get(k) for k in key):
+            return ", ".join(f"{k}={p[k]}" for k in key if k in p)
+    return ""
+
+
+def _torchrun_failures(log_text: str) -> list[tuple[int, int]]:
+    """[(rank, exitcode)] from torchrun's end-of-run failure report, the root cause first."""
+    log_text = log_text[log_text.rfind("Root Cause"):] if "Root Cause" in log_text else log_text
+    return [(int(r), int(c)) for r, c in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", log_text)]
+
+
+def _where(beat: dict) -> str:
+    return f"step {beat['step']} {beat['phase']}"
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layout: dict,
+            resume_from: str) -> StageError:
+    train_dir = Path(train_dir)
+    diag = train_dir / "diagnosis.json"
+    if diag.is_file():
+        d = json.loads(diag.read_text())
+        return StageError(f"{d['what']} at step {d['step']} (loss {d['loss']}, grad norm {d['grad_norm']}); "
+                          f"stopped before the update, last good checkpoint {d['last_good_checkpoint'] or 'none'}; "
+                          f"see {diag}", retryable=False)
+    ooms = sorted((train_dir / "failures").glob("oom-rank-*.json"))
+    if ooms:
+        o = json.loads(ooms[0].read_text())
+        s = o["memory"]
+        est = f"planner estimated {o['estimate_bytes'] / GB:.1f} GB/device; " if o.get("estimate_bytes") else ""
+        nxt = next_feasible_plan(plans, layout)
+        return StageError(f"out of memory on rank {o['rank']} at step {o['step']}: {est}allocated "
+                          f"{s['allocated_bytes'] / GB:.1f} GB, reserved {s['reserved_bytes'] / GB:.1f} GB; "
+                          f"{oom_advice(s)}" + (f"; next feasible plan: {nxt}" if nxt else ""), retryable=False)
+    beats = read_heartbeats(train_dir / "heartbeat")
+    timeouts = sorted((train_dir / "failures").glob("timeout-rank-*.json"))
+    if timeouts:
+        progress = {r: (b["step"], PHASES.index(b["phase"]) if b["phase"] in PHASES else 0) for r, b in beats.items()}
+        front = max(progress.values(), default=(0, 0))
+        behind = sorted(r for r, p in progress.items() if p < front)
+        who = (f"ranks {behind} did not arrive (stuck at {', '.join(_where(beats[r]) for r in behind[:4])}; the "
+               f"others reached {front[0]} {PHASES[front[1]]})") if behind else \
+            "no rank fell behind by heartbeat (a network or clock problem between nodes)"
+        return StageError(f"collective timed out: {who}; run `python -m tasks env` to check clock offsets and "
+                          f"link bandwidth between nodes; a retry resumes from {resume_from}", retryable=True)
+    failures = _torchrun_failures(torchrun_log)
+    if failures:
+        rank, code = failures[0]
+        step = beats.get(rank, {}).get("step", "?")
+        return StageError(f"rank {rank} died ({_exit_text(code)}) at step {step}; see logs/rank-{rank}.log; "
+                          f"a retry resumes from {resume_from}", retryable=True)
+    tail = " | ".join(torchrun_log.strip().splitlines()[-3:])
+    return StageError(f"torchrun exited with code {rc}: {tail}; see logs/torchrun.log; "
+                      f"a retry resumes from {resume_from}", retryable=True)

@@ -1,0 +1,26 @@
+"""Data parallelism with FSDP2 `fully_shard` over the dp axis of the mesh (composes with TP DTensors: 2-D).
+
+ZeRO mapping: 3 → parameters resharded after forward (gathered again for backward); 1/2 → kept gathered between
+forward and backward (FSDP2 always shards gradients and optimizer states, so 1 behaves as 2); 0 → the same as 2
+(plain replicated DDP is not composed with TP/PP here; memory is never worse than DDP's).
+Mixed precision: compute in bf16/fp16, gradients reduced in fp32, master weights and optimizer states fp32.
+"""
+from __future__ import annotations
+
+PARAM_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+
+
+def apply_fsdp(model, dp_mesh, precision: str, zero: int) -> None:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    name = PARAM_DTYPES[precision]
+    # cast_forward_inputs=False: the RoPE table passed to each block must stay fp32.
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, name) if name else None, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    reshard = zero == 3
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root's parameters (embedding, final norm, output) are used last in forward, first in backward:
+    # resharding them in between would only add an all-gather.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

@@ -1,0 +1,92 @@
+"""The parallel layout of one training run: resolved from the config (pinned) or the planner, and checked
+before any worker starts — every problem one line."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tasks.parallel.pp import stages_per_rank
+
+
+@dataclass
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 3
+    recompute: str = "none"
+    recompute_every: int = 1
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    microbatches: int = 0        # per data-parallel rank and optimizer step (0 = local batch / micro_batch)
+    virtual_stages: int = 2
+    micro_batch: int = 1
+    global_batch: int = 1
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dp
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or max(1, self.local_batch // self.micro_batch)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
+    """Pinned degrees (cfg.parallel.dp/tp/pp > 0) win; unpinned ones come from the planner's choice, else
+    tp = pp = 1 and dp fills the world. With a plan, its zero/recompute/schedule/micro-batch apply too."""
+    par, train = cfg.parallel, cfg.train
+    lay = Layout(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero, recompute=par.recompute,
+                 recompute_every=par.recompute_every, sequence_parallel=par.sequence_parallel,
+                 pp_schedule=par.pp_schedule, microbatches=par.microbatches, virtual_stages=par.virtual_stages,
+                 micro_batch=train.micro_batch, global_batch=train.global_batch)
+    chosen = (plan_result or {}).get("parallel") or {}
+    if 0 in (par.dp, par.tp, par.pp) and chosen:
+        for key in ("dp", "tp", "pp"):
+            if getattr(lay, key) == 0 and chosen.get(key):
+                setattr(lay, key, int(chosen[key]))
+        for key in ("zero", "recompute", "pp_schedule", "microbatches", "micro_batch", "virtual_stages",
+                    "sequence_parallel"):
+            if chosen.get(key) not in (None, ""):
+                setattr(lay, key, type(getattr(lay, key))(chosen[key]))
+    lay.tp = lay.tp or 1
+    lay.pp = lay.pp or 1
+    lay.dp = lay.dp or max(1, world // (lay.tp * lay.pp))
+    return lay
+
+
+def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[str]:
+    problems = []
+    if lay.world != world:
+        problems.append(f"parallel: dp {lay.dp} × tp {lay.tp} × pp {lay.pp} = {lay.world} ≠ world size {world} "
+                        f"({world_text})")
+    for what, n in (("heads", tcfg.n_heads), ("KV heads", tcfg.n_kv_heads)):
+        if n % lay.tp:
+            problems.append(f"parallel.tp: {lay.tp} does not divide the model's {n} {what}")
+    if lay.tp > 1 and lay.sequence_parallel and seq_len % lay.tp:
+        problems.append(f"data.seq_len: {seq_len} is not divisible by parallel.tp {lay.tp} (sequence parallel)")
+    n_stages = lay.pp * stages_per_rank(lay.pp_schedule, lay.virtual_stages)
+    if lay.pp > 1 and n_stages > tcfg.n_layers:
+        extra = f" ({lay.pp} × {lay.virtual_stages} virtual stages)" if n_stages != lay.pp else ""
+        problems.append(f"parallel.pp: {n_stages} pipeline stages{extra} exceed the model's {tcfg.n_layers} layers")
+    if lay.pp_schedule == "interleaved1f1b" and lay.pp < 2:
+        problems.append("parallel.pp_schedule: interleaved1f1b needs parallel.pp >= 2")
+    if tcfg.tie_embeddings and (lay.pp > 1 or lay.tp > 1):
+        problems.append("model: tied embeddings are supported with dp only (parallel.tp = parallel.pp = 1)")
+    if lay.global_batch % lay.dp:
+        problems.append(f"train.global_batch: {lay.global_batch} is not divisible by parallel.dp {lay.dp}")
+    elif lay.local_batch % lay.n_microbatches:
+        problems.append(f"train.global_batch: {lay.local_batch} sequences per dp rank do not split into "
+                        f"{lay.n_microbatches} equal micro-batches (train.micro_batch {lay.micro_batch})")
+    if lay.pp > 1 and lay.pp_schedule != "gpipe" and lay.n_microbatches < lay.pp:
+        problems.append(f"parallel.microbatches: {lay.n_microbatches} micro-batches per step are fewer than the "
+                        f"{lay.pp} pipeline stages ({lay.pp_schedule} needs >= pp; lower train.micro_batch or "
+                        f"raise train.global_batch)")
+    return problems

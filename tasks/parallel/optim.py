@@ -1,0 +1,79 @@
+"""AdamW with linear warm-up then cosine decay, and gradient clipping that is exact across FSDP, TP and PP.
+
+One optimizer (and scheduler) per model part: pipeline ranks with interleaved stages hold several parts, and
+DCP's flattened optimizer state dict then merges them by parameter name.
+"""
+from __future__ import annotations
+
+import math
+
+
+def lr_factor(step: int, warmup: int, total: int, lr: float, min_lr: float) -> float:
+    """Multiplier of the base lr for optimizer step `step` (0-based): linear warm-up, cosine to min_lr."""
+    if lr <= 0:
+        return 1.0
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return (min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))) / lr
+
+
+def build_optimizers(parts, train_cfg):
+    """[(AdamW, LambdaLR)] per model part."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for part in parts:
+        params = [p for p in part.parameters() if p.requires_grad]
+        meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+        # foreach kernels reject a mix of plain tensors and DTensors (or DTensors on different meshes).
+        foreach = len(meshes) == 1
+        opt = torch.optim.AdamW(params, lr=train_cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                                weight_decay=train_cfg.weight_decay, foreach=foreach)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_factor(s, train_cfg.warmup_steps, train_cfg.steps, train_cfg.lr, train_cfg.min_lr))
+        out.append((opt, sched))
+    return out
+
+
+def grad_norm_and_clip(params, max_norm: float, pp_group=None):
+    """Global L2 norm of all gradients, then scale them so the norm is at most `max_norm` (0 = no clipping).
+
+    Each rank sums the squares of its local shards; a DTensor's partial sums are all-reduced over the mesh axes
+    it is sharded on (FSDP's dp, TP's tp) and not over the axes it is replicated on; pipeline stages hold
+    disjoint parameters, so their sums are added over the pp group. Grouping by axes avoids one collective per
+    tensor and avoids torch's clip_grad_norm_, which fails on a mix of plain tensors and DTensors.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    locals_, buckets = [], {}
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            # Shard and FSDP's _StridedShard (for which is_shard() is False) both split the tensor.
+            groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements)
+                           if not pl.is_replicate())
+            g = g.to_local()
+        else:
+            groups = ()
+        locals_.append(g)
+        sq = torch.linalg.vector_norm(g.detach(), 2.0, dtype=torch.float32).pow(2)
+        buckets[groups] = buckets[groups] + sq if groups in buckets else sq
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for groups, sq in buckets.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total += sq
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
+    if max_norm > 0 and locals_:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+    return norm

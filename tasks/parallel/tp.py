@@ -1,0 +1,60 @@
+"""Tensor parallelism: torchtitan's Llama plan (Megatron column/row split) with optional sequence parallelism.
+
+Column-wise q/k/v and w1/w3 shard heads and the FFN width; row-wise wo/w2 reduce back. With sequence parallelism
+the norms and the residual stream between blocks stay sharded along the sequence (Shard(1)), so activations outside
+attention/FFN shrink by the TP degree; without it, every TP rank holds the full sequence.
+"""
+from __future__ import annotations
+
+
+def apply_tp(model, tp_mesh, sequence_parallel: bool) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    seq = Shard(1) if sequence_parallel else Replicate()
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.norm is not None and sequence_parallel:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan = {
+            # The rope table (second input) stays a plain tensor: every rank needs all of it.
+            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
+                                            use_local_output=True),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(block, tp_mesh, plan)
+    if sequence_parallel:
+        _full_length_rope(model, tp_mesh.size())
+
+
+def _full_length_rope(model, tp: int) -> None:
+    """The model slices its RoPE table by the length of the hidden states it holds; under sequence parallelism
+    that is the local shard (seq / tp), while attention runs on the gathered full sequence. Hand every block the
+    table for the full length instead (a pre-hook, so the model stays layout-agnostic)."""
+    from torch.distributed.tensor import DTensor
+
+    def hook(block, args):
+        x = args[0]
+        full_len = x.shape[1] if isinstance(x, DTensor) else x.shape[1] * tp  # a DTensor's shape is global
+        return x, model.rope_cache[:full_len]
+
+    for block in model.layers.values():
+        block.register_forward_pre_hook(hook)

@@ -1,0 +1,284 @@
+"""Per-rank training entry, started by torchrun: `python -m tasks.parallel.worker --spec launch.json [--spec …]`.
+
+The spec (written by tasks/train.py) holds the resolved config, model shape, layout and paths. Several specs run
+one after another in the same process group (the tests use this to check many layouts per torchrun launch).
+Exit codes: 0 done, 3 non-finite loss/gradient, 4 out of memory, 5 collective timeout, 1 anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+EXIT_NONFINITE, EXIT_OOM, EXIT_TIMEOUT = 3, 4, 5
+# Fault injection for resilience tests: "RANK:STEP" makes that rank SIGKILL itself at the start of that step,
+# "RANK:STEP:hang" makes it stop responding there (the others then hit the collective timeout).
+FAULT_ENV = "LLM_PIPELINE_FAULT"
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} rank {os.environ.get('RANK', '0')}] {msg}", flush=True)
+
+
+def _redirect_output(log_path: Path) -> None:
+    """stdout/stderr of this rank (including C++ warnings and tracebacks) go to <run-dir>/logs/rank-K.log."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _fault(rank: int) -> tuple[int | None, str]:
+    """(step, "kill" | "hang") for this rank from $LLM_PIPELINE_FAULT, or (None, "")."""
+    parts = os.environ.get(FAULT_ENV, "").split(":")
+    if len(parts) >= 2 and int(parts[0]) == rank:
+        return int(parts[1]), (parts[2] if len(parts) > 2 else "kill")
+    return None, ""
+
+
+def _load_spec(path: str) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int):
+    """Model parts of this rank: split for PP → TP → activation checkpointing → FSDP → materialise."""
+    from tasks.model import build_model, materialize
+    from tasks.parallel.ac import apply_ac
+    from tasks.parallel.fsdp import apply_fsdp
+    from tasks.parallel.pp import split_model, stages_per_rank
+    from tasks.parallel.tp import apply_tp
+
+    model = build_model(tcfg, "meta")
+    per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
+    indexed = split_model(model, c["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
+    for _, part in indexed:
+        if lay.tp > 1:
+            apply_tp(part, mesh["tp"], lay.sequence_parallel)
+        apply_ac(part, lay.recompute, lay.recompute_every)
+        apply_fsdp(part, mesh["dp"], precision, lay.zero)
+        materialize(part, device, seed)
+    return indexed, lay.pp * per_rank
+
+
+def setup(spec: dict, device) -> SimpleNamespace:
+    """Mesh, model parts, optimizers, step function, loader and checkpoint manager of this rank; resumes from the
+    latest complete checkpoint (or spec["resume_from"])."""
+    import torch
+    import torch.distributed as dist
+
+    from data_prep.errors import DataPrepError
+    from data_prep.loader import ShardLoader
+    from tasks.config import PipelineConfig, apply_overrides
+    from tasks.device import reset_peak
+    from tasks.model import TransformerConfig, flops_per_token, lm_loss
+    from tasks.parallel.checkpoint import CheckpointManager, latest
+    from tasks.parallel.layout import Layout
+    from tasks.parallel.mesh import build_mesh, coords, layout_name
+    from tasks.parallel.metrics import Heartbeat, MetricsLog, peak_flops
+    from tasks.parallel.optim import build_optimizers
+    from tasks.parallel.pp import build_schedule
+    from tasks.parallel.step import PipelineStep, PlainStep
+
+    cfg = apply_overrides(PipelineConfig(), {k: v for k, v in spec["config"].items() if k != "preset"})
+    tcfg, lay = TransformerConfig(**spec["model"]), Layout(**spec["layout"])
+    run_dir = Path(spec["run_dir"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _redirect_output(run_dir / "logs" / f"rank-{rank}.log")
+    mesh = build_mesh(device.type, lay.pp, lay.dp, lay.tp)
+    c = coords(mesh)
+    _log(f"layout {layout_name(lay.dp, lay.tp, lay.pp)} coords {c} device {device}")
+    torch.manual_seed(cfg.train.seed)
+    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed)
+    parts = [p for _, p in indexed]
+    optimizers = build_optimizers(parts, cfg.train)
+    if lay.pp > 1:
+        sched = build_schedule(lay.pp_schedule, indexed, n_stages, device, mesh["pp"].get_group(),
+                               lay.n_microbatches, lm_loss)
+        step_fn = PipelineStep(sched, [i for i, _ in indexed], n_stages)
+    else:
+        step_fn = PlainStep(parts[0], lay.n_microbatches)
+    loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
+                         dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed)
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
+    start, last_good = 0, None
+    found = latest(ckpt.dir) if spec.get("resume", True) else None
+    source = spec.get("resume_from") or (found[1] if found else None)
+    if rank == 0:
+        ckpt.remove_partial()
+    if source:
+        try:
+            start, notes = ckpt.load(Path(source), parts, optimizers, loader)
+        except DataPrepError as e:  # e.g. loader workers changed: the weights resume, the data stream restarts
+            notes = [str(e)]
+        last_good = str(source)
+        _log(f"resumed from {source} at step {start}" + "".join(f"; {n}" for n in notes))
+    dist.barrier()
+    reset_peak(device)
+    return SimpleNamespace(
+        cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank, world=world,
+        parts=parts, params=[p for part in parts for p in part.parameters()], optimizers=optimizers,
+        step_fn=step_fn, loader=loader, batches=loader.batches(), ckpt=ckpt, start=start, last_good=last_good,
+        device=device, pp_group=mesh["pp"].get_group() if lay.pp > 1 else None, fault=_fault(rank),
+        metrics=MetricsLog(run_dir / "metrics.jsonl", start, cfg.tracking.enabled) if rank == 0 else None,
+        beat=Heartbeat(run_dir / "train" / "heartbeat", rank),
+        flops_tok=flops_per_token(tcfg, cfg.data.seq_len), peak=peak_flops(device, cfg.hardware.peak_tflops))
+
+
+def train(spec: dict, device, profile_dir: str | None = None) -> int:
+    import torch.distributed as dist
+
+    from tasks.device import memory_stats
+    from tasks.fsutil import atomic_write_json
+    from tasks.parallel import diagnosis
+    from tasks.profiling.collect import make_profiler
+
+    s = setup(spec, device)
+    step = s.start
+    try:
+        with make_profiler(s.cfg.profile, device.type, profile_dir, s.rank) as prof:
+            for step in range(s.start + 1, s.cfg.train.steps + 1):
+                if not train_step(s, step):
+                    return EXIT_NONFINITE
+                prof.step()
+    except Exception as e:  # OOM and timeouts leave evidence for the launcher; anything else is a bug
+        kind = "oom" if diagnosis.is_oom(e) else "timeout" if diagnosis.is_timeout(e) else None
+        if kind is None:
+            raise
+        _log(f"{kind}: {e}")
+        _write_failure(s.train_dir, kind, s.rank, step, memory_stats(device), spec.get("estimate_bytes"), str(e))
+        return EXIT_OOM if kind == "oom" else EXIT_TIMEOUT
+    s.beat.beat(step, "done")
+    peaks = [None] * s.world
+    dist.all_gather_object(peaks, memory_stats(device))
+    if s.rank == 0:
+        s.metrics.close()
+        atomic_write_json(s.train_dir / "summary.json", {"final_step": step, "start_step": s.start,
+                                                          "checkpoint": s.last_good, "memory_per_rank": peaks,
+                                                          "layout": spec["layout"]})
+    _log(f"done at step {step}")
+    return 0
+
+
+def train_step(s: SimpleNamespace, step: int) -> bool:
+    """One optimizer step with its metrics and checkpoint; False when the loss or gradient is not finite (the
+    update is skipped, diagnosis.json written)."""
+    import torch
+
+    from tasks.device import memory_stats, synchronize
+    from tasks.parallel.optim import grad_norm_and_clip
+    from tasks.parallel.step import global_loss
+
+    cfg, lay, device = s.cfg, s.lay, s.device
+    s.beat.beat(step, "data")
+    if step == s.fault[0]:
+        _log(f"fault injection: {s.fault[1]} at step {step}")
+        if s.fault[1] == "hang":
+            time.sleep(24 * 3600)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.perf_counter()
+    x, y = next(s.batches)
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    t_data = time.perf_counter() - t0
+    s.beat.beat(step, "compute")
+    loss = global_loss(s.step_fn(x, y), lay.dp, lay.tp)
+    norm = grad_norm_and_clip(s.params, cfg.train.grad_clip, s.pp_group)
+    if not (torch.isfinite(loss) and torch.isfinite(norm)):
+        _write_nonfinite(s.train_dir, s.rank, step, loss, norm, s.parts, s.last_good)
+        return False
+    lr = s.optimizers[0][0].param_groups[0]["lr"]
+    for opt, sched in s.optimizers:
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    synchronize(device)
+    dt = time.perf_counter() - t0
+    if s.rank == 0:
+        tps = lay.global_batch * cfg.data.seq_len / dt
+        s.metrics.log({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), "tokens_per_s": tps,
+                       "step_time_s": dt, "data_wait_s": t_data,
+                       "mfu": s.flops_tok * tps / (s.peak * s.world) if s.peak else None,
+                       "peak_mem_gb": memory_stats(device)["peak_bytes"] / 2**30})
+    if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
+        s.beat.beat(step, "checkpoint")
+        meta = {"model": s.spec["model"], "layout": s.spec["layout"], "config_hash": s.spec.get("config_hash", "")}
+        s.last_good = str(s.ckpt.save(step, s.parts, s.optimizers, s.loader, meta))
+    return True
+
+
+def _write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, last_good) -> None:
+    """Every rank names its parameters with non-finite gradients; rank 0 writes diagnosis.json."""
+    import torch
+    import torch.distributed as dist
+
+    from tasks.fsutil import atomic_write_json
+
+    bad = [n for part in parts for n, p in part.named_parameters()  # this rank's shard of each gradient
+           if p.grad is not None and not torch.isfinite(_local(p.grad)).all()][:10]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, bad)
+    if rank == 0:
+        what = "loss became non-finite" if not torch.isfinite(loss) else "gradient norm became non-finite"
+        atomic_write_json(train_dir / "diagnosis.json", {
+            "what": what, "step": step, "loss": float(loss), "grad_norm": float(norm),
+            "last_good_checkpoint": last_good,
+            "nonfinite_grads_by_rank": {str(r): names for r, names in enumerate(everyone) if names},
+            "advice": ["lower train.lr or lengthen train.warmup_steps", "keep train.grad_clip > 0",
+                       "bf16 overflow: check the first parameter listed; try train.precision fp32 to compare",
+                       "bad data: inspect the batch of this step (loader position in the last checkpoint)"]})
+    _log(f"stopping: non-finite loss/gradient at step {step}")
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _write_failure(train_dir: Path, kind: str, rank: int, step: int, mem: dict, estimate, error: str) -> None:
+    from tasks.fsutil import atomic_write_json
+
+    atomic_write_json(train_dir / "failures" / f"{kind}-rank-{rank}.json",
+                      {"rank": rank, "step": step, "memory": mem, "estimate_bytes": estimate,
+                       "error": error.splitlines()[0][:500] if error else ""})
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", action="append", required=True, help="launch spec JSON (repeatable)")
+    parser.add_argument("--profile-dir", default=None, help="profile the steps (tasks.profiling.collect schedule)")
+    args = parser.parse_args(argv)
+    import torch.distributed as dist
+
+    from tasks.device import detect, torch_device
+
+    specs = [_load_spec(p) for p in args.spec]
+    hw = specs[0]["config"]["hardware"]
+    backend = detect(hw["device"])
+    device = torch_device(backend.kind, int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend.dist_backend,
+                            timeout=timedelta(seconds=specs[0]["config"]["train"]["timeout_s"]))
+    code = 0
+    for spec in specs:
+        code = train(spec, device, args.profile_dir)
+        if code:
+            break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code in (0, EXIT_NONFINITE):  # every rank reached the same point: a clean shutdown is possible
+        dist.destroy_process_group()
+    # os._exit: skips interpreter teardown, which rarely SIGABRTs after destroy_process_group (gloo threads)
+    # and would turn a finished run into a failed one.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""Hybrid-parallel training: checks the layout, then starts torchrun (one process per device) running
+tasks.parallel.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
+<run-dir>/metrics.jsonl and MLflow; the final model exported to <run-dir>/hf in HF format.
+
+Multi-node: run the same command on every node with hardware.nnodes, hardware.node_rank and
+hardware.rdzv_endpoint (the first node's host:port) set; the nodes meet through torchrun's c10d rendezvous.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+from tasks import tracking
+from tasks.config import REPO_ROOT, PipelineConfig, repo_path
+from tasks.errors import ConfigError, StageError
+from tasks.fsutil import atomic_write_json, read_json
+from tasks.parallel import checkpoint as ckpt
+from tasks.parallel import layout as layouts
+from tasks.parallel.mesh import layout_name
+from tasks.parallel.metrics import read_metrics
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", default=None, metavar="DIR",
+                        help="shard set directory (default: the shard stage's result in the run directory)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="delete this run's checkpoints and metrics and start from step 0")
+    parser.add_argument("--no-export", action="store_true", help="skip the HF export to <run-dir>/hf")
+
+
+def _shard_dir(cfg: PipelineConfig, ctx) -> Path:
+    given = getattr(ctx.args, "shards", None)
+    shard = ctx.inputs.get("shard") or {}
+    found = given or shard.get("shard_dir") or (Path(shard["manifest"]).parent if shard.get("manifest") else None)
+    if not found:
+        raise StageError("no shard set: run `python -m tasks shard` with this --run-dir first, or pass --shards DIR")
+    return repo_path(found)
+
+
+def _world(cfg: PipelineConfig):
+    from tasks.device import detect
+
+    backend = detect(cfg.hardware.device)
+    nproc = cfg.hardware.nproc_per_node or (backend.device_count if backend.is_accelerator else 2)
+    return backend, nproc, nproc * cfg.hardware.nnodes
+
+
+def prepare(cfg: PipelineConfig, ctx) -> dict:
+    """Everything checked before a worker starts; returns the launch spec. Raises ConfigError (one line each)."""
+    from data_prep.errors import DataPrepError
+    from data_prep.manifest import check_files, load_manifest
+    from tasks.model import from_pipeline
+
+    shard_dir = _shard_dir(cfg, ctx)
+    try:
+        manifest = load_manifest(shard_dir)
+        check_files(shard_dir, manifest, "train")
+    except DataPrepError as e:
+        raise ConfigError(f"shards: {e}") from None
+    tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
+    if manifest["seq_len"] != cfg.data.seq_len:
+        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} differs from the shard set's {manifest['seq_len']}")
+    backend, nproc, world = _world(cfg)
+    plan = ctx.inputs.get("plan")
+    lay = layouts.resolve(cfg, plan, world)
+    hw = cfg.hardware
+    problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
+                             f"hardware.nnodes {hw.nnodes} × {nproc} processes per node")
+    if cfg.train.precision == "fp16":
+        problems.append("train.precision: fp16 training needs a loss scaler (not implemented); use bf16")
+    if getattr(ctx.args, "fresh", False):
+        for p in ("checkpoints", "train", "metrics.jsonl"):
+            target = ctx.run_dir / p
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+    last = ckpt.latest(ctx.run_dir / "checkpoints")
+    model = dataclasses.asdict(tcfg)
+    if last:
+        saved = ckpt.read_meta(last[1])["model"]
+        diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
+        if diff:
+            problems.append(f"checkpoint {last[1]}: written for another model shape ({', '.join(diff[:3])}); "
+                            f"use --fresh or another --run-dir")
+    if problems:
+        raise ConfigError(problems)
+    return {"config": cfg.to_dict(), "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
+            "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
+            "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
+
+
+def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
+    """The planner's per-device peak for exactly this layout (no runtime reserve), to compare with the measured."""
+    from tasks.planner.memory import estimate_for_run
+
+    return estimate_for_run(tcfg, cfg.data.seq_len, lay.local_batch // lay.n_microbatches, dp=lay.dp, tp=lay.tp,
+                            pp=lay.pp, zero=lay.zero, recompute=lay.recompute, precision=cfg.train.precision,
+                            schedule=lay.pp_schedule, microbatches=lay.n_microbatches,
+                            virtual=lay.virtual_stages if lay.pp_schedule == "interleaved1f1b" else 1,
+                            sequence_parallel=lay.sequence_parallel)
+
+
+def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str) -> list[str]:
+    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes."""
+    hw = cfg.hardware
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    if hw.nnodes == 1:
+        argv.append("--standalone")
+    else:
+        argv += ["--nnodes", str(hw.nnodes), "--node-rank", str(hw.node_rank), "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", hw.rdzv_endpoint, "--rdzv-id", rdzv_id]
+    argv += ["-m", "tasks.parallel.worker"]
+    for p in spec_paths:
+        argv += ["--spec", str(p)]
+    return argv
+
+
+def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id: str | None) -> dict:
+    from tasks.device import DIST_BACKEND, Backend
+    from tasks.device import launch_env as device_env
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
+    # OMP_NUM_THREADS is left to torchrun (1 unless set): more OpenMP threads than free cores makes CPU ranks
+    # spin-wait, measured 10-30x slower steps on a busy 2-core host.
+    env.update(device_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
+    env.pop("MLFLOW_RUN_ID", None)
+    if cfg.tracking.enabled and cfg.hardware.node_rank == 0 and mlflow_run_id:
+        env.update(tracking.subprocess_env(cfg, mlflow_run_id))
+    return env
+
+
+def launch(argv: list[str], env: dict, log_path: Path) -> tuple[int, str]:
+    """Run torchrun to completion; its own output (rendezvous, failure report) goes to log_path."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w", encoding="utf-8") as log:
+        rc = subprocess.run(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    return rc, log_path.read_text(encoding="utf-8", errors="replace")
+
+
+def run(cfg: PipelineConfig, ctx) -> dict:
+    from tasks.parallel import diagnosis
+
+    spec = prepare(cfg, ctx)
+    run_dir, lay = ctx.run_dir, layouts.Layout(**spec["layout"])
+    train_dir = run_dir / "train"
+    export = not getattr(ctx.args, "no_export", False) and cfg.hardware.node_rank == 0
+    last = ckpt.latest(run_dir / "checkpoints")
+    if last and last[0] >= cfg.train.steps and (not export or (run_dir / "hf" / "config.json").is_file()):
+        return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
+    tracking.log_params({"train.layout": layout_name(lay.dp, lay.tp, lay.pp), **{f"parallel.{k}": v for k, v in
+                         spec["layout"].items()}, "train.world": spec["world"], "train.shards": spec["shard_dir"]})
+    tracking.log_json_artifact(spec, "train/launch.json")
+    if cfg.hardware.node_rank == 0:  # evidence of an earlier attempt (other nodes wait for node 0 to rendezvous)
+        for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json"):
+            p = train_dir / stale
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    spec_path = atomic_write_json(train_dir / "launch.json", spec)
+    argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name)
+    log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{cfg.hardware.node_rank}.log"
+    rc, log_text = launch(argv, launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id),
+                          run_dir / "logs" / log_name)
+    if rc != 0:
+        resume = ckpt.latest(run_dir / "checkpoints")
+        plans = _plans(ctx.inputs.get("plan"))
+        raise diagnosis.explain(train_dir, rc, log_text, plans, spec["layout"],
+                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)")
+    if export:
+        _export_hf(spec, run_dir)
+    return _result(cfg, ctx, spec, reused=False)
+
+
+def _plans(plan_result: dict | None) -> list[dict]:
+    path = (plan_result or {}).get("plan_json")
+    return read_json(path).get("plans", []) if path and Path(path).is_file() else []
+
+
+def _export_hf(spec: dict, run_dir: Path) -> Path:
+    """Final checkpoint → one full model in this process (DCP loads without a process group) → HF directory."""
+    import torch.distributed.checkpoint as dcp
+
+    from tasks.model import TransformerConfig, build_model
+    from tasks.model.hf_io import save_hf
+
+    _, path = ckpt.latest(run_dir / "checkpoints")
+    model = build_model(TransformerConfig(**spec["model"]), device="cpu")
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "torch.distributed is … uninitialized": loading in one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(state["model"])
+    return save_hf(model, run_dir / "hf", tokenizer_dir=spec["shard_dir"])
+
+
+def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
+    run_dir, lay = ctx.run_dir, layouts.Layout(**spec["layout"])
+    records = read_metrics(run_dir / "metrics.jsonl")
+    last = ckpt.latest(run_dir / "checkpoints")
+    name = layout_name(lay.dp, lay.tp, lay.pp)
+    hf_dir = run_dir / "hf"
+    if cfg.hardware.node_rank != 0:  # rank 0, its metrics and the MLflow logging belong to node 0's launcher
+        return {"status": "ok", "summary": f"node {cfg.hardware.node_rank}: trained {name}", "layout": name}
+    speeds = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]  # step 1 pays warm-up
+    tps = sum(speeds) / len(speeds)
+    summary_path = run_dir / "train" / "summary.json"
+    summary = read_json(summary_path) if summary_path.is_file() else {}
+    peaks = [m["peak_bytes"] for m in summary.get("memory_per_rank", []) if m]
+    result = {
+        "status": "ok", "layout": name, "steps": records[-1]["step"], "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"], "tokens_per_s": round(tps, 1), "mfu": records[-1].get("mfu"),
+        "peak_mem_gb": round(max(peaks) / 2**30, 3) if peaks else None, "reused": reused,
+        "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
+        "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
+        "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
+                   f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
+    }
+    if not reused:
+        _log_run(ctx, spec, records, result, peaks)
+    return result
+
+
+def _human(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
+def _log_run(ctx, spec: dict, records: list[dict], result: dict, peaks: list[int]) -> None:
+    """Stage-run extras from the launcher (rank 0 already logged the per-step metrics)."""
+    final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
+    for rank, peak in enumerate(peaks):
+        final[f"memory.peak_gb.rank{rank}"] = peak / 2**30
+    if spec.get("estimate_bytes") and peaks:
+        final["memory.estimate_over_measured"] = spec["estimate_bytes"] / max(peaks)
+    tracking.log_metrics(final)
+    tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
+    tracking.log_artifact(result["metrics"])
+    plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
+    tracking.log_artifact(plot, "train")
+
+
+def _loss_plot(records: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

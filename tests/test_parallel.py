@@ -1,0 +1,95 @@
+"""Every dp/tp/pp layout trains exactly like one process (real torchrun, gloo), checkpoints reshard across layouts,
+and a non-finite loss stops the run. Several layouts share one torchrun launch (each launch costs 5–25 s)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train_fixture import (assert_same_curve, configure, losses, reference_losses, shards, torchrun,  # noqa: F401
+                           write_spec)
+
+
+@pytest.fixture(scope="module")
+def ref(shards):
+    """ref(dp_world, **config) → the single-process curve for the global batch that a dp run of that degree sees."""
+    from tasks.config import load_config
+
+    cache = {}
+
+    def curve(dp_world: int, **sets):
+        key = (dp_world, tuple(sorted(sets.items())))
+        if key not in cache:
+            cache[key] = reference_losses(configure(load_config("demo-cpu"), **sets), shards, dp_world, 6)
+        return cache[key]
+    return curve
+
+
+LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
+    "dp2_tp2": (2, 2, 1, {"train.checkpoint_every": 3}),
+    "dp2_pp2_1f1b": (2, 1, 2, {"parallel.pp_schedule": "1f1b"}),
+    "tp2_pp2_interleaved": (1, 2, 2, {"parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4,
+                                      "parallel.recompute": "selective"}),
+}
+LAYOUTS_2 = {
+    "dp2_zero2_full_recompute": (2, 1, 1, {"parallel.zero": 2, "parallel.recompute": "full"}),
+    "dp2_bf16": (2, 1, 1, {"train.precision": "bf16"}),  # FSDP mixed precision: bf16 compute, fp32 reduce
+    "tp2": (1, 2, 1, {}),
+    "tp2_no_sp": (1, 2, 1, {"parallel.sequence_parallel": False}),
+    "pp2_gpipe": (1, 1, 2, {"parallel.pp_schedule": "gpipe"}),
+    "pp2_1f1b": (1, 1, 2, {"parallel.pp_schedule": "1f1b"}),
+}
+
+
+def _specs(cfg, tmp_path, shards, layouts, nproc):
+    specs = {}
+    for name, (dp, tp, pp, extra) in layouts.items():
+        c = configure(cfg, **{"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
+                              "hardware.nproc_per_node": nproc, **extra})
+        specs[name] = write_spec(c, tmp_path / name, shards)
+    return specs
+
+
+@pytest.mark.slow
+def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, ref):
+    base = configure(cfg, **{"hardware.nproc_per_node": 4})
+    specs4 = _specs(cfg, tmp_path, shards, LAYOUTS_4, 4)
+    rc, out = torchrun(base, 4, list(specs4.values()), tmp_path / "torchrun4.log")
+    assert rc == 0, out[-3000:]
+    # The 4-rank dp2×tp2 checkpoint of step 3 continues on 2 ranks (dp2): FSDP+TP shards → FSDP shards, with the
+    # optimizer state, LR schedule and data position; steps 4–5 must be the uninterrupted curve's.
+    two = {"hardware.nproc_per_node": 2, "parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1}
+    resumed = write_spec(configure(cfg, **two), tmp_path / "resumed_on_2", shards,
+                         resume_from=str(tmp_path / "dp2_tp2" / "checkpoints" / "step-3"))
+    # A learning rate of 1e30 makes step 2's loss non-finite: the run must stop there with a diagnosis.
+    nan = write_spec(configure(cfg, **two, **{"train.lr": 1e30, "train.min_lr": 0.0, "train.warmup_steps": 0,
+                                              "train.checkpoint_every": 1}), tmp_path / "nan", shards)
+    specs2 = _specs(cfg, tmp_path, shards, LAYOUTS_2, 2)
+    rc, out = torchrun(configure(cfg, **two), 2, [*specs2.values(), resumed, nan], tmp_path / "torchrun2.log")
+    assert rc != 0 and "exitcode  : 3" in out, out[-3000:]  # 3: the worker's code for a non-finite loss
+
+    for name, (dp, _, _, extra) in {**LAYOUTS_4, **LAYOUTS_2}.items():
+        shape = {k: v for k, v in extra.items() if k.startswith("model.")}
+        # bf16 rounds every matmul input: close to the fp32 reference, not equal to it.
+        assert_same_curve(losses(tmp_path / name), ref(dp, **shape), name, rel=5e-3 if "bf16" in name else 1e-4)
+    got = losses(tmp_path / "resumed_on_2")
+    assert sorted(got) == [4, 5]
+    assert_same_curve(got, ref(2), "dp2×tp2 checkpoint resumed on dp2")
+    log = (tmp_path / "resumed_on_2" / "logs" / "rank-0.log").read_text()
+    assert "resumed from" in log and "RNG states not restored" in log
+
+    diag = json.loads((tmp_path / "nan" / "train" / "diagnosis.json").read_text())
+    assert diag["step"] == 2 and diag["last_good_checkpoint"].endswith("step-1")
+    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir()) == ["step-1"]
+
+
+
+
+@pytest.mark.slow
+def test_dp2_tp2_pp2_on_8_ranks(cfg, tmp_path, shards, ref):
+    c = configure(cfg, **{"hardware.nproc_per_node": 8, "parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2,
+                          "train.steps": 4})
+    spec = write_spec(c, tmp_path / "dp2_tp2_pp2", shards)
+    rc, out = torchrun(c, 8, [spec], tmp_path / "torchrun8.log")
+    assert rc == 0, out[-3000:]
+    assert_same_curve(losses(tmp_path / "dp2_tp2_pp2"), ref(2), "dp2×tp2×pp2")

@@ -1,0 +1,194 @@
+"""The training stage end to end: kill -9 of a rank and automatic resume, two torchrun agents (--nnodes 2), bad
+configs rejected before any worker starts, failure diagnosis, and the schedule/split arithmetic."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+
+import pytest
+
+from tasks.errors import ConfigError, StageError
+from train_fixture import (assert_same_curve, configure, context, losses, reference_losses, shards,  # noqa: F401
+                           write_spec)
+
+
+@pytest.mark.slow
+def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path, shards, monkeypatch):
+    import mlflow
+
+    from tasks.runner import run_stage
+
+    c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2,
+                          "train.steps": 6, "train.checkpoint_every": 2})
+    c.tracking.enabled = True
+    run_dir = tmp_path / "run"
+    args = context(run_dir, shards, no_export=False).args
+    monkeypatch.setenv("LLM_PIPELINE_FAULT", "1:4")  # rank 1 SIGKILLs itself at the start of step 4
+    with pytest.raises(StageError) as err:
+        run_stage("train", c, run_dir, args=args)
+    assert err.value.retryable
+    assert "rank 1 died (killed by SIGKILL) at step 4" in str(err.value)
+    assert "resumes from checkpoint step-2" in str(err.value)
+    assert max(losses(run_dir)) >= 2
+
+    monkeypatch.delenv("LLM_PIPELINE_FAULT")
+    result = run_stage("train", c, run_dir, args=args)  # what Airflow's retry does
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
+    assert_same_curve(losses(run_dir), reference_losses(c, shards, 2, 6), "killed at 4, resumed from 2")
+    assert result["summary"].startswith("6 steps, loss ") and result["summary"].endswith("dp2")
+    assert (run_dir / "hf" / "config.json").is_file() and result["checkpoint"].endswith("step-6")
+    assert "resumed from" in (run_dir / "logs" / "rank-1.log").read_text()
+
+    client = mlflow.MlflowClient(c.tracking.uri)
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.data.metrics["train.loss"] == pytest.approx(losses(run_dir)[6])
+    assert run.data.params["parallel.dp"] == "2"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "train")}
+    assert "train/loss.png" in artifacts
+    assert run.data.metrics["memory.estimate_over_measured"] > 0
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-4", "step-6"]  # keep last 2
+
+    again = run_stage("train", c, run_dir, args=args)  # complete: nothing is retrained
+    assert again["reused"] and again["steps"] == 6
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_with_nnodes_2_train_together(cfg, tmp_path, shards):
+    from tasks import train
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sets = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 1,
+            "hardware.nnodes": 2, "hardware.rdzv_endpoint": f"127.0.0.1:{port}", "train.steps": 3}
+    results, errors = {}, []
+
+    def node(rank):
+        try:
+            c = configure(cfg, **sets, **{"hardware.node_rank": rank})
+            results[rank] = train.run(c, context(tmp_path / "run", shards))
+        except Exception as e:  # surfaced by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors, errors
+    assert results[1]["summary"] == "node 1: trained dp2"
+    ref = reference_losses(configure(cfg, **sets), shards, 2, 3)
+    assert_same_curve(losses(tmp_path / "run"), ref, "2 nodes × 1 process")
+    assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} >= {"rank-0.log", "rank-1.log",
+                                                                       "torchrun-node0.log", "torchrun-node1.log"}
+
+
+@pytest.mark.slow
+def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, shards, monkeypatch):
+    from tasks import train
+
+    c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2,
+                          "train.steps": 4, "train.timeout_s": 10})
+    monkeypatch.setenv("LLM_PIPELINE_FAULT", "1:3:hang")  # rank 1 stops responding at the start of step 3
+    with pytest.raises(StageError) as err:
+        train.run(c, context(tmp_path, shards))
+    assert err.value.retryable
+    assert str(err.value).startswith("collective timed out: ranks [1] did not arrive (stuck at step 3 data")
+    assert json.loads((tmp_path / "train" / "failures" / "timeout-rank-0.json").read_text())["step"] == 3
+
+
+@pytest.mark.parametrize("sets, expected", [
+    ({"parallel.tp": 3, "hardware.nproc_per_node": 3, "parallel.dp": 1}, "parallel.tp: 3 does not divide the model's 4 heads"),
+    ({"parallel.tp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1}, "parallel.tp: 4 does not divide the model's 2 KV heads"),
+    ({"parallel.pp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1}, "parallel.pp: 4 pipeline stages exceed the model's 2 layers"),
+    ({"parallel.dp": 2, "parallel.tp": 2, "hardware.nproc_per_node": 2}, "dp 2 × tp 2 × pp 1 = 4 ≠ world size 2"),
+    ({"parallel.pp": 2, "parallel.dp": 1, "train.global_batch": 2, "hardware.nproc_per_node": 2},
+     "1 micro-batches per step are fewer than the 2 pipeline stages"),
+])
+def test_bad_layouts_fail_before_launch_one_line_each(cfg, tmp_path, shards, sets, expected):
+    from tasks import train
+
+    c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, **sets})
+    with pytest.raises(ConfigError) as err:
+        train.run(c, context(tmp_path, shards))
+    assert expected in str(err.value)
+    assert all("\n" not in p for p in err.value.problems)
+    assert not (tmp_path / "logs").exists()  # no worker was started
+
+
+def test_missing_shard_and_foreign_checkpoint_fail_before_launch(cfg, tmp_path, shards):
+    from tasks import train
+
+    c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2})
+    broken = tmp_path / "broken"
+    shutil.copytree(shards, broken)
+    victim = sorted(broken.glob("train-*.tar"))[1]
+    victim.unlink()
+    with pytest.raises(ConfigError, match=f"shard {victim} is missing"):
+        train.run(c, context(tmp_path / "a", broken))
+
+    # A complete checkpoint whose meta.json records another model shape (dim 128 instead of 64).
+    write_spec(c, tmp_path / "b", shards)
+    model = json.loads((tmp_path / "b" / "train" / "launch.json").read_text())["model"]
+    step = tmp_path / "b" / "checkpoints" / "step-2"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": 2, "model": {**model, "dim": 128}}))
+    with pytest.raises(ConfigError, match=r"written for another model shape \(dim 128 vs 64\); use --fresh"):
+        train.run(c, context(tmp_path / "b", shards))
+
+
+def test_failure_evidence_becomes_one_line_causes(tmp_path):
+    from tasks.parallel.diagnosis import explain
+    from tasks.parallel.metrics import Heartbeat
+
+    layout = {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "recompute": "none", "micro_batch": 4}
+    torchrun_log = ("Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
+                    "  rank      : 3 (local_rank: 1)\n  exitcode  : -9 (pid: 7)\n")
+    for r, step in ((0, 5), (1, 5), (2, 5), (3, 4)):
+        Heartbeat(tmp_path / "heartbeat", r).beat(step, "compute")
+    e = explain(tmp_path, 1, torchrun_log, [], layout, "checkpoint step-4")
+    assert e.retryable and str(e).startswith("rank 3 died (killed by SIGKILL) at step 4")
+
+    (tmp_path / "failures").mkdir()
+    (tmp_path / "failures" / "timeout-rank-0.json").write_text("{}")
+    e = explain(tmp_path, 1, "", [], layout, "checkpoint step-4")
+    assert e.retryable and "ranks [3] did not arrive (stuck at step 4 compute" in str(e)
+    assert "python -m tasks env" in str(e)
+
+    gb = 1 << 30
+    (tmp_path / "failures" / "oom-rank-1.json").write_text(json.dumps({
+        "rank": 1, "step": 2, "estimate_bytes": 50 * gb,
+        "memory": {"allocated_bytes": 40 * gb, "reserved_bytes": 60 * gb}}))
+    plans = [dict(layout), {**layout, "zero": 3, "recompute": "full", "micro_batch": 2}]
+    e = explain(tmp_path, 1, "", plans, layout, "checkpoint step-0")
+    assert not e.retryable and "\n" not in str(e)
+    assert "planner estimated 50.0 GB/device; allocated 40.0 GB, reserved 60.0 GB" in str(e)
+    assert "expandable_segments:True" in str(e) and "next feasible plan: dp=2, tp=1, pp=1, zero=3, " \
+                                                      "recompute=full, micro_batch=2" in str(e)
+
+
+def test_lr_schedule_and_pipeline_split():
+    from tasks.parallel.optim import lr_factor
+    from tasks.parallel.pp import layer_ranges
+
+    lrs = [1e-3 * lr_factor(s, 2, 10, 1e-3, 1e-4) for s in range(10)]
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)  # linear warm-up
+    assert lrs[2] == pytest.approx(1e-3) and all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+    assert 1e-3 * lr_factor(10, 2, 10, 1e-3, 1e-4) == pytest.approx(1e-4)  # cosine ends at min_lr
+    assert layer_ranges(5, 2) == [(0, 3), (3, 5)] and layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_unpinned_degrees_come_from_the_plan(cfg):
+    from tasks.parallel.layout import resolve
+
+    c = configure(cfg, **{"parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
+    plan = {"parallel": {"dp": 1, "tp": 2, "pp": 2, "zero": 2, "recompute": "full", "pp_schedule": "gpipe",
+                         "microbatches": 4, "micro_batch": 2, "virtual_stages": 1, "sequence_parallel": False}}
+    lay = resolve(c, plan, 4)
+    assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.recompute, lay.pp_schedule) == (1, 2, 2, 2, "full", "gpipe")
+    assert not lay.sequence_parallel and lay.n_microbatches == 4
+    assert (resolve(c, None, 4).dp, resolve(c, None, 4).tp) == (4, 1)  # no plan: all ranks data-parallel
+    c.parallel.tp = 2  # a pinned degree wins over the plan's
+    assert resolve(c, {"parallel": {"dp": 4, "tp": 1, "pp": 1}}, 4).tp == 2

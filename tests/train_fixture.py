@@ -1,0 +1,101 @@
+"""Helpers shared by the training tests: a tiny real shard set, launch specs, and the single-process reference."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+# The debug model on 32-token windows, fp32 (parity), 5 steps of 8 sequences.
+BASE = {"model.preset": "debug", "data.seq_len": 32, "data.loader_workers": 0, "train.steps": 5,
+        "train.global_batch": 8, "train.micro_batch": 2, "train.precision": "fp32", "train.lr": 3e-3,
+        "train.min_lr": 3e-4, "train.warmup_steps": 2, "train.grad_clip": 0.5, "train.checkpoint_every": 0,
+        "hardware.device": "cpu", "parallel.zero": 3, "parallel.recompute": "none"}
+
+
+@pytest.fixture(scope="session")
+def shards(tmp_path_factory):
+    """A tiny real shard set (stdlib sources, BPE 512, 32-token windows), built once per session."""
+    from data_prep.testing import tiny_shard_set
+
+    return tiny_shard_set(tmp_path_factory.mktemp("train-shards"))
+
+
+def configure(cfg, **sets):
+    """A copy of the test config with BASE and `sets` ({"parallel.dp": 2} or parallel__dp=2) applied."""
+    from tasks.config import apply_overrides, validate
+
+    c = copy.deepcopy(cfg)
+    c.tracking.enabled = False
+    apply_overrides(c, {**BASE, **{k.replace("__", "."): v for k, v in sets.items()}})
+    return validate(c)
+
+
+def context(run_dir: Path, shards: Path, no_export: bool = True):
+    from tasks.runner import StageContext
+
+    ns = argparse.Namespace(shards=str(shards), fresh=False, no_export=no_export)
+    return StageContext(run_dir=Path(run_dir), stage="train", args=ns)
+
+
+def write_spec(cfg, run_dir: Path, shards: Path, **extra) -> Path:
+    """The stage's own launch spec (train.prepare: all pre-launch checks), written where the stage writes it."""
+    from tasks import train
+    from tasks.fsutil import atomic_write_json
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec = {**train.prepare(cfg, context(run_dir, shards)), **extra}
+    return atomic_write_json(run_dir / "train" / "launch.json", spec)
+
+
+def torchrun(cfg, nproc: int, specs: list[Path], log: Path, env_extra: dict | None = None):
+    """One real torchrun launch of the worker over several specs; returns (rc, torchrun output)."""
+    from tasks import train
+
+    argv = train.torchrun_argv(cfg, nproc, specs, rdzv_id="test")
+    env = train.launch_env(cfg, "cpu", nproc, None)
+    env.update(env_extra or {})
+    return train.launch(argv, env, log)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def reference_losses(cfg, shards: Path, dp_world: int, steps: int) -> dict[int, float]:
+    """One process, one plain model, the same global batch per step: the concatenation of what the dp ranks'
+    loaders yield (the loader splits the data by dp rank, so this is the batch a dp run trains on)."""
+    import torch
+
+    from data_prep.loader import ShardLoader
+    from data_prep.manifest import load_manifest
+    from tasks.model import build_model, from_pipeline, lm_loss, materialize
+    from tasks.parallel.optim import build_optimizers, grad_norm_and_clip
+
+    t = cfg.train
+    tcfg = from_pipeline(cfg, vocab_size=load_manifest(shards)["vocab_size"])
+    model = materialize(build_model(tcfg, "meta"), "cpu", t.seed)
+    [(opt, sched)] = build_optimizers([model], t)
+    streams = [ShardLoader(shards, "train", batch_size=t.global_batch // dp_world, dp_rank=r, dp_world=dp_world,
+                           num_workers=0, seed=t.seed).batches() for r in range(dp_world)]
+    out = {}
+    for step in range(1, steps + 1):
+        xs, ys = zip(*(next(s) for s in streams))
+        loss = lm_loss(model(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        grad_norm_and_clip(list(model.parameters()), t.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out[step] = loss.item()
+    return out
+
+
+def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, rel: float = 1e-4) -> None:
+    assert got, f"{what}: no metrics"
+    for step, loss in got.items():
+        assert abs(loss - want[step]) <= rel * abs(want[step]), f"{what} step {step}: {loss} vs {want[step]}"
