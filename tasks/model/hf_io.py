@@ -1,0 +1,229 @@
+"""Hugging Face interop: load a local Llama/Qwen2 directory into `Transformer`, export one that `transformers` loads.
+
+Our RoPE uses HF's half-split (rotate_half) layout, so q/k weights map one to one, with no permutation.
+Nothing here touches the hub: paths are local directories.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tasks.errors import StageError
+from tasks.model.config import TransformerConfig
+from tasks.model.transformer import Transformer, build_model
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "generation_config.json")
+MAX_SHARD_BYTES = 5 * 1024 ** 3
+
+# HF name (layer part after "model.layers.{i}.") → ours (after "layers.{i}.")
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "output.weight"}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def hf_to_ours(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def ours_to_hf(name: str) -> str:
+    top = {v: k for k, v in _TOP_NAMES.items()}
+    if name in top:
+        return top[name]
+    m = _OUR_LAYER.match(name)
+    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    if not m or m.group(2) not in inverse:
+        raise StageError(f"save_hf: parameter {name!r} has no Hugging Face name")
+    return f"model.layers.{m.group(1)}.{inverse[m.group(2)]}.{m.group(3)}"
+
+
+def config_from_hf(hf: dict) -> TransformerConfig:
+    """TransformerConfig from a config.json dict; anything this model cannot represent fails in one line."""
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in ARCHITECTURES:
+        raise StageError(f"unsupported architecture {arch or hf.get('model_type')!r} "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
+    family = ARCHITECTURES[arch]
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    heads = hf["num_attention_heads"]
+    unsupported = {
+        f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") != "silu",
+        f"rope_type {rope_type!r}": rope_type != "default",
+        "attention_bias (o_proj bias)": family == "llama" and hf.get("attention_bias", False),
+        "mlp_bias": hf.get("mlp_bias", False),
+        "head_dim != hidden_size / heads": hf.get("head_dim") not in (None, hf["hidden_size"] // heads),
+        "use_sliding_window": hf.get("use_sliding_window", False),
+    }
+    bad = [k for k, v in unsupported.items() if v]
+    if bad:
+        raise StageError(f"{arch}: unsupported setting {', '.join(bad)}")
+    return TransformerConfig(
+        family=family, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"], rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), max_seq_len=hf.get("max_position_embeddings", 2048),
+        qkv_bias=family == "qwen2", tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def to_hf_config(tcfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> dict:
+    if tcfg.family == "llama" and tcfg.qkv_bias:
+        raise StageError("save_hf: Llama has no q/k/v-only bias; use family qwen2 for a model with qkv_bias")
+    if tcfg.family == "qwen2" and not tcfg.qkv_bias:
+        raise StageError("save_hf: Qwen2 always has q/k/v bias; set qkv_bias or use family llama")
+    dtype_name = str(dtype).removeprefix("torch.")
+    cfg = {
+        "architectures": [_FAMILY_ARCH[tcfg.family]], "model_type": tcfg.family,
+        "hidden_size": tcfg.dim, "intermediate_size": tcfg.ffn_dim, "num_hidden_layers": tcfg.n_layers,
+        "num_attention_heads": tcfg.n_heads, "num_key_value_heads": tcfg.n_kv_heads, "head_dim": tcfg.head_dim,
+        "vocab_size": tcfg.vocab_size, "max_position_embeddings": tcfg.max_seq_len, "rms_norm_eps": tcfg.norm_eps,
+        "hidden_act": "silu", "tie_word_embeddings": tcfg.tie_embeddings,
+        # Both spellings: transformers 5 reads rope_parameters, older readers (4.x, vLLM) rope_theta.
+        "rope_theta": tcfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": tcfg.rope_theta},
+        "dtype": dtype_name, "torch_dtype": dtype_name, "use_cache": True,
+    }
+    if tcfg.family == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    else:
+        cfg.update(use_sliding_window=False)
+    return cfg
+
+
+def read_hf_config(path: str | os.PathLike) -> TransformerConfig:
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise StageError(f"{path}: not a Hugging Face model directory (no config.json)")
+    try:
+        return config_from_hf(json.loads(cfg_path.read_text()))
+    except (json.JSONDecodeError, KeyError) as e:
+        raise StageError(f"{cfg_path}: unreadable config ({type(e).__name__}: {e})") from None
+
+
+def _shard_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise StageError(f"{path}: missing shard {f} listed in model.safetensors.index.json")
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise StageError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return [single]
+
+
+def load_hf(path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """A local HF Llama/Qwen2 directory (single or sharded safetensors) → Transformer on `device` in `dtype`."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    tcfg = read_hf_config(path)
+    state = {}
+    for shard in _shard_files(path):
+        for name, tensor in load_file(shard).items():  # CPU first: safetensors knows no NPU device
+            ours = hf_to_ours(name)
+            if ours is None:
+                if "rotary_emb.inv_freq" in name:  # old checkpoints saved the RoPE table: recomputed here
+                    continue
+                raise StageError(f"{shard.name}: unexpected tensor {name!r} for {_FAMILY_ARCH[tcfg.family]}")
+            if ours == "output.weight" and tcfg.tie_embeddings:
+                continue
+            state[ours] = tensor.to(device=device, dtype=dtype)
+    if tcfg.tie_embeddings and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model = build_model(tcfg, device="meta")
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise StageError(f"{path}: checkpoint lacks {len(missing)} tensors, first {ours_to_hf(missing[0])!r}")
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:  # shapes that contradict config.json: torch lists them over many lines
+        detail = [line.strip() for line in str(e).splitlines() if "size mismatch" in line][:1]
+        raise StageError(f"{path}: tensors do not match config.json ({detail[0] if detail else e})") from None
+    model.tie_weights()
+    model.init_rope(device=device)
+    return model
+
+
+def save_hf(model: Transformer, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
+            dtype: torch.dtype | None = None) -> Path:
+    """Write config.json + safetensors (sharded above 5 GB) + tokenizer files; replaces `path` atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tcfg = model.config
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if name == "output.weight" and tcfg.tie_embeddings:
+            continue  # HF re-ties lm_head to embed_tokens; storing it twice would duplicate the storage
+        t = t.detach().to("cpu", dtype or t.dtype).contiguous()
+        tensors[ours_to_hf(name)] = t
+    out_dtype = dtype or next(iter(tensors.values())).dtype
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(tcfg, out_dtype), indent=2) + "\n")
+        _write_safetensors(tensors, tmp, save_file)
+        if tokenizer_dir is not None:
+            _copy_tokenizer(Path(tokenizer_dir), tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _write_safetensors(tensors: dict, out: Path, save_file) -> None:
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > MAX_SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    if not (src / "tokenizer.json").is_file() and not (src / "tokenizer.model").is_file():
+        raise StageError(f"save_hf: {src} holds no tokenizer.json or tokenizer.model")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    if not (out / "tokenizer_config.json").exists():
+        # A bare `tokenizers` file: tell AutoTokenizer which class wraps it.
+        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")

@@ -1,0 +1,174 @@
+"""One decoder-only transformer for the Llama and Qwen2 families, with torchtitan's module names.
+
+RMSNorm → attention (GQA, RoPE in HF's half-split layout, optional q/k/v bias) → RMSNorm → SwiGLU. Layers live in an
+`nn.ModuleDict` keyed "0".."L-1" so a pipeline stage can delete the ones it does not own. Heads are counted from the
+weight shapes at run time, so tensor-parallel sharding of wq/wk/wv needs no model change.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.model.config import TransformerConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Normalise in fp32 (as HF does) so BF16 activations keep their scale.
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """[max_seq_len, 2, head_dim // 2]: cos and sin of position × inverse frequency, fp32.
+
+    Real-valued (not complex) because DTensor and some NPU kernels do not handle complex tensors.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x [b, s, h, d]; rotate pairs (i, i + d/2) — HF's rotate_half layout, so HF weights need no permutation."""
+    cos, sin = rope[:, 0].unsqueeze(1), rope[:, 1].unsqueeze(1)   # [s, 1, d/2]
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: TransformerConfig):
+        super().__init__()
+        self.head_dim = c.head_dim
+        kv_dim = c.n_kv_heads * c.head_dim
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.wk = nn.Linear(c.dim, kv_dim, bias=c.qkv_bias)
+        self.wv = nn.Linear(c.dim, kv_dim, bias=c.qkv_bias)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def forward(self, x, rope):
+        b, s, _ = x.shape
+        # -1: the local head count (all heads, or this rank's share under tensor parallelism).
+        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if q.size(1) != k.size(1):  # GQA: each KV head serves n_heads / n_kv_heads consecutive query heads
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)   # gate
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)   # down
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)   # up
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, c: TransformerConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(c.dim, c.norm_eps)
+        self.attention = Attention(c)
+        self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.feed_forward = FeedForward(c.dim, c.ffn_dim)
+
+    def forward(self, x, rope):
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, tcfg: TransformerConfig):
+        super().__init__()
+        self.config = tcfg.validate()
+        self.tok_embeddings = nn.Embedding(tcfg.vocab_size, tcfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(tcfg) for i in range(tcfg.n_layers)})
+        self.norm = RMSNorm(tcfg.dim, tcfg.norm_eps)
+        self.output = nn.Linear(tcfg.dim, tcfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.register_buffer("rope_cache", rope_table(tcfg.head_dim, tcfg.max_seq_len, tcfg.rope_theta),
+                             persistent=False)
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection (again after to_empty, which allocates them apart)."""
+        if self.config.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_rope(self, device=None) -> None:
+        """Recompute the RoPE table in fp32 (after to_empty, or after a dtype cast rounded it)."""
+        c = self.config
+        device = device if device is not None else self.rope_cache.device
+        self.rope_cache = rope_table(c.head_dim, c.max_seq_len, c.rope_theta, device=device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter from a CPU generator seeded by (seed, parameter name) over the FULL tensor.
+
+        Seeding per name makes a pipeline stage that kept only some layers get the same values as the whole model;
+        generating full tensors and slicing makes every FSDP/TP layout bit-identical (DTensor's own RNG is not, on CPU).
+        """
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.config.n_layers)  # residual projections: GPT-2 scaling
+        for name, p in self.named_parameters():
+            if name.endswith(".bias"):
+                full = torch.zeros(p.shape)
+            elif "norm" in name:
+                full = torch.ones(p.shape)
+            else:
+                # A tied output projection on a pipeline stage without the embedding still gets the embedding's values.
+                key = "tok_embeddings.weight" if name == "output.weight" and self.config.tie_embeddings else name
+                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
+                scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                full = torch.randn(p.shape, generator=g) * scale
+            _copy_full(p, full)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        rope = self.rope_cache[: h.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter; a DTensor gets its own shard, cut locally (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)
+    else:
+        p.copy_(full.to(dtype=p.dtype))
+
+
+def build_model(tcfg: TransformerConfig, device="meta") -> Transformer:
+    """The model's structure on `device` (meta: no memory, for planning and for sharding before materialising)."""
+    with torch.device(device):
+        return Transformer(tcfg)
+
+
+def materialize(model: Transformer, device, seed: int = 0) -> Transformer:
+    """Allocate (after sharding, if any) on `device`, then initialise weights and the RoPE table."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_weights(seed)
+    model.init_rope()
+    return model

@@ -1,0 +1,232 @@
+"""Smoke stage: one device, the configured model, N steps in FP32 then N in BF16 from the same weights and batches.
+
+Passes when every loss is finite, the loss falls and the two curves agree; otherwise it names the first layer that
+went non-finite, with likely causes, and raises a non-retryable StageError so training never starts on a broken set-up.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import time
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+from tasks import device as devices
+from tasks import tracking
+from tasks.errors import StageError
+from tasks.fsutil import atomic_write_bytes, atomic_write_json
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shard-dir", default=None,
+                        help="shard set to read (default: the shard stage's result in --run-dir)")
+
+
+@dataclass
+class Curve:
+    precision: str
+    losses: list = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    peak_bytes: int = 0
+    failure: dict | None = None
+
+
+def shard_dir_of(ctx) -> Path:
+    given = getattr(ctx.args, "shard_dir", None) or ctx.inputs.get("shard", {}).get("shard_dir")
+    if not given:
+        raise StageError("smoke needs a shard set: run `python -m tasks shard` with the same --run-dir, "
+                         "or pass --shard-dir DIR")
+    path = Path(given)
+    if not path.is_dir():
+        raise StageError(f"shard set {path} does not exist")
+    return path
+
+
+def tokenizer_vocab(shard_dir: Path) -> int:
+    from tokenizers import Tokenizer
+
+    path = shard_dir / "tokenizer.json"
+    if not path.is_file():
+        raise StageError(f"shard set {shard_dir} has no tokenizer.json")
+    return Tokenizer.from_file(str(path)).get_vocab_size()
+
+
+def load_batches(shard_dir: Path, n: int, batch_size: int, seed: int) -> list:
+    """The first n training batches (over epochs if the set is small), kept so both precisions see the same data."""
+    from data_prep.loader import ShardLoader
+
+    try:
+        loader = ShardLoader(shard_dir, split="train", batch_size=batch_size, seed=seed)
+        return list(islice(loader.batches(), n))
+    except ValueError as e:  # data_prep's one-line DataPrepError (missing manifest, corrupt shard, too few samples)
+        raise StageError(f"smoke: {e}") from None
+
+
+def check_batches(batches, tcfg) -> None:
+    top = max(int(x.max()) for x, _ in batches)
+    if top >= tcfg.vocab_size:
+        raise StageError(f"data: token id {top} >= model vocab_size {tcfg.vocab_size} (tokenizer and model differ)")
+    seq = batches[0][0].shape[1]
+    if seq > tcfg.max_seq_len:
+        raise StageError(f"data: sequences of {seq} tokens exceed model max_seq_len {tcfg.max_seq_len}")
+
+
+def initial_model(cfg, vocab: int):
+    """(TransformerConfig, CPU state dict): random init from train.seed, or the weights of model.hf_path."""
+    from tasks.model import build_model, from_pipeline, materialize
+    from tasks.model.hf_io import load_hf
+
+    tcfg = from_pipeline(cfg, vocab_size=vocab)
+    model = load_hf(cfg.model.hf_path) if cfg.model.hf_path else materialize(build_model(tcfg), "cpu",
+                                                                             cfg.train.seed)
+    return model.config, model.state_dict()
+
+
+def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool) -> Curve:
+    import torch
+
+    from tasks.model import build_model
+    from tasks.model.diagnose import diagnose_non_finite
+    from tasks.model.step import train_step
+
+    model = build_model(tcfg).to_empty(device=dev)
+    model.tie_weights()
+    model.load_state_dict(state)
+    model.init_rope()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.smoke.lr, weight_decay=cfg.train.weight_decay)
+    autocast = devices.autocast(dev, precision)
+    curve = Curve(precision)
+    devices.reset_peak(dev)
+    start, timed_tokens = time.perf_counter(), 0
+    for step, (x, y) in enumerate(batches):
+        x, y = x.to(dev), y.to(dev)
+        loss, norm = train_step(model, opt, x, y, autocast, cfg.train.grad_clip)
+        curve.losses.append(loss)
+        tracking.log_metrics({f"smoke.{precision}.loss": loss, f"smoke.{precision}.grad_norm": norm}, step=step)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            curve.failure = diagnose_non_finite(model, x, autocast, precision, step, loss, norm, fp32_clean)
+            break
+        if step == 0:  # the first step pays for allocation and kernel selection: time the rest
+            devices.synchronize(dev)
+            start = time.perf_counter()
+        else:
+            timed_tokens += x.numel()
+    devices.synchronize(dev)
+    curve.tokens_per_s = timed_tokens / max(time.perf_counter() - start, 1e-9)
+    curve.peak_bytes = devices.memory_stats(dev)["peak_bytes"]
+    return curve
+
+
+def verdict(curves: dict, cfg) -> tuple[list[str], dict]:
+    """Failures (one line each) and the figures behind them."""
+    k = max(1, min(cfg.smoke.window, cfg.smoke.steps // 2))
+    problems, figures = [], {}
+    for name, c in curves.items():
+        first, last = sum(c.losses[:k]) / k, sum(c.losses[-k:]) / k
+        drop = (first - last) / abs(first)
+        figures[f"{name}.loss_drop"] = drop
+        if drop < cfg.smoke.min_drop:
+            problems.append(f"{name.upper()} loss did not fall: mean of first {k} {first:.4f} → last {k} "
+                            f"{last:.4f} ({drop:.1%} < smoke.min_drop {cfg.smoke.min_drop:.0%}); check smoke.lr "
+                            f"and the data")
+    if "bf16" in curves:
+        # Compare rolling means over the window: single-batch losses are noisy, and tiny weight differences shift
+        # which batch looks hard; a real precision problem moves the whole curve.
+        fp32, bf16 = _rolling(curves["fp32"].losses, k), _rolling(curves["bf16"].losses, k)
+        gaps = [abs(b - f) / abs(f) for f, b in zip(fp32, bf16)]
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        figures["bf16.max_rel_gap"] = gaps[worst]
+        if gaps[worst] > cfg.smoke.bf16_tolerance:
+            problems.append(f"BF16 curve departs from FP32 by {gaps[worst]:.1%} over steps {worst}-{worst + k - 1} "
+                            f"(smoke.bf16_tolerance {cfg.smoke.bf16_tolerance:.0%}); BF16 range: keep norms/loss in "
+                            f"FP32, clip gradients")
+    return problems, figures
+
+
+def _rolling(values: list, k: int) -> list:
+    return [sum(values[i:i + k]) / k for i in range(len(values) - k + 1)]
+
+
+def plot_curves(curves: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, c in curves.items():
+        ax.plot(range(len(c.losses)), c.losses, marker=".", label=name.upper())
+    ax.set(xlabel="step", ylabel="loss", title="Smoke run: FP32 vs BF16 autocast")
+    ax.legend()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    tracking.log_artifact(path, "smoke")
+
+
+def log_memory_estimate(cfg, tcfg, seq_len: int, peak_bytes: int) -> float:
+    """Calibrate the planner: its estimate for the FP32 run over the measured peak (on CPU the peak is the process
+    RSS, libraries included, so the ratio there is far below 1; on NPU/CUDA it is the allocator's peak)."""
+    from tasks.planner.memory import estimate_for_run
+
+    ratio = estimate_for_run(tcfg, seq_len, cfg.smoke.micro_batch, precision="fp32") / max(peak_bytes, 1)
+    tracking.log_metrics({"memory.estimate_over_measured": ratio})
+    return ratio
+
+
+def run(cfg, ctx) -> dict:
+    from tasks.model import num_params
+
+    shard_dir = shard_dir_of(ctx)
+    tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
+    batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed)
+    check_batches(batches, tcfg)
+    backend = devices.detect(cfg.hardware.device)
+    dev = devices.torch_device(backend.kind, 0)
+    tracking.log_params({"smoke.device": str(dev), "smoke.params": num_params(tcfg), "smoke.family": tcfg.family,
+                         "smoke.shard_dir": str(shard_dir)})
+    precisions = ["fp32"] + (["bf16"] if devices.bf16_supported(backend.kind) else [])
+    curves: dict[str, Curve] = {}
+    (ctx.run_dir / "smoke_report.json").unlink(missing_ok=True)  # a rerun must not show an old failure
+    for precision in precisions:
+        fp32_clean = "fp32" in curves and curves["fp32"].failure is None
+        try:
+            curves[precision] = curve = run_curve(precision, tcfg, state, batches, dev, cfg, fp32_clean)
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a RuntimeError naming it on NPU
+            if "out of memory" not in str(e).lower():
+                raise
+            raise StageError(f"smoke: {num_params(tcfg) / 1e9:.2f}B-parameter model does not fit one {dev} with "
+                             f"micro_batch {cfg.smoke.micro_batch} (AdamW, FP32); smoke is single-device: lower "
+                             f"smoke.micro_batch or use a smaller model.preset") from None
+        if curve.failure:
+            break
+    plot_curves(curves, ctx.run_dir / "smoke_loss.png")
+    failure = next((c.failure for c in curves.values() if c.failure), None)
+    problems, figures = ([], {}) if failure else verdict(curves, cfg)
+    peak = max(c.peak_bytes for c in curves.values())
+    tokens_per_s = {name: round(c.tokens_per_s, 1) for name, c in curves.items()}
+    tracking.log_metrics({**{f"smoke.{k}": v for k, v in figures.items()}, "smoke.peak_memory_mb": peak / 2**20,
+                          **{f"smoke.{k}.tokens_per_s": v for k, v in tokens_per_s.items()}})
+    if failure or problems:
+        report = failure or {"cause": "; ".join(problems), "layers": []}
+        report["losses"] = {name: c.losses for name, c in curves.items()}
+        report_path = atomic_write_json(ctx.run_dir / "smoke_report.json", report)
+        tracking.log_json_artifact(report, "smoke/layer_report.json")
+        advice = f"; likely: {report['advice'][0]}" if failure else ""
+        raise StageError(f"smoke failed: {report['cause']}{advice} (per-layer report: {report_path})")
+    ratio = log_memory_estimate(cfg, tcfg, batches[0][0].shape[1], curves["fp32"].peak_bytes)
+    fp32 = curves["fp32"].losses
+    gap = figures.get("bf16.max_rel_gap")
+    return {
+        "status": "ok" if "bf16" in curves else "warn",
+        "summary": (f"FP32 loss {fp32[0]:.3f}→{fp32[-1]:.3f}"
+                    + (f", BF16 within {gap:.1%}" if gap is not None else ", BF16 unsupported: skipped")
+                    + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}"),
+        "device": str(dev), "shard_dir": str(shard_dir), "params": num_params(tcfg),
+        "losses": {name: [round(v, 5) for v in c.losses] for name, c in curves.items()},
+        "figures": figures, "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak,
+        "memory_estimate_over_measured": ratio, "plot": str(ctx.run_dir / "smoke_loss.png"),
+    }

@@ -1,0 +1,110 @@
+"""Parity with transformers: HF → ours → HF, logits equal in fp32 (tiny random models saved locally)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip("transformers")
+
+from tasks.errors import StageError  # noqa: E402
+from tasks.model import build_model, get_preset, materialize  # noqa: E402
+from tasks.model.hf_io import load_hf, save_hf  # noqa: E402
+
+SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
+             max_position_embeddings=64, rms_norm_eps=1e-6)
+CASES = {
+    "llama-gqa-untied": (transformers.LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=False,
+                                                        rope_parameters={"rope_type": "default",
+                                                                         "rope_theta": 500000.0})),
+    "llama-mha-tied": (transformers.LlamaConfig, dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen2-gqa-tied": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-gqa-untied": (transformers.Qwen2Config, dict(num_key_value_heads=1, tie_word_embeddings=False)),
+}
+
+
+def _hf_model(config_cls, extra):
+    torch.manual_seed(0)
+    cfg = config_cls(**SHAPE, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF zero-inits biases: make them non-zero so the q/k/v bias mapping is really tested
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_import_export_parity(case, tmp_path):
+    hf = _hf_model(*CASES[case])
+    hf.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(tokens).logits
+
+    ours = load_hf(tmp_path / "hf").eval()
+    assert ours.config.tie_embeddings == hf.config.tie_word_embeddings
+    assert (ours.output.weight is ours.tok_embeddings.weight) == ours.config.tie_embeddings
+    with torch.no_grad():
+        got = ours(tokens)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    save_hf(ours, tmp_path / "export")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    assert type(back) is type(hf)
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_and_missing_shard(tmp_path):
+    hf = _hf_model(*CASES["qwen2-gqa-untied"])
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1
+    tokens = torch.arange(16).view(1, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf(tmp_path / "hf")(tokens), hf(tokens).logits, atol=1e-4, rtol=1e-4)
+    (tmp_path / "hf" / shards[-1]).unlink()
+    with pytest.raises(StageError, match=f"missing shard {shards[-1]}"):
+        load_hf(tmp_path / "hf")
+
+
+def test_unsupported_architecture_names_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(StageError, match="LlamaForCausalLM, Qwen2ForCausalLM"):
+        load_hf(tmp_path)
+
+
+def test_export_with_tokenizer_loads_in_transformers(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["def f(x): return x + 1\n"] * 20,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<eos>"]))
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    tcfg = get_preset("debug")
+    model = materialize(build_model(tcfg), "cpu", seed=3)
+    save_hf(model, tmp_path / "out", tokenizer_dir=tmp_path / "tok", dtype=torch.bfloat16)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    ids = hf_tok("def f(x):")["input_ids"]
+    assert ids == tok.encode("def f(x):").ids
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert back.model.embed_tokens.weight.dtype == torch.bfloat16
+    reloaded = load_hf(tmp_path / "out")
+    torch.testing.assert_close(reloaded.tok_embeddings.weight, model.tok_embeddings.weight.bfloat16().float())
+
+
+def test_shapes_contradicting_config_fail_in_one_line(tmp_path):
+    hf = _hf_model(*CASES["llama-gqa-untied"])
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StageError, match=r"tensors do not match config.json \(size mismatch for layers.0.feed_"):
+        load_hf(tmp_path)

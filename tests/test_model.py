@@ -1,0 +1,123 @@
+"""The model: presets, validation one-liners, parameter/FLOP counts, init determinism, pipeline/TP-shaped pieces."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tasks.errors import ConfigError
+from tasks.model import (PRESETS, TransformerConfig, build_model, flops_per_token, from_pipeline, get_preset,
+                         lm_loss, materialize, num_params)
+
+
+def test_presets_count_published_sizes():
+    with torch.device("meta"):  # shapes only: even llama3-70b costs nothing here
+        for name in PRESETS:
+            tcfg = get_preset(name)
+            model = build_model(tcfg)
+            assert sum(p.numel() for p in model.parameters()) == num_params(tcfg), name
+    billions = {n: num_params(get_preset(n)) / 1e9 for n in PRESETS}
+    assert billions["llama3-8b"] == pytest.approx(8.03, abs=0.01)
+    assert billions["llama3-70b"] == pytest.approx(70.55, abs=0.01)
+    assert billions["qwen2-7b"] == pytest.approx(7.62, abs=0.01)
+    assert billions["qwen2-0.5b"] == pytest.approx(0.494, abs=0.001)
+    assert billions["llama-13b"] == pytest.approx(13.02, abs=0.01)
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    tcfg = get_preset("llama3-8b")
+    dense = 6 * (num_params(tcfg) - tcfg.vocab_size * tcfg.dim)
+    attn = 12 * 32 * 32 * 128 * 2048
+    assert flops_per_token(tcfg, 2048) == dense + attn
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(n_heads=7), "model.n_heads: 7 does not divide model.dim 128"),
+    (dict(n_heads=4, n_kv_heads=3), "model.n_heads: 4 is not divisible by model.n_kv_heads 3"),
+    (dict(family="gpt2"), "model.family: 'gpt2' is not one of llama, qwen2"),
+])
+def test_invalid_shapes_fail_in_one_line(change, message):
+    with pytest.raises(ConfigError) as e:
+        dataclasses.replace(get_preset("demo"), **change).validate()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_preset_names_known_ones(cfg):
+    cfg.model.preset = "gpt-5"
+    with pytest.raises(ConfigError, match=r"unknown preset 'gpt-5' \(known: debug, demo, qwen2-0.5b"):
+        from_pipeline(cfg)
+
+
+def test_from_pipeline_vocab_and_overrides(cfg):
+    tcfg = from_pipeline(cfg, vocab_size=1999)
+    assert (tcfg.dim, tcfg.vocab_size) == (128, 1999)       # small preset: the tokenizer's vocabulary
+    cfg.model.preset, cfg.model.n_layers = "qwen2-0.5b", 2
+    tcfg = from_pipeline(cfg, vocab_size=1999)
+    assert (tcfg.vocab_size, tcfg.n_layers, tcfg.qkv_bias) == (151936, 2, True)  # published vocab kept
+    cfg.model.preset, cfg.model.vocab_size = "demo", 1000
+    with pytest.raises(ConfigError, match="tokenizer has 1999 tokens but the model embedding only 1000"):
+        from_pipeline(cfg, vocab_size=1999)
+    cfg.model.vocab_size, cfg.data.seq_len = 0, 4096
+    with pytest.raises(ConfigError, match="data.seq_len: 4096 exceeds model max_seq_len 512"):
+        from_pipeline(cfg, vocab_size=1999)
+
+
+def test_init_is_seeded_per_parameter_name():
+    tcfg = get_preset("debug")
+    a = materialize(build_model(tcfg), "cpu", seed=5)
+    b = materialize(build_model(tcfg), "cpu", seed=5)
+    c = materialize(build_model(tcfg), "cpu", seed=6)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.layers["0"].attention.wq.weight, c.layers["0"].attention.wq.weight)
+    # A pipeline stage holding only layer 1 gets the same layer-1 weights as the whole model.
+    stage = build_model(tcfg)
+    del stage.layers["0"]
+    materialize(stage, "cpu", seed=5)
+    assert torch.equal(stage.layers["1"].feed_forward.w2.weight, a.layers["1"].feed_forward.w2.weight)
+    assert a.rope_cache.dtype == torch.float32 and "rope_cache" not in a.state_dict()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pipeline_stages_compose_to_the_whole_model(tied):
+    tcfg = dataclasses.replace(get_preset("debug"), tie_embeddings=tied)
+    whole = materialize(build_model(tcfg), "cpu", seed=1)
+    first, last = materialize(build_model(tcfg), "cpu", seed=1), materialize(build_model(tcfg), "cpu", seed=1)
+    del first.layers["1"]
+    first.norm = first.output = None
+    del last.layers["0"]
+    last.tok_embeddings = None
+    tokens = torch.randint(0, tcfg.vocab_size, (2, 12))
+    torch.testing.assert_close(last(first(tokens)), whole(tokens))
+
+
+def test_attention_counts_local_heads_from_weights():
+    """Half of wq/wk/wv rows and wo columns (what TP gives a rank) → the two partial outputs sum to the whole."""
+    tcfg = TransformerConfig(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=64, n_layers=1)
+    attn = materialize(build_model(tcfg), "cpu", seed=2).layers["0"].attention
+    x, rope = torch.randn(2, 10, 64), materialize(build_model(tcfg), "cpu").rope_cache[:10]
+    halves = []
+    for part in range(2):
+        shard = build_model(tcfg, "cpu").layers["0"].attention
+        with torch.no_grad():
+            for name in ("wq", "wk", "wv"):
+                getattr(shard, name).weight = torch.nn.Parameter(getattr(attn, name).weight.chunk(2, 0)[part])
+            shard.wo.weight = torch.nn.Parameter(attn.wo.weight.chunk(2, 1)[part])
+        halves.append(shard(x, rope))
+    torch.testing.assert_close(halves[0] + halves[1], attn(x, rope))
+
+
+def test_demo_model_learns_a_repeated_batch():
+    tcfg = get_preset("debug")
+    model = materialize(build_model(tcfg), "cpu", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    tokens = torch.randint(0, tcfg.vocab_size, (4, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(15):
+        loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.3)
+    assert losses[-1] < 0.7 * losses[0]
