@@ -1,0 +1,1 @@
+"""INT8 quantization and evaluation helpers: backend choice (plan), AMCT configs, torchao, metrics, registry gate."""

@@ -1,0 +1,88 @@
+"""AMCT (Ascend Model Compression Toolkit) flows. `amct_pytorch` ships with CANN and is imported lazily: on a host
+without it, `amct_import_error()` names the cause and the plan refuses the backend in one line.
+
+- LLM flow (A2/A3 NPU): `amct.quantize(model, cfg)` → calibration forwards → `amct.convert(model)`, in place.
+- Classic PTQ: `create_quant_config` → `quantize_model` → calibration → `save_model`, which writes
+  `<prefix>_fake_quant_model.onnx` (ONNX Runtime accuracy check) and `<prefix>_deploy_model.onnx` (for ATC → .om).
+- QAT hand-off when PTQ misses the gate: `retrain.cfg` + `create_quant_retrain_config` JSON.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.errors import StageError
+from tasks.fsutil import atomic_write_json, atomic_write_text
+from tasks.quant.amct_config import llm_quant_config, qat_retrain_json, qat_simplified_cfg
+
+
+def amct_import_error() -> str | None:
+    """None when amct_pytorch imports, else the one-line cause (ImportError, or RuntimeError/OSError when CANN's
+    libraries are missing)."""
+    try:
+        import amct_pytorch  # noqa: F401
+    except (ImportError, RuntimeError, OSError) as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def _amct():
+    err = amct_import_error()
+    if err is not None:
+        raise StageError(f"amct_pytorch is not importable ({err}); install AMCT from CANN on the Ascend host")
+    import amct_pytorch as amct
+
+    return amct
+
+
+def quantize_llm(model, method: str, skip_names, calib_batches, device) -> dict:
+    """In place: calibration model → forwards over the calibration batches → deploy model with NPU INT8 ops."""
+    import torch
+
+    amct = _amct()
+    cfg = llm_quant_config(method, skip_names, batch_num=len(calib_batches))
+    amct.quantize(model, cfg)
+    with torch.no_grad():
+        for inputs, _ in calib_batches:
+            model(inputs.to(device))
+    amct.convert(model)
+    return cfg
+
+
+def quantize_ptq(model, skip_names, calib_batches, out_dir: Path) -> dict[str, str]:
+    """Classic ONNX PTQ; returns the paths of the fake-quant and deploy models."""
+    import torch
+
+    amct = _amct()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_file, record_file = out_dir / "config.json", out_dir / "record.txt"
+    modified_onnx = out_dir / "modified_model.onnx"
+    sample = (calib_batches[0][0],)
+    amct.create_quant_config(str(config_file), model, sample, skip_layers=list(skip_names),
+                             batch_num=len(calib_batches), activation_offset=True)
+    calibration_model = amct.quantize_model(str(config_file), str(modified_onnx), str(record_file), model, sample,
+                                            input_names=["tokens"], output_names=["logits"],
+                                            dynamic_axes={"tokens": {0: "batch", 1: "seq"}})
+    with torch.no_grad():
+        for inputs, _ in calib_batches:
+            calibration_model(inputs)
+    prefix = out_dir / "model"
+    amct.save_model(str(modified_onnx), str(record_file), str(prefix))
+    outputs = {"fake_quant_onnx": f"{prefix}_fake_quant_model.onnx", "deploy_onnx": f"{prefix}_deploy_model.onnx"}
+    missing = [p for p in outputs.values() if not Path(p).is_file()]
+    if missing:
+        raise StageError(f"amct.save_model did not write {missing[0]} (see ./amct_log/amct_pytorch.log)")
+    return outputs
+
+
+def write_qat_handoff(out_dir: Path, layers: list[tuple[str, str]], skip_names, batch_num: int,
+                      model=None, sample=None) -> dict[str, str]:
+    """Files for the QAT follow-up: the simplified `retrain.cfg`, and the per-layer JSON — written by AMCT's own
+    `create_quant_retrain_config` when given the FP model (the AMCT backend), else in its format by us."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path, json_path = out_dir / "retrain.cfg", out_dir / "retrain_config.json"
+    atomic_write_text(cfg_path, qat_simplified_cfg(skip_names, batch_num))
+    if model is not None:
+        _amct().create_quant_retrain_config(str(json_path), model, sample, config_defination=str(cfg_path))
+    else:
+        atomic_write_json(json_path, qat_retrain_json(layers, batch_num), sort_keys=False)
+    return {"retrain_cfg": str(cfg_path), "retrain_config_json": str(json_path)}

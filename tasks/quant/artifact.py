@@ -1,0 +1,60 @@
+"""The quantized model on disk: `model_int8.pt` (a plain state dict of int8 tensors + scales; it loads with
+`torch.load(weights_only=True)` once torchao is imported, which registers its tensor classes as safe) beside
+`quant_meta.json` (method, backend, layers, sizes, and the HF directory whose config rebuilds the skeleton)."""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from tasks.errors import StageError
+from tasks.fsutil import read_json
+from tasks.quant.plan import Layer
+
+WEIGHTS, META = "model_int8.pt", "quant_meta.json"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def describe_layers(model: torch.nn.Module) -> list[Layer]:
+    """Leaf modules as plan rows: name, class name, weight shape, and whether the weight is shared (tied)."""
+    leaves = [(n, m) for n, m in model.named_modules() if n and next(m.children(), None) is None]
+    weights = [getattr(m, "weight", None) for _, m in leaves]
+    holders = Counter(id(w) for w in weights if isinstance(w, torch.Tensor))
+    return [Layer(n, type(m).__name__, tuple(w.shape) if isinstance(w, torch.Tensor) else (),
+                  isinstance(w, torch.Tensor) and holders[id(w)] > 1) for (n, m), w in zip(leaves, weights)]
+
+
+def save_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
+    """torch_state_dict (torchao): tensors only, rebuilt onto our skeleton at load. torch_module (AMCT LLM flow):
+    amct.convert swaps Linear for AMCT's deploy modules, which only AMCT can construct, so the module is pickled."""
+    torch.save(model.state_dict() if fmt == "torch_state_dict" else model, path)
+
+
+def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
+    """The saved INT8 model on `device`, ready for evaluation."""
+    import torchao  # noqa: F401  (registers torchao's tensor subclasses for weights_only loading)
+
+    from tasks.model.hf_io import read_hf_config
+    from tasks.model.transformer import build_model, rope_table
+
+    quant_dir = Path(quant_dir)
+    if not (quant_dir / META).is_file():
+        raise StageError(f"{quant_dir}: no quantized model ({META}); run the quantize stage first")
+    meta = read_json(quant_dir / META)
+    if meta["format"] == "onnx":
+        raise StageError(f"{quant_dir}: AMCT PTQ wrote ONNX models ({meta['deploy_onnx']}); evaluate the fake-quant "
+                         "ONNX with onnxruntime or the deploy model after ATC on the Ascend host")
+    if not (quant_dir / WEIGHTS).is_file():
+        raise StageError(f"{quant_dir}: {WEIGHTS} is missing; rerun the quantize stage")
+    if meta["format"] == "torch_module":
+        # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory (trusted input).
+        return torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=False).eval()
+    tcfg = read_hf_config(meta["model_dir"])
+    state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
+    model = build_model(tcfg, device="meta")  # no memory: every tensor is assigned from the file
+    model.load_state_dict(state, assign=True)
+    if tcfg.tie_embeddings and "output" not in meta["quantized_layers"]:
+        model.tie_weights()
+    model.rope_cache = rope_table(tcfg.head_dim, tcfg.max_seq_len, tcfg.rope_theta, device=device)
+    return model.eval()

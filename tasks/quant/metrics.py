@@ -1,0 +1,85 @@
+"""What evaluation measures: perplexity over fixed tokens, size on disk, per-token forward latency, greedy text."""
+from __future__ import annotations
+
+import math
+import io
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tasks import device as devices
+
+
+@torch.no_grad()
+def perplexity(model, batches, device) -> dict:
+    """exp(mean token NLL) over every target token of `batches` (fp32 log-softmax; a sum, so batches of any size
+    weigh by their tokens). Both models of a comparison get the same list of batches, hence the same tokens."""
+    nll, tokens = 0.0, 0
+    for inputs, targets in batches:
+        logits = model(inputs.to(device))
+        nll += F.cross_entropy(logits.flatten(0, -2).float(), targets.to(device).flatten(), reduction="sum").item()
+        tokens += targets.numel()
+    if tokens == 0:
+        raise ValueError("perplexity over zero tokens")
+    return {"nll": nll / tokens, "ppl": math.exp(nll / tokens), "tokens": tokens}
+
+
+def size_on_disk(path: str | os.PathLike) -> int:
+    p = Path(path)
+    return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+class _ByteCounter(io.RawIOBase):
+    """A write-only sink that counts: torch.save into it measures a file without writing one (a 7B FP32 model
+    would otherwise cost 28 GB of scratch disk)."""
+
+    def __init__(self):
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.written += len(b)
+        return len(b)
+
+
+def state_dict_bytes(model, dtype: torch.dtype | None = None) -> int:
+    """Bytes `torch.save(state_dict)` writes, floating tensors cast to `dtype`: the FP32/BF16 references go through
+    the same serializer as the INT8 file, so the ratio compares weights, not formats."""
+    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+          for k, v in model.state_dict().items()}
+    counter = _ByteCounter()
+    torch.save(sd, counter)
+    return counter.written
+
+
+@torch.no_grad()
+def forward_latency(models: dict, tokens: torch.Tensor, device, repeats: int = 5, warmup: int = 2) -> dict:
+    """Seconds per token of one forward over `tokens` [b, s], for each model; rounds alternate between the models
+    so that background load hits all of them alike; the median round counts."""
+    times = {name: [] for name in models}
+    tokens = tokens.to(device)
+    for i in range(warmup + repeats):
+        for name, model in models.items():
+            devices.synchronize(tokens.device)
+            t0 = time.perf_counter()
+            model(tokens)
+            devices.synchronize(tokens.device)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) / tokens.numel() for name, t in times.items()}
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, device) -> list[int]:
+    """Argmax decoding without a KV cache (small models; the context is cut to the model's window)."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        ctx = torch.tensor([ids[-max_seq_len:]], device=device)
+        ids.append(int(model(ctx)[0, -1].argmax()))
+    return ids[len(prompt_ids):]

@@ -1,0 +1,86 @@
+"""The evaluate stage end to end: real torchao model, real MLflow tracking and Model Registry, gate both ways."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tasks import tracking
+from tasks.errors import ConfigError, StageError
+from tasks.runner import run_stage
+from tests.quant_fixture import tiny_trained, with_outlier_channels
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_trained(tmp_path_factory.getbasetemp())
+
+
+def _args(tiny, quant_dir=None):
+    return argparse.Namespace(model_dir=str(tiny["model_dir"]), shard_dir=str(tiny["shard_dir"]), quant_dir=quant_dir)
+
+
+def _quantize(cfg, tiny, run_dir, method):
+    cfg.quantize.method = method
+    return run_stage("quantize", cfg, run_dir, args=_args(tiny))["quant_dir"]
+
+
+def test_gate_registry_and_champion(cfg, tiny, tmp_path):
+    from mlflow import MlflowClient
+
+    cfg.evaluate.registered_model = "evaluate-stage-test"
+    cfg.evaluate.max_new_tokens = 6
+    client = MlflowClient(cfg.tracking.uri)
+    parent = tracking.parent_run(cfg, "llm_pipeline", "manual__eval_test")
+    qdir = _quantize(cfg, tiny, tmp_path / "a", "int8_weight_only")
+    r = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, qdir), parent_run_id=parent)
+    assert r["passed"] and r["status"] == "ok" and r["champion"]       # first version: champion
+    assert abs(r["ppl_drop_pct"]) <= cfg.evaluate.max_drop_pct and r["size_ratio_vs_bf16"] < 1
+    v1 = client.get_model_version_by_alias(cfg.evaluate.registered_model, "champion")
+    assert str(v1.version) == r["version"] == str(
+        client.get_model_version_by_alias(cfg.evaluate.registered_model, "candidate").version)
+    assert v1.tags["airflow.run_id"] == "manual__eval_test" and v1.tags["data.manifest_digest"] == r["data_digest"]
+    assert v1.tags["train.run_id"] == "unknown" and v1.tags["eval.run_id"] == r["mlflow_run_id"]
+    md = (tmp_path / "a" / "evaluate" / "comparison.md").read_text()
+    assert "INT8 (int8_weight_only, torchao)" in md and "## Greedy generations" in md and "- INT8: `" in md
+    assert {a.path for a in client.list_artifacts(r["mlflow_run_id"], "evaluate")} >= {
+        "evaluate/comparison.md", "evaluate/comparison.json", "evaluate/comparison.png"}
+    assert client.get_run(r["mlflow_run_id"]).data.metrics["ppl_drop_pct"] == pytest.approx(r["ppl_drop_pct"], abs=1e-3)
+
+    again = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, qdir))    # rerun: same version, no new one
+    assert again["version"] == r["version"] and again["champion"]
+
+    # A second candidate on the same data becomes champion exactly when its perplexity is lower.
+    qdir2 = _quantize(cfg, tiny, tmp_path / "b", "int8_dynamic")
+    r2 = run_stage("evaluate", cfg, tmp_path / "b", args=_args(tiny, qdir2))
+    assert r2["version"] != r["version"] and r2["aliases"]["candidate"] == r2["version"]
+    assert r2["champion"] == (r2["int8_ppl"] < r["int8_ppl"])
+    assert r2["aliases"]["champion"] == (r2["version"] if r2["champion"] else r["version"])
+
+
+
+def test_gate_missed_fails_with_advice_and_qat_handoff(cfg, tiny, tmp_path):
+    from mlflow import MlflowClient
+
+    hostile = with_outlier_channels(tiny["model_dir"], tmp_path / "outlier-hf")
+    cfg.evaluate.registered_model = "evaluate-gate-test"
+    cfg.evaluate.prompts = []
+    args = argparse.Namespace(model_dir=str(hostile), shard_dir=str(tiny["shard_dir"]), quant_dir=None)
+    run_stage("quantize", cfg, tmp_path, args=args)
+    with pytest.raises(StageError, match=r"INT8 perplexity drop .* exceeds evaluate.max_drop_pct 2.0% .*try SmoothQuant"
+                                         r".*skip_layers.*QAT") as e:
+        run_stage("evaluate", cfg, tmp_path, args=args)
+    assert "\n" not in str(e.value)
+    qat = tmp_path / "evaluate" / "qat"
+    assert 'skip_layers: "tok_embeddings"' in (qat / "retrain.cfg").read_text()
+    assert "layers.0.attention.wq" in (qat / "retrain_config.json").read_text()
+    assert not MlflowClient(cfg.tracking.uri).search_model_versions("name = 'evaluate-gate-test'")
+
+
+def test_bad_inputs(cfg, tiny, tmp_path):
+    cfg.evaluate.max_drop_pct = -3
+    with pytest.raises(ConfigError, match=r"^evaluate.max_drop_pct: -3 must be a number in \[0, 100\]"):
+        run_stage("evaluate", cfg, tmp_path, args=_args(tiny))
+    cfg.evaluate.max_drop_pct = 2.0
+    with pytest.raises(StageError, match="no quantized model: run the quantize stage first or pass --quant-dir"):
+        run_stage("evaluate", cfg, tmp_path, args=_args(tiny, str(tmp_path)))

@@ -1,0 +1,60 @@
+"""Evaluation metrics against hand computations on tiny cases."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tasks.quant import metrics
+
+
+class FixedLogits(torch.nn.Module):
+    """Logits that depend only on the input token: row `t` of a table (a bigram model, easy to compute by hand)."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.tensor(table, dtype=torch.float32)
+
+    def forward(self, tokens):
+        return self.table[tokens]
+
+
+def test_perplexity_matches_hand_computation():
+    # Vocabulary of 3. After token 0 the model says p = (1/2, 1/4, 1/4); after token 1, uniform thirds.
+    model = FixedLogits([[math.log(0.5), math.log(0.25), math.log(0.25)], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    inputs = torch.tensor([[0, 0, 1]])
+    targets = torch.tensor([[0, 1, 2]])
+    # NLLs: -ln(1/2), -ln(1/4), -ln(1/3) → mean (ln2 + ln4 + ln3) / 3 = ln(24) / 3 → ppl = 24^(1/3)
+    got = metrics.perplexity(model, [(inputs, targets)], "cpu")
+    assert got["tokens"] == 3
+    assert got["ppl"] == pytest.approx(24 ** (1 / 3), rel=1e-6)
+    # Two batches weigh by tokens, not by batch: a 1-token batch adds -ln(1/3).
+    two = metrics.perplexity(model, [(inputs, targets), (torch.tensor([[1]]), torch.tensor([[0]]))], "cpu")
+    assert two["ppl"] == pytest.approx(math.exp((math.log(24) + math.log(3)) / 4), rel=1e-6)
+    with pytest.raises(ValueError, match="zero tokens"):
+        metrics.perplexity(model, [], "cpu")
+
+
+def test_uniform_model_has_perplexity_of_vocabulary():
+    model = FixedLogits([[0.0] * 7] * 7)
+    batch = (torch.randint(0, 7, (2, 5)), torch.randint(0, 7, (2, 5)))
+    assert metrics.perplexity(model, [batch], "cpu")["ppl"] == pytest.approx(7.0, rel=1e-6)
+
+
+def test_greedy_generation_follows_argmax():
+    # After t the argmax is (t + 1) % 3.
+    model = FixedLogits([[0, 1, 0], [0, 0, 1], [1, 0, 0]])
+    assert metrics.greedy_generate(model, [0], 5, max_seq_len=4, device="cpu") == [1, 2, 0, 1, 2]
+
+
+def test_sizes_and_latency(tmp_path):
+    lin = torch.nn.Linear(64, 64, bias=False)
+    fp32, bf16 = metrics.state_dict_bytes(lin, torch.float32), metrics.state_dict_bytes(lin, torch.bfloat16)
+    assert fp32 > 64 * 64 * 4 and bf16 > 64 * 64 * 2 and fp32 - bf16 == pytest.approx(64 * 64 * 2, rel=0.05)
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "b").write_bytes(b"y" * 5)
+    assert metrics.size_on_disk(tmp_path / "a") == 10 and metrics.size_on_disk(tmp_path) == 15
+    lat = metrics.forward_latency({"a": lin, "b": lin}, torch.randn(1, 8, 64), "cpu", repeats=3, warmup=1)
+    assert set(lat) == {"a", "b"} and all(v > 0 for v in lat.values())
