@@ -42,6 +42,14 @@ class HardwareConfig:
     max_clock_offset_ms: float = 500.0
     min_free_disk_gb: float = 1.0
     min_host_memory_gb: float = 2.0
+    # Health DAG alarms (tasks/health.py).
+    max_device_temp_c: float = 85.0       # a chip at or above this temperature raises an alarm
+    max_hbm_used_pct: float = 95.0        # HBM this full with no process on the chip = leaked memory
+    expected_devices: int = 0             # chips per node; 0 = the most this host has shown before
+    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s, requirements-k8s.txt).
+    launcher: str = "local"               # local | kubernetes
+    k8s_namespace: str = "llm"
+    k8s_image: str = ""                   # the training image (docker/Dockerfile.ascend); required for kubernetes
 
 
 @dataclass
@@ -59,9 +67,11 @@ class DataConfig:
     val_fraction: float = 0.05
     shard_size_mb: float = 16.0
     tokenize_processes: int = 2
+    token_dtype: str = "auto"             # auto (uint16 when the vocabulary fits) | uint16 | uint32
+    eos_token: str = ""                   # "" = tokenizer_config.json's eos_token or a usual name (<|endoftext|>, </s>…)
+    shard_multiple: int = 0               # shard count is a multiple of this; 0 = world size × max(1, loader_workers)
     loader_workers: int = 1
-    shuffle_buffer: int = 256
-    verify_sha256: bool = False
+    verify_sha256: bool = False           # loader checks every shard's sha256 against the manifest before reading
 
 
 @dataclass
@@ -129,6 +139,7 @@ class PlanConfig:
     efficiency: float = 0.4               # achieved fraction of peak FLOP/s
     runtime_reserve_gb: float = 0.0       # 0 = backend default (CANN/HCCL ≈ 5 GB on NPU)
     top_k: int = 10
+    flash_attention: bool = True          # fused SDPA keeps no s×s scores (false: Korthikanti's 5as/h term)
 
 
 @dataclass
@@ -150,11 +161,12 @@ class ProfileConfig:
 
 @dataclass
 class QuantizeConfig:
-    method: str = "int8_weight_only"      # int8_weight_only | int8_dynamic (W8A8) | smoothquant (AMCT)
-    backend: str = "auto"                 # auto (AMCT when it imports, else torchao) | amct | torchao
-    skip_layers: list = field(default_factory=lambda: ["lm_head", "embed"])
+    method: str = "int8_weight_only"      # int8_weight_only | int8_dynamic (W8A8) | smoothquant (W8A8, calibrated)
+    backend: str = "auto"                 # auto (AMCT on an NPU host where it imports, else torchao) | amct | torchao
+    skip_layers: list = field(default_factory=lambda: ["lm_head", "embed"])  # substrings of layer names (ours or HF)
     calibration_batches: int = 4
     amct_flow: str = "llm"                # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
+    dtype: str = "bf16"                   # dtype of what stays unquantized (embeddings, norms, scales, activations)
 
 
 @dataclass
@@ -207,22 +219,29 @@ SECTIONS = [f.name for f in dataclasses.fields(PipelineConfig) if f.name != "pre
 # Enumerations and ranges: checked by validate(); the DAG's Params mirror them.
 CHOICES = {
     "hardware.device": ["auto", "cpu", "cuda", "npu"],
+    "hardware.launcher": ["local", "kubernetes"],
     "data.on_decode_error": ["replace", "skip"],
+    "data.token_dtype": ["auto", "uint16", "uint32"],
     "parallel.recompute": ["none", "selective", "full"],
     "parallel.pp_schedule": ["gpipe", "1f1b", "interleaved1f1b"],
     "parallel.zero": [0, 1, 2, 3],
     "train.precision": ["fp32", "bf16", "fp16"],
     "profile.npu_level": ["Level_none", "Level0", "Level1", "Level2"],
+    "profile.aic_metrics": ["PipeUtilization", "ArithmeticUtilization", "Memory", "MemoryL0", "MemoryUB",
+                            "ResourceConflictRatio", "L2Cache", "MemoryAccess", "AiCoreNone"],  # torch_npu AiCMetrics
     "quantize.method": ["int8_weight_only", "int8_dynamic", "smoothquant"],
     "quantize.backend": ["auto", "amct", "torchao"],
     "quantize.amct_flow": ["llm", "ptq"],
+    "quantize.dtype": ["bf16", "fp32"],
 }
 RANGES = {  # inclusive (min, max); None = unbounded
     "hardware.nproc_per_node": (0, 1024), "hardware.nnodes": (1, 4096), "hardware.node_rank": (0, 4095),
+    "hardware.max_device_temp_c": (0.0, 150.0), "hardware.max_hbm_used_pct": (1.0, 100.0),
+    "hardware.expected_devices": (0, 1024),
     "hardware.hccl_connect_timeout": (120, 7200), "hardware.hccl_exec_timeout": (0, 2147483647),
     "data.seq_len": (8, 1 << 20), "data.vocab_size": (256, 1 << 22), "data.val_fraction": (0.0, 0.5),
     "data.shard_size_mb": (0.01, 100_000), "data.tokenize_processes": (1, 256), "data.loader_workers": (0, 64),
-    "data.max_documents": (0, None), "data.min_chars": (0, None),
+    "data.max_documents": (0, None), "data.min_chars": (0, None), "data.shard_multiple": (0, 1 << 16),
     "parallel.dp": (0, 1 << 16), "parallel.tp": (0, 1024), "parallel.pp": (0, 1024),
     "parallel.recompute_every": (1, 1024), "parallel.microbatches": (0, 1 << 16), "parallel.virtual_stages": (1, 64),
     "train.steps": (1, None), "train.global_batch": (1, None), "train.micro_batch": (1, None),
@@ -230,6 +249,8 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "train.checkpoint_every": (0, None), "train.keep_checkpoints": (1, 1000),
     "smoke.steps": (2, 100_000), "smoke.window": (1, 10_000), "smoke.bf16_tolerance": (0.0, 10.0),
     "plan.efficiency": (0.01, 1.0),
+    "profile.skip_first": (0, None), "profile.wait": (0, None), "profile.warmup": (0, None),
+    "profile.active": (1, None), "profile.regression_threshold": (0.0, 10.0),
     "quantize.calibration_batches": (1, 100_000),
     "evaluate.max_drop_pct": (0.0, 100.0), "evaluate.eval_batches": (1, 100_000),
 }
