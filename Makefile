@@ -24,14 +24,7 @@ db: venv
 	@$(ENV) airflow db migrate > var/logs/db-migrate.log 2>&1 || (cat var/logs/db-migrate.log; exit 1)
 
 run: db
-	@$(ENV) time airflow dags test llm_pipeline --conf '$(CONF)' 2>&1 | tee var/logs/make-run.log | \
-	  grep -E "summary|Stage|stage|ERROR|error:|Run directory|MLflow|^-|^[A-Z][a-zA-Z &()→0-9-]+ +(ok|warn|failed|-) " ; \
-	  status=$${PIPESTATUS[0]}; \
-	  run_dir=$$(ls -td var/runs/llm_pipeline/*/ 2>/dev/null | head -1); \
-	  echo; $(ENV) python -m tasks summary --run-dir "$$run_dir"; \
-	  echo; echo "Full log: var/logs/make-run.log   Run directory: $$run_dir"; \
-	  echo "MLflow UI: $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/var/mlflow.db --host 127.0.0.1 --port 5000"; \
-	  exit $$status
+	@bash scripts/run-pipeline.sh '$(CONF)'
 
 test: db browser
 	@$(ENV) python -m pytest -q $(PYTEST_ARGS)

@@ -28,7 +28,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasks summary")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--config", default=None)
+    p.add_argument("--check", action="store_true", help="exit 1 unless every stage finished ok or warn")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     print(render(args.run_dir, cfg.tracking.ui_url))
+    if args.check:
+        results = load_inputs(args.run_dir)
+        return 0 if all(results.get(s, {}).get("status") in ("ok", "warn") for s in STAGES) else 1
     return 0
