@@ -1,0 +1,132 @@
+"""Sharding and loader figures on Python's own sources (present everywhere), each beside its baseline in this run.
+
+- sharding.tokens_per_s_ratio_vs_tokenizer: the whole shard build (read, clean, dedupe, tokenise in 2 processes,
+  pack, write tars, sha256, fsync, publish) in tokens/s, over the raw `tokenizers` encode_batch throughput (Rust,
+  all cores) on the same documents already in memory. Goal ≥ 0.9.
+- sharding.seconds_by_size / sharding.peak_rss_mb_by_size: three corpus sizes; time should grow linearly, the
+  builder's peak RSS (VmHWM of this process, reset before each build) should stay flat.
+- loader.samples_per_s: ShardLoader with 0 and 2 workers, and the ratio of the 0-worker figure to a plain
+  `wds.WebDataset(...).decode()` pass over the same shards (the baseline).
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+SIZES_MB = (4, 8, 16)
+SEQ_LEN, VOCAB, BATCH = 512, 4096, 32
+
+
+def _vmhwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def _reset_peak() -> None:
+    """Writing 5 to clear_refs resets VmHWM (Linux ≥ 4.0), so each build's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _corpus(size_mb: int) -> list[str]:
+    """The first stdlib files (sorted) adding up to size_mb."""
+    from data_prep.corpus import stdlib_files
+
+    files, total = [], 0
+    for p in stdlib_files():
+        files.append(str(p))
+        total += p.stat().st_size
+        if total >= size_mb * 1e6:
+            return files
+    return files
+
+
+def _tokenizer_baseline(files: list[str], tokenizer: Path, repeats: int) -> float:
+    """tokens/s of Tokenizer.encode_batch on the cleaned documents already in memory (best of `repeats`)."""
+    from tokenizers import Tokenizer
+
+    from data_prep.clean import clean_documents
+    from data_prep.config import ShardConfig
+    from data_prep.corpus import CorpusStats
+
+    texts = [t for _, t in clean_documents([Path(f) for f in files], ShardConfig(), CorpusStats())]
+    tok = Tokenizer.from_file(str(tokenizer))
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = sum(len(e.ids) for e in tok.encode_batch(texts, add_special_tokens=False))
+        best = max(best, (tokens + len(texts)) / (time.perf_counter() - start))  # + the EOS the builder adds
+    return best
+
+
+def _loader_figures(shard_dir: Path) -> dict:
+    import webdataset as wds
+    from torch.utils.data import DataLoader
+
+    from data_prep.loader import ShardLoader
+    from data_prep.manifest import load_manifest
+
+    figures = {"loader.samples_per_s": {}}
+    for workers in (0, 2):
+        loader = ShardLoader(shard_dir, batch_size=BATCH, num_workers=workers, seed=0)
+        start = time.perf_counter()
+        n = sum(x.shape[0] for x, _ in loader)
+        figures["loader.samples_per_s"][f"workers_{workers}"] = round(n / (time.perf_counter() - start))
+    urls = [str(shard_dir / e["name"]) for e in load_manifest(shard_dir)["splits"]["train"]["shards"]]
+    plain = wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode().to_tuple("tokens.npy")
+    start = time.perf_counter()
+    n = sum(1 for _ in DataLoader(plain, batch_size=None, num_workers=0))
+    baseline = n / (time.perf_counter() - start)
+    figures["loader.baseline_plain_webdataset_samples_per_s"] = round(baseline)
+    figures["loader.ratio_vs_plain_webdataset"] = round(figures["loader.samples_per_s"]["workers_0"] / baseline, 3)
+    return figures
+
+
+def run() -> dict:
+    from data_prep.build import build_shard_set
+    from data_prep.clean import clean_documents
+    from data_prep.config import ShardConfig
+    from data_prep.corpus import CorpusStats
+    from data_prep.tokenizer import train_bpe
+
+    figures: dict = {"sharding.seconds_by_size": {}, "sharding.peak_rss_mb_by_size": {},
+                     "sharding.tokens_per_s_by_size": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
+        tmp = Path(tmp)
+        corpora = {size: _corpus(size) for size in SIZES_MB}
+        docs = (t for _, t in clean_documents([Path(f) for f in corpora[SIZES_MB[0]]], ShardConfig(), CorpusStats()))
+        tok_path = tmp / "tokenizer.json"
+        train_bpe(docs, VOCAB).save(str(tok_path))  # one fixed tokenizer: builder and baseline encode alike
+        def build(files: list[str], out: str):
+            cfg = ShardConfig(inputs=files, out_dir=str(tmp / out), tokenizer=str(tok_path), seq_len=SEQ_LEN,
+                              shard_size_mb=4, shard_multiple=2, tokenize_processes=2, progress=False)
+            return build_shard_set(cfg)
+
+        for size, files in corpora.items():
+            _reset_peak()
+            result = build(files, f"out-{size}")
+            key = f"{size}mb"
+            figures["sharding.seconds_by_size"][key] = round(result.seconds, 2)
+            figures["sharding.peak_rss_mb_by_size"][key] = round(_vmhwm_mb(), 1)
+            figures["sharding.tokens_per_s_by_size"][key] = round(result.tokens / result.seconds)
+        # The ratio: baseline and builder interleaved on the largest corpus, best of two each (a shared host is noisy).
+        largest = corpora[SIZES_MB[-1]]
+        baseline = _tokenizer_baseline(largest, tok_path, repeats=1)
+        again = build(largest, "again")
+        baseline = max(baseline, _tokenizer_baseline(largest, tok_path, repeats=1))
+        builder = max(result.tokens / result.seconds, again.tokens / again.seconds)
+        figures["sharding.tokenizer_baseline_tokens_per_s"] = round(baseline)
+        figures["sharding.tokens_per_s"] = round(builder)
+        figures["sharding.tokens_per_s_ratio_vs_tokenizer"] = round(builder / baseline, 3)
+        figures.update(_loader_figures(result.shard_dir))
+    return figures
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=2))

@@ -1,0 +1,77 @@
+"""`python -m data_prep shard --input PATH… --out DIR [--config YAML] [--set key=value …]`
+   `python -m data_prep verify DIR [--split train]`   (sizes + sha256 of every shard against the manifest)
+
+Errors print one line and exit 2. The pipeline's own entry is `python -m tasks shard` (same code, plus MLflow).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+
+import yaml
+
+from data_prep.config import ShardConfig
+from data_prep.errors import DataPrepError
+
+
+def _overrides(sets: list[str]) -> dict:
+    out = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise DataPrepError(f"--set {item!r}: expected key=value")
+        out[key.strip()] = yaml.safe_load(value) if value.strip() else value
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    shard = sub.add_parser("shard", help="build (or find cached) a shard set")
+    shard.add_argument("--input", nargs="+", default=None, help="files, directories, globs or 'stdlib'")
+    shard.add_argument("--out", default=None, help="output root; the shard set is <out>/<version>/")
+    shard.add_argument("--config", default=None, help="YAML: a pipeline preset (its data: section) or flat keys")
+    shard.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                       help=f"override a setting ({', '.join(f.name for f in dataclasses.fields(ShardConfig))})")
+    shard.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
+    verify = sub.add_parser("verify", help="check every shard's size and sha256 against the manifest")
+    verify.add_argument("shard_dir")
+    verify.add_argument("--split", action="append", default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "verify":
+            from data_prep.manifest import check_files, load_manifest
+
+            manifest = load_manifest(args.shard_dir)
+            for split in args.split or list(manifest["splits"]):
+                check_files(args.shard_dir, manifest, split, sha256=True)
+            print(f"ok: {args.shard_dir} matches its manifest")
+            return 0
+        from data_prep.build import build_shard_set
+
+        overrides = _overrides(args.sets)
+        if args.input:
+            overrides["inputs"] = args.input
+        if args.out:
+            overrides["out_dir"] = args.out
+        cfg = ShardConfig.from_yaml(args.config, **overrides) if args.config else ShardConfig.from_dict(overrides)
+        result = build_shard_set(cfg)
+    except DataPrepError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = {"shard_dir": str(result.shard_dir), "cache_hit": result.cache_hit, "manifest_digest": result.digest,
+               "tokens": result.tokens, "tokens_per_s": round(result.tokens_per_s),
+               "splits": {k: {"samples": v["samples"], "shards": len(v["shards"])}
+                          for k, v in result.manifest["splits"].items()}}
+    print(json.dumps(summary, indent=2) if args.json else
+          f"{'cached' if result.cache_hit else 'built'} {result.shard_dir} "
+          + " ".join(f"{k}={v['samples']} samples/{v['shards']} shards" for k, v in summary["splits"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

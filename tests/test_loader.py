@@ -1,0 +1,187 @@
+"""ShardLoader on real webdataset shards: exactly-once under torchrun (2 ranks × 2 workers), resume, corruption."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_prep.build import build_shard_set
+from data_prep.config import ShardConfig
+from data_prep.errors import CorruptShardError, DataPrepError
+from data_prep.loader import ShardLoader, delivered_per_worker
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
+
+
+@pytest.fixture(scope="module")
+def shard_set(tmp_path_factory) -> Path:
+    """~600 train windows of 9 tokens in 16 equal shards (a multiple of 2 ranks × 2 workers)."""
+    cfg = ShardConfig(inputs=[str(CORPUS)], out_dir=str(tmp_path_factory.mktemp("shards")), vocab_size=300,
+                      seq_len=8, val_fraction=0.2, shard_size_mb=0.04, shard_multiple=4, tokenize_processes=1,
+                      progress=False)
+    return build_shard_set(cfg).shard_dir
+
+
+def all_keys(shard_dir: Path, split: str = "train") -> list[str]:
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    names = []
+    for entry in manifest["splits"][split]["shards"]:
+        with tarfile.open(shard_dir / entry["name"]) as tar:
+            names += [m.name.split(".")[0] for m in tar.getmembers()]
+    return names
+
+
+def per_shard(shard_dir: Path) -> int:
+    return json.loads((shard_dir / "manifest.json").read_text())["splits"]["train"]["shards"][0]["samples"]
+
+
+def keys(batches) -> list[str]:
+    return [k for _, _, ks in batches for k in ks]
+
+
+def test_exactly_once_across_2_ranks_x_2_workers_under_torchrun(shard_set, tmp_path):
+    batch = math.gcd(per_shard(shard_set), 8)  # divides every worker's samples: nothing is left over
+    out = tmp_path / "seen.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "tests" / "loader_dist_check.py"), str(shard_set), str(batch), str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = json.loads(out.read_text())
+    expected = sorted(all_keys(shard_set))
+    assert len({rank["len"] for rank in ranks}) == 1 and all(rank["shifted"] for rank in ranks)
+    for epoch in (0, 1):
+        seen = [k for rank in ranks for k in rank["epochs"][epoch]]
+        assert sorted(seen) == expected  # every sample once: no duplicate, none missing
+    assert all(rank["epochs"][0] != rank["epochs"][1] for rank in ranks)  # reshuffled per epoch
+    assert all(rank["resumed"] == rank["epochs"][0] for rank in ranks)    # resume continues exactly
+    assert all(rank["state"] == {**rank["state"], "epoch": 0, "samples": 5 * batch} for rank in ranks)
+    assert all(rank["epoch_after"] == 2 for rank in ranks)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_position_mid_epoch_and_across_epochs(shard_set, workers):
+    kw = dict(batch_size=3, num_workers=workers, seed=3, with_keys=True)
+    reference = ShardLoader(shard_set, **kw)
+    n = len(reference)
+    full = keys(list(reference) + list(reference))  # two uninterrupted epochs
+    # n + 3 with 2 workers: the next batch is worker 1's, so the resumed DataLoader must start there
+    for stop in ((1, n - 1, n, n + 2) if workers == 0 else (n + 3,)):
+        first = ShardLoader(shard_set, **kw)
+        head = []
+        for batch in first.batches():
+            head.append(batch)
+            if len(head) == stop:
+                break
+        state = first.state_dict()
+        assert (state["epoch"], state["samples"]) == divmod(stop, n)[:1] + (stop % n * 3,)
+        resumed = ShardLoader(shard_set, **kw)
+        resumed.load_state_dict(json.loads(json.dumps(state)))  # survives a JSON round trip (checkpoint)
+        rest = []
+        while len(head) + len(rest) < 2 * n:
+            rest += list(resumed)
+        assert keys(head + rest) == full, f"resume after {stop} batches diverged"
+
+
+def test_uneven_split_keeps_ranks_equal_and_never_repeats(shard_set):
+    """16 shards over 3 ranks × 2 workers: equal batch counts per rank, no sample twice, bounded leftovers."""
+    batch = 4
+    loaders = [ShardLoader(shard_set, batch_size=batch, dp_rank=r, dp_world=3, num_workers=2, with_keys=True)
+               for r in range(3)]
+    seen = [keys(list(loader)) for loader in loaders]
+    assert len({len(s) for s in seen}) == 1 and len({len(loader) for loader in loaders}) == 1
+    flat = [k for s in seen for k in s]
+    assert len(flat) == len(set(flat)) and set(flat) <= set(all_keys(shard_set))
+    assert len(all_keys(shard_set)) - len(flat) < 3 * 2 * batch + 3 * per_shard(shard_set)
+
+
+def test_batches_shapes_and_unshuffled_val(shard_set):
+    manifest = json.loads((shard_set / "manifest.json").read_text())
+    x, y = next(iter(ShardLoader(shard_set, batch_size=5)))
+    assert x.shape == y.shape == (5, 8) and x.dtype == y.dtype == torch.int64
+    assert int(x.max()) < manifest["vocab_size"] and bool((x[:, 1:] == y[:, :-1]).all())
+    val = ShardLoader(shard_set, split="val", batch_size=2, shuffle=False, with_keys=True)
+    assert keys(list(val)) == keys(list(val))[: len(val) * 2]
+    assert keys(list(val)) == all_keys(shard_set, "val")[: len(val) * 2]  # file order, same every epoch
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_more_workers_than_shards_is_fine(shard_set):
+    """webdataset's empty_check would raise "No samples found" for workers without shards; ours just end."""
+    loader = ShardLoader(shard_set, batch_size=2, dp_rank=0, dp_world=4, num_workers=6, with_keys=True)
+    seen = keys(list(loader))
+    assert len(seen) == len(loader) * 2 == len(set(seen))
+
+
+def test_bad_positions_and_sizes(shard_set):
+    loader = ShardLoader(shard_set, batch_size=2, seed=1)
+    with pytest.raises(DataPrepError, match="cannot resume the data stream: seed was 1, now 2"):
+        ShardLoader(shard_set, batch_size=2, seed=2).load_state_dict(loader.state_dict())
+    with pytest.raises(DataPrepError, match="not one batch of 100000"):
+        ShardLoader(shard_set, batch_size=100_000)
+    with pytest.raises(DataPrepError, match="need 0 <= dp_rank"):
+        ShardLoader(shard_set, dp_rank=2, dp_world=2)
+    with pytest.raises(DataPrepError, match="no manifest.json"):
+        ShardLoader(shard_set / "nowhere")
+    with pytest.raises(DataPrepError, match="no split 'test'"):
+        ShardLoader(shard_set, split="test")
+
+
+@pytest.fixture
+def damaged(shard_set, tmp_path) -> Path:
+    copy = tmp_path / "copy"
+    shutil.copytree(shard_set, copy)
+    return copy
+
+
+def test_corrupt_shard_fails_naming_it(damaged):
+    victim = damaged / "train-000003.tar"
+    data = bytearray(victim.read_bytes())
+    data[1024 * 3 + 100:1024 * 3 + 160] = b"\xff" * 60  # inside a tar header: its checksum no longer matches
+    victim.write_bytes(bytes(data))
+    for workers in (0, 2):
+        with pytest.raises(CorruptShardError, match=r"train-000003.tar is corrupt or truncated: only 3 of") as e:
+            list(ShardLoader(damaged, batch_size=2, num_workers=workers, shuffle=False))
+        assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
+
+
+def test_truncated_and_altered_shards_fail_before_reading(damaged):
+    victim = damaged / "train-000001.tar"
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptShardError, match=r"train-000001.tar is truncated or altered"):
+        ShardLoader(damaged, batch_size=2)
+    altered = bytearray(data)
+    altered[600] ^= 0xFF  # payload byte: the tar is still well-formed, only the sha256 can tell
+    victim.write_bytes(bytes(altered))
+    ShardLoader(damaged, batch_size=2)
+    with pytest.raises(CorruptShardError, match=r"train-000001.tar is corrupt: sha256 differs"):
+        ShardLoader(damaged, batch_size=2, verify_sha256=True)
+    (damaged / "train-000002.tar").unlink()
+    with pytest.raises(CorruptShardError, match=r"train-000002.tar is missing"):
+        ShardLoader(damaged, batch_size=2)
+
+
+def test_delivered_per_worker_follows_dataloader_round_robin():
+    assert delivered_per_worker([3, 3], 3) == ([2, 1], 1)
+    assert delivered_per_worker([1, 3, 2], 2) == ([1, 1, 0], 2)
+    assert delivered_per_worker([1, 3, 2], 4) == ([1, 2, 1], 2)
+    assert delivered_per_worker([2, 2], 4) == ([2, 2], 0)
+
+
+def test_tiny_shard_set_helper(tmp_path):
+    from data_prep.testing import tiny_shard_set
+
+    d = tiny_shard_set(tmp_path, seq_len=16, vocab_size=300, n_docs=8)
+    assert tiny_shard_set(tmp_path, seq_len=16, vocab_size=300, n_docs=8) == d  # cached
+    x, y = next(iter(ShardLoader(d, batch_size=4, dp_rank=1, dp_world=2, num_workers=2)))
+    assert x.shape == (4, 16)

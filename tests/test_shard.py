@@ -1,0 +1,245 @@
+"""Sharding (data_prep): real tokenizers + real webdataset tars; determinism, cache, crash-safety, bad inputs."""
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from data_prep.build import build_shard_set
+from data_prep.clean import VAL, clean_documents
+from data_prep.config import ShardConfig
+from data_prep.corpus import CorpusStats, resolve_inputs
+from data_prep.errors import DataPrepError
+from data_prep.manifest import check_files, load_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
+
+
+def shard_cfg(out: Path, inputs=None, **kw) -> ShardConfig:
+    base = dict(inputs=[str(p) for p in (inputs or [CORPUS])], out_dir=str(out), vocab_size=300, seq_len=16,
+                val_fraction=0.2, shard_size_mb=0.02, shard_multiple=4, tokenize_processes=1, progress=False)
+    return ShardConfig(**{**base, **kw})
+
+
+def tar_samples(path: Path) -> list[tuple[str, np.ndarray]]:
+    with tarfile.open(path) as tar:
+        return [(m.name, np.load(io.BytesIO(tar.extractfile(m).read()))) for m in tar.getmembers()]
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return build_shard_set(shard_cfg(tmp_path_factory.mktemp("shards")))
+
+
+def test_shard_set_contents_and_manifest(built):
+    m, d = built.manifest, built.shard_dir
+    assert m == load_manifest(d) and m["dtype"] == "uint16" and m["seq_len"] == 16 and m["sample_tokens"] == 17
+    stats = m["stats"]
+    # records.jsonl: one copy of alpha.txt, a record without "text", a line that is not JSON; latin1.txt is not UTF-8
+    assert stats["duplicates"] == 1 and stats["bad_records"] == 2 and stats["undecodable"] == 1
+    assert stats["too_short"] == 1 and stats["documents_out"] == 4 + 12 + 1
+    for split in ("train", "val"):
+        s = m["splits"][split]
+        assert len(s["shards"]) % 4 == 0 and s["samples"] == sum(e["samples"] for e in s["shards"])
+        assert len({e["samples"] for e in s["shards"]}) == 1 and s["dropped_samples"] < len(s["shards"])
+        assert s["samples"] * 17 <= s["token_stream"] < (s["samples"] + s["dropped_samples"] + 1) * 17
+    check_files(d, m, "train", sha256=True)
+    check_files(d, m, "val", sha256=True)
+    rows = [arr for e in m["splits"]["train"]["shards"] for _, arr in tar_samples(d / e["name"])]
+    tokens = np.concatenate(rows)
+    assert all(r.dtype == np.uint16 and r.shape == (17,) for r in rows) and tokens.max() < m["vocab_size"]
+    assert (tokens == m["eos_id"]).sum() > 0  # documents are separated by EOS
+    from tokenizers import Tokenizer
+
+    text = Tokenizer.from_file(str(d / "tokenizer.json")).decode([int(t) for t in tokens[:200]])
+    assert "shard" in text or "loader" in text or "token" in text
+
+
+def test_split_by_document_hash_is_stable(tmp_path):
+    """A document's split depends on its content only: adding documents never moves one across splits."""
+    cfg = shard_cfg(tmp_path, val_fraction=0.3)
+    small = resolve_inputs([str(CORPUS / "alpha.txt"), str(CORPUS / "records.jsonl")])
+    both = resolve_inputs([str(CORPUS)])
+    split_small = dict((t, s) for s, t in clean_documents(small, cfg, CorpusStats()))
+    split_both = dict((t, s) for s, t in clean_documents(both, cfg, CorpusStats()))
+    assert {VAL, "train"} == set(split_both.values())
+    assert all(split_both[t] == s for t, s in split_small.items())
+
+
+def test_byte_identical_across_runs_and_processes_then_cache_hit(tmp_path, built):
+    a = build_shard_set(shard_cfg(tmp_path / "a", tokenize_processes=2))  # spawned workers, same bytes
+    assert not a.cache_hit and a.shard_dir.name == built.shard_dir.name
+    assert tree_bytes(a.shard_dir) == tree_bytes(built.shard_dir)
+    before = {p.name: p.stat().st_mtime_ns for p in a.shard_dir.iterdir()}
+    again = build_shard_set(shard_cfg(tmp_path / "a"))
+    assert again.cache_hit and again.digest == a.digest
+    assert {p.name: p.stat().st_mtime_ns for p in a.shard_dir.iterdir()} == before  # nothing rewritten
+    changed = build_shard_set(shard_cfg(tmp_path / "a", seq_len=24))
+    assert not changed.cache_hit and changed.shard_dir != a.shard_dir and a.shard_dir.is_dir()
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted([a.shard_dir.name, changed.shard_dir.name])
+
+
+def test_gzip_jsonl_and_parquet_inputs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [json.loads(line)["text"] for line in (CORPUS / "records.jsonl").read_text().splitlines()[:12]]
+    (tmp_path / "in").mkdir()
+    with gzip.open(tmp_path / "in" / "a.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps({"content": t}) + "\n" for t in texts[:6])
+    pq.write_table(pa.table({"content": texts[6:]}), tmp_path / "in" / "b.parquet")
+    (tmp_path / "in" / "skip.bin").write_bytes(b"ignored by a directory walk")
+    r = build_shard_set(shard_cfg(tmp_path / "out", [tmp_path / "in"], text_field="content"))
+    assert r.manifest["stats"]["documents_out"] == 12 and r.manifest["source"]["files"] == 2
+    with pytest.raises(DataPrepError, match=r"b.parquet: no column 'text'"):
+        build_shard_set(shard_cfg(tmp_path / "out", [tmp_path / "in" / "b.parquet"]))
+
+
+def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
+    out = tmp_path / "out"
+    sets = ["max_documents=40", "vocab_size=512", "seq_len=16", "shard_size_mb=0.1", "shard_multiple=2",
+            "tokenize_processes=2", "progress=false"]
+    cmd = [sys.executable, "-m", "data_prep", "shard", "--input", "stdlib", "--out", str(out)]
+    proc = subprocess.Popen(cmd + [a for s in sets for a in ("--set", s)], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 90
+    while time.time() < deadline and proc.poll() is None and not list(out.glob(".tmp-*/train-*.tar")):
+        time.sleep(0.005)
+    assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-500:]}"
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"worker processes outlived the killed builder: {alive}"  # they would hold the lock
+    assert [p.name for p in out.iterdir() if not p.name.startswith(".tmp-")] == []  # nothing half-written visible
+    leftovers = list(out.glob(".tmp-*"))
+    assert leftovers
+    cfg = ShardConfig.from_dict({"inputs": ["stdlib"], "out_dir": str(out), **dict(
+        (k, json.loads(v) if v[0].isdigit() or v == "false" else v) for k, v in (s.split("=") for s in sets))})
+    result = build_shard_set(cfg)
+    assert not result.cache_hit and not any(p.exists() for p in leftovers)
+    assert [p.name for p in out.iterdir()] == [result.shard_dir.name]
+    for split in ("train", "val"):
+        check_files(result.shard_dir, result.manifest, split, sha256=True)
+    again = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], cwd=REPO, capture_output=True, text=True)
+    assert again.returncode == 0 and again.stdout.startswith(f"cached {result.shard_dir}")
+
+
+# --- bad inputs: each a one-line error or a counted skip ------------------------------------------------------
+
+def one_line_error(cfg: ShardConfig) -> str:
+    with pytest.raises(DataPrepError) as e:
+        build_shard_set(cfg)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_empty_corpus_and_no_matching_files(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "short.txt").write_text("hi\n")
+    assert one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "empty.txt", tmp_path / "short.txt"])).startswith(
+        "empty corpus: no document kept from 2 input file(s)")
+    assert "no input files matched" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "nothing-*.txt"]))
+    assert "does not exist" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "missing.txt"]))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "data.bin").write_bytes(b"x")
+    assert "no input files matched" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "d"]))
+
+
+def test_binary_file_is_a_counted_skip(tmp_path):
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 64)
+    r = build_shard_set(shard_cfg(tmp_path / "o", [CORPUS, tmp_path / "blob.txt"]))
+    assert r.manifest["stats"]["binary_files"] == 1
+    assert "binary_files 1" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "blob.txt"]))
+
+
+def test_invalid_utf8_replace_or_skip(tmp_path):
+    latin = [CORPUS / "latin1.txt", CORPUS / "alpha.txt"]
+    kept = dict(clean_documents(resolve_inputs([str(p) for p in latin]), shard_cfg(tmp_path), CorpusStats()))
+    texts = list(dict((t, s) for s, t in clean_documents(resolve_inputs([str(p) for p in latin]),
+                                                        shard_cfg(tmp_path, val_fraction=0.0), CorpusStats())))
+    assert len(kept) >= 1 and any("\ufffd" in t for t in texts)
+    stats = CorpusStats()
+    skipped = list(clean_documents(resolve_inputs([str(p) for p in latin]),
+                                   shard_cfg(tmp_path, on_decode_error="skip"), stats))
+    assert len(skipped) == 1 and stats.undecodable == 1
+
+
+def test_200mb_single_line_files_stream_in_bounded_memory(tmp_path):
+    """A 200 MB one-line .txt and .jsonl are counted as too long without being loaded (RSS stays far below)."""
+    chunk = b"a" * (1 << 20)
+    with open(tmp_path / "big.txt", "wb") as txt, open(tmp_path / "big.jsonl", "wb") as jsonl:
+        jsonl.write(b'{"text": "')
+        for _ in range(200):
+            txt.write(chunk)
+            jsonl.write(chunk)
+        jsonl.write(b'"}\n' + json.dumps({"text": "a normal record after it"}).encode() + b"\n")
+    # VmHWM, not ru_maxrss: a forked child's ru_maxrss starts at its parent's peak.
+    code = ("import re, sys\nfrom pathlib import Path\nfrom data_prep.corpus import CorpusStats, iter_documents\n"
+            "s = CorpusStats()\ndocs = list(iter_documents([Path(p) for p in sys.argv[1:]], stats=s))\n"
+            "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+            "print(len(docs), s.too_long, int(hwm) // 1024)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big.txt"), str(tmp_path / "big.jsonl")],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    docs, too_long, peak_mb = map(int, out)
+    assert docs == 1 and too_long == 2 and peak_mb < 100, out
+
+
+def test_seq_len_longer_than_corpus(tmp_path):
+    msg = one_line_error(shard_cfg(tmp_path / "o", [CORPUS / "alpha.txt"], seq_len=100_000))
+    assert msg.startswith("seq_len 100000 is longer than the whole corpus")
+
+
+def test_tokenizer_vocab_must_fit_dtype(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "</s>": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    msg = one_line_error(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path), token_dtype="uint16"))
+    assert msg.startswith("tokenizer vocabulary 70002 does not fit token_dtype uint16")
+    r = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8))
+    assert r.manifest["dtype"] == "uint32" and r.manifest["eos_token"] == "</s>"
+    assert "no tokenizer.json" in one_line_error(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "nope")))
+
+
+def test_unwritable_output_dir(tmp_path):
+    (tmp_path / "file").write_text("a file, not a directory")
+    assert "is not writable" in one_line_error(shard_cfg(tmp_path / "file" / "out"))
+
+
+def test_cli_error_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "data_prep", "shard", "--input", str(tmp_path / "none*.txt"),
+                        "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("error: no input files matched") and r.stderr.count("\n") == 1
+
+
+def test_model_directory_tokenizer_uses_its_eos(tmp_path):
+    """A local model directory (e.g. Qwen): tokenizer.json + tokenizer_config.json naming the EOS token."""
+    from data_prep.tokenizer import train_bpe
+
+    texts = [p.read_text() for p in sorted(CORPUS.glob("[abdg]*.txt"))]
+    tok = train_bpe(iter(texts), 300)
+    tok.add_special_tokens(["<|im_end|>"])
+    (tmp_path / "model").mkdir()
+    tok.save(str(tmp_path / "model" / "tokenizer.json"))
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    r = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
+    assert r.manifest["eos_token"] == "<|im_end|>" and r.manifest["eos_id"] == tok.token_to_id("<|im_end|>")
+    assert (r.shard_dir / "tokenizer.json").read_text() == tok.to_str(pretty=True)

@@ -1,0 +1,56 @@
+"""The shard stage through the real runner: MLflow metrics, artifacts and dataset input; cache hit; one-line errors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import StageError
+from tasks.runner import run_stage
+
+CORPUS = Path(__file__).resolve().parent / "fixtures" / "data" / "corpus"
+
+
+@pytest.fixture
+def shard_cfg(cfg):
+    cfg.data.inputs = [str(CORPUS)]
+    cfg.data.vocab_size, cfg.data.seq_len, cfg.data.shard_size_mb = 300, 16, 0.02
+    cfg.data.val_fraction, cfg.data.tokenize_processes, cfg.data.max_documents = 0.2, 1, 0
+    return cfg
+
+
+def test_shard_stage_logs_to_mlflow_and_caches(shard_cfg, tmp_path):
+    import mlflow
+
+    first = run_stage("shard", shard_cfg, tmp_path / "run1")
+    shard_dir = Path(first["shard_dir"])
+    manifest = json.loads(Path(first["manifest"]).read_text())
+    assert first["status"] == "ok" and not first["cache_hit"] and first["asset_uri"] == shard_dir.as_uri()
+    assert manifest["shard_multiple"] == 2  # demo: 2 processes × 1 loader worker
+    assert len(manifest["splits"]["train"]["shards"]) % 2 == 0 and first["vocab_size"] == manifest["vocab_size"]
+    assert json.loads((tmp_path / "run1" / "shard.json").read_text())["manifest_digest"] == first["manifest_digest"]
+
+    client = mlflow.MlflowClient(shard_cfg.tracking.uri)
+    run = client.get_run(first["mlflow_run_id"])
+    m = run.data.metrics
+    assert m["shard.duplicates"] == 1 and m["shard.undecodable"] == 1 and m["shard.documents_out"] == 17
+    assert m["shard.tokens"] == first["tokens"] and m["shard.shards"] == first["shards"] and m["shard.bytes"] > 0
+    assert m["shard.tokens_per_s"] > 0 and m["shard.cache_hit"] == 0
+    dataset = run.inputs.dataset_inputs[0]
+    assert dataset.dataset.name == manifest["version"] and dataset.dataset.digest == first["manifest_digest"][:32]
+    assert json.loads(dataset.dataset.source)["uri"] == first["asset_uri"]
+    assert {t.key: t.value for t in dataset.tags}["manifest_sha256"] == first["manifest_digest"]
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "shards")} == {"shards/manifest.json",
+                                                                                    "shards/tokenizer.json"}
+    again = run_stage("shard", shard_cfg, tmp_path / "run2")
+    assert again["cache_hit"] and again["manifest_digest"] == first["manifest_digest"]
+    assert "cache hit" in again["summary"]
+    assert client.get_run(again["mlflow_run_id"]).data.metrics["shard.cache_hit"] == 1
+
+
+def test_shard_stage_bad_input_is_one_line_stage_error(shard_cfg, tmp_path):
+    shard_cfg.data.inputs = [str(tmp_path / "missing.jsonl")]
+    with pytest.raises(StageError, match=r"^shard: input .*missing.jsonl does not exist$"):
+        run_stage("shard", shard_cfg, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "shard.json").read_text())["status"] == "failed"
