@@ -16,6 +16,7 @@ import pendulum
 from airflow.sdk import AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
 
 from tasks.pipeline import param_schemas  # light: config schema only (no torch, no mlflow)
+from tasks.stages import STAGES
 
 SHARD_SET = AssetAlias("llm-shard-set")  # the llm_data DAG attaches each newly published shard set to it
 
@@ -69,8 +70,18 @@ def notify_failure(context) -> None:
     record_failure(ti.dag_id, context["run_id"], ti.task_id, context.get("exception"))
 
 
-def stage(stage_id: str, **kwargs):
-    return task(task_id=stage_id, doc_md=DOCS[stage_id], on_failure_callback=notify_failure, **kwargs)
+# The train task retries: a retry resumes from the latest complete checkpoint (a dead rank is retryable).
+RETRIES = {"train": dict(retries=2, retry_delay=pendulum.duration(seconds=15))}
+
+
+def stage_task(stage_id: str):
+    """One TaskFlow task per stage, all with the same body; its return value (ids and paths) is the XCom."""
+    def body() -> dict:
+        return run_stage_task(stage_id)
+
+    body.__name__ = stage_id
+    return task(task_id=stage_id, doc_md=DOCS[stage_id], on_failure_callback=notify_failure,
+                **RETRIES.get(stage_id, {}))(body)
 
 
 @dag(
@@ -85,38 +96,6 @@ def stage(stage_id: str, **kwargs):
     default_args={"retries": 0},
 )
 def llm_pipeline():
-    @stage("env")
-    def env() -> dict:
-        return run_stage_task("env")
-
-    @stage("shard")
-    def shard() -> dict:
-        return run_stage_task("shard")
-
-    @stage("smoke")
-    def smoke() -> dict:
-        return run_stage_task("smoke")
-
-    @stage("plan")
-    def plan() -> dict:
-        return run_stage_task("plan")
-
-    @stage("train", retries=2, retry_delay=pendulum.duration(seconds=15))
-    def train() -> dict:
-        return run_stage_task("train")
-
-    @stage("profile")
-    def profile() -> dict:
-        return run_stage_task("profile")
-
-    @stage("quantize")
-    def quantize() -> dict:
-        return run_stage_task("quantize")
-
-    @stage("evaluate")
-    def evaluate() -> dict:
-        return run_stage_task("evaluate")
-
     @task(task_id="summary", trigger_rule="all_done", doc_md="The one-screen summary of the run (all stages).")
     def summary() -> str:
         from airflow.sdk import get_current_context
@@ -131,7 +110,7 @@ def llm_pipeline():
     def pipeline_ok() -> None:
         return None
 
-    stages = [env(), shard(), smoke(), plan(), train(), profile(), quantize(), evaluate()]
+    stages = [stage_task(stage_id)() for stage_id in STAGES]
     for upstream, downstream in zip(stages, stages[1:]):
         upstream >> downstream
     stages[-1] >> [summary(), pipeline_ok()]

@@ -20,7 +20,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_prep.errors import DataPrepError
-from data_prep.workers import die_with_parent
+from data_prep.workers import die_with_parent, spawn_without_main
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -128,15 +128,17 @@ def encode_stream(tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterabl
     # dies (OOM killer) raises BrokenProcessPool here instead of hanging the stage forever.
     pool = ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"), initializer=_init_worker,
                                initargs=(os.getpid(), tok.to_str(), eos_id, dtype.name))
-    try:
-        pending: collections.deque = collections.deque()
-        for key, texts in batches:
-            pending.append(pool.submit(_encode_in_worker, key, texts))
-            if len(pending) >= 2 * processes:  # back-pressure: never read far ahead of the workers
+    with spawn_without_main():
+        try:
+            pending: collections.deque = collections.deque()
+            for key, texts in batches:
+                pending.append(pool.submit(_encode_in_worker, key, texts))
+                if len(pending) >= 2 * processes:  # back-pressure: never read far ahead of the workers
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    except BrokenProcessPool:
-        raise DataPrepError("a tokenizer worker process died (out of memory?); lower data.tokenize_processes") from None
-    finally:
-        pool.shutdown(cancel_futures=True)
+        except BrokenProcessPool:
+            raise DataPrepError("a tokenizer worker process died (out of memory?); lower data.tokenize_processes") \
+                from None
+        finally:
+            pool.shutdown(cancel_futures=True)
