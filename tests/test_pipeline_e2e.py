@@ -35,3 +35,19 @@ def test_dags_test_runs_every_stage(tmp_path):
     assert sorted(c.data.tags["pipeline.stage"] for c in children) == sorted(STAGES)
     assert {c.info.run_id for c in children} == {r["mlflow_run_id"] for r in results.values()}
     assert "Evaluation & registry" in log  # the summary table was printed
+
+
+@pytest.mark.slow
+def test_failed_stage_stops_the_run_and_notifies_its_cause(tmp_path):
+    var = tmp_path / "var"
+    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(var), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
+    conf = json.dumps({"preset": "ci-tiny", "data_inputs": [str(tmp_path / "no-such-corpus")]})
+    cmd = f"source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{conf}'"
+    out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    run_dir = next((var / "runs" / "llm_pipeline").iterdir())
+    shard = json.loads((run_dir / "shard.json").read_text())
+    assert shard["status"] == "failed" and "no-such-corpus" in shard["error"], shard
+    assert not (run_dir / "smoke.json").exists()  # nothing downstream of a failed stage ran
+    notes = [json.loads(line) for line in (var / "notifications.jsonl").read_text().splitlines()]
+    assert [(n["stage"], n["cause"]) for n in notes] == [("shard", shard["error"])]
+    assert "Evaluation & registry" in out.stdout + out.stderr  # the summary still printed

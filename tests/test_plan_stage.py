@@ -30,7 +30,7 @@ def test_pinned_demo_plan_is_logged_to_mlflow(cfg, tmp_path):
     result = run_stage("plan", cfg, tmp_path)
     assert result["status"] == "ok" and result["pinned"] is True
     assert result["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "recompute": "none", "pp_schedule": "1f1b",
-                                  "microbatches": 1, "micro_batch": 4, "virtual_stages": 1,
+                                  "microbatches": 1, "micro_batch": 8, "virtual_stages": 1,
                                   "sequence_parallel": False}
     assert result["summary"].startswith("pinned dp2 tp1 pp1 zero3")
     saved = read_json(result["plan_json"])
