@@ -58,6 +58,9 @@ class Attention(nn.Module):
 
     def forward(self, x, rope):
         b, s, _ = x.shape
+        # The table covers max_seq_len; slice it here, where x is the full sequence even when the residual
+        # stream outside attention is sharded along the sequence (tensor + sequence parallelism).
+        rope = rope[:s]
         # -1: the local head count (all heads, or this rank's share under tensor parallelism).
         q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
@@ -140,9 +143,8 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        rope = self.rope_cache[: h.shape[1]]
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, self.rope_cache)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

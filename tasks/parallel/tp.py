@@ -41,20 +41,3 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool) -> None:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
         parallelize_module(block, tp_mesh, plan)
-    if sequence_parallel:
-        _full_length_rope(model, tp_mesh.size())
-
-
-def _full_length_rope(model, tp: int) -> None:
-    """The model slices its RoPE table by the length of the hidden states it holds; under sequence parallelism
-    that is the local shard (seq / tp), while attention runs on the gathered full sequence. Hand every block the
-    table for the full length instead (a pre-hook, so the model stays layout-agnostic)."""
-    from torch.distributed.tensor import DTensor
-
-    def hook(block, args):
-        x = args[0]
-        full_len = x.shape[1] if isinstance(x, DTensor) else x.shape[1] * tp  # a DTensor's shape is global
-        return x, model.rope_cache[:full_len]
-
-    for block in model.layers.values():
-        block.register_forward_pre_hook(hook)
