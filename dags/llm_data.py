@@ -41,7 +41,7 @@ def llm_data():
         except StageError as e:
             raise AirflowFailException(str(e)) from None
         if not result.get("cache_hit", False):
-            outlet_events[SHARD_SET].add(Asset(uri=result["asset_uri"], name=f"llm-shards-{result['version']}"),
+            outlet_events[SHARD_SET].add(Asset(uri=result["asset_uri"], name=f"llm-{result['version']}"),
                                          extra={"manifest_digest": result.get("manifest_digest", "")})
         return result
 

@@ -51,3 +51,27 @@ def test_failed_stage_stops_the_run_and_notifies_its_cause(tmp_path):
     notes = [json.loads(line) for line in (var / "notifications.jsonl").read_text().splitlines()]
     assert [(n["stage"], n["cause"]) for n in notes] == [("shard", shard["error"])]
     assert "Evaluation & registry" in out.stdout + out.stderr  # the summary still printed
+
+
+@pytest.mark.slow
+def test_data_dag_publishes_only_new_shard_sets(tmp_path):
+    """llm_data attaches a new shard set to the asset alias that schedules llm_pipeline; a cache hit publishes
+    nothing, so a re-shard that changed nothing never starts a retraining."""
+    from airflow.models.asset import AssetEvent
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
+    cmd = "source scripts/airflow-env.sh && airflow dags test llm_data --conf '{\"preset\": \"ci-tiny\"}'"
+    results = []
+    for _ in range(2):
+        out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        run_dir = max((tmp_path / "var" / "runs" / "llm_data").iterdir(), key=lambda p: p.stat().st_mtime)
+        results.append(json.loads((run_dir / "shard.json").read_text()))
+    assert [r["cache_hit"] for r in results] == [False, True]
+    with create_session() as session:
+        events = [e for e in session.scalars(select(AssetEvent)) if str(tmp_path) in e.asset.uri]
+        assert [(e.asset.uri, e.extra.get("manifest_digest")) for e in events] == \
+            [(results[0]["asset_uri"], results[0]["manifest_digest"])]
