@@ -34,4 +34,9 @@ def run_train_job(cfg, dag_id: str, run_id: str, try_number: int = 1, conn_id: s
         return k8s_job.collect_result(run_dir, name, parent, tracking.tracking_uri(cfg))
     finally:
         # The Service only serves this Job's rendezvous; the Job and its pods stay for `kubectl logs` until its TTL.
-        hook.core_v1_client.delete_namespaced_service(name=name, namespace=namespace)
+        try:
+            hook.core_v1_client.delete_namespaced_service(name=name, namespace=namespace)
+        except Exception as e:  # already gone, or no permission: the job's own outcome is what matters
+            import logging
+
+            logging.getLogger(__name__).warning("could not delete service %s/%s: %s", namespace, name, e)

@@ -37,8 +37,8 @@ def llm_health():
         from tasks.runner import default_run_dir
 
         ctx = get_current_context()
-        cfg = load_config(ctx["params"]["preset"])
         try:
+            cfg = load_config(ctx["params"]["preset"])
             return run_health(cfg, default_run_dir(ctx["dag"].dag_id, ctx["run_id"]),
                               tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]})
         except StageError as e:

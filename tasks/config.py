@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import types
 import typing
@@ -280,12 +281,13 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or int(value) != value:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return int(value)
     if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if typ is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):

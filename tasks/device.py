@@ -156,15 +156,6 @@ def memory_stats(device) -> dict[str, int]:
             "peak_reserved_bytes": _peak_rss_bytes()}
 
 
-def device_memory_total(device) -> int:
-    mod = device_module(device.type)
-    if mod is not None:
-        return int(mod.get_device_properties(device).total_memory)
-    import psutil
-
-    return int(psutil.virtual_memory().total)
-
-
 def hccl_env(hardware) -> dict[str, str]:
     """HCCL variables for NPU jobs, from the hardware config (existing values in the environment win)."""
     env = {"HCCL_CONNECT_TIMEOUT": str(hardware.hccl_connect_timeout),

@@ -21,9 +21,11 @@ def failure_cause(dag_id: str, run_id: str, stage: str, exception=None) -> str:
     path = default_run_dir(dag_id, run_id) / f"{stage}.json"
     if path.is_file():
         try:
-            return read_json(path).get("error") or ""
+            recorded = read_json(path).get("error")
         except (OSError, ValueError):
-            pass
+            recorded = None
+        if recorded:
+            return recorded
     text = str(exception or "unknown failure")
     return text.splitlines()[0] if text else type(exception).__name__
 

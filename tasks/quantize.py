@@ -50,8 +50,6 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     out = ctx.run_dir / "quantize"
     if (out / META).is_file() and {k: read_json(out / META).get(k) for k in settings} == settings:
         return _result(read_json(out / META), out, reused=True)
-    if out.exists():  # an older result for other settings: replaced below
-        shutil.rmtree(out)
 
     model = load_hf(model_dir, device="cpu").eval()
     fp32_bytes = metrics.state_dict_bytes(model, torch.float32)
@@ -73,29 +71,35 @@ def run(cfg: PipelineConfig, ctx) -> dict:
                 quantized_layers=names, skipped_layers=skipped,
                 layer_types={layer.name: layer.type for layer in layers if layer.name in names},
                 fp32_bytes=fp32_bytes, bf16_bytes=bf16_bytes)
-    if backend == "torchao":
-        from tasks.quant import torchao_backend
+    try:
+        if backend == "torchao":
+            from tasks.quant import torchao_backend
 
-        torchao_backend.quantize(model, q.method, names, calib, device)
-        done = torchao_backend.quantized_names(model)
-        if sorted(done) != sorted(names):
-            raise StageError(f"quantize: torchao left {sorted(set(names) - set(done))[:3]} unquantized")
-        meta["format"] = "torch_state_dict"
-    elif q.amct_flow == "llm":
-        from tasks.quant.amct_backend import quantize_llm
+            torchao_backend.quantize(model, q.method, names, calib, device)
+            done = torchao_backend.quantized_names(model)
+            if sorted(done) != sorted(names):
+                raise StageError(f"quantize: torchao left {sorted(set(names) - set(done))[:3]} unquantized")
+            meta["format"] = "torch_state_dict"
+        elif q.amct_flow == "llm":
+            from tasks.quant.amct_backend import quantize_llm
 
-        meta["amct_config"] = jsonable(quantize_llm(model, q.method, skipped, calib, device))
-        meta["format"] = "torch_module"
-    else:
-        from tasks.quant.amct_backend import quantize_ptq
+            meta["amct_config"] = jsonable(quantize_llm(model, q.method, skipped, calib, device))
+            meta["format"] = "torch_module"
+        else:
+            from tasks.quant.amct_backend import quantize_ptq
 
-        meta.update(quantize_ptq(model, skipped, calib, tmp / "amct"), format="onnx")
-    if meta["format"] != "onnx":
-        save_model(model, tmp / WEIGHTS, meta["format"])
-        meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
-    else:
-        meta["int8_bytes"] = metrics.size_on_disk(meta["deploy_onnx"])
-    atomic_write_json(tmp / META, meta)
+            meta.update(quantize_ptq(model, skipped, calib, tmp / "amct"), format="onnx")
+        if meta["format"] != "onnx":
+            save_model(model, tmp / WEIGHTS, meta["format"])
+            meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
+        else:
+            meta["int8_bytes"] = metrics.size_on_disk(meta["deploy_onnx"])
+        atomic_write_json(tmp / META, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # an older result for other settings: replaced only by a complete new one
+        shutil.rmtree(out)
     publish_dir(tmp, out)
     result = _result(meta, out, reused=False)
     tracking.log_params({"quantize": {k: v for k, v in settings.items() if k != "model_dir"}})

@@ -69,7 +69,9 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
     run_dir.mkdir(parents=True, exist_ok=True)
     args = args if args is not None else default_args(stage)
     started = time.time()
-    result_path = run_dir / f"{stage}.json"
+    # Every node of a multi-node job runs the stage in the shared run directory: node 0's result is the stage's.
+    node = cfg.hardware.node_rank
+    result_path = run_dir / (f"{stage}.json" if node == 0 else f"{stage}-node{node}.json")
     with tracking.stage_run(cfg, stage, parent_run_id) as run_id:
         ctx = StageContext(run_dir=run_dir, stage=stage, args=args, inputs=load_inputs(run_dir),
                            mlflow_run_id=run_id, parent_run_id=parent_run_id)

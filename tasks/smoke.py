@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tasks import device as devices
 from tasks import tracking
+from tasks.config import repo_path
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_bytes, atomic_write_json
 
@@ -38,7 +39,7 @@ def shard_dir_of(ctx) -> Path:
     if not given:
         raise StageError("smoke needs a shard set: run `python -m tasks shard` with the same --run-dir, "
                          "or pass --shard-dir DIR")
-    path = Path(given)
+    path = repo_path(given)
     if not path.is_dir():
         raise StageError(f"shard set {path} does not exist")
     return path
@@ -79,7 +80,7 @@ def initial_model(cfg, vocab: int):
     from tasks.model.hf_io import load_hf
 
     tcfg = from_pipeline(cfg, vocab_size=vocab)
-    model = load_hf(cfg.model.hf_path) if cfg.model.hf_path else materialize(build_model(tcfg), "cpu",
+    model = load_hf(repo_path(cfg.model.hf_path)) if cfg.model.hf_path else materialize(build_model(tcfg), "cpu",
                                                                              cfg.train.seed)
     return model.config, model.state_dict()
 

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import subprocess
-import tempfile
 from pathlib import Path
 
 from tasks.config import REPO_ROOT, PipelineConfig, repo_path, var_dir
@@ -62,8 +61,12 @@ def _configure(cfg: PipelineConfig):
             root = str(repo_path(root))
         try:
             exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=root)
-        except Exception:  # created concurrently by another task: use theirs
-            exp_id = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+        except Exception as e:  # created concurrently by another task: use theirs
+            exp = client.get_experiment_by_name(cfg.tracking.experiment)
+            if exp is None:
+                raise StageError(f"cannot create MLflow experiment {cfg.tracking.experiment!r} at {uri} "
+                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+            exp_id = exp.experiment_id
     else:
         exp_id = exp.experiment_id
     mlflow.set_experiment(experiment_id=exp_id)
@@ -104,8 +107,8 @@ def parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 
 @contextlib.contextmanager
 def stage_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None, tags: dict | None = None):
     """Start (and end) the MLflow child run of one stage; yields the run id, or None with tracking off."""
-    if not cfg.tracking.enabled or not is_rank0():
-        yield None
+    if not cfg.tracking.enabled or not is_rank0() or cfg.hardware.node_rank != 0:
+        yield None  # one MLflow run per stage: node 0's
         return
     mlflow, client, exp_id = _configure(cfg)
     all_tags = {"pipeline.stage": stage, "pipeline.kind": "stage", "git.sha": git_sha(),
@@ -188,14 +191,6 @@ def subprocess_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
     return env
 
 
-def run_url(cfg: PipelineConfig, run_id: str, experiment_id: str | None = None) -> str:
-    if experiment_id is None:
-        import mlflow
-
-        experiment_id = mlflow.MlflowClient(tracking_uri(cfg)).get_run(run_id).info.experiment_id
-    return f"{cfg.tracking.ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-
-
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -205,7 +200,3 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[key] = v
     return out
-
-
-def temp_artifact_dir():
-    return tempfile.TemporaryDirectory(prefix="mlflow-artifacts-")

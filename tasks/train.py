@@ -204,6 +204,8 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
     hf_dir = run_dir / "hf"
     if cfg.hardware.node_rank != 0:  # rank 0, its metrics and the MLflow logging belong to node 0's launcher
         return {"status": "ok", "summary": f"node {cfg.hardware.node_rank}: trained {name}", "layout": name}
+    if not records:
+        raise StageError(f"no metrics in {run_dir / 'metrics.jsonl'} although checkpoints exist; rerun with --fresh")
     speeds = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]  # step 1 pays warm-up
     tps = sum(speeds) / len(speeds)
     summary_path = run_dir / "train" / "summary.json"

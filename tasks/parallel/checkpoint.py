@@ -62,6 +62,12 @@ class CheckpointManager:
         """Rank 0, before training: a `.tmp` left by a killed run is garbage."""
         for p in self.dir.glob("step-*.tmp"):
             shutil.rmtree(p, ignore_errors=True)
+        for p in self.dir.glob("step-*.old"):  # killed between the two renames of save(): restore it
+            final = p.with_suffix("")
+            if final.exists():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.rename(final)
 
     def save(self, step: int, parts, optimizers, loader, meta: dict) -> Path:
         import torch
@@ -79,10 +85,12 @@ class CheckpointManager:
             sched = optimizers[0][1].state_dict()
             atomic_write_json(tmp / "meta.json", {**meta, "step": step, "dp": self.dp, "world": self.world,
                                                    "lr_scheduler": sched, "saved_at": time.time()})
-            if final.exists():  # a rerun reached the same step again: the new one replaces it
-                shutil.rmtree(final)
+            old = self.dir / f"step-{step}.old"
+            if final.exists():  # a rerun reached the same step again: the new one replaces it, and a crash
+                final.rename(old)  # in between still leaves a complete checkpoint (step-N.old is found on resume)
             tmp.rename(final)
             fsync_dir(self.dir)
+            shutil.rmtree(old, ignore_errors=True)
             self._prune()
         dist.barrier()
         return final

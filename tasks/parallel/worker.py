@@ -107,7 +107,8 @@ def setup(spec: dict, device) -> SimpleNamespace:
     else:
         step_fn = PlainStep(parts[0], lay.n_microbatches)
     loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
-                         dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed)
+                         dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed,
+                         verify_sha256=cfg.data.verify_sha256)
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
     start, last_good = 0, None
     found = latest(ckpt.dir) if spec.get("resume", True) else None
