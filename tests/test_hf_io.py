@@ -8,7 +8,7 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (pinned test dependency: a broken install must fail, not skip)
 
 from tasks.errors import StageError  # noqa: E402
 from tasks.model import build_model, get_preset, materialize  # noqa: E402

@@ -73,8 +73,7 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
         # bf16 rounds every matmul input: close to the fp32 reference, not equal to it.
         assert_same_curve(losses(tmp_path / name), ref(dp, **shape), name, rel=5e-3 if "bf16" in name else 1e-4)
     got = losses(tmp_path / "resumed_on_2")
-    assert sorted(got) == [4, 5]
-    assert_same_curve(got, ref(2), "dp2×tp2 checkpoint resumed on dp2")
+    assert_same_curve(got, ref(2), "dp2×tp2 checkpoint resumed on dp2", steps=[4, 5])
     log = (tmp_path / "resumed_on_2" / "logs" / "rank-0.log").read_text()
     assert "resumed from" in log and "RNG states not restored" in log
 
@@ -92,4 +91,4 @@ def test_dp2_tp2_pp2_on_8_ranks(cfg, tmp_path, shards, ref):
     spec = write_spec(c, tmp_path / "dp2_tp2_pp2", shards)
     rc, out = torchrun(c, 8, [spec], tmp_path / "torchrun8.log")
     assert rc == 0, out[-3000:]
-    assert_same_curve(losses(tmp_path / "dp2_tp2_pp2"), ref(2), "dp2×tp2×pp2")
+    assert_same_curve(losses(tmp_path / "dp2_tp2_pp2"), ref(2), "dp2×tp2×pp2", steps=range(1, 5))

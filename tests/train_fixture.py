@@ -95,7 +95,10 @@ def reference_losses(cfg, shards: Path, dp_world: int, steps: int) -> dict[int, 
     return out
 
 
-def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, rel: float = 1e-4) -> None:
-    assert got, f"{what}: no metrics"
+def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, rel: float = 1e-4,
+                      steps=None) -> None:
+    """Every step the run should have logged (default 1..BASE's train.steps) equals the reference curve."""
+    steps = list(steps) if steps is not None else list(range(1, BASE["train.steps"] + 1))
+    assert sorted(got) == steps, f"{what}: logged steps {sorted(got)} != {steps}"
     for step, loss in got.items():
         assert abs(loss - want[step]) <= rel * abs(want[step]), f"{what} step {step}: {loss} vs {want[step]}"
