@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,15 +13,28 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The embedded Airflow defaults (what scripts/airflow-env.sh exports), so `pytest` works without the Makefile too.
-for key, value in {
-    "AIRFLOW_HOME": str(REPO), "AIRFLOW_CONFIG": str(REPO / "airflow.cfg"),
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{REPO / 'var' / 'airflow.db'}",
-    "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"), "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
-    "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(REPO / "var" / "logs"),
-}.items():
+# The embedded Airflow defaults (what scripts/airflow-env.sh exports), so `pytest` works without the Makefile too,
+# except that the metadata DB, logs and passwords live in a temporary directory of this test session (set before
+# anything imports airflow, and inherited by the `airflow` subprocesses the tests start).
+AIRFLOW_TMP = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-airflow-"))
+for key, value in {"AIRFLOW_HOME": str(REPO), "AIRFLOW_CONFIG": str(REPO / "airflow.cfg"),
+                   "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+                   "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins")}.items():
     os.environ.setdefault(key, value)
-(REPO / "var" / "logs").mkdir(parents=True, exist_ok=True)
+os.environ.update({
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_TMP / 'airflow.db'}",
+    "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(AIRFLOW_TMP / "logs"),
+    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(AIRFLOW_TMP / "passwords.json.generated"),
+})
+
+
+@pytest.fixture(scope="session")
+def airflow_db() -> Path:
+    """The session's Airflow metadata DB, migrated once (what `airflow dags test` needs)."""
+    out = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return AIRFLOW_TMP / "airflow.db"
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_dags_test_runs_every_stage(tmp_path):
+def test_dags_test_runs_every_stage(tmp_path, airflow_db):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"), "MLFLOW_TRACKING_URI": uri}
     conf = json.dumps({"preset": "ci-tiny"})
@@ -38,7 +38,7 @@ def test_dags_test_runs_every_stage(tmp_path):
 
 
 @pytest.mark.slow
-def test_failed_stage_stops_the_run_and_notifies_its_cause(tmp_path):
+def test_failed_stage_stops_the_run_and_notifies_its_cause(tmp_path, airflow_db):
     var = tmp_path / "var"
     env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(var), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
     conf = json.dumps({"preset": "ci-tiny", "data_inputs": [str(tmp_path / "no-such-corpus")]})
@@ -54,7 +54,7 @@ def test_failed_stage_stops_the_run_and_notifies_its_cause(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_dag_publishes_only_new_shard_sets(tmp_path):
+def test_data_dag_publishes_only_new_shard_sets(tmp_path, airflow_db):
     """llm_data attaches a new shard set to the asset alias that schedules llm_pipeline; a cache hit publishes
     nothing, so a re-shard that changed nothing never starts a retraining."""
     from airflow.models.asset import AssetEvent
