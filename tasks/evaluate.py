@@ -12,7 +12,7 @@ from pathlib import Path
 from tasks import tracking
 from tasks.config import PipelineConfig
 from tasks.errors import StageError
-from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
+from tasks.fsutil import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 from tasks.quant import inputs, registry, report
 from tasks.quant.artifact import META
 from tasks.quant.plan import gate_advice
@@ -144,7 +144,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     atomic_write_json(out / "comparison.json", {"metrics": m, "rows": rows, "generations": gens})
     atomic_write_text(out / "comparison.md", report.markdown(rows, m, gens))
     fig = report.figure(m)
-    fig.savefig(out / "comparison.png", dpi=100)
+    atomic_save_figure(fig, out / "comparison.png")
     tracking.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float))})
     tracking.log_params({"evaluate.max_drop_pct": max_drop, "evaluate.data_digest": digest})
     for f in ("comparison.json", "comparison.md", "comparison.png"):

@@ -66,3 +66,15 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> Path:
 def read_json(path: str | os.PathLike):
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def atomic_save_figure(fig, path: str | os.PathLike, dpi: int = 100, **kwargs) -> Path:
+    """A matplotlib figure as a PNG, atomically (a reader never sees half an image); the figure is closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, **kwargs)
+    plt.close(fig)
+    return atomic_write_bytes(path, buf.getvalue())

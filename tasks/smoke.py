@@ -6,7 +6,6 @@ went non-finite, with likely causes, and raises a non-retryable StageError so tr
 from __future__ import annotations
 
 import argparse
-import io
 import math
 import time
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from tasks import device as devices
 from tasks import tracking
 from tasks.config import repo_path
 from tasks.errors import StageError
-from tasks.fsutil import atomic_write_bytes, atomic_write_json
+from tasks.fsutil import atomic_save_figure, atomic_write_json
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -161,10 +160,7 @@ def plot_curves(curves: dict, path: Path) -> None:
         ax.plot(range(len(c.losses)), c.losses, marker=".", label=name.upper())
     ax.set(xlabel="step", ylabel="loss", title="Smoke run: FP32 vs BF16 autocast")
     ax.legend()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    atomic_save_figure(fig, path)
     tracking.log_artifact(path, "smoke")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from tasks import tracking
 from tasks.config import REPO_ROOT, PipelineConfig, repo_path
 from tasks.errors import ConfigError, StageError
-from tasks.fsutil import atomic_write_json, read_json
+from tasks.fsutil import atomic_save_figure, atomic_write_json, read_json
 from tasks.parallel import checkpoint as ckpt
 from tasks.parallel import layout as layouts
 from tasks.parallel.mesh import layout_name
@@ -255,7 +255,4 @@ def _loss_plot(records: list[dict], path: Path) -> Path:
     ax.set_ylabel("loss")
     ax.set_title("training loss")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return atomic_save_figure(fig, path)

@@ -170,7 +170,6 @@ def test_binary_file_is_a_counted_skip(tmp_path):
 
 def test_invalid_utf8_replace_or_skip(tmp_path):
     latin = [CORPUS / "latin1.txt", CORPUS / "alpha.txt"]
-    kept = dict(clean_documents(resolve_inputs([str(p) for p in latin]), shard_cfg(tmp_path), CorpusStats()))
     texts = list(dict((t, s) for s, t in clean_documents(resolve_inputs([str(p) for p in latin]),
                                                         shard_cfg(tmp_path, val_fraction=0.0), CorpusStats())))
     assert len(texts) == 2 and any("\ufffd" in t for t in texts)  # both kept (replace mode), one repaired

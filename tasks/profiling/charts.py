@@ -1,10 +1,9 @@
 """PNG charts of a report (matplotlib Agg, no display): step-time breakdown per rank, top operators."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from tasks.fsutil import atomic_write_bytes
+from tasks.fsutil import atomic_save_figure
 
 _PARTS = [("computing", "Computing", "#4C72B0"), ("comm_not_overlapped", "Communication (not overlapped)", "#DD8452"),
           ("free", "Free", "#BBBBBB")]
@@ -13,9 +12,7 @@ _CAT_COLORS = {"cube/matmul": "#4C72B0", "attention": "#8172B3", "vector": "#55A
 
 
 def _save(fig, path: Path) -> Path:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
 def step_breakdown(report: dict, path: Path) -> Path:
