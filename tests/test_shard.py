@@ -112,7 +112,8 @@ def test_gzip_jsonl_and_parquet_inputs(tmp_path):
 
 def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
     out = tmp_path / "out"
-    sets = ["max_documents=40", "vocab_size=512", "seq_len=16", "shard_size_mb=0.1", "shard_multiple=2",
+    # Enough documents that writing outlasts the poll below by far: the kill must land mid-write.
+    sets = ["max_documents=300", "vocab_size=512", "seq_len=16", "shard_size_mb=0.1", "shard_multiple=2",
             "tokenize_processes=2", "progress=false"]
     cmd = [sys.executable, "-m", "data_prep", "shard", "--input", "stdlib", "--out", str(out)]
     proc = subprocess.Popen(cmd + [a for s in sets for a in ("--set", s)], cwd=REPO, stdout=subprocess.DEVNULL,
