@@ -31,7 +31,7 @@ def _tokens_per_s(tmp: Path, shards: Path, dp: int) -> float:
     apply_overrides(cfg, {**SETS, "parallel.dp": dp, "hardware.nproc_per_node": dp})
     run_dir = tmp / f"dp{dp}"
     train.run(cfg, StageContext(run_dir=run_dir, stage="train",
-                                args=argparse.Namespace(shards=str(shards), fresh=True, no_export=True)))
+                                args=argparse.Namespace(shard_dir=str(shards), fresh=True, no_export=True)))
     records = read_metrics(run_dir / "metrics.jsonl")[WARMUP:]
     return statistics.median(r["tokens_per_s"] for r in records)
 

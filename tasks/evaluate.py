@@ -9,7 +9,7 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from tasks import tracking
+from tasks import runner, tracking
 from tasks.config import PipelineConfig
 from tasks.errors import StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
@@ -20,7 +20,7 @@ from tasks.quant.plan import gate_advice
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="full-precision HF export (default: the train stage's)")
-    parser.add_argument("--shard-dir", default=None, help="shard set with the val split (default: the shard stage's)")
+    runner.add_shard_dir_arg(parser, "with the val split")
     parser.add_argument("--quant-dir", default=None, help="quantized model (default: the quantize stage's)")
 
 
@@ -135,7 +135,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     meta = read_json(quant_dir / META)
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
-    shard_dir = inputs.shard_dir(ctx, fallback=meta["shard_dir"])
+    shard_dir = runner.shard_dir(ctx, fallback=meta["shard_dir"])
     digest = inputs.manifest_digest(shard_dir)
     m, gens = _measure(cfg, model_dir, shard_dir, quant_dir, meta)
 

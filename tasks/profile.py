@@ -12,7 +12,7 @@ import argparse
 import shutil
 from pathlib import Path
 
-from tasks import tracking
+from tasks import runner, tracking
 from tasks.config import PipelineConfig
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
@@ -33,8 +33,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", nargs="?", default=None,
                         help="analyze: a profiling folder (*_ascend_pt, ASCEND_PROFILER_OUTPUT, PROF_*, "
                              "cluster_analysis_output, a folder of them) or torch.profiler trace(s)")
-    parser.add_argument("--shards", default=None, metavar="DIR",
-                        help="collect: shard set directory (default: the shard stage's result in the run directory)")
+    runner.add_shard_dir_arg(parser, "for collect's training run")
 
 
 def analyze(path: str | Path) -> dict:

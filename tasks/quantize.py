@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from tasks import tracking
+from tasks import runner, tracking
 from tasks.config import PipelineConfig
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, publish_dir, read_json
@@ -20,7 +20,7 @@ from tasks.quant.plan import choose_backend, select_layers
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="HF export to quantize (default: the train stage's)")
-    parser.add_argument("--shard-dir", default=None, help="shard set for calibration (default: the shard stage's)")
+    runner.add_shard_dir_arg(parser, "for calibration")
 
 
 def _settings(cfg: PipelineConfig, model_dir: Path, backend: str) -> dict:
@@ -38,7 +38,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks.quant import metrics
 
     q = cfg.quantize
-    model_dir, shard_dir = inputs.model_dir(ctx), inputs.shard_dir(ctx)
+    model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_dir(ctx)
     kind = devices.detect(cfg.hardware.device).kind
     amct_error = None
     if q.backend != "torchao":

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks import tracking
-from tasks.config import PipelineConfig, var_dir
+from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
 from tasks.stages import STAGES
@@ -30,6 +30,25 @@ def stage_module(stage: str):
     if stage not in STAGES:
         raise StageError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)})")
     return importlib.import_module(STAGES[stage])
+
+
+def add_shard_dir_arg(parser: argparse.ArgumentParser, purpose: str = "to read") -> None:
+    """--shard-dir (alias --shards): the same flag on every stage that reads the shard set."""
+    parser.add_argument("--shard-dir", "--shards", dest="shard_dir", default=None, metavar="DIR",
+                        help=f"shard set {purpose} (default: the shard stage's result in --run-dir)")
+
+
+def shard_dir(ctx: "StageContext", fallback: str | None = None) -> Path:
+    """The shard set a stage reads: --shard-dir, else the shard stage's result in this run directory, else
+    `fallback`; it must hold a manifest.json."""
+    given = getattr(ctx.args, "shard_dir", None) or ctx.inputs.get("shard", {}).get("shard_dir") or fallback
+    if not given:
+        raise StageError(f"{ctx.stage}: no shard set: run `python -m tasks shard` with this --run-dir first, "
+                         "or pass --shard-dir DIR")
+    path = repo_path(given)
+    if not (path / "manifest.json").is_file():
+        raise StageError(f"{ctx.stage}: {path} is not a shard set (no manifest.json)")
+    return path
 
 
 def default_args(stage: str) -> argparse.Namespace:

@@ -13,15 +13,14 @@ from itertools import islice
 from pathlib import Path
 
 from tasks import device as devices
-from tasks import tracking
+from tasks import runner, tracking
 from tasks.config import repo_path
 from tasks.errors import StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shard-dir", default=None,
-                        help="shard set to read (default: the shard stage's result in --run-dir)")
+    runner.add_shard_dir_arg(parser)
 
 
 @dataclass
@@ -31,17 +30,6 @@ class Curve:
     tokens_per_s: float = 0.0
     peak_bytes: int = 0
     failure: dict | None = None
-
-
-def shard_dir_of(ctx) -> Path:
-    given = getattr(ctx.args, "shard_dir", None) or ctx.inputs.get("shard", {}).get("shard_dir")
-    if not given:
-        raise StageError("smoke needs a shard set: run `python -m tasks shard` with the same --run-dir, "
-                         "or pass --shard-dir DIR")
-    path = repo_path(given)
-    if not path.is_dir():
-        raise StageError(f"shard set {path} does not exist")
-    return path
 
 
 def tokenizer_vocab(shard_dir: Path) -> int:
@@ -177,7 +165,7 @@ def log_memory_estimate(cfg, tcfg, seq_len: int, peak_bytes: int) -> float:
 def run(cfg, ctx) -> dict:
     from tasks.model import num_params
 
-    shard_dir = shard_dir_of(ctx)
+    shard_dir = runner.shard_dir(ctx)
     tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
     batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed)
     check_batches(batches, tcfg)

@@ -16,8 +16,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from tasks import tracking
-from tasks.config import REPO_ROOT, PipelineConfig, repo_path
+from tasks import runner, tracking
+from tasks.config import REPO_ROOT, PipelineConfig
 from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, read_json
 from tasks.parallel import checkpoint as ckpt
@@ -27,20 +27,10 @@ from tasks.parallel.metrics import read_metrics
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shards", default=None, metavar="DIR",
-                        help="shard set directory (default: the shard stage's result in the run directory)")
+    runner.add_shard_dir_arg(parser)
     parser.add_argument("--fresh", action="store_true",
                         help="delete this run's checkpoints and metrics and start from step 0")
     parser.add_argument("--no-export", action="store_true", help="skip the HF export to <run-dir>/hf")
-
-
-def _shard_dir(cfg: PipelineConfig, ctx) -> Path:
-    given = getattr(ctx.args, "shards", None)
-    shard = ctx.inputs.get("shard") or {}
-    found = given or shard.get("shard_dir") or (Path(shard["manifest"]).parent if shard.get("manifest") else None)
-    if not found:
-        raise StageError("no shard set: run `python -m tasks shard` with this --run-dir first, or pass --shards DIR")
-    return repo_path(found)
 
 
 def _world(cfg: PipelineConfig):
@@ -57,7 +47,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.manifest import check_files, load_manifest
     from tasks.model import from_pipeline
 
-    shard_dir = _shard_dir(cfg, ctx)
+    shard_dir = runner.shard_dir(ctx)
     try:
         manifest = load_manifest(shard_dir)
         check_files(shard_dir, manifest, "train")

@@ -26,7 +26,7 @@ FIX = REPO / "tests" / "fixtures" / "profiling"
 
 
 def analyze_args(path) -> Namespace:
-    return Namespace(action="analyze", path=str(path), shards=None)
+    return Namespace(action="analyze", path=str(path), shard_dir=None)
 
 
 def slowed_copy(src: Path, dst: Path, factor: float) -> Path:

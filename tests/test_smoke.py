@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -103,8 +104,12 @@ def test_bad_inputs_fail_in_one_line(smoke_cfg, tmp_path, shards):
         run_stage("smoke", smoke_cfg, tmp_path / "run1", args=_args(shards))
     smoke_cfg.model.vocab_size = 0
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StageError, match="has no tokenizer.json"):
+    with pytest.raises(StageError, match=r"empty is not a shard set \(no manifest.json\)$"):
         run_stage("smoke", smoke_cfg, tmp_path / "run2", args=_args(tmp_path / "empty"))
+    shutil.copytree(shards, tmp_path / "no-tokenizer")
+    (tmp_path / "no-tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(StageError, match="has no tokenizer.json"):
+        run_stage("smoke", smoke_cfg, tmp_path / "run2b", args=_args(tmp_path / "no-tokenizer"))
     smoke_cfg.smoke.micro_batch = 100_000
     with pytest.raises(StageError, match="not one batch of 100000"):
         run_stage("smoke", smoke_cfg, tmp_path / "run3", args=_args(shards))

@@ -36,7 +36,7 @@ def configure(cfg, **sets):
 def context(run_dir: Path, shards: Path, no_export: bool = True):
     from tasks.runner import StageContext
 
-    ns = argparse.Namespace(shards=str(shards), fresh=False, no_export=no_export)
+    ns = argparse.Namespace(shard_dir=str(shards), fresh=False, no_export=no_export)
     return StageContext(run_dir=Path(run_dir), stage="train", args=ns)
 
 

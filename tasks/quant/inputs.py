@@ -19,16 +19,6 @@ def model_dir(ctx, fallback: str | None = None) -> Path:
     return path
 
 
-def shard_dir(ctx, fallback: str | None = None) -> Path:
-    path = getattr(ctx.args, "shard_dir", None) or ctx.inputs.get("shard", {}).get("shard_dir") or fallback
-    if not path:
-        raise StageError(f"{ctx.stage}: no shard set: run the shard stage first or pass --shard-dir")
-    path = Path(path)
-    if not (path / "manifest.json").is_file():
-        raise StageError(f"{ctx.stage}: {path} is not a shard set (no manifest.json)")
-    return path
-
-
 def fingerprint(path: Path) -> str:
     """Cheap identity of a model directory (names, sizes, mtimes): a retrained model in place is not reused."""
     stats = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())
