@@ -76,11 +76,32 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         if diff:
             problems.append(f"checkpoint {last[1]}: written for another model shape ({', '.join(diff[:3])}); "
                             f"use --fresh or another --run-dir")
+    init_from = _init_from(cfg, tcfg, problems)
     if problems:
         raise ConfigError(problems)
-    return {"config": cfg.to_dict(), "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
+    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
             "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
+
+
+_WEIGHT_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "qkv_bias", "tie_embeddings")
+
+
+def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
+    """model.hf_path as an absolute path when its weights start the training (a checkpoint, if any, still wins);
+    an override that changes a weight shape cannot load them."""
+    if not cfg.model.hf_path:
+        return None
+    from tasks.config import repo_path
+    from tasks.model.hf_io import read_hf_config
+
+    path = repo_path(cfg.model.hf_path)
+    hf = read_hf_config(path)
+    for key in _WEIGHT_SHAPE:
+        if getattr(hf, key) != getattr(tcfg, key):
+            problems.append(f"model.{key}: {getattr(tcfg, key)} differs from {getattr(hf, key)} in model.hf_path's "
+                            f"config.json, whose weights training starts from; unset model.{key}")
+    return str(path)
 
 
 def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:

@@ -94,7 +94,9 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
     if mc.hf_path:
         from tasks.model.hf_io import read_hf_config
 
-        tcfg = read_hf_config(mc.hf_path)
+        from tasks.config import repo_path
+
+        tcfg = read_hf_config(repo_path(mc.hf_path))
     else:
         tcfg = get_preset(mc.preset)
         if vocab_size and mc.preset in VOCAB_FROM_TOKENIZER:

@@ -118,51 +118,17 @@ def read_hf_config(path: str | os.PathLike) -> TransformerConfig:
         raise StageError(f"{cfg_path}: unreadable config ({type(e).__name__}: {e})") from None
 
 
-def _shard_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        for f in files:
-            if not (path / f).is_file():
-                raise StageError(f"{path}: missing shard {f} listed in model.safetensors.index.json")
-        return [path / f for f in files]
-    single = path / "model.safetensors"
-    if not single.is_file():
-        raise StageError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    return [single]
-
-
 def load_hf(path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32) -> Transformer:
-    """A local HF Llama/Qwen2 directory (single or sharded safetensors) → Transformer on `device` in `dtype`."""
-    from safetensors.torch import load_file
+    """A local HF Llama/Qwen2 directory (single or sharded safetensors) → Transformer on `device` in `dtype`.
 
-    path = Path(path)
-    tcfg = read_hf_config(path)
-    state = {}
-    for shard in _shard_files(path):
-        for name, tensor in load_file(shard).items():  # CPU first: safetensors knows no NPU device
-            ours = hf_to_ours(name)
-            if ours is None:
-                if "rotary_emb.inv_freq" in name:  # old checkpoints saved the RoPE table: recomputed here
-                    continue
-                raise StageError(f"{shard.name}: unexpected tensor {name!r} for {_FAMILY_ARCH[tcfg.family]}")
-            if ours == "output.weight" and tcfg.tie_embeddings:
-                continue
-            state[ours] = tensor.to(device=device, dtype=dtype)
-    if tcfg.tie_embeddings and "tok_embeddings.weight" in state:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model = build_model(tcfg, device="meta")
-    missing = sorted(set(model.state_dict()) - set(state))
-    if missing:
-        raise StageError(f"{path}: checkpoint lacks {len(missing)} tensors, first {ours_to_hf(missing[0])!r}")
-    try:
-        model.load_state_dict(state, assign=True)
-    except RuntimeError as e:  # shapes that contradict config.json: torch lists them over many lines
-        detail = [line.strip() for line in str(e).splitlines() if "size mismatch" in line][:1]
-        raise StageError(f"{path}: tensors do not match config.json ({detail[0] if detail else e})") from None
-    model.tie_weights()
-    model.init_rope(device=device)
-    return model
+    One process, whole model: for a sharded model, `materialize(model, device, source=HFWeights(path))` after
+    parallelising reads only each rank's slices (tasks.model.init)."""
+    from tasks.model.init import HFWeights
+    from tasks.model.transformer import materialize
+
+    source = HFWeights(path)
+    model = build_model(source.tcfg, device="meta").to(dtype)
+    return materialize(model, device, source=source)
 
 
 def save_hf(model: Transformer, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,

@@ -167,10 +167,16 @@ def build_model(tcfg: TransformerConfig, device="meta") -> Transformer:
         return Transformer(tcfg)
 
 
-def materialize(model: Transformer, device, seed: int = 0) -> Transformer:
-    """Allocate (after sharding, if any) on `device`, then initialise weights and the RoPE table."""
+def materialize(model: Transformer, device, seed: int = 0, source=None) -> Transformer:
+    """Allocate (after sharding, if any) on `device` — each rank only its local shards — then write the weights
+    (seeded random init, or `source`, e.g. tasks.model.init.HFWeights) and the RoPE table."""
+    from tasks.model.init import init_local
+
     model.to_empty(device=device)
     model.tie_weights()
-    model.init_weights(seed)
+    if source is None:
+        model.init_weights(seed)
+    else:
+        init_local(model, source)
     model.init_rope()
     return model

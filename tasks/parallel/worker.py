@@ -49,8 +49,12 @@ def _load_spec(path: str) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int):
-    """Model parts of this rank: split for PP → TP → activation checkpointing → FSDP → materialise."""
+def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, init_from: str | None = None):
+    """Model parts of this rank: split for PP → TP → activation checkpointing → FSDP → materialise (each rank
+    allocates and writes only its local shards: seeded random init, or the slices of the HF checkpoint
+    `init_from` that it owns)."""
+    from tasks.model.init import HFWeights
+
     from tasks.model import build_model, materialize
     from tasks.parallel.ac import apply_ac
     from tasks.parallel.fsdp import apply_fsdp
@@ -58,6 +62,7 @@ def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int):
     from tasks.parallel.tp import apply_tp
 
     model = build_model(tcfg, "meta")
+    source = HFWeights(init_from, tcfg) if init_from else None
     per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
     indexed = split_model(model, c["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
     for _, part in indexed:
@@ -65,7 +70,7 @@ def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int):
             apply_tp(part, mesh["tp"], lay.sequence_parallel)
         apply_ac(part, lay.recompute, lay.recompute_every)
         apply_fsdp(part, mesh["dp"], precision, lay.zero)
-        materialize(part, device, seed)
+        materialize(part, device, seed, source=source)
     return indexed, lay.pp * per_rank
 
 
@@ -97,7 +102,13 @@ def setup(spec: dict, device) -> SimpleNamespace:
     c = coords(mesh)
     _log(f"layout {layout_name(lay.dp, lay.tp, lay.pp)} coords {c} device {device}")
     torch.manual_seed(cfg.train.seed)
-    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed)
+    found = latest(run_dir / "checkpoints") if spec.get("resume", True) else None
+    source = spec.get("resume_from") or (found[1] if found else None)
+    # A training checkpoint wins; without one, model.hf_path's weights (if set) are the starting point.
+    init_from = None if source else spec.get("init_from")
+    if init_from:
+        _log(f"initialising from {init_from}")
+    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed, init_from)
     parts = [p for _, p in indexed]
     optimizers = build_optimizers(parts, cfg.train)
     if lay.pp > 1:
@@ -111,8 +122,6 @@ def setup(spec: dict, device) -> SimpleNamespace:
                          verify_sha256=cfg.data.verify_sha256)
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
     start, last_good = 0, None
-    found = latest(ckpt.dir) if spec.get("resume", True) else None
-    source = spec.get("resume_from") or (found[1] if found else None)
     if rank == 0:
         ckpt.remove_partial()
     if source:
