@@ -6,8 +6,6 @@ weight shapes at run time, so tensor-parallel sharding of wq/wk/wv needs no mode
 """
 from __future__ import annotations
 
-import math
-import zlib
 
 import torch
 import torch.nn.functional as F
@@ -119,27 +117,12 @@ class Transformer(nn.Module):
         device = device if device is not None else self.rope_cache.device
         self.rope_cache = rope_table(c.head_dim, c.max_seq_len, c.rope_theta, device=device)
 
-    @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Initialise every parameter from a CPU generator seeded by (seed, parameter name) over the FULL tensor.
+        """Seeded random init of this module's parameters — local shards only, identical for every layout
+        (tasks.model.init.RandomInit: seeded per parameter name and row chunk)."""
+        from tasks.model.init import RandomInit, init_local
 
-        Seeding per name makes a pipeline stage that kept only some layers get the same values as the whole model;
-        generating full tensors and slicing makes every FSDP/TP layout bit-identical (DTensor's own RNG is not, on CPU).
-        """
-        std = 0.02
-        out_std = std / math.sqrt(2 * self.config.n_layers)  # residual projections: GPT-2 scaling
-        for name, p in self.named_parameters():
-            if name.endswith(".bias"):
-                full = torch.zeros(p.shape)
-            elif "norm" in name:
-                full = torch.ones(p.shape)
-            else:
-                # A tied output projection on a pipeline stage without the embedding still gets the embedding's values.
-                key = "tok_embeddings.weight" if name == "output.weight" and self.config.tie_embeddings else name
-                g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-                scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
-                full = torch.randn(p.shape, generator=g) * scale
-            _copy_full(p, full)
+        init_local(self, RandomInit(seed, self.config.n_layers, self.config.tie_embeddings))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
@@ -148,17 +131,6 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
-
-
-def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter; a DTensor gets its own shard, cut locally (no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(p, DTensor):
-        local = distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None).to_local()
-        p.to_local().copy_(local)
-    else:
-        p.copy_(full.to(dtype=p.dtype))
 
 
 def build_model(tcfg: TransformerConfig, device="meta") -> Transformer:
