@@ -1,6 +1,7 @@
 """Hybrid-parallel training: checks the layout, then starts torchrun (one process per device) running
 tasks.parallel.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
-<run-dir>/metrics.jsonl and MLflow; the final model exported to <run-dir>/hf in HF format.
+<run-dir>/metrics.jsonl and MLflow; the final model exported to <run-dir>/hf in HF format by the workers themselves
+(streamed from the final checkpoint, a few tensors per rank at a time).
 
 Multi-node: run the same command on every node with hardware.nnodes, hardware.node_rank and
 hardware.rdzv_endpoint (the first node's host:port) set; the nodes meet through torchrun's c10d rendezvous.
@@ -13,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 from tasks import runner, tracking
@@ -170,6 +170,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json"):
             p = train_dir / stale
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    # The HF export runs inside the job (every rank streams part of it), not in this (Airflow worker) process.
+    # Every node's spec says the same (all ranks take part); node 0 checks the result.
+    spec["export"] = None if getattr(ctx.args, "no_export", False) else {"tokenizer_dir": spec["shard_dir"]}
     spec_path = atomic_write_json(train_dir / "launch.json", spec)
     argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{cfg.hardware.node_rank}.log"
@@ -180,31 +183,15 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         plans = _plans(ctx.inputs.get("plan"))
         raise diagnosis.explain(train_dir, rc, log_text, plans, spec["layout"],
                                 f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)")
-    if export:
-        _export_hf(spec, run_dir)
+    if export and not (run_dir / "hf" / "config.json").is_file():
+        raise StageError(f"training finished but the HF export {run_dir / 'hf'} is missing; see "
+                         f"{run_dir / 'logs'}/rank-0.log, rerun to export again")
     return _result(cfg, ctx, spec, reused=False)
 
 
 def _plans(plan_result: dict | None) -> list[dict]:
     path = (plan_result or {}).get("plan_json")
     return read_json(path).get("plans", []) if path and Path(path).is_file() else []
-
-
-def _export_hf(spec: dict, run_dir: Path) -> Path:
-    """Final checkpoint → one full model in this process (DCP loads without a process group) → HF directory."""
-    import torch.distributed.checkpoint as dcp
-
-    from tasks.model import TransformerConfig, build_model
-    from tasks.model.hf_io import save_hf
-
-    _, path = ckpt.latest(run_dir / "checkpoints")
-    model = build_model(TransformerConfig(**spec["model"]), device="cpu")
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "torch.distributed is … uninitialized": loading in one process is the intent
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path))
-    model.load_state_dict(state["model"])
-    return save_hf(model, run_dir / "hf", tokenizer_dir=spec["shard_dir"])
 
 
 def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:

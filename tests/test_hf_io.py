@@ -108,3 +108,27 @@ def test_shapes_contradicting_config_fail_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(StageError, match=r"tensors do not match config.json \(size mismatch for layers.0.feed_"):
         load_hf(tmp_path)
+
+
+def test_export_from_dcp_checkpoint_streams_sharded_files_that_transformers_loads(tmp_path):
+    """The training job's export: DCP checkpoint → several safetensors files + index + config, one tensor at a time."""
+    import torch.distributed.checkpoint as dcp
+
+    from tasks.model.hf_export import export_from_checkpoint
+
+    hf = _hf_model(*CASES["qwen2-gqa-tied"])
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf")
+    dcp.save({"model": ours.state_dict()}, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
+    out = export_from_checkpoint(tmp_path / "step-1", ours.config, tmp_path / "export", file_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and all((out / f).is_file() for f in files)
+    assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as HF does
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, hf(tokens).logits, atol=1e-4, rtol=1e-4)
+    half = export_from_checkpoint(tmp_path / "step-1", ours.config, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert (half / "model.safetensors").is_file() and not (tmp_path / ".bf16.tmp").exists()
+    assert load_hf(half).layers["1"].attention.wq.bias.equal(ours.layers["1"].attention.wq.bias.bfloat16().float())

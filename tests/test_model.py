@@ -121,3 +121,23 @@ def test_demo_model_learns_a_repeated_batch():
         losses.append(loss.item())
     assert losses[0] == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.3)
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_random_init_of_any_box_is_that_box_of_the_full_tensor():
+    """What a rank owning rows [a, b) × columns [c, d) draws equals the same box of the one-process init — the
+    property that lets each rank initialise only its shards (FSDP rows, TP rows or columns, uneven splits)."""
+    from tasks.model.init import CHUNK_ELEMS, RandomInit
+
+    init = RandomInit(seed=3, n_layers=2, tie_embeddings=False)
+    rows, cols = 3 * CHUNK_ELEMS // 256 + 5, 256  # several generator chunks and a ragged last one
+    full = torch.empty(rows, cols)
+    init.fill("layers.0.feed_forward.w1.weight", full, (rows, cols), (0, 0))
+    assert full.std().item() == pytest.approx(0.02, rel=0.05)
+    for (a, b), (c, d) in [((0, rows), (0, 128)), ((4097, 9000), (100, 256)), ((rows - 3, rows), (0, 256)),
+                           ((17, 18), (5, 6))]:
+        box = torch.empty(b - a, d - c)
+        init.fill("layers.0.feed_forward.w1.weight", box, (rows, cols), (a, c))
+        assert torch.equal(box, full[a:b, c:d]), ((a, b), (c, d))
+    other = torch.empty(rows, cols)
+    init.fill("layers.0.feed_forward.w3.weight", other, (rows, cols), (0, 0))
+    assert not torch.equal(other, full)

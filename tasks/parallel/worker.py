@@ -178,6 +178,30 @@ def train(spec: dict, device, profile_dir: str | None = None) -> int:
     return 0
 
 
+def export(spec: dict) -> None:
+    """The final checkpoint → <run-dir>/hf (HF format), written by all ranks together after the model and optimizer
+    are gone: each rank streams its share of the files one tensor at a time (tasks.model.hf_export)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from tasks.model import TransformerConfig
+    from tasks.model.hf_export import FILE_BYTES, export_from_checkpoint
+    from tasks.parallel.checkpoint import latest
+
+    gc.collect()
+    run_dir = Path(spec["run_dir"])
+    found = latest(run_dir / "checkpoints")
+    if found is None:
+        raise RuntimeError(f"export: no complete checkpoint in {run_dir / 'checkpoints'}")
+    _log(f"exporting {found[1]} to {run_dir / 'hf'}")
+    export_from_checkpoint(found[1], TransformerConfig(**spec["model"]), run_dir / "hf",
+                           tokenizer_dir=spec["export"].get("tokenizer_dir"), rank=dist.get_rank(),
+                           world=dist.get_world_size(), barrier=dist.barrier,
+                           file_bytes=spec["export"].get("file_bytes", FILE_BYTES))
+    _log("export done")
+
+
 def train_step(s: SimpleNamespace, step: int) -> bool:
     """One optimizer step with its metrics and checkpoint; False when the loss or gradient is not finite (the
     update is skipped, diagnosis.json written)."""
@@ -281,6 +305,8 @@ def main(argv=None) -> int:
         code = train(spec, device, args.profile_dir)
         if code:
             break
+        if spec.get("export"):
+            export(spec)
     sys.stdout.flush()
     sys.stderr.flush()
     if code in (0, EXIT_NONFINITE):  # every rank reached the same point: a clean shutdown is possible

@@ -1,0 +1,142 @@
+"""DCP checkpoint → HF directory (sharded safetensors + index + config.json + tokenizer), streamed tensor by tensor.
+
+Runs inside the training job: every rank of the world writes some of the output files (round-robin), reading each
+tensor alone from the DCP checkpoint (`dcp.load(..., no_dist=True)` of one key) and appending its bytes to a
+safetensors file whose header was written up front from the checkpoint's metadata. A process therefore holds at most
+one full tensor at a time, never the model. Rank 0 writes config.json, the index and the tokenizer, then renames the
+finished directory into place (a crash leaves only a `.tmp` directory, removed by the next export).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from tasks.model.config import TransformerConfig
+
+FILE_BYTES = 2 * 1024 ** 3  # per output file (transformers' own default shard size is 5 GB; smaller spreads ranks)
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def checkpoint_tensors(ckpt: Path, tcfg: TransformerConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """[(our name, shape, dtype)] of the model's tensors in a DCP checkpoint, in model order (tied output skipped)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from tasks.model.transformer import build_model
+
+    md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    out = []
+    for name in build_model(tcfg, "meta").state_dict():
+        if name == "output.weight" and tcfg.tie_embeddings:
+            continue  # HF re-ties lm_head to embed_tokens
+        entry = md.get(f"model.{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise FileNotFoundError(f"{ckpt}: no model tensor {name!r} in the checkpoint")
+        out.append((name, tuple(entry.size), entry.properties.dtype))
+    return out
+
+
+def plan_files(tensors, dtype: torch.dtype | None, file_bytes: int = FILE_BYTES) -> list[list[tuple]]:
+    """Tensors grouped into output files of at most `file_bytes` written in `dtype` (None: as saved); a larger
+    tensor gets a file of its own."""
+    files, current, size = [], [], 0
+    for name, shape, dt in tensors:
+        nbytes = _numel(shape) * (dtype or dt).itemsize
+        if current and size + nbytes > file_bytes:
+            files.append(current)
+            current, size = [], 0
+        current.append((name, shape, dt))
+        size += nbytes
+    if current:
+        files.append(current)
+    return files
+
+
+def file_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _read_tensor(ckpt: Path, name: str, shape, dtype) -> torch.Tensor:
+    import torch.distributed.checkpoint as dcp
+
+    t = torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": {name: t}}, checkpoint_id=str(ckpt), no_dist=True)
+    return t
+
+
+def write_streaming(path: Path, entries: list[tuple], read) -> int:
+    """One safetensors file: the header from (hf name, shape, dtype) entries, then each tensor from `read(i)`
+    appended in order. Returns the bytes written."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for hf_name, shape, dtype in entries:
+        nbytes = _numel(shape) * dtype.itemsize
+        header[hf_name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for i, (_, shape, dtype) in enumerate(entries):
+            t = read(i).to(dtype).contiguous()
+            assert tuple(t.shape) == tuple(shape)
+            if t.numel():
+                f.write(t.view(-1).view(torch.uint8).numpy().data)
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+    return offset
+
+
+def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out: str | os.PathLike,
+                           tokenizer_dir: str | os.PathLike | None = None, rank: int = 0, world: int = 1,
+                           barrier=None, dtype: torch.dtype | None = None, file_bytes: int = FILE_BYTES) -> Path:
+    """Write the HF directory `out` from the DCP checkpoint `ckpt`; with world > 1 every rank calls it (with a
+    `barrier` callable) and writes its share of the files."""
+    from tasks.model.hf_io import _copy_tokenizer, ours_to_hf, to_hf_config
+
+    ckpt, out = Path(ckpt), Path(out)
+    tmp = out.parent / f".{out.name}.tmp"
+    barrier = barrier or (lambda: None)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    files = plan_files(checkpoint_tensors(ckpt, tcfg), dtype, file_bytes)
+    names = file_names(len(files))
+    for i in range(rank, len(files), world):
+        src = files[i]
+        entries = [(ours_to_hf(n), shape, dtype or dt) for n, shape, dt in src]
+        write_streaming(tmp / names[i], entries, lambda k, src=src: _read_tensor(ckpt, *src[k]))
+    barrier()
+    if rank == 0:
+        out_dtype = dtype or (files[0][0][2] if files else torch.float32)
+        (tmp / "config.json").write_text(json.dumps(to_hf_config(tcfg, out_dtype), indent=2) + "\n")
+        if len(files) > 1:
+            weight_map = {ours_to_hf(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
+            total = sum(_numel(s) * (dtype or d).itemsize for f in files for _, s, d in f)
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        if tokenizer_dir is not None:
+            _copy_tokenizer(Path(tokenizer_dir), tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    barrier()
+    return out

@@ -1,0 +1,93 @@
+"""Real model shapes on 4 gloo ranks: Qwen2-0.5B (published shapes, random weights) trained from sharded meta init and
+from an HF checkpoint written by transformers, each exported to an HF directory that transformers loads with the
+trained model's logits. Each rank only ever holds its shards (checked against its measured peak)."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+import transformers  # noqa: E402
+
+from train_fixture import configure, shards, torchrun, write_spec  # noqa: E402,F401
+
+SCALE = {"model.preset": "qwen2-0.5b", "data.seq_len": 32, "train.steps": 1, "train.global_batch": 4,
+         "train.micro_batch": 1, "hardware.nproc_per_node": 4, "parallel.dp": 4, "parallel.tp": 1,
+         "parallel.pp": 1, "parallel.zero": 3}
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(7))
+
+
+def _logits_of_checkpoint(ckpt, tcfg, tokens) -> torch.Tensor:
+    """Our model, loaded whole from the training checkpoint in this process (the reference for the export)."""
+    import torch.distributed.checkpoint as dcp
+
+    from tasks.model import build_model, materialize
+
+    model = materialize(build_model(tcfg, "meta"), "cpu")
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        return model(tokens)
+
+
+def _hf_logits(path, tokens) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(tokens).logits
+    del model
+    gc.collect()
+    return out
+
+
+@pytest.mark.slow
+def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg, tmp_path, shards):  # noqa: F811
+    from tasks.model import TransformerConfig, get_preset, num_params
+    from tasks.model.hf_io import to_hf_config
+
+    tcfg = get_preset("qwen2-0.5b")
+    tokens = _tokens(tcfg.vocab_size)
+    # An HF checkpoint with the published shapes, random weights, written by transformers in 4 files.
+    torch.manual_seed(0)
+    hf_cfg = transformers.Qwen2Config(**{k: v for k, v in to_hf_config(tcfg).items()
+                                         if k not in ("architectures", "dtype", "torch_dtype")})
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path / "ckpt", max_shard_size="600MB")
+    with torch.no_grad():
+        want_import = hf(tokens).logits
+    del hf
+    gc.collect()
+    assert len(json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())["weight_map"]) > 0
+
+    export = {"tokenizer_dir": str(shards), "file_bytes": 700 * 2**20}  # several files, written by several ranks
+    meta = configure(cfg, **SCALE)
+    spec_meta = write_spec(meta, tmp_path / "meta", shards, export=export)
+    imported = configure(cfg, **{**SCALE, "model.hf_path": str(tmp_path / "ckpt"), "train.lr": 0.0,
+                                 "train.min_lr": 0.0, "train.warmup_steps": 0})
+    spec_hf = write_spec(imported, tmp_path / "imported", shards, export=export)
+    rc, out = torchrun(meta, 4, [spec_meta, spec_hf], tmp_path / "torchrun.log")
+    assert rc == 0, out[-3000:]
+
+    full_bytes = num_params(tcfg) * 4
+    for run in ("meta", "imported"):
+        summary = json.loads((tmp_path / run / "train" / "summary.json").read_text())
+        peaks = [m["peak_bytes"] for m in summary["memory_per_rank"]]
+        # fp32 params + grads + AdamW moments = 4 × the model's bytes in one process; ZeRO-3 over 4 ranks: ~1×.
+        assert max(peaks) < 2.0 * full_bytes, (run, peaks, full_bytes)
+        index = json.loads((tmp_path / run / "hf" / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) >= 3
+    # From HF at learning rate 0: the export is the imported checkpoint (and transformers reproduces it).
+    torch.testing.assert_close(_hf_logits(tmp_path / "imported" / "hf", tokens), want_import, atol=1e-4, rtol=1e-4)
+    # From meta init, one real step: the export reproduces the trained checkpoint's logits.
+    trained = TransformerConfig(**json.loads((tmp_path / "meta" / "train" / "launch.json").read_text())["model"])
+    ckpt = tmp_path / "meta" / "checkpoints" / "step-1"
+    want_trained = _logits_of_checkpoint(ckpt, trained, tokens)
+    gc.collect()
+    torch.testing.assert_close(_hf_logits(tmp_path / "meta" / "hf", tokens), want_trained, atol=1e-4, rtol=1e-4)
