@@ -34,8 +34,9 @@ def main(argv=None) -> int:
     shard.add_argument("--input", nargs="+", default=None, help="files, directories, globs or 'stdlib'")
     shard.add_argument("--out", default=None, help="output root; the shard set is <out>/<version>/")
     shard.add_argument("--config", default=None, help="YAML: a pipeline preset (its data: section) or flat keys")
-    shard.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                       help=f"override a setting ({', '.join(f.name for f in dataclasses.fields(ShardConfig))})")
+    shard.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                       help=f"override settings, several after one --set or --set repeated "
+                            f"({', '.join(f.name for f in dataclasses.fields(ShardConfig))})")
     shard.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     verify = sub.add_parser("verify", help="check every shard's size and sha256 against the manifest")
     verify.add_argument("shard_dir")

@@ -1,13 +1,18 @@
 """ShardLoader: the training/eval reader of a shard set (a webdataset pipeline inside a torch DataLoader).
 
-Per epoch, the shard list is permuted with (seed, epoch) and dealt out: data-parallel rank r takes every
-dp_world-th shard, and DataLoader worker w of that rank every num_workers-th of those, so each sample is read
-exactly once per epoch across ranks × workers. Tensor/pipeline-parallel ranks of one replica pass the same dp_rank
-and read the same batches. Inside a shard, samples are permuted with (seed, epoch, shard index) — the writer
-already spread the corpus over the shards at random — so the order is reproducible and a position is just
-(epoch, samples consumed): resuming skips whole shards by their manifest counts, without reading them, and yields
-exactly the batches an uninterrupted run would have yielded next. Every rank yields the same number of batches
-per epoch (the smallest over ranks), so no rank waits on a collective the others never reach.
+One global sample order per epoch, the same for every layout: the shards in a (seed, epoch) permutation, and
+inside each shard its samples in a (seed, epoch, shard index) permutation (the writer already spread the corpus over
+the shards at random). Step k's global batch is positions [k·G, (k+1)·G) of that order, G = batch_size × dp_world,
+and data-parallel rank r takes the contiguous slice [k·G + r·batch_size, k·G + (r+1)·batch_size) — as Megatron's
+pretraining sampler does. So a dp1, dp2 or dp4 run trains on the same samples at every step, tensor/pipeline ranks
+of one replica pass the same dp_rank and read the same batches, and every sample is read at most once per epoch (the
+last partial global batch waits for the next epoch's order). A rank reads (but does not decode) every shard that
+holds one of its slices — with shards larger than G, all of them: the price of a layout-free order.
+
+The position is (epoch, global samples consumed): it means the same on any layout, so a checkpoint resumes on
+another dp degree or worker count; whole shards before it are skipped by their manifest counts without being read.
+DataLoader worker i of a rank yields the rank's batches i, i + num_workers, … after the resume point; DataLoader's
+round robin over workers puts them back in order. Every rank yields the same number of batches per epoch.
 """
 from __future__ import annotations
 
@@ -22,46 +27,42 @@ from data_prep.errors import CorruptShardError, DataPrepError
 from data_prep.manifest import check_files, load_manifest, shards
 
 _NPY_MAGIC = b"\x93NUMPY"
-
-
-def delivered_per_worker(counts: list[int], k: int) -> tuple[list[int], int]:
-    """How many batches each worker had delivered after k batches of DataLoader's round-robin, and which worker
-    comes next. DataLoader takes batches from workers 0, 1, … in turn, skipping exhausted ones."""
-    done = [0] * len(counts)
-    for r in range(max(counts, default=0)):
-        active = [w for w, c in enumerate(counts) if c > r]
-        if k < len(active):
-            for w in active[:k]:
-                done[w] += 1
-            return done, active[k]
-        for w in active:
-            done[w] += 1
-        k -= len(active)
-    return done, 0
+ORDER = "global/1"  # the state_dict's position format: global samples consumed in the epoch
 
 
 class _EpochStream(IterableDataset):
-    """One epoch of one rank: worker j of the DataLoader plays logical worker (first + j) % num_workers."""
+    """The rest of one epoch for one rank: its batch j (counted from `start`) is global positions
+    start + j·global_batch + offset … + batch_size; DataLoader worker i yields batches i, i + num_workers, …"""
 
-    def __init__(self, shard_dir, entries, slots, skips, first, epoch, seed, shuffle, batch_size, dtype, seq_len,
-                 with_keys):
-        self.shard_dir, self.entries, self.slots, self.skips, self.first = Path(shard_dir), entries, slots, skips, first
+    def __init__(self, shard_dir, entries, order, start, n_batches, global_batch, offset, epoch, seed, shuffle,
+                 batch_size, dtype, seq_len, with_keys):
+        self.shard_dir, self.entries, self.order, self.start = Path(shard_dir), entries, order, start
+        self.n_batches, self.global_batch, self.offset = n_batches, global_batch, offset
         self.epoch, self.seed, self.shuffle, self.batch_size = epoch, seed, shuffle, batch_size
         self.dtype, self.sample_tokens, self.with_keys = np.dtype(dtype), seq_len + 1, with_keys
 
     def __iter__(self):
         info = get_worker_info()
-        logical = (self.first + (info.id if info else 0)) % len(self.slots)
-        todo, skip = list(self.slots[logical]), self.skips[logical] * self.batch_size
-        while todo and skip >= self.entries[todo[0]]["samples"]:  # whole shards already consumed: not even opened
-            skip -= self.entries[todo.pop(0)]["samples"]
-        if not todo:
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        # The first global position of each of this worker's batches, ascending; each covers batch_size positions.
+        self._firsts = [self.start + j * self.global_batch + self.offset
+                        for j in range(worker, self.n_batches, workers)]
+        self._base, needed, pos, k = {}, [], 0, 0
+        for index in self.order:  # the shards that hold one of those positions (others are not even opened)
+            n = self.entries[index]["samples"]
+            while k < len(self._firsts) and self._firsts[k] + self.batch_size <= pos:
+                k += 1
+            if k < len(self._firsts) and self._firsts[k] < pos + n:
+                needed.append(index)
+                self._base[index] = pos
+            pos += n
+        if not needed:
             return iter(())
-        self._index = {str(self.shard_dir / self.entries[i]["name"]): i for i in todo}
+        self._index = {str(self.shard_dir / self.entries[i]["name"]): i for i in needed}
         pipeline = wds.DataPipeline(
             wds.SimpleShardList(list(self._index)),
             wds.tarfile_to_samples(handler=self._corrupt),
-            lambda samples: self._permute_within_shards(samples, skip),
+            self._select,
             wds.map(self._decode),
             wds.batched(self.batch_size, collation_fn=self._collate, partial=False),
         )
@@ -73,26 +74,34 @@ class _EpochStream(IterableDataset):
         raise CorruptShardError(f"shard {name} is corrupt or truncated: {type(exn).__name__}: "
                                 f"{str(exn.args[0]) if exn.args else exn}") from None
 
-    def _permute_within_shards(self, samples, skip: int):
-        group, url = [], None
-        for sample in samples:  # tar samples arrive shard after shard
+    def _select(self, samples):
+        """Tar samples arrive shard after shard: permute each shard, keep the samples at this worker's positions."""
+        group, url, state = [], None, {"k": 0}
+        for sample in samples:
             if sample["__url__"] != url and group:
-                yield from self._emit(url, group, skip)
-                group, skip = [], 0
+                yield from self._emit(url, group, state)
+                group = []
             url = sample["__url__"]
             group.append(sample)
         if group:
-            yield from self._emit(url, group, skip)
+            yield from self._emit(url, group, state)
 
-    def _emit(self, url: str, group: list, skip: int):
+    def _emit(self, url: str, group: list, state: dict):
         index = self._index[url]
         if len(group) != self.entries[index]["samples"]:
             raise CorruptShardError(f"shard {url} is corrupt or truncated: only {len(group)} of "
                                     f"{self.entries[index]['samples']} samples readable")
         order = (np.random.default_rng([self.seed, self.epoch, index]).permutation(len(group)) if self.shuffle
                  else range(len(group)))
-        for i in list(order)[skip:]:
-            yield group[i]
+        firsts, k = self._firsts, state["k"]
+        for pos, i in enumerate(order, start=self._base[index]):
+            while k < len(firsts) and pos >= firsts[k] + self.batch_size:
+                k += 1
+            if k == len(firsts):
+                break
+            if pos >= firsts[k]:
+                yield group[i]
+        state["k"] = k
 
     def _decode(self, sample: dict):
         data = sample.get("tokens.npy", b"")
@@ -114,8 +123,9 @@ class ShardLoader:
     """Iterate a split of a shard set as (inputs, targets) LongTensors [batch_size, seq_len], one epoch per loop.
 
     `len(loader)` is the batches per epoch (equal on every dp rank). `state_dict()` after any batch, then
-    `load_state_dict()` on a fresh loader, continues the stream exactly; an epoch that completes advances `epoch`.
-    `batches()` loops over epochs forever. `with_keys=True` adds each sample's key (its window index) per batch.
+    `load_state_dict()` on a fresh loader — of any dp_world, batch_size or num_workers — continues the global stream
+    exactly; an epoch that completes advances `epoch`. `batches()` loops over epochs forever. `with_keys=True` adds
+    each sample's key (its window index) per batch.
     """
 
     def __init__(self, shard_dir, split: str = "train", batch_size: int = 8, dp_rank: int = 0, dp_world: int = 1,
@@ -133,42 +143,41 @@ class ShardLoader:
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.with_keys, self.pin_memory = with_keys, pin_memory
         self.epoch, self.samples = 0, 0
+        self.total = sum(e["samples"] for e in self.entries)
         if len(self) == 0:
             raise DataPrepError(f"split {split!r} of {self.manifest['version']} has {len(self.entries)} shard(s) and "
-                                f"{self.manifest['splits'][split]['samples']} samples: not one batch of {batch_size} "
-                                f"for each of {dp_world} rank(s) × {max(1, num_workers)} worker(s)")
+                                f"{self.total} samples: not one batch of {batch_size} for each of {dp_world} rank(s)")
 
-    def _slots(self, epoch: int) -> list[list[list[int]]]:
-        """[rank][worker] → manifest indices of the shards it reads this epoch."""
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.dp_world
+
+    def _order(self, epoch: int) -> list[int]:
+        """Manifest indices of the shards in this epoch's order."""
         n = len(self.entries)
-        order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-        workers = max(1, self.num_workers)
-        return [[[int(i) for i in order[r::self.dp_world][w::workers]] for w in range(workers)]
-                for r in range(self.dp_world)]
-
-    def _counts(self, slots) -> list[list[int]]:
-        return [[sum(self.entries[i]["samples"] for i in slot) // self.batch_size for slot in rank] for rank in slots]
+        return [int(i) for i in (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                                 else range(n))]
 
     def __len__(self) -> int:
-        return min(sum(rank) for rank in self._counts(self._slots(self.epoch)))
+        return self.total // self.global_batch
 
     def __iter__(self):
-        epoch, slots = self.epoch, self._slots(self.epoch)
-        counts = self._counts(slots)
-        limit = min(sum(rank) for rank in counts)
-        done = self.samples // self.batch_size
-        if done >= limit:  # a position saved at the very end of an epoch
+        epoch, start = self.epoch, self.samples
+        limit = (self.total - start) // self.global_batch  # batches left in this epoch from the position
+        if limit <= 0:  # a position saved at the very end of an epoch
             self.epoch, self.samples = epoch + 1, 0
             return
-        skips, first = delivered_per_worker(counts[self.dp_rank], done)
-        stream = _EpochStream(self.shard_dir, self.entries, slots[self.dp_rank], skips, first, epoch, self.seed,
-                              self.shuffle, self.batch_size, self.manifest["dtype"], self.seq_len, self.with_keys)
+        stream = _EpochStream(self.shard_dir, self.entries, self._order(epoch), start, limit, self.global_batch,
+                              self.dp_rank * self.batch_size, epoch, self.seed, self.shuffle, self.batch_size,
+                              self.manifest["dtype"], self.seq_len, self.with_keys)
         batches = iter(DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory))
+        done = 0
         try:
             for batch in batches:
                 done += 1
                 # The position moves before the yield: a checkpoint taken after this batch resumes after it.
-                self.epoch, self.samples = (epoch + 1, 0) if done >= limit else (epoch, done * self.batch_size)
+                self.epoch, self.samples = ((epoch + 1, 0) if done >= limit else
+                                            (epoch, start + done * self.global_batch))
                 yield batch
                 if done >= limit:
                     return
@@ -187,12 +196,18 @@ class ShardLoader:
             yield from self
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "samples": self.samples, "batch_size": self.batch_size, "seed": self.seed,
-                "dp_world": self.dp_world, "num_workers": self.num_workers, "version": self.manifest["version"]}
+        """The position in the global order (epoch, samples consumed by all ranks), valid for any layout; the
+        batch size, dp_world and num_workers are recorded for information only."""
+        return {"order": ORDER, "epoch": self.epoch, "samples": self.samples, "seed": self.seed,
+                "shuffle": self.shuffle, "version": self.manifest["version"], "batch_size": self.batch_size,
+                "dp_world": self.dp_world, "num_workers": self.num_workers}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("order") != ORDER:
+            raise DataPrepError("cannot resume the data stream: the saved position is per rank (written before the "
+                                "layout-independent sample order); the data stream restarts")
         mine = self.state_dict()
-        for key in ("version", "batch_size", "seed", "dp_world", "num_workers"):
+        for key in ("version", "seed", "shuffle"):
             if state.get(key) != mine[key]:
                 raise DataPrepError(f"cannot resume the data stream: {key} was {state.get(key)!r}, now {mine[key]!r}")
         self.epoch, self.samples = int(state["epoch"]), int(state["samples"])

@@ -2,6 +2,10 @@
 
 Layers, later wins: dataclass defaults → a YAML preset from configs/ (or a file) → overrides (DAG Params, `--conf`,
 as a nested dict or dotted keys) → CLI `--set section.key=value`. `validate()` reports every problem, one line each.
+
+`cfg.explicit` is the set of dotted keys the caller set for this run — overrides and `--set`, not the preset's
+values, which are defaults like the dataclasses' own. Stages use it where a value can come from elsewhere: a stage
+reading a shard set takes data.seq_len from its manifest unless the caller set a different one explicitly.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ class HardwareConfig:
     peak_tflops: float = 0.0
     hccl_connect_timeout: int = 120       # s, CANN range [120, 7200]
     hccl_exec_timeout: int = 1836         # s, 0 = never (A2/A3)
-    probe_sizes_mb: list = field(default_factory=lambda: [1, 4, 16])
+    probe_sizes_mb: list[float] = field(default_factory=lambda: [1, 4, 16])
     expected_bus_gbps: float = 0.0        # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
     max_clock_offset_ms: float = 500.0
     min_free_disk_gb: float = 1.0
@@ -55,7 +59,7 @@ class HardwareConfig:
 
 @dataclass
 class DataConfig:
-    inputs: list = field(default_factory=lambda: ["stdlib"])  # files/dirs/globs; "stdlib" = Python's own sources
+    inputs: list[str] = field(default_factory=lambda: ["stdlib"])  # files/dirs/globs; "stdlib" = Python's own sources
     text_field: str = "text"              # .jsonl/.parquet column holding the text
     out_dir: str = "var/data"             # shard sets are versioned directories below it
     max_documents: int = 0                # 0 = all
@@ -134,9 +138,9 @@ class SmokeConfig:
 
 @dataclass
 class PlanConfig:
-    zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
-    recompute: list = field(default_factory=lambda: ["none", "selective", "full"])
-    schedules: list = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"])
+    zero_stages: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
+    recompute: list[str] = field(default_factory=lambda: ["none", "selective", "full"])
+    schedules: list[str] = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"])
     efficiency: float = 0.4               # achieved fraction of peak FLOP/s
     runtime_reserve_gb: float = 0.0       # 0 = backend default (CANN/HCCL ≈ 5 GB on NPU)
     top_k: int = 10
@@ -164,7 +168,7 @@ class ProfileConfig:
 class QuantizeConfig:
     method: str = "int8_weight_only"      # int8_weight_only | int8_dynamic (W8A8) | smoothquant (W8A8, calibrated)
     backend: str = "auto"                 # auto (AMCT on an NPU host where it imports, else torchao) | amct | torchao
-    skip_layers: list = field(default_factory=lambda: ["lm_head", "embed"])  # substrings of layer names (ours or HF)
+    skip_layers: list[str] = field(default_factory=lambda: ["lm_head", "embed"])  # substrings of layer names (ours or HF)
     calibration_batches: int = 4
     amct_flow: str = "llm"                # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
     dtype: str = "bf16"                   # dtype of what stays unquantized (embeddings, norms, scales, activations)
@@ -175,7 +179,7 @@ class EvaluateConfig:
     max_drop_pct: float = 2.0             # gate: INT8 perplexity may rise at most this much
     eval_batches: int = 8
     latency_tokens: int = 32
-    prompts: list = field(default_factory=lambda: ["def ", "import ", "class "])
+    prompts: list[str] = field(default_factory=lambda: ["def ", "import ", "class "])
     max_new_tokens: int = 24
     registered_model: str = "llm-pipeline-demo"
     fail_on_gate: bool = True
@@ -204,6 +208,10 @@ class PipelineConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     preset: str = ""                      # which preset/file this came from (informational)
+
+    def __post_init__(self):
+        # Not a field: not in to_dict()/digest(); copy.deepcopy keeps it, dataclasses.replace starts it empty.
+        self.explicit: set[str] = set()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -234,6 +242,10 @@ CHOICES = {
     "quantize.backend": ["auto", "amct", "torchao"],
     "quantize.amct_flow": ["llm", "ptq"],
     "quantize.dtype": ["bf16", "fp32"],
+}
+ITEM_CHOICES = {  # lists whose every item must be one of these
+    "plan.zero_stages": CHOICES["parallel.zero"], "plan.recompute": CHOICES["parallel.recompute"],
+    "plan.schedules": CHOICES["parallel.pp_schedule"],
 }
 RANGES = {  # inclusive (min, max); None = unbounded
     "hardware.nproc_per_node": (0, 1024), "hardware.nnodes": (1, 4096), "hardware.node_rank": (0, 4095),
@@ -294,11 +306,12 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return str(value)
     if typ is list or origin is list:
-        if isinstance(value, str):
+        if isinstance(value, str):  # --set plan.zero_stages=0,1
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return list(value)
+        item = (typing.get_args(typ) or (None,))[0]  # list[int]: every item coerced like a scalar field
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)] if item else list(value)
     return value
 
 
@@ -314,7 +327,8 @@ def _flatten(overrides: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def apply_overrides(cfg: PipelineConfig, overrides: dict) -> PipelineConfig:
+def apply_overrides(cfg: PipelineConfig, overrides: dict, explicit: bool = True) -> PipelineConfig:
+    """Set dotted (or nested) keys; `explicit` records them in cfg.explicit (a preset's values are not)."""
     problems = []
     for dotted, value in _flatten(overrides).items():
         section, _, key = dotted.partition(".")
@@ -328,6 +342,8 @@ def apply_overrides(cfg: PipelineConfig, overrides: dict) -> PipelineConfig:
             continue
         try:
             setattr(sec, key, _coerce(value, types_[key], dotted))
+            if explicit:
+                cfg.explicit.add(dotted)
         except ConfigError as e:
             problems.extend(e.problems)
     if problems:
@@ -340,7 +356,7 @@ def parse_sets(sets) -> dict[str, str]:
     for item in sets or ():
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
+            raise ConfigError(f"--set {item!r}: expected section.key=value (positional arguments go before --set)")
         out[key.strip()] = value
     return out
 
@@ -374,7 +390,7 @@ def load_yaml(path: Path) -> dict:
 def load_config(preset_or_path: str | None = None, overrides: dict | None = None, sets=()) -> PipelineConfig:
     path = resolve_preset(preset_or_path)
     cfg = PipelineConfig(preset=str(path.stem if path.parent == CONFIG_DIR else path))
-    apply_overrides(cfg, load_yaml(path))
+    apply_overrides(cfg, load_yaml(path), explicit=False)
     apply_overrides(cfg, overrides or {})
     apply_overrides(cfg, parse_sets(sets))
     validate(cfg)
@@ -391,6 +407,10 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     for dotted, allowed in CHOICES.items():
         if get(cfg, dotted) not in allowed:
             problems.append(f"{dotted}: {get(cfg, dotted)!r} is not one of {', '.join(map(str, allowed))}")
+    for dotted, allowed in ITEM_CHOICES.items():
+        bad = [v for v in get(cfg, dotted) if v not in allowed]
+        if bad or not get(cfg, dotted):
+            problems.append(f"{dotted}: {get(cfg, dotted)!r} must be a non-empty list of {', '.join(map(str, allowed))}")
     for dotted, (lo, hi) in RANGES.items():
         v = get(cfg, dotted)
         if (lo is not None and v < lo) or (hi is not None and v > hi):

@@ -135,7 +135,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     meta = read_json(quant_dir / META)
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
-    shard_dir = runner.shard_dir(ctx, fallback=meta["shard_dir"])
+    shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
     digest = inputs.manifest_digest(shard_dir)
     m, gens = _measure(cfg, model_dir, shard_dir, quant_dir, meta)
 

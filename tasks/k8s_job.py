@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.config import REPO_ROOT, PipelineConfig
+from tasks.config import REPO_ROOT, PipelineConfig, get
 from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_write_text, read_json
 
@@ -38,6 +38,11 @@ def pod_command(cfg: PipelineConfig, run_dir: Path, config_file: Path, name: str
     nproc = hw.nproc_per_node or DEFAULT_NPUS_PER_NODE
     sets = {"hardware.nnodes": hw.nnodes, "hardware.nproc_per_node": nproc,
             "hardware.rdzv_endpoint": f"{name}-0.{name}:{RDZV_PORT}"}
+    # The pods read the whole config as a file (a preset): what the caller set explicitly stays explicit there,
+    # so a data.seq_len that differs from the shard set's fails in the pod as it would here.
+    from tasks.runner import FROM_SHARD_SET
+
+    sets.update({k: get(cfg, k) for k in FROM_SHARD_SET if k in cfg.explicit})
     args = ["python", "-m", "tasks", "train", "--config", str(config_file), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]

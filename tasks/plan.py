@@ -1,6 +1,10 @@
 """Plan the parallel layout: estimate per-device memory and step time for every (dp, tp, pp, ZeRO, recompute,
 micro-batch, schedule), rank the ones that fit, explain the rest. The best plan configures training unless the
 config pins parallel.dp/tp/pp. What-if questions (another model or cluster) take the flags below.
+
+A custom architecture (`--hidden --layers --heads`, without --model/--hf-config) takes nothing from the config's
+model preset: the fields it leaves out come from the `--family` rule (tasks/planner/families.py: Meta's Llama FFN
+rounding; Qwen2 has none, so it needs --ffn), and the plan calls it `custom`.
 """
 from __future__ import annotations
 
@@ -16,13 +20,15 @@ from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, atomic_write_text
 from tasks.planner.cluster import PRESETS as CLUSTERS
 from tasks.planner.cluster import get_cluster
+from tasks.planner.families import FAMILIES, custom_fields
 from tasks.planner.memory import GB, PRECISION_BYTES, shape_of
 from tasks.planner.search import Problem, search
 from tasks.planner.table import render
 
 _SHAPE_FLAGS = {"hidden": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
                 "vocab": "vocab_size", "ffn": "ffn_dim"}
-_MODEL_FLAGS = ("model", "hf_config", "params", *_SHAPE_FLAGS)
+_MODEL_FLAGS = ("model", "hf_config", "params", "family", *_SHAPE_FLAGS)
+_REQUIRED_SHAPE = (("hidden", "dim"), ("layers", "n_layers"), ("heads", "n_heads"))
 _CLUSTER_FLAGS = ("cluster", "nodes", "devices_per_node", "device_memory_gb")
 
 
@@ -46,7 +52,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--params", type=_positive(float), default=None, metavar="N",
                    help="bare parameter count (13e9): model states only")
     for flag in _SHAPE_FLAGS:
-        g.add_argument(f"--{flag.replace('_', '-')}", type=_positive(int), default=None, help="override a shape number")
+        g.add_argument(f"--{flag.replace('_', '-')}", type=_positive(int), default=None,
+                       help="a shape number (with --model/--hf-config: overrides it; alone: a custom model)")
+    g.add_argument("--family", choices=FAMILIES, default=None,
+                   help="rule for what a custom --hidden/--layers/--heads model leaves out (default llama3)")
     g = parser.add_argument_group("cluster (default: the config's hardware.*)")
     g.add_argument("--cluster", default=None, choices=sorted(CLUSTERS), help="cluster preset")
     g.add_argument("--nodes", type=_positive(int), default=None)
@@ -74,12 +83,26 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
     if _arg(ctx, "params") is not None:
         n = _arg(ctx, "params")
         return None, n, f"{_count(n)} params (model states only: no shape, so no activations)"
-    from tasks.model.config import from_pipeline, get_preset
+    from tasks.model.config import TransformerConfig, from_pipeline, get_preset
 
+    shape = {field: _arg(ctx, flag) for flag, field in _SHAPE_FLAGS.items() if _arg(ctx, flag) is not None}
+    family = _arg(ctx, "family")
+    if family and (not shape or _arg(ctx, "model") or _arg(ctx, "hf_config")):
+        raise StageError("--family: only for a custom architecture (--hidden, --layers, --heads without --model "
+                         "or --hf-config)")
+    rule = ""
     if _arg(ctx, "hf_config"):
         tcfg, name = _hf_config(Path(_arg(ctx, "hf_config"))), _arg(ctx, "hf_config")
     elif _arg(ctx, "model"):
         tcfg, name = get_preset(_arg(ctx, "model")), _arg(ctx, "model")
+    elif shape:  # a custom architecture: nothing comes from the config's model preset
+        missing = [f"--{flag}" for flag, field in _REQUIRED_SHAPE if field not in shape]
+        if missing:
+            raise StageError(f"{', '.join(missing)}: a custom architecture needs --hidden, --layers and --heads "
+                             f"(the rest from --family {family or 'llama3'} or its own flags), or --model PRESET "
+                             "to change a preset")
+        derived, rule = custom_fields(family or "llama3", shape["dim"], shape["n_heads"], shape)
+        tcfg, name = TransformerConfig(**derived, **shape), "custom"
     else:
         c = copy.deepcopy(cfg)
         c.data.seq_len = seq_len  # the planned length need not fit the preset's RoPE table: only its shape matters
@@ -87,13 +110,15 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
         shard = ctx.inputs.get("shard") or {}
         vocab = shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
         tcfg, name = from_pipeline(c, vocab_size=vocab), cfg.model.hf_path or cfg.model.preset
-    shape = {field: _arg(ctx, flag) for flag, field in _SHAPE_FLAGS.items() if _arg(ctx, flag) is not None}
-    if "n_heads" in shape and "n_kv_heads" not in shape:
-        shape["n_kv_heads"] = shape["n_heads"]  # explicit heads without --kv-heads: plain multi-head attention
+    if shape and name != "custom":  # a preset or HF config with some numbers changed is a custom model too
+        if "n_heads" in shape and "n_kv_heads" not in shape:
+            shape["n_kv_heads"] = shape["n_heads"]  # explicit heads without --kv-heads: plain multi-head attention
+        rule, name = f"from {name}", "custom"
     tcfg = dataclasses.replace(tcfg, **shape).validate()
     sh = shape_of(tcfg)
     return sh, sh.num_params, (f"{name} ({_count(sh.num_params)} params, h {sh.hidden}, L {sh.layers}, "
-                               f"heads {sh.heads}/{sh.kv_heads} kv, ffn {sh.ffn}, vocab {sh.vocab})")
+                               f"heads {sh.heads}/{sh.kv_heads} kv, ffn {sh.ffn}, vocab {sh.vocab}"
+                               f"{'; ' + rule if rule else ''})")
 
 
 def _count(n: float) -> str:
@@ -118,6 +143,14 @@ def _cluster(cfg: PipelineConfig, ctx):
     hw = cfg.hardware
     name = _arg(ctx, "cluster") or hw.cluster
     own = name == hw.cluster  # the config's hardware.* figures describe its own cluster, not another preset
+    memory = _arg(ctx, "device_memory_gb")
+    if memory and not _arg(ctx, "cluster") and name in CLUSTERS and CLUSTERS[name].kind == "cpu" \
+            and "hardware.cluster" not in cfg.explicit:
+        c = CLUSTERS[name]
+        raise StageError(f"--device-memory-gb {memory:g} without --cluster would keep the {name} preset's other "
+                         f"facts ({c.peak_tflops:g} TFLOP/s, {c.intra_gbps:g}/{c.inter_gbps:g} GB/s links): add "
+                         f"--cluster ({', '.join(k for k, v in CLUSTERS.items() if v.kind != 'cpu')}), or set "
+                         f"hardware.cluster explicitly")
     return get_cluster(name, nodes=_arg(ctx, "nodes") or (hw.nnodes if own else 0),
                        devices_per_node=_arg(ctx, "devices_per_node") or (hw.nproc_per_node if own else 0),
                        memory_gb=_arg(ctx, "device_memory_gb") or (hw.device_memory_gb if own else 0),

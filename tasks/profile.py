@@ -62,6 +62,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     """
     from tasks import train
 
+    runner.shard_set(cfg, ctx)  # before the digest below: data.seq_len follows the shard set (as train.prepare)
     traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
     if marker.is_file() and read_json(marker).get("config_hash") == cfg.digest():
         return traces, [f"reused the traces collected earlier in {traces}"]

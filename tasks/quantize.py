@@ -38,7 +38,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks.quant import metrics
 
     q = cfg.quantize
-    model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_dir(ctx)
+    model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_set(cfg, ctx)
     kind = devices.detect(cfg.hardware.device).kind
     amct_error = None
     if q.backend != "torchao":

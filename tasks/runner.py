@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
-from tasks.errors import StageError
+from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_write_json, read_json
 from tasks.stages import STAGES
 
@@ -48,6 +48,40 @@ def shard_dir(ctx: "StageContext", fallback: str | None = None) -> Path:
     path = repo_path(given)
     if not (path / "manifest.json").is_file():
         raise StageError(f"{ctx.stage}: {path} is not a shard set (no manifest.json)")
+    return path
+
+
+FROM_SHARD_SET = ("data.seq_len", "data.vocab_size")  # what a stage reading a shard set takes from its manifest
+
+
+def shard_set(cfg: PipelineConfig, ctx: "StageContext", fallback: str | None = None) -> Path:
+    """shard_dir(), and the config made to agree with it: data.seq_len (and data.vocab_size, the BPE size the set
+    was trained for) come from the manifest unless the caller set a different value explicitly (cfg.explicit):
+    that is one ConfigError line, since the model would train on windows of another length than asked."""
+    from data_prep.errors import DataPrepError
+    from data_prep.manifest import load_manifest
+
+    path = shard_dir(ctx, fallback)
+    try:
+        manifest = load_manifest(path)
+    except DataPrepError as e:
+        raise ConfigError(f"shards: {e}") from None
+    wanted = {FROM_SHARD_SET[0]: manifest["seq_len"]}
+    if manifest["tokenizer"].get("source") == "train" and "vocab_size" in manifest.get("config", {}):
+        wanted[FROM_SHARD_SET[1]] = manifest["config"]["vocab_size"]  # with a given tokenizer it does not apply
+    problems = []
+    for dotted, value in wanted.items():
+        section, _, key = dotted.partition(".")
+        mine = getattr(getattr(cfg, section), key)
+        if mine == value:
+            continue
+        if dotted in cfg.explicit:
+            problems.append(f"{dotted}: {mine} differs from the shard set's {value} ({path}); leave it unset to "
+                            f"use the shard set's, or build a shard set with it")
+        else:
+            setattr(getattr(cfg, section), key, value)
+    if problems:
+        raise ConfigError(problems)
     return path
 
 

@@ -165,7 +165,7 @@ def log_memory_estimate(cfg, tcfg, seq_len: int, peak_bytes: int) -> float:
 def run(cfg, ctx) -> dict:
     from tasks.model import num_params
 
-    shard_dir = runner.shard_dir(ctx)
+    shard_dir = runner.shard_set(cfg, ctx)
     tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
     batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed)
     check_batches(batches, tcfg)

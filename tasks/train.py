@@ -33,12 +33,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-export", action="store_true", help="skip the HF export to <run-dir>/hf")
 
 
-def _world(cfg: PipelineConfig):
+def _world(cfg: PipelineConfig, plan: dict | None = None):
+    """(backend, processes per node, world size): hardware.nproc_per_node when pinned (> 0); else one per device,
+    and on CPU the layout's dp × tp × pp (pinned degrees or the plan's; 2 when the dp degree is open)."""
     from tasks.device import detect
 
-    backend = detect(cfg.hardware.device)
-    nproc = cfg.hardware.nproc_per_node or (backend.device_count if backend.is_accelerator else 2)
-    return backend, nproc, nproc * cfg.hardware.nnodes
+    hw = cfg.hardware
+    backend = detect(hw.device)
+    nproc = hw.nproc_per_node or (backend.device_count if backend.is_accelerator else 0)
+    if not nproc:
+        ranks = layouts.known_world(cfg, plan)
+        nproc = ranks // hw.nnodes if ranks and ranks % hw.nnodes == 0 else 2
+    return backend, nproc, nproc * hw.nnodes
 
 
 def prepare(cfg: PipelineConfig, ctx) -> dict:
@@ -47,21 +53,20 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.manifest import check_files, load_manifest
     from tasks.model import from_pipeline
 
-    shard_dir = runner.shard_dir(ctx)
+    shard_dir = runner.shard_set(cfg, ctx)  # data.seq_len follows the shard set unless set explicitly
     try:
         manifest = load_manifest(shard_dir)
         check_files(shard_dir, manifest, "train")
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
-    if manifest["seq_len"] != cfg.data.seq_len:
-        raise ConfigError(f"data.seq_len: {cfg.data.seq_len} differs from the shard set's {manifest['seq_len']}")
-    backend, nproc, world = _world(cfg)
     plan = ctx.inputs.get("plan")
+    backend, nproc, world = _world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
     hw = cfg.hardware
+    hint = "; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks" if not backend.is_accelerator else ""
     problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
-                             f"hardware.nnodes {hw.nnodes} × {nproc} processes per node")
+                             f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}")
     if cfg.train.precision == "fp16":
         problems.append("train.precision: fp16 training needs a loss scaler (not implemented); use bf16")
     if getattr(ctx.args, "fresh", False):

@@ -50,3 +50,54 @@ def test_summary_table(tmp_path):
     assert any(l.startswith("Environment validation") and "ok" in l and "cpu ×2" in l for l in lines)
     assert any(l.startswith("WebDataset sharding") and "failed" in l and "no matching files" in l for l in lines)
     assert any("runs/abc" in l for l in lines) and any("(not run)" in l for l in lines)
+
+
+@pytest.fixture(scope="module")
+def run_with_shards_64(tmp_path_factory):
+    """A run directory whose shard stage built 64-token windows with a 300-token BPE (one --set, several pairs)."""
+    tmp = tmp_path_factory.mktemp("cli-run")
+    run = tmp / "run"
+    out = cli("shard", "--run-dir", str(run), "--no-tracking", "--set", "data.seq_len=64", "data.vocab_size=300",
+              "data.max_documents=80", "data.shard_size_mb=0.05", f"data.out_dir={tmp / 'data'}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads((run / "shard.json").read_text())["seq_len"] == 64
+    return run
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["data.seq_len=128"], "error: data.seq_len: 128 differs from the shard set's 64"),
+    (["data.seq_len=32", "data.vocab_size=512"],
+     "error: data.seq_len: 32 differs from the shard set's 64 (" ),
+    (["data.vocab_size=512"], "error: data.vocab_size: 512 differs from the shard set's 300"),
+])
+def test_an_explicit_value_that_differs_from_the_shard_set_fails_in_one_line(run_with_shards_64, sets, needle):
+    out = cli("train", "--run-dir", str(run_with_shards_64), "--no-tracking", "--set", *sets)
+    assert out.returncode == 2 and out.stderr.startswith(needle), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert not (run_with_shards_64 / "logs").exists()  # refused before any worker started
+
+
+def test_train_takes_seq_len_from_the_shard_set_and_launches_the_layouts_ranks(run_with_shards_64):
+    """demo-cpu says seq_len 128 and nproc_per_node 2: the shard set's 64 wins (not set explicitly), and with
+    nproc_per_node unpinned a dp1 layout launches one CPU rank instead of failing `1 ≠ world size 2`."""
+    run = run_with_shards_64
+    out = cli("train", "--run-dir", str(run), "--no-tracking", "--no-export",
+              "--set", "model.preset=debug", "hardware.nproc_per_node=0", "parallel.dp=1", "parallel.tp=1",
+              "parallel.pp=1", "train.steps=2", "train.global_batch=4", "train.micro_batch=2",
+              "--set", "train.precision=fp32", "train.checkpoint_every=0", "data.loader_workers=0")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((run / "train.json").read_text())
+    assert result["status"] == "ok" and result["layout"] == "single" and result["steps"] == 2
+    spec = json.loads((run / "train" / "launch.json").read_text())
+    assert (spec["config"]["data"]["seq_len"], spec["config"]["data"]["vocab_size"]) == (64, 300)
+    assert (spec["nproc"], spec["world"], spec["config"]["train"]["precision"]) == (1, 1, "fp32")
+    assert sorted(p.name for p in (run / "logs").glob("rank-*.log")) == ["rank-0.log"]
+
+
+def test_plan_with_several_pairs_after_one_set_and_a_typed_list(tmp_path):
+    """`--set a=1 b=2` works like repeated --set, and list items are coerced (zero_stages=0,1 are integers)."""
+    out = cli("plan", "--run-dir", str(tmp_path), "--no-tracking", "--json",
+              "--set", "plan.zero_stages=0,1", "parallel.dp=0", "parallel.tp=0", "parallel.pp=0", "data.seq_len=64")
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["seq_len"] == 64 and {p["zero"] for p in plan["plans"]} == {0, 1}

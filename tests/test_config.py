@@ -18,6 +18,22 @@ def test_layers_later_wins(tmp_path):
                       sets=["train.lr=0.02", "parallel.recompute=full", "data.inputs=a.txt,b.jsonl"])
     assert (cfg.train.steps, cfg.train.lr, cfg.data.seq_len, cfg.data.vocab_size) == (9, 0.02, 64, 1024)
     assert cfg.parallel.recompute == "full" and cfg.data.inputs == ["a.txt", "b.jsonl"]
+    # What the caller set (overrides, --set) is explicit; the file's values are defaults for this run.
+    assert cfg.explicit == {"train.steps", "data.vocab_size", "train.lr", "parallel.recompute", "data.inputs"}
+    assert "data.seq_len" not in cfg.explicit and "explicit" not in cfg.to_dict()
+    import copy
+
+    assert copy.deepcopy(cfg).explicit == cfg.explicit
+
+
+def test_list_items_take_the_item_type():
+    cfg = load_config(sets=["plan.zero_stages=0,1", "plan.recompute=none,full", "hardware.probe_sizes_mb=[1, 2.5]"])
+    assert cfg.plan.zero_stages == [0, 1] and all(type(z) is int for z in cfg.plan.zero_stages)
+    assert cfg.plan.recompute == ["none", "full"] and cfg.hardware.probe_sizes_mb == [1.0, 2.5]
+    with pytest.raises(ConfigError, match=r"plan.zero_stages\[1\]: expected an integer, got 'x'"):
+        load_config(sets=["plan.zero_stages=0,x"])
+    with pytest.raises(ConfigError, match=r"plan.zero_stages: \[0, 4\] must be a non-empty list of 0, 1, 2, 3"):
+        load_config(sets=["plan.zero_stages=0,4"])
 
 
 def test_digest_tracks_content():
@@ -33,6 +49,7 @@ def test_digest_tracks_content():
     (["nosection.x=1"], "nosection.x: unknown section"),
     (["train.micro_batch=16", "train.global_batch=8"], "train.micro_batch: 16 exceeds train.global_batch 8"),
     (["hardware.hccl_connect_timeout=30"], "hardware.hccl_connect_timeout: 30 must be in [120, 7200]"),
+    (["plan.schedules=1f1b,zigzag"], "plan.schedules: ['1f1b', 'zigzag'] must be a non-empty list of gpipe"),
 ])
 def test_each_problem_is_one_clear_line(sets, needle):
     with pytest.raises(ConfigError) as e:

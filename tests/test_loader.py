@@ -1,4 +1,5 @@
-"""ShardLoader on real webdataset shards: exactly-once under torchrun (2 ranks × 2 workers), resume, corruption."""
+"""ShardLoader on real webdataset shards: one global order for every layout, exactly-once under torchrun (2 ranks ×
+2 workers), resume (also on another dp degree), corruption."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ import torch
 from data_prep.build import build_shard_set
 from data_prep.config import ShardConfig
 from data_prep.errors import CorruptShardError, DataPrepError
-from data_prep.loader import ShardLoader, delivered_per_worker
+from data_prep.loader import ShardLoader
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
@@ -64,7 +65,8 @@ def test_exactly_once_across_2_ranks_x_2_workers_under_torchrun(shard_set, tmp_p
         assert sorted(seen) == expected  # every sample once: no duplicate, none missing
     assert all(rank["epochs"][0] != rank["epochs"][1] for rank in ranks)  # reshuffled per epoch
     assert all(rank["resumed"] == rank["epochs"][0] for rank in ranks)    # resume continues exactly
-    assert all(rank["state"] == {**rank["state"], "epoch": 0, "samples": 5 * batch} for rank in ranks)
+    # The position is global: 5 steps of 2 ranks × batch samples (it was per rank before the global order).
+    assert all(rank["state"] == {**rank["state"], "epoch": 0, "samples": 5 * batch * 2} for rank in ranks)
     assert all(rank["epoch_after"] == 2 for rank in ranks)
 
 
@@ -102,6 +104,47 @@ def test_uneven_split_keeps_ranks_equal_and_never_repeats(shard_set):
     flat = [k for s in seen for k in s]
     assert len(flat) == len(set(flat)) and set(flat) <= set(all_keys(shard_set))
     assert len(all_keys(shard_set)) - len(flat) < 3 * 2 * batch + 3 * per_shard(shard_set)
+
+
+def global_steps(shard_set, dp_world: int, workers: int, global_batch: int = 12, steps: int | None = None,
+                 state: dict | None = None) -> list[list[str]]:
+    """The keys of each step's global batch: the dp ranks' batches of that step, concatenated in rank order."""
+    loaders = [ShardLoader(shard_set, batch_size=global_batch // dp_world, dp_rank=r, dp_world=dp_world,
+                           num_workers=workers, seed=5, with_keys=True) for r in range(dp_world)]
+    for loader in loaders:
+        if state:
+            loader.load_state_dict(state)
+    streams = [loader.batches() for loader in loaders]
+    steps = steps or len(loaders[0])
+    return [[k for stream in streams for k in next(stream)[2]] for _ in range(steps)]
+
+
+def test_every_layout_sees_the_same_global_batch_each_step(shard_set):
+    """dp1, dp2, dp3 and dp4, with 0 or 2 workers per rank: step k's global batch is the same samples in the same
+    order, over an epoch boundary; within an epoch no sample repeats."""
+    n = len(ShardLoader(shard_set, batch_size=12))
+    reference = global_steps(shard_set, 1, 0, steps=n + 2)
+    for dp, workers in ((1, 2), (2, 0), (3, 2), (4, 0), (4, 2)):
+        assert global_steps(shard_set, dp, workers, steps=n + 2) == reference, f"dp{dp} × {workers} workers"
+    epoch = [k for step in reference[:n] for k in step]
+    assert len(epoch) == len(set(epoch)) and len(all_keys(shard_set)) - len(epoch) < 12
+    assert reference[n] != reference[0]  # the next epoch has its own order
+
+
+def test_a_position_saved_on_dp4_resumes_on_dp2_and_dp1(shard_set):
+    """A dp4 run's loader position after 3 steps continues the same global stream on dp2 (2 workers) and dp1."""
+    reference = global_steps(shard_set, 1, 0, steps=8)
+    loaders = [ShardLoader(shard_set, batch_size=3, dp_rank=r, dp_world=4, seed=5, with_keys=True) for r in range(4)]
+    streams = [loader.batches() for loader in loaders]
+    for _ in range(3):
+        for stream in streams:
+            next(stream)
+    state = loaders[2].state_dict()  # every rank holds the same position
+    assert all(loader.state_dict() == {**state, "batch_size": 3} for loader in loaders)
+    assert global_steps(shard_set, 2, 2, steps=5, state=state) == reference[3:]
+    assert global_steps(shard_set, 1, 0, steps=5, state=state) == reference[3:]
+    with pytest.raises(DataPrepError, match="saved position is per rank"):
+        ShardLoader(shard_set, batch_size=3).load_state_dict({"epoch": 0, "samples": 6, "seed": 5, "dp_world": 4})
 
 
 def test_batches_shapes_and_unshuffled_val(shard_set):
@@ -169,13 +212,6 @@ def test_truncated_and_altered_shards_fail_before_reading(damaged):
     (damaged / "train-000002.tar").unlink()
     with pytest.raises(CorruptShardError, match=r"train-000002.tar is missing"):
         ShardLoader(damaged, batch_size=2)
-
-
-def test_delivered_per_worker_follows_dataloader_round_robin():
-    assert delivered_per_worker([3, 3], 3) == ([2, 1], 1)
-    assert delivered_per_worker([1, 3, 2], 2) == ([1, 1, 0], 2)
-    assert delivered_per_worker([1, 3, 2], 4) == ([1, 2, 1], 2)
-    assert delivered_per_worker([2, 2], 4) == ([2, 2], 0)
 
 
 def test_tiny_shard_set_helper(tmp_path):

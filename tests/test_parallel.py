@@ -1,5 +1,6 @@
-"""Every dp/tp/pp layout trains exactly like one process (real torchrun, gloo), checkpoints reshard across layouts,
-and a non-finite loss stops the run. Several layouts share one torchrun launch (each launch costs 5–25 s)."""
+"""Every dp/tp/pp layout trains exactly like one plain process (real torchrun, gloo) — the same samples per step for
+every dp degree — checkpoints reshard across layouts and continue the data stream on another dp degree, and a
+non-finite loss stops the run. Several layouts share one torchrun launch (each launch costs 5–25 s)."""
 from __future__ import annotations
 
 import json
@@ -12,26 +13,28 @@ from train_fixture import (assert_same_curve, configure, losses, reference_losse
 
 @pytest.fixture(scope="module")
 def ref(shards):
-    """ref(dp_world, **config) → the single-process curve for the global batch that a dp run of that degree sees."""
+    """ref(**config) → the plain single-process curve (one model, one loader of the whole global batch)."""
     from tasks.config import load_config
 
     cache = {}
 
-    def curve(dp_world: int, **sets):
-        key = (dp_world, tuple(sorted(sets.items())))
+    def curve(**sets):
+        key = tuple(sorted(sets.items()))
         if key not in cache:
-            cache[key] = reference_losses(configure(load_config("demo-cpu"), **sets), shards, dp_world, 6)
+            cache[key] = reference_losses(configure(load_config("demo-cpu"), **sets), shards, 6)
         return cache[key]
     return curve
 
 
 LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
+    "dp4": (4, 1, 1, {"train.checkpoint_every": 3}),
     "dp2_tp2": (2, 2, 1, {"train.checkpoint_every": 3}),
     "dp2_pp2_1f1b": (2, 1, 2, {"parallel.pp_schedule": "1f1b"}),
     "tp2_pp2_interleaved": (1, 2, 2, {"parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4,
                                       "parallel.recompute": "selective"}),
 }
 LAYOUTS_2 = {
+    "dp2": (2, 1, 1, {}),
     "dp2_zero2_full_recompute": (2, 1, 1, {"parallel.zero": 2, "parallel.recompute": "full"}),
     "dp2_bf16": (2, 1, 1, {"train.precision": "bf16"}),  # FSDP mixed precision: bf16 compute, fp32 reduce
     "tp2": (1, 2, 1, {}),
@@ -61,21 +64,33 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
     two = {"hardware.nproc_per_node": 2, "parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1}
     resumed = write_spec(configure(cfg, **two), tmp_path / "resumed_on_2", shards,
                          resume_from=str(tmp_path / "dp2_tp2" / "checkpoints" / "step-3"))
+    # The dp4 checkpoint of step 3 continues on dp2: the same global batches, so still the single-process curve.
+    dp4_on_2 = write_spec(configure(cfg, **two), tmp_path / "dp4_resumed_on_dp2", shards,
+                          resume_from=str(tmp_path / "dp4" / "checkpoints" / "step-3"))
     # A learning rate of 1e30 makes step 2's loss non-finite: the run must stop there with a diagnosis.
     nan = write_spec(configure(cfg, **two, **{"train.lr": 1e30, "train.min_lr": 0.0, "train.warmup_steps": 0,
                                               "train.checkpoint_every": 1}), tmp_path / "nan", shards)
     specs2 = _specs(cfg, tmp_path, shards, LAYOUTS_2, 2)
-    rc, out = torchrun(configure(cfg, **two), 2, [*specs2.values(), resumed, nan], tmp_path / "torchrun2.log")
+    rc, out = torchrun(configure(cfg, **two), 2, [*specs2.values(), resumed, dp4_on_2, nan],
+                       tmp_path / "torchrun2.log")
     assert rc != 0 and "exitcode  : 3" in out, out[-3000:]  # 3: the worker's code for a non-finite loss
+    one = {"hardware.nproc_per_node": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1}
+    dp1 = write_spec(configure(cfg, **one), tmp_path / "dp1", shards)
+    rc, out = torchrun(configure(cfg, **one), 1, [dp1], tmp_path / "torchrun1.log")
+    assert rc == 0, out[-3000:]
 
-    for name, (dp, _, _, extra) in {**LAYOUTS_4, **LAYOUTS_2}.items():
+    # dp1, dp2 and dp4 (and every other layout) train on the same samples per step: one reference for all.
+    for name, (_, _, _, extra) in {"dp1": (1, 1, 1, {}), **LAYOUTS_4, **LAYOUTS_2}.items():
         shape = {k: v for k, v in extra.items() if k.startswith("model.")}
         # bf16 rounds every matmul input: close to the fp32 reference, not equal to it.
-        assert_same_curve(losses(tmp_path / name), ref(dp, **shape), name, rel=5e-3 if "bf16" in name else 1e-4)
+        assert_same_curve(losses(tmp_path / name), ref(**shape), name, rel=5e-3 if "bf16" in name else 1e-4)
     got = losses(tmp_path / "resumed_on_2")
-    assert_same_curve(got, ref(2), "dp2×tp2 checkpoint resumed on dp2", steps=[4, 5])
+    assert_same_curve(got, ref(), "dp2×tp2 checkpoint resumed on dp2", steps=[4, 5])
     log = (tmp_path / "resumed_on_2" / "logs" / "rank-0.log").read_text()
     assert "resumed from" in log and "RNG states not restored" in log
+    assert_same_curve(losses(tmp_path / "dp4_resumed_on_dp2"), ref(), "dp4 checkpoint resumed on dp2", steps=[4, 5])
+    log = (tmp_path / "dp4_resumed_on_dp2" / "logs" / "rank-0.log").read_text()
+    assert "resumed from" in log and "data stream" not in log  # the position carried over to dp2
 
     diag = json.loads((tmp_path / "nan" / "train" / "diagnosis.json").read_text())
     assert diag["step"] == 2 and diag["last_good_checkpoint"].endswith("step-1")
@@ -91,4 +106,4 @@ def test_dp2_tp2_pp2_on_8_ranks(cfg, tmp_path, shards, ref):
     spec = write_spec(c, tmp_path / "dp2_tp2_pp2", shards)
     rc, out = torchrun(c, 8, [spec], tmp_path / "torchrun8.log")
     assert rc == 0, out[-3000:]
-    assert_same_curve(losses(tmp_path / "dp2_tp2_pp2"), ref(2), "dp2×tp2×pp2", steps=range(1, 5))
+    assert_same_curve(losses(tmp_path / "dp2_tp2_pp2"), ref(), "dp2×tp2×pp2", steps=range(1, 5))

@@ -93,27 +93,80 @@ def test_hf_config_and_explicit_shape(cfg, tmp_path):
     assert "(494.03M params" in read_json(result["plan_json"])["model"]  # Qwen2-0.5B's published 494,032,768
     args = plan_args("--hidden", "256", "--layers", "6", "--heads", "8", "--vocab", "4096", "--ffn", "512")
     model = read_json(run_stage("plan", cfg, tmp_path / "b", args=args)["plan_json"])["model"]
-    assert "h 256, L 6, heads 8/8 kv, ffn 512, vocab 4096" in model
+    assert model.startswith("custom (") and "h 256, L 6, heads 8/8 kv, ffn 512, vocab 4096" in model
+
+
+def test_a_partial_architecture_takes_the_family_rule_not_the_config_preset(cfg, tmp_path):
+    """--hidden/--layers/--heads alone once planned a 14.9B model with the demo preset's ffn 384, called "demo"."""
+    from tasks.model.config import PRESETS
+    from tasks.planner.memory import shape_of
+
+    cfg.tracking.enabled = False
+    what_if = ("--cluster", "910b", "--nodes", "8")
+    args = plan_args("--hidden", "8192", "--layers", "80", "--heads", "64", *what_if)
+    model = read_json(run_stage("plan", cfg, tmp_path / "a", args=args)["plan_json"])["model"]
+    published = shape_of(PRESETS["llama3-70b"]).num_params  # the llama3 rule rebuilds Llama-3-70B exactly
+    assert model.startswith(f"custom ({published / 1e9:.2f}B params, h 8192, L 80, heads 64/8 kv, ffn 28672, "
+                            f"vocab 128256; llama3 rule")
+    args = plan_args("--hidden", "5120", "--layers", "40", "--heads", "40", "--family", "llama2", *what_if)
+    model = read_json(run_stage("plan", cfg, tmp_path / "b", args=args)["plan_json"])["model"]
+    assert "heads 40/40 kv, ffn 13824, vocab 32000; llama2 rule" in model  # Llama-2-13B's published sizes
+    args = plan_args("--model", "llama3-70b", "--layers", "40", *what_if)
+    model = read_json(run_stage("plan", cfg, tmp_path / "c", args=args)["plan_json"])["model"]
+    assert model.startswith("custom (") and "L 40" in model and model.endswith("; from llama3-70b)")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (("--hidden", "8192", "--layers", "80"), "--heads: a custom architecture needs --hidden, --layers and --heads"),
+    (("--hidden", "896", "--layers", "24", "--heads", "14", "--family", "qwen2"),
+     "--ffn, --kv-heads: a custom qwen2 model needs them"),
+    (("--hidden", "896", "--layers", "24", "--heads", "14"), "--heads 14: the llama3 rule's 8 KV heads"),
+    (("--model", "llama3-8b", "--family", "llama2"), "--family: only for a custom architecture"),
+    (("--params", "13e9", "--device-memory-gb", "64"),
+     "--device-memory-gb 64 without --cluster would keep the cpu-laptop preset's other facts (0.1 TFLOP/s"),
+])
+def test_underspecified_what_ifs_are_refused_in_one_line(cfg, tmp_path, argv, needle):
+    cfg.tracking.enabled = False
+    with pytest.raises(StageError) as err:
+        run_stage("plan", cfg, tmp_path, args=plan_args(*argv))
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value)
+
+
+def test_llama_ffn_rule_gives_the_published_sizes():
+    from tasks.planner.families import llama_ffn
+
+    assert [llama_ffn(h, 256) for h in (4096, 5120)] == [11008, 13824]              # Llama-2-7B, 13B
+    assert [llama_ffn(h, 1024, 1.3) for h in (4096, 8192)] == [14336, 28672]        # Llama-3-8B, 70B
+    assert llama_ffn(16384, 4096, 1.2) == 53248                                    # Llama-3.1-405B's own params
+
+
+def test_device_memory_on_the_configs_own_explicit_cluster_is_a_what_if(tmp_path):
+    from tasks.config import load_config
+
+    c = load_config(sets=["hardware.cluster=cpu-laptop", "tracking.enabled=false"])
+    result = run_stage("plan", c, tmp_path, args=plan_args("--device-memory-gb", "16"))
+    assert read_json(result["plan_json"])["cluster"]["memory_gb"] == 16
 
 
 def test_infeasible_plan_fails_with_the_reason_and_keeps_the_table(cfg, tmp_path):
     cfg.tracking.enabled = False
-    args = plan_args("--params", "13e9", "--nodes", "1", "--devices-per-node", "1", "--device-memory-gb", "64")
-    with pytest.raises(StageError, match=r"needs 208\.0 GB > 64 GB") as err:
+    args = plan_args("--params", "13e9", "--cluster", "910b", "--nodes", "1", "--devices-per-node", "1",
+                     "--device-memory-gb", "64")
+    with pytest.raises(StageError, match=r"needs 213\.0 GB > 64 GB") as err:  # 208 GB of states + 5 GB CANN
         run_stage("plan", cfg, tmp_path, args=args)
     assert "\n" not in str(err.value)
     saved = read_json(tmp_path / "plan" / "plan.json")
-    assert saved["plans"] == [] and saved["rejected"][0]["total_bytes"] == 208e9
+    assert saved["plans"] == [] and saved["rejected"][0]["total_bytes"] == 208e9 + 5e9
 
 
 def test_cli_13b_on_one_card_subprocess(tmp_path):
     cmd = [sys.executable, "-m", "tasks", "plan", "--no-tracking", "--run-dir", str(tmp_path), "--params", "13e9",
-           "--nodes", "1", "--devices-per-node", "1", "--device-memory-gb", "64", "--json"]
+           "--cluster", "910b", "--nodes", "1", "--devices-per-node", "1", "--device-memory-gb", "64", "--json"]
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
-    assert "no feasible plan for 13.00B params" in proc.stderr and "needs 208.0 GB > 64 GB" in proc.stderr
+    assert "no feasible plan for 13.00B params" in proc.stderr and "needs 213.0 GB > 64 GB" in proc.stderr
 
 
 def test_cli_70b_json(tmp_path, capsys):

@@ -129,3 +129,35 @@ def test_fused_attention_and_the_projects_selective_policy_by_hand():
     assert layer_activation_bytes(**kw, recompute="selective") == pytest.approx(sbh * (6 + 2 * 9.5 + 1 / 32))
     assert layer_activation_bytes(**kw, recompute="selective", t=4, sp=True) == pytest.approx(
         sbh * (4 + 2 / 4 + (19 + 1 / 32) / 4))
+    # No recompute under torch SP: the all-gathered QKV and MLP inputs (2 × 2 B) stay whole; the rest is sharded.
+    assert layer_activation_bytes(**kw, t=4, sp=True) == pytest.approx(sbh * (4 + (6 + 8 + 28 + 1 / 32) / 4))
+
+
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("model, cluster, nodes, seq", [("llama3-70b", "910b", 8, 4096), ("qwen2-7b", "h100-80g", 2, 8192),
+                                                        ("demo", "910b", 8, 512), ("llama-13b", "910c", 1, 2048)])
+def test_recompute_never_increases_the_activation_estimate(model, cluster, nodes, seq, flash):
+    """Property over the planner's whole search space: for every runnable layout (dp, tp, pp, SP, schedule,
+    micro-batch, ZeRO), selective and full recompute keep no more activation bytes than none. (Before the fix the
+    tp 8 rows of a 70B plan had selective 14 % above none: the none count sharded the all-gathered matmul inputs
+    under SP, and full recompute counted the recomputed layer's input twice.)"""
+    from dataclasses import replace
+
+    from tasks.model.config import get_preset
+    from tasks.planner.cluster import get_cluster
+    from tasks.planner.memory import shape_of
+    from tasks.planner.search import Problem, candidates
+
+    sh = shape_of(get_preset(model))
+    pb = Problem(cluster=get_cluster(cluster, nodes=nodes), shape=sh, n_params=sh.num_params, seq_len=seq,
+                 global_batch=512, recompute=["none"], flash_attention=flash)
+    checked = 0
+    for _, why, lay in candidates(pb):
+        if lay is None:
+            continue
+        none = estimate(sh, seq, lay)["activations_bytes"]
+        for rc in ("selective", "full"):
+            got = estimate(sh, seq, replace(lay, recompute=rc))["activations_bytes"]
+            assert got <= none * (1 + 1e-12), f"{rc} {got / none:.3f}× none for {lay}"
+        checked += 1
+    assert checked > 50

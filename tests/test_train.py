@@ -35,7 +35,7 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 
     monkeypatch.delenv("LLM_PIPELINE_FAULT")
     result = run_stage("train", c, run_dir, args=args)  # what Airflow's retry does
-    assert_same_curve(losses(run_dir), reference_losses(c, shards, 2, 6), "killed at 4, resumed from 2",
+    assert_same_curve(losses(run_dir), reference_losses(c, shards, 6), "killed at 4, resumed from 2",
                       steps=range(1, 7))
     assert result["summary"].startswith("6 steps, loss ") and result["summary"].endswith("dp2")
     assert (run_dir / "hf" / "config.json").is_file() and result["checkpoint"].endswith("step-6")
@@ -81,7 +81,7 @@ def test_two_torchrun_agents_with_nnodes_2_train_together(cfg, tmp_path, shards)
     assert not errors, errors
     assert set(results) == {0, 1} and results[0]["layout"] == "dp2"
     assert results[1]["summary"] == "node 1: trained dp2"
-    ref = reference_losses(configure(cfg, **sets), shards, 2, 3)
+    ref = reference_losses(configure(cfg, **sets), shards, 3)
     assert_same_curve(losses(tmp_path / "run"), ref, "2 nodes × 1 process", steps=range(1, 4))
     assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} >= {"rank-0.log", "rank-1.log",
                                                                        "torchrun-node0.log", "torchrun-node1.log"}
@@ -194,3 +194,18 @@ def test_unpinned_degrees_come_from_the_plan(cfg):
     assert (resolve(c, None, 4).dp, resolve(c, None, 4).tp) == (4, 1)  # no plan: all ranks data-parallel
     c.parallel.tp = 2  # a pinned degree wins over the plan's
     assert resolve(c, {"parallel": {"dp": 4, "tp": 1, "pp": 1}}, 4).tp == 2
+
+
+def test_cpu_world_size_comes_from_the_layout_unless_nproc_is_pinned(cfg):
+    from tasks.train import _world
+
+    plan = {"parallel": {"dp": 2, "tp": 2, "pp": 1}}
+    c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
+    assert _world(c, None)[1:] == (1, 1)                       # pinned dp1: one rank, not 2
+    c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
+    assert _world(c, plan)[1:] == (4, 4) and _world(c, None)[1:] == (2, 2)  # the plan's 2×2; no plan: 2
+    c = configure(cfg, **{"hardware.nproc_per_node": 0, "hardware.nnodes": 2, "parallel.dp": 4, "parallel.tp": 1,
+                          "parallel.pp": 1})
+    assert _world(c, None)[1:] == (2, 4)                       # 4 ranks over 2 nodes
+    c = configure(cfg, **{"hardware.nproc_per_node": 2, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
+    assert _world(c, None)[1:] == (2, 2)                       # pinned: kept, and the check explains

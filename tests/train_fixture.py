@@ -66,11 +66,9 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
-def reference_losses(cfg, shards: Path, dp_world: int, steps: int) -> dict[int, float]:
-    """One process, one plain model, the same global batch per step: the concatenation of what the dp ranks'
-    loaders yield (the loader splits the data by dp rank, so this is the batch a dp run trains on)."""
-    import torch
-
+def reference_losses(cfg, shards: Path, steps: int) -> dict[int, float]:
+    """One process, one plain model, one loader of the whole global batch: the curve every layout must reproduce
+    (the loader's global sample order gives every dp degree the same samples per step)."""
     from data_prep.loader import ShardLoader
     from data_prep.manifest import load_manifest
     from tasks.model import build_model, from_pipeline, lm_loss, materialize
@@ -80,12 +78,11 @@ def reference_losses(cfg, shards: Path, dp_world: int, steps: int) -> dict[int, 
     tcfg = from_pipeline(cfg, vocab_size=load_manifest(shards)["vocab_size"])
     model = materialize(build_model(tcfg, "meta"), "cpu", t.seed)
     [(opt, sched)] = build_optimizers([model], t)
-    streams = [ShardLoader(shards, "train", batch_size=t.global_batch // dp_world, dp_rank=r, dp_world=dp_world,
-                           num_workers=0, seed=t.seed).batches() for r in range(dp_world)]
+    stream = ShardLoader(shards, "train", batch_size=t.global_batch, num_workers=0, seed=t.seed).batches()
     out = {}
     for step in range(1, steps + 1):
-        xs, ys = zip(*(next(s) for s in streams))
-        loss = lm_loss(model(torch.cat(xs)), torch.cat(ys))
+        x, y = next(stream)
+        loss = lm_loss(model(x), y)
         loss.backward()
         grad_norm_and_clip(list(model.parameters()), t.grad_clip)
         opt.step()

@@ -4,8 +4,8 @@ A checkpoint counts only once complete: every rank writes into `step-N.tmp/`, al
 rank 0 writes `meta.json` and renames the directory to `step-N` — a crash at any point leaves only a `.tmp`
 directory that is ignored and removed later. Model and optimizer tensors are saved by parameter name (DCP), so a
 checkpoint loads into any other dp/tp/pp layout (reshard on load). Per-rank state that has no name-based form —
-the loader position (per dp rank) and the RNG state (per rank) — sits beside it and is restored when the layout
-allows. For multi-node runs the directory must be on a filesystem every node sees.
+the loader position (global: any layout resumes it) and the RNG state (per rank, restored when the world size
+is the same) — sits beside it. For multi-node runs the directory must be on a filesystem every node sees.
 """
 from __future__ import annotations
 
@@ -116,10 +116,13 @@ class CheckpointManager:
             set_optimizer_state_dict(part, opt, state["optim"], options=opts)
             sched.load_state_dict(meta["lr_scheduler"])
         notes = []
-        if meta["dp"] == self.dp:
-            loader.load_state_dict(torch.load(path / f"loader-dp{self.coords['dp']}.pt", weights_only=False))
-        else:
-            notes.append(f"data-parallel degree changed ({meta['dp']} → {self.dp}): the data stream restarts")
+        # The loader position is global (the same on every dp rank, valid for any layout): dp rank 0's file.
+        from data_prep.errors import DataPrepError
+
+        try:
+            loader.load_state_dict(torch.load(path / "loader-dp0.pt", weights_only=False))
+        except DataPrepError as e:  # e.g. a per-rank position from an older checkpoint: the weights still resume
+            notes.append(str(e))
         rng = path / f"rng-rank{self.rank}.pt"
         if meta["world"] == self.world and rng.is_file():
             _set_rng_state(torch.load(rng, weights_only=False))

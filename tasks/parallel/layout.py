@@ -62,6 +62,15 @@ def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
     return lay
 
 
+def known_world(cfg, plan_result: dict | None) -> int | None:
+    """dp × tp × pp as resolve() will set them when the data-parallel degree is pinned or planned (tp and pp
+    default to 1); None when dp would fill whatever world there is."""
+    par = cfg.parallel
+    chosen = (plan_result or {}).get("parallel") or {} if 0 in (par.dp, par.tp, par.pp) else {}
+    dp, tp, pp = (getattr(par, k) or int(chosen.get(k) or 0) for k in ("dp", "tp", "pp"))
+    return dp * (tp or 1) * (pp or 1) if dp else None
+
+
 def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[str]:
     problems = []
     if lay.world != world:

@@ -90,10 +90,14 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2 / §4.1).
 
     `flash`: a fused attention kernel (FlashAttention; torch SDPA on CUDA/CPU, npu_fusion_attention on Ascend) keeps
-    no s×s scores, only a fp32 log-sum-exp per head and position — the 5as/h term becomes 4a/h. "selective" then
-    means the project's op-level policy (tasks/parallel/ac.py, as torchtitan's): keep the block input and every
-    matmul and attention output, recompute the element-wise ops. Without `flash` it is the paper's: recompute the
-    attention core only.
+    no s×s scores, only a fp32 log-sum-exp per head and position — the 5as/h term becomes 4a/h — and the count is
+    the project's own implementation (torch DTensor TP, tasks/parallel/tp.py and ac.py): "selective" keeps the block
+    input and every matmul and attention output and recomputes the element-wise ops (as torchtitan's op-level
+    policy); under sequence parallelism the QKV and MLP matmul inputs are the all-gathered full-sequence tensors,
+    which autograd keeps whole (Megatron, whose SP the paper counts, keeps them sharded and all-gathers them again in
+    backward: sbh·2/t instead of sbh·2). Without `flash` it is the paper's: "selective" recomputes the attention
+    core only. Either way recompute never keeps more than "none" (tests/test_planner_memory.py checks this over the
+    planner's whole search space).
     """
     A, sp = act_bytes, sp and t > 1
     if recompute == "full":  # only the layer input is kept; under SP it is sharded along the sequence
@@ -114,6 +118,8 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool 
     replicated = 4 * A + 2
     # Split by TP: Q, K, V and the output-projection input, plus the ffn-wide MLP tensors.
     split = 4 * A + (4 if gated else 2) * A * ffn / h
+    if sp and flash:  # torch SP: the all-gathered QKV and MLP inputs are kept whole (see the docstring)
+        return s * b * h * (2 * A + (replicated - 2 * A + split + core) / t)
     per_sbh = (replicated + split + core) / t if sp else replicated + (split + core) / t
     return s * b * h * per_sbh
 
@@ -170,8 +176,10 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
     per_layer = layer_activation_bytes(s, b, h, shape.heads, t, lay.sp, lay.recompute, shape.ffn, shape.gated, A,
                                        lay.flash, shape.kv_heads)
     act = per_layer * layers * flight
-    if lay.recompute == "full":  # backward of one layer re-creates all of that layer's activations
-        act += layer_activation_bytes(s, b, h, shape.heads, t, lay.sp, "none", shape.ffn, shape.gated, A, lay.flash)
+    if lay.recompute == "full":  # backward of one layer re-creates all of that layer's activations; its kept input
+        # is one of them (the attention norm's input), so it is not counted twice
+        act += layer_activation_bytes(s, b, h, shape.heads, t, lay.sp, "none", shape.ffn, shape.gated, A, lay.flash,
+                                      shape.kv_heads) - per_layer
     sp = lay.sp and t > 1
     if first:  # Korthikanti §4.3: int64 input ids (8sb) and the embedding dropout mask (sbh, split under SP)
         act += (8 * s * b + s * b * h / (t if sp else 1)) * flight
