@@ -97,3 +97,74 @@ def test_failed_dag_run_ends_its_parent_run_failed(tmp_path, airflow_db):
     parent = client.get_run(parents[0].info.run_id)
     assert parent.info.status == "FAILED" and parent.data.tags["pipeline.outcome"] == "failed"
     assert parent.info.end_time is not None and "pipeline.duration_s" in parent.data.metrics
+
+
+# ---- 3. Bounded waits ----------------------------------------------------------------------------------------------
+
+def test_train_bound_from_steps_planner_estimate_and_margin(cfg, tmp_path):
+    from tasks.bounds import GRACE_S, stage_timeout, task_timeout_s
+
+    cfg.train.steps, cfg.timeouts.train_margin, cfg.timeouts.train_overhead_s = 300, 4.0, 100
+    (tmp_path / "plan.json").write_text(json.dumps({"best": {"step_s": 0.5}}))
+    seconds, how = stage_timeout("train", cfg, tmp_path)
+    assert seconds == 300 * 0.5 * 4 + 100 and "planner" in how and "timeouts.train_margin" in how
+    assert task_timeout_s("train", cfg, tmp_path) == seconds + GRACE_S
+    cfg.timeouts.train_s = 77  # overridable
+    assert stage_timeout("train", cfg, tmp_path) == (77, "timeouts.train_s")
+    cfg.timeouts.train_s = 0
+    assert "no planner estimate" in stage_timeout("train", cfg, tmp_path / "no-plan")[1]
+    cfg.timeouts.smoke_s = 33
+    assert stage_timeout("smoke", cfg) == (33, "timeouts.smoke_s")
+    cfg.hardware.launcher = "kubernetes"  # a Job may first wait to be scheduled
+    assert task_timeout_s("smoke", cfg) == 33 + GRACE_S + cfg.timeouts.k8s_pending_s
+
+
+def test_every_task_has_an_execution_timeout_set_again_from_the_runs_config(tmp_path, monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tasks.bounds import task_timeout_s
+    from tasks.config import load_config
+    from tasks.runner import default_run_dir
+    from tasks.stages import STAGES
+
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags["llm_pipeline"]
+    for stage in STAGES:
+        assert dag.get_task(stage).execution_timeout.total_seconds() == task_timeout_s(stage, load_config())
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path))
+    run_dir = default_run_dir("llm_pipeline", "manual__1")
+    run_dir.mkdir(parents=True)
+    (run_dir / "plan.json").write_text(json.dumps({"best": {"step_s": 2.0}}))
+    task = dag.get_task("train")
+    params = {name: dag.params[name] for name in dag.params}
+    # The task's pre_execute hook, as Airflow's task runner calls it before it reads execution_timeout.
+    task._pre_execute_hook({"task": task, "dag": dag, "run_id": "manual__1",
+                                        "params": {**params, "preset": "ci-tiny", "steps": 50}})
+    tiny = load_config("ci-tiny")
+    expect = 50 * 2.0 * tiny.timeouts.train_margin + tiny.timeouts.train_overhead_s
+    assert task.execution_timeout.total_seconds() == int(expect) + 120
+
+
+def test_torchrun_past_its_bound_is_killed_with_every_rank_and_the_cause(tmp_path):
+    """A hung torchrun job (ranks that never return) ends at the bound: agent and ranks killed, one-line cause."""
+    from tasks.bounds import run_bounded
+    from tasks.errors import StageError
+
+    script = tmp_path / "hang.py"
+    script.write_text("import os, pathlib, time\n"
+                      f"pathlib.Path(r'{tmp_path}', 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+                      "time.sleep(600)\n")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    started = time.monotonic()
+    with pytest.raises(StageError) as err:
+        run_bounded(argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "torchrun.log", timeout_s=20,
+                    what="torchrun", how="timeouts.train_s")
+    assert time.monotonic() - started < 60
+    msg = str(err.value)
+    assert "torchrun did not finish within 20 s (timeouts.train_s)" in msg and "torchrun.log" in msg
+    assert "\n" not in msg
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2) if (tmp_path / f"pid{r}").exists()]
+    assert pids, "the ranks never started within the bound"
+    time.sleep(0.5)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
