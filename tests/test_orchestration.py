@@ -64,31 +64,6 @@ def test_form_json_explicit_values_win_even_when_equal_to_a_preset_default(pipel
 
 
 @pytest.mark.slow
-def test_conf_value_equal_to_another_presets_default_is_used_and_parent_run_ends(tmp_path, airflow_db):
-    """`airflow dags test llm_data --conf` with ci-tiny and seq_len 128 (demo-cpu's default): the shard set has
-    seq_len 128; the DAG run's MLflow parent run ends FINISHED with its duration and the shard set as its input."""
-    from tasks.config import load_config
-
-    assert load_config("demo-cpu").data.seq_len == 128 != load_config("ci-tiny").data.seq_len
-    out = dags_test("llm_data", {"preset": "ci-tiny", "seq_len": 128}, tmp_path)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    run_dir = next((tmp_path / "var" / "runs" / "llm_data").iterdir())
-    shard = json.loads((run_dir / "shard.json").read_text())
-    manifest = json.loads(Path(shard["manifest"]).read_text())
-    assert shard["seq_len"] == manifest["seq_len"] == 128
-
-    client, parents = parent_runs(tmp_path, "llm_data")
-    assert len(parents) == 1
-    parent = client.get_run(parents[0].info.run_id)
-    assert parent.info.status == "FINISHED" and parent.info.end_time >= parent.info.start_time
-    assert parent.data.tags["pipeline.outcome"] == "success"
-    assert 0 < parent.data.metrics["pipeline.duration_s"] < 600
-    inputs = parent.inputs.dataset_inputs
-    assert [d.dataset.digest for d in inputs] == [shard["manifest_digest"][:32]]
-    assert {t.key: t.value for t in inputs[0].tags}["manifest_sha256"] == shard["manifest_digest"]
-
-
-@pytest.mark.slow
 def test_failed_dag_run_ends_its_parent_run_failed(tmp_path, airflow_db):
     out = dags_test("llm_data", {"preset": "ci-tiny", "data_inputs": [str(tmp_path / "no-such-corpus")]}, tmp_path)
     assert "no-such-corpus" in out.stdout + out.stderr
@@ -168,3 +143,89 @@ def test_torchrun_past_its_bound_is_killed_with_every_rank_and_the_cause(tmp_pat
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# ---- 4. Retraining on the published data ---------------------------------------------------------------------------
+
+def airflow_cli(args: str, tmp_path: Path, extra_env: dict, timeout: int = 600):
+    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}", **extra_env}
+    return subprocess.run(["bash", "-c", f"source scripts/airflow-env.sh && airflow {args}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path, airflow_db):
+    """`airflow dags test llm_data --conf` with ci-tiny and seq_len 128 (demo-cpu's default: the explicit value
+    wins) publishes a shard set the pipeline's own Params (ci-tiny, seq_len 64) would never shard; llm_data's
+    parent run ends FINISHED with its duration and the set as its input. The scheduler's own code turns the asset
+    event into an llm_pipeline run; its shard task adopts that set (digest equal, nothing re-sharded), train trains
+    on it, and the run's MLflow parent run records the event."""
+    from tasks.config import load_config
+    from airflow.jobs.job import Job
+    from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
+    from airflow.models.dag import DagModel
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from airflow.utils.types import DagRunType
+    from sqlalchemy import select
+
+    env = {"LLM_PIPELINE_PRESET": "ci-tiny"}  # the asset-triggered run takes the DAG's default Params
+    # Airflow queues asset-triggered runs only for unpaused DAGs (the DAG processor's job: reserialize here).
+    out = airflow_cli("dags reserialize && airflow dags unpause llm_pipeline", tmp_path, env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    try:
+        out = dags_test("llm_data", {"preset": "ci-tiny", "seq_len": 128}, tmp_path, env)
+    finally:
+        airflow_cli("dags pause llm_pipeline", tmp_path, env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    published = json.loads((next((tmp_path / "var" / "runs" / "llm_data").iterdir()) / "shard.json").read_text())
+    assert load_config("demo-cpu").data.seq_len == 128 != load_config("ci-tiny").data.seq_len
+    assert not published["cache_hit"] and published["seq_len"] == 128
+    assert json.loads(Path(published["manifest"]).read_text())["seq_len"] == 128
+
+    client, parents = parent_runs(tmp_path, "llm_data")  # 6: the data run's parent run ended with its outcome
+    assert len(parents) == 1
+    parent = client.get_run(parents[0].info.run_id)
+    assert parent.info.status == "FINISHED" and parent.info.end_time >= parent.info.start_time
+    assert parent.data.tags["pipeline.outcome"] == "success"
+    assert 0 < parent.data.metrics["pipeline.duration_s"] < 900
+    inputs = parent.inputs.dataset_inputs
+    assert [d.dataset.digest for d in inputs] == [published["manifest_digest"][:32]]
+    assert {t.key: t.value for t in inputs[0].tags}["manifest_sha256"] == published["manifest_digest"]
+
+    with create_session() as session:  # what the scheduler loop does for asset-scheduled DAGs
+        before = set(session.scalars(select(DagRun.run_id).where(DagRun.dag_id == "llm_pipeline")))
+        SchedulerJobRunner(job=Job())._create_dag_runs_asset_triggered(
+            dag_models=[session.get(DagModel, "llm_pipeline")], session=session)
+        session.commit()
+        run = session.scalars(select(DagRun).where(DagRun.dag_id == "llm_pipeline",
+                                                   DagRun.run_type == DagRunType.ASSET_TRIGGERED)).all()
+        run = [r for r in run if r.run_id not in before]
+        assert len(run) == 1
+        run_id = run[0].run_id
+        assert published["asset_uri"] in [e.asset.uri for e in run[0].consumed_asset_events]
+
+    for task in ("shard", "train"):
+        out = airflow_cli(f"tasks test llm_pipeline {task} '{run_id}'", tmp_path, env)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    from tasks.runner import safe_name
+
+    run_dir = tmp_path / "var" / "runs" / "llm_pipeline" / safe_name(run_id)
+    shard = json.loads((run_dir / "shard.json").read_text())
+    assert shard["published"] and shard["shard_dir"] == published["shard_dir"]
+    assert shard["manifest_digest"] == published["manifest_digest"]
+    assert len(list((tmp_path / "var" / "data").iterdir())) == 1  # nothing re-sharded
+    launch = json.loads((run_dir / "train" / "launch.json").read_text())
+    assert launch["shard_dir"] == published["shard_dir"] and launch["config"]["data"]["seq_len"] == 128
+    train = json.loads((run_dir / "train.json").read_text())
+    assert train["status"] == "ok" and train["steps"] == 6
+
+    client, parents = parent_runs(tmp_path, "llm_pipeline")
+    tags = parents[0].data.tags
+    assert tags["trigger.kind"] == "asset" and tags["trigger.asset_uri"] == published["asset_uri"]
+    assert tags["trigger.manifest_digest"] == published["manifest_digest"]
+    assert tags["trigger.source_dag_id"] == "llm_data"
+    local = client.download_artifacts(parents[0].info.run_id, "trigger/asset_event.json", str(tmp_path))
+    event = json.loads(Path(local).read_text())
+    assert event["extra"]["manifest_digest"] == published["manifest_digest"]
