@@ -10,7 +10,7 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
-from tasks.pipeline import param_schemas
+from tasks.pipeline import end_parent_run, param_schemas
 
 SHARD_SET = AssetAlias("llm-shard-set")
 DATA_PARAMS = ("preset", "data_inputs", "max_documents", "vocab_size", "seq_len")
@@ -25,6 +25,8 @@ DATA_PARAMS = ("preset", "data_inputs", "max_documents", "vocab_size", "seq_len"
     doc_md=__doc__,
     tags=["llm", "data"],
     params={n: Param(**s) for n, s in param_schemas().items() if n in DATA_PARAMS},
+    on_success_callback=end_parent_run(success=True),   # the MLflow parent run ends with the DAG run's outcome
+    on_failure_callback=end_parent_run(success=False),
 )
 def llm_data():
     @task(task_id="shard", outlets=[SHARD_SET], doc_md="Shard the corpus; publish the shard set when it is new.")

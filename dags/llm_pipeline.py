@@ -15,7 +15,7 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
 
-from tasks.pipeline import param_schemas  # light: config schema only (no torch, no mlflow)
+from tasks.pipeline import end_parent_run, param_schemas  # light: no torch, no mlflow
 from tasks.stages import STAGES
 
 SHARD_SET = AssetAlias("llm-shard-set")  # the llm_data DAG attaches each newly published shard set to it
@@ -40,26 +40,60 @@ DOCS = {
 }
 
 
+def triggering_shard_sets(ctx) -> list[dict]:
+    """The `llm-shard-set` asset events that triggered this run, as plain dicts (none for a manual/cron run)."""
+    try:
+        events = ctx.get("triggering_asset_events") or {}
+        found = events[SHARD_SET] if events else []
+    except KeyError:
+        return []
+    return [{"uri": e.asset.uri, "name": e.asset.name, "extra": dict(e.extra or {}), "source_dag_id": e.source_dag_id,
+             "source_run_id": e.source_run_id, "source_task_id": e.source_task_id,
+             "timestamp": e.timestamp.isoformat() if e.timestamp else None} for e in found]
+
+
 def run_stage_task(stage: str) -> dict:
-    """Body of every stage task: Params → config → tasks.pipeline (imports stay inside: parse time stays light)."""
+    """Body of every stage task: Params → config → the stage on its launcher (imports stay inside: parse time
+    stays light). hardware.launcher=kubernetes runs the device stages as Jobs on the training nodes."""
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.errors import StageError
-    from tasks.pipeline import config_for_params, run_for_dag_run
+    from tasks.launcher import runs_on_kubernetes
+    from tasks.pipeline import config_for_run, published_shard_set, run_for_dag_run
+    from tasks.runner import default_run_dir
 
     ctx = get_current_context()
     params, dag_id, run_id, try_number = dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], ctx["ti"].try_number
+    published = published_shard_set(triggering_shard_sets(ctx)) if stage == "shard" else None
     try:
-        if stage == "train" and config_for_params(params).hardware.launcher == "kubernetes":
-            from k8s_launch import run_train_job  # dags/k8s_launch.py: imports the cncf provider itself
+        cfg = config_for_run(params, default_run_dir(dag_id, run_id))
+        if runs_on_kubernetes(stage, cfg):
+            from k8s_launch import run_stage_job  # dags/k8s_launch.py: imports the cncf provider itself
 
-            return run_train_job(config_for_params(params), dag_id, run_id, try_number)
-        return run_for_dag_run(stage, params, dag_id, run_id, try_number)
+            return run_stage_job(stage, cfg, dag_id, run_id, try_number)
+        return run_for_dag_run(stage, params, dag_id, run_id, try_number, published=published)
     except StageError as e:
         if e.retryable:
             raise  # e.g. a rank died: Airflow's retry resumes training from the last checkpoint
         raise AirflowFailException(str(e)) from None  # bad input: retrying cannot help
+
+
+def bound_from_run_config(context) -> None:
+    """pre_execute: the task's execution_timeout from this run's own config (Params; train: steps × the planner's
+    step estimate × margin), replacing the parse-time bound of the default preset (tasks/bounds.py)."""
+    from tasks.bounds import task_timeout_s
+    from tasks.errors import StageError
+    from tasks.pipeline import config_for_run
+    from tasks.runner import default_run_dir
+
+    task = context["task"]
+    run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
+    try:
+        cfg = config_for_run(dict(context["params"]), run_dir)
+    except StageError:
+        return  # the stage itself refuses the config, in one line; the parse-time bound stays
+    task.execution_timeout = pendulum.duration(seconds=task_timeout_s(task.task_id, cfg, run_dir))
 
 
 def notify_failure(context) -> None:
@@ -75,13 +109,19 @@ RETRIES = {"train": dict(retries=2, retry_delay=pendulum.duration(seconds=15))}
 
 
 def stage_task(stage_id: str):
-    """One TaskFlow task per stage, all with the same body; its return value (ids and paths) is the XCom."""
+    """One TaskFlow task per stage, all with the same body; its return value (ids and paths) is the XCom.
+
+    execution_timeout: the default preset's bound at parse time, set again from the run's config at task start."""
+    from tasks.bounds import task_timeout_s
+    from tasks.config import load_config
+
     def body() -> dict:
         return run_stage_task(stage_id)
 
     body.__name__ = stage_id
     return task(task_id=stage_id, doc_md=DOCS[stage_id], on_failure_callback=notify_failure,
-                **RETRIES.get(stage_id, {}))(body)
+                execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, load_config())),
+                pre_execute=bound_from_run_config, **RETRIES.get(stage_id, {}))(body)
 
 
 @dag(
@@ -94,6 +134,8 @@ def stage_task(stage_id: str):
     tags=["llm", "ascend", "training"],
     params={name: Param(**schema) for name, schema in param_schemas().items()},
     default_args={"retries": 0},
+    on_success_callback=end_parent_run(success=True),   # the MLflow parent run ends with the DAG run's outcome
+    on_failure_callback=end_parent_run(success=False),
 )
 def llm_pipeline():
     @task(task_id="summary", trigger_rule="all_done", doc_md="The one-screen summary of the run (all stages).")

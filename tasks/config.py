@@ -55,6 +55,7 @@ class HardwareConfig:
     launcher: str = "local"               # local | kubernetes
     k8s_namespace: str = "llm"
     k8s_image: str = ""                   # the training image (docker/Dockerfile.ascend); required for kubernetes
+    k8s_scheduler: str = "default"        # default | volcano (gang-schedules multi-pod stages: PodGroup minMember)
 
 
 @dataclass
@@ -195,6 +196,24 @@ class TrackingConfig:
 
 
 @dataclass
+class TimeoutConfig:
+    """Bounds on every wait, in seconds (tasks/bounds.py): each DAG task's execution_timeout, the torchrun and
+    Kubernetes Job waits inside it, and the cross-node probe's rendezvous."""
+    env_s: int = 900
+    shard_s: int = 3600
+    smoke_s: int = 1800
+    plan_s: int = 600
+    train_s: int = 0                      # 0 = steps × the planner's step estimate × train_margin + train_overhead_s
+    train_margin: float = 4.0             # how much slower than the planner's estimate a step may be
+    train_overhead_s: int = 900           # start-up, rendezvous, checkpoints, HF export
+    profile_s: int = 1800
+    quantize_s: int = 3600
+    evaluate_s: int = 3600
+    rendezvous_s: int = 300               # the cross-node probe waits this long for every node to arrive
+    k8s_pending_s: int = 900              # a Job's pods may wait this long to be scheduled, on top of the stage's bound
+
+
+@dataclass
 class PipelineConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -207,6 +226,7 @@ class PipelineConfig:
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     preset: str = ""                      # which preset/file this came from (informational)
 
     def __post_init__(self):
@@ -229,6 +249,7 @@ SECTIONS = [f.name for f in dataclasses.fields(PipelineConfig) if f.name != "pre
 CHOICES = {
     "hardware.device": ["auto", "cpu", "cuda", "npu"],
     "hardware.launcher": ["local", "kubernetes"],
+    "hardware.k8s_scheduler": ["default", "volcano"],
     "data.on_decode_error": ["replace", "skip"],
     "data.token_dtype": ["auto", "uint16", "uint32"],
     "parallel.recompute": ["none", "selective", "full"],
@@ -266,6 +287,9 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "profile.active": (1, None), "profile.regression_threshold": (0.0, 10.0),
     "quantize.calibration_batches": (1, 100_000),
     "evaluate.max_drop_pct": (0.0, 100.0), "evaluate.eval_batches": (1, 100_000),
+    **{f"timeouts.{k}_s": (1, None) for k in ("env", "shard", "smoke", "plan", "profile", "quantize", "evaluate",
+                                             "rendezvous", "k8s_pending")},
+    "timeouts.train_s": (0, None), "timeouts.train_margin": (1.0, 1000.0), "timeouts.train_overhead_s": (0, None),
 }
 
 

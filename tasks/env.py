@@ -106,6 +106,17 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
         checks.append(check("allreduce", "warn", "collective probe skipped: an earlier check failed"))
         return
     nproc = cfg.hardware.nproc_per_node or (backend.device_count if backend.is_accelerator else 2)
+    if cfg.hardware.nnodes > 1:  # every node, through the rendezvous training will use (tasks/envcheck/crossnode.py)
+        from tasks.envcheck import crossnode
+
+        result = crossnode.run(backend.kind, nproc, cfg.hardware, probe_sizes(cfg), ctx.run_dir,
+                               rdzv_id=f"{ctx.run_dir.name}-env", join_timeout_s=cfg.timeouts.rendezvous_s,
+                               env_extra=device.launch_env(backend, cfg.hardware))
+        facts["probe"] = result
+        if "error" not in result:
+            checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
+        checks.extend(crossnode.judge(result, cfg.hardware))
+        return
     result = probe.run(backend.kind, nproc, probe_sizes(cfg),
                        ctx.run_dir / "env" / "probe.json", env_extra=device.launch_env(backend, cfg.hardware))
     facts["probe"] = result

@@ -60,8 +60,16 @@ LABELS = {  # readable labels for enum values in the trigger form
 _JSON_TYPE = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array"}
 
 
+FROM_PRESET = "from the preset"  # how an empty (null) field reads in the trigger form
+
+
 def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
-    """name → Param kwargs (default, type, title, description, section, enum/values_display, minimum/maximum)."""
+    """name → Param kwargs (default, type, title, description, section, enum/values_display, minimum/maximum).
+
+    Every field but the preset defaults to null, "from the preset": only what the user sets overrides the chosen
+    preset, and an explicit value always wins, even one equal to some preset's default. The description names the
+    default preset's value, so the form still tells what an empty field means.
+    """
     import json
     from pathlib import Path
 
@@ -78,12 +86,14 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
         sec, _, field = key.partition(".")
         typ = _section_types(type(getattr(cfg, sec)))[field]
         typ = typing.get_origin(typ) or typ
-        schema = dict(default=get(cfg, key), type=_JSON_TYPE[typ], title=title, description=desc, section=section)
+        preset_value = get(cfg, key)
+        shown = ", ".join(map(str, preset_value)) if isinstance(preset_value, list) else preset_value
+        schema = dict(default=None, type=[_JSON_TYPE[typ], "null"], title=title, section=section,
+                      description=f"{desc} Empty = {FROM_PRESET} ({cfg.preset or 'demo-cpu'}: {shown}).")
         if key in CHOICES:
-            schema["enum"] = CHOICES[key]
-            if key in LABELS:
-                schema["values_display"] = {json.dumps(k) if not isinstance(k, str) else k: v
-                                            for k, v in LABELS[key].items()}
+            schema["enum"] = [*CHOICES[key], None]
+            labels = {json.dumps(k) if not isinstance(k, str) else k: v for k, v in LABELS.get(key, {}).items()}
+            schema["values_display"] = {**labels, "null": FROM_PRESET}
         if key in RANGES:
             lo, hi = RANGES[key]
             if lo is not None:
@@ -99,14 +109,12 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
 def overrides_from_params(params: dict) -> tuple[str | None, dict]:
     """Split trigger Params into (preset, {config.key: value}); unknown names are ignored (Airflow adds its own).
 
-    The form shows the default preset's values; only fields the user changed override the chosen preset, so
-    picking another preset (e.g. ci-tiny) is not silently undone by the form's untouched defaults.
+    null (the form's empty field, or a key left out of `--conf`) means "the chosen preset's value"; any other value
+    is the user's and always wins, whatever the preset's default is.
     """
     keys = {name: key for name, key, *_ in PARAMS}
-    defaults = {name: s["default"] for name, s in param_schemas().items()}
     preset = params.get("preset")
-    overrides = {keys[n]: v for n, v in params.items()
-                 if keys.get(n) is not None and v is not None and v != defaults.get(n)}
+    overrides = {keys[n]: v for n, v in params.items() if keys.get(n) is not None and v is not None}
     return preset, overrides
 
 
@@ -115,14 +123,89 @@ def config_for_params(params: dict) -> PipelineConfig:
     return load_config(preset, overrides=overrides)
 
 
-def run_for_dag_run(stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1) -> dict:
-    """One Airflow task: config from Params, the DAG run's MLflow parent run, the stage in the run's directory."""
+def config_for_run(params: dict, run_dir) -> PipelineConfig:
+    """The run's config: Params, and for a run triggered by a published shard set, that set's own data shape
+    (seq_len, vocabulary: the shard stage recorded them), so every stage reads exactly what was published."""
+    from pathlib import Path
+
+    from tasks.fsutil import read_json
+
     cfg = config_for_params(params)
-    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
+    shard = Path(run_dir) / "shard.json"
+    result = read_json(shard) if shard.is_file() else {}
+    if result.get("published") and result.get("status") != "failed":
+        cfg.data.seq_len, cfg.data.vocab_size = result["seq_len"], result["vocab_size"]
+    return cfg
+
+
+def published_shard_set(events: list[dict]) -> dict | None:
+    """The newest shard set an `llm-shard-set` asset event names (events as plain dicts: uri, name, extra,
+    source_dag_id, source_run_id, timestamp); None when the run was not triggered by one."""
+    events = [e for e in events or () if (e.get("extra") or {}).get("manifest_digest")]
+    if not events:
+        return None
+    newest = max(events, key=lambda e: str(e.get("timestamp") or ""))
+    return {**newest, "manifest_digest": newest["extra"]["manifest_digest"]}
+
+
+def stage_args(stage: str, published: dict | None = None):
+    """The stage's flags at their defaults; the shard stage of an asset-triggered run adopts the published set."""
+    import argparse
+
+    from tasks.runner import default_args
+
+    args = default_args(stage)
+    if stage == "shard" and published:
+        from urllib.parse import unquote, urlparse
+
+        args = argparse.Namespace(**{**vars(args), "shard_dir": unquote(urlparse(published["uri"]).path),
+                                     "manifest_digest": published["manifest_digest"]})
+    return args
+
+
+def run_for_dag_run(stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1,
+                    published: dict | None = None) -> dict:
+    """One Airflow task: config from Params, the DAG run's MLflow parent run, the stage in the run's directory.
+
+    `published` (tasks.pipeline.published_shard_set) is the asset event that triggered the run: the shard stage
+    then adopts that exact shard set (manifest digest checked) instead of re-sharding, and the event is recorded on
+    the MLflow parent run."""
     run_dir = default_run_dir(dag_id, run_id)
-    result = run_stage(stage, cfg, run_dir, parent_run_id=parent)
+    cfg = config_for_run(params, run_dir)
+    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
+    if parent and published and stage == "shard":
+        tracking.record_asset_event(cfg, parent, published)
+    result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published), parent_run_id=parent)
     result["run_dir"] = str(run_dir)
     return result
+
+
+def finish_dag_run(params: dict, dag_id: str, run_id: str, success: bool, started_at=None, ended_at=None,
+                   reason: str = "") -> str | None:
+    """End the DAG run's MLflow parent run with the run's outcome, duration and shard set (DAG callbacks)."""
+    from tasks.fsutil import read_json
+
+    run_dir = default_run_dir(dag_id, run_id)
+    cfg = config_for_params(params)
+    if not cfg.tracking.enabled:
+        return None
+    shard = run_dir / "shard.json"
+    shard_result = read_json(shard) if shard.is_file() else {}
+    return tracking.finish_parent_run(cfg, dag_id, run_id, success, started_at=started_at, ended_at=ended_at,
+                                      reason=reason, shard_dir=shard_result.get("shard_dir"))
+
+
+def end_parent_run(success: bool):
+    """A DAG on_success/on_failure callback (Airflow passes the context dict) ending the run's MLflow parent run."""
+    def callback(context) -> None:
+        dag, dag_run = context["dag"], context.get("dag_run")
+        params = dict(context.get("params") or {}) or {**dag.params.dump(), **(getattr(dag_run, "conf", None) or {})}
+        finish_dag_run(params, dag.dag_id, context["run_id"], success,
+                       started_at=getattr(dag_run, "start_date", None), ended_at=getattr(dag_run, "end_date", None),
+                       reason=str(context.get("reason") or ""))
+
+    callback.__name__ = f"end_parent_run_{'success' if success else 'failure'}"
+    return callback
 
 
 def print_summary(params: dict, dag_id: str, run_id: str) -> str:

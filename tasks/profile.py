@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from tasks import runner, tracking
+from tasks.bounds import stage_timeout
 from tasks.config import PipelineConfig
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
@@ -81,7 +82,8 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
              ] if cfg.profile.use_msprof else []
     log_path = out_dir / "logs" / "torchrun.log"
     rc, log = train.launch(msprof_wrap(argv, out_dir / "msprof", msprof),
-                           train.launch_env(cfg, spec["backend"], spec["nproc"], None), log_path)
+                           train.launch_env(cfg, spec["backend"], spec["nproc"], None), log_path,
+                           timeout=stage_timeout("profile", cfg, ctx.run_dir))
     if rc != 0:
         if "unrecognized arguments: --profile-dir" in log:
             raise StageError("the training worker does not accept --profile-dir (tasks/parallel/worker.py must call "

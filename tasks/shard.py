@@ -6,8 +6,6 @@ the manifest digest) and returns the shard set's path and `asset_uri`, which the
 """
 from __future__ import annotations
 
-import warnings
-
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
 from tasks.errors import StageError
@@ -42,29 +40,61 @@ def shard_config(cfg: PipelineConfig):
                        tokenize_processes=d.tokenize_processes)
 
 
-def _log_dataset(result) -> None:
+def add_cli_args(parser) -> None:
+    from tasks.runner import add_shard_dir_arg
+
+    add_shard_dir_arg(parser, "to adopt as it is, instead of sharding (a published set, e.g. an asset event's)")
+    parser.add_argument("--manifest-digest", default=None, metavar="SHA256",
+                        help="with --shard-dir: the manifest.json sha256 the set must have (refused otherwise)")
+
+
+def _log_dataset(shard_dir, tags: dict | None = None) -> None:
     """The shard set as an MLflow dataset input: name = version, digest = manifest sha256 (MLflow keeps 36 chars)."""
     if not tracking.is_rank0() or tracking.active_run_id() is None:
         return
     import mlflow
-    import numpy as np
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.types.schema import Schema, TensorSpec
 
-    m = result.manifest
-    with warnings.catch_warnings():  # the local artifact source is registered twice ("file" and ""): same class
-        warnings.simplefilter("ignore")
-        source = resolve_dataset_source(result.shard_dir.as_uri())
-    schema = Schema([TensorSpec(np.dtype(m["dtype"]), (-1, m["sample_tokens"]), "tokens")])
-    dataset = MetaDataset(source=source, name=m["version"], digest=result.digest[:32], schema=schema)
-    mlflow.log_input(dataset, context="training", tags={"manifest_sha256": result.digest})
+    dataset, sha = tracking.shard_set_dataset(shard_dir)
+    mlflow.log_input(dataset, context="training", tags={"manifest_sha256": sha, **(tags or {})})
+
+
+def adopt(cfg: PipelineConfig, ctx) -> dict:
+    """Use a published shard set as it is: its manifest digest must equal the one given; nothing is rewritten."""
+    from data_prep.errors import DataPrepError
+    from data_prep.manifest import check_files, digest, load_manifest
+
+    shard_dir = repo_path(ctx.args.shard_dir)
+    want = getattr(ctx.args, "manifest_digest", None)
+    try:
+        m = load_manifest(shard_dir)
+        sha = digest(shard_dir)
+        for split in m["splits"]:
+            check_files(shard_dir, m, split)
+    except (DataPrepError, OSError) as e:
+        raise StageError(f"shard: published shard set {shard_dir} is unusable ({e}); re-run llm_data") from None
+    if want and sha != want:
+        raise StageError(f"shard: published shard set {shard_dir} changed since it was published (manifest "
+                         f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it again")
+    splits = m["splits"]
+    tracking.log_params({"shard.version": m["version"], "shard.manifest_sha256": sha, "shard.published": True})
+    tracking.log_artifact(shard_dir / "manifest.json", "shards")
+    _log_dataset(shard_dir, {"published": "true"})
+    n_shards = sum(len(v["shards"]) for v in splits.values())
+    return {"status": "ok", "warnings": m.get("warnings", []),
+            "summary": f"published set {m['version']} (sha256 {sha[:12]}…): {splits['train']['samples']} train + "
+                       f"{splits['val']['samples']} val sequences of {m['seq_len']}, not re-sharded",
+            "shard_dir": str(shard_dir), "manifest": str(shard_dir / "manifest.json"), "manifest_digest": sha,
+            "asset_uri": shard_dir.as_uri(), "version": m["version"], "cache_hit": True, "published": True,
+            "seq_len": m["seq_len"], "vocab_size": m["vocab_size"], "tokenizer": str(shard_dir / "tokenizer.json"),
+            "shards": n_shards, "train_samples": splits["train"]["samples"], "val_samples": splits["val"]["samples"]}
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.build import build_shard_set
     from data_prep.errors import DataPrepError
 
+    if getattr(ctx.args, "shard_dir", None):
+        return adopt(cfg, ctx)
     scfg = shard_config(cfg)
     try:
         result = build_shard_set(scfg)
@@ -85,7 +115,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     tracking.log_metrics(metrics)
     tracking.log_artifact(result.shard_dir / "manifest.json", "shards")
     tracking.log_artifact(result.shard_dir / "tokenizer.json", "shards")
-    _log_dataset(result)
+    _log_dataset(result.shard_dir)
     how = "cache hit" if result.cache_hit else f"{result.tokens_per_s:,.0f} tokens/s"
     summary = (f"{splits['train']['samples']} train + {splits['val']['samples']} val sequences of {m['seq_len']} "
                f"in {n_shards} shards, {result.tokens / 1e6:.2f}M tokens, vocab {m['vocab_size']} ({how})")

@@ -88,20 +88,92 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
                          f"MLFLOW_TRACKING_URI / tracking.uri") from None
 
 
-def parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 1) -> str:
-    """Get or create the parent run of one DAG run (idempotent: a retried task finds the same parent)."""
-    mlflow, client, exp_id = _configure(cfg)
+def _find_parent(client, exp_id: str, dag_id: str, run_id: str):
     found = client.search_runs([exp_id], filter_string=f"tags.`airflow.dag_id` = '{dag_id}' and "
                                f"tags.`airflow.run_id` = '{run_id}' and tags.`pipeline.kind` = 'parent'",
                                max_results=1)
+    return found[0] if found else None
+
+
+def parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 1) -> str:
+    """Get or create the parent run of one DAG run (idempotent: a retried task finds the same parent)."""
+    mlflow, client, exp_id = _configure(cfg)
+    found = _find_parent(client, exp_id, dag_id, run_id)
     if found:
-        return found[0].info.run_id
+        return found.info.run_id
     run = client.create_run(exp_id, run_name=f"{dag_id}/{run_id}", tags={
         "airflow.dag_id": dag_id, "airflow.run_id": run_id, "airflow.try_number": str(try_number),
         "pipeline.kind": "parent", "git.sha": git_sha(), "config.hash": cfg.digest(), "config.preset": cfg.preset,
     })
     client.log_text(run.info.run_id, json.dumps(cfg.to_dict(), indent=2), "config.json")
     return run.info.run_id
+
+
+def record_asset_event(cfg: PipelineConfig, parent_run_id: str, event: dict) -> None:
+    """The asset event that triggered this DAG run, on its parent run: tags to filter by, the event as JSON."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri(cfg))
+    tags = {"trigger.kind": "asset", "trigger.asset_uri": event.get("uri"), "trigger.asset_name": event.get("name"),
+            "trigger.manifest_digest": event.get("manifest_digest"), "trigger.source_dag_id": event.get("source_dag_id"),
+            "trigger.source_run_id": event.get("source_run_id"), "trigger.timestamp": event.get("timestamp")}
+    for key, value in tags.items():
+        if value:
+            client.set_tag(parent_run_id, key, str(value)[:5000])
+    client.log_text(parent_run_id, json.dumps(event, indent=2, sort_keys=True, default=str), "trigger/asset_event.json")
+
+
+def shard_set_dataset(shard_dir: str | os.PathLike):
+    """(MLflow dataset, manifest sha256) for a shard set: name = version, digest = manifest sha256 (MLflow keeps
+    36 characters), source = the shard directory."""
+    import warnings
+
+    import numpy as np
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types.schema import Schema, TensorSpec
+
+    from data_prep.manifest import digest, load_manifest
+
+    shard_dir = Path(shard_dir)
+    m, sha = load_manifest(shard_dir), digest(shard_dir)
+    with warnings.catch_warnings():  # the local artifact source is registered twice ("file" and ""): same class
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(shard_dir.as_uri())
+    schema = Schema([TensorSpec(np.dtype(m["dtype"]), (-1, m["sample_tokens"]), "tokens")])
+    return MetaDataset(source=source, name=m["version"], digest=sha[:32], schema=schema), sha
+
+
+def finish_parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, success: bool, started_at=None,
+                      ended_at=None, reason: str = "", shard_dir: str | None = None) -> str | None:
+    """End a DAG run's parent run: FINISHED or FAILED as the DAG run ended, its duration (metric
+    `pipeline.duration_s`, and the run's end time), and the shard set it used as the parent's dataset input."""
+    import datetime as dt
+
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    _, client, exp_id = _configure(cfg)
+    parent = _find_parent(client, exp_id, dag_id, run_id)
+    if parent is None:  # no stage reached MLflow (e.g. refused Params): nothing to end
+        return None
+    pid = parent.info.run_id
+    now = dt.datetime.now(dt.timezone.utc)
+    ended_at = ended_at or now
+    started = started_at.timestamp() if started_at else parent.info.start_time / 1000
+    duration = max(0.0, ended_at.timestamp() - started)
+    client.log_metric(pid, "pipeline.duration_s", round(duration, 3))
+    client.set_tag(pid, "pipeline.outcome", "success" if success else "failed")
+    if reason:
+        client.set_tag(pid, "pipeline.end_reason", str(reason)[:5000])
+    if shard_dir and (Path(shard_dir) / "manifest.json").is_file():
+        have = {d.dataset.digest for d in client.get_run(pid).inputs.dataset_inputs}
+        dataset, sha = shard_set_dataset(shard_dir)
+        if dataset.digest not in have:
+            client.log_inputs(pid, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[
+                InputTag(MLFLOW_DATASET_CONTEXT, "training"), InputTag("manifest_sha256", sha)])])
+    client.set_terminated(pid, status="FINISHED" if success else "FAILED", end_time=int(ended_at.timestamp() * 1000))
+    return pid
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -150,11 +149,13 @@ def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id
     return env
 
 
-def launch(argv: list[str], env: dict, log_path: Path) -> tuple[int, str]:
-    """Run torchrun to completion; its own output (rendezvous, failure report) goes to log_path."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        rc = subprocess.run(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+def launch(argv: list[str], env: dict, log_path: Path, timeout: tuple[int, str] | None = None) -> tuple[int, str]:
+    """Run torchrun to completion within `timeout` (seconds, how derived; tasks/bounds.py); its own output
+    (rendezvous, failure report) goes to log_path. On expiry the whole torchrun tree is killed, with the cause."""
+    from tasks.bounds import run_bounded
+
+    seconds, how = timeout or (None, "")
+    rc = run_bounded(argv, env=env, cwd=REPO_ROOT, log_path=log_path, timeout_s=seconds, what="torchrun", how=how)
     return rc, log_path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -181,8 +182,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     spec_path = atomic_write_json(train_dir / "launch.json", spec)
     argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{cfg.hardware.node_rank}.log"
+    from tasks.bounds import train_timeout
+
     rc, log_text = launch(argv, launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id),
-                          run_dir / "logs" / log_name)
+                          run_dir / "logs" / log_name, timeout=train_timeout(cfg, run_dir))
     if rc != 0:
         resume = ckpt.latest(run_dir / "checkpoints")
         plans = _plans(ctx.inputs.get("plan"))

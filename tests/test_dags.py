@@ -39,8 +39,8 @@ def test_params_have_sections_types_and_ranges(dagbag):
     sections = {params.get_param(k).schema.get("section") for k in params}
     assert {"Hardware", "Data", "Model", "Parallelism", "Training", "Quantization"} <= sections
     steps = params.get_param("steps").schema
-    assert steps["type"] == "integer" and steps["minimum"] == 1
-    assert params.get_param("precision").schema["enum"] == ["fp32", "bf16", "fp16"]
+    assert steps["type"] == ["integer", "null"] and steps["minimum"] == 1  # null = from the preset
+    assert params.get_param("precision").schema["enum"] == ["fp32", "bf16", "fp16", None]
 
 
 def test_dag_files_import_no_heavy_modules():

@@ -31,6 +31,7 @@ def test_dags_test_runs_every_stage(tmp_path, airflow_db):
     exp = client.get_experiment_by_name("llm-pipeline")
     parents = client.search_runs([exp.experiment_id], "tags.`pipeline.kind` = 'parent'")
     assert len(parents) == 1
+    assert parents[0].info.status == "FINISHED" and parents[0].data.tags["pipeline.outcome"] == "success"
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
     assert sorted(c.data.tags["pipeline.stage"] for c in children) == sorted(STAGES)
     assert {c.info.run_id for c in children} == {r["mlflow_run_id"] for r in results.values()}

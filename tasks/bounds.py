@@ -1,0 +1,113 @@
+"""Bounded waits: how long each stage may take, and a subprocess wait that ends with its cause.
+
+`stage_timeout_s()` is the one source of every bound: the DAG's per-task `execution_timeout` (set again at task start
+from the run's own config, dags/llm_pipeline.py), the torchrun wait inside train and profile, and the Kubernetes Job
+wait (tasks/launcher.py). Train's bound is steps × the planner's step estimate × `timeouts.train_margin` +
+`timeouts.train_overhead_s` unless `timeouts.train_s` pins it. `run_bounded()` kills the whole process tree on expiry
+and raises a StageError naming the bound, what it was derived from, and the config key that raises it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tasks.config import PipelineConfig
+from tasks.errors import StageError
+from tasks.fsutil import read_json
+
+# Without a planner estimate (the plan stage has not run in this run directory): an assumed step time.
+FALLBACK_STEP_S = 10.0
+# Airflow's execution_timeout is the backstop: it fires this much after the stage's own bound, so the stage's own,
+# more specific cause (which rank, which step) is what the operator reads.
+GRACE_S = 120
+
+
+def planner_step_s(run_dir: str | Path | None) -> float | None:
+    """The plan stage's estimated seconds per optimizer step for the layout training uses (its `best`)."""
+    if run_dir is None:
+        return None
+    path = Path(run_dir) / "plan.json"
+    if not path.is_file():
+        return None
+    step = (read_json(path).get("best") or {}).get("step_s")
+    return float(step) if isinstance(step, (int, float)) and step > 0 else None
+
+
+def train_timeout(cfg: PipelineConfig, run_dir: str | Path | None = None, steps: int | None = None) -> tuple[int, str]:
+    """(seconds, how it was derived) for `steps` optimizer steps (default train.steps)."""
+    t = cfg.timeouts
+    if t.train_s:
+        return t.train_s, "timeouts.train_s"
+    steps = cfg.train.steps if steps is None else steps
+    est = planner_step_s(run_dir)
+    source = "the planner's estimate" if est else f"no planner estimate: {FALLBACK_STEP_S:g} s assumed"
+    est = est or FALLBACK_STEP_S
+    seconds = int(steps * est * t.train_margin + t.train_overhead_s)
+    return seconds, (f"{steps} steps × {est:.3g} s/step ({source}) × timeouts.train_margin {t.train_margin:g} + "
+                     f"timeouts.train_overhead_s {t.train_overhead_s}")
+
+
+def stage_timeout(stage: str, cfg: PipelineConfig, run_dir: str | Path | None = None) -> tuple[int, str]:
+    """(seconds, how it was derived) for one stage run on its launcher."""
+    if stage == "train":
+        return train_timeout(cfg, run_dir)
+    if stage == "profile":  # a few profiled steps of the same trainer: the train formula for those steps
+        from tasks.profiling.collect import steps_needed
+
+        seconds, how = train_timeout(cfg, run_dir, steps=steps_needed(cfg.profile))
+        return max(seconds, cfg.timeouts.profile_s), f"timeouts.profile_s (at least {how})"
+    key = f"{stage}_s"
+    if not hasattr(cfg.timeouts, key):
+        raise StageError(f"no timeout for stage {stage!r}")
+    return getattr(cfg.timeouts, key), f"timeouts.{key}"
+
+
+def stage_timeout_s(stage: str, cfg: PipelineConfig, run_dir: str | Path | None = None) -> int:
+    return stage_timeout(stage, cfg, run_dir)[0]
+
+
+def task_timeout_s(stage: str, cfg: PipelineConfig, run_dir: str | Path | None = None) -> int:
+    """The Airflow task's execution_timeout: the stage's bound (+ scheduling time for a Job) + a grace period."""
+    seconds = stage_timeout_s(stage, cfg, run_dir) + GRACE_S
+    if cfg.hardware.launcher == "kubernetes":
+        seconds += cfg.timeouts.k8s_pending_s
+    return seconds
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: float, what: str,
+                how: str = "") -> int:
+    """Run argv (its own session, output to log_path) to completion within timeout_s; return its exit code.
+
+    On expiry the whole process group (torchrun's agent and every rank) gets SIGTERM, then SIGKILL, and a
+    StageError says what did not finish, in how long, from which bound, and where the log is.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with open(log_path, "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            raise StageError(f"{what} did not finish within {timeout_s:g} s ({how or 'its bound'}); killed after "
+                             f"{time.monotonic() - started:.0f} s; see {log_path}. If it was only slow, raise the "
+                             "bound (timeouts.*)", retryable=False) from None
+        except BaseException:  # e.g. Airflow's own execution_timeout or a SIGTERM: leave no ranks behind
+            _kill_tree(proc)
+            raise

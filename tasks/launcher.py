@@ -1,0 +1,27 @@
+"""Where each stage runs: `hardware.launcher` local (this host) or kubernetes (a Job on the training nodes).
+
+With kubernetes every device stage (env probe, smoke, train, profile, quantize, evaluate) runs as a Job in the
+training image on the Ascend nodes; shard, plan and the summary stay on the Airflow worker, which only orchestrates:
+it submits the Job, waits within the stage's bound (tasks/bounds.py) and reads `<stage>.json` back from the run
+directory on the shared volume. Nothing here imports Airflow or talks to a cluster (dags/k8s_launch.py does).
+"""
+from __future__ import annotations
+
+from tasks.config import PipelineConfig
+
+# Stages that need the accelerator (or, for env, must check the nodes that have it).
+DEVICE_STAGES = ("env", "smoke", "train", "profile", "quantize", "evaluate")
+# Stages that run on every node (one pod per node, torchrun c10d rendezvous at pod 0); the others use one pod.
+MULTI_NODE_STAGES = ("env", "train", "profile")
+
+
+def runs_on_kubernetes(stage: str, cfg: PipelineConfig) -> bool:
+    return cfg.hardware.launcher == "kubernetes" and stage in DEVICE_STAGES
+
+
+def where(stage: str, cfg: PipelineConfig) -> str:
+    """What runs where, in words (README table, task logs)."""
+    if not runs_on_kubernetes(stage, cfg):
+        return "the Airflow worker"
+    pods = cfg.hardware.nnodes if stage in MULTI_NODE_STAGES else 1
+    return f"a Kubernetes Job ({pods} pod{'s' if pods > 1 else ''}) on the training nodes"
