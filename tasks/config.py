@@ -173,12 +173,17 @@ class QuantizeConfig:
     calibration_batches: int = 4
     amct_flow: str = "llm"                # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
     dtype: str = "bf16"                   # dtype of what stays unquantized (embeddings, norms, scales, activations)
+    qat_on_fail: bool = True              # PTQ misses the gate → quantization-aware fine-tune, then gate again
+    qat_steps: int = 50                   # QAT optimizer steps on the training shards (lr: train.min_lr)
 
 
 @dataclass
 class EvaluateConfig:
-    max_drop_pct: float = 2.0             # gate: INT8 perplexity may rise at most this much
+    max_drop_pct: float = 2.0             # gate: evaluate.gate_metric may be at most this many percent
+    gate_metric: str = "accuracy_drop_pct"  # accuracy_drop_pct (relative next-token top-1 drop) | ppl_drop_pct |
+    #                                        greedy_disagreement_pct — each INT8 vs the unquantized model in quantize.dtype
     eval_batches: int = 8
+    agreement_windows: int = 8            # evaluation windows whose greedy continuations INT8 and BF16 must match
     latency_tokens: int = 32
     prompts: list[str] = field(default_factory=lambda: ["def ", "import ", "class "])
     max_new_tokens: int = 24
@@ -263,6 +268,7 @@ CHOICES = {
     "quantize.backend": ["auto", "amct", "torchao"],
     "quantize.amct_flow": ["llm", "ptq"],
     "quantize.dtype": ["bf16", "fp32"],
+    "evaluate.gate_metric": ["accuracy_drop_pct", "ppl_drop_pct", "greedy_disagreement_pct"],
 }
 ITEM_CHOICES = {  # lists whose every item must be one of these
     "plan.zero_stages": CHOICES["parallel.zero"], "plan.recompute": CHOICES["parallel.recompute"],
@@ -285,7 +291,8 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "plan.efficiency": (0.01, 1.0),
     "profile.skip_first": (0, None), "profile.wait": (0, None), "profile.warmup": (0, None),
     "profile.active": (1, None), "profile.regression_threshold": (0.0, 10.0),
-    "quantize.calibration_batches": (1, 100_000),
+    "quantize.calibration_batches": (1, 100_000), "quantize.qat_steps": (1, 1_000_000),
+    "evaluate.agreement_windows": (0, 100_000),
     "evaluate.max_drop_pct": (0.0, 100.0), "evaluate.eval_batches": (1, 100_000),
     **{f"timeouts.{k}_s": (1, None) for k in ("env", "shard", "smoke", "plan", "profile", "quantize", "evaluate",
                                              "rendezvous", "k8s_pending")},

@@ -1,12 +1,20 @@
-"""Evaluation gate: the full-precision and the INT8 model on the same held-out tokens (perplexity, size, per-token
-forward latency, greedy generations), logged to MLflow with a comparison table and plot. Perplexity drop within
-evaluate.max_drop_pct → a new version in the MLflow Model Registry with alias `candidate`, promoted to `champion`
-when it also beats the champion on the same validation data; otherwise the stage fails with the advice (and an
-AMCT QAT hand-off config)."""
+"""Evaluation gate: the INT8 model against the unquantized model (in quantize.dtype, BF16 by default: what INT8
+replaces) on the evaluation part of the val split — disjoint from the calibration part (inputs.SPLIT_RULE).
+
+Measured side by side: perplexity, next-token top-1 accuracy, agreement of greedy continuations (INT8 vs BF16 over
+evaluate.prompts and a fixed sample of evaluation windows), size on disk, and prefill/decode speed (KV cache,
+batch 1) against BF16 and FP32 from the same run. The gate applies evaluate.max_drop_pct to evaluate.gate_metric
+(default the relative top-1 accuracy drop). Passing → a new version in the MLflow Model Registry with alias
+`candidate`, promoted to `champion` when it also beats the champion on the same data. Missing it with
+quantize.qat_on_fail → quantization-aware training (tasks.quant.qat) and the same gate again on the same data; the
+registered version says whether PTQ or QAT passed. Missing it for good → the stage fails with both figures and the
+advice (and an AMCT QAT hand-off config).
+"""
 from __future__ import annotations
 
 import argparse
 import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tasks import runner, tracking
@@ -16,6 +24,10 @@ from tasks.fsutil import atomic_save_figure, atomic_write_json, atomic_write_tex
 from tasks.quant import inputs, registry, report
 from tasks.quant.artifact import META
 from tasks.quant.plan import gate_advice
+
+GATE_METRICS = {"accuracy_drop_pct": "relative next-token top-1 accuracy drop",
+                "ppl_drop_pct": "relative perplexity rise",
+                "greedy_disagreement_pct": "greedy-continuation token disagreement"}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -31,67 +43,147 @@ def _quant_dir(ctx) -> Path:
     return Path(path)
 
 
-def _measure(cfg: PipelineConfig, model_dir: Path, shard_dir: Path, quant_dir: Path, meta: dict):
-    """→ (metrics, greedy generations)."""
-    import copy
+@dataclass
+class EvalData:
+    batches: list                       # evaluation part of the val split
+    split: dict                         # its record (rule, count, window indices)
+    windows: object = None              # [k, prompt_len] prompts cut from the first evaluation windows
+    prompts: list = field(default_factory=list)   # token ids of evaluate.prompts
+    prompt_texts: list = field(default_factory=list)
+    new_tokens: int = 0
 
+
+def eval_data(cfg: PipelineConfig, shard_dir: Path, max_seq_len: int) -> EvalData:
     import torch
-
-    from tasks import device as devices
-    from tasks.model.hf_io import load_hf
-    from tasks.quant import metrics
-    from tasks.quant.artifact import load_quantized
-
-    e = cfg.evaluate
-    kind = devices.detect(cfg.hardware.device).kind
-    device = devices.torch_device(kind)
-    batches = inputs.val_batches(shard_dir, e.eval_batches, cfg.train.micro_batch, "validation")
-    fp = load_hf(model_dir, device=device).eval()
-    q = load_quantized(quant_dir, device=device)
-    fp_ppl, q_ppl = metrics.perplexity(fp, batches, device), metrics.perplexity(q, batches, device)
-    tokens = batches[0][0][:1, :e.latency_tokens]
-    # BF16 runs beside FP32 and INT8: INT8 weight-only computes in BF16, so part of its speed-up over FP32 is BF16's.
-    bf16 = copy.deepcopy(fp).to(torch.bfloat16)
-    bf16.init_rope()
-    lat = metrics.forward_latency({"fp32": fp, "bf16": bf16, "int8": q}, tokens, device)
-    del bf16
-    mb = 1024 ** 2
-    m = {"fp_ppl": fp_ppl["ppl"], "int8_ppl": q_ppl["ppl"], "fp_nll": fp_ppl["nll"], "int8_nll": q_ppl["nll"],
-         "eval_tokens": fp_ppl["tokens"], "ppl_drop_pct": registry.drop_pct(fp_ppl["ppl"], q_ppl["ppl"]),
-         "int8_mb": meta["int8_bytes"] / mb, "bf16_mb": meta["bf16_bytes"] / mb, "fp32_mb": meta["fp32_bytes"] / mb,
-         "size_ratio_vs_bf16": meta["int8_bytes"] / meta["bf16_bytes"],
-         "size_ratio_vs_fp32": meta["int8_bytes"] / meta["fp32_bytes"],
-         "fp32_ms_per_token": lat["fp32"] * 1e3, "bf16_ms_per_token": lat["bf16"] * 1e3,
-         "int8_ms_per_token": lat["int8"] * 1e3, "latency_ratio_vs_fp32": lat["int8"] / lat["fp32"],
-         "latency_ratio_vs_bf16": lat["int8"] / lat["bf16"], "latency_tokens": tokens.numel(), "device": kind,
-         "method": meta["method"], "backend": meta["backend"], "max_drop_pct": e.max_drop_pct}
-    gens = _generations(e, shard_dir, fp, q, device)
-    return m, gens
-
-
-def _generations(e, shard_dir: Path, fp, q, device) -> list[dict]:
     from tokenizers import Tokenizer
 
-    from tasks.quant.metrics import greedy_generate
-
+    e = cfg.evaluate
+    batches, split = inputs.val_part(shard_dir, e.eval_batches, cfg.train.micro_batch, "evaluation")
+    data = EvalData(batches, split, new_tokens=max(1, min(e.max_new_tokens, max_seq_len // 2)))
+    if e.agreement_windows:
+        rows = torch.cat([b[0] for b in batches])[:e.agreement_windows]
+        data.windows = rows[:, :min(rows.size(1) // 2, max_seq_len - data.new_tokens)]
     tok = Tokenizer.from_file(str(shard_dir / "tokenizer.json"))
-    out = []
-    for prompt in e.prompts:
-        ids = tok.encode(prompt).ids
-        if not ids:
-            continue
-        gen = {name: tok.decode(greedy_generate(model, ids, e.max_new_tokens, model.config.max_seq_len, device))
-               for name, model in (("fp", fp), ("int8", q))}
-        out.append({"prompt": prompt, **gen})
+    for text in e.prompts:
+        ids = tok.encode(text).ids[-(max_seq_len - data.new_tokens):]
+        if ids:
+            data.prompts.append(ids)
+            data.prompt_texts.append(text)
+    return data
+
+
+def quality(model, data: EvalData, device) -> dict:
+    """Perplexity and top-1 accuracy over the evaluation tokens, and the greedy continuations (KV cache)."""
+    import torch
+
+    from tasks.model.generate import greedy
+    from tasks.quant import metrics
+
+    scores = metrics.perplexity(model, data.batches, device)
+    conts = []
+    if data.windows is not None:
+        conts += greedy(model, data.windows.to(device), data.new_tokens).tolist()
+    conts += [greedy(model, torch.tensor([ids], device=device), data.new_tokens)[0].tolist() for ids in data.prompts]
+    return dict(scores, continuations=conts)
+
+
+def gate_figures(ref: dict, q: dict) -> dict:
+    """The INT8 model's drops against the reference, in percent (positive: INT8 is worse)."""
+    from tasks.quant import metrics
+
+    out = {"ppl_drop_pct": registry.drop_pct(ref["ppl"], q["ppl"]),
+           "accuracy_drop_pct": (ref["accuracy"] - q["accuracy"]) / ref["accuracy"] * 100 if ref["accuracy"] else 0.0}
+    if ref["continuations"]:
+        agree = metrics.agreement(ref["continuations"], q["continuations"])
+        out.update(greedy_agreement=agree, greedy_disagreement_pct=(1 - agree) * 100,
+                   agreement_tokens=sum(len(c) for c in ref["continuations"]))
     return out
 
 
-def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str) -> dict:
-    """Lineage on every version: the DAG run, the training run, the data, and this evaluation."""
+def speed(models: dict, data: EvalData, cfg: PipelineConfig, device) -> dict:
+    """Prefill and KV-cache decode at batch 1: a prompt of evaluate.latency_tokens, new tokens as for agreement."""
+    from tasks.quant import metrics
+
+    prompt = data.batches[0][0][:1, :cfg.evaluate.latency_tokens]
+    s = metrics.generation_speed(models, prompt, data.new_tokens, device)
+    out = {"latency_prompt_tokens": prompt.numel(), "latency_new_tokens": data.new_tokens}
+    for name, v in s.items():
+        out[f"{name}_prefill_tokens_per_s"] = prompt.numel() / v["prefill_s"]
+        out[f"{name}_decode_tokens_per_s"] = v["decode_tokens_per_s"]
+    for base in ("bf16", "fp32"):
+        for what in ("prefill", "decode"):  # > 1: INT8 is faster than `base`
+            out[f"{what}_speed_vs_{base}"] = out[f"int8_{what}_tokens_per_s"] / out[f"{base}_{what}_tokens_per_s"]
+    return out
+
+
+class Measurer:
+    """The FP32 and reference models, the evaluation data and the reference's quality, loaded once: PTQ and QAT
+    are measured against the same."""
+
+    def __init__(self, cfg: PipelineConfig, model_dir: Path, shard_dir: Path, ref_dtype: str):
+        import copy
+
+        import torch
+
+        from tasks import device as devices
+        from tasks.model.hf_io import load_hf
+
+        self.cfg = cfg
+        self.kind = devices.detect(cfg.hardware.device).kind
+        self.device = devices.torch_device(self.kind)
+        self.fp32 = load_hf(model_dir, device=self.device).eval()
+        self.ref_name = ref_dtype
+        if ref_dtype == "fp32":
+            self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
+            self.ref = self.fp32
+        else:
+            self.bf16 = self.ref = copy.deepcopy(self.fp32).to(torch.bfloat16)
+        self.bf16.init_rope()
+        self.data = eval_data(cfg, shard_dir, self.fp32.config.max_seq_len)
+        self.ref_q = quality(self.ref, self.data, self.device)
+        self.fp_q = self.ref_q if self.ref is self.fp32 else quality(self.fp32, self.data, self.device)
+
+    def measure(self, model, meta: dict, stage: str) -> tuple[dict, dict]:
+        """→ (metrics, the INT8 model's quality incl. continuations)."""
+        q = quality(model, self.data, self.device)
+        mb = 1024 ** 2
+        e = self.cfg.evaluate
+        m = {"stage": stage, "reference": self.ref_name, "fp_ppl": self.fp_q["ppl"], "ref_ppl": self.ref_q["ppl"],
+             "int8_ppl": q["ppl"], "fp_nll": self.fp_q["nll"], "int8_nll": q["nll"],
+             "fp_accuracy": self.fp_q["accuracy"], "ref_accuracy": self.ref_q["accuracy"],
+             "int8_accuracy": q["accuracy"], "eval_tokens": q["tokens"], **gate_figures(self.ref_q, q),
+             "int8_mb": meta["int8_bytes"] / mb, "bf16_mb": meta["bf16_bytes"] / mb, "fp32_mb": meta["fp32_bytes"] / mb,
+             "size_ratio_vs_bf16": meta["int8_bytes"] / meta["bf16_bytes"],
+             "size_ratio_vs_fp32": meta["int8_bytes"] / meta["fp32_bytes"],
+             "device": self.kind, "method": meta["method"], "backend": meta["backend"],
+             "gate_metric": e.gate_metric, "max_drop_pct": e.max_drop_pct}
+        m.update(speed({"fp32": self.fp32, "bf16": self.bf16, "int8": model}, self.data, self.cfg, self.device))
+        if e.gate_metric not in m:
+            raise StageError(f"evaluate.gate_metric {e.gate_metric}: nothing to measure it on (evaluate.prompts is "
+                             "empty and evaluate.agreement_windows is 0); set one, or gate on accuracy_drop_pct")
+        m["gate_value"] = m[e.gate_metric]
+        m["passed"] = m["gate_value"] <= e.max_drop_pct
+        return m, q
+
+    def generations(self, q: dict, tok) -> list[dict]:
+        n = len(self.data.prompts)
+        if not n:
+            return []
+        ref, int8 = self.ref_q["continuations"][-n:], q["continuations"][-n:]
+        return [{"prompt": text, "fp": tok.decode(a), "int8": tok.decode(b)}
+                for text, a, b in zip(self.data.prompt_texts, ref, int8)]
+
+
+def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict | None) -> dict:
+    """Lineage on every version: the DAG run, the training run, the data, this evaluation, and which flow passed."""
     tags = {"train.run_id": ctx.inputs.get("train", {}).get("mlflow_run_id") or "unknown",
             registry.DIGEST_TAG: digest, registry.PPL_TAG: f"{m['int8_ppl']:.6f}", "eval.fp_ppl": f"{m['fp_ppl']:.6f}",
-            "eval.ppl_drop_pct": f"{m['ppl_drop_pct']:.4f}", "eval.run_id": ctx.mlflow_run_id or "",
-            "quant.method": meta["method"], "quant.backend": meta["backend"], "quant.key": key}
+            "eval.ppl_drop_pct": f"{m['ppl_drop_pct']:.4f}", "eval.accuracy_drop_pct": f"{m['accuracy_drop_pct']:.4f}",
+            "eval.gate_metric": m["gate_metric"], "eval.gate_value": f"{m['gate_value']:.4f}",
+            "eval.run_id": ctx.mlflow_run_id or "", "quant.method": meta["method"], "quant.backend": meta["backend"],
+            "quant.key": key, "quant.passed_by": m["stage"]}
+    if ptq is not None:
+        tags["eval.ptq_gate_value"] = f"{ptq['gate_value']:.4f}"
     if ctx.mlflow_run_id:
         import mlflow
 
@@ -100,10 +192,9 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str) -> dict:
     return tags
 
 
-def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_dir: Path) -> dict:
+def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_dir: Path, model,
+              ptq: dict | None) -> dict:
     import torch
-
-    from tasks.quant.artifact import load_quantized
 
     uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
     # Same quantized files (names, sizes, mtimes) + same data → the same version on a rerun.
@@ -113,10 +204,12 @@ def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_
     if existing is not None:
         version = str(existing.version)
     else:
-        import torchao
+        reqs = [f"torch=={torch.__version__.split('+')[0]}"]
+        if meta["backend"] == "torchao":
+            import torchao
 
-        reqs = [f"torch=={torch.__version__.split('+')[0]}", f"torchao=={torchao.__version__}"]
-        version = registry.register(uri, name, load_quantized(quant_dir), _tags(uri, ctx, meta, m, digest, key), reqs)
+            reqs.append(f"torchao=={torchao.__version__}")
+        version = registry.register(uri, name, model, _tags(uri, ctx, meta, m, digest, key, ptq), reqs)
     registry.set_alias(uri, name, registry.CANDIDATE, version)
     if champion is not None and champion["version"] == version:
         decision = registry.Promotion(True, f"v{version} is already the champion")
@@ -129,35 +222,91 @@ def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_
             "aliases": registry.aliases(uri, name)}
 
 
+def _figures(m: dict) -> str:
+    return (f"{m['gate_metric']} {m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']}%); top-1 "
+            f"{m['ref_accuracy']:.3f} → {m['int8_accuracy']:.3f}, ppl {m['ref_ppl']:.3f} → {m['int8_ppl']:.3f}"
+            + (f", greedy agreement {m['greedy_agreement']:.0%}" if "greedy_agreement" in m else ""))
+
+
+def _speed_note(m: dict) -> str:
+    """Size and speed vs BF16 (the headline: INT8 weight-only computes in BF16), saying where INT8 is slower."""
+    parts = [f"{m['size_ratio_vs_bf16']:.2f}x BF16 size"]
+    for what in ("decode", "prefill"):
+        r = m[f"{what}_speed_vs_bf16"]
+        parts.append(f"{what} {r:.2f}x BF16 speed" + (" (INT8 slower here)" if r < 1 else ""))
+    return ", ".join(parts)
+
+
+def _log_stage(m: dict, prefix: str) -> None:
+    tracking.log_metrics({f"{prefix}{k}": v for k, v in m.items() if isinstance(v, (int, float))})
+
+
 def run(cfg: PipelineConfig, ctx) -> dict:
+    from tokenizers import Tokenizer
+
+    from tasks.quant.artifact import load_quantized
+
     max_drop = registry.check_threshold(cfg.evaluate.max_drop_pct)
+    if cfg.evaluate.gate_metric not in GATE_METRICS:
+        raise StageError(f"evaluate.gate_metric: {cfg.evaluate.gate_metric!r} is not one of {', '.join(GATE_METRICS)}")
     quant_dir = _quant_dir(ctx)
     meta = read_json(quant_dir / META)
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
     shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
     digest = inputs.manifest_digest(shard_dir)
-    m, gens = _measure(cfg, model_dir, shard_dir, quant_dir, meta)
+    measurer = Measurer(cfg, model_dir, shard_dir, meta.get("dtype", "bf16"))
+    ptq_model = load_quantized(quant_dir, device=measurer.device)
+    m, q = measurer.measure(ptq_model, meta, "ptq")
+    split = measurer.data.split
+    tracking.log_params({"evaluate.max_drop_pct": max_drop, "evaluate.gate_metric": cfg.evaluate.gate_metric,
+                         "evaluate.data_digest": digest, "split.rule": split["rule"],
+                         "split.evaluation_sequences": split["sequences"],
+                         "split.evaluation_keys_digest": split["keys_digest"],
+                         "split.calibration_keys_digest": meta.get("calibration_split", {}).get("keys_digest", "")})
+    _log_stage(m, "ptq.")
+    ptq, final, final_dir, final_meta, final_model, qat = None, m, quant_dir, meta, ptq_model, None
+    if not m["passed"] and cfg.quantize.qat_on_fail:
+        from tasks.quant import qat as qat_flow
+
+        ptq = m
+        qat = qat_flow.run(cfg, model_dir, shard_dir, meta, ctx.run_dir, measurer.device)
+        final_dir, final_meta = Path(qat["quant_dir"]), qat["meta"]
+        final_model = qat.get("model") or load_quantized(final_dir, device=measurer.device)
+        final, q = measurer.measure(final_model, final_meta, "qat")
+        final.update(qat_steps=len(qat["losses"]), qat_final_loss=qat["losses"][-1], qat_seconds=qat["seconds"])
+        _log_stage(final, "qat.")
+    tok = Tokenizer.from_file(str(shard_dir / "tokenizer.json"))
+    gens = measurer.generations(q, tok)
 
     out = ctx.run_dir / "evaluate"
-    rows = report.comparison_rows(m)
-    atomic_write_json(out / "comparison.json", {"metrics": m, "rows": rows, "generations": gens})
-    atomic_write_text(out / "comparison.md", report.markdown(rows, m, gens))
-    fig = report.figure(m)
-    atomic_save_figure(fig, out / "comparison.png")
-    tracking.log_metrics({k: v for k, v in m.items() if isinstance(v, (int, float))})
-    tracking.log_params({"evaluate.max_drop_pct": max_drop, "evaluate.data_digest": digest})
+    stages = [m] + ([final] if ptq is not None else [])
+    rows = report.comparison_rows(stages)
+    atomic_write_json(out / "comparison.json", {"metrics": final, "ptq": m, "qat": final if ptq else None,
+                                                "rows": rows, "generations": gens, "split": split,
+                                                "calibration_split": meta.get("calibration_split")})
+    atomic_write_text(out / "comparison.md", report.markdown(rows, stages, gens, split))
+    atomic_save_figure(report.figure(stages), out / "comparison.png")
+    tracking.log_metrics({k: v for k, v in final.items() if isinstance(v, (int, float))})
     for f in ("comparison.json", "comparison.md", "comparison.png"):
         tracking.log_artifact(out / f, "evaluate")
+    tracking.set_tags({"quant.passed_by": final["stage"] if final["passed"] else "none"})
 
-    passed = m["ppl_drop_pct"] <= max_drop
-    figures = (f"ppl {m['fp_ppl']:.3f} → {m['int8_ppl']:.3f} ({m['ppl_drop_pct']:+.2f}%), "
-               f"{m['size_ratio_vs_bf16']:.2f}x BF16 size, {m['latency_ratio_vs_fp32']:.2f}x FP32 latency")
-    result = {"passed": passed, "ppl_drop_pct": round(m["ppl_drop_pct"], 4), "fp_ppl": round(m["fp_ppl"], 4),
-              "int8_ppl": round(m["int8_ppl"], 4), "size_ratio_vs_bf16": round(m["size_ratio_vs_bf16"], 4),
-              "latency_ratio_vs_fp32": round(m["latency_ratio_vs_fp32"], 4),
-              "latency_ratio_vs_bf16": round(m["latency_ratio_vs_bf16"], 4), "data_digest": digest,
-              "comparison": str(out / "comparison.md")}
+    passed = final["passed"]
+    figures = f"{_figures(final)}; {_speed_note(final)}"
+    if ptq is not None:
+        figures = f"QAT ({final['qat_steps']} steps): {figures}; PTQ was {_figures(ptq)}"
+    result = {"passed": passed, "passed_by": final["stage"] if passed else None, "gate_metric": final["gate_metric"],
+              "gate_value": round(final["gate_value"], 4), "ppl_drop_pct": round(final["ppl_drop_pct"], 4),
+              "accuracy_drop_pct": round(final["accuracy_drop_pct"], 4), "fp_ppl": round(final["fp_ppl"], 4),
+              "ref_ppl": round(final["ref_ppl"], 4), "int8_ppl": round(final["int8_ppl"], 4),
+              "int8_accuracy": round(final["int8_accuracy"], 4), "ref_accuracy": round(final["ref_accuracy"], 4),
+              "greedy_agreement": round(final["greedy_agreement"], 4) if "greedy_agreement" in final else None,
+              "size_ratio_vs_bf16": round(final["size_ratio_vs_bf16"], 4),
+              **{f"{w}_speed_vs_{b}": round(final[f"{w}_speed_vs_{b}"], 4)
+                 for w in ("prefill", "decode") for b in ("bf16", "fp32")},
+              "ptq": {k: ptq[k] for k in ("gate_value", "ppl_drop_pct", "accuracy_drop_pct")} if ptq else None,
+              "quant_dir": str(final_dir), "data_digest": digest, "comparison": str(out / "comparison.md")}
     if not passed:
         from tasks.quant.amct_backend import write_qat_handoff
 
@@ -167,19 +316,27 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 
             model = load_hf(model_dir)
             sample = (inputs.val_batches(shard_dir, 1, cfg.train.micro_batch, "calibration")[0][0],)
-        qat = write_qat_handoff(out / "qat", list(meta["layer_types"].items()), meta["skipped_layers"],
-                                meta["calibration_batches"], model, sample)
+        handoff = write_qat_handoff(out / "qat", list(meta["layer_types"].items()), meta["skipped_layers"],
+                                    meta["calibration_batches"], model, sample)
         tracking.log_artifact(out / "qat", "evaluate/qat")
-        reason = (f"INT8 perplexity drop {m['ppl_drop_pct']:.2f}% exceeds evaluate.max_drop_pct {max_drop}% "
-                  f"({m['fp_ppl']:.3f} → {m['int8_ppl']:.3f}); try {gate_advice(meta['method'], meta['backend'])}")
+        what = GATE_METRICS[final["gate_metric"]]
+        if ptq is not None:
+            reason = (f"INT8 {what} exceeds evaluate.max_drop_pct {max_drop}% after PTQ ({ptq['gate_value']:.2f}%) "
+                      f"and after QAT ({final['qat_steps']} steps: {final['gate_value']:.2f}%); try more "
+                      f"quantize.qat_steps, or {gate_advice(meta['method'], meta['backend'])}")
+        else:
+            reason = (f"INT8 {what} {final['gate_value']:.2f}% exceeds evaluate.max_drop_pct {max_drop}% "
+                      f"({_figures(final)}); try {gate_advice(meta['method'], meta['backend'])}")
         if cfg.evaluate.fail_on_gate:
             raise StageError(reason)
-        return dict(result, status="warn", summary=f"gate missed: {figures}", qat=qat, reason=reason)
+        return dict(result, status="warn", summary=f"gate missed: {figures}", qat=handoff, reason=reason)
     if not ctx.mlflow_run_id:
-        return dict(result, status="warn", summary=f"gate passed, not registered (tracking off): {figures}")
-    reg = _register(cfg, ctx, meta, m, digest, quant_dir)
+        return dict(result, status="warn", summary=f"gate passed ({final['stage']}), not registered (tracking off): "
+                                                   f"{figures}")
+    reg = _register(cfg, ctx, final_meta, final, digest, final_dir, final_model, ptq)
     tracking.set_tags({"registry.version": reg["version"], "registry.champion": reg["champion"]})
     status = "ok" if reg.pop("comparable") else "warn"
     role = "champion" if reg["champion"] else f"candidate ({reg['champion_reason']})"
     return dict(result, **reg, status=status,
-                summary=f"{reg['registered_model']} v{reg['version']} {role}: {figures}")
+                summary=f"{reg['registered_model']} v{reg['version']} {role}, passed by {final['stage'].upper()}: "
+                        f"{figures}")

@@ -9,6 +9,7 @@ traces — in pure Python on any machine. Writes <run-dir>/profile/{report.json,
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -99,12 +100,13 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     return traces, notes
 
 
-def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None) -> None:
+def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None, key: dict) -> None:
     n_high = sum(f["severity"] == "high" for f in report["findings"])
     tracking.log_metrics({**baseline.report_metrics(report), "profile.findings": len(report["findings"]),
                           "profile.findings_high": n_high})
     tracking.set_tags({baseline.FORMAT_TAG: report["source"]["format"], "profile.source": report["source"]["path"],
-                       "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]}))})
+                       "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]})),
+                       baseline.KEY_TAG: baseline.key_digest(key), baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True)})
     for p in paths.values():
         tracking.log_artifact(p, "profile")
     if extra_dir and extra_dir.is_dir():
@@ -116,24 +118,27 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     if getattr(ctx.args, "action", "collect") == "analyze":
         if not getattr(ctx.args, "path", None):
             raise StageError("profile analyze needs the folder to analyse: python -m tasks profile analyze PATH")
-        source, notes = Path(ctx.args.path).expanduser().resolve(), []
+        source, notes, device_kind = Path(ctx.args.path).expanduser().resolve(), [], None
     elif not cfg.profile.enabled:
         return {"status": "ok", "summary": "skipped (profile.enabled is false)", "skipped": True}
     else:
         source, notes = collect(cfg, ctx, out_dir)
+        device_kind = read_json(source / "collected.json").get("backend")
     report = analyze(source)
     fmt = report["source"]["format"]
     report["source"]["notes"] += notes
     analyze_dir = out_dir / "msprof_analyze"
     if fmt in ASCEND_FORMATS:  # cross-check with Huawei's own tool where it is installed
         report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir)
-    comparison, regressions = baseline.compare(report, baseline.find_baseline(cfg, fmt, ctx.mlflow_run_id),
-                                               cfg.profile.regression_threshold)
+    key = baseline.profile_key(cfg, report, device_kind)
+    found, note = baseline.find_baseline(cfg, key, ctx.mlflow_run_id)
+    comparison, regressions = baseline.compare(report, found, cfg.profile.regression_threshold)
     report["baseline"] = comparison
+    report["baseline_key"], report["baseline_note"] = key, note
     report["findings"] += regressions
     paths = write_outputs(report, out_dir)
     if ctx.mlflow_run_id:
-        _log(report, paths, analyze_dir)
+        _log(report, paths, analyze_dir, key)
     summary = headline(report)
     if regressions and cfg.profile.fail_on_regression:
         raise StageError(f"{regressions[0]['title']} ({summary}); see {paths['report_md']}")
@@ -145,5 +150,5 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "step_ms": round(report["step"]["step_us"] / 1000, 3),
         "comm_not_overlapped_share": round(report["step"]["shares"]["comm_not_overlapped"], 4),
         "format": fmt, "source": str(source), "world": report["world"],
-        "baseline_run_id": comparison["run_id"] if comparison else None,
+        "baseline_run_id": comparison["run_id"] if comparison else None, "baseline_note": note,
     }

@@ -58,7 +58,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     names = select_layers(layers, backend, q.amct_flow, q.method, q.skip_layers)
     skipped = [layer.name for layer in layers if layer.name not in names and len(layer.shape) >= 2]
     # Read for every method (SmoothQuant and AMCT calibrate on them): an empty val split fails here, not in evaluate.
-    calib = inputs.val_batches(shard_dir, q.calibration_batches, cfg.train.micro_batch, "calibration")
+    # Only the calibration part of the val split (inputs.SPLIT_RULE): evaluate measures on the disjoint rest.
+    calib, calib_split = inputs.val_part(shard_dir, q.calibration_batches, cfg.train.micro_batch, "calibration")
     device = devices.torch_device(kind) if backend == "amct" else torch.device("cpu")
     # AMCT's ONNX PTQ calibrates an FP32 graph (ATC picks the deploy precision); the other flows run in q.dtype.
     dtype = torch.float32 if backend == "amct" and q.amct_flow == "ptq" else DTYPES[q.dtype]
@@ -68,7 +69,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".quantize.", dir=ctx.run_dir))
     meta = dict(settings, shard_dir=str(shard_dir), data_digest=inputs.manifest_digest(shard_dir),
-                quantized_layers=names, skipped_layers=skipped,
+                calibration_split=calib_split, quantized_layers=names, skipped_layers=skipped,
                 layer_types={layer.name: layer.type for layer in layers if layer.name in names},
                 fp32_bytes=fp32_bytes, bf16_bytes=bf16_bytes)
     try:
@@ -102,7 +103,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         shutil.rmtree(out)
     publish_dir(tmp, out)
     result = _result(meta, out, reused=False)
-    tracking.log_params({"quantize": {k: v for k, v in settings.items() if k != "model_dir"}})
+    tracking.log_params({"quantize": {k: v for k, v in settings.items() if k != "model_dir"},
+                         "split": {"rule": calib_split["rule"], "calibration_sequences": calib_split["sequences"],
+                                   "calibration_keys_digest": calib_split["keys_digest"]}})
     tracking.log_metrics({k: result[k] for k in ("int8_mb", "bf16_mb", "fp32_mb", "size_ratio_vs_bf16",
                                                  "size_ratio_vs_fp32", "quantized_layers")})
     tracking.log_json_artifact(meta, "quantize/quant_meta.json")

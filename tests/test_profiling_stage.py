@@ -134,3 +134,28 @@ def test_msprof_tools_are_optional(tmp_path, monkeypatch):
     assert msprof_wrap(cmd, tmp_path / "m", "/opt/msprof") == [
         "/opt/msprof", "--application=python -m torch.distributed.run --nproc-per-node 8 -m tasks.parallel.worker",
         f"--output={tmp_path / 'm'}"]
+
+
+def test_baseline_of_another_key_is_no_baseline_never_a_regression(cfg, tmp_path):
+    """Changing what is profiled (here the micro-batch, then the layout) is not a regression: the report says there
+    is no baseline yet for that key; a later profile of the same key is compared again."""
+    cfg.tracking.experiment = f"profile-key-{tmp_path.name}"
+    cfg.profile.fail_on_regression = True
+    first = run_stage("profile", cfg, tmp_path / "a", args=analyze_args(FIX / "torch_cuda_healthy"))
+    assert first["baseline_run_id"] is None and first["baseline_note"].startswith("no baseline yet: first profile")
+
+    slower = slowed_copy(FIX / "torch_cuda_healthy", tmp_path / "slower", 1.5)
+    cfg.train.micro_batch *= 2
+    other = run_stage("profile", cfg, tmp_path / "b", args=analyze_args(slower))
+    assert other["status"] == "ok" and other["baseline_run_id"] is None and other["rules"] == []
+    assert "no baseline yet for this configuration" in other["baseline_note"] and "micro_batch" in other["baseline_note"]
+    report = json.loads(Path(other["report"]).read_text())
+    assert report["baseline"] is None and "no baseline yet" in (tmp_path / "b" / "profile" / "report.md").read_text()
+
+    cfg.parallel.dp += 1  # the layout differs too: still no baseline
+    assert run_stage("profile", cfg, tmp_path / "c", args=analyze_args(slower))["baseline_run_id"] is None
+
+    cfg.parallel.dp -= 1  # back to the second run's key: compared with it, and a 1.5x slowdown now fails the task
+    much_slower = slowed_copy(FIX / "torch_cuda_healthy", tmp_path / "much_slower", 2.25)
+    with pytest.raises(StageError, match=r"step time regressed \+50% against the baseline run"):
+        run_stage("profile", cfg, tmp_path / "d", args=analyze_args(much_slower))

@@ -58,3 +58,35 @@ def test_sizes_and_latency(tmp_path):
     assert metrics.size_on_disk(tmp_path / "a") == 10 and metrics.size_on_disk(tmp_path) == 15
     lat = metrics.forward_latency({"a": lin, "b": lin}, torch.randn(1, 8, 64), "cpu", repeats=3, warmup=1)
     assert set(lat) == {"a", "b"} and all(v > 0 for v in lat.values())
+
+
+def test_accuracy_and_agreement_by_hand():
+    # After t the argmax is (t + 1) % 3; targets follow it on 2 of 3 positions.
+    model = FixedLogits([[0, 1, 0], [0, 0, 1], [1, 0, 0]])
+    got = metrics.perplexity(model, [(torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2, 2]]))], "cpu")
+    assert got["accuracy"] == pytest.approx(2 / 3)
+    assert metrics.agreement([[1, 2, 3], [4, 5]], [[1, 0, 3], [4, 5]]) == pytest.approx(4 / 5)
+    with pytest.raises(ValueError, match="zero tokens"):
+        metrics.agreement([], [])
+
+
+def test_kv_cache_decoding_matches_full_forward():
+    """The cached prefill + single-token steps give the full forward's logits, and the same greedy tokens as
+    re-running the whole context each step."""
+    from tasks.model import build_model, get_preset, materialize
+    from tasks.model.generate import forward_cached, greedy
+
+    model = materialize(build_model(get_preset("debug"), "cpu"), "cpu", seed=0).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    cache = {}
+    head = forward_cached(model, tokens[:, :8], cache, 0)
+    tail = torch.cat([forward_cached(model, tokens[:, i:i + 1], cache, i) for i in range(8, 12)], dim=1)
+    with torch.no_grad():
+        full = model(tokens)
+    assert torch.allclose(torch.cat([head, tail], dim=1), full, atol=1e-4)
+    new = greedy(model, tokens[:1, :5], 6)[0].tolist()
+    assert new == metrics.greedy_generate(model, tokens[0, :5].tolist(), 6, model.config.max_seq_len, "cpu")
+    speed = metrics.generation_speed({"a": model}, tokens[:, :4], 4, "cpu", repeats=1, warmup=0)
+    assert speed["a"]["prefill_s"] > 0 and speed["a"]["decode_tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        greedy(model, tokens[:1], model.config.max_seq_len)

@@ -1,9 +1,14 @@
 """Compare a report with the last successful profile of the same MLflow experiment (the tuning loop's baseline).
 
 A run counts as a baseline when it is a finished `profile` stage run whose result status was ok/warn and whose
-profile came from the same kind of source (a CPU trace is no baseline for an Ascend cluster).
+profile has the same key: model shape, layout (dp/tp/pp/zero), world size, device kind (and trace format), seq_len,
+micro-batch and precision. A profile of anything else is not slower or faster, just different: with no run of the
+same key the report says "no baseline yet" (and what differs from the newest profile), never a regression.
 """
 from __future__ import annotations
+
+import hashlib
+import json
 
 from tasks import tracking
 from tasks.config import PipelineConfig
@@ -11,6 +16,35 @@ from tasks.config import PipelineConfig
 STEP_KEY = "profile.step_ms"
 COMM_KEY = "profile.comm_not_overlapped_share"
 FORMAT_TAG = "profile.format"
+KEY_TAG, KEY_JSON_TAG = "profile.key", "profile.key_json"
+NPU_FORMATS = ("ascend_pt", "msprof", "cluster_analysis")
+
+
+def profile_key(cfg: PipelineConfig, report: dict, device_kind: str | None = None) -> dict:
+    """What makes two profiles comparable. `device_kind`: the backend the profiled run used (collect); for an
+    analysed folder, Ascend formats mean npu and a torch trace counts as the configured hardware.device."""
+    fmt = report["source"]["format"]
+    model = {k: v for k, v in cfg.to_dict()["model"].items() if k != "hf_path"}
+    p = cfg.parallel
+    return {"model": model, "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world": report["world"],
+            "device": device_kind or ("npu" if fmt in NPU_FORMATS else cfg.hardware.device), "format": fmt,
+            "seq_len": cfg.data.seq_len, "micro_batch": cfg.train.micro_batch, "precision": cfg.train.precision}
+
+
+def key_digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _differences(old: dict, new: dict) -> str:
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old), flat(new)
+    diffs = [f"{k} {a.get(k)!r}→{b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return ", ".join(diffs[:6]) + (" …" if len(diffs) > 6 else "")
 MIN_COMM_DELTA = 0.01   # a share moving by less than one point is noise, whatever its relative change
 
 
@@ -22,25 +56,40 @@ def report_metrics(report: dict) -> dict[str, float]:
             "profile.world": report["world"]}
 
 
-def find_baseline(cfg: PipelineConfig, fmt: str, exclude_run_id: str | None) -> dict | None:
-    """{"run_id", "metrics"} of the newest matching run, or None (tracking off, first profile, …)."""
+def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) -> tuple[dict | None, str]:
+    """({"run_id", "metrics"} of the newest successful run with the same key, or None; a note saying which run is
+    the baseline, or why there is none yet — tracking off, first profile, or only profiles of another key)."""
     if not cfg.tracking.enabled:
-        return None
+        return None, "no baseline: tracking is off"
     import mlflow
 
     client = mlflow.MlflowClient(tracking.tracking_uri(cfg))
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
-        return None
+        return None, "no baseline yet: first profile of this experiment"
     runs = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'profile' and attributes.status = "
-                              "'FINISHED'", order_by=["attributes.start_time DESC"], max_results=50)
+                              "'FINISHED'", order_by=["attributes.start_time DESC"], max_results=200)
+    digest, other = key_digest(key), None
     for run in runs:
         tags, metrics = run.data.tags, run.data.metrics
         if run.info.run_id == exclude_run_id or tags.get("pipeline.status") not in ("ok", "warn"):
             continue
-        if tags.get(FORMAT_TAG) == fmt and STEP_KEY in metrics and COMM_KEY in metrics:
-            return {"run_id": run.info.run_id, "metrics": {STEP_KEY: metrics[STEP_KEY], COMM_KEY: metrics[COMM_KEY]}}
-    return None
+        if STEP_KEY not in metrics or COMM_KEY not in metrics:
+            continue
+        if tags.get(KEY_TAG) == digest:
+            return ({"run_id": run.info.run_id, "metrics": {STEP_KEY: metrics[STEP_KEY], COMM_KEY: metrics[COMM_KEY]}},
+                    f"baseline: run {run.info.run_id} (same model shape, layout, world, device, seq_len, "
+                    "micro-batch, precision)")
+        other = other or run
+    if other is None:
+        return None, "no baseline yet: first profile of this experiment"
+    try:
+        old_key = json.loads(other.data.tags.get(KEY_JSON_TAG, ""))
+        why = _differences(old_key, key)
+    except ValueError:
+        why = "it predates profile keys"
+    return None, (f"no baseline yet for this configuration: the newest profile (run {other.info.run_id[:8]}) "
+                  f"differs ({why}); profiles are compared only with the same key")
 
 
 def compare(report: dict, baseline: dict | None, threshold: float) -> tuple[dict | None, list[dict]]:

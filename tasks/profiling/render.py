@@ -58,6 +58,8 @@ def render_markdown(report: dict, charts: dict[str, str] | None = None) -> str:
         m = report["memory"]
         lines += ["## Memory", "", f"Peak allocated {m['peak_allocated_mb']:.1f} MB, peak reserved "
                   f"{m['peak_reserved_mb']:.1f} MB (max over ranks).", ""]
+    if report.get("baseline_note") and not report["baseline"]:
+        lines += ["## Baseline", "", report["baseline_note"] + ".", ""]
     if report["baseline"]:
         b = report["baseline"]
         lines += ["## Baseline", "", f"Compared with run `{b['run_id']}` (regression threshold {b['threshold']:.0%}).",

@@ -86,3 +86,33 @@ def write_qat_handoff(out_dir: Path, layers: list[tuple[str, str]], skip_names, 
     else:
         atomic_write_json(json_path, qat_retrain_json(layers, batch_num), sort_keys=False)
     return {"retrain_cfg": str(cfg_path), "retrain_config_json": str(json_path)}
+
+
+RETRAIN_API = ("create_quant_retrain_config", "create_quant_retrain_model", "save_quant_retrain_model")
+
+
+def quantize_retrain(model, skip_names, sample, out_dir: Path, train_fn):
+    """AMCT QAT (the retrain flow): create_quant_retrain_config → create_quant_retrain_model (fake-quant retrain
+    modules) → `train_fn(model)` → save_quant_retrain_model (fake-quant and deploy ONNX, like PTQ's save_model).
+    → (the retrained torch model, train_fn's losses, the ONNX paths)."""
+    amct = _amct()
+    missing = [name for name in RETRAIN_API if not hasattr(amct, name)]
+    if missing:
+        raise StageError(f"QAT: the installed amct_pytorch has no {missing[0]} (its retrain flow); update AMCT from "
+                         "CANN, or set quantize.qat_on_fail=false and use skip_layers/SmoothQuant")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path, config_file, record_file = out_dir / "retrain.cfg", out_dir / "retrain_config.json", out_dir / "record.txt"
+    atomic_write_text(cfg_path, qat_simplified_cfg(skip_names, 1))
+    amct.create_quant_retrain_config(str(config_file), model, sample, config_defination=str(cfg_path))
+    model = amct.create_quant_retrain_model(str(config_file), model, str(record_file), sample)
+    losses = train_fn(model)
+    model.eval()
+    prefix = out_dir / "model"
+    amct.save_quant_retrain_model(str(config_file), model, str(record_file), str(prefix), sample,
+                                  input_names=["tokens"], output_names=["logits"],
+                                  dynamic_axes={"tokens": {0: "batch", 1: "seq"}})
+    outputs = {"fake_quant_onnx": f"{prefix}_fake_quant_model.onnx", "deploy_onnx": f"{prefix}_deploy_model.onnx"}
+    missing = [p for p in outputs.values() if not Path(p).is_file()]
+    if missing:
+        raise StageError(f"amct.save_quant_retrain_model did not write {missing[0]} (see ./amct_log/amct_pytorch.log)")
+    return model, losses, outputs

@@ -33,25 +33,52 @@ def manifest_digest(shard_dir: Path) -> str:
     return digest(shard_dir)
 
 
-def val_batches(shard_dir: Path, n: int, batch_size: int, what: str) -> list:
-    """The first `n` batches of the val split in file order (no shuffle), as a list: every model sees the same
-    tokens, run after run."""
+# Calibration and evaluation never share a token: the val split's windows are cut by this recorded rule on each
+# window's index in the packed token stream (windows do not overlap), logged to MLflow with the counts.
+SPLIT_EVERY = 4
+SPLIT_RULE = (f"val split, file order: window index % {SPLIT_EVERY} == 0 → calibration, otherwise → evaluation "
+              "(windows are disjoint slices of the packed token stream)")
+PARTS = ("calibration", "evaluation")
+
+
+def in_part(key, part: str) -> bool:
+    return (int(key) % SPLIT_EVERY == 0) == (part == "calibration")
+
+
+def val_batches(shard_dir: Path, n: int, batch_size: int, part: str) -> list:
+    """Up to `n` batches of `batch_size` sequences (the last may be short) of one part of the val split, in file
+    order (no shuffle), as a list: every model sees the same tokens, run after run."""
+    return val_part(shard_dir, n, batch_size, part)[0]
+
+
+def val_part(shard_dir: Path, n: int, batch_size: int, part: str) -> tuple[list, dict]:
+    """(batches, record of the split: rule, part, sequence count, the window indices used and their digest)."""
+    import torch
+
     from data_prep.errors import DataPrepError
     from data_prep.loader import ShardLoader
-
     from data_prep.manifest import load_manifest
 
+    if part not in PARTS:
+        raise ValueError(f"part {part!r} is not one of {PARTS}")
     try:
         samples = load_manifest(shard_dir)["splits"].get("val", {}).get("samples", 0)
-        if samples < batch_size:
-            raise StageError(f"{what} set is empty: the val split of {shard_dir} has {samples} sequences, fewer than "
-                             f"one batch of {batch_size}; reshard with a larger data.val_fraction or corpus")
-        loader = ShardLoader(shard_dir, split="val", batch_size=batch_size, num_workers=0, shuffle=False)
+        loader = ShardLoader(shard_dir, split="val", batch_size=1, num_workers=0, shuffle=False,
+                             with_keys=True) if samples else None
     except DataPrepError as e:
-        raise StageError(f"{what} data: {e}") from None
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        if len(batches) >= n:
-            break
-    return batches
+        raise StageError(f"{part} data: {e}") from None
+    rows, keys = [], []
+    for inputs, targets, batch_keys in (loader or ()):
+        if in_part(batch_keys[0], part):
+            rows.append((inputs, targets))
+            keys.append(int(batch_keys[0]))
+            if len(rows) >= n * batch_size:
+                break
+    if not rows:
+        raise StageError(f"{part} set is empty: the val split of {shard_dir} has {samples} sequences and none falls "
+                         f"in the {part} part ({SPLIT_RULE}); reshard with a larger data.val_fraction or corpus")
+    batches = [(torch.cat([r[0] for r in rows[i:i + batch_size]]), torch.cat([r[1] for r in rows[i:i + batch_size]]))
+               for i in range(0, len(rows), batch_size)]
+    info = {"rule": SPLIT_RULE, "part": part, "sequences": len(keys), "tokens": sum(t.numel() for _, t in batches),
+            "keys": keys, "keys_digest": hashlib.sha256(repr(keys).encode()).hexdigest()[:16]}
+    return batches, info

@@ -1,4 +1,5 @@
-"""What evaluation measures: perplexity over fixed tokens, size on disk, per-token forward latency, greedy text."""
+"""What evaluation measures: perplexity and next-token top-1 accuracy over fixed tokens, size on disk, per-token
+forward latency, prefill and KV-cache decode speed, greedy text and the agreement of two models' continuations."""
 from __future__ import annotations
 
 import math
@@ -18,14 +19,16 @@ from tasks import device as devices
 def perplexity(model, batches, device) -> dict:
     """exp(mean token NLL) over every target token of `batches` (fp32 log-softmax; a sum, so batches of any size
     weigh by their tokens). Both models of a comparison get the same list of batches, hence the same tokens."""
-    nll, tokens = 0.0, 0
+    nll, tokens, correct = 0.0, 0, 0
     for inputs, targets in batches:
         logits = model(inputs.to(device))
-        nll += F.cross_entropy(logits.flatten(0, -2).float(), targets.to(device).flatten(), reduction="sum").item()
+        targets = targets.to(device)
+        nll += F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum").item()
+        correct += int((logits.argmax(-1) == targets).sum())   # next-token top-1: what greedy decoding would emit
         tokens += targets.numel()
     if tokens == 0:
         raise ValueError("perplexity over zero tokens")
-    return {"nll": nll / tokens, "ppl": math.exp(nll / tokens), "tokens": tokens}
+    return {"nll": nll / tokens, "ppl": math.exp(nll / tokens), "tokens": tokens, "accuracy": correct / tokens}
 
 
 def size_on_disk(path: str | os.PathLike) -> int:
@@ -83,3 +86,41 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, max_seq_l
         ctx = torch.tensor([ids[-max_seq_len:]], device=device)
         ids.append(int(model(ctx)[0, -1].argmax()))
     return ids[len(prompt_ids):]
+
+
+def agreement(a: list, b: list) -> float:
+    """Share of positions where two continuations of the same prompts agree (pairs of equal-length token lists)."""
+    pairs = [(x, y) for seq_a, seq_b in zip(a, b) for x, y in zip(seq_a, seq_b)]
+    if not pairs:
+        raise ValueError("agreement over zero tokens")
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+@torch.no_grad()
+def generation_speed(models: dict, prompt: torch.Tensor, new_tokens: int, device, repeats: int = 3,
+                     warmup: int = 1) -> dict:
+    """{name: {"prefill_s", "decode_tokens_per_s"}}: the prompt [b, s] through a prefill that fills the KV cache,
+    then `new_tokens` - 1 cached single-token steps for the whole batch (tokens/s counts b × steps). Rounds
+    alternate between the models; the median round counts."""
+    from tasks.model.generate import forward_cached
+
+    prompt = prompt.to(device)
+    prefill = {name: [] for name in models}
+    decode = {name: [] for name in models}
+    for i in range(warmup + repeats):
+        for name, model in models.items():
+            cache: dict = {}
+            devices.synchronize(prompt.device)
+            t0 = time.perf_counter()
+            nxt = forward_cached(model, prompt, cache, 0)[:, -1].argmax(-1, keepdim=True)
+            devices.synchronize(prompt.device)
+            t1 = time.perf_counter()
+            for j in range(new_tokens - 1):
+                nxt = forward_cached(model, nxt, cache, prompt.size(1) + j)[:, -1].argmax(-1, keepdim=True)
+            devices.synchronize(prompt.device)
+            t2 = time.perf_counter()
+            if i >= warmup:
+                prefill[name].append(t1 - t0)
+                decode[name].append(prompt.size(0) * (new_tokens - 1) / (t2 - t1))
+    return {name: {"prefill_s": statistics.median(prefill[name]),
+                   "decode_tokens_per_s": statistics.median(decode[name])} for name in models}

@@ -1,51 +1,86 @@
-"""The FP-vs-INT8 comparison as a table (JSON rows + markdown) and a figure, for MLflow and for a human."""
+"""The FP-vs-INT8 comparison as a table (JSON rows + markdown) and a figure, for MLflow and for a human.
+
+`stages` is [PTQ metrics] or [PTQ metrics, QAT metrics] (evaluate's metric dicts): QAT sits beside PTQ."""
 from __future__ import annotations
 
-COLORS = {"FP32": "#4c72b0", "BF16": "#8c8c8c", "INT8": "#dd8452"}
+COLORS = {"FP32": "#4c72b0", "BF16": "#8c8c8c", "INT8 PTQ": "#dd8452", "INT8 QAT": "#55a868"}
 
 
-def comparison_rows(m: dict) -> list[dict]:
-    """`m` holds the evaluate metrics (fp_ppl, int8_ppl, *_mb, *_ms_per_token, ratios)."""
-    return [
-        {"model": "FP32", "perplexity": m["fp_ppl"], "size_mb": m["fp32_mb"],
-         "size_vs_bf16": m["fp32_mb"] / m["bf16_mb"], "ms_per_token": m["fp32_ms_per_token"], "latency_vs_fp32": 1.0},
-        {"model": "BF16 (reference)", "perplexity": None, "size_mb": m["bf16_mb"], "size_vs_bf16": 1.0,
-         "ms_per_token": m["bf16_ms_per_token"], "latency_vs_fp32": m["bf16_ms_per_token"] / m["fp32_ms_per_token"]},
-        {"model": f"INT8 ({m['method']}, {m['backend']})", "perplexity": m["int8_ppl"], "size_mb": m["int8_mb"],
-         "size_vs_bf16": m["size_ratio_vs_bf16"], "ms_per_token": m["int8_ms_per_token"],
-         "latency_vs_fp32": m["latency_ratio_vs_fp32"]},
+def _label(m: dict) -> str:
+    return f"INT8 {m['stage'].upper()} ({m['method']}, {m['backend']})"
+
+
+def comparison_rows(stages: list[dict]) -> list[dict]:
+    m = stages[0]
+    ref_is_bf16 = m["reference"] == "bf16"
+    rows = [
+        {"model": "FP32", "perplexity": m["fp_ppl"], "top1_accuracy": m["fp_accuracy"], "greedy_agreement": None,
+         "size_mb": m["fp32_mb"], "prefill_tok_s": m["fp32_prefill_tokens_per_s"],
+         "decode_tok_s": m["fp32_decode_tokens_per_s"], "gate_value_pct": None},
+        {"model": "BF16 (reference)" if ref_is_bf16 else "BF16", "perplexity": m["ref_ppl"] if ref_is_bf16 else None,
+         "top1_accuracy": m["ref_accuracy"] if ref_is_bf16 else None, "greedy_agreement": 1.0 if ref_is_bf16 else None,
+         "size_mb": m["bf16_mb"], "prefill_tok_s": m["bf16_prefill_tokens_per_s"],
+         "decode_tok_s": m["bf16_decode_tokens_per_s"], "gate_value_pct": None},
     ]
+    for s in stages:
+        rows.append({"model": _label(s), "perplexity": s["int8_ppl"], "top1_accuracy": s["int8_accuracy"],
+                     "greedy_agreement": s.get("greedy_agreement"), "size_mb": s["int8_mb"],
+                     "prefill_tok_s": s["int8_prefill_tokens_per_s"], "decode_tok_s": s["int8_decode_tokens_per_s"],
+                     "gate_value_pct": s["gate_value"]})
+    return rows
 
 
-def markdown(rows: list[dict], m: dict, generations: list[dict]) -> str:
+def markdown(rows: list[dict], stages: list[dict], generations: list[dict], split: dict) -> str:
     def cell(v):
         return "—" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
-    lines += ["", f"Perplexity drop: {m['ppl_drop_pct']:.3f}% (gate ≤ {m['max_drop_pct']}%) over {m['eval_tokens']} "
-                  f"validation tokens; latency on {m['device']} over {m['latency_tokens']} tokens."]
+    m = stages[0]
+    lines += ["", f"Gate: `{m['gate_metric']}` ≤ {m['max_drop_pct']}%, INT8 against the unquantized model in "
+                  f"{m['reference'].upper()}."]
+    for s in stages:
+        verdict = "passed" if s["passed"] else "missed"
+        agree = f", greedy disagreement {s['greedy_disagreement_pct']:.2f}%" if "greedy_disagreement_pct" in s else ""
+        lines.append(f"- {s['stage'].upper()}: {verdict} — accuracy drop {s['accuracy_drop_pct']:.3f}%, perplexity "
+                     f"rise {s['ppl_drop_pct']:.3f}%{agree}.")
+    lines += ["", f"Evaluation data: {m['eval_tokens']} tokens in {split['sequences']} sequences; {split['rule']}.",
+              f"Speed on {m['device']}: batch 1, prompt {m['latency_prompt_tokens']} tokens, "
+              f"{m['latency_new_tokens']} new tokens with a KV cache."]
+    for what in ("decode", "prefill"):
+        r = stages[-1][f"{what}_speed_vs_bf16"]
+        lines.append(f"- {what}: INT8 {r:.2f}x BF16 speed, {stages[-1][f'{what}_speed_vs_fp32']:.2f}x FP32"
+                     + (" — INT8 is slower than BF16 here" if r < 1 else ""))
     if generations:
         lines += ["", "## Greedy generations", ""]
         for g in generations:
-            lines += [f"**prompt** `{g['prompt']!r}`", "", f"- FP32: `{g['fp']!r}`", f"- INT8: `{g['int8']!r}`", ""]
+            lines += [f"**prompt** `{g['prompt']!r}`", "", f"- {m['reference'].upper()}: `{g['fp']!r}`",
+                      f"- INT8: `{g['int8']!r}`", ""]
     return "\n".join(lines) + "\n"
 
 
-def figure(m: dict):
+def figure(stages: list[dict]):
     from matplotlib.figure import Figure  # not pyplot: no global figure registry, no GUI backend
 
-    fig = Figure(figsize=(11, 3.2))
-    axes = fig.subplots(1, 3)
-    panels = [("perplexity", ["FP32", "INT8"], [m["fp_ppl"], m["int8_ppl"]]),
-              ("size on disk (MB)", ["FP32", "BF16", "INT8"], [m["fp32_mb"], m["bf16_mb"], m["int8_mb"]]),
-              (f"forward ms/token ({m['device']})", ["FP32", "BF16", "INT8"],
-               [m["fp32_ms_per_token"], m["bf16_ms_per_token"], m["int8_ms_per_token"]])]
+    m = stages[0]
+    ints = [f"INT8 {s['stage'].upper()}" for s in stages]
+    fig = Figure(figsize=(14, 3.2))
+    axes = fig.subplots(1, 4)
+    panels = [("top-1 accuracy", ["FP32", "BF16"] + ints, [m["fp_accuracy"], m["ref_accuracy"]] +
+               [s["int8_accuracy"] for s in stages]),
+              ("perplexity", ["FP32", "BF16"] + ints, [m["fp_ppl"], m["ref_ppl"]] + [s["int8_ppl"] for s in stages]),
+              ("size on disk (MB)", ["FP32", "BF16"] + ints, [m["fp32_mb"], m["bf16_mb"]] +
+               [s["int8_mb"] for s in stages]),
+              (f"decode tokens/s, batch 1 ({m['device']})", ["FP32", "BF16"] + ints,
+               [m["fp32_decode_tokens_per_s"], m["bf16_decode_tokens_per_s"]] +
+               [s["int8_decode_tokens_per_s"] for s in stages])]
     for ax, (title, labels, values) in zip(axes, panels):
         bars = ax.bar(labels, values, color=[COLORS[label] for label in labels])
         ax.bar_label(bars, fmt="%.3g")
         ax.set_title(title)
-    fig.suptitle(f"INT8 {m['method']} ({m['backend']}) vs full precision: drop {m['ppl_drop_pct']:.2f}%")
+    s = stages[-1]
+    fig.suptitle(f"INT8 {s['method']} ({s['backend']}) vs {m['reference'].upper()}: {s['gate_metric']} "
+                 f"{s['gate_value']:.2f}% ({'passed' if s['passed'] else 'missed'} by {s['stage'].upper()})")
     fig.tight_layout()
     return fig

@@ -1,0 +1,139 @@
+"""Quantization-aware training when PTQ misses the gate (the guides' rule: PTQ first; over a 2 % drop, QAT).
+
+From the trained FP checkpoint: fake-quantize the same layers PTQ chose, fine-tune `quantize.qat_steps` optimizer
+steps on the training shards at `train.min_lr` (the end of the training schedule, where the weights came from),
+then convert to the same INT8 format as PTQ.
+
+- torchao (CPU/CUDA): `quantize_(model, QATConfig(activation_config=…, weight_config=…, step="prepare"))` with
+  IntxFakeQuantizeConfig matching the PTQ method (int8 weights per channel, symmetric; W8A8 adds int8 per-token
+  activations — asymmetric, the only per-token mode torchao 0.18's fake quantizer implements), then
+  `QATConfig(<the PTQ config>, step="convert")`, which swaps FakeQuantizedLinear back and applies the PTQ config.
+  torchao 0.18 infers no fake-quant config from Int8WeightOnlyConfig / Int8DynamicActivationInt8WeightConfig, hence
+  the explicit pair.
+- AMCT (Ascend): `amct_backend.quantize_retrain` (create_quant_retrain_config → create_quant_retrain_model → train →
+  save_quant_retrain_model), where the installed AMCT has those functions.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tasks.errors import StageError
+from tasks.fsutil import atomic_write_json, publish_dir
+
+QAT_DIR = "quantize_qat"
+
+
+def _fake_quant_configs(method: str):
+    from torchao.quantization.qat import IntxFakeQuantizeConfig
+
+    weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)
+    if method == "int8_weight_only":
+        return None, weight
+    if method in ("int8_dynamic", "smoothquant"):
+        return IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False), weight
+    raise StageError(f"quantize.method: {method!r} has no QAT recipe (int8_weight_only, int8_dynamic, smoothquant)")
+
+
+def train_batches(shard_dir: Path, batch_size: int, seed: int):
+    from data_prep.loader import ShardLoader
+
+    return ShardLoader(shard_dir, split="train", batch_size=batch_size, num_workers=0, seed=seed).batches()
+
+
+def finetune(model, steps: int, batches, lr: float, weight_decay: float, grad_clip: float, device) -> list[float]:
+    """`steps` AdamW steps on `batches` (an iterator of (inputs, targets)); returns the losses."""
+    from tasks.model.loss import lm_loss
+
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    losses = []
+    for _, (inputs, targets) in zip(range(steps), batches):
+        loss = lm_loss(model(inputs.to(device)), targets.to(device))
+        if not torch.isfinite(loss):
+            raise StageError(f"QAT: loss became {loss.item()} at step {len(losses)}; lower train.min_lr or "
+                             "quantize.qat_steps")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def torchao_qat(model, method: str, names, steps: int, batches, lr: float, weight_decay: float, grad_clip: float,
+                dtype: torch.dtype, device) -> tuple[torch.nn.Module, list[float]]:
+    """Prepare (fake quant) → fine-tune in fp32 → cast to `dtype` → convert to torchao INT8; in place."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.qat import QATConfig
+
+    from tasks.quant.torchao_backend import _configs
+
+    wanted = set(names)
+    act, weight = _fake_quant_configs(method)
+    quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),
+              filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear))
+    losses = finetune(model, steps, batches, lr, weight_decay, grad_clip, device)
+    model.eval().to(dtype)
+    model.init_rope()
+    # After prepare the chosen layers are FakeQuantizedLinear (a Linear subclass): convert swaps them back to Linear
+    # and applies the PTQ config, exactly what PTQ applied to the same names.
+    quantize_(model, QATConfig(_configs(method), step="convert"), filter_fn=lambda m, fqn: fqn in wanted)
+    return model, losses
+
+
+def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, device) -> dict:
+    """QAT from the FP checkpoint with PTQ's layer choice; writes <run-dir>/quantize_qat/ in PTQ's format.
+    → {"quant_dir", "meta", "losses", "seconds"} (AMCT: also "model", the in-memory retrained model to gate)."""
+    from tasks.model.hf_io import load_hf
+    from tasks.quant import metrics
+    from tasks.quant.artifact import DTYPES, META, WEIGHTS, save_model
+
+    q, t = cfg.quantize, cfg.train
+    started = time.time()
+    model = load_hf(model_dir, device=device)
+    batches = train_batches(shard_dir, t.micro_batch, t.seed)
+    names = ptq_meta["quantized_layers"]
+    ctx_dir = Path(run_dir)
+    ctx_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".quantize_qat.", dir=ctx_dir))
+    meta = {k: v for k, v in ptq_meta.items() if k not in ("int8_bytes", "deploy_onnx", "fake_quant_onnx",
+                                                          "amct_config")}
+    meta.update(stage="qat", qat_steps=q.qat_steps, qat_lr=t.min_lr)
+    out = {}
+    try:
+        if ptq_meta["backend"] == "torchao":
+            model, losses = torchao_qat(model, ptq_meta["method"], names, q.qat_steps, batches, t.min_lr,
+                                        t.weight_decay, t.grad_clip, DTYPES[q.dtype], device)
+            meta["format"] = "torch_state_dict"
+            save_model(model, tmp / WEIGHTS, meta["format"])
+            meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
+        else:
+            from tasks.quant.amct_backend import quantize_retrain
+
+            sample = (next(iter(train_batches(shard_dir, 1, t.seed)))[0].to(device),)
+            retrained, losses, paths = quantize_retrain(
+                model, ptq_meta["skipped_layers"], sample, tmp / "amct",
+                lambda m: finetune(m, q.qat_steps, batches, t.min_lr, t.weight_decay, t.grad_clip, device))
+            meta.update(paths, format="onnx", int8_bytes=metrics.size_on_disk(paths["deploy_onnx"]))
+            out["model"] = retrained.eval()
+        meta["qat_final_loss"] = losses[-1] if losses else None
+        atomic_write_json(tmp / META, meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dest = ctx_dir / QAT_DIR
+    if dest.exists():
+        shutil.rmtree(dest)
+    publish_dir(tmp, dest)
+    if "model" in out:  # the ONNX paths were written under tmp: point them at the published folder
+        for k in ("deploy_onnx", "fake_quant_onnx"):
+            meta[k] = str(dest / Path(meta[k]).relative_to(tmp))
+        atomic_write_json(dest / META, meta)
+    return dict(out, quant_dir=str(dest), meta=meta, losses=losses, seconds=time.time() - started)
