@@ -22,6 +22,7 @@ from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, read_json
 from tasks.parallel import checkpoint as ckpt
 from tasks.parallel import layout as layouts
+from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
 
@@ -94,10 +95,14 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
                             sequence_parallel=lay.sequence_parallel)
 
 
-def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str) -> list[str]:
-    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes."""
+def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str,
+                  log_dir: Path | None = None) -> list[str]:
+    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes. `log_dir` keeps the ranks'
+    @record error files (tasks.parallel.rank_errors reads them)."""
     hw = cfg.hardware
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    if log_dir is not None:
+        argv += ["--log-dir", str(log_dir)]
     if hw.nnodes == 1:
         argv.append("--standalone")
     else:
@@ -150,15 +155,22 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             p = train_dir / stale
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     spec_path = atomic_write_json(train_dir / "launch.json", spec)
-    argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name)
-    log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{cfg.hardware.node_rank}.log"
+    logs, node = run_dir / "logs", cfg.hardware.node_rank
+    elastic_dir = logs / f"torchelastic-node{node}"  # this launch's @record error files only
+    shutil.rmtree(elastic_dir, ignore_errors=True)
+    elastic_dir.mkdir(parents=True, exist_ok=True)
+    offsets = rank_errors.log_offsets(logs)
+    argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
+    log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
     rc, log_text = launch(argv, launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id),
-                          run_dir / "logs" / log_name)
+                          logs / log_name)
     if rc != 0:
         resume = ckpt.latest(run_dir / "checkpoints")
         plans = _plans(ctx.inputs.get("plan"))
+        failures = rank_errors.collect(log_text, logs, node, spec["nproc"], offsets)
         raise diagnosis.explain(train_dir, rc, log_text, plans, spec["layout"],
-                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)")
+                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)",
+                                failures=failures)
     if export:
         _export_hf(spec, run_dir)
     return _result(cfg, ctx, spec, reused=False)

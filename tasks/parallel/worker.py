@@ -253,6 +253,14 @@ def _write_failure(train_dir: Path, kind: str, rank: int, step: int, mem: dict, 
 
 
 def main(argv=None) -> int:
+    """@record: a Python exception of this rank goes to the error file torchrun names (TORCHELASTIC_ERROR_FILE),
+    where the launcher reads the real cause of the failure (tasks.parallel.rank_errors)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_main)(argv)
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", action="append", required=True, help="launch spec JSON (repeatable)")
     parser.add_argument("--profile-dir", default=None, help="profile the steps (tasks.profiling.collect schedule)")
