@@ -69,9 +69,12 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         for p in ("checkpoints", "train", "metrics.jsonl"):
             target = ctx.run_dir / p
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-    last = ckpt.latest(ctx.run_dir / "checkpoints")
+    last, warnings_ = _resume_point(cfg, ctx.run_dir / "checkpoints")
     model = dataclasses.asdict(tcfg)
     if last:
+        warnings_ += [f"resuming from {last[1].name} with training-shaping config changed since it was saved: "
+                      f"{'; '.join(changes)} (the curve will differ from an uninterrupted run; use --fresh to "
+                      f"start over)" for changes in [ckpt.config_changes(last[1], cfg.to_dict())] if changes]
         saved = ckpt.read_meta(last[1])["model"]
         diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
         if diff:
@@ -79,9 +82,25 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
                             f"use --fresh or another --run-dir")
     if problems:
         raise ConfigError(problems)
+    for w in warnings_:
+        print(f"warning: {w}", file=sys.stderr, flush=True)
     return {"config": cfg.to_dict(), "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
             "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
+            **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
+            "warnings": warnings_,
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
+
+
+def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
+    """Node 0: the newest checkpoint that verifies (sizes and sha256 recorded at save), with a warning naming each
+    newer one skipped; other nodes only look (node 0's decision reaches their ranks by broadcast)."""
+    if cfg.hardware.node_rank != 0:
+        return ckpt.latest(ckpt_dir), []
+    ckpt.cleanup_partial(ckpt_dir)
+    found, skipped = ckpt.latest_verified(ckpt_dir)
+    warnings_ = [f"checkpoint {s} — skipped, resuming from "
+                 f"{found[1].name if found else 'step 0 (no checkpoint verifies)'}" for s in skipped]
+    return found, warnings_
 
 
 def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
@@ -144,7 +163,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     run_dir, lay = ctx.run_dir, layouts.Layout(**spec["layout"])
     train_dir = run_dir / "train"
     export = not getattr(ctx.args, "no_export", False) and cfg.hardware.node_rank == 0
-    last = ckpt.latest(run_dir / "checkpoints")
+    last = (spec.get("resume_from") and (int(Path(spec["resume_from"]).name.split("-")[1]), spec["resume_from"])) \
+        if cfg.hardware.node_rank == 0 else ckpt.latest(run_dir / "checkpoints")
     if last and last[0] >= cfg.train.steps and (not export or (run_dir / "hf" / "config.json").is_file()):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
     tracking.log_params({"train.layout": layout_name(lay.dp, lay.tp, lay.pp), **{f"parallel.{k}": v for k, v in
@@ -188,7 +208,11 @@ def _export_hf(spec: dict, run_dir: Path) -> Path:
     from tasks.model import TransformerConfig, build_model
     from tasks.model.hf_io import save_hf
 
-    _, path = ckpt.latest(run_dir / "checkpoints")
+    found, skipped = ckpt.latest_verified(run_dir / "checkpoints")
+    if found is None:
+        raise StageError(f"HF export: no checkpoint in {run_dir / 'checkpoints'} verifies ({'; '.join(skipped)}); "
+                         "rerun train with --fresh")
+    _, path = found
     model = build_model(TransformerConfig(**spec["model"]), device="cpu")
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "torch.distributed is … uninitialized": loading in one process is the intent
@@ -219,6 +243,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         "peak_mem_gb": round(max(peaks) / 2**30, 3) if peaks else None, "reused": reused,
         "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
         "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
+        "warnings": spec.get("warnings", []),
         "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
                    f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
     }

@@ -73,3 +73,36 @@ def test_rank_cause_from_log_and_retry_policy(tmp_path):
     # Only collective errors (a network fault): retryable.
     e = explain(tmp_path / "train", 1, "", [], {}, "step 0", failures=killed[:1])
     assert e.retryable and "Connection closed by peer" in str(e)
+
+
+@pytest.mark.slow
+def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, shards, capsys):
+    """A truncated shard of the newest checkpoint: the resume skips it (saying so), continues from the one before,
+    and the curve equals an uninterrupted run; changed training-shaping config is warned about on resume."""
+    from tasks import train
+    from tasks.parallel import checkpoint as ckpt
+    from train_fixture import assert_same_curve, losses, reference_losses
+
+    c = configure(cfg, **DP2, **{"train.steps": 4, "train.checkpoint_every": 2, "train.keep_checkpoints": 3})
+    run = tmp_path / "run"
+    train.run(c, context(run, shards))
+    step4 = run / "checkpoints" / "step-4"
+    assert ckpt.verify(step4) is None and "files" in ckpt.read_meta(step4)
+    victim = sorted(step4.glob("*.distcp"))[-1]
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    assert "truncated" in ckpt.verify(step4) and ckpt.latest_verified(run / "checkpoints")[0][0] == 2
+
+    c6 = configure(cfg, **DP2, **{"train.steps": 6, "train.checkpoint_every": 2, "train.keep_checkpoints": 3})
+    result = train.run(c6, context(run, shards))
+    err = capsys.readouterr().err
+    assert f"warning: checkpoint step-4: {victim.name} is truncated or altered" in err, err
+    assert "resuming from step-2" in err
+    assert result["warnings"] and result["steps"] == 6
+    assert_same_curve(losses(run), reference_losses(c6, shards, 2, 6), "step-4 corrupt, resumed from 2",
+                      steps=range(1, 7))
+    assert ckpt.verify(run / "checkpoints" / "step-4") is None  # rewritten by the resumed run
+
+    # The same run directory with another learning rate: the resume warns and names the change.
+    spec = train.prepare(configure(cfg, **DP2, **{"train.steps": 8, "train.lr": 1e-3}), context(run, shards))
+    assert any("train.lr: 0.003 → 0.001" in w for w in spec["warnings"]), spec["warnings"]
+    assert spec["resume_from"].endswith("step-6")

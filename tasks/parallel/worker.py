@@ -80,7 +80,7 @@ def setup(spec: dict, device) -> SimpleNamespace:
     from tasks.config import PipelineConfig, apply_overrides
     from tasks.device import reset_peak
     from tasks.model import TransformerConfig, flops_per_token, lm_loss
-    from tasks.parallel.checkpoint import CheckpointManager, latest
+    from tasks.parallel.checkpoint import CheckpointManager, latest_verified
     from tasks.parallel.layout import Layout
     from tasks.parallel.mesh import build_mesh, coords, layout_name
     from tasks.parallel.metrics import Heartbeat, MetricsLog, peak_flops
@@ -111,10 +111,20 @@ def setup(spec: dict, device) -> SimpleNamespace:
                          verify_sha256=cfg.data.verify_sha256)
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
     start, last_good = 0, None
-    found = latest(ckpt.dir) if spec.get("resume", True) else None
-    source = spec.get("resume_from") or (found[1] if found else None)
+    # Rank 0 decides what to resume from and tells everyone (no rank reads the directory while rank 0 may be
+    # restoring a step-N.old in it): the launcher's verified choice, else the newest checkpoint that verifies.
+    decision = [None]
     if rank == 0:
         ckpt.remove_partial()
+        if "resume_from" in spec or not spec.get("resume", True):
+            decision[0] = spec.get("resume_from") if spec.get("resume", True) else None
+        else:
+            found, skipped = latest_verified(ckpt.dir)
+            for note in skipped:
+                _log(f"skipping checkpoint {note}")
+            decision[0] = str(found[1]) if found else None
+    dist.broadcast_object_list(decision, src=0)
+    source = decision[0]
     if source:
         try:
             start, notes = ckpt.load(Path(source), parts, optimizers, loader)
@@ -175,6 +185,7 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     import torch
 
     from tasks.device import memory_stats, synchronize
+    from tasks.parallel.checkpoint import shaping_config
     from tasks.parallel.optim import grad_norm_and_clip
     from tasks.parallel.step import global_loss
 
@@ -210,7 +221,8 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
                        "peak_mem_gb": memory_stats(device)["peak_bytes"] / 2**30})
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
         s.beat.beat(step, "checkpoint")
-        meta = {"model": s.spec["model"], "layout": s.spec["layout"], "config_hash": s.spec.get("config_hash", "")}
+        meta = {"model": s.spec["model"], "layout": s.spec["layout"], "config_hash": s.spec.get("config_hash", ""),
+                "shaping": shaping_config(s.spec["config"])}
         s.last_good = str(s.ckpt.save(step, s.parts, s.optimizers, s.loader, meta))
     return True
 
