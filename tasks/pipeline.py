@@ -119,8 +119,12 @@ def overrides_from_params(params: dict) -> tuple[str | None, dict]:
 
 
 def config_for_params(params: dict) -> PipelineConfig:
+    """The DAG's config: Params over the preset, and shards hashed against their manifest wherever they are read
+    (data.verify_sha256: a shard with the right size and altered bytes is caught before it is trained on)."""
     preset, overrides = overrides_from_params(params)
-    return load_config(preset, overrides=overrides)
+    cfg = load_config(preset, overrides=overrides)
+    cfg.data.verify_sha256 = True
+    return cfg
 
 
 def check_conf(text: str) -> PipelineConfig:

@@ -51,7 +51,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     shard_dir = runner.shard_dir(ctx)
     try:
         manifest = load_manifest(shard_dir)
-        check_files(shard_dir, manifest, "train")
+        check_files(shard_dir, manifest, "train", sha256=cfg.data.verify_sha256)  # hashed here, once per launch
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
@@ -87,7 +87,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     return {"config": cfg.to_dict(), "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
             "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
             **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
-            "warnings": warnings_,
+            "warnings": warnings_, "shards_verified": cfg.data.verify_sha256,
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
 
 

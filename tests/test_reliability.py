@@ -106,3 +106,155 @@ def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, 
     spec = train.prepare(configure(cfg, **DP2, **{"train.steps": 8, "train.lr": 1e-3}), context(run, shards))
     assert any("train.lr: 0.003 → 0.001" in w for w in spec["warnings"]), spec["warnings"]
     assert spec["resume_from"].endswith("step-6")
+
+
+# ---- class 4: environment faults are one line at the top (real CLI processes) --------------------------------------
+
+def cli(*argv, env=None, timeout=180):
+    """`python -m tasks …` as a real process; returns (exit status, stderr lines)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = subprocess.run([sys.executable, "-m", "tasks", *argv], cwd=REPO, capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    return out.returncode, out.stderr.strip().splitlines()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """mount(opts) → a fresh tmpfs directory (root only; skipped where mounting is not allowed)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(opts: str):
+        d = tmp_path / f"fs{len(mounted)}"
+        d.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()[:80]})")
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in mounted:
+        subprocess.run(["umount", str(d)], capture_output=True)
+
+
+def _read_only_dir(tmp_path, tiny_fs):
+    import os
+
+    if os.geteuid() == 0:  # root ignores permission bits: a read-only mount is the real thing
+        return tiny_fs("ro,size=64k")
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o555)
+    return d
+
+
+def test_os_faults_are_one_line_naming_path_and_errno(tmp_path, tiny_fs):
+    ro = _read_only_dir(tmp_path, tiny_fs)
+    rc, err = cli("plan", "--no-tracking", env={"LLM_PIPELINE_VAR_DIR": str(ro)})
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith(f"error: cannot create the run directory: {ro}/runs: ") and \
+        ("(EROFS)" in err[0] or "(EACCES)" in err[0]), err
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    rc, err = cli("plan", "--no-tracking", "--run-dir", str(a_file))
+    assert rc == 2 and err == [f"error: --run-dir {a_file} is a file, not a directory; choose another --run-dir"]
+    rc, err = cli("plan", "--no-tracking", "--run-dir", str(a_file / "sub"))
+    assert rc == 2 and len(err) == 1 and "Not a directory (ENOTDIR)" in err[0]
+    assert a_file.read_text() == "x"
+
+
+def test_disk_full_names_enospc_even_when_the_failure_record_cannot_be_written(tmp_path, tiny_fs):
+    full = tiny_fs("size=64k")
+    (full / "run").mkdir()
+    try:  # fill the filesystem
+        with open(full / "fill", "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * 4096)
+    except OSError:
+        pass
+    rc, err = cli("plan", "--no-tracking", "--run-dir", str(full / "run"))
+    assert rc == 2, err
+    assert err[-1].startswith(f"error: {full / 'run' / 'plan'}") or f"{full / 'run'}" in err[-1], err
+    assert "No space left on device (ENOSPC)" in err[-1], err
+    assert all("Traceback" not in line for line in err)
+    assert err[0].startswith("warning: could not write the failure record") or len(err) == 1
+
+
+# ---- class 5: what is reused is verified ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tests.quant_fixture import tiny_trained
+
+    return tiny_trained(tmp_path_factory.getbasetemp())
+
+
+def test_corrupt_int8_model_is_named_and_rebuilt(cfg, tiny_model, tmp_path, capsys):
+    import argparse
+
+    from tasks.quant.artifact import load_quantized
+    from tasks.runner import run_stage
+
+    args = argparse.Namespace(model_dir=str(tiny_model["model_dir"]), shard_dir=str(tiny_model["shard_dir"]))
+    cfg.tracking.enabled = False
+    first = run_stage("quantize", cfg, tmp_path, args=args)
+    weights = tmp_path / "quantize" / "model_int8.pt"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(StageError, match=r"model_int8.pt is truncated or altered .* rerun the quantize stage"):
+        load_quantized(tmp_path / "quantize")
+    again = run_stage("quantize", cfg, tmp_path, args=args)  # same settings: not reused, rebuilt
+    assert not again["reused"] and again["int8_mb"] == first["int8_mb"]
+    assert "model_int8.pt is truncated or altered" in capsys.readouterr().err
+    weights.write_bytes(bytes([good[0] ^ 1]) + weights.read_bytes()[1:])  # right size, altered byte
+    with pytest.raises(StageError, match="is corrupt .sha256 differs"):
+        load_quantized(tmp_path / "quantize")
+    assert not run_stage("quantize", cfg, tmp_path, args=args)["reused"]
+    assert run_stage("quantize", cfg, tmp_path, args=args)["reused"]  # intact now: reused
+    assert not list(tmp_path.glob(".quantize.*"))  # no temp directories left
+
+
+def test_altered_shard_bytes_fail_smoke_and_train_when_verify_is_on(cfg, tmp_path, shards):
+    """Same size, one byte flipped: with data.verify_sha256 (the DAG turns it on) smoke and train name the shard."""
+    from tasks import train
+    from tasks.pipeline import config_for_params
+    from tasks.smoke import load_batches
+
+    assert config_for_params({}).data.verify_sha256
+    bad = tmp_path / "shards"
+    shutil.copytree(shards, bad)
+    victim = sorted(bad.glob("train-*.tar"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    load_batches(bad, 2, 2, 0, verify=False)  # without the check the bytes would be trained on
+    with pytest.raises(StageError, match=f"smoke: shard {victim} is corrupt: sha256 differs"):
+        load_batches(bad, 2, 2, 0, verify=True)
+    c = configure(cfg, **DP2, **{"data.verify_sha256": True})
+    with pytest.raises(StageError, match=f"shards: shard {victim} is corrupt: sha256 differs"):
+        train.run(c, context(tmp_path / "run", bad))
+
+
+def test_swapped_outputs_survive_a_crash_between_the_renames(tmp_path):
+    """fsutil.swap_dir: old aside, new in, old deleted; recover_dir undoes a crash in between, drops temp dirs."""
+    from tasks.fsutil import recover_dir, swap_dir
+
+    final = tmp_path / "hf"
+    final.mkdir()
+    (final / "v").write_text("1")
+    new = tmp_path / ".hf.abc"
+    new.mkdir()
+    (new / "v").write_text("2")
+    swap_dir(new, final)
+    assert (final / "v").read_text() == "2" and not new.exists() and not (tmp_path / ".hf.old").exists()
+    final.rename(tmp_path / ".hf.old")           # a crash after "old aside", before "new in"
+    (tmp_path / ".hf.xyz").mkdir()               # and a killed writer's temp directory
+    recover_dir(final)
+    assert (final / "v").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

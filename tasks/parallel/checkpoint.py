@@ -15,14 +15,13 @@ checkpoint is never deleted.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
 import time
 from pathlib import Path
 
-from tasks.fsutil import atomic_write_json, fsync_dir
+from tasks.fsutil import atomic_write_json, fsync_dir, sha256_file
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -74,14 +73,6 @@ def config_changes(path: Path, config: dict) -> list[str]:
     now = shaping_config(config)
     return [f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in sorted(set(saved) | set(now))
             if saved.get(k) != now.get(k)]
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def file_table(path: Path) -> dict[str, dict]:

@@ -108,7 +108,7 @@ def setup(spec: dict, device) -> SimpleNamespace:
         step_fn = PlainStep(parts[0], lay.n_microbatches)
     loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
                          dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed,
-                         verify_sha256=cfg.data.verify_sha256)
+                         verify_sha256=cfg.data.verify_sha256 and not spec.get("shards_verified"))
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
     start, last_good = 0, None
     # Rank 0 decides what to resume from and tells everyone (no rank reads the directory while rank 0 may be
