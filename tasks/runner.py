@@ -14,6 +14,7 @@ from tasks import tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.errors import StageError, os_error_cause
 from tasks.fsutil import atomic_write_json, read_json
+from tasks.procs import RunDirLock
 from tasks.stages import STAGES
 
 
@@ -97,6 +98,17 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
     # Every node of a multi-node job runs the stage in the shared run directory: node 0's result is the stage's.
     node = cfg.hardware.node_rank
     result_path = run_dir / (f"{stage}.json" if node == 0 else f"{stage}-node{node}.json")
+    try:
+        lock = RunDirLock(run_dir, stage, node).__enter__()  # one writer per run directory (and node)
+    except OSError as e:
+        raise StageError(f"cannot lock the run directory: {os_error_cause(e)}") from None
+    try:
+        return _run_locked(module, stage, cfg, run_dir, args, parent_run_id, started, result_path)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started: float, result_path: Path) -> dict:
     with tracking.stage_run(cfg, stage, parent_run_id) as run_id:
         ctx = StageContext(run_dir=run_dir, stage=stage, args=args, inputs=load_inputs(run_dir),
                            mlflow_run_id=run_id, parent_run_id=parent_run_id)

@@ -11,12 +11,12 @@ import argparse
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 from tasks import runner, tracking
+from tasks.procs import run_in_group
 from tasks.config import REPO_ROOT, PipelineConfig
 from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, read_json
@@ -24,6 +24,7 @@ from tasks.parallel import checkpoint as ckpt
 from tasks.parallel import layout as layouts
 from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
+from tasks.parallel.worker import FAULT_ENV, parse_fault
 from tasks.parallel.metrics import read_metrics
 
 
@@ -63,6 +64,10 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     hw = cfg.hardware
     problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
                              f"hardware.nnodes {hw.nnodes} × {nproc} processes per node")
+    try:
+        parse_fault(os.environ.get(FAULT_ENV, ""))
+    except ValueError as e:
+        problems.append(str(e))
     if cfg.train.precision == "fp16":
         problems.append("train.precision: fp16 training needs a loss scaler (not implemented); use bf16")
     if getattr(ctx.args, "fresh", False):
@@ -151,8 +156,8 @@ def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id
 def launch(argv: list[str], env: dict, log_path: Path) -> tuple[int, str]:
     """Run torchrun to completion; its own output (rendezvous, failure report) goes to log_path."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w", encoding="utf-8") as log:
-        rc = subprocess.run(argv, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    with open(log_path, "w", encoding="utf-8") as log:  # own process group, dies with this process (tasks.procs)
+        rc = run_in_group(argv, env=env, cwd=REPO_ROOT, stdout=log)
     return rc, log_path.read_text(encoding="utf-8", errors="replace")
 
 

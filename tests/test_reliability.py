@@ -258,3 +258,83 @@ def test_swapped_outputs_survive_a_crash_between_the_renames(tmp_path):
     (tmp_path / ".hf.xyz").mkdir()               # and a killed writer's temp directory
     recover_dir(final)
     assert (final / "v").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+# ---- class 6: processes and concurrency ------------------------------------------------------------------------------
+
+def _procs_mentioning(text: str) -> list[tuple[int, str]]:
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(pid) != os.getpid():
+            found.append((int(pid), cmd[:120]))
+    return found
+
+
+def test_second_writer_is_refused_naming_the_holder(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tasks.procs import RunDirLock\n"
+                               f"with RunDirLock({str(run)!r}, 'train'):\n print('held', flush=True); time.sleep(60)"],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, err = cli("plan", "--no-tracking", "--run-dir", str(run))
+        assert rc == 2 and len(err) == 1, err
+        assert err[0].startswith(f"error: run directory {run} is in use by pid {holder.pid} on ") and \
+            "(stage train, since " in err[0] and "use another --run-dir" in err[0], err
+        assert not (run / "plan.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    rc, err = cli("plan", "--no-tracking", "--run-dir", str(run))  # the kernel dropped the dead holder's lock
+    assert rc == 0 and (run / "plan.json").is_file(), err
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_train_stage_leaves_no_orphans(tmp_path, shards):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+    from train_fixture import BASE
+
+    run = tmp_path / "run"
+    sets = {**BASE, **DP2, "train.steps": 100000, "train.checkpoint_every": 0}
+    argv = [sys.executable, "-m", "tasks", "train", "--no-tracking", "--no-export", "--run-dir", str(run),
+            "--shard-dir", str(shards)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    parent = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run / "metrics.jsonl").is_file()
+                                               and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            time.sleep(0.5)
+        assert (run / "metrics.jsonl").is_file(), "training never started"
+        assert len(_procs_mentioning(str(run / "train" / "launch.json"))) >= 3  # torchrun + 2 ranks
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.time() + 45
+    while time.time() < deadline and _procs_mentioning(str(run / "train" / "launch.json")):
+        time.sleep(0.5)
+    left = _procs_mentioning(str(run / "train" / "launch.json"))
+    for pid, _ in left:  # do not leak them into the rest of the suite
+        __import__("os").kill(pid, signal.SIGKILL)
+    assert not left, f"orphans after kill -9 of the stage: {left}"
+    from tasks.procs import RunDirLock
+
+    with RunDirLock(run, "train"):  # and the run directory is free for the rerun
+        pass

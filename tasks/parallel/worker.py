@@ -37,11 +37,24 @@ def _redirect_output(log_path: Path) -> None:
     os.close(fd)
 
 
+def parse_fault(text: str) -> tuple[int, int, str] | None:
+    """$LLM_PIPELINE_FAULT → (rank, step, "kill" | "hang"), None when unset; ValueError (one line) when malformed —
+    a typo must not silently run without the fault a test or drill asked for."""
+    if not text.strip():
+        return None
+    parts = text.strip().split(":")
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or \
+            (len(parts) == 3 and parts[2] not in ("kill", "hang")):
+        raise ValueError(f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang "
+                         f"(e.g. 1:4); unset it for a normal run")
+    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "kill"
+
+
 def _fault(rank: int) -> tuple[int | None, str]:
     """(step, "kill" | "hang") for this rank from $LLM_PIPELINE_FAULT, or (None, "")."""
-    parts = os.environ.get(FAULT_ENV, "").split(":")
-    if len(parts) >= 2 and int(parts[0]) == rank:
-        return int(parts[1]), (parts[2] if len(parts) > 2 else "kill")
+    fault = parse_fault(os.environ.get(FAULT_ENV, ""))
+    if fault and fault[0] == rank:
+        return fault[1], fault[2]
     return None, ""
 
 
@@ -280,7 +293,9 @@ def _main(argv=None) -> int:
     import torch.distributed as dist
 
     from tasks.device import detect, torch_device
+    from tasks.procs import die_with_parent
 
+    die_with_parent(signal.SIGKILL)  # torchrun gone (kill -9) → this rank goes too, never an orphan that trains on
     specs = [_load_spec(p) for p in args.spec]
     hw = specs[0]["config"]["hardware"]
     backend = detect(hw["device"])
