@@ -5,6 +5,10 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 ENV := source scripts/airflow-env.sh &&
 CONF ?= {}
+# CONF reaches the pipeline only through the environment, as literal text: never spliced into a shell command line,
+# never expanded by make ($(value …)), and not exported under its own name (exporting would expand it).
+export LLM_PIPELINE_CONF := $(value CONF)
+unexport CONF
 
 .PHONY: help venv run test test-fast bench db clean ui stop browser
 
@@ -24,7 +28,7 @@ db: venv
 	@$(ENV) airflow db migrate > var/logs/db-migrate.log 2>&1 || (cat var/logs/db-migrate.log; exit 1)
 
 run: db
-	@bash scripts/run-pipeline.sh '$(CONF)'
+	@bash scripts/run-pipeline.sh
 
 test: db browser
 	@$(ENV) python -m pytest -q $(PYTEST_ARGS)

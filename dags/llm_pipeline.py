@@ -58,7 +58,7 @@ def run_stage_task(stage: str) -> dict:
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
-    from tasks.errors import StageError
+    from tasks.errors import StageError, os_error_cause
     from tasks.launcher import runs_on_kubernetes
     from tasks.pipeline import config_for_run, published_shard_set, run_for_dag_run
     from tasks.runner import default_run_dir
@@ -77,6 +77,8 @@ def run_stage_task(stage: str) -> dict:
         if e.retryable:
             raise  # e.g. a rank died: Airflow's retry resumes training from the last checkpoint
         raise AirflowFailException(str(e)) from None  # bad input: retrying cannot help
+    except OSError as e:  # read-only or full var dir, a file in the way: the path and the errno's meaning
+        raise AirflowFailException(os_error_cause(e)) from None
 
 
 def bound_from_run_config(context) -> None:

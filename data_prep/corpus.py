@@ -183,6 +183,7 @@ def iter_documents(files: list[Path], *, text_field: str = "text", max_chars: in
     for path in files:
         stats.files += 1
         kind = _kind_suffix(path)
+        seen = stats.documents_in
         try:
             if kind == ".parquet":
                 yield from _parquet_file(path, text_field, stats)
@@ -195,5 +196,11 @@ def iter_documents(files: list[Path], *, text_field: str = "text", max_chars: in
         except DataPrepError:
             raise
         except (OSError, EOFError, ValueError) as e:  # gzip/parquet format errors land here too
+            if isinstance(e, (EOFError, gzip.BadGzipFile)) or stats.documents_in > seen:
+                # Truncated/corrupt after documents of it were already taken: "skipping" would be untrue, and a
+                # partial file silently shapes the shard set. Refuse, naming the file.
+                raise DataPrepError(f"input {path} is truncated or corrupt after {stats.documents_in - seen} "
+                                    f"documents ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                                    f"repair or re-download it, or remove it from data.inputs") from None
             stats.unreadable_files += 1
             log.warning("skipping unreadable input %s: %s: %s", path, type(e).__name__, e)

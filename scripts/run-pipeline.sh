@@ -1,37 +1,46 @@
 #!/usr/bin/env bash
 # `make run`: the whole llm_pipeline DAG in one process (`airflow dags test`), progress on screen, the full log in
-# var/logs/make-run.log, then the one-screen summary of THIS run. Exits non-zero unless every stage succeeded.
+# var/logs/make-run-<time>.log (one per invocation), then the one-screen summary of THIS run (its tasks write their
+# run directory to $LLM_PIPELINE_RUN_DIR_FILE, so two `make run` at once each report their own). Exits non-zero unless every
+# stage succeeded. CONF arrives in $LLM_PIPELINE_CONF (see the Makefile): it is data, never part of a command line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/airflow-env.sh
-conf="${1:-}"
+conf="${LLM_PIPELINE_CONF:-${1:-}}"
 [ -n "$conf" ] || conf='{}'
-log="${LLM_RUN_LOG:-${LLM_PIPELINE_VAR_DIR:-var}/logs/make-run.log}"
-runs="${LLM_PIPELINE_VAR_DIR:-var}/runs/llm_pipeline"
-preset=$(python - "$conf" <<'PY'
-import json, sys
+var="${LLM_PIPELINE_VAR_DIR:-var}"
+stamp=$(date -u +%Y%m%dT%H%M%S.%6N)-$$
+log="${LLM_RUN_LOG:-$var/logs/make-run-$stamp.log}"
+export LLM_PIPELINE_RUN_DIR_FILE="$var/logs/.make-run-$stamp.rundir"
+if ! mkdir -p "$(dirname "$log")" 2>/dev/null || ! touch "$log" 2>/dev/null; then
+  echo "error: cannot write the run log $log ($(touch "$log" 2>&1 | sed 's/.*: //')); fix the permissions of $var or set LLM_PIPELINE_VAR_DIR"
+  exit 2
+fi
+preset=$(LLM_PIPELINE_CONF="$conf" python - <<'PY'
+import os, sys
 from tasks.errors import StageError
-from tasks.config import load_config
+from tasks.pipeline import check_conf
 try:
-    print(load_config(json.loads(sys.argv[1]).get("preset")).preset)
-except (ValueError, StageError) as e:  # bad JSON or an unknown preset: one line, before Airflow starts
-    sys.exit(f"error: CONF {sys.argv[1]}: {e}")
+    print(check_conf(os.environ["LLM_PIPELINE_CONF"]).preset)
+except StageError as e:  # bad JSON, not an object, unknown Param, unknown preset, invalid value: one line
+    sys.exit(f"error: CONF {os.environ['LLM_PIPELINE_CONF'][:200]}: {e}")
+except OSError as e:
+    sys.exit(f"error: CONF: {getattr(e, 'filename', '') or ''}: {e.strerror or e}")
 PY
 ) || exit 2
 echo "llm_pipeline on $preset (conf: $conf); full log: $log"
-before=$(ls "$runs" 2>/dev/null)
 start=$(date +%s)
 airflow dags test llm_pipeline --conf "$conf" 2>&1 | tee "$log" | \
   sed -nuE 's/.*\[DAG TEST\] starting task_id=([a-z_]+).*/  … \1/p; s/.*(AirflowFailException|StageError): (.*)/  ! \2/p'
 status=${PIPESTATUS[0]}
-run=$(comm -13 <(echo "$before" | sort) <(ls "$runs" 2>/dev/null | sort) | head -1)  # the directory this run made
+run=$(cat "$LLM_PIPELINE_RUN_DIR_FILE" 2>/dev/null); rm -f "$LLM_PIPELINE_RUN_DIR_FILE"
 echo
 if [ -z "$run" ]; then
-  cause=$(grep -m1 -oE "ParamValidationError: .*" "$log" | cut -c1-300)
+  cause=$(grep -m1 -oE "(ParamValidationError|ConfigError|StageError|AirflowFailException): .*" "$log" | cut -c1-300)
   echo "error: no stage ran: ${cause:-see $log}"; exit 1
 fi
-python -m tasks summary --run-dir "$runs/$run" --check || status=1
+python -m tasks summary --run-dir "$run" --check || status=1
 echo
-echo "Took $(( $(date +%s) - start )) s. Run directory: $runs/$run"
+echo "Took $(( $(date +%s) - start )) s. Run directory: $run  Log: $log"
 echo "MLflow UI: .venv/bin/mlflow ui --backend-store-uri ${MLFLOW_TRACKING_URI} --host 127.0.0.1 --port 5000"
 exit $status

@@ -37,8 +37,12 @@ for port in "$af_port" "$ml_port"; do
   if port_busy "$port"; then echo "ui: port $port on $host is already in use (set AIRFLOW_PORT / MLFLOW_PORT)" >&2; exit 1; fi
 done
 
-# Secrets are generated once per state dir, kept private, never committed (var/ is git-ignored).
+# Secrets are generated once per state dir, kept private (0600, and so are the logs), never committed (var/ is
+# git-ignored), never printed. Airflow's SimpleAuthManager would create its password file 0644 and print the password
+# into airflow-standalone.log: we write the file first (0600), so it finds the user's password and prints nothing.
 umask 077
+af_pw_file="$AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"
+[ -s "$af_pw_file" ] || python -c 'import json, secrets; print(json.dumps({"admin": secrets.token_urlsafe(18)}))' > "$af_pw_file"
 secret() { [ -s "$1" ] || python -c 'import secrets; print(secrets.token_urlsafe(24))' > "$1"; cat "$1"; }
 # Every Airflow component must sign/verify task tokens with the same key; an empty one is random per process.
 export AIRFLOW__API_AUTH__JWT_SECRET="${AIRFLOW__API_AUTH__JWT_SECRET:-$(secret "$var/airflow_jwt_secret")}"
@@ -56,6 +60,10 @@ admin_username = admin
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 EOF
 export MLFLOW_AUTH_CONFIG_PATH="$var/mlflow_basic_auth.ini"
+chmod 600 "$af_pw_file" "$var"/airflow_jwt_secret "$var"/airflow_fernet_key "$ml_password_file" \
+  "$var"/mlflow_flask_secret "$var/mlflow_basic_auth.ini"  # also files an older version created 0644
+touch "$var/logs/mlflow-server.log" "$var/logs/airflow-standalone.log"
+chmod 600 "$var/logs/mlflow-server.log" "$var/logs/airflow-standalone.log"
 umask 022
 
 mkdir -p "$var/mlartifacts"
@@ -64,8 +72,10 @@ setsid mlflow server --app-name basic-auth --host "$host" --port "$ml_port" --wo
   > "$var/logs/mlflow-server.log" 2>&1 < /dev/null &
 echo $! > "$var/mlflow.pid"
 
+# Defence in depth: a generated password line (a user added to simple_auth_manager_users later) is redacted.
 setsid python "$repo/scripts/sigint-exec.py" airflow standalone \
-  > "$var/logs/airflow-standalone.log" 2>&1 < /dev/null &
+  > >(sed -u -E "s/(Password for user '[^']*': ).*/\1<redacted: see $(basename "$af_pw_file")>/" \
+       >> "$var/logs/airflow-standalone.log" 2>&1) 2>&1 < /dev/null &
 echo $! > "$var/airflow.pid"
 
 fail() { bash "$repo/scripts/stop.sh" >&2; exit 1; }  # leave nothing half-started behind

@@ -77,18 +77,6 @@ def task_timeout_s(stage: str, cfg: PipelineConfig, run_dir: str | Path | None =
     return seconds
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
 def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: float, what: str,
                 how: str = "") -> int:
     """Run argv (its own session, output to log_path) to completion within timeout_s; return its exit code.
@@ -96,18 +84,14 @@ def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: f
     On expiry the whole process group (torchrun's agent and every rank) gets SIGTERM, then SIGKILL, and a
     StageError says what did not finish, in how long, from which bound, and where the log is.
     """
+    from tasks.procs import run_in_group
+
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with open(log_path, "w", encoding="utf-8") as log:
-        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    with open(log_path, "w", encoding="utf-8") as log:  # own process group, dies with this process (tasks.procs)
         try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_tree(proc)
+            return run_in_group(argv, env=env, cwd=cwd, stdout=log, timeout_s=timeout_s, grace_s=10.0)
+        except subprocess.TimeoutExpired:  # run_in_group has already stopped the whole group
             raise StageError(f"{what} did not finish within {timeout_s:g} s ({how or 'its bound'}); killed after "
                              f"{time.monotonic() - started:.0f} s; see {log_path}. If it was only slow, raise the "
                              "bound (timeouts.*)", retryable=False) from None
-        except BaseException:  # e.g. Airflow's own execution_timeout or a SIGTERM: leave no ranks behind
-            _kill_tree(proc)
-            raise

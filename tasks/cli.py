@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from tasks.errors import StageError
+from tasks.errors import StageError, os_error_cause
 from tasks.stages import STAGES
 
 
@@ -28,6 +28,7 @@ def main(argv=None) -> int:
         print(__doc__.strip() + "\n\nstages: " + ", ".join(STAGES) + ", summary")
         return 0
     stage = argv.pop(0)
+    run_dir = None
     try:
         if stage == "summary":
             from tasks.summary import main as summary_main
@@ -50,9 +51,17 @@ def main(argv=None) -> int:
     except StageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # read-only/full/missing paths outside a stage (config file, var dir): one line
+        print(f"error: {os_error_cause(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # a bug: one line on top; the stage's traceback is in <run-dir>/<stage>.json
+        first = str(e).splitlines()[0] if str(e) else ""
+        where = f" (traceback in {run_dir}/{stage}.json)" if run_dir is not None else ""
+        print(f"error: {stage}: {type(e).__name__}: {first}{where}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:

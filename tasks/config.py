@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -304,6 +305,18 @@ class _Missing:
     pass
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string; YAML 1.2 and every user read it as a float."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def _section_types(section_cls) -> dict[str, Any]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
@@ -316,7 +329,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         typ = [t for t in typing.get_args(typ) if t is not type(None)][0]
     if isinstance(value, str) and typ is not str:
         try:
-            value = yaml.safe_load(value) if value.strip() else value
+            value = yaml_load(value) if value.strip() else value
         except yaml.YAMLError:
             pass
     if typ is bool:
@@ -398,6 +411,9 @@ def resolve_preset(preset_or_path: str | None) -> Path:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ConfigError(f"config file {name} does not exist")
+        if path.suffix not in (".yaml", ".yml"):  # e.g. --config /etc/passwd: not a preset, whatever it parses to
+            raise ConfigError(f"--config {name}: not a YAML preset (a .yaml/.yml file or a preset name: "
+                              f"{', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))})")
         return path
     candidate = CONFIG_DIR / f"{name}.yaml"
     if not candidate.is_file():
@@ -408,7 +424,7 @@ def resolve_preset(preset_or_path: str | None) -> Path:
 
 def load_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = yaml_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

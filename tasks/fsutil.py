@@ -26,8 +26,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # a failed write (ENOSPC) names no file: name ours
+            e.filename = str(path)
         raise
     fsync_dir(path.parent)
     return path
@@ -61,6 +63,46 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> Path:
             raise
     fsync_dir(final_dir.parent)
     return final_dir
+
+
+def swap_dir(tmp_dir: Path, final_dir: Path) -> Path:
+    """Replace `final_dir` by the complete `tmp_dir` with no moment where neither exists on disk: the old one is
+    renamed aside (`.<name>.old`), the new one renamed in, then the old one deleted. A crash in between is undone
+    by recover_dir() on the next run."""
+    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
+    old = final_dir.with_name(f".{final_dir.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final_dir.exists():
+        os.rename(final_dir, old)
+    os.rename(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    return final_dir
+
+
+def recover_dir(final_dir: Path) -> None:
+    """Before writing `final_dir` again: restore `.<name>.old` if a crash hit swap_dir() between its renames, and
+    delete temp directories (`.<name>.*`) that a killed writer left beside it."""
+    final_dir = Path(final_dir)
+    old = final_dir.with_name(f".{final_dir.name}.old")
+    if old.exists() and not final_dir.exists():
+        os.rename(old, final_dir)
+    if not final_dir.parent.is_dir():
+        return
+    for p in final_dir.parent.glob(f".{final_dir.name}.*"):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def read_json(path: str | os.PathLike):

@@ -5,9 +5,12 @@ form refuses exactly what config validation refuses), and calls `run_for_dag_run
 """
 from __future__ import annotations
 
+import os
 import typing
 
 from tasks import tracking
+from tasks.errors import ConfigError
+from tasks.fsutil import atomic_write_text
 from tasks.config import CHOICES, RANGES, PipelineConfig, get, load_config, _section_types
 from tasks.runner import default_run_dir, run_stage
 
@@ -107,20 +110,43 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
 
 
 def overrides_from_params(params: dict) -> tuple[str | None, dict]:
-    """Split trigger Params into (preset, {config.key: value}); unknown names are ignored (Airflow adds its own).
+    """Split trigger Params into (preset, {config.key: value}); an unknown name (a typo in `--conf`, which Airflow
+    merges into the Params unchecked) is refused in one line naming it and the known ones.
 
     null (the form's empty field, or a key left out of `--conf`) means "the chosen preset's value"; any other value
     is the user's and always wins, whatever the preset's default is.
     """
     keys = {name: key for name, key, *_ in PARAMS}
+    unknown = sorted(n for n in params if n not in keys)
+    if unknown:
+        raise ConfigError(f"unknown DAG Param{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                          f"(known: {', '.join(keys)})")
     preset = params.get("preset")
     overrides = {keys[n]: v for n, v in params.items() if keys.get(n) is not None and v is not None}
     return preset, overrides
 
 
 def config_for_params(params: dict) -> PipelineConfig:
+    """The DAG's config: Params over the preset, and shards hashed against their manifest wherever they are read
+    (data.verify_sha256: a shard with the right size and altered bytes is caught before it is trained on)."""
     preset, overrides = overrides_from_params(params)
-    return load_config(preset, overrides=overrides)
+    cfg = load_config(preset, overrides=overrides)
+    cfg.data.verify_sha256 = True
+    return cfg
+
+
+def check_conf(text: str) -> PipelineConfig:
+    """`make run CONF=…`, checked before Airflow starts: a JSON object of known Params whose config validates."""
+    import json
+
+    try:
+        conf = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"is not JSON ({e}); e.g. CONF='{{\"preset\": \"ci-tiny\"}}'") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"must be a JSON object of DAG Params, not {type(conf).__name__} {text.strip()[:60]}; "
+                          "e.g. CONF='{\"preset\": \"ci-tiny\", \"steps\": 20}'")
+    return config_for_params(conf)
 
 
 def config_for_run(params: dict, run_dir) -> PipelineConfig:
@@ -171,6 +197,9 @@ def run_for_dag_run(stage: str, params: dict, dag_id: str, run_id: str, try_numb
     then adopts that exact shard set (manifest digest checked) instead of re-sharding, and the event is recorded on
     the MLflow parent run."""
     run_dir = default_run_dir(dag_id, run_id)
+    report = os.environ.get("LLM_PIPELINE_RUN_DIR_FILE")  # set by `make run`: which run directory is its own
+    if report:
+        atomic_write_text(report, f"{run_dir}\n")
     cfg = config_for_run(params, run_dir)
     parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
     if parent and published and stage == "shard":

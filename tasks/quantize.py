@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 from tasks import runner, tracking
 from tasks.config import PipelineConfig
 from tasks.errors import StageError
-from tasks.fsutil import atomic_write_json, publish_dir, read_json
+from tasks.fsutil import atomic_write_json, read_json, recover_dir, sha256_file, swap_dir
 from tasks.quant import inputs
 from tasks.quant.amct_config import jsonable
-from tasks.quant.artifact import DTYPES, META, WEIGHTS, describe_layers, save_model
+from tasks.quant.artifact import DTYPES, META, WEIGHTS, describe_layers, save_model, verify_output
 from tasks.quant.plan import choose_backend, select_layers
 
 
@@ -48,8 +49,12 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     backend = choose_backend(q.backend, amct_error, kind, q.amct_flow)
     settings = _settings(cfg, model_dir, backend)
     out = ctx.run_dir / "quantize"
+    recover_dir(out)
     if (out / META).is_file() and {k: read_json(out / META).get(k) for k in settings} == settings:
-        return _result(read_json(out / META), out, reused=True)
+        problem = verify_output(out)
+        if problem is None:
+            return _result(read_json(out / META), out, reused=True)
+        print(f"warning: quantize: {problem}; rebuilding it", file=sys.stderr, flush=True)
 
     model = load_hf(model_dir, device="cpu").eval()
     fp32_bytes = metrics.state_dict_bytes(model, torch.float32)
@@ -93,15 +98,14 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         if meta["format"] != "onnx":
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
+            meta["weights_sha256"] = sha256_file(tmp / WEIGHTS)  # checked whenever the file is reused
         else:
             meta["int8_bytes"] = metrics.size_on_disk(meta["deploy_onnx"])
         atomic_write_json(tmp / META, meta)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():  # an older result for other settings: replaced only by a complete new one
-        shutil.rmtree(out)
-    publish_dir(tmp, out)
+    swap_dir(tmp, out)  # an older result is replaced only by a complete new one, never a moment with neither
     result = _result(meta, out, reused=False)
     tracking.log_params({"quantize": {k: v for k, v in settings.items() if k != "model_dir"},
                          "split": {"rule": calib_split["rule"], "calibration_sequences": calib_split["sequences"],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -11,8 +12,9 @@ from pathlib import Path
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
-from tasks.errors import ConfigError, StageError
+from tasks.errors import ConfigError, StageError, os_error_cause
 from tasks.fsutil import atomic_write_json, read_json
+from tasks.procs import RunDirLock
 from tasks.stages import STAGES
 
 
@@ -119,12 +121,28 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
     """Run one stage; write `<run_dir>/<stage>.json`; return the result (raises StageError on failure)."""
     module = stage_module(stage)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise StageError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StageError(f"cannot create the run directory: {os_error_cause(e)}") from None
     args = args if args is not None else default_args(stage)
     started = time.time()
     # Every node of a multi-node job runs the stage in the shared run directory: node 0's result is the stage's.
     node = cfg.hardware.node_rank
     result_path = run_dir / (f"{stage}.json" if node == 0 else f"{stage}-node{node}.json")
+    try:
+        lock = RunDirLock(run_dir, stage, node).__enter__()  # one writer per run directory (and node)
+    except OSError as e:
+        raise StageError(f"cannot lock the run directory: {os_error_cause(e)}") from None
+    try:
+        return _run_locked(module, stage, cfg, run_dir, args, parent_run_id, started, result_path)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started: float, result_path: Path) -> dict:
     with tracking.stage_run(cfg, stage, parent_run_id) as run_id:
         ctx = StageContext(run_dir=run_dir, stage=stage, args=args, inputs=load_inputs(run_dir),
                            mlflow_run_id=run_id, parent_run_id=parent_run_id)
@@ -132,14 +150,17 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
             result = module.run(cfg, ctx)
         except StageError as e:
             _record_failure(result_path, stage, str(e), run_id, started)
-            if run_id:
-                tracking.set_tags({"pipeline.error": str(e)[:5000]})
+            _tag_error(run_id, str(e))
             raise
+        except OSError as e:  # an environment fault (disk full, read-only, permissions): one line naming the path
+            cause = os_error_cause(e)
+            _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
+            _tag_error(run_id, cause)
+            raise StageError(cause) from e
         except Exception as e:  # a bug or an unexpected runtime error: still one line on top, trace in the file
             cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
             _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
-            if run_id:
-                tracking.set_tags({"pipeline.error": cause[:5000]})
+            _tag_error(run_id, cause)
             raise
         result = dict(result or {})
         result.setdefault("status", "ok")
@@ -152,6 +173,20 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
 
 
 def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, trace: str = "") -> None:
-    atomic_write_json(path, {"stage": stage, "status": "failed", "summary": cause, "error": cause,
-                             "mlflow_run_id": run_id, "seconds": round(time.time() - started, 2),
-                             "traceback": trace})
+    """The failure record; when it cannot be written (the disk that failed the stage is full), say so on stderr
+    and let the stage's own error propagate: the record's failure never hides the cause."""
+    try:
+        atomic_write_json(path, {"stage": stage, "status": "failed", "summary": cause, "error": cause,
+                                 "mlflow_run_id": run_id, "seconds": round(time.time() - started, 2),
+                                 "traceback": trace})
+    except OSError as e:
+        print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr, flush=True)
+
+
+def _tag_error(run_id, cause: str) -> None:
+    if not run_id:
+        return
+    try:
+        tracking.set_tags({"pipeline.error": cause[:5000]})
+    except Exception as e:  # MLflow down: the stage's cause matters more than the tag
+        print(f"warning: could not tag the MLflow run with the error ({type(e).__name__})", file=sys.stderr)

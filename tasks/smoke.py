@@ -41,12 +41,13 @@ def tokenizer_vocab(shard_dir: Path) -> int:
     return Tokenizer.from_file(str(path)).get_vocab_size()
 
 
-def load_batches(shard_dir: Path, n: int, batch_size: int, seed: int) -> list:
-    """The first n training batches (over epochs if the set is small), kept so both precisions see the same data."""
+def load_batches(shard_dir: Path, n: int, batch_size: int, seed: int, verify: bool = False) -> list:
+    """The first n training batches (over epochs if the set is small), kept so both precisions see the same data.
+    `verify` (data.verify_sha256, on in the DAG): every train shard's sha256 is checked against the manifest."""
     from data_prep.loader import ShardLoader
 
     try:
-        loader = ShardLoader(shard_dir, split="train", batch_size=batch_size, seed=seed)
+        loader = ShardLoader(shard_dir, split="train", batch_size=batch_size, seed=seed, verify_sha256=verify)
         return list(islice(loader.batches(), n))
     except ValueError as e:  # data_prep's one-line DataPrepError (missing manifest, corrupt shard, too few samples)
         raise StageError(f"smoke: {e}") from None
@@ -167,7 +168,7 @@ def run(cfg, ctx) -> dict:
 
     shard_dir = runner.shard_set(cfg, ctx)
     tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
-    batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed)
+    batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed, cfg.data.verify_sha256)
     check_batches(batches, tcfg)
     backend = devices.detect(cfg.hardware.device)
     dev = devices.torch_device(backend.kind, 0)

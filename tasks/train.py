@@ -21,7 +21,9 @@ from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, read_json
 from tasks.parallel import checkpoint as ckpt
 from tasks.parallel import layout as layouts
+from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
+from tasks.parallel.worker import FAULT_ENV, parse_fault
 from tasks.parallel.metrics import read_metrics
 
 
@@ -55,7 +57,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     shard_dir = runner.shard_set(cfg, ctx)  # data.seq_len follows the shard set unless set explicitly
     try:
         manifest = load_manifest(shard_dir)
-        check_files(shard_dir, manifest, "train")
+        check_files(shard_dir, manifest, "train", sha256=cfg.data.verify_sha256)  # hashed here, once per launch
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
@@ -66,15 +68,22 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     hint = "; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks" if not backend.is_accelerator else ""
     problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
                              f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}")
+    try:
+        parse_fault(os.environ.get(FAULT_ENV, ""))
+    except ValueError as e:
+        problems.append(str(e))
     if cfg.train.precision == "fp16":
         problems.append("train.precision: fp16 training needs a loss scaler (not implemented); use bf16")
     if getattr(ctx.args, "fresh", False):
         for p in ("checkpoints", "train", "metrics.jsonl"):
             target = ctx.run_dir / p
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-    last = ckpt.latest(ctx.run_dir / "checkpoints")
+    last, warnings_ = _resume_point(cfg, ctx.run_dir / "checkpoints")
     model = dataclasses.asdict(tcfg)
     if last:
+        warnings_ += [f"resuming from {last[1].name} with training-shaping config changed since it was saved: "
+                      f"{'; '.join(changes)} (the curve will differ from an uninterrupted run; use --fresh to "
+                      f"start over)" for changes in [ckpt.config_changes(last[1], cfg.to_dict())] if changes]
         saved = ckpt.read_meta(last[1])["model"]
         diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
         if diff:
@@ -83,8 +92,12 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     init_from = _init_from(cfg, tcfg, problems)
     if problems:
         raise ConfigError(problems)
+    for w in warnings_:
+        print(f"warning: {w}", file=sys.stderr, flush=True)
     return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
             "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
+            **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
+            "warnings": warnings_, "shards_verified": cfg.data.verify_sha256,
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
 
 
@@ -108,6 +121,18 @@ def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
     return str(path)
 
 
+def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
+    """Node 0: the newest checkpoint that verifies (sizes and sha256 recorded at save), with a warning naming each
+    newer one skipped; other nodes only look (node 0's decision reaches their ranks by broadcast)."""
+    if cfg.hardware.node_rank != 0:
+        return ckpt.latest(ckpt_dir), []
+    ckpt.cleanup_partial(ckpt_dir)
+    found, skipped = ckpt.latest_verified(ckpt_dir)
+    warnings_ = [f"checkpoint {s} — skipped, resuming from "
+                 f"{found[1].name if found else 'step 0 (no checkpoint verifies)'}" for s in skipped]
+    return found, warnings_
+
+
 def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
     """The planner's per-device peak for exactly this layout (no runtime reserve), to compare with the measured."""
     from tasks.planner.memory import estimate_for_run
@@ -119,10 +144,14 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
                             sequence_parallel=lay.sequence_parallel)
 
 
-def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str) -> list[str]:
-    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes."""
+def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str,
+                  log_dir: Path | None = None) -> list[str]:
+    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes. `log_dir` keeps the ranks'
+    @record error files (tasks.parallel.rank_errors reads them)."""
     hw = cfg.hardware
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    if log_dir is not None:
+        argv += ["--log-dir", str(log_dir)]
     if hw.nnodes == 1:
         argv.append("--standalone")
     else:
@@ -150,8 +179,9 @@ def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id
 
 
 def launch(argv: list[str], env: dict, log_path: Path, timeout: tuple[int, str] | None = None) -> tuple[int, str]:
-    """Run torchrun to completion within `timeout` (seconds, how derived; tasks/bounds.py); its own output
-    (rendezvous, failure report) goes to log_path. On expiry the whole torchrun tree is killed, with the cause."""
+    """Run torchrun to completion within `timeout` (seconds, how derived; tasks/bounds.py), in its own process
+    group that dies with this process (tasks.procs); its own output (rendezvous, failure report) goes to log_path.
+    On expiry the whole torchrun tree is killed, with the cause."""
     from tasks.bounds import run_bounded
 
     seconds, how = timeout or (None, "")
@@ -166,7 +196,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     run_dir, lay = ctx.run_dir, layouts.Layout(**spec["layout"])
     train_dir = run_dir / "train"
     export = not getattr(ctx.args, "no_export", False) and cfg.hardware.node_rank == 0
-    last = ckpt.latest(run_dir / "checkpoints")
+    last = (spec.get("resume_from") and (int(Path(spec["resume_from"]).name.split("-")[1]), spec["resume_from"])) \
+        if cfg.hardware.node_rank == 0 else ckpt.latest(run_dir / "checkpoints")
     if last and last[0] >= cfg.train.steps and (not export or (run_dir / "hf" / "config.json").is_file()):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
     tracking.log_params({"train.layout": layout_name(lay.dp, lay.tp, lay.pp), **{f"parallel.{k}": v for k, v in
@@ -180,17 +211,24 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     # Every node's spec says the same (all ranks take part); node 0 checks the result.
     spec["export"] = None if getattr(ctx.args, "no_export", False) else {"tokenizer_dir": spec["shard_dir"]}
     spec_path = atomic_write_json(train_dir / "launch.json", spec)
-    argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name)
-    log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{cfg.hardware.node_rank}.log"
     from tasks.bounds import train_timeout
 
+    logs, node = run_dir / "logs", cfg.hardware.node_rank
+    elastic_dir = logs / f"torchelastic-node{node}"  # this launch's @record error files only
+    shutil.rmtree(elastic_dir, ignore_errors=True)
+    elastic_dir.mkdir(parents=True, exist_ok=True)
+    offsets = rank_errors.log_offsets(logs)
+    argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
+    log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
     rc, log_text = launch(argv, launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id),
-                          run_dir / "logs" / log_name, timeout=train_timeout(cfg, run_dir))
+                          logs / log_name, timeout=train_timeout(cfg, run_dir))
     if rc != 0:
         resume = ckpt.latest(run_dir / "checkpoints")
         plans = _plans(ctx.inputs.get("plan"))
+        failures = rank_errors.collect(log_text, logs, node, spec["nproc"], offsets)
         raise diagnosis.explain(train_dir, rc, log_text, plans, spec["layout"],
-                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)")
+                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)",
+                                failures=failures)
     if export and not (run_dir / "hf" / "config.json").is_file():
         raise StageError(f"training finished but the HF export {run_dir / 'hf'} is missing; see "
                          f"{run_dir / 'logs'}/rank-0.log, rerun to export again")
@@ -223,6 +261,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         "peak_mem_gb": round(max(peaks) / 2**30, 3) if peaks else None, "reused": reused,
         "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
         "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
+        "warnings": spec.get("warnings", []),
         "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
                    f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
     }

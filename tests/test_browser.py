@@ -145,3 +145,18 @@ def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
             mlflow_page.screenshot(path=str(tmp_path / "mlflow-run.png"))
         finally:
             browser.close()
+
+
+def test_secrets_are_private_and_never_logged(ui):
+    """Password/secret files and the server logs are 0600; neither password appears in any log of `make ui`."""
+    var = ui["var"]
+    private = ["simple_auth_manager_passwords.json.generated", "mlflow_admin_password", "airflow_jwt_secret",
+               "airflow_fernet_key", "mlflow_flask_secret", "mlflow_basic_auth.ini",
+               "logs/airflow-standalone.log", "logs/mlflow-server.log"]
+    for name in private:
+        mode = (var / name).stat().st_mode & 0o777
+        assert mode & 0o077 == 0, f"{name} is {oct(mode)}, readable by others"
+    for log in (var / "logs").rglob("*"):
+        if log.is_file():
+            text = log.read_text(errors="replace")
+            assert ui["airflow_password"] not in text and ui["mlflow_password"] not in text, f"password in {log}"

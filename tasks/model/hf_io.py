@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from tasks.errors import StageError
+from tasks.fsutil import recover_dir, swap_dir
 from tasks.model.config import TransformerConfig
 from tasks.model.transformer import Transformer, build_model
 
@@ -146,15 +147,14 @@ def save_hf(model: Transformer, path: str | os.PathLike, tokenizer_dir: str | os
         tensors[ours_to_hf(name)] = t
     out_dtype = dtype or next(iter(tensors.values())).dtype
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(path)  # a crash mid-swap or mid-write last time: restore the old export, drop temp directories
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(to_hf_config(tcfg, out_dtype), indent=2) + "\n")
         _write_safetensors(tensors, tmp, save_file)
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        swap_dir(tmp, path)  # old aside, new in, old deleted: never a moment without an export
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

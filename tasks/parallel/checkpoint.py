@@ -6,6 +6,12 @@ directory that is ignored and removed later. Model and optimizer tensors are sav
 checkpoint loads into any other dp/tp/pp layout (reshard on load). Per-rank state that has no name-based form —
 the loader position (global: any layout resumes it) and the RNG state (per rank, restored when the world size
 is the same) — sits beside it. For multi-node runs the directory must be on a filesystem every node sees.
+
+Verification: meta.json records every file's size and sha256 at save (`files`). Before a resume the launcher picks
+the newest checkpoint that verifies (`latest_verified`), says which newer ones it skipped and why, and rank 0 hands
+that decision to every rank (one broadcast: no rank looks at the directory while rank 0 may be renaming in it).
+Pruning keeps the newest `keep` checkpoints, and the one just saved has been hashed, so the last verified
+checkpoint is never deleted.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tasks.fsutil import atomic_write_json, fsync_dir
+from tasks.fsutil import atomic_write_json, fsync_dir, sha256_file
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -41,6 +47,88 @@ def read_meta(path: Path) -> dict:
     return json.loads((Path(path) / "meta.json").read_text(encoding="utf-8"))
 
 
+# Config that shapes the training trajectory: changed between a checkpoint and its resume, the curve differs from
+# an uninterrupted run (a warning, not an error: extending steps or changing the layout is legitimate).
+_NOT_SHAPING = {"train": {"steps", "checkpoint_every", "keep_checkpoints", "log_every", "timeout_s", "micro_batch"}}
+SHAPING_SECTIONS = ("model", "train", "data")
+_DATA_SHAPING = {"seq_len", "vocab_size", "tokenizer", "inputs", "max_documents"}
+
+
+def shaping_config(config: dict) -> dict:
+    """{section.key: value} of the settings that shape training (see _NOT_SHAPING)."""
+    out = {}
+    for sec in SHAPING_SECTIONS:
+        for k, v in (config.get(sec) or {}).items():
+            if k in _NOT_SHAPING.get(sec, ()) or (sec == "data" and k not in _DATA_SHAPING):
+                continue
+            out[f"{sec}.{k}"] = v
+    return out
+
+
+def config_changes(path: Path, config: dict) -> list[str]:
+    """'key: old → new' for each training-shaping setting that differs from what checkpoint `path` was saved with."""
+    saved = read_meta(path).get("shaping")
+    if saved is None:
+        return []
+    now = shaping_config(config)
+    return [f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+
+
+def file_table(path: Path) -> dict[str, dict]:
+    """{relative name: {bytes, sha256}} of every file of a checkpoint directory except meta.json."""
+    path = Path(path)
+    return {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(path.rglob("*")) if p.is_file() and p.name != "meta.json"}
+
+
+def verify(path: Path) -> str | None:
+    """None when the checkpoint is intact, else the one-line problem (missing/truncated/altered file).
+    Checkpoints written before checksums were recorded (no `files` in meta.json) are trusted."""
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable ({e})"
+    files = meta.get("files")
+    if files is None:
+        return None
+    for name, want in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{name} is truncated or altered ({size} bytes, {want['bytes']} recorded)"
+    for name, want in sorted(files.items()):  # sizes first: a truncated file is named without hashing everything
+        if sha256_file(path / name) != want["sha256"]:
+            return f"{name} is corrupt (sha256 differs from the one recorded at save)"
+    return None
+
+
+def latest_verified(ckpt_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
+    """(newest checkpoint that verifies or None, ['step-N: problem' for each newer one skipped])."""
+    skipped = []
+    for step, path in reversed(complete_checkpoints(ckpt_dir)):
+        problem = verify(path)
+        if problem is None:
+            return (step, path), skipped
+        skipped.append(f"{path.name}: {problem}")
+    return None, skipped
+
+
+def cleanup_partial(ckpt_dir: Path) -> None:
+    """Before a launch (one process only): drop `.tmp` directories of a killed save, restore a `.old` one."""
+    for p in Path(ckpt_dir).glob("step-*.tmp"):
+        shutil.rmtree(p, ignore_errors=True)
+    for p in Path(ckpt_dir).glob("step-*.old"):  # killed between the two renames of save(): restore it
+        final = p.with_suffix("")
+        if final.exists():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.rename(final)
+
+
 def _app_state(parts, optimizers):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -60,14 +148,7 @@ class CheckpointManager:
 
     def remove_partial(self) -> None:
         """Rank 0, before training: a `.tmp` left by a killed run is garbage."""
-        for p in self.dir.glob("step-*.tmp"):
-            shutil.rmtree(p, ignore_errors=True)
-        for p in self.dir.glob("step-*.old"):  # killed between the two renames of save(): restore it
-            final = p.with_suffix("")
-            if final.exists():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                p.rename(final)
+        cleanup_partial(self.dir)
 
     def save(self, step: int, parts, optimizers, loader, meta: dict) -> Path:
         import torch
@@ -84,7 +165,8 @@ class CheckpointManager:
         if self.rank == 0:
             sched = optimizers[0][1].state_dict()
             atomic_write_json(tmp / "meta.json", {**meta, "step": step, "dp": self.dp, "world": self.world,
-                                                   "lr_scheduler": sched, "saved_at": time.time()})
+                                                   "lr_scheduler": sched, "saved_at": time.time(),
+                                                   "files": file_table(tmp)})
             old = self.dir / f"step-{step}.old"
             if final.exists():  # a rerun reached the same step again: the new one replaces it, and a crash
                 final.rename(old)  # in between still leaves a complete checkpoint (step-N.old is found on resume)

@@ -7,11 +7,11 @@ The launcher turns that evidence, torchrun's exit report and the planner's resul
 from __future__ import annotations
 
 import json
-import re
 import signal
 from pathlib import Path
 
 from tasks.errors import StageError
+from tasks.parallel import rank_errors
 from tasks.parallel.metrics import read_heartbeats
 
 GB = 1 << 30
@@ -48,8 +48,7 @@ def next_feasible_plan(plans: list[dict], layout: dict) -> str:
 
 def _torchrun_failures(log_text: str) -> list[tuple[int, int]]:
     """[(rank, exitcode)] from torchrun's end-of-run failure report, the root cause first."""
-    log_text = log_text[log_text.rfind("Root Cause"):] if "Root Cause" in log_text else log_text
-    return [(int(r), int(c)) for r, c in re.findall(r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)", log_text)]
+    return rank_errors.torchrun_failures(log_text)
 
 
 def _where(beat: dict) -> str:
@@ -66,7 +65,8 @@ def _exit_text(code: int) -> str:
 
 
 def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layout: dict,
-            resume_from: str) -> StageError:
+            resume_from: str, failures: list | None = None) -> StageError:
+    """`failures`: rank_errors.collect() of this launch (each failed rank with the exception it left, if any)."""
     train_dir = Path(train_dir)
     diag = train_dir / "diagnosis.json"
     if diag.is_file():
@@ -84,6 +84,12 @@ def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layo
                           f"{s['allocated_bytes'] / GB:.1f} GB, reserved {s['reserved_bytes'] / GB:.1f} GB; "
                           f"{oom_advice(s)}" + (f"; next feasible plan: {nxt}" if nxt else ""), retryable=False)
     beats = read_heartbeats(train_dir / "heartbeat")
+    root = rank_errors.root_cause(failures or [])
+    if root is not None and root.python_exception:  # the rank's own error: a retry would fail the same way
+        step = beats.get(root.rank, {}).get("step", "?")
+        return StageError(f"rank {root.rank} failed at step {step}: {root.exc_type}: {root.message} "
+                          f"(from the {root.source}); not retried: fix the cause, then rerun (it resumes from "
+                          f"{resume_from})", retryable=False)
     timeouts = sorted((train_dir / "failures").glob("timeout-rank-*.json"))
     if timeouts:
         progress = {r: (b["step"], PHASES.index(b["phase"]) if b["phase"] in PHASES else 0) for r, b in beats.items()}
@@ -94,6 +100,12 @@ def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layo
             "no rank fell behind by heartbeat (a network or clock problem between nodes)"
         return StageError(f"collective timed out: {who}; run `python -m tasks env` to check clock offsets and "
                           f"link bandwidth between nodes; a retry resumes from {resume_from}", retryable=True)
+    if root is not None:
+        rank, code = root.rank, root.exitcode
+        step = beats.get(rank, {}).get("step", "?")
+        what = f"{root.exc_type}: {root.message}" if root.exc_type else _exit_text(code)
+        return StageError(f"rank {rank} died ({what}) at step {step}; see logs/rank-{rank}.log; "
+                          f"a retry resumes from {resume_from}", retryable=True)
     failures = _torchrun_failures(torchrun_log)
     if failures:
         rank, code = failures[0]

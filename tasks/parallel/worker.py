@@ -37,11 +37,24 @@ def _redirect_output(log_path: Path) -> None:
     os.close(fd)
 
 
+def parse_fault(text: str) -> tuple[int, int, str] | None:
+    """$LLM_PIPELINE_FAULT → (rank, step, "kill" | "hang"), None when unset; ValueError (one line) when malformed —
+    a typo must not silently run without the fault a test or drill asked for."""
+    if not text.strip():
+        return None
+    parts = text.strip().split(":")
+    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or \
+            (len(parts) == 3 and parts[2] not in ("kill", "hang")):
+        raise ValueError(f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang "
+                         f"(e.g. 1:4); unset it for a normal run")
+    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "kill"
+
+
 def _fault(rank: int) -> tuple[int | None, str]:
     """(step, "kill" | "hang") for this rank from $LLM_PIPELINE_FAULT, or (None, "")."""
-    parts = os.environ.get(FAULT_ENV, "").split(":")
-    if len(parts) >= 2 and int(parts[0]) == rank:
-        return int(parts[1]), (parts[2] if len(parts) > 2 else "kill")
+    fault = parse_fault(os.environ.get(FAULT_ENV, ""))
+    if fault and fault[0] == rank:
+        return fault[1], fault[2]
     return None, ""
 
 
@@ -85,7 +98,7 @@ def setup(spec: dict, device) -> SimpleNamespace:
     from tasks.config import PipelineConfig, apply_overrides
     from tasks.device import reset_peak
     from tasks.model import TransformerConfig, flops_per_token, lm_loss
-    from tasks.parallel.checkpoint import CheckpointManager, latest
+    from tasks.parallel.checkpoint import CheckpointManager, latest_verified
     from tasks.parallel.layout import Layout
     from tasks.parallel.mesh import build_mesh, coords, layout_name
     from tasks.parallel.metrics import Heartbeat, MetricsLog, peak_flops
@@ -102,8 +115,21 @@ def setup(spec: dict, device) -> SimpleNamespace:
     c = coords(mesh)
     _log(f"layout {layout_name(lay.dp, lay.tp, lay.pp)} coords {c} device {device}")
     torch.manual_seed(cfg.train.seed)
-    found = latest(run_dir / "checkpoints") if spec.get("resume", True) else None
-    source = spec.get("resume_from") or (found[1] if found else None)
+    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
+    # Rank 0 decides what to resume from and tells everyone (no rank reads the directory while rank 0 may be
+    # restoring a step-N.old in it): the launcher's verified choice, else the newest checkpoint that verifies.
+    decision = [None]
+    if rank == 0:
+        ckpt.remove_partial()
+        if "resume_from" in spec or not spec.get("resume", True):
+            decision[0] = spec.get("resume_from") if spec.get("resume", True) else None
+        else:
+            found, skipped = latest_verified(ckpt.dir)
+            for note in skipped:
+                _log(f"skipping checkpoint {note}")
+            decision[0] = str(found[1]) if found else None
+    dist.broadcast_object_list(decision, src=0)
+    source = decision[0]
     # A training checkpoint wins; without one, model.hf_path's weights (if set) are the starting point.
     init_from = None if source else spec.get("init_from")
     if init_from:
@@ -119,11 +145,8 @@ def setup(spec: dict, device) -> SimpleNamespace:
         step_fn = PlainStep(parts[0], lay.n_microbatches)
     loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
                          dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed,
-                         verify_sha256=cfg.data.verify_sha256)
-    ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
+                         verify_sha256=cfg.data.verify_sha256 and not spec.get("shards_verified"))
     start, last_good = 0, None
-    if rank == 0:
-        ckpt.remove_partial()
     if source:
         try:
             start, notes = ckpt.load(Path(source), parts, optimizers, loader)
@@ -208,6 +231,7 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     import torch
 
     from tasks.device import memory_stats, synchronize
+    from tasks.parallel.checkpoint import shaping_config
     from tasks.parallel.optim import grad_norm_and_clip
     from tasks.parallel.step import global_loss
 
@@ -243,7 +267,8 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
                        "peak_mem_gb": memory_stats(device)["peak_bytes"] / 2**30})
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
         s.beat.beat(step, "checkpoint")
-        meta = {"model": s.spec["model"], "layout": s.spec["layout"], "config_hash": s.spec.get("config_hash", "")}
+        meta = {"model": s.spec["model"], "layout": s.spec["layout"], "config_hash": s.spec.get("config_hash", ""),
+                "shaping": shaping_config(s.spec["config"])}
         s.last_good = str(s.ckpt.save(step, s.parts, s.optimizers, s.loader, meta))
     return True
 
@@ -286,6 +311,14 @@ def _write_failure(train_dir: Path, kind: str, rank: int, step: int, mem: dict, 
 
 
 def main(argv=None) -> int:
+    """@record: a Python exception of this rank goes to the error file torchrun names (TORCHELASTIC_ERROR_FILE),
+    where the launcher reads the real cause of the failure (tasks.parallel.rank_errors)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_main)(argv)
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", action="append", required=True, help="launch spec JSON (repeatable)")
     parser.add_argument("--profile-dir", default=None, help="profile the steps (tasks.profiling.collect schedule)")
@@ -293,7 +326,9 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from tasks.device import detect, torch_device
+    from tasks.procs import die_with_parent
 
+    die_with_parent(signal.SIGKILL)  # torchrun gone (kill -9) → this rank goes too, never an orphan that trains on
     specs = [_load_spec(p) for p in args.spec]
     hw = specs[0]["config"]["hardware"]
     backend = detect(hw["device"])

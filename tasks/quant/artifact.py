@@ -3,6 +3,7 @@
 `quant_meta.json` (method, backend, layers, sizes, and the HF directory whose config rebuilds the skeleton)."""
 from __future__ import annotations
 
+import pickle
 from collections import Counter
 from pathlib import Path
 
@@ -31,6 +32,26 @@ def save_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
     torch.save(model.state_dict() if fmt == "torch_state_dict" else model, path)
 
 
+def verify_output(quant_dir: str | Path) -> str | None:
+    """None when the saved INT8 weights match the size and sha256 recorded at write, else the problem in one line
+    (results written before checksums were recorded are trusted)."""
+    from tasks.fsutil import sha256_file
+
+    quant_dir = Path(quant_dir)
+    meta = read_json(quant_dir / META)
+    want = meta.get("weights_sha256")
+    if meta.get("format") == "onnx" or want is None:
+        return None
+    path = quant_dir / WEIGHTS
+    if not path.is_file():
+        return f"{path} is missing"
+    if path.stat().st_size != meta["int8_bytes"]:
+        return f"{path} is truncated or altered ({path.stat().st_size} bytes, {meta['int8_bytes']} recorded)"
+    if sha256_file(path) != want:
+        return f"{path} is corrupt (sha256 differs from the one recorded in {META})"
+    return None
+
+
 def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
     """The saved INT8 model on `device`, ready for evaluation."""
     import torchao  # noqa: F401  (registers torchao's tensor subclasses for weights_only loading)
@@ -45,13 +66,18 @@ def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
     if meta["format"] == "onnx":
         raise StageError(f"{quant_dir}: AMCT PTQ wrote ONNX models ({meta['deploy_onnx']}); evaluate the fake-quant "
                          "ONNX with onnxruntime or the deploy model after ATC on the Ascend host")
-    if not (quant_dir / WEIGHTS).is_file():
-        raise StageError(f"{quant_dir}: {WEIGHTS} is missing; rerun the quantize stage")
-    if meta["format"] == "torch_module":
-        # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory (trusted input).
-        return torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=False).eval()
+    problem = verify_output(quant_dir) if (quant_dir / WEIGHTS).is_file() else f"{quant_dir / WEIGHTS} is missing"
+    if problem:
+        raise StageError(f"{problem}; rerun the quantize stage (it rebuilds it)")
+    try:
+        if meta["format"] == "torch_module":
+            # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory (trusted input).
+            return torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=False).eval()
+        state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # truncated/corrupt, no checksum
+        raise StageError(f"{quant_dir / WEIGHTS} is unreadable ({str(e).splitlines()[0][:200]}); rerun the quantize "
+                         "stage (it rebuilds it)") from None
     tcfg = read_hf_config(meta["model_dir"])
-    state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
     model = build_model(tcfg, device="meta")  # no memory: every tensor is assigned from the file
     model.load_state_dict(state, assign=True)
     if tcfg.tie_embeddings and "output" not in meta["quantized_layers"]:

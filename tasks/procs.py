@@ -1,0 +1,107 @@
+"""Child processes that never outlive their launcher, and the run directory's writer lock.
+
+- `run_in_group(argv, …)`: torchrun (or any long child) in its own process group, with PR_SET_PDEATHSIG so a
+  kill -9 of the launcher (`python -m tasks train`, an Airflow task) takes it down too; an exception or signal in
+  the launcher (KeyboardInterrupt, SIGTERM from Airflow) stops the whole group (SIGTERM, then SIGKILL).
+  torchrun starts each rank in a session of its own; the worker calls `die_with_parent()` itself, so a torchrun
+  that dies without cleaning up takes its ranks with it.
+- `RunDirLock`: an exclusive flock on `<run-dir>/.lock[-nodeN]` for the writing stages; a second writer fails at
+  once in one line naming the holder's pid, host and stage. The kernel drops the lock when the holder dies, so a
+  killed run never leaves a stale lock.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tasks.errors import StageError
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+    """Linux: deliver `sig` to this process when its parent exits; exits now if the parent is already gone."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except OSError:
+        return
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def run_in_group(argv: list[str], *, env: dict, cwd, stdout, grace_s: float = 30.0,
+                 timeout_s: float | None = None) -> int:
+    """Run argv to completion in its own process group; returns its exit status. Never leaves the group running:
+    on any exception here (KeyboardInterrupt, SIGTERM turned into one, timeout) the group gets SIGTERM, then
+    SIGKILL after `grace_s`."""
+    parent = os.getpid()
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent))
+    try:
+        return proc.wait(timeout=timeout_s)
+    except BaseException:
+        stop_group(proc, grace_s)
+        raise
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+class RunDirLock:
+    """`with RunDirLock(run_dir, stage, node):` — exclusive while the stage writes into run_dir."""
+
+    def __init__(self, run_dir: Path, stage: str, node: int = 0):
+        self.path = Path(run_dir) / (".lock" if node == 0 else f".lock-node{node}")
+        self.stage = stage
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunDirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise StageError(f"run directory {self.path.parent} is in use by pid {holder.get('pid', '?')} on "
+                             f"{holder.get('host', '?')} (stage {holder.get('stage', '?')}, since "
+                             f"{holder.get('since', '?')}); wait for it to finish, stop it, or use another "
+                             f"--run-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage,
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
+
+
+def _holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (OSError, ValueError):
+        return {}
