@@ -37,9 +37,15 @@ class HardwareConfig:
     inter_node_gbps: float = 0.0
     peak_tflops: float = 0.0
     hccl_connect_timeout: int = 120       # s, CANN range [120, 7200]
-    hccl_exec_timeout: int = 1836         # s, 0 = never (A2/A3)
+    # s, 0 = never. CANN's A2/A3 default 1836 is fine for training steps; a synchronous checkpoint save longer than
+    # that (other ranks wait in the next collective) needs more: raise it above the longest save, e.g. 3600, and keep
+    # train.timeout_s above it (CANN 8.5 HCCL env-var docs, hcclug_000074; README "Ascend: thresholds").
+    hccl_exec_timeout: int = 1836
     probe_sizes_mb: list = field(default_factory=lambda: [1, 4, 16])
     expected_bus_gbps: float = 0.0        # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
+    # Clock offset to NTP, multi-node: warn above 10 ms (cross-node profile timelines stop lining up), fail above
+    # 500 ms (HCCL link set-up times out across nodes) — the field guides' two numbers, README "Ascend: thresholds".
+    warn_clock_offset_ms: float = 10.0
     max_clock_offset_ms: float = 500.0
     min_free_disk_gb: float = 1.0
     min_host_memory_gb: float = 2.0
@@ -119,7 +125,9 @@ class TrainConfig:
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
     log_every: int = 1
-    timeout_s: int = 1800                 # collective timeout
+    # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
+    # reports the failing collective first; checked by validate() on NPU and by the env stage.
+    timeout_s: int = 1900
 
 
 @dataclass
@@ -405,6 +413,13 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
         problems.append(f"hardware.node_rank: {cfg.hardware.node_rank} must be < hardware.nnodes {cfg.hardware.nnodes}")
     if ":" not in cfg.hardware.rdzv_endpoint:
         problems.append(f"hardware.rdzv_endpoint: {cfg.hardware.rdzv_endpoint!r} must be host:port")
+    hw = cfg.hardware
+    if hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout:
+        problems.append(f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout "
+                        f"{hw.hccl_exec_timeout} so HCCL reports the real error before torch's watchdog fires")
+    if hw.warn_clock_offset_ms > hw.max_clock_offset_ms:
+        problems.append(f"hardware.warn_clock_offset_ms: {hw.warn_clock_offset_ms} exceeds "
+                        f"hardware.max_clock_offset_ms {hw.max_clock_offset_ms}")
     if not cfg.data.inputs:
         problems.append("data.inputs: at least one input path is required")
     if problems:

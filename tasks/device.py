@@ -113,11 +113,46 @@ def synchronize(device) -> None:
 
 
 def bf16_supported(kind: str) -> bool:
-    if kind == "cuda":
-        import torch
+    """Whether the device computes in bfloat16: CUDA and NPU ask the runtime (`torch.npu.is_bf16_supported()`,
+    torch_npu/npu/utils.py: False on Ascend 910 (A1) parts, True on 910B/910C); CPU autocast always can."""
+    mod = device_module(kind) if kind in ("cuda", "npu") else None
+    if mod is None:
+        return True
+    return bool(mod.is_bf16_supported())
 
-        return torch.cuda.is_bf16_supported()
-    return True  # 910B/910C and CPU autocast support bfloat16
+
+def precision_problem(kind: str, precision: str) -> str | None:
+    """One line when `precision` cannot run on this backend (checked before any step, never mid-run)."""
+    if precision == "bf16" and kind != "cpu" and not bf16_supported(kind):
+        what = "this Ascend SoC (910 A1 parts have no bf16; 910B/910C do)" if kind == "npu" else "this GPU"
+        return (f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
+                "(fp16 training needs a loss scaler, not implemented)")
+    if precision == "fp16":
+        return "train.precision: fp16 training needs a loss scaler (not implemented); use bf16 or fp32"
+    return None
+
+
+# The allocator-configuration variable per backend (PyTorch / torch_npu docs).
+ALLOC_CONF_ENV = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+
+
+def parse_alloc_conf(value: str | None) -> dict[str, str]:
+    """'expandable_segments:True,max_split_size_mb:128' → {'expandable_segments': 'True', 'max_split_size_mb': '128'}."""
+    out = {}
+    for item in (value or "").split(","):
+        key, sep, val = item.partition(":")
+        if sep and key.strip():
+            out[key.strip()] = val.strip()
+    return out
+
+
+def alloc_conf_in_force(kind: str, env: dict | None = None) -> str:
+    """The allocator settings a worker of this backend runs with: the launch environment's, else the process's."""
+    var = ALLOC_CONF_ENV.get(kind)
+    if not var:
+        return ""
+    env = env if env is not None else os.environ
+    return env.get(var, os.environ.get(var, ""))
 
 
 def reset_peak(device) -> None:

@@ -101,9 +101,7 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str) -> dict:
 
 
 def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_dir: Path) -> dict:
-    import torch
-
-    from tasks.quant.artifact import load_quantized
+    from tasks.quant.artifact import load_quantized, pip_requirements
 
     uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
     # Same quantized files (names, sizes, mtimes) + same data → the same version on a rerun.
@@ -113,9 +111,7 @@ def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_
     if existing is not None:
         version = str(existing.version)
     else:
-        import torchao
-
-        reqs = [f"torch=={torch.__version__.split('+')[0]}", f"torchao=={torchao.__version__}"]
+        reqs = pip_requirements(meta)
         version = registry.register(uri, name, load_quantized(quant_dir), _tags(uri, ctx, meta, m, digest, key), reqs)
     registry.set_alias(uri, name, registry.CANDIDATE, version)
     if champion is not None and champion["version"] == version:

@@ -123,7 +123,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     report["source"]["notes"] += notes
     analyze_dir = out_dir / "msprof_analyze"
     if fmt in ASCEND_FORMATS:  # cross-check with Huawei's own tool where it is installed
-        report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir)
+        report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir, fmt=fmt)
     comparison, regressions = baseline.compare(report, baseline.find_baseline(cfg, fmt, ctx.mlflow_run_id),
                                                cfg.profile.regression_threshold)
     report["baseline"] = comparison

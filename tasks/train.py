@@ -62,8 +62,11 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     hw = cfg.hardware
     problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
                              f"hardware.nnodes {hw.nnodes} × {nproc} processes per node")
-    if cfg.train.precision == "fp16":
-        problems.append("train.precision: fp16 training needs a loss scaler (not implemented); use bf16")
+    from tasks.device import precision_problem
+
+    bad_precision = precision_problem(backend.kind, cfg.train.precision)
+    if bad_precision:
+        problems.append(bad_precision)
     if getattr(ctx.args, "fresh", False):
         for p in ("checkpoints", "train", "metrics.jsonl"):
             target = ctx.run_dir / p
@@ -152,13 +155,16 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     spec_path = atomic_write_json(train_dir / "launch.json", spec)
     argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{cfg.hardware.node_rank}.log"
-    rc, log_text = launch(argv, launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id),
-                          run_dir / "logs" / log_name)
+    env = launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
+    rc, log_text = launch(argv, env, run_dir / "logs" / log_name)
     if rc != 0:
+        from tasks.device import alloc_conf_in_force
+
         resume = ckpt.latest(run_dir / "checkpoints")
         plans = _plans(ctx.inputs.get("plan"))
         raise diagnosis.explain(train_dir, rc, log_text, plans, spec["layout"],
-                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)")
+                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)",
+                                kind=spec["backend"], alloc_conf=alloc_conf_in_force(spec["backend"], env))
     if export:
         _export_hf(spec, run_dir)
     return _result(cfg, ctx, spec, reused=False)

@@ -108,28 +108,40 @@ def check_npu_stack(matrix: dict, torch: str | None, torch_npu: str | None, cann
                              f"(branch {row['branch']})")
 
 
+def _in_ranges(version: str, ranges: list[list[str]]) -> bool:
+    """Whether `version` lies in any [lo, hi] (numeric parts compared, the version cut to the bounds' length)."""
+    for lo, hi in ranges:
+        n = max(len(_key(lo)), len(_key(hi)))
+        if _key(lo) <= _key(version)[:n] <= _key(hi):
+            return True
+    return False
+
+
+def _show(ranges: list[list[str]]) -> str:
+    return ", ".join(f"[{lo}]" if lo == hi else f"[{lo}, {hi}]" for lo, hi in ranges)
+
+
 def check_firmware(driver: dict | None, firmware: dict | None) -> dict | None:
-    """The driver's version.info states the firmware range it works with (compatible_version_fw=[lo,hi])."""
+    """The driver's version.info states the firmware ranges it works with (compatible_version_fw=[lo,hi],…)."""
     if not driver or not firmware or not driver.get("compatible_firmware"):
         return None
-    lo, hi = driver["compatible_firmware"]
-    fw = firmware["version"]
-    n = max(len(_key(lo)), len(_key(hi)))
-    if not _key(lo) <= _key(fw)[:n] <= _key(hi):
-        return check("driver-firmware", "fail", f"firmware {fw} is outside the range [{lo}, {hi}] that driver "
+    ranges, fw = driver["compatible_firmware"], firmware["version"]
+    if not _in_ranges(fw, ranges):
+        what = "the range" if len(ranges) == 1 else "the ranges"
+        return check("driver-firmware", "fail", f"firmware {fw} is outside {what} {_show(ranges)} that driver "
                                                 f"{driver['version']} supports: install a firmware in that range")
-    return check("driver-firmware", "ok", f"firmware {fw} within driver {driver['version']}'s range [{lo}, {hi}]")
+    return check("driver-firmware", "ok", f"firmware {fw} within driver {driver['version']}'s range {_show(ranges)}")
 
 
 def check_driver_cann(driver: dict | None, cann: dict | None) -> dict | None:
-    """The toolkit's install-info lists the driver releases (V100R001Cxx) it was qualified with."""
+    """The toolkit's install-info lists the driver releases (V100R001Cxx) it was qualified with, as single releases
+    and ranges ([V100R001C13,V100R001C19],[V100R001C30])."""
     if not driver or not cann or not cann.get("compatible_version") or not driver.get("innerversion"):
         return None
     release = re.match(r"V\d+R\d+C\d+", driver["innerversion"])
-    if release and release.group(0) not in cann["compatible_version"]:
-        listed = ",".join(cann["compatible_version"])
+    if release and not _in_ranges(release.group(0), cann["compatible_version"]):
         return check("driver-cann", "warn", f"driver {driver['version']} ({release.group(0)}) is not in CANN "
-                                            f"{cann['version']}'s compatible list {listed}")
+                                            f"{cann['version']}'s compatible list {_show(cann['compatible_version'])}")
     return check("driver-cann", "ok", f"driver {driver['version']} is in CANN {cann['version']}'s compatible list")
 
 

@@ -31,10 +31,25 @@ def save_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
     torch.save(model.state_dict() if fmt == "torch_state_dict" else model, path)
 
 
-def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
-    """The saved INT8 model on `device`, ready for evaluation."""
-    import torchao  # noqa: F401  (registers torchao's tensor subclasses for weights_only loading)
+def pip_requirements(meta: dict) -> list[str]:
+    """What a registered model needs to load: torch, plus torchao (its version) for torchao artifacts, or torch_npu
+    (and AMCT, shipped with CANN, not pip-installable) for AMCT ones. Imports torchao only when the artifact is its."""
+    reqs = [f"torch=={torch.__version__.split('+')[0]}"]
+    if meta.get("backend") == "torchao":
+        import torchao
 
+        reqs.append(f"torchao=={torchao.__version__}")
+    elif meta.get("backend") == "amct":
+        from tasks.envcheck.versions import package_version
+
+        npu = package_version("torch-npu")
+        reqs.append(f"torch-npu=={npu}" if npu else "torch-npu")
+    return reqs
+
+
+def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
+    """The saved INT8 model on `device`, ready for evaluation. torchao is imported only for its own artifacts: an
+    AMCT host has no torchao and must not need it."""
     from tasks.model.hf_io import read_hf_config
     from tasks.model.transformer import build_model, rope_table
 
@@ -50,6 +65,8 @@ def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
     if meta["format"] == "torch_module":
         # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory (trusted input).
         return torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=False).eval()
+    import torchao  # noqa: F401  (registers torchao's tensor subclasses for weights_only loading)
+
     tcfg = read_hf_config(meta["model_dir"])
     state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
     model = build_model(tcfg, device="meta")  # no memory: every tensor is assigned from the file
