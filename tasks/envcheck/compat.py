@@ -145,6 +145,28 @@ def check_driver_cann(driver: dict | None, cann: dict | None) -> dict | None:
     return check("driver-cann", "ok", f"driver {driver['version']} is in CANN {cann['version']}'s compatible list")
 
 
+def check_amct(amct: str | None, torch: str | None, torch_npu: str | None, cann: str | None) -> dict | None:
+    """AMCT (quantize.backend=amct) runs only on its supported pair: CANN >= 8.5.0 and a CPU build of torch 2.1.0 or
+    2.7.1 with the matching torch_npu (hicann/amct README and requirements.txt). None when AMCT is not installed."""
+    from tasks.quant.amct_backend import AMCT_MIN_CANN, AMCT_PAIR, AMCT_TORCH
+
+    if not amct:
+        return None
+    problems = []
+    if not torch or base_version(torch) not in AMCT_TORCH:
+        problems.append(f"torch {torch or 'missing'}")
+    elif "+cpu" not in torch and "+" in torch:
+        problems.append(f"torch {torch} is not the CPU build")
+    if torch_npu and torch and base_version(torch_npu) != base_version(torch):
+        problems.append(f"torch_npu {torch_npu}")
+    if not cann or _key(_norm_cann(cann))[:3] < _key(AMCT_MIN_CANN):
+        problems.append(f"CANN {cann or 'missing'}")
+    if problems:
+        return check("amct", "warn", f"AMCT {amct} installed with {', '.join(problems)}: {AMCT_PAIR} "
+                                     "(requirements-npu-amct.txt); quantize.backend=amct will not work")
+    return check("amct", "ok", f"AMCT {amct} on torch {torch} + torch_npu {torch_npu} + CANN {cann}")
+
+
 def version_checks(v: dict, matrix: dict | None = None) -> list[dict]:
     """All version checks over `versions.collect()` output."""
     matrix = matrix or load_matrix()
@@ -152,5 +174,6 @@ def version_checks(v: dict, matrix: dict | None = None) -> list[dict]:
     out = [check_python(matrix, v["python"], v.get("torch")),
            check_npu_stack(matrix, v.get("torch"), v.get("torch_npu"), cann),
            check_firmware(v.get("driver"), v.get("firmware")),
-           check_driver_cann(v.get("driver"), v.get("cann"))]
+           check_driver_cann(v.get("driver"), v.get("cann")),
+           check_amct(v.get("amct"), v.get("torch"), v.get("torch_npu"), cann)]
     return [c for c in out if c]

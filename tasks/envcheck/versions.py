@@ -102,6 +102,7 @@ def collect(ascend_root: str | os.PathLike = DEFAULT_ASCEND_ROOT, home: str | No
     droot = driver_root(ascend_root, install_info)
     return {"python": platform.python_version(), "python_executable": sys.executable,
             "torch": package_version("torch"), "torch_npu": package_version("torch-npu"),
+            "amct": package_version("amct_pytorch"),
             "cann": find_cann(ascend_root, home), "driver": find_driver(droot), "firmware": find_firmware(droot)}
 
 
