@@ -170,12 +170,14 @@ class ProfileConfig:
 
 @dataclass
 class QuantizeConfig:
-    method: str = "int8_weight_only"      # int8_weight_only | int8_dynamic (W8A8) | smoothquant (W8A8, calibrated)
+    # int8_weight_only | int8_dynamic (W8A8, activations per-token dynamic: torchao's Int8DynamicActivation and AMCT's
+    # inputs.strategy "token") | smoothquant (W8A8, per-tensor activations, calibrated)
+    method: str = "int8_weight_only"
     backend: str = "auto"                 # auto (AMCT on an NPU host where it imports, else torchao) | amct | torchao
     skip_layers: list = field(default_factory=lambda: ["lm_head", "embed"])  # substrings of layer names (ours or HF)
     calibration_batches: int = 4
     amct_flow: str = "llm"                # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
-    dtype: str = "bf16"                   # dtype of what stays unquantized (embeddings, norms, scales, activations)
+    dtype: str = "bf16"                   # bf16 | fp16 | fp32 (not with AMCT: INT8 on fp16/bf16 only): unquantized parts
 
 
 @dataclass
@@ -241,7 +243,7 @@ CHOICES = {
     "quantize.method": ["int8_weight_only", "int8_dynamic", "smoothquant"],
     "quantize.backend": ["auto", "amct", "torchao"],
     "quantize.amct_flow": ["llm", "ptq"],
-    "quantize.dtype": ["bf16", "fp32"],
+    "quantize.dtype": ["bf16", "fp16", "fp32"],
 }
 RANGES = {  # inclusive (min, max); None = unbounded
     "hardware.nproc_per_node": (0, 1024), "hardware.nnodes": (1, 4096), "hardware.node_rank": (0, 4095),

@@ -45,7 +45,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         from tasks.quant.amct_backend import amct_import_error
 
         amct_error = amct_import_error()
-    backend = choose_backend(q.backend, amct_error, kind, q.amct_flow)
+    backend = choose_backend(q.backend, amct_error, kind, q.amct_flow, q.dtype)
     settings = _settings(cfg, model_dir, backend)
     out = ctx.run_dir / "quantize"
     if (out / META).is_file() and {k: read_json(out / META).get(k) for k in settings} == settings:
@@ -88,7 +88,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         else:
             from tasks.quant.amct_backend import quantize_ptq
 
-            meta.update(quantize_ptq(model, skipped, calib, tmp / "amct"), format="onnx")
+            meta.update(quantize_ptq(model, skipped, calib, tmp / "amct", device), format="onnx")
         if meta["format"] != "onnx":
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)

@@ -253,3 +253,196 @@ def test_clock_offset_warns_above_10ms_and_fails_above_500ms_multi_node():
     assert system.check_clock(clock, 1, 500, 10)["status"] == "ok"   # one node: no cross-node timeline
     from tasks.config import HardwareConfig
     assert (HardwareConfig().warn_clock_offset_ms, HardwareConfig().max_clock_offset_ms) == (10.0, 500.0)
+
+
+def test_allreduce_rule_at_30_percent_and_25_percent_note():
+    from tasks.profiling.advisor import THRESHOLDS, advise
+
+    def report(share):
+        return {"step": {"shares": {"busy": 0.9, "comm_not_overlapped": 0.0, "bubble": 0.0}, "allreduce_share": share,
+                         "allreduce_us_per_step": share * 1000, "step_us": 1000, "free_us": 0},
+                "ai_cpu_ops": [], "slow_ranks": {}}
+
+    assert (THRESHOLDS["allreduce_max"], THRESHOLDS["allreduce_note"]) == (0.30, 0.25)
+    assert [(f["rule"], f["severity"]) for f in advise(report(0.27))] == [("communication.allreduce_note", "low")]
+    assert [f["rule"] for f in advise(report(0.35))] == ["communication.allreduce"]
+    assert advise(report(0.20)) == []
+
+
+def test_hccl_exec_timeout_help_names_the_long_checkpoint_advice():
+    import inspect
+
+    from tasks import config
+
+    src = inspect.getsource(config.HardwareConfig)
+    assert "1836" in src and "3600" in src and "checkpoint" in src
+
+
+# --- 6. under msprof the trainer does not start torch_npu.profiler; msprof's PROF_* output is analysed -------------
+
+def test_under_msprof_npu_profiler_is_not_started(tmp_path, monkeypatch):
+    from tasks.config import ProfileConfig
+    from tasks.profiling import collect
+
+    monkeypatch.setenv("PROFILER_SAMPLECONFIG", '{"output": "/tmp/x"}')
+    # no torch_npu here: starting torch_npu.profiler would raise BackendUnavailable
+    prof = collect.make_profiler(ProfileConfig(), "npu", tmp_path / "traces", rank=0)
+    with prof as p:
+        p.step()
+    assert isinstance(prof, collect._Off) and collect.under_msprof()
+
+
+def test_msprof_run_is_analysed_from_its_prof_folder(tmp_path):
+    from tasks.errors import StageError
+    from tasks.profile import msprof_source
+
+    with pytest.raises(StageError, match="wrote no PROF_\\* folder"):
+        msprof_source(tmp_path / "msprof")
+    fixture = REPO / "tests" / "fixtures" / "profiling" / "msprof_new_healthy"
+    assert msprof_source(fixture) == fixture
+
+
+# --- 8. profiler options valid for the installed version --------------------------------------------------------
+
+def test_profiler_options_checked_against_the_installed_release():
+    from tasks.config import ProfileConfig
+    from tasks.envcheck.compat import torchnpu_release
+    from tasks.profiling.collect import npu_option_problems, release_key
+
+    assert torchnpu_release("2.1.0.post8") == "6.0.rc3" and torchnpu_release("2.12.0") == "26.1.0"
+    assert release_key("6.0.rc2") < release_key("6.0.rc3") < release_key("6.0.0") < release_key("7.0.0")
+    errors, _ = npu_option_problems(ProfileConfig(npu_level="Level_none"), "26.1.0", {})
+    assert errors and "no step breakdown" in errors[0]
+    errors, _ = npu_option_problems(ProfileConfig(aic_metrics="MemoryAccess"), torchnpu_release("2.4.0.post2"), {})
+    assert errors == ["profile.aic_metrics MemoryAccess needs TorchNPU 7.0.0 or newer; the installed torch_npu is "
+                      "TorchNPU 6.0.0: choose another profile.aic_metrics"]
+    assert npu_option_problems(ProfileConfig(aic_metrics="MemoryAccess"), "7.0.0", {}) == ([], [])
+    errors, _ = npu_option_problems(ProfileConfig(aic_metrics="AiCoreNone"), torchnpu_release("2.2.0"), {})
+    assert errors and "TorchNPU 6.0.rc2" in errors[0]
+    _, warnings = npu_option_problems(ProfileConfig(), "26.1.0", {"ASCEND_RT_VISIBLE_DEVICES": "0,1"})
+    assert warnings and "not support it together with profiling" in warnings[0]
+
+
+# --- 9. the AMCT flow chosen by what the package exposes, the supported pair named --------------------------------
+
+def test_amct_flow_by_what_the_package_exposes():
+    import types
+
+    from tasks.errors import StageError
+    from tasks.quant.amct_backend import available_flows, require_flow
+
+    llm_only = types.ModuleType("amct_pytorch")            # hicann/amct 8.5.0's public names
+    llm_only.quantize = llm_only.convert = lambda *a, **k: None
+    assert available_flows(llm_only) == {"llm": True, "ptq": False, "qat": False}
+    with pytest.raises(StageError, match=r"does not offer the ptq flow \(no amct_pytorch.create_quant_config\); "
+                                         r"it offers: llm"):
+        require_flow(llm_only, "ptq")
+
+    lazy = types.ModuleType("amct_pytorch")                 # master: classic names behind a failing __getattr__
+    lazy.quantize = lazy.convert = lambda *a, **k: None
+
+    def missing_dep(name):
+        raise ImportError("No module named 'onnx'")
+    lazy.__getattr__ = missing_dep
+    assert available_flows(lazy)["ptq"] is False
+
+
+def test_env_stage_names_the_amct_pair():
+    c = compat.check_amct("9.0.0", "2.12.0", "2.12.0", "9.1.0")
+    assert c["status"] == "warn" and "torch 2.1.0 or 2.7.1" in c["detail"] and "CANN >= 8.5.0" in c["detail"]
+    assert compat.check_amct("9.0.0", "2.7.1+cpu", "2.7.1.post4", "9.0.0")["status"] == "ok"
+    assert compat.check_amct("9.0.0", "2.7.1+cpu", "2.7.1.post4", "8.3.RC1")["status"] == "warn"
+    assert compat.check_amct(None, "2.13.0", None, None) is None
+
+
+# --- 10. AMCT PTQ: one device, export-friendly attention, fp32 refused, int8_dynamic is per-token ------------------
+
+def _debug_model():
+    import torch
+
+    from tasks.model import build_model, materialize
+    from tasks.model.config import get_preset
+
+    c = get_preset("debug")
+    m = build_model(c, "meta")
+    materialize(m, torch.device("cpu"), 0)
+    return c, m.eval()
+
+
+def test_export_friendly_attention_matches_sdpa_and_exports_at_opset_11():
+    import io
+    import warnings
+
+    import torch
+
+    from tasks.quant.export import MathAttention, export_friendly
+
+    c, m = _debug_model()
+    x = torch.randint(0, c.vocab_size, (2, 16))
+    with torch.no_grad():
+        ref = m(x)
+        with export_friendly(m):
+            assert all(type(b.attention) is MathAttention for b in m.layers.values())
+            out = m(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert all(type(b.attention).__name__ == "Attention" for b in m.layers.values())   # restored
+
+    def export():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(m, (x,), io.BytesIO(), opset_version=11, dynamo=False)
+
+    with pytest.raises(Exception, match="scaled_dot_product_attention.* opset version 11"):
+        export()
+    with export_friendly(m):
+        try:
+            export()
+        except Exception as e:   # this venv has no `onnx` package: the graph converted, only serialising is left
+            assert "onnx is not installed" in str(e), e
+
+
+def test_ptq_keeps_sample_and_calibration_on_the_models_device(monkeypatch, tmp_path):
+    """A recording stand-in for AMCT's classic API (hicann/amct master signatures): the model sits on `meta`, so any
+    CPU tensor handed to it fails."""
+    import types
+
+    import torch
+
+    from tasks.quant import amct_backend
+
+    c, m = _debug_model()
+    m.to("meta")
+    seen = {}
+    fake = types.ModuleType("amct_pytorch")
+
+    def create_quant_config(config_file, model, input_data, skip_layers=None, batch_num=1, activation_offset=True,
+                            config_defination=None):
+        seen["attention"] = type(model.layers["0"].attention).__name__
+        seen["sample"] = input_data[0].device.type
+
+    def quantize_model(config_file, modfied_onnx_file, record_file, model, input_data, input_names=None,
+                       output_names=None, dynamic_axes=None):
+        return model
+
+    def save_model(modfied_onnx_file, record_file, save_path):
+        for suffix in ("_fake_quant_model.onnx", "_deploy_model.onnx"):
+            Path(f"{save_path}{suffix}").write_bytes(b"")
+
+    fake.create_quant_config, fake.quantize_model, fake.save_model = create_quant_config, quantize_model, save_model
+    fake.quantize = fake.convert = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "amct_pytorch", fake)
+    batches = [(torch.randint(0, c.vocab_size, (2, 8)), None) for _ in range(2)]
+    out = amct_backend.quantize_ptq(m, [], batches, tmp_path, torch.device("meta"))
+    assert seen == {"attention": "MathAttention", "sample": "meta"} and Path(out["deploy_onnx"]).is_file()
+
+
+def test_amct_refuses_fp32_and_int8_dynamic_is_per_token():
+    from tasks.errors import StageError
+    from tasks.quant.amct_config import llm_quant_config
+    from tasks.quant.plan import choose_backend
+
+    with pytest.raises(StageError, match="quantize.dtype fp32: AMCT's INT8 quantization supports fp16/bf16"):
+        choose_backend("amct", None, "npu", "llm", "fp32")
+    assert choose_backend("amct", None, "npu", "llm", "fp16") == "amct"
+    assert llm_quant_config("int8_dynamic", [])["quant_cfg"]["inputs"]["strategy"] == "token"
+    assert llm_quant_config("smoothquant", [])["quant_cfg"]["inputs"]["strategy"] == "tensor"

@@ -52,6 +52,15 @@ def best_pair(matrix: dict, cann: str, torch: str | None = None) -> dict | None:
     return (same or ranked)[-1]
 
 
+def torchnpu_release(torch_npu: str | None, matrix: dict | None = None) -> str | None:
+    """The TorchNPU release of an installed torch_npu ('2.1.0.post8' → '6.0.rc3', from the branch name
+    v2.1.0-6.0.rc3); None when unknown (newer than the table)."""
+    if not torch_npu:
+        return None
+    row = next((r for r in (matrix or load_matrix())["pairs"] if r["torch_npu"] == torch_npu.split("+")[0]), None)
+    return row["branch"].split("-", 1)[1] if row else None
+
+
 def _install(row: dict) -> str:
     return f"pip install torch=={row['torch']} torch-npu=={row['torch_npu']} (CANN {row['cann']})"
 

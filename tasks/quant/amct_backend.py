@@ -89,23 +89,28 @@ def quantize_llm(model, method: str, skip_names, calib_batches, device) -> dict:
     return cfg
 
 
-def quantize_ptq(model, skip_names, calib_batches, out_dir: Path) -> dict[str, str]:
-    """Classic ONNX PTQ; returns the paths of the fake-quant and deploy models."""
+def quantize_ptq(model, skip_names, calib_batches, out_dir: Path, device=None) -> dict[str, str]:
+    """Classic ONNX PTQ; returns the paths of the fake-quant and deploy models. The sample and every calibration
+    batch go to the model's device, and attention runs export-friendly (AMCT exports at ONNX opset 11)."""
     import torch
 
+    from tasks.quant.export import export_friendly
+
     amct = _amct("ptq")
+    device = device if device is not None else next(model.parameters()).device
     out_dir.mkdir(parents=True, exist_ok=True)
     config_file, record_file = out_dir / "config.json", out_dir / "record.txt"
     modified_onnx = out_dir / "modified_model.onnx"
-    sample = (calib_batches[0][0],)
-    amct.create_quant_config(str(config_file), model, sample, skip_layers=list(skip_names),
-                             batch_num=len(calib_batches), activation_offset=True)
-    calibration_model = amct.quantize_model(str(config_file), str(modified_onnx), str(record_file), model, sample,
-                                            input_names=["tokens"], output_names=["logits"],
-                                            dynamic_axes={"tokens": {0: "batch", 1: "seq"}})
-    with torch.no_grad():
-        for inputs, _ in calib_batches:
-            calibration_model(inputs)
+    sample = (calib_batches[0][0].to(device),)
+    with export_friendly(model):
+        amct.create_quant_config(str(config_file), model, sample, skip_layers=list(skip_names),
+                                 batch_num=len(calib_batches), activation_offset=True)
+        calibration_model = amct.quantize_model(str(config_file), str(modified_onnx), str(record_file), model,
+                                                sample, input_names=["tokens"], output_names=["logits"],
+                                                dynamic_axes={"tokens": {0: "batch", 1: "seq"}})
+        with torch.no_grad():
+            for inputs, _ in calib_batches:
+                calibration_model(inputs.to(device))
     prefix = out_dir / "model"
     amct.save_model(str(modified_onnx), str(record_file), str(prefix))
     outputs = {"fake_quant_onnx": f"{prefix}_fake_quant_model.onnx", "deploy_onnx": f"{prefix}_deploy_model.onnx"}
@@ -123,7 +128,11 @@ def write_qat_handoff(out_dir: Path, layers: list[tuple[str, str]], skip_names, 
     cfg_path, json_path = out_dir / "retrain.cfg", out_dir / "retrain_config.json"
     atomic_write_text(cfg_path, qat_simplified_cfg(skip_names, batch_num))
     if model is not None:
-        _amct("qat").create_quant_retrain_config(str(json_path), model, sample, config_defination=str(cfg_path))
+        from tasks.quant.export import export_friendly
+
+        amct = _amct("qat")
+        with export_friendly(model):   # AMCT traces the model to ONNX (opset 11: no SDPA symbolic)
+            amct.create_quant_retrain_config(str(json_path), model, sample, config_defination=str(cfg_path))
     else:
         atomic_write_json(json_path, qat_retrain_json(layers, batch_num), sort_keys=False)
     return {"retrain_cfg": str(cfg_path), "retrain_config_json": str(json_path)}

@@ -13,7 +13,7 @@ from tasks.fsutil import read_json
 from tasks.quant.plan import Layer
 
 WEIGHTS, META = "model_int8.pt", "quant_meta.json"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def describe_layers(model: torch.nn.Module) -> list[Layer]:
