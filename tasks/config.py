@@ -94,6 +94,9 @@ class ModelConfig:
     vocab_size: int = 0                   # 0 = preset, or the tokenizer's size when the preset allows
     rope_theta: float = 0.0
     max_seq_len: int = 0
+    # NPU fused kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu) swapped in after the model is built:
+    # auto = on when the device is an NPU and the op exists; off = plain PyTorch everywhere (tasks/model/npu_kernels)
+    npu_kernels: str = "auto"
 
 
 @dataclass
@@ -231,6 +234,7 @@ SECTIONS = [f.name for f in dataclasses.fields(PipelineConfig) if f.name != "pre
 CHOICES = {
     "hardware.device": ["auto", "cpu", "cuda", "npu"],
     "hardware.launcher": ["local", "kubernetes"],
+    "model.npu_kernels": ["auto", "off"],
     "data.on_decode_error": ["replace", "skip"],
     "data.token_dtype": ["auto", "uint16", "uint32"],
     "parallel.recompute": ["none", "selective", "full"],

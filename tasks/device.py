@@ -7,6 +7,7 @@ torch_npu installed but CANN missing, even `import torch` fails ("Failed to load
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from tasks.errors import StageError
@@ -206,6 +207,8 @@ def launch_env(backend: Backend, hardware) -> dict[str, str]:
         # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy.
         env.setdefault("PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF",
                                                                 "expandable_segments:True"))
+        # Two-level task queue for operator dispatch (the guides' host-bound remedy); the user's value wins.
+        env.setdefault("TASK_QUEUE_ENABLE", os.environ.get("TASK_QUEUE_ENABLE", "2"))
     return env
 
 
@@ -223,3 +226,16 @@ def autocast(device, dtype_name: str):
         return contextlib.nullcontext()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# SoCs with fused attention behind SDPA (op-plugin: SoC >= Ascend910B1; A3 = Ascend910_93xx; 950).
+_FUSED_ATTENTION_SOC = re.compile(r"^(Ascend)?(910B|910_93|910C|950)", re.I)
+
+
+def fused_attention_available(soc_or_cluster: str) -> bool:
+    """Whether SDPA runs as npu_fusion_attention on this SoC ('Ascend910B2', 'Ascend910_9392', '910b', '910c');
+    non-Ascend names (CUDA/CPU clusters) are taken as fused (flash/efficient SDPA)."""
+    name = soc_or_cluster.strip()
+    if not re.match(r"^(Ascend)?910|^(Ascend)?950", name, re.I):
+        return True
+    return bool(_FUSED_ATTENTION_SOC.match(name))

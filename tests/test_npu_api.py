@@ -23,7 +23,8 @@ npu_api = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(npu_api)
 
 # Project functions that hand back one of these packages (tasks/device.py, tasks/quant/amct_backend.py).
-SOURCES = {"import_torch_npu": "torch_npu", "device_module": "torch.npu", "_amct": "amct_pytorch"}
+SOURCES = {"import_torch_npu": "torch_npu", "_torch_npu": "torch_npu", "device_module": "torch.npu",
+           "_amct": "amct_pytorch"}
 ROOTS = ("torch_npu", "torch.npu", "amct_pytorch")
 
 
@@ -191,7 +192,8 @@ def test_walker_finds_the_projects_npu_calls():
     for expected in ("torch_npu.profiler._ExperimentalConfig", "torch_npu.profiler.profile",
                      "torch_npu.profiler.schedule", "torch_npu.profiler.tensorboard_trace_handler",
                      "torch.npu.is_bf16_supported", "torch.npu.is_available", "amct_pytorch.quantize",
-                     "amct_pytorch.convert", "amct_pytorch.create_quant_config"):
+                     "amct_pytorch.convert", "amct_pytorch.create_quant_config", "torch_npu.npu_rms_norm",
+                     "torch_npu.npu_rotary_mul", "torch_npu.npu_swiglu"):
         assert expected in found, (expected, sorted(found))
 
 

@@ -49,15 +49,17 @@ def _load_spec(path: str) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int):
+def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, npu_kernels: str = "auto"):
     """Model parts of this rank: split for PP → TP → activation checkpointing → FSDP → materialise."""
     from tasks.model import build_model, materialize
+    from tasks.model.npu_kernels import convert as convert_npu_kernels
     from tasks.parallel.ac import apply_ac
     from tasks.parallel.fsdp import apply_fsdp
     from tasks.parallel.pp import split_model, stages_per_rank
     from tasks.parallel.tp import apply_tp
 
     model = build_model(tcfg, "meta")
+    convert_npu_kernels(model, device.type, npu_kernels)  # NPU fused ops before any parallelism; identity elsewhere
     per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
     indexed = split_model(model, c["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
     for _, part in indexed:
@@ -97,7 +99,8 @@ def setup(spec: dict, device) -> SimpleNamespace:
     c = coords(mesh)
     _log(f"layout {layout_name(lay.dp, lay.tp, lay.pp)} coords {c} device {device}")
     torch.manual_seed(cfg.train.seed)
-    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed)
+    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed,
+                                    cfg.model.npu_kernels)
     parts = [p for _, p in indexed]
     optimizers = build_optimizers(parts, cfg.train)
     if lay.pp > 1:
