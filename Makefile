@@ -10,12 +10,13 @@ CONF ?= {}
 export LLM_PIPELINE_CONF := $(value CONF)
 unexport CONF
 
-.PHONY: help venv run test test-fast bench db clean ui stop browser
+.PHONY: help venv run test test-fast bench db clean ui stop browser npu-api
 
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
 	@echo "make test   - set up .venv and run the whole test suite (what CI runs)"
 	@echo "make bench  - run the benchmarks; writes bench/results.json and bench/results.md"
+	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
 
 venv: $(STAMP)
 
@@ -50,3 +51,6 @@ bench: venv
 
 clean:
 	rm -rf var
+
+npu-api: venv  ## snapshot torch_npu's (pinned wheels, downloaded not installed) and AMCT's API into tests/fixtures/npu_api
+	@$(ENV) python scripts/npu_api.py $(if $(AMCT_GIT_DIR),--amct-git $(AMCT_GIT_DIR))

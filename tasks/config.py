@@ -42,9 +42,15 @@ class HardwareConfig:
     inter_node_gbps: float = 0.0
     peak_tflops: float = 0.0
     hccl_connect_timeout: int = 120       # s, CANN range [120, 7200]
-    hccl_exec_timeout: int = 1836         # s, 0 = never (A2/A3)
+    # s, 0 = never. CANN's A2/A3 default 1836 is fine for training steps; a synchronous checkpoint save longer than
+    # that (other ranks wait in the next collective) needs more: raise it above the longest save, e.g. 3600, and keep
+    # train.timeout_s above it (CANN 8.5 HCCL env-var docs, hcclug_000074; README "Ascend: thresholds").
+    hccl_exec_timeout: int = 1836
     probe_sizes_mb: list[float] = field(default_factory=lambda: [1, 4, 16])
     expected_bus_gbps: float = 0.0        # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
+    # Clock offset to NTP, multi-node: warn above 10 ms (cross-node profile timelines stop lining up), fail above
+    # 500 ms (HCCL link set-up times out across nodes) — the field guides' two numbers, README "Ascend: thresholds".
+    warn_clock_offset_ms: float = 10.0
     max_clock_offset_ms: float = 500.0
     min_free_disk_gb: float = 1.0
     min_host_memory_gb: float = 2.0
@@ -94,6 +100,9 @@ class ModelConfig:
     vocab_size: int = 0                   # 0 = preset, or the tokenizer's size when the preset allows
     rope_theta: float = 0.0
     max_seq_len: int = 0
+    # NPU fused kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu) swapped in after the model is built:
+    # auto = on when the device is an NPU and the op exists; off = plain PyTorch everywhere (tasks/model/npu_kernels)
+    npu_kernels: str = "auto"
 
 
 @dataclass
@@ -125,7 +134,9 @@ class TrainConfig:
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
     log_every: int = 1
-    timeout_s: int = 1800                 # collective timeout
+    # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
+    # reports the failing collective first; checked by validate() on NPU and by the env stage.
+    timeout_s: int = 1900
 
 
 @dataclass
@@ -168,12 +179,14 @@ class ProfileConfig:
 
 @dataclass
 class QuantizeConfig:
-    method: str = "int8_weight_only"      # int8_weight_only | int8_dynamic (W8A8) | smoothquant (W8A8, calibrated)
+    # int8_weight_only | int8_dynamic (W8A8, activations per-token dynamic: torchao's Int8DynamicActivation and AMCT's
+    # inputs.strategy "token") | smoothquant (W8A8, per-tensor activations, calibrated)
+    method: str = "int8_weight_only"
     backend: str = "auto"                 # auto (AMCT on an NPU host where it imports, else torchao) | amct | torchao
     skip_layers: list[str] = field(default_factory=lambda: ["lm_head", "embed"])  # substrings of layer names (ours or HF)
     calibration_batches: int = 4
     amct_flow: str = "llm"                # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
-    dtype: str = "bf16"                   # dtype of what stays unquantized (embeddings, norms, scales, activations)
+    dtype: str = "bf16"                   # bf16 | fp16 | fp32 (not with AMCT: INT8 on fp16/bf16 only): unquantized parts
     qat_on_fail: bool = True              # PTQ misses the gate → quantization-aware fine-tune, then gate again
     qat_steps: int = 50                   # QAT optimizer steps on the training shards (lr: train.min_lr)
 
@@ -256,6 +269,7 @@ CHOICES = {
     "hardware.device": ["auto", "cpu", "cuda", "npu"],
     "hardware.launcher": ["local", "kubernetes"],
     "hardware.k8s_scheduler": ["default", "volcano"],
+    "model.npu_kernels": ["auto", "off"],
     "data.on_decode_error": ["replace", "skip"],
     "data.token_dtype": ["auto", "uint16", "uint32"],
     "parallel.recompute": ["none", "selective", "full"],
@@ -268,7 +282,7 @@ CHOICES = {
     "quantize.method": ["int8_weight_only", "int8_dynamic", "smoothquant"],
     "quantize.backend": ["auto", "amct", "torchao"],
     "quantize.amct_flow": ["llm", "ptq"],
-    "quantize.dtype": ["bf16", "fp32"],
+    "quantize.dtype": ["bf16", "fp16", "fp32"],
     "evaluate.gate_metric": ["accuracy_drop_pct", "ppl_drop_pct", "greedy_disagreement_pct"],
 }
 ITEM_CHOICES = {  # lists whose every item must be one of these
@@ -472,6 +486,13 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
         problems.append(f"hardware.node_rank: {cfg.hardware.node_rank} must be < hardware.nnodes {cfg.hardware.nnodes}")
     if ":" not in cfg.hardware.rdzv_endpoint:
         problems.append(f"hardware.rdzv_endpoint: {cfg.hardware.rdzv_endpoint!r} must be host:port")
+    hw = cfg.hardware
+    if hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout:
+        problems.append(f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout "
+                        f"{hw.hccl_exec_timeout} so HCCL reports the real error before torch's watchdog fires")
+    if hw.warn_clock_offset_ms > hw.max_clock_offset_ms:
+        problems.append(f"hardware.warn_clock_offset_ms: {hw.warn_clock_offset_ms} exceeds "
+                        f"hardware.max_clock_offset_ms {hw.max_clock_offset_ms}")
     if not cfg.data.inputs:
         problems.append("data.inputs: at least one input path is required")
     if problems:

@@ -7,6 +7,7 @@ torch_npu installed but CANN missing, even `import torch` fails ("Failed to load
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from tasks.errors import StageError
@@ -113,11 +114,46 @@ def synchronize(device) -> None:
 
 
 def bf16_supported(kind: str) -> bool:
-    if kind == "cuda":
-        import torch
+    """Whether the device computes in bfloat16: CUDA and NPU ask the runtime (`torch.npu.is_bf16_supported()`,
+    torch_npu/npu/utils.py: False on Ascend 910 (A1) parts, True on 910B/910C); CPU autocast always can."""
+    mod = device_module(kind) if kind in ("cuda", "npu") else None
+    if mod is None:
+        return True
+    return bool(mod.is_bf16_supported())
 
-        return torch.cuda.is_bf16_supported()
-    return True  # 910B/910C and CPU autocast support bfloat16
+
+def precision_problem(kind: str, precision: str) -> str | None:
+    """One line when `precision` cannot run on this backend (checked before any step, never mid-run)."""
+    if precision == "bf16" and kind != "cpu" and not bf16_supported(kind):
+        what = "this Ascend SoC (910 A1 parts have no bf16; 910B/910C do)" if kind == "npu" else "this GPU"
+        return (f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
+                "(fp16 training needs a loss scaler, not implemented)")
+    if precision == "fp16":
+        return "train.precision: fp16 training needs a loss scaler (not implemented); use bf16 or fp32"
+    return None
+
+
+# The allocator-configuration variable per backend (PyTorch / torch_npu docs).
+ALLOC_CONF_ENV = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+
+
+def parse_alloc_conf(value: str | None) -> dict[str, str]:
+    """'expandable_segments:True,max_split_size_mb:128' → {'expandable_segments': 'True', 'max_split_size_mb': '128'}."""
+    out = {}
+    for item in (value or "").split(","):
+        key, sep, val = item.partition(":")
+        if sep and key.strip():
+            out[key.strip()] = val.strip()
+    return out
+
+
+def alloc_conf_in_force(kind: str, env: dict | None = None) -> str:
+    """The allocator settings a worker of this backend runs with: the launch environment's, else the process's."""
+    var = ALLOC_CONF_ENV.get(kind)
+    if not var:
+        return ""
+    env = env if env is not None else os.environ
+    return env.get(var, os.environ.get(var, ""))
 
 
 def reset_peak(device) -> None:
@@ -171,6 +207,8 @@ def launch_env(backend: Backend, hardware) -> dict[str, str]:
         # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy.
         env.setdefault("PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF",
                                                                 "expandable_segments:True"))
+        # Two-level task queue for operator dispatch (the guides' host-bound remedy); the user's value wins.
+        env.setdefault("TASK_QUEUE_ENABLE", os.environ.get("TASK_QUEUE_ENABLE", "2"))
     return env
 
 
@@ -188,3 +226,16 @@ def autocast(device, dtype_name: str):
         return contextlib.nullcontext()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# SoCs with fused attention behind SDPA (op-plugin: SoC >= Ascend910B1; A3 = Ascend910_93xx; 950).
+_FUSED_ATTENTION_SOC = re.compile(r"^(Ascend)?(910B|910_93|910C|950)", re.I)
+
+
+def fused_attention_available(soc_or_cluster: str) -> bool:
+    """Whether SDPA runs as npu_fusion_attention on this SoC ('Ascend910B2', 'Ascend910_9392', '910b', '910c');
+    non-Ascend names (CUDA/CPU clusters) are taken as fused (flash/efficient SDPA)."""
+    name = soc_or_cluster.strip()
+    if not re.match(r"^(Ascend)?910|^(Ascend)?950", name, re.I):
+        return True
+    return bool(_FUSED_ATTENTION_SOC.match(name))

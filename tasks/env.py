@@ -69,12 +69,12 @@ def _system_checks(cfg: PipelineConfig, ctx, backend: device.Backend | None, fac
     kind = backend.kind if backend else ("npu" if facts["versions"].get("torch_npu") else hw.device)
     host = facts["host"] = system.host_facts()
     clock = facts["clock"] = system.clock_status()
-    checks.append(system.check_clock(clock, hw.nnodes, hw.max_clock_offset_ms))
+    checks.append(system.check_clock(clock, hw.nnodes, hw.max_clock_offset_ms, hw.warn_clock_offset_ms))
     hccl = dict(device.hccl_env(hw))
     if os.environ.get("HCCL_EVENT_TIMEOUT"):
         hccl["HCCL_EVENT_TIMEOUT"] = os.environ["HCCL_EVENT_TIMEOUT"]
     facts["hccl_env"] = hccl
-    checks.append(system.check_hccl(hccl, kind))
+    checks.append(system.check_hccl(hccl, kind, cfg.train.timeout_s))
     if backend:
         var = device.visible_devices_env(kind)
         chips = (facts.get("npu_smi") or {}).get("chips")

@@ -194,7 +194,7 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict |
 
 def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_dir: Path, model,
               ptq: dict | None) -> dict:
-    import torch
+    from tasks.quant.artifact import pip_requirements
 
     uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
     # Same quantized files (names, sizes, mtimes) + same data → the same version on a rerun.
@@ -204,12 +204,8 @@ def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_
     if existing is not None:
         version = str(existing.version)
     else:
-        reqs = [f"torch=={torch.__version__.split('+')[0]}"]
-        if meta["backend"] == "torchao":
-            import torchao
-
-            reqs.append(f"torchao=={torchao.__version__}")
-        version = registry.register(uri, name, model, _tags(uri, ctx, meta, m, digest, key, ptq), reqs)
+        version = registry.register(uri, name, model, _tags(uri, ctx, meta, m, digest, key, ptq),
+                                    pip_requirements(meta))
     registry.set_alias(uri, name, registry.CANDIDATE, version)
     if champion is not None and champion["version"] == version:
         decision = registry.Promotion(True, f"v{version} is already the champion")

@@ -158,6 +158,13 @@ def _cluster(cfg: PipelineConfig, ctx):
                        peak_tflops=hw.peak_tflops if own else 0, reserve_gb=cfg.plan.runtime_reserve_gb)
 
 
+def _fused_attention(cfg: PipelineConfig) -> bool:
+    """SDPA is a fused kernel (no s×s scores kept) except on Ascend SoCs older than 910B (no npu_fusion_attention)."""
+    from tasks.device import fused_attention_available
+
+    return fused_attention_available(cfg.hardware.cluster)
+
+
 def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem, str, bool]:
     """The planning problem from flags and config; also the model description and whether the config pins the
     whole layout (then its zero/recompute/schedule/micro-batch are taken as they are)."""
@@ -180,7 +187,8 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
         recompute=[rc] if rc else ([par.recompute] if pinned else list(cfg.plan.recompute)),
         schedules=[par.pp_schedule] if pinned else list(cfg.plan.schedules),
         virtual=par.virtual_stages, sequence_parallel=par.sequence_parallel,
-        flash_attention=cfg.plan.flash_attention, efficiency=cfg.plan.efficiency, pins=pins)
+        flash_attention=cfg.plan.flash_attention and _fused_attention(cfg), efficiency=cfg.plan.efficiency,
+        pins=pins)
     return pb, model_desc, pinned
 
 

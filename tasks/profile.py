@@ -56,8 +56,30 @@ def write_outputs(report: dict, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def msprof_source(msprof_dir: Path) -> Path:
+    """The folder to analyse after an msprof-wrapped run: msprof's PROF_* output (torch_npu.profiler is not started
+    under msprof: torch_npu >= 2.10 disables it there, so the traces folder stays empty)."""
+    if not any(Path(msprof_dir).rglob("PROF_*")):
+        raise StageError(f"msprof wrapped the run but wrote no PROF_* folder under {msprof_dir}: check msprof's "
+                         "output above and that the CANN toolkit's msprof matches the driver")
+    return Path(msprof_dir)
+
+
+def _npu_option_checks(cfg: PipelineConfig) -> list[str]:
+    """Refuse profiler options the installed torch_npu lacks (one line), return the warnings as notes."""
+    from tasks.envcheck.compat import torchnpu_release
+    from tasks.envcheck.versions import package_version
+    from tasks.profiling.collect import npu_option_problems
+
+    errors, warnings = npu_option_problems(cfg.profile, torchnpu_release(package_version("torch-npu")))
+    if errors:
+        raise StageError(errors[0])
+    return warnings
+
+
 def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
-    """Run the training stage's own launcher for a few steps with `--profile-dir`; returns the traces folder.
+    """Run the training stage's own launcher for a few steps with `--profile-dir`; returns the folder to analyse
+    (the traces, or msprof's PROF_* output when msprof wrapped the run).
 
     Same trainer, model, shard set and layout (train.prepare resolves them exactly as the train stage does);
     its checkpoints and metrics go under <run-dir>/profile/run so the training run is untouched.
@@ -67,9 +89,11 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     runner.shard_set(cfg, ctx)  # before the digest below: data.seq_len follows the shard set (as train.prepare)
     traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
     if marker.is_file() and read_json(marker).get("config_hash") == cfg.digest():
-        return traces, [f"reused the traces collected earlier in {traces}"]
+        source = Path(read_json(marker).get("source") or traces)
+        return source, [f"reused the profile collected earlier in {source}"]
     shutil.rmtree(traces, ignore_errors=True)
     spec = train.prepare(cfg, ctx)
+    notes = _npu_option_checks(cfg) if spec["backend"] == "npu" else []
     work = out_dir / "run"
     shutil.rmtree(work, ignore_errors=True)
     spec["config"]["train"].update(steps=steps_needed(cfg.profile), checkpoint_every=0)
@@ -78,9 +102,11 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     argv = train.torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile")
     argv += ["--profile-dir", str(traces)]
     msprof = find_msprof() if cfg.profile.use_msprof and spec["backend"] == "npu" else None
-    notes = [f"msprof wrapped the run: {out_dir / 'msprof'}" if msprof else
-             "profile.use_msprof is set but msprof is not on PATH: collected with torch_npu.profiler only"
-             ] if cfg.profile.use_msprof else []
+    if cfg.profile.use_msprof:
+        notes.append(f"msprof wrapped the run (torch_npu.profiler not started under it): {out_dir / 'msprof'}"
+                     if msprof else "profile.use_msprof is set but msprof is not on PATH: collected with "
+                                    "torch_npu.profiler only")
+    shutil.rmtree(out_dir / "msprof", ignore_errors=True)
     log_path = out_dir / "logs" / "torchrun.log"
     rc, log = train.launch(msprof_wrap(argv, out_dir / "msprof", msprof),
                            train.launch_env(cfg, spec["backend"], spec["nproc"], None), log_path,
@@ -92,12 +118,16 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
                              "`python -m tasks profile analyze PATH`")
         raise StageError(f"profiled training run failed (exit {rc}); see {log_path} and {work}/logs/rank-*.log",
                          retryable=True)
-    if not traces.is_dir() or not any(traces.iterdir()):
+    if msprof:
+        source = msprof_source(out_dir / "msprof")
+    elif not traces.is_dir() or not any(traces.iterdir()):
         raise StageError(f"the profiled run wrote no traces to {traces}: with {steps_needed(cfg.profile)} steps the "
                          "schedule (profile.skip_first/wait/warmup/active) never reached an active step")
+    else:
+        source = traces
     atomic_write_json(marker, {"config_hash": cfg.digest(), "steps": steps_needed(cfg.profile),
-                               "backend": spec["backend"], "world": spec["world"]})
-    return traces, notes
+                               "backend": spec["backend"], "world": spec["world"], "source": str(source)})
+    return source, notes
 
 
 def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None, key: dict) -> None:
@@ -129,7 +159,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     report["source"]["notes"] += notes
     analyze_dir = out_dir / "msprof_analyze"
     if fmt in ASCEND_FORMATS:  # cross-check with Huawei's own tool where it is installed
-        report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir)
+        report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir, fmt=fmt)
     key = baseline.profile_key(cfg, report, device_kind)
     found, note = baseline.find_baseline(cfg, key, ctx.mlflow_run_id)
     comparison, regressions = baseline.compare(report, found, cfg.profile.regression_threshold)

@@ -46,7 +46,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         from tasks.quant.amct_backend import amct_import_error
 
         amct_error = amct_import_error()
-    backend = choose_backend(q.backend, amct_error, kind, q.amct_flow)
+    backend = choose_backend(q.backend, amct_error, kind, q.amct_flow, q.dtype)
     settings = _settings(cfg, model_dir, backend)
     out = ctx.run_dir / "quantize"
     recover_dir(out)
@@ -94,7 +94,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         else:
             from tasks.quant.amct_backend import quantize_ptq
 
-            meta.update(quantize_ptq(model, skipped, calib, tmp / "amct"), format="onnx")
+            meta.update(quantize_ptq(model, skipped, calib, tmp / "amct", device), format="onnx")
         if meta["format"] != "onnx":
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)

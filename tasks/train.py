@@ -72,8 +72,11 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         parse_fault(os.environ.get(FAULT_ENV, ""))
     except ValueError as e:
         problems.append(str(e))
-    if cfg.train.precision == "fp16":
-        problems.append("train.precision: fp16 training needs a loss scaler (not implemented); use bf16")
+    from tasks.device import precision_problem
+
+    bad_precision = precision_problem(backend.kind, cfg.train.precision)
+    if bad_precision:
+        problems.append(bad_precision)
     if getattr(ctx.args, "fresh", False):
         for p in ("checkpoints", "train", "metrics.jsonl"):
             target = ctx.run_dir / p
@@ -220,15 +223,18 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     offsets = rank_errors.log_offsets(logs)
     argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
-    rc, log_text = launch(argv, launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id),
-                          logs / log_name, timeout=train_timeout(cfg, run_dir))
+    env = launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
+    rc, log_text = launch(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
     if rc != 0:
+        from tasks.device import alloc_conf_in_force
+
         resume = ckpt.latest(run_dir / "checkpoints")
         plans = _plans(ctx.inputs.get("plan"))
         failures = rank_errors.collect(log_text, logs, node, spec["nproc"], offsets)
         raise diagnosis.explain(train_dir, rc, log_text, plans, spec["layout"],
                                 f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)",
-                                failures=failures)
+                                failures=failures, kind=spec["backend"],
+                                alloc_conf=alloc_conf_in_force(spec["backend"], env))
     if export and not (run_dir / "hf" / "config.json").is_file():
         raise StageError(f"training finished but the HF export {run_dir / 'hf'} is missing; see "
                          f"{run_dir / 'logs'}/rank-0.log, rerun to export again")

@@ -81,7 +81,7 @@ def test_hccl_timeouts():
     assert "HCCL_EXEC_TIMEOUT='abc' is not an integer" in c["detail"]
     c = system.check_hccl({"HCCL_CONNECT_TIMEOUT": "120", "HCCL_EXEC_TIMEOUT": "1836", "HCCL_EVENT_TIMEOUT": "1800"},
                           "npu")
-    assert c["status"] == "fail" and "must exceed" in c["detail"]
+    assert c["status"] == "warn" and "should exceed" in c["detail"]   # torch_npu only warns (EVENT <= EXEC)
     assert system.check_hccl({"HCCL_CONNECT_TIMEOUT": "60"}, "cpu")["status"] == "warn"
 
 

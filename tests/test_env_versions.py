@@ -11,7 +11,7 @@ ENV = Path(__file__).parent / "fixtures" / "env"
 def test_legacy_toolkit_layout():
     cann = versions.find_cann(ENV / "ascend-legacy")
     assert cann["version"] == "8.3.RC1" and cann["layout"] == "ascend-toolkit" and cann["arch"] == "aarch64"
-    assert "V100R001C15" in cann["compatible_version"]
+    assert ["V100R001C15", "V100R001C15"] in cann["compatible_version"]
 
 
 def test_new_cann_layout_and_versioned_dir():
@@ -35,7 +35,7 @@ def test_nothing_installed(tmp_path):
 
 def test_driver_firmware_and_install_info_redirect(tmp_path):
     assert versions.find_driver(ENV / "ascend-legacy") == {
-        "version": "24.1.rc1", "innerversion": "V100R001C15SPC006B220", "compatible_firmware": ["7.0.0", "7.2.99"]}
+        "version": "24.1.rc1", "innerversion": "V100R001C15SPC006B220", "compatible_firmware": [["7.0.0", "7.2.99"]]}
     assert versions.find_firmware(ENV / "ascend-legacy")["version"] == "7.1.0.11.220"
     # The driver installer records its own path: the driver is found there even when the toolkit root differs.
     info = tmp_path / "ascend_install.info"

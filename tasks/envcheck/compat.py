@@ -52,6 +52,15 @@ def best_pair(matrix: dict, cann: str, torch: str | None = None) -> dict | None:
     return (same or ranked)[-1]
 
 
+def torchnpu_release(torch_npu: str | None, matrix: dict | None = None) -> str | None:
+    """The TorchNPU release of an installed torch_npu ('2.1.0.post8' → '6.0.rc3', from the branch name
+    v2.1.0-6.0.rc3); None when unknown (newer than the table)."""
+    if not torch_npu:
+        return None
+    row = next((r for r in (matrix or load_matrix())["pairs"] if r["torch_npu"] == torch_npu.split("+")[0]), None)
+    return row["branch"].split("-", 1)[1] if row else None
+
+
 def _install(row: dict) -> str:
     return f"pip install torch=={row['torch']} torch-npu=={row['torch_npu']} (CANN {row['cann']})"
 
@@ -108,29 +117,63 @@ def check_npu_stack(matrix: dict, torch: str | None, torch_npu: str | None, cann
                              f"(branch {row['branch']})")
 
 
+def _in_ranges(version: str, ranges: list[list[str]]) -> bool:
+    """Whether `version` lies in any [lo, hi] (numeric parts compared, the version cut to the bounds' length)."""
+    for lo, hi in ranges:
+        n = max(len(_key(lo)), len(_key(hi)))
+        if _key(lo) <= _key(version)[:n] <= _key(hi):
+            return True
+    return False
+
+
+def _show(ranges: list[list[str]]) -> str:
+    return ", ".join(f"[{lo}]" if lo == hi else f"[{lo}, {hi}]" for lo, hi in ranges)
+
+
 def check_firmware(driver: dict | None, firmware: dict | None) -> dict | None:
-    """The driver's version.info states the firmware range it works with (compatible_version_fw=[lo,hi])."""
+    """The driver's version.info states the firmware ranges it works with (compatible_version_fw=[lo,hi],…)."""
     if not driver or not firmware or not driver.get("compatible_firmware"):
         return None
-    lo, hi = driver["compatible_firmware"]
-    fw = firmware["version"]
-    n = max(len(_key(lo)), len(_key(hi)))
-    if not _key(lo) <= _key(fw)[:n] <= _key(hi):
-        return check("driver-firmware", "fail", f"firmware {fw} is outside the range [{lo}, {hi}] that driver "
+    ranges, fw = driver["compatible_firmware"], firmware["version"]
+    if not _in_ranges(fw, ranges):
+        what = "the range" if len(ranges) == 1 else "the ranges"
+        return check("driver-firmware", "fail", f"firmware {fw} is outside {what} {_show(ranges)} that driver "
                                                 f"{driver['version']} supports: install a firmware in that range")
-    return check("driver-firmware", "ok", f"firmware {fw} within driver {driver['version']}'s range [{lo}, {hi}]")
+    return check("driver-firmware", "ok", f"firmware {fw} within driver {driver['version']}'s range {_show(ranges)}")
 
 
 def check_driver_cann(driver: dict | None, cann: dict | None) -> dict | None:
-    """The toolkit's install-info lists the driver releases (V100R001Cxx) it was qualified with."""
+    """The toolkit's install-info lists the driver releases (V100R001Cxx) it was qualified with, as single releases
+    and ranges ([V100R001C13,V100R001C19],[V100R001C30])."""
     if not driver or not cann or not cann.get("compatible_version") or not driver.get("innerversion"):
         return None
     release = re.match(r"V\d+R\d+C\d+", driver["innerversion"])
-    if release and release.group(0) not in cann["compatible_version"]:
-        listed = ",".join(cann["compatible_version"])
+    if release and not _in_ranges(release.group(0), cann["compatible_version"]):
         return check("driver-cann", "warn", f"driver {driver['version']} ({release.group(0)}) is not in CANN "
-                                            f"{cann['version']}'s compatible list {listed}")
+                                            f"{cann['version']}'s compatible list {_show(cann['compatible_version'])}")
     return check("driver-cann", "ok", f"driver {driver['version']} is in CANN {cann['version']}'s compatible list")
+
+
+def check_amct(amct: str | None, torch: str | None, torch_npu: str | None, cann: str | None) -> dict | None:
+    """AMCT (quantize.backend=amct) runs only on its supported pair: CANN >= 8.5.0 and a CPU build of torch 2.1.0 or
+    2.7.1 with the matching torch_npu (hicann/amct README and requirements.txt). None when AMCT is not installed."""
+    from tasks.quant.amct_backend import AMCT_MIN_CANN, AMCT_PAIR, AMCT_TORCH
+
+    if not amct:
+        return None
+    problems = []
+    if not torch or base_version(torch) not in AMCT_TORCH:
+        problems.append(f"torch {torch or 'missing'}")
+    elif "+cpu" not in torch and "+" in torch:
+        problems.append(f"torch {torch} is not the CPU build")
+    if torch_npu and torch and base_version(torch_npu) != base_version(torch):
+        problems.append(f"torch_npu {torch_npu}")
+    if not cann or _key(_norm_cann(cann))[:3] < _key(AMCT_MIN_CANN):
+        problems.append(f"CANN {cann or 'missing'}")
+    if problems:
+        return check("amct", "warn", f"AMCT {amct} installed with {', '.join(problems)}: {AMCT_PAIR} "
+                                     "(requirements-npu-amct.txt); quantize.backend=amct will not work")
+    return check("amct", "ok", f"AMCT {amct} on torch {torch} + torch_npu {torch_npu} + CANN {cann}")
 
 
 def version_checks(v: dict, matrix: dict | None = None) -> list[dict]:
@@ -140,5 +183,6 @@ def version_checks(v: dict, matrix: dict | None = None) -> list[dict]:
     out = [check_python(matrix, v["python"], v.get("torch")),
            check_npu_stack(matrix, v.get("torch"), v.get("torch_npu"), cann),
            check_firmware(v.get("driver"), v.get("firmware")),
-           check_driver_cann(v.get("driver"), v.get("cann"))]
+           check_driver_cann(v.get("driver"), v.get("cann")),
+           check_amct(v.get("amct"), v.get("torch"), v.get("torch_npu"), cann)]
     return [c for c in out if c]

@@ -15,6 +15,12 @@ import torch.distributed as dist
 from tasks import device as devlayer
 from tasks.fsutil import atomic_write_json
 
+# What HCCL's all_reduce accepts (Ascend/pytorch ProcessGroupHCCL.cpp, checkSupportedDataTypeOfAllReduce): no fp64,
+# no uint8/bool — "HCCL AllReduce & Reduce: Unsupported data type" otherwise. The probe only uses these, on every
+# backend, so what passes on gloo/NCCL also passes on HCCL.
+HCCL_ALLREDUCE_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+                                   torch.bfloat16})
+
 
 def _correctness(dev, world: int, rank: int) -> dict:
     """Each rank contributes (rank+1)·arange(n): the sum must be exactly arange(n)·world(world+1)/2 everywhere."""
@@ -39,7 +45,8 @@ def _bandwidth(dev, world: int, size_mb: float, iters: int) -> dict:
     for _ in range(iters):
         dist.all_reduce(t)
     devlayer.synchronize(dev)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64, device=dev)
+    # float32: HCCL on A2 (910B) rejects float64 all_reduce; µs resolution is plenty for a mean step time.
+    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float32, device=dev)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     seconds = float(elapsed.item())
     algbw = numel * 4 / seconds / 1e9

@@ -53,8 +53,10 @@ def clock_status() -> dict:
     return {"source": None, "offset_ms": None, "synchronised": None}
 
 
-def check_clock(clock: dict, nnodes: int, max_offset_ms: float) -> dict:
-    """Beyond the limit HCCL link set-up times out across nodes: a failure on multi-node, a warning on one."""
+def check_clock(clock: dict, nnodes: int, max_offset_ms: float, warn_offset_ms: float = 10.0) -> dict:
+    """Two thresholds (README "Ascend: thresholds and their sources"): above `warn_offset_ms` (10 ms) timestamps of
+    different nodes no longer line up in cluster profiles (a warning); above `max_offset_ms` (500 ms) HCCL link
+    set-up times out across nodes (a failure on multi-node, a warning on one)."""
     bad = "fail" if nnodes > 1 else "warn"
     off = clock.get("offset_ms")
     if off is not None and abs(off) > max_offset_ms:
@@ -63,6 +65,10 @@ def check_clock(clock: dict, nnodes: int, max_offset_ms: float) -> dict:
     if clock.get("synchronised") is False:
         return check("clock", bad, f"clock is not NTP-synchronised ({clock['source']}): enable chrony/NTP on "
                                    "every node")
+    if off is not None and abs(off) > warn_offset_ms and nnodes > 1:
+        return check("clock", "warn", f"clock is {off:+.1f} ms off NTP ({clock['source']}), above "
+                                      f"hardware.warn_clock_offset_ms {warn_offset_ms:g} (fails above "
+                                      f"{max_offset_ms:g}): cross-node profiles will not line up; tighten NTP")
     if off is None and clock.get("synchronised") is None:
         return check("clock", "warn" if nnodes > 1 else "ok",
                      "clock offset unknown (no chronyc or timedatectl answer)"
@@ -73,9 +79,15 @@ def check_clock(clock: dict, nnodes: int, max_offset_ms: float) -> dict:
 
 # --- HCCL timeouts and visible devices --------------------------------------------------------------------------
 
-def check_hccl(values: dict[str, str], kind: str) -> dict:
-    """HCCL_*_TIMEOUT must be integers in CANN's ranges and EVENT > EXEC; off NPU a bad value only warns."""
-    problems = []
+def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = None) -> dict:
+    """HCCL_*_TIMEOUT must be integers in CANN's ranges (a failure on NPU, a warning elsewhere).
+
+    - HCCL_EVENT_TIMEOUT=0 means "never time out" (documented); EVENT <= EXEC only makes torch_npu warn, so it is a
+      warning here too (Ascend/pytorch docs/zh/api/environment_variable/collective_communication/HCCL_EVENT_TIMEOUT.md).
+    - The process-group timeout (train.timeout_s) must exceed HCCL_EXEC_TIMEOUT, or the torch watchdog kills the
+      job before HCCL reports which collective and rank failed: a failure on NPU.
+    """
+    problems, warnings = [], []
     parsed = {}
     for var, raw in values.items():
         lo, hi = HCCL_RANGES[var]
@@ -87,11 +99,23 @@ def check_hccl(values: dict[str, str], kind: str) -> dict:
         if not lo <= parsed[var] <= hi:
             problems.append(f"{var}={parsed[var]} outside [{lo}, {hi}]")
     ev, ex = parsed.get("HCCL_EVENT_TIMEOUT"), parsed.get("HCCL_EXEC_TIMEOUT")
-    if ev is not None and ex and ev <= ex:
-        problems.append(f"HCCL_EVENT_TIMEOUT={ev} must exceed HCCL_EXEC_TIMEOUT={ex}")
+    if ev and ex and ev <= ex:  # 0 = never: nothing to compare
+        warnings.append(f"HCCL_EVENT_TIMEOUT={ev} should exceed HCCL_EXEC_TIMEOUT={ex} (torch_npu warns; the event "
+                        f"wait may end first and hide the execution error)")
+    if pg_timeout_s is not None and ex is not None:
+        if ex == 0:
+            warnings.append(f"HCCL_EXEC_TIMEOUT=0 never times out, so train.timeout_s {pg_timeout_s} s (torch's "
+                            f"watchdog) is the only limit and HCCL never names the failing collective")
+        elif pg_timeout_s <= ex:
+            problems.append(f"train.timeout_s {pg_timeout_s} must exceed HCCL_EXEC_TIMEOUT={ex} so HCCL reports the "
+                            f"real error before torch's watchdog fires: set train.timeout_s to {ex + 64} or more")
     if problems:
-        return check("hccl-timeouts", "fail" if kind == "npu" else "warn", "; ".join(problems))
+        return check("hccl-timeouts", "fail" if kind == "npu" else "warn", "; ".join(problems + warnings))
+    if warnings and kind == "npu":
+        return check("hccl-timeouts", "warn", "; ".join(warnings))
     shown = ", ".join(f"{k}={v}" for k, v in parsed.items())
+    if pg_timeout_s is not None:
+        shown += f", train.timeout_s={pg_timeout_s}"
     return check("hccl-timeouts", "ok", shown + ("" if kind == "npu" else f" (unused on {kind})"))
 
 

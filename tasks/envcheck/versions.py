@@ -32,6 +32,20 @@ def read_kv(path: Path) -> dict[str, str]:
     return out
 
 
+def parse_ranges(value: str) -> list[list[str]]:
+    """Ascend's bracketed version lists: '[a],[b]' (a list), '[lo,hi]' (a range) or both mixed, e.g. the driver's
+    `compatible_version_fw=[6.4.0,6.4.99],[7.0.0,8.9.9]` or CANN's `compatible_version=[V100R001C13,V100R001C19],
+    [V100R001C30]` → [[lo, hi], …] (a single value v becomes [v, v])."""
+    out = []
+    for group in re.findall(r"\[([^\]]*)\]", value or ""):
+        items = [x.strip() for x in group.split(",") if x.strip()]
+        if len(items) == 1:
+            out.append([items[0], items[0]])
+        elif len(items) == 2:
+            out.append(items)
+    return out
+
+
 def package_version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -59,7 +73,7 @@ def find_cann(root: str | os.PathLike = DEFAULT_ASCEND_ROOT, home: str | None = 
                 return {"version": kv["version"], "layout": layout, "info_file": str(info),
                         "arch": kv.get("arch", info.parent.name.split("-")[0]),
                         "innerversion": kv.get("innerversion", ""),
-                        "compatible_version": re.findall(r"\[([^\]]+)\]", kv.get("compatible_version", ""))}
+                        "compatible_version": parse_ranges(kv.get("compatible_version", ""))}
     return None
 
 
@@ -73,9 +87,8 @@ def find_driver(root: str | os.PathLike) -> dict | None:
     kv = read_kv(Path(root) / "driver" / "version.info")
     if not kv.get("Version"):
         return None
-    fw_range = re.findall(r"[\w.]+", kv.get("compatible_version_fw", ""))
     return {"version": kv["Version"], "innerversion": kv.get("Innerversion", ""),
-            "compatible_firmware": fw_range if len(fw_range) == 2 else []}
+            "compatible_firmware": parse_ranges(kv.get("compatible_version_fw", ""))}
 
 
 def find_firmware(root: str | os.PathLike) -> dict | None:
@@ -89,6 +102,7 @@ def collect(ascend_root: str | os.PathLike = DEFAULT_ASCEND_ROOT, home: str | No
     droot = driver_root(ascend_root, install_info)
     return {"python": platform.python_version(), "python_executable": sys.executable,
             "torch": package_version("torch"), "torch_npu": package_version("torch-npu"),
+            "amct": package_version("amct_pytorch"),
             "cann": find_cann(ascend_root, home), "driver": find_driver(droot), "firmware": find_firmware(droot)}
 
 

@@ -45,6 +45,13 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Hooks that model converters replace (tasks/model/npu_kernels.py, tasks/quant/export.py): RoPE and the
+    # attention kernel itself. Same numerics whichever implementation runs.
+    rotate = staticmethod(apply_rope)
+
+    def attend(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     def __init__(self, c: TransformerConfig):
         super().__init__()
         self.head_dim = c.head_dim
@@ -60,13 +67,13 @@ class Attention(nn.Module):
         # stream outside attention is sharded along the sequence (tensor + sequence parallelism).
         rope = rope[:s]
         # -1: the local head count (all heads, or this rank's share under tensor parallelism).
-        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
-        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
+        q = self.rotate(self.wq(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
+        k = self.rotate(self.wk(x).view(b, s, -1, self.head_dim), rope).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if q.size(1) != k.size(1):  # GQA: each KV head serves n_heads / n_kv_heads consecutive query heads
             k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
             v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attend(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -9,15 +9,31 @@ from __future__ import annotations
 import functools
 
 
-def _selective_context():
+NPU_ATTENTION_OPS = ("npu_fusion_attention", "npu_fusion_attention_v3")   # torch.ops.npu.*, where torch_npu has them
+
+
+def keep_ops() -> set:
+    """Ops whose outputs selective recompute saves: matmuls and the attention kernels — SDPA's CPU/CUDA variants
+    and, on NPU, op-plugin's npu_fusion_attention{,_v3} (what SDPA dispatches to on 910B+) where registered."""
     import torch
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
     keep = {aten.mm.default, aten.addmm.default, aten.bmm.default,
             aten._scaled_dot_product_flash_attention.default,
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention_for_cpu.default}
+    for name in NPU_ATTENTION_OPS:
+        try:
+            keep.add(getattr(torch.ops.npu, name).default)
+        except (AttributeError, RuntimeError):
+            pass   # no torch_npu, or a release without this op
+    return keep
+
+
+def _selective_context():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    keep = keep_ops()
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE

@@ -27,14 +27,26 @@ def is_timeout(exc: BaseException) -> bool:
     return "timed out" in text or "timeout" in text or "watchdog" in text
 
 
-def oom_advice(stats: dict) -> str:
-    """Fragmentation (reserved ≫ allocated) is cured by allocator settings; otherwise the plan must change."""
+def oom_advice(stats: dict, kind: str = "npu", alloc_conf: str = "") -> str:
+    """Fragmentation (reserved ≫ allocated) may be cured by allocator settings — advice valid for the settings in
+    force: `max_split_size_mb` and `garbage_collection_threshold` only work with `expandable_segments:False`
+    (Ascend/pytorch docs PYTORCH_NPU_ALLOC_CONF.md), and the launcher already sets `expandable_segments:True` on NPU.
+    Otherwise the plan must change."""
+    from tasks.device import ALLOC_CONF_ENV, parse_alloc_conf
+
+    plan_advice = "raise zero to 3, recompute to full, tp/pp, or lower train.micro_batch"
     alloc, reserved = stats.get("allocated_bytes", 0), stats.get("reserved_bytes", 0)
-    if reserved and (reserved - alloc) > 0.2 * reserved:
-        return (f"{(reserved - alloc) / GB:.1f} GB reserved but unallocated (fragmentation): set "
-                "PYTORCH_NPU_ALLOC_CONF=expandable_segments:True (or max_split_size_mb:128; "
-                "PYTORCH_CUDA_ALLOC_CONF on CUDA)")
-    return "memory is really in use: raise zero to 3, recompute to full, tp/pp, or lower train.micro_batch"
+    if not (reserved and (reserved - alloc) > 0.2 * reserved):
+        return f"memory is really in use: {plan_advice}"
+    var = ALLOC_CONF_ENV.get(kind, "PYTORCH_NPU_ALLOC_CONF")
+    conf = parse_alloc_conf(alloc_conf)
+    frag = f"{(reserved - alloc) / GB:.1f} GB reserved but unallocated (fragmentation)"
+    if conf.get("expandable_segments", "False").lower() == "true":
+        return (f"{frag} although {var}={alloc_conf} already uses expandable segments: {plan_advice}; or switch to "
+                f"{var}=expandable_segments:False,max_split_size_mb:128,garbage_collection_threshold:0.6 "
+                "(max_split_size_mb and garbage_collection_threshold are ignored with expandable_segments:True)")
+    shown = f" (now {var}={alloc_conf})" if alloc_conf else ""
+    return f"{frag}{shown}: set {var}=expandable_segments:True, or keep it False and add max_split_size_mb:128"
 
 
 def next_feasible_plan(plans: list[dict], layout: dict) -> str:
@@ -65,8 +77,9 @@ def _exit_text(code: int) -> str:
 
 
 def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layout: dict,
-            resume_from: str, failures: list | None = None) -> StageError:
-    """`failures`: rank_errors.collect() of this launch (each failed rank with the exception it left, if any)."""
+            resume_from: str, failures: list | None = None, kind: str = "npu", alloc_conf: str = "") -> StageError:
+    """`failures`: rank_errors.collect() of this launch (each failed rank with the exception it left, if any);
+    `kind`/`alloc_conf`: the backend and the allocator settings in force (OOM advice valid for them)."""
     train_dir = Path(train_dir)
     diag = train_dir / "diagnosis.json"
     if diag.is_file():
@@ -82,7 +95,7 @@ def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layo
         nxt = next_feasible_plan(plans, layout)
         return StageError(f"out of memory on rank {o['rank']} at step {o['step']}: {est}allocated "
                           f"{s['allocated_bytes'] / GB:.1f} GB, reserved {s['reserved_bytes'] / GB:.1f} GB; "
-                          f"{oom_advice(s)}" + (f"; next feasible plan: {nxt}" if nxt else ""), retryable=False)
+                          f"{oom_advice(s, kind, alloc_conf)}" + (f"; next feasible plan: {nxt}" if nxt else ""), retryable=False)
     beats = read_heartbeats(train_dir / "heartbeat")
     root = rank_errors.root_cause(failures or [])
     if root is not None and root.python_exception:  # the rank's own error: a retry would fail the same way

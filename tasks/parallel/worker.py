@@ -62,13 +62,15 @@ def _load_spec(path: str) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, init_from: str | None = None):
-    """Model parts of this rank: split for PP → TP → activation checkpointing → FSDP → materialise (each rank
-    allocates and writes only its local shards: seeded random init, or the slices of the HF checkpoint
+def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, init_from: str | None = None,
+                npu_kernels: str = "auto"):
+    """Model parts of this rank: NPU kernels → split for PP → TP → activation checkpointing → FSDP → materialise
+    (each rank allocates and writes only its local shards: seeded random init, or the slices of the HF checkpoint
     `init_from` that it owns)."""
     from tasks.model.init import HFWeights
 
     from tasks.model import build_model, materialize
+    from tasks.model.npu_kernels import convert as convert_npu_kernels
     from tasks.parallel.ac import apply_ac
     from tasks.parallel.fsdp import apply_fsdp
     from tasks.parallel.pp import split_model, stages_per_rank
@@ -76,6 +78,7 @@ def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, init_from
 
     model = build_model(tcfg, "meta")
     source = HFWeights(init_from, tcfg) if init_from else None
+    convert_npu_kernels(model, device.type, npu_kernels)  # NPU fused ops before any parallelism; identity elsewhere
     per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
     indexed = split_model(model, c["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
     for _, part in indexed:
@@ -134,7 +137,8 @@ def setup(spec: dict, device) -> SimpleNamespace:
     init_from = None if source else spec.get("init_from")
     if init_from:
         _log(f"initialising from {init_from}")
-    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed, init_from)
+    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed, init_from,
+                                    cfg.model.npu_kernels)
     parts = [p for _, p in indexed]
     optimizers = build_optimizers(parts, cfg.train)
     if lay.pp > 1:

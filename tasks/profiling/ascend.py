@@ -147,7 +147,8 @@ def ops_from_statistic(rows: list[dict]) -> dict[int | None, list[Op]]:
 
 def _comm_ops(data) -> list[CommOp]:
     """communication.json: {step: {"collective"|"p2p": {op@group: {"Communication Time Info": …}}}}; older files
-    without the step level are accepted too. "Total Op Info" is the producer's own sum and is skipped."""
+    without the step level are accepted too. "Total Op Info" — and msprof-analyze's per-group "Total Op Info@{group}"
+(cluster_analyse/analysis/communication_analysis.py) — is the producer's own sum and is skipped."""
     if not isinstance(data, dict):
         return []
     steps = [data] if {"collective", "p2p"} & set(data) else [v for v in data.values() if isinstance(v, dict)]
@@ -155,10 +156,18 @@ def _comm_ops(data) -> list[CommOp]:
     for step in steps:
         for kind in ("collective", "p2p"):
             for name, info in (step.get(kind) or {}).items():
-                if name == "Total Op Info" or not isinstance(info, dict) or "Communication Time Info" not in info:
+                if is_total(name) or not isinstance(info, dict) or "Communication Time Info" not in info:
                     continue
                 out.append(comm_op(name, kind, info))
     return out
+
+
+TOTAL_OP_INFO = "Total Op Info"   # msprof-analyze prof_common/constant.py TOTAL_OP_INFO
+
+
+def is_total(name) -> bool:
+    """'Total Op Info' or 'Total Op Info@<group>': a sum over the real ops, never an op itself."""
+    return str(name).startswith(TOTAL_OP_INFO)
 
 
 def comm_op(name: str, kind: str, info: dict) -> CommOp:
@@ -265,7 +274,7 @@ def _cluster_comm(path: Path) -> dict[int, list[CommOp]]:
                 continue
             if "Communication Time Info" in val and str(key).isdigit():
                 out[int(key)].append(comm_op(name, kind, val))
-            elif key != "Total Op Info":
+            elif not is_total(key):
                 walk(val, key if not str(key).isdigit() else name, key if key in ("p2p", "collective") else kind)
 
     walk(data if isinstance(data, dict) else {}, "", "collective")

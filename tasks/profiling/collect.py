@@ -17,6 +17,7 @@ recommends for cluster analysis).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from tasks.config import ProfileConfig
@@ -44,11 +45,52 @@ class _Off:
         pass
 
 
+MSPROF_ENV = "PROFILER_SAMPLECONFIG"   # set by `msprof --application` in the processes it profiles
+
+
+def under_msprof(env=None) -> bool:
+    """torch_npu >= 2.10 disables its own profiler inside msprof ("torch_npu profiler api is not effective"), so
+    under msprof the trainer does not start it: msprof's PROF_* output is analysed instead."""
+    return bool((env if env is not None else os.environ).get(MSPROF_ENV))
+
+
+# Profiler options that appeared in later TorchNPU releases (Ascend/pytorch experimental_config.py history).
+OPTION_SINCE = {("aic_metrics", "AiCoreNone"): "6.0.rc2", ("aic_metrics", "MemoryAccess"): "7.0.0"}
+
+
+def release_key(release: str) -> tuple:
+    """TorchNPU release → sortable: '6.0.rc2' < '6.0.rc3' < '6.0.0' < '7.0.0' < '26.0.0'."""
+    m = re.match(r"(\d+)\.(\d+)\.(rc)?(\d+)", release.lower())
+    if not m:
+        return (0,)
+    return (int(m.group(1)), int(m.group(2)), 0 if m.group(3) else 1, int(m.group(4)))
+
+
+def npu_option_problems(pcfg: ProfileConfig, torchnpu_release: str | None, env=None) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the NPU profiler options on the installed TorchNPU release, before anything starts."""
+    env = env if env is not None else os.environ
+    errors, warnings = [], []
+    if pcfg.npu_level == "Level_none":
+        errors.append("profile.npu_level Level_none collects no step breakdown (no step_trace_time.csv, no "
+                      "kernels) to analyse: use Level0 (lightest with a breakdown) or Level1")
+    if pcfg.npu_level in ("Level1", "Level2") and torchnpu_release:
+        since = OPTION_SINCE.get(("aic_metrics", pcfg.aic_metrics))
+        if since and release_key(torchnpu_release) < release_key(since):
+            errors.append(f"profile.aic_metrics {pcfg.aic_metrics} needs TorchNPU {since} or newer; the installed "
+                          f"torch_npu is TorchNPU {torchnpu_release}: choose another profile.aic_metrics")
+    if env.get("ASCEND_RT_VISIBLE_DEVICES"):
+        warnings.append("ASCEND_RT_VISIBLE_DEVICES is set: CANN does not support it together with profiling "
+                        "(CANN env-var docs); prefer selecting devices with hardware.nproc_per_node")
+    return errors, warnings
+
+
 def make_profiler(pcfg: ProfileConfig, backend_kind: str, out_dir: str | os.PathLike | None, rank: int):
-    """A started-on-enter profiler with `.step()` (a no-op one when out_dir is None); raises BackendUnavailable
-    when NPU profiling can't load."""
+    """A started-on-enter profiler with `.step()` (a no-op one when out_dir is None, or under msprof on NPU);
+    raises BackendUnavailable when NPU profiling can't load."""
     if out_dir is None:
         return _Off()
+    if backend_kind == "npu" and under_msprof():
+        return _Off()   # msprof collects; torch_npu.profiler would be disabled by it anyway
     if backend_kind == "npu":
         return _npu_profiler(pcfg, Path(out_dir), rank)
     return _torch_profiler(pcfg, backend_kind, Path(out_dir), rank)
@@ -80,13 +122,18 @@ def _npu_profiler(pcfg: ProfileConfig, out: Path, rank: int):
 
     npu_prof = import_torch_npu().profiler
     out.mkdir(parents=True, exist_ok=True)
+    # Level0/Level_none force AiCoreNone (torch_npu warns otherwise); PipeUtilization feeds the cube/vector ratios.
+    metrics = pcfg.aic_metrics if pcfg.npu_level in ("Level1", "Level2") else "AiCoreNone"
+    level = getattr(npu_prof.ProfilerLevel, pcfg.npu_level, None)
+    aic = getattr(npu_prof.AiCMetrics, metrics, None)
+    if level is None or aic is None:   # an older torch_npu than the option: one line, not an AttributeError
+        from tasks.device import BackendUnavailable
+
+        what = f"ProfilerLevel.{pcfg.npu_level}" if level is None else f"AiCMetrics.{metrics}"
+        raise BackendUnavailable(f"the installed torch_npu has no torch_npu.profiler.{what}: choose another "
+                                 "profile.npu_level / profile.aic_metrics or upgrade torch_npu")
     experimental = npu_prof._ExperimentalConfig(
-        export_type=npu_prof.ExportType.Text,
-        profiler_level=getattr(npu_prof.ProfilerLevel, pcfg.npu_level),
-        # Level0/Level_none force AiCoreNone (torch_npu warns otherwise); PipeUtilization feeds the cube/vector ratios.
-        aic_metrics=getattr(npu_prof.AiCMetrics, pcfg.aic_metrics if pcfg.npu_level in ("Level1", "Level2")
-                            else "AiCoreNone"),
-        data_simplification=True)
+        export_type=npu_prof.ExportType.Text, profiler_level=level, aic_metrics=aic, data_simplification=True)
     return npu_prof.profile(
         activities=[npu_prof.ProfilerActivity.CPU, npu_prof.ProfilerActivity.NPU],
         schedule=npu_prof.schedule(skip_first=pcfg.skip_first, wait=pcfg.wait, warmup=pcfg.warmup,

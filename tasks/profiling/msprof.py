@@ -2,6 +2,7 @@
 cross-check Ascend data (its cluster_analysis_output is attached to the report)."""
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -19,16 +20,35 @@ def find_msprof() -> str | None:
     return shutil.which("msprof")
 
 
-def run_msprof_analyze(data_dir: Path, out_dir: Path, timeout_s: int = 900) -> dict:
-    """`msprof-analyze -m all -d DATA -o OUT` (cluster analysis: step trace, communication matrix/time).
+_MSPROF_DB = re.compile(r"^msprof_\d{14}\.db$")   # msprof-analyze ProfDataAllocate.DB_PATTERNS[MSPROF]
+
+
+def analyze_command(exe: str, data_dir: Path, out_dir: Path) -> list[str]:
+    """`msprof-analyze cluster -m all -d DATA -o OUT`: the `cluster` subcommand is required before 8.2.0a1 and still
+    accepted after (msprof_analyze/cli/entrance.py inserts it when missing)."""
+    return [exe, "cluster", "-m", "all", "-d", str(data_dir), "-o", str(out_dir)]
+
+
+def msprof_db_files(data_dir: Path) -> list[Path]:
+    return [p for p in Path(data_dir).rglob("msprof_*.db") if _MSPROF_DB.match(p.name)]
+
+
+def run_msprof_analyze(data_dir: Path, out_dir: Path, timeout_s: int = 900, fmt: str = "ascend_pt") -> dict:
+    """`msprof-analyze cluster -m all -d DATA -o OUT` (cluster analysis: step trace, communication matrix/time).
 
     Returns {"status": "ok"|"failed"|"skipped", …}; a failure is reported, not raised: our own analysis stands.
+    msprof's own PROF_* output is read by msprof-analyze only in db format (msprof_<timestamp>.db): without it the
+    cross-check is skipped with that reason, not reported as a failure.
     """
     exe = shutil.which("msprof-analyze")
     if exe is None:
         return {"status": "skipped", "reason": "msprof-analyze not on PATH (pip install msprof-analyze matching "
                                                "the CANN version to cross-check)"}
-    cmd = [exe, "-m", "all", "-d", str(data_dir), "-o", str(out_dir)]
+    if fmt == "msprof" and not msprof_db_files(data_dir):
+        return {"status": "skipped", "reason": "msprof-analyze reads msprof (PROF_*) data only in db format and "
+                                               f"{data_dir} has no msprof_<timestamp>.db: collect with "
+                                               "`msprof --type=db` to cross-check"}
+    cmd = analyze_command(exe, data_dir, out_dir)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:

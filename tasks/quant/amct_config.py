@@ -14,6 +14,9 @@ from tasks.errors import StageError
 METHODS = ("int8_weight_only", "int8_dynamic", "smoothquant")
 _W_INT8_CHANNEL = {"type": "int8", "symmetric": True, "strategy": "channel"}
 _A_INT8_TENSOR = {"type": "int8", "symmetric": True, "strategy": "tensor"}
+# int8_dynamic: activations quantized per token at run time (AMCT quantize docs: "激活支持PER-TOKEN对称量化",
+# inputs.strategy "token"; K % 16 == 0 and N % 8 == 0) — what torchao's int8 dynamic activation does too.
+_A_INT8_TOKEN = {"type": "int8", "symmetric": True, "strategy": "token"}
 
 
 def llm_quant_config(method: str, skip_layers, batch_num: int = 1, smooth_strength: float = 0.5) -> dict:
@@ -23,7 +26,9 @@ def llm_quant_config(method: str, skip_layers, batch_num: int = 1, smooth_streng
     if batch_num < 1:
         raise StageError(f"quantize.calibration_batches: {batch_num} must be >= 1")
     quant_cfg = {"weights": dict(_W_INT8_CHANNEL)}
-    if method != "int8_weight_only":
+    if method == "int8_dynamic":
+        quant_cfg["inputs"] = dict(_A_INT8_TOKEN)
+    elif method == "smoothquant":
         quant_cfg["inputs"] = dict(_A_INT8_TENSOR)
     algorithm = {"smoothquant": {"smooth_strength": smooth_strength}} if method == "smoothquant" else {"minmax"}
     return {"batch_num": batch_num, "quant_cfg": quant_cfg, "algorithm": algorithm,

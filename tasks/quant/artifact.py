@@ -14,7 +14,7 @@ from tasks.fsutil import read_json
 from tasks.quant.plan import Layer
 
 WEIGHTS, META = "model_int8.pt", "quant_meta.json"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def describe_layers(model: torch.nn.Module) -> list[Layer]:
@@ -52,10 +52,25 @@ def verify_output(quant_dir: str | Path) -> str | None:
     return None
 
 
-def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
-    """The saved INT8 model on `device`, ready for evaluation."""
-    import torchao  # noqa: F401  (registers torchao's tensor subclasses for weights_only loading)
+def pip_requirements(meta: dict) -> list[str]:
+    """What a registered model needs to load: torch, plus torchao (its version) for torchao artifacts, or torch_npu
+    (and AMCT, shipped with CANN, not pip-installable) for AMCT ones. Imports torchao only when the artifact is its."""
+    reqs = [f"torch=={torch.__version__.split('+')[0]}"]
+    if meta.get("backend") == "torchao":
+        import torchao
 
+        reqs.append(f"torchao=={torchao.__version__}")
+    elif meta.get("backend") == "amct":
+        from tasks.envcheck.versions import package_version
+
+        npu = package_version("torch-npu")
+        reqs.append(f"torch-npu=={npu}" if npu else "torch-npu")
+    return reqs
+
+
+def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
+    """The saved INT8 model on `device`, ready for evaluation. torchao is imported only for its own artifacts: an
+    AMCT host has no torchao and must not need it."""
     from tasks.model.hf_io import read_hf_config
     from tasks.model.transformer import build_model, rope_table
 
@@ -73,6 +88,8 @@ def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
         if meta["format"] == "torch_module":
             # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory (trusted input).
             return torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=False).eval()
+        import torchao  # noqa: F401  (registers torchao's tensor subclasses for weights_only loading)
+
         state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # truncated/corrupt, no checksum
         raise StageError(f"{quant_dir / WEIGHTS} is unreadable ({str(e).splitlines()[0][:200]}); rerun the quantize "

@@ -43,9 +43,9 @@ def is_skipped(name: str, patterns) -> bool:
     return any(p and (p in name or p in alias) for p in patterns)
 
 
-def choose_backend(requested: str, amct_error: str | None, device_kind: str, flow: str) -> str:
+def choose_backend(requested: str, amct_error: str | None, device_kind: str, flow: str, dtype: str = "bf16") -> str:
     """auto → AMCT on an Ascend host where amct_pytorch imports, torchao elsewhere; an explicit choice is honoured
-    or refused in one line (AMCT missing, or the LLM flow off the NPU)."""
+    or refused in one line (AMCT missing, the LLM flow off the NPU, or fp32: AMCT's INT8 runs on fp16/bf16 only)."""
     if requested not in ("auto", "amct", "torchao"):
         raise StageError(f"quantize.backend: {requested!r} is not one of auto, amct, torchao")
     if requested == "auto":
@@ -58,6 +58,9 @@ def choose_backend(requested: str, amct_error: str | None, device_kind: str, flo
         if flow == "llm" and device_kind != "npu":
             raise StageError(f"quantize.amct_flow llm: amct.quantize/convert run on Ascend A2/A3 NPUs only, this "
                              f"host is {device_kind}; use quantize.amct_flow=ptq (ONNX) or quantize.backend=torchao")
+        if dtype == "fp32":
+            raise StageError("quantize.dtype fp32: AMCT's INT8 quantization supports fp16/bf16 models only "
+                             "(hicann/amct quantize docs); set quantize.dtype=bf16 or fp16")
     return requested
 
 
