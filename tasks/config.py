@@ -43,6 +43,14 @@ class HardwareConfig:
     max_clock_offset_ms: float = 500.0
     min_free_disk_gb: float = 1.0
     min_host_memory_gb: float = 2.0
+    # CANN logs for the ranks (tasks/envcheck/cann_logs.py): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
+    # 0 DEBUG, 1 INFO, 2 WARNING, 3 ERROR (CANN's default; the guides: 3 in production, 0/1 only while debugging:
+    # DEBUG logging slows the host side), 4 NULL. ascend_log_stdout sets ASCEND_SLOG_PRINT_TO_STDOUT=1 (logs in the
+    # rank logs instead of ~/ascend/log). On a failed stage at most cann_log_max_mb of the CANN logs it wrote are
+    # copied to <run-dir>/<stage>/cann-logs/ and MLflow.
+    ascend_log_level: int = -1
+    ascend_log_stdout: bool = False
+    cann_log_max_mb: float = 50.0
     # Health DAG alarms (tasks/health.py).
     max_device_temp_c: float = 85.0       # a chip at or above this temperature raises an alarm
     max_hbm_used_pct: float = 95.0        # HBM this full with no process on the chip = leaked memory
@@ -238,7 +246,8 @@ CHOICES = {
 RANGES = {  # inclusive (min, max); None = unbounded
     "hardware.nproc_per_node": (0, 1024), "hardware.nnodes": (1, 4096), "hardware.node_rank": (0, 4095),
     "hardware.max_device_temp_c": (0.0, 150.0), "hardware.max_hbm_used_pct": (1.0, 100.0),
-    "hardware.expected_devices": (0, 1024),
+    "hardware.expected_devices": (0, 1024), "hardware.ascend_log_level": (-1, 4),
+    "hardware.cann_log_max_mb": (0.0, 100_000.0),
     "hardware.hccl_connect_timeout": (120, 7200), "hardware.hccl_exec_timeout": (0, 2147483647),
     "data.seq_len": (8, 1 << 20), "data.vocab_size": (256, 1 << 22), "data.val_fraction": (0.0, 0.5),
     "data.shard_size_mb": (0.01, 100_000), "data.tokenize_processes": (1, 256), "data.loader_workers": (0, 64),

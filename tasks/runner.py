@@ -97,12 +97,16 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
         try:
             result = module.run(cfg, ctx)
         except StageError as e:
-            _record_failure(result_path, stage, str(e), run_id, started)
+            cause = _with_cann_logs(cfg, stage, run_dir, str(e), started, e)
+            _record_failure(result_path, stage, cause, run_id, started)
             if run_id:
-                tracking.set_tags({"pipeline.error": str(e)[:5000]})
+                tracking.set_tags({"pipeline.error": cause[:5000]})
+            if cause != str(e):
+                raise StageError(cause, retryable=e.retryable) from e
             raise
         except Exception as e:  # a bug or an unexpected runtime error: still one line on top, trace in the file
             cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+            cause = _with_cann_logs(cfg, stage, run_dir, cause, started, e, full=str(e))
             _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
             if run_id:
                 tracking.set_tags({"pipeline.error": cause[:5000]})
@@ -115,6 +119,24 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
             tracking.set_tags({"pipeline.status": result["status"]})
     atomic_write_json(result_path, result)
     return result
+
+
+def _with_cann_logs(cfg, stage: str, run_dir: Path, cause: str, started: float, exc: BaseException,
+                    full: str = "") -> str:
+    """CANN logs written during the stage → <run-dir>/<stage>/cann-logs/ (+ MLflow); a CANN/HCCL error code in the
+    exception, the rank logs or those logs is named with its fix in the one-line cause."""
+    from tasks.errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return cause
+    try:
+        from tasks.envcheck import cann_logs
+
+        text = f"{cause}\n{full}" if full else cause
+        explained, _ = cann_logs.on_failure(cfg, stage, run_dir, text, started)
+        return cause + explained[len(text):]
+    except Exception as e:  # the diagnosis must never hide the failure itself
+        return f"{cause} (CANN log collection failed: {type(e).__name__}: {e})"
 
 
 def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, trace: str = "") -> None:
