@@ -138,6 +138,13 @@ class SmokeConfig:
     min_drop: float = 0.05                # relative drop required
     bf16_tolerance: float = 0.05          # max relative gap between the FP32 and BF16 curves
     micro_batch: int = 4
+    # "Accuracy worse than on GPU → compare operator by operator": one forward of the same weights and batch on the
+    # device in compare_precision and in FP32 on the CPU; the first layer whose max |diff| / max |FP32 output|
+    # exceeds compare_tolerance is named (per-layer table in smoke_report.json and MLflow). On a CPU host it
+    # compares CPU BF16 with CPU FP32. BF16 keeps 8 mantissa bits (~0.4 % per rounding): 5 % flags real departures.
+    compare_with_cpu: bool = False
+    compare_precision: str = "bf16"       # fp32 | bf16 | fp16 (autocast on the device)
+    compare_tolerance: float = 0.05
 
 
 @dataclass
@@ -235,6 +242,7 @@ CHOICES = {
     "parallel.pp_schedule": ["gpipe", "1f1b", "interleaved1f1b"],
     "parallel.zero": [0, 1, 2, 3],
     "train.precision": ["fp32", "bf16", "fp16"],
+    "smoke.compare_precision": ["fp32", "bf16", "fp16"],
     "profile.npu_level": ["Level_none", "Level0", "Level1", "Level2"],
     "profile.aic_metrics": ["PipeUtilization", "ArithmeticUtilization", "Memory", "MemoryL0", "MemoryUB",
                             "ResourceConflictRatio", "L2Cache", "MemoryAccess", "AiCoreNone"],  # torch_npu AiCMetrics
@@ -258,6 +266,7 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "train.lr": (0.0, None), "train.warmup_steps": (0, None), "train.grad_clip": (0.0, None),
     "train.checkpoint_every": (0, None), "train.keep_checkpoints": (1, 1000),
     "smoke.steps": (2, 100_000), "smoke.window": (1, 10_000), "smoke.bf16_tolerance": (0.0, 10.0),
+    "smoke.compare_tolerance": (0.0, 100.0),
     "plan.efficiency": (0.01, 1.0),
     "profile.skip_first": (0, None), "profile.wait": (0, None), "profile.warmup": (0, None),
     "profile.active": (1, None), "profile.regression_threshold": (0.0, 10.0),
