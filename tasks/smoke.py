@@ -6,9 +6,11 @@ went non-finite, with likely causes, and raises a non-retryable StageError so tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -188,20 +190,10 @@ def log_compare(result: dict) -> None:
                        "smoke.compare.summary": cmp.summary(result)})
 
 
-def run(cfg, ctx) -> dict:
+def _run_curves(precisions, tcfg, state, batches, dev, cfg) -> dict:
     from tasks.model import num_params
 
-    shard_dir = runner.shard_dir(ctx)
-    tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
-    batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed)
-    check_batches(batches, tcfg)
-    backend = devices.detect(cfg.hardware.device)
-    dev = devices.torch_device(backend.kind, 0)
-    tracking.log_params({"smoke.device": str(dev), "smoke.params": num_params(tcfg), "smoke.family": tcfg.family,
-                         "smoke.shard_dir": str(shard_dir)})
-    precisions = ["fp32"] + (["bf16"] if devices.bf16_supported(backend.kind) else [])
     curves: dict[str, Curve] = {}
-    (ctx.run_dir / "smoke_report.json").unlink(missing_ok=True)  # a rerun must not show an old failure
     for precision in precisions:
         fp32_clean = "fp32" in curves and curves["fp32"].failure is None
         try:
@@ -214,6 +206,38 @@ def run(cfg, ctx) -> dict:
                              f"smoke.micro_batch or use a smaller model.preset") from None
         if curve.failure:
             break
+    return curves
+
+
+def log_op_support(kind: str, warning_texts: list[str]) -> dict:
+    """Operators that fell back to the CPU during the smoke run (NPU), or why there are none (CPU/CUDA)."""
+    from tasks.model import op_support
+
+    rep = op_support.report(kind, warning_texts)
+    tracking.log_json_artifact(rep, "smoke/op_support.json")
+    tracking.log_metrics({"smoke.op_support.fallback_ops": len(rep["fallback"])})
+    return rep
+
+
+def run(cfg, ctx) -> dict:
+    from tasks.model import num_params
+
+    shard_dir = runner.shard_dir(ctx)
+    tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
+    batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed)
+    check_batches(batches, tcfg)
+    backend = devices.detect(cfg.hardware.device)
+    dev = devices.torch_device(backend.kind, 0)
+    tracking.log_params({"smoke.device": str(dev), "smoke.params": num_params(tcfg), "smoke.family": tcfg.family,
+                         "smoke.shard_dir": str(shard_dir)})
+    precisions = ["fp32"] + (["bf16"] if devices.bf16_supported(backend.kind) else [])
+    (ctx.run_dir / "smoke_report.json").unlink(missing_ok=True)  # a rerun must not show an old failure
+    recorder = warnings.catch_warnings(record=True) if backend.kind == "npu" else contextlib.nullcontext([])
+    with recorder as seen:  # torch_npu's CPU-fallback warnings, for the operator-support report
+        if backend.kind == "npu":
+            warnings.simplefilter("always")
+        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg)
+    op_report = log_op_support(backend.kind, [str(w.message) for w in seen])
     plot_curves(curves, ctx.run_dir / "smoke_loss.png")
     failure = next((c.failure for c in curves.values() if c.failure), None)
     problems, figures = ([], {}) if failure else verdict(curves, cfg)
@@ -228,6 +252,7 @@ def run(cfg, ctx) -> dict:
     if failure or problems:
         report = failure or {"cause": "; ".join(problems), "layers": []}
         report["losses"] = {name: c.losses for name, c in curves.items()}
+        report["op_support"] = op_report
         if compared:
             report["compare"] = compared
         report_path = atomic_write_json(ctx.run_dir / "smoke_report.json", report)
@@ -252,6 +277,7 @@ def run(cfg, ctx) -> dict:
                     + (f", BF16 within {gap:.1%}" if gap is not None else ", BF16 unsupported: skipped")
                     + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}"
                     + (f"; compare: {extra['compare']['summary']}" if compared else "")),
+        "op_support": op_report,
         **extra,
         "device": str(dev), "shard_dir": str(shard_dir), "params": num_params(tcfg),
         "losses": {name: [round(v, 5) for v in c.losses] for name, c in curves.items()},

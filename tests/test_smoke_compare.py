@@ -64,6 +64,7 @@ def test_smoke_stage_writes_the_table_to_report_and_mlflow(cfg, tmp_path):
     result = run_stage("smoke", cfg, tmp_path / "run", args=argparse.Namespace(shard_dir=str(shards)))
     assert result["status"] == "warn" and result["compare"]["first_beyond"].startswith("layers.0.")
     assert "compare: cpu BF16 vs CPU FP32: first layer beyond 0%" in result["summary"]
+    assert result["op_support"]["fallback"] == [] and result["op_support"]["note"].startswith("cpu:")
     report = json.loads((tmp_path / "run" / "smoke_report.json").read_text())["compare"]
     assert report["layers"][-1]["layer"] == "logits" and all("max_rel" in r for r in report["layers"])
     import mlflow
@@ -72,6 +73,7 @@ def test_smoke_stage_writes_the_table_to_report_and_mlflow(cfg, tmp_path):
     run = client.get_run(result["mlflow_run_id"])
     assert run.data.tags["smoke.compare.first_beyond"] == result["compare"]["first_beyond"]
     assert "smoke.compare.logits_max_rel" in run.data.metrics
+    assert "smoke/op_support.json" in [f.path for f in client.list_artifacts(result["mlflow_run_id"], "smoke")]
     assert "smoke/compare.json" in [f.path for f in client.list_artifacts(result["mlflow_run_id"], "smoke")]
     series = client.get_metric_history(result["mlflow_run_id"], "smoke.compare.layer_max_rel")
     assert len(series) == 6  # tok_embeddings, layers.0, layers.1 (the debug preset's 2 blocks), norm, output, logits
