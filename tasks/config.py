@@ -54,6 +54,14 @@ class HardwareConfig:
     max_clock_offset_ms: float = 500.0
     min_free_disk_gb: float = 1.0
     min_host_memory_gb: float = 2.0
+    # CANN logs for the ranks (tasks/envcheck/cann_logs.py): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
+    # 0 DEBUG, 1 INFO, 2 WARNING, 3 ERROR (CANN's default; the guides: 3 in production, 0/1 only while debugging:
+    # DEBUG logging slows the host side), 4 NULL. ascend_log_stdout sets ASCEND_SLOG_PRINT_TO_STDOUT=1 (logs in the
+    # rank logs instead of ~/ascend/log). On a failed stage at most cann_log_max_mb of the CANN logs it wrote are
+    # copied to <run-dir>/<stage>/cann-logs/ and MLflow.
+    ascend_log_level: int = -1
+    ascend_log_stdout: bool = False
+    cann_log_max_mb: float = 50.0
     # Health DAG alarms (tasks/health.py).
     max_device_temp_c: float = 85.0       # a chip at or above this temperature raises an alarm
     max_hbm_used_pct: float = 95.0        # HBM this full with no process on the chip = leaked memory
@@ -147,6 +155,13 @@ class SmokeConfig:
     min_drop: float = 0.05                # relative drop required
     bf16_tolerance: float = 0.05          # max relative gap between the FP32 and BF16 curves
     micro_batch: int = 4
+    # "Accuracy worse than on GPU → compare operator by operator": one forward of the same weights and batch on the
+    # device in compare_precision and in FP32 on the CPU; the first layer whose max |diff| / max |FP32 output|
+    # exceeds compare_tolerance is named (per-layer table in smoke_report.json and MLflow). On a CPU host it
+    # compares CPU BF16 with CPU FP32. BF16 keeps 8 mantissa bits (~0.4 % per rounding): 5 % flags real departures.
+    compare_with_cpu: bool = False
+    compare_precision: str = "bf16"       # fp32 | bf16 | fp16 (autocast on the device)
+    compare_tolerance: float = 0.05
 
 
 @dataclass
@@ -276,6 +291,7 @@ CHOICES = {
     "parallel.pp_schedule": ["gpipe", "1f1b", "interleaved1f1b"],
     "parallel.zero": [0, 1, 2, 3],
     "train.precision": ["fp32", "bf16", "fp16"],
+    "smoke.compare_precision": ["fp32", "bf16", "fp16"],
     "profile.npu_level": ["Level_none", "Level0", "Level1", "Level2"],
     "profile.aic_metrics": ["PipeUtilization", "ArithmeticUtilization", "Memory", "MemoryL0", "MemoryUB",
                             "ResourceConflictRatio", "L2Cache", "MemoryAccess", "AiCoreNone"],  # torch_npu AiCMetrics
@@ -292,7 +308,8 @@ ITEM_CHOICES = {  # lists whose every item must be one of these
 RANGES = {  # inclusive (min, max); None = unbounded
     "hardware.nproc_per_node": (0, 1024), "hardware.nnodes": (1, 4096), "hardware.node_rank": (0, 4095),
     "hardware.max_device_temp_c": (0.0, 150.0), "hardware.max_hbm_used_pct": (1.0, 100.0),
-    "hardware.expected_devices": (0, 1024),
+    "hardware.expected_devices": (0, 1024), "hardware.ascend_log_level": (-1, 4),
+    "hardware.cann_log_max_mb": (0.0, 100_000.0),
     "hardware.hccl_connect_timeout": (120, 7200), "hardware.hccl_exec_timeout": (0, 2147483647),
     "data.seq_len": (8, 1 << 20), "data.vocab_size": (256, 1 << 22), "data.val_fraction": (0.0, 0.5),
     "data.shard_size_mb": (0.01, 100_000), "data.tokenize_processes": (1, 256), "data.loader_workers": (0, 64),
@@ -303,6 +320,7 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "train.lr": (0.0, None), "train.warmup_steps": (0, None), "train.grad_clip": (0.0, None),
     "train.checkpoint_every": (0, None), "train.keep_checkpoints": (1, 1000),
     "smoke.steps": (2, 100_000), "smoke.window": (1, 10_000), "smoke.bf16_tolerance": (0.0, 10.0),
+    "smoke.compare_tolerance": (0.0, 100.0),
     "plan.efficiency": (0.01, 1.0),
     "profile.skip_first": (0, None), "profile.wait": (0, None), "profile.warmup": (0, None),
     "profile.active": (1, None), "profile.regression_threshold": (0.0, 10.0),

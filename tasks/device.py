@@ -204,6 +204,8 @@ def launch_env(backend: Backend, hardware) -> dict[str, str]:
     env = {}
     if backend.kind == "npu":
         env.update(hccl_env(hardware))
+        from tasks.envcheck.cann_logs import log_env
+        env.update(log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
         # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy.
         env.setdefault("PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF",
                                                                 "expandable_segments:True"))

@@ -85,6 +85,20 @@ def _system_checks(cfg: PipelineConfig, ctx, backend: device.Backend | None, fac
     disk_check, facts["free_disk_gb"] = system.check_disk(
         {"shards": repo_path(cfg.data.out_dir), "checkpoints": ctx.run_dir}, hw.min_free_disk_gb)
     checks.append(disk_check)
+    _network_checks(cfg, kind, facts, checks)
+
+
+def _network_checks(cfg: PipelineConfig, kind: str, facts: dict, checks: list) -> None:
+    """RoCE NICs (hccn_tool), HCCL socket variables vs this host, rendezvous port, HCCL_ALGO / HCCL_BUFFSIZE."""
+    from tasks.envcheck import network
+
+    chips = (facts.get("npu_smi") or {}).get("chips") or []
+    facts["network"], net_checks = network.preflight(kind, cfg.hardware, devices=list(range(len(chips))))
+    facts["network"]["checks"] = net_checks
+    checks.extend(net_checks)
+    tracking.log_json_artifact(facts["network"], "env/network.json")
+    tracking.log_metrics({f"env.network.checks_{s}": sum(c["status"] == s for c in net_checks)
+                          for s in ("ok", "warn", "fail")})
 
 
 def probe_sizes(cfg: PipelineConfig) -> list[float]:
@@ -180,7 +194,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     path = atomic_write_json(ctx.run_dir / "env" / "env.json", report)
     print(f"env: {status.upper()} — {summary}", file=sys.stderr)
     for c in checks:
-        print(f"  [{c['status']:>4}] {c['name']}: {c['detail']}", file=sys.stderr)
+        print(f"  [{c.get('severity', c['status']):>4}] {c['name']}: {c['detail']}", file=sys.stderr)
     _log(facts, checks, path)
 
     failed = [c for c in checks if c["status"] == "fail"]

@@ -40,8 +40,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def analyze(path: str | Path) -> dict:
     """The report of a profiling folder or trace, findings included (no baseline: that needs MLflow)."""
+    from tasks.model import op_support
+    from tasks.profiling.rules_guides import guide_rules
+
     report = build_report(load_profile(path))
-    report["findings"] = advise(report)
+    more = guide_rules(report)  # info findings (never a problem) are kept apart from the findings that count
+    report["findings"] = advise(report) + [f for f in more if f["severity"] != "info"]
+    report["info"] = [f for f in more if f["severity"] == "info"]
+    fmt = report["source"]["format"]
+    kind = "npu" if fmt != "torch_trace" else ("cuda" if any(o["core"] == "CUDA" for o in report["top_ops"])
+                                               else "cpu")
+    report["op_support"] = op_support.report(kind, ai_cpu=report["ai_cpu_ops"] if kind == "npu" else None)
     return report
 
 
@@ -136,7 +145,9 @@ def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None, key: dict
                           "profile.findings_high": n_high})
     tracking.set_tags({baseline.FORMAT_TAG: report["source"]["format"], "profile.source": report["source"]["path"],
                        "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]})),
-                       baseline.KEY_TAG: baseline.key_digest(key), baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True)})
+                       baseline.KEY_TAG: baseline.key_digest(key), baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True),
+                       "profile.info": " | ".join(f["title"] for f in report.get("info", []))[:5000],
+                       "profile.op_support": report["op_support"]["note"][:5000]})
     for p in paths.values():
         tracking.log_artifact(p, "profile")
     if extra_dir and extra_dir.is_dir():
@@ -177,6 +188,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "status": "warn" if regressions or any(f["severity"] == "high" for f in findings) else "ok",
         "summary": summary, "report": str(paths["report_json"]), "report_md": str(paths["report_md"]),
         "findings": len(findings), "rules": [f"{f['severity']}:{f['rule']}" for f in findings],
+        "info": [f["title"] for f in report.get("info", [])],
+        "op_support": report["op_support"]["note"],
         "step_ms": round(report["step"]["step_us"] / 1000, 3),
         "comm_not_overlapped_share": round(report["step"]["shares"]["comm_not_overlapped"], 4),
         "format": fmt, "source": str(source), "world": report["world"],

@@ -149,8 +149,11 @@ def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started:
         try:
             result = module.run(cfg, ctx)
         except StageError as e:
-            _record_failure(result_path, stage, str(e), run_id, started)
-            _tag_error(run_id, str(e))
+            cause = _with_cann_logs(cfg, stage, run_dir, str(e), started, e)
+            _record_failure(result_path, stage, cause, run_id, started)
+            _tag_error(run_id, cause)
+            if cause != str(e):
+                raise StageError(cause, retryable=e.retryable) from e
             raise
         except OSError as e:  # an environment fault (disk full, read-only, permissions): one line naming the path
             cause = os_error_cause(e)
@@ -159,6 +162,7 @@ def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started:
             raise StageError(cause) from e
         except Exception as e:  # a bug or an unexpected runtime error: still one line on top, trace in the file
             cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+            cause = _with_cann_logs(cfg, stage, run_dir, cause, started, e, full=str(e))
             _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
             _tag_error(run_id, cause)
             raise
@@ -170,6 +174,24 @@ def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started:
             tracking.set_tags({"pipeline.status": result["status"]})
     atomic_write_json(result_path, result)
     return result
+
+
+def _with_cann_logs(cfg, stage: str, run_dir: Path, cause: str, started: float, exc: BaseException,
+                    full: str = "") -> str:
+    """CANN logs written during the stage → <run-dir>/<stage>/cann-logs/ (+ MLflow); a CANN/HCCL error code in the
+    exception, the rank logs or those logs is named with its fix in the one-line cause."""
+    from tasks.errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return cause
+    try:
+        from tasks.envcheck import cann_logs
+
+        text = f"{cause}\n{full}" if full else cause
+        explained, _ = cann_logs.on_failure(cfg, stage, run_dir, text, started)
+        return cause + explained[len(text):]
+    except Exception as e:  # the diagnosis must never hide the failure itself
+        return f"{cause} (CANN log collection failed: {type(e).__name__}: {e})"
 
 
 def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, trace: str = "") -> None:

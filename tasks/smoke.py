@@ -6,8 +6,11 @@ went non-finite, with likely causes, and raises a non-retryable StageError so tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -163,20 +166,35 @@ def log_memory_estimate(cfg, tcfg, seq_len: int, peak_bytes: int) -> float:
     return ratio
 
 
-def run(cfg, ctx) -> dict:
+def compare_precision(cfg, tcfg, state: dict, tokens, dev) -> dict:
+    """smoke.compare_with_cpu: per-layer errors of one forward on the device against FP32 on the CPU (MLflow:
+    smoke.compare.* metrics, the per-layer max relative error as a step series, smoke/compare.json)."""
+    from tasks.model import compare as cmp
+
+    precision = cfg.smoke.compare_precision
+    if precision == "bf16" and not devices.bf16_supported(dev.type):
+        precision = "fp32"
+    return cmp.compare_with_cpu(tcfg, state, tokens, dev, precision, cfg.smoke.compare_tolerance)
+
+
+def log_compare(result: dict) -> None:
+    from tasks.model import compare as cmp
+
+    tracking.log_metrics({"smoke.compare.max_rel": result["max_rel"],
+                          "smoke.compare.logits_max_rel": result["logits_max_rel"] or 0.0})
+    # The series over the model's top-level parts (embedding, each block, norm, logits): the full table is the JSON.
+    top = [r for r in result["layers"] if "max_rel" in r and re.fullmatch(r"[^.]+|layers\.\d+", r["layer"])]
+    for i, row in enumerate(top):
+        tracking.log_metrics({"smoke.compare.layer_max_rel": row["max_rel"]}, step=i)
+    tracking.log_json_artifact(result, "smoke/compare.json")
+    tracking.set_tags({"smoke.compare.first_beyond": result["first_beyond"] or "none",
+                       "smoke.compare.summary": cmp.summary(result)})
+
+
+def _run_curves(precisions, tcfg, state, batches, dev, cfg) -> dict:
     from tasks.model import num_params
 
-    shard_dir = runner.shard_set(cfg, ctx)
-    tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
-    batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed, cfg.data.verify_sha256)
-    check_batches(batches, tcfg)
-    backend = devices.detect(cfg.hardware.device)
-    dev = devices.torch_device(backend.kind, 0)
-    tracking.log_params({"smoke.device": str(dev), "smoke.params": num_params(tcfg), "smoke.family": tcfg.family,
-                         "smoke.shard_dir": str(shard_dir)})
-    precisions = ["fp32"] + (["bf16"] if devices.bf16_supported(backend.kind) else [])
     curves: dict[str, Curve] = {}
-    (ctx.run_dir / "smoke_report.json").unlink(missing_ok=True)  # a rerun must not show an old failure
     for precision in precisions:
         fp32_clean = "fp32" in curves and curves["fp32"].failure is None
         try:
@@ -189,9 +207,45 @@ def run(cfg, ctx) -> dict:
                              f"smoke.micro_batch or use a smaller model.preset") from None
         if curve.failure:
             break
+    return curves
+
+
+def log_op_support(kind: str, warning_texts: list[str]) -> dict:
+    """Operators that fell back to the CPU during the smoke run (NPU), or why there are none (CPU/CUDA)."""
+    from tasks.model import op_support
+
+    rep = op_support.report(kind, warning_texts)
+    tracking.log_json_artifact(rep, "smoke/op_support.json")
+    tracking.log_metrics({"smoke.op_support.fallback_ops": len(rep["fallback"])})
+    return rep
+
+
+def run(cfg, ctx) -> dict:
+    from tasks.model import num_params
+
+    shard_dir = runner.shard_set(cfg, ctx)
+    tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
+    batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed, cfg.data.verify_sha256)
+    check_batches(batches, tcfg)
+    backend = devices.detect(cfg.hardware.device)
+    dev = devices.torch_device(backend.kind, 0)
+    tracking.log_params({"smoke.device": str(dev), "smoke.params": num_params(tcfg), "smoke.family": tcfg.family,
+                         "smoke.shard_dir": str(shard_dir)})
+    precisions = ["fp32"] + (["bf16"] if devices.bf16_supported(backend.kind) else [])
+    (ctx.run_dir / "smoke_report.json").unlink(missing_ok=True)  # a rerun must not show an old failure
+    recorder = warnings.catch_warnings(record=True) if backend.kind == "npu" else contextlib.nullcontext([])
+    with recorder as seen:  # torch_npu's CPU-fallback warnings, for the operator-support report
+        if backend.kind == "npu":
+            warnings.simplefilter("always")
+        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg)
+    op_report = log_op_support(backend.kind, [str(w.message) for w in seen])
     plot_curves(curves, ctx.run_dir / "smoke_loss.png")
     failure = next((c.failure for c in curves.values() if c.failure), None)
     problems, figures = ([], {}) if failure else verdict(curves, cfg)
+    compared = None
+    if cfg.smoke.compare_with_cpu:
+        compared = compare_precision(cfg, tcfg, state, batches[0][0][:1], dev)  # one sequence of the first batch
+        log_compare(compared)
     peak = max(c.peak_bytes for c in curves.values())
     tokens_per_s = {name: round(c.tokens_per_s, 1) for name, c in curves.items()}
     tracking.log_metrics({**{f"smoke.{k}": v for k, v in figures.items()}, "smoke.peak_memory_mb": peak / 2**20,
@@ -199,6 +253,9 @@ def run(cfg, ctx) -> dict:
     if failure or problems:
         report = failure or {"cause": "; ".join(problems), "layers": []}
         report["losses"] = {name: c.losses for name, c in curves.items()}
+        report["op_support"] = op_report
+        if compared:
+            report["compare"] = compared
         report_path = atomic_write_json(ctx.run_dir / "smoke_report.json", report)
         tracking.log_json_artifact(report, "smoke/layer_report.json")
         advice = f"; likely: {report['advice'][0]}" if failure else ""
@@ -206,11 +263,23 @@ def run(cfg, ctx) -> dict:
     ratio = log_memory_estimate(cfg, tcfg, batches[0][0].shape[1], curves["fp32"].peak_bytes)
     fp32 = curves["fp32"].losses
     gap = figures.get("bf16.max_rel_gap")
+    extra = {}
+    if compared:
+        from tasks.model.compare import summary as compare_summary
+
+        atomic_write_json(ctx.run_dir / "smoke_report.json", {"compare": compared})
+        extra["compare"] = {k: compared[k] for k in ("first_beyond", "first_beyond_rel", "logits_max_rel",
+                                                      "max_rel", "tolerance", "precision", "device")}
+        extra["compare"]["summary"] = compare_summary(compared)
+        extra["compare"]["report"] = str(ctx.run_dir / "smoke_report.json")
     return {
-        "status": "ok" if "bf16" in curves else "warn",
+        "status": "ok" if "bf16" in curves and not (compared and compared["first_beyond"]) else "warn",
         "summary": (f"FP32 loss {fp32[0]:.3f}→{fp32[-1]:.3f}"
                     + (f", BF16 within {gap:.1%}" if gap is not None else ", BF16 unsupported: skipped")
-                    + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}"),
+                    + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}"
+                    + (f"; compare: {extra['compare']['summary']}" if compared else "")),
+        "op_support": op_report,
+        **extra,
         "device": str(dev), "shard_dir": str(shard_dir), "params": num_params(tcfg),
         "losses": {name: [round(v, 5) for v in c.losses] for name, c in curves.items()},
         "figures": figures, "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak,

@@ -210,13 +210,18 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
     if not steps:
         for _, events in files.traces:
             steps.update(steps_from_trace(events))
+    kernels = files.rows("kernel_details") + files.rows("op_summary")  # ops_from_kernels unifies the names
+    if not steps and kernels:  # older CANN / partial export: analyse what the kernels hold, say what is missing
+        from tasks.profiling.kernels_only import steps_from_kernels
+
+        steps, note = steps_from_kernels(kernels)
+        files.variants.append(note)
     if not steps:
         want = "mindstudio_profiler_output/msprof_*.json" if root.name.startswith("PROF_") else \
             f"{OUTPUT_DIR}/step_trace_time.csv (or trace_view.json)"
         hint = ("only the db export is there: collect with export_type=Text (as tasks.profiling.collect does)"
                 if any(out_dir.glob("*.db")) else "profile at level 1 or re-run the parser")
         raise StageError(f"{root}: {want} missing — no step breakdown; {hint}")
-    kernels = files.rows("kernel_details") + files.rows("op_summary")  # ops_from_kernels unifies the names
     ops = ops_from_kernels(kernels) if kernels else ops_from_statistic(files.rows("op_statistic"))
     comm = [op for _, data in files.comm for op in _comm_ops(data)]
     windows = [w for _, ev in files.traces for w in tl.step_windows(tl.spans(ev))]

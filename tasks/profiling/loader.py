@@ -79,7 +79,9 @@ def load_profile(path: str | os.PathLike) -> Profile:
             ranks += r
             variants += v
         fmt = "msprof" if all(u.name.startswith("PROF_") for u in units) else "ascend_pt"
-        return _checked(Profile(str(root), fmt, ranks, variants=sorted(set(variants))))
+        notes = sorted({v for v in variants if v.startswith("note: ")})  # e.g. kernel_details only
+        return _checked(Profile(str(root), fmt, ranks, variants=sorted(set(variants) - set(notes)),
+                                notes=[n.removeprefix("note: ") for n in notes]))
     if clusters:
         ranks, variants = ascend.read_cluster(clusters[0])
         return _checked(Profile(str(root), "cluster_analysis", ranks, variants=variants))

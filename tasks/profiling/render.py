@@ -26,6 +26,14 @@ def render_markdown(report: dict, charts: dict[str, str] | None = None) -> str:
         ev = ", ".join(f"{k}={_fmt(v)}" for k, v in f["evidence"].items() if not isinstance(v, dict))
         lines += [f"- **[{f['severity']}] {f['rule']}** — {f['title']}", f"  - evidence: {ev}",
                   f"  - advice: {f['advice']}"]
+    for f in report.get("info") or []:
+        lines += [f"- [info] {f['rule']} — {f['title']}"]
+    if report.get("op_support"):
+        sup = report["op_support"]
+        lines += ["", "## Operator support", "", sup["note"]]
+        lines += [f"- fell back to CPU: `{f['op']}`" + (f" (called at {', '.join(f['called_at'])})"
+                                                          if f["called_at"] else "") for f in sup["fallback"]]
+        lines += [f"- AI CPU: `{a['op']}` ×{a['count']}, max {a['max_us']:.0f} µs" for a in sup["ai_cpu"]]
     lines += ["", "## Step time (mean per step, ms)", ""]
     rows = [[r["rank"], _ms(r["mean"]["step_us"]), _ms(r["mean"]["computing_us"]),
              _ms(r["mean"]["comm_not_overlapped_us"]), _ms(r["mean"]["overlapped_us"]), _ms(r["mean"]["free_us"]),
