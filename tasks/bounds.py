@@ -8,8 +8,6 @@ and raises a StageError naming the bound, what it was derived from, and the conf
 """
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
