@@ -159,7 +159,7 @@ def test_msprof_analyze_cluster_subcommand_and_db_only_msprof(tmp_path, monkeypa
 
 
 def test_total_op_info_at_group_is_not_an_op():
-    from tasks.profiling.ascend import _cluster_comm, _comm_ops
+    from tasks.profiling.ascend import _comm_ops
 
     info = {"Communication Time Info": {"Elapse Time(ms)": 2.0, "Transit Time(ms)": 1.0, "Wait Time(ms)": 0.5}}
     data = {"step1": {"collective": {"hcom_allReduce__123_0_1@987": info, "Total Op Info@987": info,
