@@ -446,3 +446,17 @@ def test_amct_refuses_fp32_and_int8_dynamic_is_per_token():
     assert choose_backend("amct", None, "npu", "llm", "fp16") == "amct"
     assert llm_quant_config("int8_dynamic", [])["quant_cfg"]["inputs"]["strategy"] == "token"
     assert llm_quant_config("smoothquant", [])["quant_cfg"]["inputs"]["strategy"] == "tensor"
+
+
+def test_msprof_analyze_refusal_with_exit_0_is_not_ok(tmp_path, monkeypatch):
+    """cluster_analysis.py logs "The current folder contains both DB and other files" and returns normally."""
+    from tasks.profiling.msprof import run_msprof_analyze
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "msprof-analyze"
+    exe.write_text("#!/bin/sh\necho '[ERROR] The current folder contains both DB and other files. Please check.'\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    r = run_msprof_analyze(tmp_path, tmp_path / "out")
+    assert r["status"] == "skipped" and "both db and text" in r["reason"]
