@@ -395,7 +395,8 @@ class Surface:
                 return "external", dotted
         return kind, cur
 
-    def check_call(self, dotted: str, n_positional: int, keywords: list[str], has_star_args: bool = False) -> str | None:
+    def check_call(self, dotted: str, n_positional: int, keywords: list[str],
+                   has_star_args: bool = False) -> str | None:
         """None when the call matches the signature, else why not."""
         kind, entry = self.resolve(dotted)
         if kind is None:

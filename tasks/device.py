@@ -138,7 +138,8 @@ ALLOC_CONF_ENV = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_C
 
 
 def parse_alloc_conf(value: str | None) -> dict[str, str]:
-    """'expandable_segments:True,max_split_size_mb:128' → {'expandable_segments': 'True', 'max_split_size_mb': '128'}."""
+    """'expandable_segments:True,max_split_size_mb:128' → {'expandable_segments': 'True',
+    'max_split_size_mb': '128'}."""
     out = {}
     for item in (value or "").split(","):
         key, sep, val = item.partition(":")

@@ -81,9 +81,11 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
 
     from tasks.model import build_model
     from tasks.model.diagnose import diagnose_non_finite
+    from tasks.model.npu_kernels import convert as convert_npu_kernels
     from tasks.model.step import train_step
 
     model = build_model(tcfg).to_empty(device=dev)
+    convert_npu_kernels(model, dev.type, cfg.model.npu_kernels)   # the kernels training uses; identity off the NPU
     model.tie_weights()
     model.load_state_dict(state)
     model.init_rope()

@@ -159,7 +159,7 @@ def test_msprof_analyze_cluster_subcommand_and_db_only_msprof(tmp_path, monkeypa
 
 
 def test_total_op_info_at_group_is_not_an_op():
-    from tasks.profiling.ascend import _cluster_comm, _comm_ops
+    from tasks.profiling.ascend import _comm_ops
 
     info = {"Communication Time Info": {"Elapse Time(ms)": 2.0, "Transit Time(ms)": 1.0, "Wait Time(ms)": 0.5}}
     data = {"step1": {"collective": {"hcom_allReduce__123_0_1@987": info, "Total Op Info@987": info,
@@ -446,3 +446,17 @@ def test_amct_refuses_fp32_and_int8_dynamic_is_per_token():
     assert choose_backend("amct", None, "npu", "llm", "fp16") == "amct"
     assert llm_quant_config("int8_dynamic", [])["quant_cfg"]["inputs"]["strategy"] == "token"
     assert llm_quant_config("smoothquant", [])["quant_cfg"]["inputs"]["strategy"] == "tensor"
+
+
+def test_msprof_analyze_refusal_with_exit_0_is_not_ok(tmp_path, monkeypatch):
+    """cluster_analysis.py logs "The current folder contains both DB and other files" and returns normally."""
+    from tasks.profiling.msprof import run_msprof_analyze
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "msprof-analyze"
+    exe.write_text("#!/bin/sh\necho '[ERROR] The current folder contains both DB and other files. Please check.'\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    r = run_msprof_analyze(tmp_path, tmp_path / "out")
+    assert r["status"] == "skipped" and "both db and text" in r["reason"]

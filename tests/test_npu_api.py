@@ -258,7 +258,6 @@ def test_snapshot_regenerates_from_the_wheel(version):
         pytest.skip(f"torch-npu {version} wheel not downloadable here ({e}); the committed snapshot is unchecked")
     fresh = npu_api.torch_npu_snapshot(version, slim)
     committed = npu_api.load(npu_api.snapshot_path("torch_npu", version))
-    assert fresh["wheel_sha256"] == committed["wheel_sha256"] or fresh["wheel"] != committed["wheel"]
     assert fresh == committed, f"tests/fixtures/npu_api/torch_npu-{version}.json is stale: run `make npu-api`"
 
 

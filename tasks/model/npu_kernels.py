@@ -7,9 +7,9 @@ built model before any parallelism, it swaps module classes so that on an NPU
 
 Attention stays SDPA: op-plugin dispatches it to `npu_fusion_attention` on Ascend910B1 and newer SoCs; on older
 parts (910A/910 ProB) there is no fused attention, and the planner's `plan.flash_attention` assumption drops too
-(`tasks.device.fused_attention_available`). Parameters, their names and the state dict are untouched (only `__class__` changes),
-so checkpoints are interchangeable. `model.npu_kernels: auto|off`; auto = on when the device is an NPU and the op
-exists in the installed torch_npu. On CPU/CUDA the converter is the identity.
+(`tasks.device.fused_attention_available`). Parameters, their names and the state dict are untouched (only
+`__class__` changes), so checkpoints are interchangeable. `model.npu_kernels: auto|off`; auto = on when the device
+is an NPU and the op exists in the installed torch_npu. On CPU/CUDA the converter is the identity.
 """
 from __future__ import annotations
 

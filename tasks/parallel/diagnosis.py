@@ -95,7 +95,8 @@ def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layo
         nxt = next_feasible_plan(plans, layout)
         return StageError(f"out of memory on rank {o['rank']} at step {o['step']}: {est}allocated "
                           f"{s['allocated_bytes'] / GB:.1f} GB, reserved {s['reserved_bytes'] / GB:.1f} GB; "
-                          f"{oom_advice(s, kind, alloc_conf)}" + (f"; next feasible plan: {nxt}" if nxt else ""), retryable=False)
+                          f"{oom_advice(s, kind, alloc_conf)}" + (f"; next feasible plan: {nxt}" if nxt else ""),
+                          retryable=False)
     beats = read_heartbeats(train_dir / "heartbeat")
     root = rank_errors.root_cause(failures or [])
     if root is not None and root.python_exception:  # the rank's own error: a retry would fail the same way

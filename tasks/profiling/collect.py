@@ -126,14 +126,20 @@ def _npu_profiler(pcfg: ProfileConfig, out: Path, rank: int):
     metrics = pcfg.aic_metrics if pcfg.npu_level in ("Level1", "Level2") else "AiCoreNone"
     level = getattr(npu_prof.ProfilerLevel, pcfg.npu_level, None)
     aic = getattr(npu_prof.AiCMetrics, metrics, None)
-    if level is None or aic is None:   # an older torch_npu than the option: one line, not an AttributeError
+    # An older torch_npu than the option: one line, not an AttributeError (AiCoreNone, which we only choose for
+    # Level0, is simply left out before TorchNPU 6.0.rc2: torch_npu then applies its own Level0 default).
+    if level is None or (aic is None and metrics != "AiCoreNone"):
         from tasks.device import BackendUnavailable
 
         what = f"ProfilerLevel.{pcfg.npu_level}" if level is None else f"AiCMetrics.{metrics}"
         raise BackendUnavailable(f"the installed torch_npu has no torch_npu.profiler.{what}: choose another "
                                  "profile.npu_level / profile.aic_metrics or upgrade torch_npu")
-    experimental = npu_prof._ExperimentalConfig(
-        export_type=npu_prof.ExportType.Text, profiler_level=level, aic_metrics=aic, data_simplification=True)
+    if aic is None:
+        experimental = npu_prof._ExperimentalConfig(
+            export_type=npu_prof.ExportType.Text, profiler_level=level, data_simplification=True)
+    else:
+        experimental = npu_prof._ExperimentalConfig(
+            export_type=npu_prof.ExportType.Text, profiler_level=level, aic_metrics=aic, data_simplification=True)
     return npu_prof.profile(
         activities=[npu_prof.ProfilerActivity.CPU, npu_prof.ProfilerActivity.NPU],
         schedule=npu_prof.schedule(skip_first=pcfg.skip_first, wait=pcfg.wait, warmup=pcfg.warmup,

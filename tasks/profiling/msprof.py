@@ -56,4 +56,16 @@ def run_msprof_analyze(data_dir: Path, out_dir: Path, timeout_s: int = 900, fmt:
     tail = (proc.stdout + proc.stderr)[-4000:]
     if proc.returncode != 0:
         return {"status": "failed", "command": shlex.join(cmd), "returncode": proc.returncode, "log_tail": tail}
+    # msprof-analyze logs some refusals and still exits 0 (cluster_analysis.py): say which, not "ok"
+    for needle, reason in _REFUSALS:
+        if needle in tail:
+            return {"status": "skipped", "command": shlex.join(cmd), "reason": reason, "log_tail": tail}
     return {"status": "ok", "command": shlex.join(cmd), "output": str(out_dir), "log_tail": tail}
+
+
+_REFUSALS = (
+    ("contains both DB and other files", "msprof-analyze refuses folders holding both db and text exports: profile "
+                                         "with one export_type (the project collects ExportType.Text)"),
+    ("only supports DB as input data", "this msprof-analyze mode reads db exports only"),
+    ("Can not get rank info or profiling data", "msprof-analyze found no rank data it can read in this folder"),
+)
