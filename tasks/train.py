@@ -65,7 +65,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     backend, nproc, world = _world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
     hw = cfg.hardware
-    hint = "; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks" if not backend.is_accelerator else ""
+    hint = ("; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks"
+            if hw.nproc_per_node and not backend.is_accelerator else "")
     problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
                              f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}")
     try:
