@@ -106,9 +106,12 @@ def write_streaming(path: Path, entries: list[tuple], read) -> int:
 
 def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out: str | os.PathLike,
                            tokenizer_dir: str | os.PathLike | None = None, rank: int = 0, world: int = 1,
-                           barrier=None, dtype: torch.dtype | None = None, file_bytes: int = FILE_BYTES) -> Path:
+                           barrier=None, dtype: torch.dtype | None = None, file_bytes: int | None = None,
+                           stats: dict | None = None) -> Path:
     """Write the HF directory `out` from the DCP checkpoint `ckpt`; with world > 1 every rank calls it (with a
-    `barrier` callable) and writes its share of the files."""
+    `barrier` callable) and writes its share of the files (`file_bytes` None: about 1/world of the model per file,
+    at most FILE_BYTES, so every rank takes part). `stats` receives this rank's written_bytes and
+    largest_tensor_bytes."""
     from tasks.model.hf_io import _copy_tokenizer, ours_to_hf, to_hf_config
 
     ckpt, out = Path(ckpt), Path(out)
@@ -118,12 +121,20 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    files = plan_files(checkpoint_tensors(ckpt, tcfg), dtype, file_bytes)
+    tensors = checkpoint_tensors(ckpt, tcfg)
+    if file_bytes is None:
+        total = sum(_numel(shape) * (dtype or dt).itemsize for _, shape, dt in tensors)
+        file_bytes = min(FILE_BYTES, -(-total // world))
+    files = plan_files(tensors, dtype, file_bytes)
     names = file_names(len(files))
+    written, largest = 0, 0
     for i in range(rank, len(files), world):
         src = files[i]
         entries = [(ours_to_hf(n), shape, dtype or dt) for n, shape, dt in src]
-        write_streaming(tmp / names[i], entries, lambda k, src=src: _read_tensor(ckpt, *src[k]))
+        written += write_streaming(tmp / names[i], entries, lambda k, src=src: _read_tensor(ckpt, *src[k]))
+        largest = max([largest] + [_numel(shape) * dt.itemsize for _, shape, dt in src])
+    if stats is not None:
+        stats.update(written_bytes=written, largest_tensor_bytes=largest)
     barrier()
     if rank == 0:
         out_dtype = dtype or (files[0][0][2] if files else torch.float32)
