@@ -208,7 +208,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
                          spec["layout"].items()}, "train.world": spec["world"], "train.shards": spec["shard_dir"]})
     tracking.log_json_artifact(spec, "train/launch.json")
     if cfg.hardware.node_rank == 0:  # evidence of an earlier attempt (other nodes wait for node 0 to rendezvous)
-        for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json"):
+        for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json", "export_memory.json"):
             p = train_dir / stale
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     # The HF export runs inside the job (every rank streams part of it), not in this (Airflow worker) process.
@@ -273,7 +273,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
                    f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
     }
     if not reused:
-        _log_run(ctx, spec, records, result, peaks)
+        _log_run(ctx, spec, records, result, summary)
     return result
 
 
@@ -281,13 +281,37 @@ def _human(x: float) -> str:
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
-def _log_run(ctx, spec: dict, records: list[dict], result: dict, peaks: list[int]) -> None:
+def memory_figures(summary: dict, export_memory: dict | None, estimate_bytes: int | None, backend: str) -> dict:
+    """MLflow metrics: each phase's peak per rank (memory.<phase>.peak_gb.rankN), and the planner's estimate over
+    the measured training-phase peak of the worst rank. Like with like: the estimate counts the framework's
+    tensors (model states + activations); on an accelerator the allocator's peak is exactly that, on CPU the RSS
+    peak also holds the interpreter, torch and the process group, so the RSS held before the model existed
+    (the phase record's `base`) is subtracted."""
+    out = {}
+    phases = summary.get("memory_phases_per_rank") or []
+    for rank, m in enumerate(summary.get("memory_per_rank") or []):
+        if m:
+            out[f"memory.peak_gb.rank{rank}"] = m["peak_bytes"] / 2**30
+    for rank, ph in enumerate(phases):
+        for phase, peak in (ph or {}).items():
+            if phase != "base":
+                out[f"memory.{phase}.peak_gb.rank{rank}"] = peak / 2**30
+    for rank, ph in enumerate((export_memory or {}).get("per_rank") or []):
+        out[f"memory.export.peak_gb.rank{rank}"] = ph["export"] / 2**30
+        if ph.get("written_bytes"):
+            out[f"memory.export.peak_over_written.rank{rank}"] = ph["export"] / ph["written_bytes"]
+    measured = [ph["train"] - (ph["base"] if backend == "cpu" else 0) for ph in phases if ph and "train" in ph]
+    if estimate_bytes and measured and max(measured) > 0:
+        out["memory.estimate_over_measured"] = estimate_bytes / max(measured)
+    return out
+
+
+def _log_run(ctx, spec: dict, records: list[dict], result: dict, summary: dict) -> None:
     """Stage-run extras from the launcher (rank 0 already logged the per-step metrics)."""
     final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
-    for rank, peak in enumerate(peaks):
-        final[f"memory.peak_gb.rank{rank}"] = peak / 2**30
-    if spec.get("estimate_bytes") and peaks:
-        final["memory.estimate_over_measured"] = spec["estimate_bytes"] / max(peaks)
+    export_path = ctx.run_dir / "train" / "export_memory.json"
+    final.update(memory_figures(summary, read_json(export_path) if export_path.is_file() else None,
+                                spec.get("estimate_bytes"), spec["backend"]))
     tracking.log_metrics(final)
     tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
     tracking.log_artifact(result["metrics"])

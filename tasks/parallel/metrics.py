@@ -91,3 +91,35 @@ def read_heartbeats(directory: Path) -> dict[int, dict]:
             continue
         beats[int(b["rank"])] = b
     return beats
+
+
+class PhasePeaks:
+    """This rank's memory peak per phase (init, train, checkpoint, export): the peak counter is reset when a phase
+    starts and read when it ends (on CPU the RSS high-water mark, VmHWM, reset through /proc/self/clear_refs), so
+    each figure is that phase's own; a phase entered again keeps its maximum. `base_bytes` is what the process
+    held before the model existed (imports, process group): on CPU the estimate is compared with peak − base."""
+
+    def __init__(self, device):
+        from tasks.device import memory_stats
+
+        self.device, self.peaks, self.current = device, {}, None
+        self.base_bytes = memory_stats(device)["allocated_bytes"]
+
+    def enter(self, phase: str) -> None:
+        from tasks.device import reset_peak
+
+        self.close()
+        reset_peak(self.device)
+        self.current = phase
+
+    def close(self) -> None:
+        from tasks.device import memory_stats
+
+        if self.current:
+            peak = memory_stats(self.device)["peak_bytes"]
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak)
+            self.current = None
+
+    def result(self) -> dict:
+        self.close()
+        return {**self.peaks, "base": self.base_bytes}
