@@ -273,7 +273,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
                    f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
     }
     if not reused:
-        _log_run(ctx, spec, records, result, summary)
+        _log_run(cfg, ctx, spec, records, result, summary)
     return result
 
 
@@ -306,17 +306,24 @@ def memory_figures(summary: dict, export_memory: dict | None, estimate_bytes: in
     return out
 
 
-def _log_run(ctx, spec: dict, records: list[dict], result: dict, summary: dict) -> None:
-    """Stage-run extras from the launcher (rank 0 already logged the per-step metrics)."""
+def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: dict, summary: dict) -> None:
+    """Stage-run extras from the launcher. Rank 0 sent the per-step metrics asynchronously; whatever it could not
+    send (an MLflow outage mid-training) is backfilled from metrics.jsonl now, or left pending for the next stage.
+    Nothing here can fail the stage: the training is done."""
+    if ctx.mlflow_run_id:
+        tracking.settle_metrics(ctx.run_dir, tracking.tracking_uri(cfg), ctx.mlflow_run_id,
+                                result["metrics"])
     final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
     export_path = ctx.run_dir / "train" / "export_memory.json"
     final.update(memory_figures(summary, read_json(export_path) if export_path.is_file() else None,
                                 spec.get("estimate_bytes"), spec["backend"]))
-    tracking.log_metrics(final)
-    tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
-    tracking.log_artifact(result["metrics"])
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
-    tracking.log_artifact(plot, "train")
+    with tracking.best_effort("final training metrics, tags and artifacts"):
+        tracking.log_metrics(final)
+        tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
+        tracking.log_artifact(result["metrics"])
+        tracking.log_artifact(plot, "train")
+
 
 
 def _loss_plot(records: list[dict], path: Path) -> Path:
