@@ -119,7 +119,8 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
     source = "hardware.expected_devices" if hw.expected_devices else "seen on this host before"
     if expected and count < expected:
         out.append(check("devices", "fail", f"dropped card: {count} {kind} visible, {expected} expected ({source}); "
-                                            "check `npu-smi info -l` / `nvidia-smi -L` and dmesg, then reseat or replace"))
+                                            "check `npu-smi info -l` / `nvidia-smi -L` and dmesg, then reseat or "
+                                            "replace"))
     else:
         out.append(check("devices", "ok", f"{count} {kind}"))
     return out

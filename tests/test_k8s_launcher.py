@@ -136,7 +136,8 @@ def has_cncf_provider() -> bool:
         return False
 
 
-@pytest.mark.skipif(has_cncf_provider(), reason="the cncf provider is installed here: the task would submit to a cluster")
+@pytest.mark.slow
+@pytest.mark.skipif(has_cncf_provider(), reason="the cncf provider is installed: the task would submit to a cluster")
 def test_the_smoke_task_goes_to_the_kubernetes_launcher(tmp_path, airflow_db):
     """Through Airflow: with launcher=kubernetes the smoke task (a device stage) does not run on the worker; it asks
     for the Kubernetes launcher (here: the provider is not installed, so the one-line cause says what to install)."""
