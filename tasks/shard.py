@@ -74,7 +74,8 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
         raise StageError(f"shard: published shard set {shard_dir} is unusable ({e}); re-run llm_data") from None
     if want and sha != want:
         raise StageError(f"shard: published shard set {shard_dir} changed since it was published (manifest "
-                         f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it again")
+                         f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it "
+                         "again")
     splits = m["splits"]
     tracking.log_params({"shard.version": m["version"], "shard.manifest_sha256": sha, "shard.published": True})
     tracking.log_artifact(shard_dir / "manifest.json", "shards")

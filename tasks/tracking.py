@@ -129,7 +129,8 @@ def record_asset_event(cfg: PipelineConfig, parent_run_id: str, event: dict) -> 
 
     client = mlflow.MlflowClient(tracking_uri(cfg))
     tags = {"trigger.kind": "asset", "trigger.asset_uri": event.get("uri"), "trigger.asset_name": event.get("name"),
-            "trigger.manifest_digest": event.get("manifest_digest"), "trigger.source_dag_id": event.get("source_dag_id"),
+            "trigger.manifest_digest": event.get("manifest_digest"),
+            "trigger.source_dag_id": event.get("source_dag_id"),
             "trigger.source_run_id": event.get("source_run_id"), "trigger.timestamp": event.get("timestamp")}
     for key, value in tags.items():
         if value:
