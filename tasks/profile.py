@@ -20,7 +20,7 @@ from tasks.profiling import baseline, charts
 from tasks.profiling.advisor import advise
 from tasks.profiling.collect import steps_needed
 from tasks.profiling.loader import load_profile
-from tasks.profiling.msprof import find_msprof, msprof_wrap, run_msprof_analyze
+from tasks.profiling.msprof import find_msprof, msprof_wrap
 from tasks.profiling.render import render_markdown
 from tasks.profiling.report import build_report, headline
 
@@ -112,7 +112,11 @@ def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None) -> None:
     tracking.set_tags({baseline.FORMAT_TAG: report["source"]["format"], "profile.source": report["source"]["path"],
                        "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]})),
                        "profile.info": " | ".join(f["title"] for f in report.get("info", []))[:5000],
-                       "profile.op_support": report["op_support"]["note"][:5000]})
+                       "profile.op_support": report["op_support"]["note"][:5000],
+                       "profile.analyzer": report.get("engine", {}).get("used", "builtin")})
+    agreement = report.get("engine", {}).get("agreement")
+    if agreement:
+        tracking.log_metrics({"profile.analyzer_agreement_worst": agreement["worst"]})
     for p in paths.values():
         tracking.log_artifact(p, "profile")
     if extra_dir and extra_dir.is_dir():
@@ -133,8 +137,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     fmt = report["source"]["format"]
     report["source"]["notes"] += notes
     analyze_dir = out_dir / "msprof_analyze"
-    if fmt in ASCEND_FORMATS:  # cross-check with Huawei's own tool where it is installed
-        report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir)
+    from tasks.profiling import engine  # profile.analyzer: msprof-analyze as primary engine where installed
+
+    engine.apply(cfg.profile.analyzer, report, source, analyze_dir)
     comparison, regressions = baseline.compare(report, baseline.find_baseline(cfg, fmt, ctx.mlflow_run_id),
                                                cfg.profile.regression_threshold)
     report["baseline"] = comparison
@@ -155,5 +160,6 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "step_ms": round(report["step"]["step_us"] / 1000, 3),
         "comm_not_overlapped_share": round(report["step"]["shares"]["comm_not_overlapped"], 4),
         "format": fmt, "source": str(source), "world": report["world"],
+        "analyzer": report["engine"]["used"],
         "baseline_run_id": comparison["run_id"] if comparison else None,
     }

@@ -77,6 +77,7 @@ def setup(spec: dict, device) -> SimpleNamespace:
 
     from data_prep.errors import DataPrepError
     from data_prep.loader import ShardLoader
+    from tasks.parallel.binding import loader_options  # workers from this rank's cores, pin_memory, prefetch
     from tasks.config import PipelineConfig, apply_overrides
     from tasks.device import reset_peak
     from tasks.model import TransformerConfig, flops_per_token, lm_loss
@@ -107,7 +108,7 @@ def setup(spec: dict, device) -> SimpleNamespace:
     else:
         step_fn = PlainStep(parts[0], lay.n_microbatches)
     loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
-                         dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed,
+                         dp_world=lay.dp, **loader_options(cfg, device), seed=cfg.train.seed,
                          verify_sha256=cfg.data.verify_sha256)
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
     start, last_good = 0, None
