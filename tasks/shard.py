@@ -24,7 +24,8 @@ def shard_multiple(cfg: PipelineConfig) -> int:
         from tasks.device import detect
 
         nproc = detect(cfg.hardware.device).device_count
-    return max(1, nproc * cfg.hardware.nnodes) * max(1, cfg.data.loader_workers)
+    workers = cfg.data.loader_workers if cfg.data.loader_workers >= 0 else 4  # -1: sized per rank, at most 4
+    return max(1, nproc * cfg.hardware.nnodes) * max(1, workers)
 
 
 def shard_config(cfg: PipelineConfig):

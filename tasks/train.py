@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -161,7 +162,9 @@ def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_
     else:
         argv += ["--nnodes", str(hw.nnodes), "--node-rank", str(hw.node_rank), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", hw.rdzv_endpoint, "--rdzv-id", rdzv_id]
-    argv += ["-m", "tasks.parallel.worker"]
+    from tasks.parallel import binding  # ranks on the cores nearest their device (hardware.bind_cpus)
+
+    argv += binding.launch_args(cfg) + ["-m", binding.entry_module(cfg)]
     for p in spec_paths:
         argv += ["--spec", str(p)]
     return argv
@@ -177,6 +180,9 @@ def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id
     # spin-wait, measured 10-30x slower steps on a busy 2-core host.
     env.update(device_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
     env.pop("MLFLOW_RUN_ID", None)
+    from tasks.parallel import binding
+
+    binding.prepare(cfg, backend_kind, nproc, env)
     if cfg.tracking.enabled and cfg.hardware.node_rank == 0 and mlflow_run_id:
         env.update(tracking.subprocess_env(cfg, mlflow_run_id))
     return env
@@ -225,6 +231,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
     env = launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
+    _record_binding(env, train_dir)
     rc, log_text = launch(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
     if rc != 0:
         from tasks.device import alloc_conf_in_force
@@ -240,6 +247,18 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         raise StageError(f"training finished but the HF export {run_dir / 'hf'} is missing; see "
                          f"{run_dir / 'logs'}/rank-0.log, rerun to export again")
     return _result(cfg, ctx, spec, reused=False)
+
+
+def _record_binding(env: dict, train_dir: Path) -> None:
+    """The per-rank CPU binding (tasks/parallel/binding.py) → train/binding.json and MLflow."""
+    from tasks.parallel.binding import PLAN_ENV
+
+    path = train_dir / "binding.json"
+    if env.get(PLAN_ENV):
+        atomic_write_json(path, json.loads(env[PLAN_ENV]))
+        tracking.log_artifact(path, "train")
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _plans(plan_result: dict | None) -> list[dict]:
@@ -269,6 +288,9 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
         "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
         "warnings": spec.get("warnings", []),
+        "binding": [f"local rank {e['local_rank']}: CPUs {e['cpulist']} ({e['source']})"
+                    for e in (read_json(run_dir / "train" / "binding.json")
+                              if (run_dir / "train" / "binding.json").is_file() else [])],
         "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
                    f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
     }

@@ -133,3 +133,15 @@ def test_rendezvous_port_listen_test():
     free = network.rendezvous_check(f"127.0.0.1:{port}", 0, 2)
     assert free["status"] == "ok", free
     assert network.rendezvous_check("no-such-host.invalid:29400", 1, 2)["status"] == "fail"
+
+
+def test_env_stage_hook_records_network_facts_and_checks():
+    from tasks import env
+    from tasks.config import load_config
+
+    cfg = load_config("ci-tiny", sets=["tracking.enabled=false"])
+    facts, checks = {}, []
+    env._network_checks(cfg, "cpu", facts, checks)
+    names = [c["name"] for c in checks]
+    assert "rendezvous" in names and facts["network"]["checks"] == checks and facts["network"]["interfaces"]
+    assert all(c["status"] == "ok" for c in checks if c.get("severity") == "info")

@@ -167,7 +167,7 @@ def nic_checks(nics: dict[int, dict], nnodes: int) -> list[dict]:
     tls = {d: n["tls"] for d, n in nics.items() if n["tls"] is not None}
     if tls and len(set(tls.values())) > 1:
         on = [d for d, v in tls.items() if v == 1]
-        out.append(check("nic-tls", "fail" if nnodes > 1 or len(nics) > 1 else "warn",
+        out.append(check("nic-tls", bad,
                          f"TLS switch differs across devices (enabled on {on}, disabled on "
                          f"{[d for d, v in tls.items() if v == 0]}): cards with and without TLS cannot link; fix: "
                          "hccn_tool -i N -tls -s enable 0 (or 1) on every card of every node"))

@@ -99,6 +99,7 @@ def setup(spec: dict, device) -> SimpleNamespace:
 
     from data_prep.errors import DataPrepError
     from data_prep.loader import ShardLoader
+    from tasks.parallel.binding import loader_options  # workers from this rank's cores, pin_memory, prefetch
     from tasks.config import PipelineConfig, apply_overrides
     from tasks.model import TransformerConfig, flops_per_token, lm_loss
     from tasks.parallel.checkpoint import CheckpointManager, latest_verified
@@ -164,7 +165,7 @@ def setup(spec: dict, device) -> SimpleNamespace:
             "layer_elems_after_forward", sum(_local(p).numel() for p in block.parameters())))
         probe["block"] = block
     loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
-                         dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed,
+                         dp_world=lay.dp, **loader_options(cfg, device), seed=cfg.train.seed,
                          verify_sha256=cfg.data.verify_sha256 and not spec.get("shards_verified"))
     start, last_good = 0, None
     if source:
