@@ -145,3 +145,11 @@ def test_env_stage_hook_records_network_facts_and_checks():
     names = [c["name"] for c in checks]
     assert "rendezvous" in names and facts["network"]["checks"] == checks and facts["network"]["interfaces"]
     assert all(c["status"] == "ok" for c in checks if c.get("severity") == "info")
+
+
+def test_queries_the_tool_does_not_answer_are_info():
+    old_driver = {d: {"link": v["link"], "ip": v["ip"]} for d, v in GOOD.items()}  # no net_health/pfc/tls answer
+    checks = by_name(network.nic_checks(network.collect_nics([0, 1], feed(old_driver)), nnodes=2))
+    assert checks["nic-link"]["status"] == "ok" and checks["nic-ip"]["status"] == "ok"
+    for name in ("nic-health", "nic-pfc", "nic-tls"):
+        assert checks[name]["severity"] == "info" and network.NOT_AVAILABLE in checks[name]["detail"]

@@ -106,19 +106,30 @@ def collect_nics(devices: list[int], run: Callable[[int, str], str | None]) -> d
 
 
 def nic_checks(nics: dict[int, dict], nnodes: int) -> list[dict]:
-    """One check per query over all devices; severity 'fail' only when the run spans nodes."""
+    """One check per query over all devices; severity 'fail' only when the run spans nodes. A query the installed
+    hccn_tool answers on no device (older driver, no RoCE NIC) is info, not a fault."""
     bad = "fail" if nnodes > 1 else "warn"
     scope = "" if nnodes > 1 else " (single node: only inter-node traffic uses RoCE)"
     out = []
+    for query, judge in (("link", _link), ("ip", _ip), ("net_health", _health), ("pfc", _pfc), ("tls", _tls)):
+        name = f"nic-{query.replace('net_health', 'health')}"
+        if all(n.get("raw", {}).get(query) is None and n.get(query) is None for n in nics.values()):
+            out.append(info(name, f"hccn_tool -{query} -g gave no answer on any device: {NOT_AVAILABLE}"))
+        else:
+            out.append(judge(name, nics, bad, scope))
+    return out
 
+
+def _link(name, nics, bad, scope) -> dict:
     down = [d for d, n in nics.items() if n["link"] != "UP"]
     if down:
-        out.append(check("nic-link", bad, f"RoCE link not UP on device(s) {down} "
-                                          f"({', '.join(str(nics[d]['link']) for d in down)}){scope}; fix: check "
-                                          "cable/optical module (hccn_tool -i N -optical -g) and the switch port"))
-    else:
-        out.append(check("nic-link", "ok", f"link UP on {len(nics)} device(s)"))
+        return check(name, bad, f"RoCE link not UP on device(s) {down} "
+                                f"({', '.join(str(nics[d]['link']) for d in down)}){scope}; fix: check "
+                                "cable/optical module (hccn_tool -i N -optical -g) and the switch port")
+    return check(name, "ok", f"link UP on {len(nics)} device(s)")
 
+
+def _ip(name, nics, bad, scope) -> dict:
     ips = {d: n["ip"] or {} for d, n in nics.items()}
     missing = [d for d, v in ips.items() if not v.get("ipaddr")]
     seen: dict[str, int] = {}
@@ -131,49 +142,50 @@ def nic_checks(nics: dict[int, dict], nnodes: int) -> list[dict]:
     masks = {v.get("netmask") for v in ips.values() if v.get("netmask")}
     if missing or dup:
         what = "; ".join(([f"no IP on device(s) {missing}"] if missing else []) + [f"duplicate IP {x}" for x in dup])
-        out.append(check("nic-ip", bad, f"{what}{scope}; fix: hccn_tool -i N -ip -s address A.B.C.D netmask M "
-                                        "(one address per card, /etc/hccn.conf)"))
-    elif len(masks) > 1:
-        out.append(check("nic-ip", "warn", f"devices use different netmasks {sorted(masks)}: cards in one plane "
-                                           "normally share a subnet; fix: hccn_tool -i N -ip -s … netmask M"))
-    else:
-        out.append(check("nic-ip", "ok", ", ".join(f"{d}:{v['ipaddr']}" for d, v in ips.items())))
+        return check(name, bad, f"{what}{scope}; fix: hccn_tool -i N -ip -s address A.B.C.D netmask M "
+                                "(one address per card, /etc/hccn.conf)")
+    if len(masks) > 1:
+        return check(name, "warn", f"devices use different netmasks {sorted(masks)}: cards in one plane normally "
+                                   "share a subnet; fix: hccn_tool -i N -ip -s … netmask M")
+    return check(name, "ok", ", ".join(f"{d}:{v['ipaddr']}" for d, v in ips.items()))
 
+
+def _health(name, nics, bad, scope) -> dict:
     unhealthy = {d: n["net_health"] for d, n in nics.items() if n["net_health"] != HEALTH_OK}
-    if unhealthy:
-        only_init = all(v == "Init" for v in unhealthy.values())
-        fix = ("no detect IP is configured: hccn_tool -i N -netdetect -s address <gateway or peer IP>"
-               if only_init else "check link, IP and the peer (hccn_tool -i N -ping -g address <peer IP>)")
-        out.append(check("nic-health", "warn" if only_init else bad,
-                         f"net health not Success on {', '.join(f'{d}: {v}' for d, v in unhealthy.items())}"
-                         f"{scope}; fix: {fix}"))
-    else:
-        out.append(check("nic-health", "ok", f"net health Success on {len(nics)} device(s)"))
+    if not unhealthy:
+        return check(name, "ok", f"net health Success on {len(nics)} device(s)")
+    only_init = all(v == "Init" for v in unhealthy.values())
+    fix = ("no detect IP is configured: hccn_tool -i N -netdetect -s address <gateway or peer IP>"
+           if only_init else "check link, IP and the peer (hccn_tool -i N -ping -g address <peer IP>)")
+    return check(name, "warn" if only_init else bad,
+                 f"net health not Success on {', '.join(f'{d}: {v}' for d, v in unhealthy.items())}{scope}; "
+                 f"fix: {fix}")
 
+
+def _pfc(name, nics, bad, scope) -> dict:
     pfc = {d: n["pfc"] for d, n in nics.items() if n["pfc"] is not None}
-    if pfc:
-        variants = {tuple(v) for v in pfc.values()}
-        if len(variants) > 1:
-            out.append(check("nic-pfc", bad, "PFC priorities differ across devices: "
-                             + ", ".join(f"{d}:{v}" for d, v in pfc.items())
-                             + "; fix: the same PFC priority on every card and on the switch (hccn_tool -i N -pfc -s "
-                               "bitmap …; the HCCL guide recommends queue 4)"))
-        elif not next(iter(variants)):
-            out.append(check("nic-pfc", "warn", "PFC disabled on every priority: RoCE without PFC drops under "
-                                                "congestion; fix: enable the switch's lossless priority (queue 4)"))
-        else:
-            out.append(check("nic-pfc", "ok", f"PFC on priority {list(next(iter(variants)))} on every device "
-                                              "(must match the switch)"))
+    variants = {tuple(v) for v in pfc.values()}
+    if len(variants) > 1:
+        seen = ", ".join(f"{d}:{v}" for d, v in pfc.items())
+        return check(name, bad, f"PFC priorities differ across devices: {seen}"
+                     + "; fix: the same PFC priority on every card and on the switch (hccn_tool -i N -pfc -s bitmap …; "
+                       "the HCCL guide recommends queue 4)")
+    if not variants or not next(iter(variants)):
+        return check(name, "warn", "PFC disabled on every priority (or unreadable): RoCE without PFC drops under "
+                                   "congestion; fix: enable the switch's lossless priority (queue 4)")
+    return check(name, "ok", f"PFC on priority {list(next(iter(variants)))} on every device (must match the switch)")
+
+
+def _tls(name, nics, bad, scope) -> dict:
     tls = {d: n["tls"] for d, n in nics.items() if n["tls"] is not None}
-    if tls and len(set(tls.values())) > 1:
-        on = [d for d, v in tls.items() if v == 1]
-        out.append(check("nic-tls", bad,
-                         f"TLS switch differs across devices (enabled on {on}, disabled on "
-                         f"{[d for d, v in tls.items() if v == 0]}): cards with and without TLS cannot link; fix: "
-                         "hccn_tool -i N -tls -s enable 0 (or 1) on every card of every node"))
-    elif tls:
-        out.append(check("nic-tls", "ok", f"TLS switch {next(iter(tls.values()))} on every device"))
-    return out
+    if len(set(tls.values())) > 1:
+        return check(name, bad, f"TLS switch differs across devices (enabled on {[d for d, v in tls.items() if v]}, "
+                                f"disabled on {[d for d, v in tls.items() if not v]}): cards with and without TLS "
+                                f"cannot link{scope}; fix: hccn_tool -i N -tls -s enable 0 (or 1) on every card of "
+                                "every node")
+    if not tls:
+        return check(name, "warn", "TLS switch unreadable on every device (hccn_tool -i N -tls -g)")
+    return check(name, "ok", f"TLS switch {next(iter(tls.values()))} on every device")
 
 
 def host_interfaces() -> dict[str, dict[str, list[str]]]:
