@@ -101,17 +101,21 @@ def test_hccl_socket_variables_against_this_hosts_interfaces():
 
 
 def test_ifname_rules_prefix_exact_and_exclude():
+    """The four documented forms (HCCL_SOCKET_IFNAME reference): the prefix applies to the whole list."""
     names = ["eth0", "eth1", "enp189s0f0", "lo"]
-    assert network.match_ifname("eth", names) == ["eth0", "eth1"]
-    assert network.match_ifname("=eth1", names) == ["eth1"]
-    assert network.match_ifname("^eth,^lo", names) == ["enp189s0f0"]
     assert network.match_ifname("eth,enp", names) == ["eth0", "eth1", "enp189s0f0"]
+    assert network.match_ifname("=eth0,enp0", names) == ["eth0"]
+    assert network.match_ifname("^eth,enp", names) == ["lo"]
+    assert network.match_ifname("^=eth0,enp0", names) == ["eth1", "enp189s0f0", "lo"]
 
 
 @pytest.mark.parametrize("env,status,needle", [
     ({"HCCL_ALGO": "level0:NA;level1:H-D_R"}, "ok", "leave unset"),
-    ({"HCCL_ALGO": "allreduce=level0:NA;level1:ring/allgather=level0:NA;level1:NHR"}, "ok", "HCCL_ALGO="),
+    ({"HCCL_ALGO": "allreduce=level0:NA;level1:ring/alltoall=level0:NA;level1:pairwise"}, "ok", "HCCL_ALGO="),
     ({"HCCL_ALGO": "level1:magic"}, "warn", "not in the documented set"),
+    ({"HCCL_ALGO": "allreduce=level0:NA;level1:pairwise"}, "warn", "AlltoAll family"),
+    ({"HCCL_ALGO": "allsum=level0:NA;level1:ring"}, "warn", "operator 'allsum'"),
+    ({"HCCL_ALGO": "level0:ring;level1:ring"}, "fail", "only NA"),
     ({"HCCL_ALGO": "ring"}, "fail", "is not levelN:ALGO"),
     ({"HCCL_BUFFSIZE": "200"}, "ok", "200 MB"),
     ({"HCCL_BUFFSIZE": "0"}, "fail", "integer number of MB >= 1"),

@@ -27,8 +27,11 @@ HCCN_TOOL_PATHS = ("/usr/local/Ascend/driver/tools/hccn_tool",)
 NOT_AVAILABLE = "not available on this host"
 QUERIES = ("link", "ip", "net_health", "pfc", "tls")
 HEALTH_OK = "Success"
-# HCCL_ALGO algorithm names in CANN 7/8 documentation; an unknown one only warns (new releases add names).
-KNOWN_ALGOS = {"NA", "ring", "H-D_R", "NHR", "NHR_V1", "NB", "pipeline", "pairwise", "fullmesh", "AHC", "AHC_BROKE"}
+# HCCL_ALGO as documented (HCCL environment-variable reference): level0 (inside a server) only NA; level1 (between
+# servers) ring, H-D_R, NHR, NHR_V1, NB, pipeline, pairwise (AlltoAll family only); per-operator form for these ops.
+# An unknown name only warns: new CANN releases add algorithms.
+LEVEL1_ALGOS = {"ring", "H-D_R", "NHR", "NHR_V1", "NB", "pipeline", "pairwise"}
+ALGO_OPS = {"allgather", "reducescatter", "allreduce", "broadcast", "reduce", "scatter", "alltoall"}
 HCCL_BUFFSIZE_DEFAULT_MB = 200
 
 
@@ -205,17 +208,18 @@ def host_interfaces() -> dict[str, dict[str, list[str]]]:
 
 
 def match_ifname(spec: str, names: list[str]) -> list[str]:
-    """Interfaces HCCL_SOCKET_IFNAME selects: comma-separated prefixes, `=name` exact, `^…` excludes."""
-    include, exclude = [], []
-    for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        target = exclude if item.startswith("^") else include
-        item = item.lstrip("^")
-        target.append((item.startswith("="), item.lstrip("=")))
+    """Interfaces HCCL_SOCKET_IFNAME selects. One rule for the whole comma-separated list (HCCL_SOCKET_IFNAME
+    reference): `eth,enp` prefixes, `=eth0,enp0` exact names, `^eth,enp` no interface with those prefixes, `^=eth0`
+    not those names. HCCL takes the first match."""
+    exclude = spec.startswith("^")
+    rest = spec[1:] if exclude else spec
+    exact = rest.startswith("=")
+    items = [i.strip() for i in (rest[1:] if exact else rest).split(",") if i.strip()]
 
-    def hit(name, rules):
-        return any(name == v if exact else name.startswith(v) for exact, v in rules)
+    def hit(name: str) -> bool:
+        return any(name == i if exact else name.startswith(i) for i in items)
 
-    return [n for n in names if (not include or hit(n, include)) and not hit(n, exclude)]
+    return [n for n in names if hit(n) != exclude]
 
 
 def socket_env_checks(env: dict[str, str], interfaces: dict[str, dict[str, list[str]]], kind: str) -> list[dict]:
@@ -266,31 +270,38 @@ def socket_env_checks(env: dict[str, str], interfaces: dict[str, dict[str, list[
 
 
 def algo_checks(env: dict[str, str], kind: str) -> list[dict]:
-    """HCCL_ALGO syntax (`level0:NA;level1:H-D_R`, or per operator `allreduce=level0:NA;level1:ring/…`) and
+    """HCCL_ALGO syntax (`level0:NA;level1:H-D_R`, or per operator `alltoall=level0:NA;level1:pairwise/…`) and
     HCCL_BUFFSIZE (MB, integer ≥ 1, default 200)."""
     out = []
     bad = "fail" if kind == "npu" else "warn"
     algo = (env.get("HCCL_ALGO") or "").strip()
     if algo:
-        problems, unknown = [], set()
+        problems, doubts = [], []
         for group in algo.split("/"):
-            body = group.split("=", 1)[1] if "=" in group else group
+            op, _, body = group.rpartition("=")
+            op = op.strip()
+            if op and op not in ALGO_OPS:
+                doubts.append(f"operator {op!r} is not one of {sorted(ALGO_OPS)}")
             for part in [p for p in body.split(";") if p.strip()]:
                 m = re.fullmatch(r"\s*level(\d)\s*:\s*([\w-]+)\s*", part)
                 if not m:
                     problems.append(f"{part!r} is not levelN:ALGO")
-                elif m.group(2) not in KNOWN_ALGOS:
-                    unknown.add(m.group(2))
+                elif m.group(1) == "0" and m.group(2) != "NA":
+                    problems.append(f"level0:{m.group(2)} (inside a server only NA is supported)")
+                elif m.group(1) == "1" and m.group(2) not in LEVEL1_ALGOS:
+                    doubts.append(f"level1 algorithm {m.group(2)!r} is not in the documented set "
+                                  f"{sorted(LEVEL1_ALGOS)}")
+                elif m.group(2) == "pairwise" and op and op != "alltoall":
+                    doubts.append(f"pairwise is for the AlltoAll family, not {op}")
         if problems:
             out.append(check("hccl-algo", bad, f"HCCL_ALGO={algo!r}: {'; '.join(problems)}; fix: unset HCCL_ALGO "
                                                "(HCCL picks per topology) or write e.g. level0:NA;level1:H-D_R"))
-        elif unknown:
-            out.append(check("hccl-algo", "warn", f"HCCL_ALGO={algo}: algorithm(s) {sorted(unknown)} are not in the "
-                                                  f"documented set {sorted(KNOWN_ALGOS)}; check the CANN version's "
+        elif doubts:
+            out.append(check("hccl-algo", "warn", f"HCCL_ALGO={algo}: {'; '.join(doubts)}; check the CANN version's "
                                                   "HCCL_ALGO page"))
         else:
-            out.append(info("hccl-algo", f"HCCL_ALGO={algo} (msprof-analyze advisor: leave unset unless measured "
-                                         "faster)"))
+            out.append(info("hccl-algo", f"HCCL_ALGO={algo} (it turns off HCCL's adaptive choice; the msprof-analyze "
+                                         "advisor: leave unset unless measured faster)"))
     size = (env.get("HCCL_BUFFSIZE") or "").strip()
     if size:
         if not re.fullmatch(r"\d+", size) or int(size) < 1:
@@ -298,8 +309,9 @@ def algo_checks(env: dict[str, str], kind: str) -> list[dict]:
                                                    f"(default {HCCL_BUFFSIZE_DEFAULT_MB}); fix: export "
                                                    f"HCCL_BUFFSIZE={HCCL_BUFFSIZE_DEFAULT_MB}"))
         else:
-            out.append(check("hccl-buffsize", "ok", f"HCCL_BUFFSIZE={size} MB per communicator "
-                                                    f"(default {HCCL_BUFFSIZE_DEFAULT_MB}; it is device memory)"))
+            out.append(check("hccl-buffsize", "ok", f"HCCL_BUFFSIZE={size} MB per communicator, twice that in "
+                                                    f"device memory (send + receive; default "
+                                                    f"{HCCL_BUFFSIZE_DEFAULT_MB})"))
     return out
 
 
