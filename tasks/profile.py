@@ -26,9 +26,6 @@ from tasks.profiling.msprof import find_msprof, msprof_wrap
 from tasks.profiling.render import render_markdown
 from tasks.profiling.report import build_report, headline
 
-ASCEND_FORMATS = ("ascend_pt", "msprof")
-
-
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=("collect", "analyze"), default="collect",
                         help="collect: profile a short training run, then analyse (default); analyze: analyse PATH")
@@ -50,7 +47,8 @@ def analyze(path: str | Path) -> dict:
     fmt = report["source"]["format"]
     kind = "npu" if fmt != "torch_trace" else ("cuda" if any(o["core"] == "CUDA" for o in report["top_ops"])
                                                else "cpu")
-    report["op_support"] = op_support.report(kind, ai_cpu=report["ai_cpu_ops"] if kind == "npu" else None)
+    per_rank_ops = fmt in ("ascend_pt", "msprof")  # msprof-analyze's cluster output has no operator table
+    report["op_support"] = op_support.report(kind, ai_cpu=report["ai_cpu_ops"] if per_rank_ops else None)
     return report
 
 
