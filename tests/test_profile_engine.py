@@ -31,8 +31,8 @@ def test_builtin_never_runs_the_tool(tmp_path):
     assert r["engine"]["used"] == "builtin" and "msprof_analyze" not in r["source"]
 
 
-@pytest.mark.skipif(HAS_TOOL, reason="msprof-analyze is installed here")
-def test_auto_falls_back_and_required_fails_in_one_line_without_the_tool(tmp_path):
+def test_auto_falls_back_and_required_fails_in_one_line_without_the_tool(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))  # a host without msprof-analyze (requirements.txt has it)
     src = FIX / "ascend_pt_new_healthy"
     r = engine.apply("auto", analyze(src), src, tmp_path)
     assert r["engine"]["used"] == "builtin" and "not on PATH" in r["engine"]["reason"]
@@ -68,7 +68,7 @@ def test_a_disagreement_is_a_finding(tmp_path):
     assert f["severity"] == "medium" and not r["engine"]["agreement"]["within"]
 
 
-@pytest.mark.skipif(not HAS_TOOL, reason="needs the PyPI package msprof-analyze on PATH (not in the shared venv)")
+@pytest.mark.skipif(not HAS_TOOL, reason="needs the PyPI package msprof-analyze on PATH (requirements.txt installs it)")
 def test_real_msprof_analyze_agrees_with_builtin(tmp_path):
     src = tmp_path / "data"
     shutil.copytree(FIX / "ascend_pt_new_healthy", src)
