@@ -79,8 +79,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     init_from = _init_from(cfg, tcfg, problems)
     if problems:
         raise ConfigError(problems)
-    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
-            "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
+    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model,
+            "layout": lay.to_dict(), "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
 
 
