@@ -99,8 +99,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         raise ConfigError(problems)
     for w in warnings_:
         print(f"warning: {w}", file=sys.stderr, flush=True)
-    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
-            "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
+    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model,
+            "layout": lay.to_dict(), "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
             **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
             "warnings": warnings_, "shards_verified": cfg.data.verify_sha256,
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
