@@ -26,7 +26,6 @@ from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
 from tasks.parallel.worker import FAULT_ENV, parse_fault
-from tasks.procs import run_in_group
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
