@@ -144,11 +144,11 @@ def check_conf(text: str) -> PipelineConfig:
 def run_for_dag_run(stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1) -> dict:
     """One Airflow task: config from Params, the DAG run's MLflow parent run, the stage in the run's directory."""
     cfg = config_for_params(params)
-    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
     run_dir = default_run_dir(dag_id, run_id)
     report = os.environ.get("LLM_PIPELINE_RUN_DIR_FILE")  # set by `make run`: which run directory is its own
     if report:
         atomic_write_text(report, f"{run_dir}\n")
+    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
     result = run_stage(stage, cfg, run_dir, parent_run_id=parent)
     result["run_dir"] = str(run_dir)
     return result
