@@ -42,7 +42,8 @@ def test_conf_never_reaches_a_shell(payload, tmp_path):
 @pytest.mark.slow
 def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
     """Two `make run` started together (real make, real `airflow dags test`): each writes its own log and prints the
-    summary of the run directory it made (here both stop at env: device npu on a CPU host)."""
+    summary of the run directory it made (here both stop at env: device npu on a CPU host); the second waits for the
+    first (Airflow's metadata DB takes one `dags test` at a time) and says so."""
     import re
 
     env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
@@ -62,5 +63,6 @@ def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
         assert "torch_npu is not importable" in out  # the stage's cause is on screen
         assert Path(m.group(2)).is_file() and "env" in Path(m.group(2)).read_text()
     assert runs[0] != runs[1] and logs[0] != logs[1], (runs, logs)
+    assert sum("waiting for the other make run (pid " in out for out in outs) == 1
     for run in runs:
         assert json.loads((Path(run) / "env.json").read_text())["status"] == "failed"
