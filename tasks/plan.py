@@ -235,7 +235,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
                           "plan.rejected": len(ranked["rejected"])})
     parallel = {k: chosen[k] for k in ("dp", "tp", "pp", "zero", "recompute", "microbatches", "micro_batch")}
     parallel["pp_schedule"] = chosen["pp_schedule"] if chosen["pp"] > 1 else cfg.parallel.pp_schedule
-    parallel["virtual_stages"] = chosen["virtual"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
+    parallel["virtual_stages"] = chosen["virtual_stages"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
     parallel["sequence_parallel"] = chosen["sequence_parallel"]
     layout = (f"dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} zero{chosen['zero']} {chosen['recompute']} "
               f"mb{chosen['micro_batch']}×{chosen['microbatches']}")

@@ -139,13 +139,11 @@ def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path]
 
 def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
     """The planner's per-device peak for exactly this layout (no runtime reserve), to compare with the measured."""
-    from tasks.planner.memory import estimate_for_run
+    from tasks.planner.memory import estimate, shape_of
 
-    return estimate_for_run(tcfg, cfg.data.seq_len, lay.local_batch // lay.n_microbatches, dp=lay.dp, tp=lay.tp,
-                            pp=lay.pp, zero=lay.zero, recompute=lay.recompute, precision=cfg.train.precision,
-                            schedule=lay.pp_schedule, microbatches=lay.n_microbatches,
-                            virtual=lay.virtual_stages if lay.pp_schedule == "interleaved1f1b" else 1,
-                            sequence_parallel=lay.sequence_parallel)
+    m = lay.n_microbatches
+    run = dataclasses.replace(lay, micro_batch=lay.local_batch // m, microbatches=m)
+    return int(estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision)["total_bytes"])
 
 
 def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str,
