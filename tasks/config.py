@@ -225,7 +225,7 @@ class TrackingConfig:
     uri: str = ""                         # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
     experiment: str = "llm-pipeline"
     artifact_root: str = ""               # "" = <repo>/var/mlartifacts (new experiments only)
-    ui_url: str = "http://127.0.0.1:5000"
+    ui_url: str = ""                      # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
     enabled: bool = True
 
 

@@ -21,8 +21,7 @@ from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.envcheck import check, npu_smi, system, versions, worst
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
-
-GB = 1024 ** 3
+from tasks.units import GB, MB
 
 
 def state_path() -> Path:
@@ -38,7 +37,7 @@ def torch_devices(kind: str) -> list[dict]:
     out = []
     for i in range(mod.device_count()):
         free, total = mod.mem_get_info(i)
-        out.append({"index": i, "used_mb": (total - free) // 2**20, "total_mb": total // 2**20})
+        out.append({"index": i, "used_mb": round((total - free) / MB), "total_mb": round(total / MB)})
     return out
 
 

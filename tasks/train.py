@@ -25,6 +25,7 @@ from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.worker import FAULT_ENV, parse_fault
 from tasks.parallel.metrics import read_metrics
+from tasks.units import GB
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -263,7 +264,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
     result = {
         "status": "ok", "layout": name, "steps": records[-1]["step"], "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"], "tokens_per_s": round(tps, 1), "mfu": records[-1].get("mfu"),
-        "peak_mem_gb": round(max(peaks) / 2**30, 3) if peaks else None, "reused": reused,
+        "peak_mem_gb": round(max(peaks) / GB, 3) if peaks else None, "reused": reused,
         "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
         "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
         "warnings": spec.get("warnings", []),
@@ -283,7 +284,7 @@ def _log_run(ctx, spec: dict, records: list[dict], result: dict, peaks: list[int
     """Stage-run extras from the launcher (rank 0 already logged the per-step metrics)."""
     final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
     for rank, peak in enumerate(peaks):
-        final[f"memory.peak_gb.rank{rank}"] = peak / 2**30
+        final[f"memory.peak_gb.rank{rank}"] = peak / GB
     if spec.get("estimate_bytes") and peaks:
         final["memory.estimate_over_measured"] = spec["estimate_bytes"] / max(peaks)
     tracking.log_metrics(final)

@@ -25,8 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.parallel.layout import Layout
-
-GB = 1e9  # decimal gigabytes throughout, as the ZeRO paper's figures
+from tasks.units import GB  # noqa: F401 (decimal gigabytes, as the ZeRO paper's figures; re-exported)
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_STATE_BYTES = {  # (mixed precision, pure fp32) bytes per parameter: see the module docstring
@@ -68,6 +67,20 @@ def shape_of(tcfg) -> ModelShape:
     """ModelShape of a tasks.model TransformerConfig (duck-typed, so this module imports nothing heavy)."""
     return ModelShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
                       ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, tied=tcfg.tie_embeddings, qkv_bias=tcfg.qkv_bias)
+
+
+def flops_per_token(shape, seq_len: int, n_params: float = 0.0) -> float:
+    """Training FLOPs per token (forward + backward), the one formula behind the planner's step time and the
+    trainer's/benchmarks' MFU. `shape`: a ModelShape, a TransformerConfig, or None (then 6 × `n_params`).
+
+    6 × the parameters that multiply (every weight but the embedding lookup; the output projection multiplies tied
+    or not) + attention scores and values, 12 · L · h · seq (Kaplan et al. 2020, §2.1; Narayanan et al. 2021, eq. 3
+    without recomputation)."""
+    if shape is None:
+        return 6.0 * n_params
+    sh = shape if isinstance(shape, ModelShape) else shape_of(shape)
+    matmul_params = sh.layers * sh.layer_params + sh.hidden + sh.embedding_params
+    return 6.0 * matmul_params + 12.0 * sh.layers * sh.hidden * seq_len
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:

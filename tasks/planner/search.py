@@ -4,7 +4,8 @@ Rank layout: TP innermost (inside a node), then PP, DP outermost — so a TP gro
 nodes once tp·pp exceeds a node, and DP crosses nodes once the world does.
 
 Step time (no overlap of communication with compute, so it is an upper estimate; ranks compare like with like):
-- compute: FLOPs / (world × peak × efficiency), FLOPs = tokens × (6 × matmul params + 12·L·h·s attention),
+- compute: FLOPs / (world × peak × efficiency), FLOPs = tokens × memory.flops_per_token (6 × matmul params +
+  12·L·h·s attention),
   plus the recomputed forward (full: 2 × layer params + 4·L·h·s per token; selective: the attention core 4·L·h·s,
   or nothing with fused attention, where selective recomputes element-wise ops only);
 - pipeline bubble: compute × (m + p − 1)/m for GPipe and 1F1B (bubble fraction (p − 1)/(m + p − 1)),
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
 from tasks.parallel.layout import Layout
-from tasks.planner.memory import GB, PRECISION_BYTES, ModelShape, estimate
+from tasks.planner.memory import GB, PRECISION_BYTES, ModelShape, estimate, flops_per_token
 
 FP32_PEAK_FRACTION = 0.5  # fp32 matmuls run as TF32/HF32 at about half the 16-bit peak on A100/H100/910B
 GRAD_REDUCE_BYTES = 4     # gradients are reduced in fp32 (Megatron's bf16 default; FSDP2 reduce_dtype here)
@@ -102,12 +103,12 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     tokens = pb.global_batch * s
     A = PRECISION_BYTES[pb.precision]
     peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    per_token = flops_per_token(sh, s, pb.n_params)
     if sh is None:
-        per_token, layer_params = 6.0 * pb.n_params, 0.0
+        layer_params = 0.0
     else:
         L, h = sh.layers, sh.hidden
         attention_fwd = 4.0 * L * h * s
-        per_token = 6.0 * (L * sh.layer_params + sh.embedding_params) + 3 * attention_fwd
         # Recompute: full repeats the forward; selective the attention core (paper) or, with fused attention, only
         # element-wise ops (the project's policy keeps matmul and attention outputs), whose FLOPs we neglect.
         selective = 0.0 if lay.flash_attention else attention_fwd
