@@ -207,7 +207,8 @@ class ShardLoader:
                 message = str(e).rsplit("CorruptShardError: ", 1)[-1]
             else:
                 # The position moves before the yield: a checkpoint taken after this batch resumes after it.
-                self.epoch, self.samples = (epoch + 1, 0) if done == limit else (epoch, start + done * self.global_batch)
+                self.epoch, self.samples = ((epoch + 1, 0) if done == limit else
+                                            (epoch, start + done * self.global_batch))
                 yield batch
                 continue
             # A broken stream: dropped here (its last reference, so its workers stop now, not when a traceback

@@ -141,7 +141,6 @@ class TrainConfig:
     seed: int = 1234
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
-    log_every: int = 1
     # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
     # reports the failing collective first; checked by validate() on NPU and by the env stage.
     timeout_s: int = 1900
@@ -331,10 +330,6 @@ RANGES = {  # inclusive (min, max); None = unbounded
                                              "rendezvous", "k8s_pending")},
     "timeouts.train_s": (0, None), "timeouts.train_margin": (1.0, 1000.0), "timeouts.train_overhead_s": (0, None),
 }
-
-
-class _Missing:
-    pass
 
 
 class _Loader(yaml.SafeLoader):

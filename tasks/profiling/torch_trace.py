@@ -23,10 +23,6 @@ _RANK_RE = re.compile(r"rank[_-]?(\d+)", re.I)
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def is_torch_trace(meta: dict) -> bool:
-    return "traceEvents" in meta and ("schemaVersion" in meta or "distributedInfo" in meta or "traceName" in meta)
-
-
 def data_wait_per_step(events: list[dict], windows) -> list[float]:
     waits = tl.union((e["ts"], e["ts"] + e["dur"]) for e in events if DATA_WAIT_RE.search(str(e.get("name", ""))))
     return [tl.length(tl.clip(waits, lo, hi)) for _, lo, hi in windows] if waits else []
