@@ -95,3 +95,10 @@ def test_one_mlflow_ui_url_setting(monkeypatch):
     assert mlflow_link.mlflow_run_url("r1") == tracking.run_url("r1", load_config())
     assert "UI_URL" not in (REPO / "plugins" / "mlflow_link.py").read_text().split('"""', 2)[2]
     assert defined(r"127\.0\.0\.1:5000\"") == ["tasks/tracking.py"]
+
+
+def test_docstrings_cite_public_sources_not_notes_outside_the_repository():
+    stale = re.compile(r"ascend-reference\.md|platform-facts|seed guides?|upstream-apis\.md|/work/shared", re.I)
+    files = CODE + list((REPO / "tests").glob("*.py"))
+    assert [str(p.relative_to(REPO)) for p in files
+            if p.name != "test_one_source.py" and stale.search(p.read_text(encoding="utf-8"))] == []
