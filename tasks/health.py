@@ -21,7 +21,7 @@ from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.envcheck import check, npu_smi, system, versions, worst
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
-from tasks.units import GB, MB
+from tasks.units import MB
 
 
 def state_path() -> Path:

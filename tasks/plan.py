@@ -21,9 +21,10 @@ from tasks.fsutil import atomic_write_json, atomic_write_text
 from tasks.planner.cluster import PRESETS as CLUSTERS
 from tasks.planner.cluster import get_cluster
 from tasks.planner.families import FAMILIES, custom_fields
-from tasks.planner.memory import GB, PRECISION_BYTES, shape_of
+from tasks.planner.memory import PRECISION_BYTES, shape_of
 from tasks.planner.search import Problem, search
 from tasks.planner.table import render
+from tasks.units import GB
 
 _SHAPE_FLAGS = {"hidden": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
                 "vocab": "vocab_size", "ffn": "ffn_dim"}

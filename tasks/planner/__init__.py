@@ -6,6 +6,7 @@ search.py   enumeration of (dp, tp, pp, zero, recompute, micro-batch, schedule),
 table.py    the ranked table with rejection reasons
 """
 from tasks.parallel.layout import Layout
-from tasks.planner.memory import GB, ModelShape, estimate, estimate_for_run, shape_of
+from tasks.planner.memory import ModelShape, estimate, estimate_for_run, shape_of
+from tasks.units import GB
 
 __all__ = ["GB", "Layout", "ModelShape", "estimate", "estimate_for_run", "shape_of"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.parallel.layout import Layout
-from tasks.units import GB  # noqa: F401 (decimal gigabytes, as the ZeRO paper's figures; re-exported)
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_STATE_BYTES = {  # (mixed precision, pure fp32) bytes per parameter: see the module docstring

@@ -24,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
 from tasks.parallel.layout import Layout
-from tasks.planner.memory import GB, PRECISION_BYTES, ModelShape, estimate, flops_per_token
+from tasks.planner.memory import PRECISION_BYTES, ModelShape, estimate, flops_per_token
+from tasks.units import GB
 
 FP32_PEAK_FRACTION = 0.5  # fp32 matmuls run as TF32/HF32 at about half the 16-bit peak on A100/H100/910B
 GRAD_REDUCE_BYTES = 4     # gradients are reduced in fp32 (Megatron's bf16 default; FSDP2 reduce_dtype here)
