@@ -214,6 +214,9 @@ class ShardLoader:
                 batch = next(self._batches)
             except CorruptShardError as e:  # from a worker it arrives wrapped in its traceback: keep the cause
                 message = str(e).rsplit("CorruptShardError: ", 1)[-1]
+            except BaseException:  # a worker died, an interrupt: the stream is not trusted any more
+                self._batches = None
+                raise
             else:
                 # The position moves before the yield: a checkpoint taken after this batch resumes after it.
                 self.epoch, self.samples = ((epoch + 1, 0) if done == limit else
