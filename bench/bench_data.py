@@ -24,8 +24,11 @@ SEQ_LEN, VOCAB, BATCH = 512, 4096, 32
 
 
 def _vmhwm_mb() -> float:
+    """Peak RSS in MB (tasks.units; /proc reports kB = 1024 bytes)."""
+    from tasks.units import MB
+
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024 / MB
 
 
 def _reset_peak() -> None:

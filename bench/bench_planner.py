@@ -13,7 +13,9 @@ def run() -> dict:
     from tasks.model.loss import lm_loss
     from tasks.planner.calibrate import saved_activation_bytes
     from tasks.planner.cluster import get_cluster
-    from tasks.planner.memory import GB, Layout, estimate, shape_of
+    from tasks.parallel.layout import Layout
+    from tasks.planner.memory import estimate, shape_of
+    from tasks.units import GB
     from tasks.planner.search import Problem, search
 
     figures = {}
@@ -29,7 +31,7 @@ def run() -> dict:
             measured = saved_activation_bytes(net, tokens, lm_loss, cast)
             key = f"planner.act_estimate_over_saved.{preset}_s{s}_b{b}_{label}"
             for flash, suffix in ((True, ""), (False, "_unfused_formula")):
-                est = estimate(shape_of(tcfg), s, Layout(micro_batch=b, flash=flash), precision)
+                est = estimate(shape_of(tcfg), s, Layout(micro_batch=b, flash_attention=flash), precision)
                 figures[key + suffix] = round(est["activations_bytes"] / measured, 3)
 
     seventy = shape_of(get_preset("llama3-70b"))

@@ -62,6 +62,7 @@ def _read(run_dir: Path) -> tuple[dict, dict, dict | None]:
 def _scale(tmp: Path, shards: Path) -> dict:
     from tasks.model import get_preset, num_params
     from tasks.train import memory_figures
+    from tasks.units import GB
 
     ckpt = tmp / "qwen2-0.5b-hf"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -78,7 +79,7 @@ def _scale(tmp: Path, shards: Path) -> dict:
     figures = memory_figures(summary, export, spec["estimate_bytes"], "cpu")
     held_train = [ph["train"] - ph["base"] for ph in phases]
     return {
-        "scale.qwen2_0_5b.peak_rss_gb_per_rank": round(peak / 2**30, 3),
+        "scale.qwen2_0_5b.peak_rss_gb_per_rank": round(peak / GB, 3),
         "scale.qwen2_0_5b.rss_over_full_model": round(peak / full, 3),
         "scale.qwen2_0_5b.held_over_full_model": round(max(held_train) / full, 3),
         "scale.qwen2_0_5b.estimate_over_measured": round(figures["memory.estimate_over_measured"], 3),

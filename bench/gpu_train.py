@@ -60,6 +60,7 @@ def main(argv=None) -> dict:
     from tasks.parallel.optim import build_optimizers, grad_norm_and_clip
     from tasks.parallel.step import PlainStep, global_loss
     from tasks.parallel.worker import build_parts
+    from tasks.units import GB
 
     backend = detect(args.device)
     rank, world = _init_dist(backend.dist_backend)
@@ -96,8 +97,8 @@ def main(argv=None) -> dict:
     mem = memory_stats(device)
     result = {"gpu_train.tokens_per_s": round(tps, 1), "gpu_train.step_time_s": round(step_s, 4),
               "gpu_train.mfu": round(flops_per_token(tcfg, args.seq_len) * tps / (peak * world), 4) if peak else None,
-              "gpu_train.peak_mem_gb": round(mem["peak_bytes"] / 2**30, 2),
-              "gpu_train.peak_reserved_gb": round(mem["peak_reserved_bytes"] / 2**30, 2),
+              "gpu_train.peak_mem_gb": round(mem["peak_bytes"] / GB, 2),
+              "gpu_train.peak_reserved_gb": round(mem["peak_reserved_bytes"] / GB, 2),
               "config": {"params": num_params(tcfg), "world": world, "device": str(device),
                          "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
                          "seq_len": args.seq_len, "global_batch": lay.global_batch, "precision": args.precision,
@@ -111,4 +112,6 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
-    os._exit(0)  # skip interpreter teardown after destroy_process_group (platform-facts trap 4)
+    # Skip interpreter teardown after destroy_process_group: a rare SIGABRT there ("terminate called without an
+    # active exception") would fail torchrun although the run completed.
+    os._exit(0)

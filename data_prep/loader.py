@@ -1,4 +1,5 @@
-"""ShardLoader: the training/eval reader of a shard set (a webdataset pipeline inside a torch DataLoader).
+"""ShardLoader: the training/eval reader of a shard set (a webdataset pipeline inside torchdata's
+StatefulDataLoader).
 
 One global sample order per epoch, the same for every layout: the shards in a (seed, epoch) permutation, and
 inside each shard its samples in a (seed, epoch, shard index) permutation (the writer already spread the corpus over
@@ -11,106 +12,143 @@ holds one of its slices — with shards larger than G, all of them: the price of
 
 The position is (epoch, global samples consumed): it means the same on any layout, so a checkpoint resumes on
 another dp degree or worker count; whole shards before it are skipped by their manifest counts without being read.
-DataLoader worker i of a rank yields the rank's batches i, i + num_workers, … after the resume point; DataLoader's
-round robin over workers puts them back in order. Every rank yields the same number of batches per epoch.
+The stream (`_Stream`, an IterableDataset) starts at a position and runs over epochs without end; its worker i
+yields the rank's batches i, i + num_workers, … counted from that position, and StatefulDataLoader (in_order=True,
+its default: batches come back first-in first-out, worker after worker) returns them in order. One such iterator
+serves a ShardLoader from one position to the next `load_state_dict`, so its workers live across epochs and a
+consumer that stops mid-epoch leaves nothing to stop: the next `iter(loader)` continues the same iterator, and
+dropping the last reference is what stops its workers. The position is counted here, batch by batch as they are
+handed out, not read from StatefulDataLoader's own state_dict: that one is bound to the worker count that wrote it
+(it asserts the same `num_workers` on load) and to one rank, and this position must move across layouts.
 """
 from __future__ import annotations
 
+import io
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from data_prep.errors import CorruptShardError, DataPrepError
 from data_prep.manifest import check_files, load_manifest, shards
 
-_NPY_MAGIC = b"\x93NUMPY"
 ORDER = "global/1"  # the state_dict's position format: global samples consumed in the epoch
 
 
-class _EpochStream(IterableDataset):
-    """The rest of one epoch for one rank: its batch j (counted from `start`) is global positions
-    start + j·global_batch + offset … + batch_size; DataLoader worker i yields batches i, i + num_workers, …"""
+def epoch_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """Manifest indices of the shards in this epoch's order."""
+    return [int(i) for i in (np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle
+                             else range(n_shards))]
 
-    def __init__(self, shard_dir, entries, order, start, n_batches, global_batch, offset, epoch, seed, shuffle,
-                 batch_size, dtype, seq_len, with_keys):
-        self.shard_dir, self.entries, self.order, self.start = Path(shard_dir), entries, order, start
-        self.n_batches, self.global_batch, self.offset = n_batches, global_batch, offset
-        self.epoch, self.seed, self.shuffle, self.batch_size = epoch, seed, shuffle, batch_size
+
+class _Stream(IterableDataset):
+    """One rank's batches from a position (epoch, samples) on, epoch after epoch without end. Global batch c
+    (counted from the position) goes to DataLoader worker c % num_workers; in an epoch, batch j covers the global
+    positions first + j·global_batch + offset … + batch_size. `epoch`, `samples`: the starting position."""
+
+    def __init__(self, shard_dir, entries, global_batch, offset, seed, shuffle, batch_size, dtype, seq_len,
+                 with_keys):
+        self.shard_dir, self.entries, self.global_batch, self.offset = Path(shard_dir), entries, global_batch, offset
+        self.seed, self.shuffle, self.batch_size = seed, shuffle, batch_size
         self.dtype, self.sample_tokens, self.with_keys = np.dtype(dtype), seq_len + 1, with_keys
+        self.total = sum(e["samples"] for e in entries)
+        self.epoch, self.samples = 0, 0  # set by ShardLoader before each StatefulDataLoader is made
+        self._headers: set[bytes] = set()  # .npy headers np.load accepted (see _decode)
 
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        # The first global position of each of this worker's batches, ascending; each covers batch_size positions.
-        self._firsts = [self.start + j * self.global_batch + self.offset
-                        for j in range(worker, self.n_batches, workers)]
-        self._base, needed, pos, k = {}, [], 0, 0
-        for index in self.order:  # the shards that hold one of those positions (others are not even opened)
+        epoch, start, counted = self.epoch, self.samples, 0  # counted: global batches before this epoch's first
+        while True:
+            n = max(0, (self.total - start) // self.global_batch)  # batches in this epoch from `start`
+            mine = [j for j in range(n) if (counted + j) % workers == worker]
+            if mine:
+                yield from self._epoch(epoch, [start + j * self.global_batch + self.offset for j in mine])
+            epoch, start, counted = epoch + 1, 0, counted + n
+
+    def _epoch(self, epoch: int, firsts: list[int]):
+        """This worker's batches of one epoch: `firsts` are their first global positions, ascending."""
+        order, base, needed, pos, k = epoch_order(len(self.entries), self.seed, epoch, self.shuffle), {}, [], 0, 0
+        for index in order:  # the shards that hold one of those positions (others are not even opened)
             n = self.entries[index]["samples"]
-            while k < len(self._firsts) and self._firsts[k] + self.batch_size <= pos:
+            while k < len(firsts) and firsts[k] + self.batch_size <= pos:
                 k += 1
-            if k < len(self._firsts) and self._firsts[k] < pos + n:
+            if k < len(firsts) and firsts[k] < pos + n:
                 needed.append(index)
-                self._base[index] = pos
+                base[index] = pos
             pos += n
-        if not needed:
-            return iter(())
-        self._index = {str(self.shard_dir / self.entries[i]["name"]): i for i in needed}
+        urls = {str(self.shard_dir / self.entries[i]["name"]): i for i in needed}
         pipeline = wds.DataPipeline(
-            wds.SimpleShardList(list(self._index)),
-            wds.tarfile_to_samples(handler=self._corrupt),
-            self._select,
+            wds.SimpleShardList(list(urls)),
+            wds.tarfile_to_samples(handler=lambda exn: self._corrupt(exn, urls)),
+            lambda samples: self._select(samples, urls, base, firsts, epoch),
             wds.map(self._decode),
             wds.batched(self.batch_size, collation_fn=self._collate, partial=False),
         )
-        return iter(pipeline)
+        made = 0
+        for batch in pipeline:
+            made += 1
+            yield batch
+        if made != len(firsts):
+            raise CorruptShardError(f"{self.shard_dir}: epoch {epoch} gave a worker {made} batches, the manifest "
+                                    f"promises {len(firsts)}")
 
-    def _corrupt(self, exn: Exception) -> bool:
+    @staticmethod
+    def _corrupt(exn: Exception, urls: dict) -> bool:
         text = " ".join(map(str, exn.args))
-        name = next((u for u in self._index if Path(u).name in text), "of this worker")
+        name = next((u for u in urls if Path(u).name in text), "of this worker")
         raise CorruptShardError(f"shard {name} is corrupt or truncated: {type(exn).__name__}: "
                                 f"{str(exn.args[0]) if exn.args else exn}") from None
 
-    def _select(self, samples):
+    def _select(self, samples, urls: dict, base: dict, firsts: list[int], epoch: int):
         """Tar samples arrive shard after shard: permute each shard, keep the samples at this worker's positions."""
-        group, url, state = [], None, {"k": 0}
+        group, url, k = [], None, 0
         for sample in samples:
             if sample["__url__"] != url and group:
-                yield from self._emit(url, group, state)
+                k = yield from self._emit(url, group, urls[url], base, firsts, epoch, k)
                 group = []
             url = sample["__url__"]
             group.append(sample)
         if group:
-            yield from self._emit(url, group, state)
+            yield from self._emit(url, group, urls[url], base, firsts, epoch, k)
 
-    def _emit(self, url: str, group: list, state: dict):
-        index = self._index[url]
+    def _emit(self, url: str, group: list, index: int, base: dict, firsts: list[int], epoch: int, k: int):
+        """Yield the samples of shard `index` at this worker's positions; returns the next batch to fill."""
         if len(group) != self.entries[index]["samples"]:
             raise CorruptShardError(f"shard {url} is corrupt or truncated: only {len(group)} of "
                                     f"{self.entries[index]['samples']} samples readable")
-        order = (np.random.default_rng([self.seed, self.epoch, index]).permutation(len(group)) if self.shuffle
+        order = (np.random.default_rng([self.seed, epoch, index]).permutation(len(group)) if self.shuffle
                  else range(len(group)))
-        firsts, k = self._firsts, state["k"]
-        for pos, i in enumerate(order, start=self._base[index]):
+        for pos, i in enumerate(order, start=base[index]):
             while k < len(firsts) and pos >= firsts[k] + self.batch_size:
                 k += 1
             if k == len(firsts):
                 break
             if pos >= firsts[k]:
                 yield group[i]
-        state["k"] = k
+        return k
 
     def _decode(self, sample: dict):
+        """numpy's own .npy reader (np.load checks magic, header, dtype, order and shape), then our dtype and length.
+        np.load parses the header text per call (~100× a frombuffer); every sample of a set has the same header, so
+        a header np.load accepted once is remembered and later samples with those exact bytes are read from the
+        offset after it — what np.load would return."""
         data = sample.get("tokens.npy", b"")
-        ok = data[:6] == _NPY_MAGIC
-        offset = 10 + int.from_bytes(data[8:10], "little") if ok else 0
-        row = np.frombuffer(data, dtype=self.dtype, offset=offset) if ok else None
-        if row is None or len(row) != self.sample_tokens:
+        header = data[:len(data) - self.sample_tokens * self.dtype.itemsize]
+        if header and header in self._headers:
+            return np.frombuffer(data, dtype=self.dtype, offset=len(header)), sample["__key__"]
+        try:
+            row = np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, EOFError, OSError):
+            row = None
+        if row is None or row.dtype != self.dtype or row.shape != (self.sample_tokens,):
             raise CorruptShardError(f"shard {sample['__url__']}: sample {sample['__key__']} is not "
                                     f"{self.sample_tokens} {self.dtype.name} tokens")
+        self._headers.add(header)
         return row, sample["__key__"]
 
     def _collate(self, rows):
@@ -145,6 +183,9 @@ class ShardLoader:
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None  # torch: only with worker processes
         self.epoch, self.samples = 0, 0
         self.total = sum(e["samples"] for e in self.entries)
+        self._stream = _Stream(self.shard_dir, self.entries, self.global_batch, dp_rank * batch_size, seed, shuffle,
+                               batch_size, self.manifest["dtype"], self.seq_len, with_keys)
+        self._batches = None  # the StatefulDataLoader iterator; its next batch is at (epoch, samples)
         if len(self) == 0:
             raise DataPrepError(f"split {split!r} of {self.manifest['version']} has {len(self.entries)} shard(s) and "
                                 f"{self.total} samples: not one batch of {batch_size} for each of {dp_world} rank(s)")
@@ -153,44 +194,41 @@ class ShardLoader:
     def global_batch(self) -> int:
         return self.batch_size * self.dp_world
 
-    def _order(self, epoch: int) -> list[int]:
-        """Manifest indices of the shards in this epoch's order."""
-        n = len(self.entries)
-        return [int(i) for i in (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
-                                 else range(n))]
-
     def __len__(self) -> int:
         return self.total // self.global_batch
 
     def __iter__(self):
+        """The rest of the current epoch."""
         epoch, start = self.epoch, self.samples
         limit = (self.total - start) // self.global_batch  # batches left in this epoch from the position
         if limit <= 0:  # a position saved at the very end of an epoch
             self.epoch, self.samples = epoch + 1, 0
             return
-        stream = _EpochStream(self.shard_dir, self.entries, self._order(epoch), start, limit, self.global_batch,
-                              self.dp_rank * self.batch_size, epoch, self.seed, self.shuffle, self.batch_size,
-                              self.manifest["dtype"], self.seq_len, self.with_keys)
-        batches = iter(DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
-                                  prefetch_factor=self.prefetch_factor))
-        done = 0
-        try:
-            for batch in batches:
-                done += 1
+        if self._batches is None:  # the stream starts at the position (the first time, or after load_state_dict)
+            self._stream.epoch, self._stream.samples = epoch, start
+            with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated by torch 2.13
+                warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+                self._batches = iter(StatefulDataLoader(self._stream, batch_size=None, num_workers=self.num_workers,
+                                                        pin_memory=self.pin_memory,
+                                                        prefetch_factor=self.prefetch_factor))
+        for done in range(1, limit + 1):
+            try:
+                batch = next(self._batches)
+            except CorruptShardError as e:  # from a worker it arrives wrapped in its traceback: keep the cause
+                message = str(e).rsplit("CorruptShardError: ", 1)[-1]
+            except BaseException:  # a worker died, an interrupt: the stream is not trusted any more
+                self._batches = None
+                raise
+            else:
                 # The position moves before the yield: a checkpoint taken after this batch resumes after it.
-                self.epoch, self.samples = ((epoch + 1, 0) if done >= limit else
+                self.epoch, self.samples = ((epoch + 1, 0) if done == limit else
                                             (epoch, start + done * self.global_batch))
                 yield batch
-                if done >= limit:
-                    return
-        except CorruptShardError as e:  # from a worker it arrives wrapped in its traceback: keep the cause
-            raise CorruptShardError(str(e).rsplit("CorruptShardError: ", 1)[-1]) from None
-        finally:
-            # Stop the workers now (error, or the consumer stopped mid-epoch). Left to garbage collection, a
-            # traceback that keeps this frame alive delays it, and then each worker's join times out (5 s).
-            if hasattr(batches, "_shutdown_workers"):
-                batches._shutdown_workers()
-        raise CorruptShardError(f"{self.shard_dir}: {self.split} gave {done} batches, manifest promises {limit}")
+                continue
+            # A broken stream: dropped here (its last reference, so its workers stop now, not when a traceback
+            # that holds this frame is collected); the next iteration starts a fresh one at the position.
+            self._batches = None
+            raise CorruptShardError(message)
 
     def batches(self):
         """Endless stream over epochs (training by steps)."""
@@ -213,3 +251,4 @@ class ShardLoader:
             if state.get(key) != mine[key]:
                 raise DataPrepError(f"cannot resume the data stream: {key} was {state.get(key)!r}, now {mine[key]!r}")
         self.epoch, self.samples = int(state["epoch"]), int(state["samples"])
+        self._batches = None  # dropped: its workers stop (the iterator's own cleanup), a new one starts here

@@ -5,27 +5,30 @@ Each pipeline stage returns its result dict (it becomes the task's `return_value
 in Airflow 3 global links are resolved on the API server, so `get_link` reads the XCom from the metadata database
 there (the same way Airflow's own XComOperatorLink does). Tasks without a run id get no link (empty URL).
 
-The MLflow UI address comes from MLFLOW_UI_URL (the API server's environment; `make ui` sets it), default
-http://127.0.0.1:5000. The link uses MLflow's experiment-free route `#/runs/<run_id>`, so the API server needs no
-access to the tracking store.
+The MLflow UI address is `tasks.tracking.ui_url()` of the pipeline's preset (LLM_PIPELINE_PRESET, else the
+default) — the one setting the end-of-run summary also prints: tracking.ui_url when set, else MLFLOW_UI_URL (the API
+server's environment; `make ui` sets it), else http://127.0.0.1:5000. The link is `tasks.tracking.run_url()`,
+MLflow's experiment-free route `#/runs/<run_id>`, so the API server needs no access to the tracking store.
 """
 from __future__ import annotations
-
-import os
 
 from airflow.plugins_manager import AirflowPlugin
 from airflow.sdk import BaseOperatorLink
 
-DEFAULT_MLFLOW_UI_URL = "http://127.0.0.1:5000"
 RUN_ID_KEY = "mlflow_run_id"
 
 
-def mlflow_ui_url() -> str:
-    return (os.environ.get("MLFLOW_UI_URL") or DEFAULT_MLFLOW_UI_URL).rstrip("/")
+def mlflow_run_url(run_id: str) -> str:
+    """The run's MLflow page on the preset's tracking.ui_url() (a preset that does not load: the env/default)."""
+    from tasks.config import load_config
+    from tasks.errors import ConfigError
+    from tasks.tracking import run_url
 
-
-def mlflow_run_url(run_id: str, base_url: str | None = None) -> str:
-    return f"{(base_url or mlflow_ui_url()).rstrip('/')}/#/runs/{run_id}"
+    try:
+        cfg = load_config()
+    except ConfigError:
+        cfg = None
+    return run_url(run_id, cfg)
 
 
 def run_id_from_result(value) -> str | None:

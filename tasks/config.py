@@ -145,7 +145,6 @@ class TrainConfig:
     seed: int = 1234
     checkpoint_every: int = 20
     keep_checkpoints: int = 2
-    log_every: int = 1
     # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
     # reports the failing collective first; checked by validate() on NPU and by the env stage.
     timeout_s: int = 1900
@@ -232,7 +231,7 @@ class TrackingConfig:
     uri: str = ""                         # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
     experiment: str = "llm-pipeline"
     artifact_root: str = ""               # "" = <repo>/var/mlartifacts (new experiments only)
-    ui_url: str = "http://127.0.0.1:5000"
+    ui_url: str = ""                      # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
     enabled: bool = True
 
 
@@ -340,10 +339,6 @@ RANGES = {  # inclusive (min, max); None = unbounded
                                              "rendezvous", "k8s_pending")},
     "timeouts.train_s": (0, None), "timeouts.train_margin": (1.0, 1000.0), "timeouts.train_overhead_s": (0, None),
 }
-
-
-class _Missing:
-    pass
 
 
 class _Loader(yaml.SafeLoader):

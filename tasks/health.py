@@ -23,8 +23,6 @@ from tasks.envcheck import check, npu_smi, system, versions, worst
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
 
-GB = 1024 ** 3
-
 
 def state_path() -> Path:
     """The most chips this host has shown: how a card that dropped off the bus is noticed without configuration."""

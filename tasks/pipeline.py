@@ -250,7 +250,7 @@ def print_summary(params: dict, dag_id: str, run_id: str) -> str:
 
         exp = mlflow.MlflowClient(tracking.tracking_uri(cfg)).get_experiment_by_name(cfg.tracking.experiment)
         experiment_id = exp.experiment_id if exp else None
-    print(render(run_dir, cfg.tracking.ui_url, experiment_id))
+    print(render(run_dir, cfg, experiment_id))
     print(f"\nRun directory: {run_dir}\nMLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri(cfg)} "
-          f"--host 127.0.0.1 --port 5000  (then open {cfg.tracking.ui_url})")
+          f"--host 127.0.0.1 --port 5000  (then open {tracking.ui_url(cfg)})")
     return str(run_dir)

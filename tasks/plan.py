@@ -21,9 +21,10 @@ from tasks.fsutil import atomic_write_json, atomic_write_text
 from tasks.planner.cluster import PRESETS as CLUSTERS
 from tasks.planner.cluster import get_cluster
 from tasks.planner.families import FAMILIES, custom_fields
-from tasks.planner.memory import GB, PRECISION_BYTES, shape_of
+from tasks.planner.memory import PRECISION_BYTES, shape_of
 from tasks.planner.search import Problem, search
 from tasks.planner.table import render
+from tasks.units import GB
 
 _SHAPE_FLAGS = {"hidden": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
                 "vocab": "vocab_size", "ffn": "ffn_dim"}
@@ -235,7 +236,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
                           "plan.rejected": len(ranked["rejected"])})
     parallel = {k: chosen[k] for k in ("dp", "tp", "pp", "zero", "recompute", "microbatches", "micro_batch")}
     parallel["pp_schedule"] = chosen["pp_schedule"] if chosen["pp"] > 1 else cfg.parallel.pp_schedule
-    parallel["virtual_stages"] = chosen["virtual"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
+    parallel["virtual_stages"] = chosen["virtual_stages"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
     parallel["sequence_parallel"] = chosen["sequence_parallel"]
     layout = (f"dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} zero{chosen['zero']} {chosen['recompute']} "
               f"mb{chosen['micro_batch']}×{chosen['microbatches']}")

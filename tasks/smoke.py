@@ -20,6 +20,7 @@ from tasks import runner, tracking
 from tasks.config import repo_path
 from tasks.errors import StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json
+from tasks.units import MB
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +251,7 @@ def run(cfg, ctx) -> dict:
         log_compare(compared)
     peak = max(c.peak_bytes for c in curves.values())
     tokens_per_s = {name: round(c.tokens_per_s, 1) for name, c in curves.items()}
-    tracking.log_metrics({**{f"smoke.{k}": v for k, v in figures.items()}, "smoke.peak_memory_mb": peak / 2**20,
+    tracking.log_metrics({**{f"smoke.{k}": v for k, v in figures.items()}, "smoke.peak_memory_mb": peak / MB,
                           **{f"smoke.{k}.tokens_per_s": v for k, v in tokens_per_s.items()}})
     if failure or problems:
         report = failure or {"cause": "; ".join(problems), "layers": []}

@@ -6,9 +6,11 @@ import argparse
 from tasks.config import load_config
 from tasks.runner import load_inputs
 from tasks.stages import STAGES, TITLES
+from tasks.tracking import run_url
 
 
-def render(run_dir, ui_url: str = "http://127.0.0.1:5000", experiment_id: str | None = None) -> str:
+def render(run_dir, cfg=None, experiment_id: str | None = None) -> str:
+    """The table; MLflow links on tracking.ui_url() of `cfg` (None: $MLFLOW_UI_URL or the default)."""
     results = load_inputs(run_dir)
     lines = [f"{'stage':<28} {'status':<8} {'secs':>7}  key figure", "-" * 100]
     for stage in STAGES:
@@ -19,8 +21,7 @@ def render(run_dir, ui_url: str = "http://127.0.0.1:5000", experiment_id: str | 
         lines.append(f"{TITLES[stage]:<28} {r.get('status', '?'):<8} {r.get('seconds', 0):>7.1f}  "
                      f"{str(r.get('summary', ''))[:80]}")
         if r.get("mlflow_run_id"):
-            exp = f"experiments/{experiment_id}/" if experiment_id else ""
-            lines.append(f"{'':<46}MLflow: {ui_url.rstrip('/')}/#/{exp}runs/{r['mlflow_run_id']}")
+            lines.append(f"{'':<46}MLflow: {run_url(r['mlflow_run_id'], cfg, experiment_id)}")
     return "\n".join(lines)
 
 
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 unless every stage finished ok or warn")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
-    print(render(args.run_dir, cfg.tracking.ui_url))
+    print(render(args.run_dir, cfg))
     if args.check:
         results = load_inputs(args.run_dir)
         return 0 if all(results.get(s, {}).get("status") in ("ok", "warn") for s in STAGES) else 1

@@ -32,6 +32,24 @@ def tracking_uri(cfg: PipelineConfig | None = None) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or default_uri()
 
 
+DEFAULT_UI_URL = "http://127.0.0.1:5000"
+
+
+def ui_url(cfg: PipelineConfig | None = None) -> str:
+    """The MLflow UI's base URL, one setting read by everything that prints or serves a run link (the end-of-run
+    summary, the pipeline's closing hint, plugins/mlflow_link.py): tracking.ui_url when set, else $MLFLOW_UI_URL
+    (`make ui` and docker-compose export it), else http://127.0.0.1:5000 — as tracking_uri() does for the store."""
+    if cfg is not None and cfg.tracking.ui_url:
+        return cfg.tracking.ui_url.rstrip("/")
+    return (os.environ.get("MLFLOW_UI_URL") or DEFAULT_UI_URL).rstrip("/")
+
+
+def run_url(run_id: str, cfg: PipelineConfig | None = None, experiment_id: str | None = None) -> str:
+    """A run's page in the MLflow UI; without the experiment id MLflow's experiment-free route `#/runs/<id>`."""
+    exp = f"experiments/{experiment_id}/" if experiment_id else ""
+    return f"{ui_url(cfg)}/#/{exp}runs/{run_id}"
+
+
 def is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 

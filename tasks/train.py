@@ -26,6 +26,7 @@ from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
 from tasks.parallel.worker import FAULT_ENV, parse_fault
+from tasks.units import GB
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -142,13 +143,11 @@ def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path]
 
 def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
     """The planner's per-device peak for exactly this layout (no runtime reserve), to compare with the measured."""
-    from tasks.planner.memory import estimate_for_run
+    from tasks.planner.memory import estimate, shape_of
 
-    return estimate_for_run(tcfg, cfg.data.seq_len, lay.local_batch // lay.n_microbatches, dp=lay.dp, tp=lay.tp,
-                            pp=lay.pp, zero=lay.zero, recompute=lay.recompute, precision=cfg.train.precision,
-                            schedule=lay.pp_schedule, microbatches=lay.n_microbatches,
-                            virtual=lay.virtual_stages if lay.pp_schedule == "interleaved1f1b" else 1,
-                            sequence_parallel=lay.sequence_parallel)
+    m = lay.n_microbatches
+    run = dataclasses.replace(lay, micro_batch=lay.local_batch // m, microbatches=m)
+    return int(estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision)["total_bytes"])
 
 
 def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str,
@@ -288,7 +287,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
     result = {
         "status": "ok", "layout": name, "steps": records[-1]["step"], "first_loss": records[0]["loss"],
         "final_loss": records[-1]["loss"], "tokens_per_s": round(tps, 1), "mfu": records[-1].get("mfu"),
-        "peak_mem_gb": round(max(peaks) / 2**30, 3) if peaks else None, "reused": reused,
+        "peak_mem_gb": round(max(peaks) / GB, 3) if peaks else None, "reused": reused,
         "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
         "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
         "warnings": spec.get("warnings", []),
@@ -317,13 +316,13 @@ def memory_figures(summary: dict, export_memory: dict | None, estimate_bytes: in
     phases = summary.get("memory_phases_per_rank") or []
     for rank, m in enumerate(summary.get("memory_per_rank") or []):
         if m:
-            out[f"memory.peak_gb.rank{rank}"] = m["peak_bytes"] / 2**30
+            out[f"memory.peak_gb.rank{rank}"] = m["peak_bytes"] / GB
     for rank, ph in enumerate(phases):
         for phase, peak in (ph or {}).items():
             if phase != "base":
-                out[f"memory.{phase}.peak_gb.rank{rank}"] = peak / 2**30
+                out[f"memory.{phase}.peak_gb.rank{rank}"] = peak / GB
     for rank, ph in enumerate((export_memory or {}).get("per_rank") or []):
-        out[f"memory.export.peak_gb.rank{rank}"] = ph["export"] / 2**30
+        out[f"memory.export.peak_gb.rank{rank}"] = ph["export"] / GB
         if ph.get("written_bytes"):
             out[f"memory.export.peak_over_written.rank{rank}"] = ph["export"] / ph["written_bytes"]
     measured = [ph["train"] - (ph["base"] if backend == "cpu" else 0) for ph in phases if ph and "train" in ph]

@@ -23,7 +23,7 @@ def test_910b2c_hbm_and_processes():
     assert info["processes"] == [{"npu": 0, "chip": 0, "pid": 124528, "name": "python3.8", "memory_mb": 17400}]
     statuses = {c["name"]: c["status"] for c in npu_smi.checks(info)}
     assert statuses == {"npu-health": "ok", "npu-idle": "warn"}
-    assert npu_smi.summary(info) == "2× 910B2C, 64 GB HBM each"
+    assert npu_smi.summary(info) == "2× 910B2C, 69 GB HBM each"  # 65536 MiB = 68.7 GB (tasks.units: GB = 1e9)
 
 
 def test_910_two_chips_per_npu_with_phy_id():

@@ -221,3 +221,39 @@ def test_tiny_shard_set_helper(tmp_path):
     assert tiny_shard_set(tmp_path, seq_len=16, vocab_size=300, n_docs=8) == d  # cached
     x, y = next(iter(ShardLoader(d, batch_size=4, dp_rank=1, dp_world=2, num_workers=2)))
     assert x.shape == (4, 16)
+
+
+def test_stopping_mid_epoch_and_iterating_again_continues_the_same_epoch(shard_set):
+    """The loader keeps one StatefulDataLoader iterator: a consumer that stops after 3 batches and iterates again
+    gets the rest of the epoch, then the next epoch — the same keys as two uninterrupted epochs."""
+    kw = dict(batch_size=3, num_workers=2, seed=4, with_keys=True)
+    reference = ShardLoader(shard_set, **kw)
+    full = keys(list(reference) + list(reference))
+    loader = ShardLoader(shard_set, **kw)
+    head = []
+    for batch in loader:
+        head.append(batch)
+        if len(head) == 3:
+            break
+    assert (loader.epoch, loader.samples) == (0, 9)
+    assert keys(head + list(loader) + list(loader)) == full and loader.epoch == 2
+
+
+def test_a_sample_that_is_not_a_token_row_fails_naming_it(shard_set):
+    """Samples are read by numpy's .npy reader: a bad header, another dtype or another length is a corrupt shard."""
+    import io
+
+    import numpy as np
+
+    stream = ShardLoader(shard_set, batch_size=2)._stream
+    good = io.BytesIO()
+    np.save(good, np.arange(9, dtype=stream.dtype))
+    assert list(stream._decode({"tokens.npy": good.getvalue(), "__key__": "k", "__url__": "u"})[0]) == list(range(9))
+    for name, data in (("header", b"\x93NUMPY garbage"), ("dtype", np.arange(9, dtype=np.float32)),
+                       ("length", np.arange(5, dtype=stream.dtype))):
+        if not isinstance(data, bytes):
+            buf = io.BytesIO()
+            np.save(buf, data)
+            data = buf.getvalue()
+        with pytest.raises(CorruptShardError, match=r"shard u: sample k is not 9 "):
+            stream._decode({"tokens.npy": data, "__key__": "k", "__url__": "u"})

@@ -189,16 +189,17 @@ def test_estimate_for_run_against_autograd_saved_tensors():
     from tasks.model.loss import lm_loss
     from tasks.planner import estimate_for_run
     from tasks.planner.calibrate import saved_activation_bytes
-    from tasks.planner.memory import Layout, estimate, shape_of
+    from tasks.parallel.layout import Layout
+    from tasks.planner.memory import estimate, shape_of
 
     tcfg = get_preset("demo")
     model = materialize(build_model(tcfg), "cpu")
     tokens = torch.randint(0, tcfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     measured = saved_activation_bytes(model, tokens, lm_loss)
-    est = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash=True), "fp32")
+    est = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash_attention=True), "fp32")
     assert 0.75 < est["activations_bytes"] / measured < 1.25  # 0.93 when written
     # The unfused formula counts s×s scores the fused SDPA never keeps.
-    unfused = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash=False), "fp32")
+    unfused = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash_attention=False), "fp32")
     assert unfused["activations_bytes"] > est["activations_bytes"]
     total = estimate_for_run(tcfg, 128, 4, precision="fp32")
     assert total == int(est["total_bytes"])

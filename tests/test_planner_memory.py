@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.planner.memory import (Layout, ModelShape, estimate, in_flight, layer_activation_bytes,
-                                  model_state_bytes, state_bytes_per_param)
+from tasks.parallel.layout import Layout
+from tasks.planner.memory import (ModelShape, estimate, in_flight, layer_activation_bytes, model_state_bytes,
+                                  state_bytes_per_param)
 
 
 @pytest.mark.parametrize("zero,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -104,7 +105,8 @@ def test_shape_parameter_count_matches_the_model_package():
 
 def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
     sh = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-    lay = Layout(dp=1, tp=1, pp=4, schedule="1f1b", micro_batch=1, microbatches=8, recompute="selective")
+    lay = Layout(dp=1, tp=1, pp=4, pp_schedule="1f1b", micro_batch=1, microbatches=8, recompute="selective",
+                 flash_attention=False)
     est = estimate(sh, 4096, lay, reserve_bytes=5e9)
     parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes", "reserve_bytes")
     assert est["total_bytes"] == pytest.approx(sum(est[k] for k in parts))
@@ -114,7 +116,7 @@ def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
     assert est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"] == pytest.approx(
         18 * (8 * sh.layer_params + sh.embedding_params))
     # ZeRO-3 over 8 ranks shards all model states (fp32) and adds the two-layer bf16 all-gather buffer.
-    z3 = estimate(sh, 4096, Layout(dp=8, zero=3, micro_batch=1, recompute="full"))
+    z3 = estimate(sh, 4096, Layout(dp=8, zero=3, micro_batch=1, recompute="full", flash_attention=False))
     assert z3["params_bytes"] == pytest.approx(4 * sh.num_params / 8)
     # + FSDP2's root unit (embedding and output) gathered in bf16 with its whole fp32 gradient until backward ends.
     assert z3["buffers_bytes"] == 2 * 2 * sh.layer_params + 2 * sh.embedding_params * (2 + 4)

@@ -9,6 +9,16 @@ import torch
 from tasks.quant import metrics
 
 
+@torch.no_grad()
+def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, device) -> list[int]:
+    """The oracle for the KV-cache decoder: argmax decoding re-running the whole context (cut to the window)."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        ctx = torch.tensor([ids[-max_seq_len:]], device=device)
+        ids.append(int(model(ctx)[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
 class FixedLogits(torch.nn.Module):
     """Logits that depend only on the input token: row `t` of a table (a bigram model, easy to compute by hand)."""
 
@@ -45,10 +55,10 @@ def test_uniform_model_has_perplexity_of_vocabulary():
 def test_greedy_generation_follows_argmax():
     # After t the argmax is (t + 1) % 3.
     model = FixedLogits([[0, 1, 0], [0, 0, 1], [1, 0, 0]])
-    assert metrics.greedy_generate(model, [0], 5, max_seq_len=4, device="cpu") == [1, 2, 0, 1, 2]
+    assert greedy_generate(model, [0], 5, max_seq_len=4, device="cpu") == [1, 2, 0, 1, 2]
 
 
-def test_sizes_and_latency(tmp_path):
+def test_sizes(tmp_path):
     lin = torch.nn.Linear(64, 64, bias=False)
     fp32, bf16 = metrics.state_dict_bytes(lin, torch.float32), metrics.state_dict_bytes(lin, torch.bfloat16)
     assert fp32 > 64 * 64 * 4 and bf16 > 64 * 64 * 2 and fp32 - bf16 == pytest.approx(64 * 64 * 2, rel=0.05)
@@ -56,8 +66,6 @@ def test_sizes_and_latency(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b").write_bytes(b"y" * 5)
     assert metrics.size_on_disk(tmp_path / "a") == 10 and metrics.size_on_disk(tmp_path) == 15
-    lat = metrics.forward_latency({"a": lin, "b": lin}, torch.randn(1, 8, 64), "cpu", repeats=3, warmup=1)
-    assert set(lat) == {"a", "b"} and all(v > 0 for v in lat.values())
 
 
 def test_accuracy_and_agreement_by_hand():
@@ -85,7 +93,7 @@ def test_kv_cache_decoding_matches_full_forward():
         full = model(tokens)
     assert torch.allclose(torch.cat([head, tail], dim=1), full, atol=1e-4)
     new = greedy(model, tokens[:1, :5], 6)[0].tolist()
-    assert new == metrics.greedy_generate(model, tokens[0, :5].tolist(), 6, model.config.max_seq_len, "cpu")
+    assert new == greedy_generate(model, tokens[0, :5].tolist(), 6, model.config.max_seq_len, "cpu")
     speed = metrics.generation_speed({"a": model}, tokens[:, :4], 4, "cpu", repeats=1, warmup=0)
     assert speed["a"]["prefill_s"] > 0 and speed["a"]["decode_tokens_per_s"] > 0
     with pytest.raises(ValueError, match="exceed max_seq_len"):

@@ -159,7 +159,7 @@ def test_failure_evidence_becomes_one_line_causes(tmp_path):
     assert e.retryable and "ranks [3] did not arrive (stuck at step 4 compute" in str(e)
     assert "python -m tasks env" in str(e)
 
-    gb = 1 << 30
+    gb = 10 ** 9  # printed memory is decimal GB (tasks/units.py)
     (tmp_path / "failures" / "oom-rank-1.json").write_text(json.dumps({
         "rank": 1, "step": 2, "estimate_bytes": 50 * gb,
         "memory": {"allocated_bytes": 40 * gb, "reserved_bytes": 60 * gb}}))

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 
 from tasks.envcheck import check
+from tasks.units import GB, MIB
 
 _VERSION = re.compile(r"npu-smi\s+(\S+)\s+Version:\s*(\S+)")
 _PAIR = re.compile(r"(\d+)\s*/\s*(\d+)")
@@ -104,4 +105,4 @@ def summary(info: dict) -> str:
         return "npu-smi: no chips"
     names = sorted({c["name"] for c in info["chips"]})
     total = info["chips"][0]["memory_total_mb"] or 0
-    return f"{len(info['chips'])}× {'/'.join(names)}, {total / 1024:.0f} GB {info['chips'][0]['memory_kind']} each"
+    return f"{len(info['chips'])}× {'/'.join(names)}, {total * MIB / GB:.0f} GB {info['chips'][0]['memory_kind']} each"

@@ -9,8 +9,8 @@ import subprocess
 from pathlib import Path
 
 from tasks.envcheck import check
+from tasks.units import GB
 
-GB = 1024 ** 3
 HCCL_RANGES = {"HCCL_CONNECT_TIMEOUT": (120, 7200), "HCCL_EXEC_TIMEOUT": (0, 2147483647),
                "HCCL_EVENT_TIMEOUT": (0, 2147483647)}   # CANN 8.x documentation, A2/A3 (910B/910C)
 

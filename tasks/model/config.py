@@ -1,4 +1,5 @@
-"""TransformerConfig: the shape of one decoder-only model (Llama / Qwen2 family), presets by name, FLOP counts.
+"""TransformerConfig: the shape of one decoder-only model (Llama / Qwen2 family), presets by name; its parameter
+and FLOP counts come from tasks.planner.memory (ModelShape, flops_per_token), the one copy of those formulas.
 
 Presets hold shapes only (no weights). `from_pipeline` applies the pipeline's `model.*` overrides on top of a preset
 (or of a local HF directory's config.json when `model.hf_path` is set).
@@ -9,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tasks.errors import ConfigError
+from tasks.planner.memory import flops_per_token, shape_of  # noqa: F401 (flops_per_token: re-exported)
 
 FAMILIES = ("llama", "qwen2")
 
@@ -117,18 +119,6 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
 
 
 def num_params(tcfg: TransformerConfig, include_embedding: bool = True) -> int:
-    """Parameter count (a tied output projection counts once)."""
-    d, kv = tcfg.dim, tcfg.n_kv_heads * tcfg.head_dim
-    attn = d * d * 2 + d * kv * 2 + (d + 2 * kv if tcfg.qkv_bias else 0)
-    layer = attn + 3 * d * tcfg.ffn_dim + 2 * d
-    embed = tcfg.vocab_size * d
-    total = tcfg.n_layers * layer + d + (0 if tcfg.tie_embeddings else embed)
-    return total + (embed if include_embedding else 0)
-
-
-def flops_per_token(tcfg: TransformerConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 × matmul parameters (the output projection always multiplies, the embedding
-    lookup never does) + attention scores and values, 12 · L · H · head_dim · seq (forward + backward)."""
-    matmul_params = num_params(tcfg, include_embedding=False) + (tcfg.vocab_size * tcfg.dim if tcfg.tie_embeddings
-                                                                 else 0)
-    return 6.0 * matmul_params + 12.0 * tcfg.n_layers * tcfg.n_heads * tcfg.head_dim * seq_len
+    """Parameter count (a tied output projection counts once): planner.memory.ModelShape's count of this shape."""
+    shape = shape_of(tcfg)
+    return shape.num_params - (0 if include_embedding else shape.embedding_params)

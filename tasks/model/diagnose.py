@@ -1,6 +1,6 @@
 """What went wrong in a short run, and what to try: the smoke stage's failure report.
 
-Likely causes, in the seed guides' order: BF16 range (FP32 is clean, BF16 is not), learning rate (finite at first,
+Likely causes, cheapest to confirm first: BF16 range (FP32 is clean, BF16 is not), learning rate (finite at first,
 diverges later), data or weights (the very first forward is already non-finite).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-layer forward statistics, to say where a model first went non-finite (the seed guides' layer-by-layer print).
+"""Per-layer forward statistics, to say where a model first went non-finite (a layer-by-layer print of each output).
 
 Forward hooks fire as each module finishes, so the record order is computation order: the first non-finite record is
 where NaN/Inf entered, and everything after it merely inherited them.

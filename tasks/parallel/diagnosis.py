@@ -13,8 +13,8 @@ from pathlib import Path
 from tasks.errors import StageError
 from tasks.parallel import rank_errors
 from tasks.parallel.metrics import read_heartbeats
+from tasks.units import GB
 
-GB = 1 << 30
 PHASES = ("data", "compute", "checkpoint", "done")  # heartbeat phases within a step, in order
 
 

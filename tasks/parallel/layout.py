@@ -1,5 +1,6 @@
-"""The parallel layout of one training run: resolved from the config (pinned) or the planner, and checked
-before any worker starts — every problem one line."""
+"""The parallel layout: one `Layout` type for the planner's candidates (tasks.planner) and the training run
+(resolved from the config when pinned, else from the plan, and checked before any worker starts — every problem
+one line). Its field names are the `parallel.*` config keys; no torch here (the planner imports it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,18 +11,19 @@ from tasks.parallel.pp import stages_per_rank
 
 @dataclass
 class Layout:
-    dp: int
-    tp: int
-    pp: int
-    zero: int = 3
-    recompute: str = "none"
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0                # 0 plain DP, 1/2/3 ZeRO stage
+    recompute: str = "none"      # none | selective | full
     recompute_every: int = 1
-    sequence_parallel: bool = True
-    pp_schedule: str = "1f1b"
+    sequence_parallel: bool = True  # only meaningful with tp > 1
+    pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved1f1b; ignored when pp == 1
     microbatches: int = 0        # per data-parallel rank and optimizer step (0 = local batch / micro_batch)
-    virtual_stages: int = 2
+    virtual_stages: int = 2      # per rank, for interleaved1f1b only
     micro_batch: int = 1
     global_batch: int = 1
+    flash_attention: bool = True  # fused attention: no s×s activations (planner.memory.layer_activation_bytes)
 
     @property
     def local_batch(self) -> int:

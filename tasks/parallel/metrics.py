@@ -9,22 +9,18 @@ from pathlib import Path
 
 from tasks.fsutil import atomic_write_text
 
-# bf16 dense peak FLOP/s per device, used for MFU when hardware.peak_tflops is not set.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "910B": 313.0, "910C": 376.0}
-
-
 def peak_flops(device, configured_tflops: float) -> float | None:
+    """Dense 16-bit peak FLOP/s of one device for MFU: hardware.peak_tflops when set, else the planner's device
+    table (tasks.planner.cluster.DEVICES, the same rows as the cluster presets); None on CPU or an unknown device."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cpu":
         return None
     from tasks.device import device_module
+    from tasks.planner.cluster import device_peak_tflops
 
-    name = device_module(device.type).get_device_name(device)
-    for key, tflops in PEAK_TFLOPS.items():
-        if key in name:
-            return tflops * 1e12
-    return None
+    tflops = device_peak_tflops(device_module(device.type).get_device_name(device))
+    return tflops * 1e12 if tflops else None
 
 
 def truncate_after(path: Path, step: int) -> None:

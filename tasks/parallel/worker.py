@@ -16,6 +16,8 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+from tasks.units import GB
+
 EXIT_NONFINITE, EXIT_OOM, EXIT_TIMEOUT = 3, 4, 5
 # Fault injection for resilience tests: "RANK:STEP" makes that rank SIGKILL itself at the start of that step,
 # "RANK:STEP:hang" makes it stop responding there (the others then hit the collective timeout).
@@ -324,7 +326,7 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
         s.metrics.log({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), "tokens_per_s": tps,
                        "step_time_s": dt, "data_wait_s": t_data,
                        "mfu": s.flops_tok * tps / (s.peak * s.world) if s.peak else None,
-                       "peak_mem_gb": memory_stats(device)["peak_bytes"] / 2**30})
+                       "peak_mem_gb": memory_stats(device)["peak_bytes"] / GB})
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
         s.beat.beat(step, "checkpoint")
         s.phases.enter("checkpoint")

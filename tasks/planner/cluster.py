@@ -51,12 +51,43 @@ class Cluster:
                 f"{self.intra_gbps:g}/{self.inter_gbps:g} GB/s intra/inter, {self.peak_tflops:g} TFLOP/s")
 
 
+@dataclass(frozen=True)
+class Device:
+    """One accelerator's nominal figures: the rows both the cluster presets and the trainer's MFU read."""
+    match: tuple[str, ...]    # substrings of the runtime device name (torch.cuda / torch_npu get_device_name)
+    memory_gb: float          # per device, decimal GB
+    peak_tflops: float        # dense 16-bit
+
+
+# The one table of device peaks and memory (sources in the module docstring). torch_npu names a 910C die
+# "Ascend910_93xx" (the A3 SoC; see tasks.device._FUSED_ATTENTION_SOC).
+DEVICES = {
+    "910b": Device(("910B",), 64.0, 313.0),
+    "910c": Device(("910C", "910_93"), 64.0, 376.0),
+    "a100-80g": Device(("A100",), 80.0, 312.0),
+    "h100-80g": Device(("H100",), 80.0, 989.0),
+    "h200": Device(("H200",), 141.0, 989.0),   # H200 datasheet: H100's compute, 141 GB HBM3e
+    "cpu-laptop": Device((), 8.0, 0.1),
+}
+
+
+def device_peak_tflops(device_name: str) -> float | None:
+    """The DEVICES row whose name matches a runtime device name ('NVIDIA H100 80GB HBM3', 'Ascend910B2'), or None."""
+    return next((d.peak_tflops for d in DEVICES.values() if any(m in device_name for m in d.match)), None)
+
+
+def _preset(name: str, kind: str, devices_per_node: int, intra_gbps: float, inter_gbps: float) -> Cluster:
+    d = DEVICES[name]
+    return Cluster(name, kind, 1, devices_per_node, d.memory_gb, intra_gbps, inter_gbps, d.peak_tflops,
+                   RESERVE_GB[kind])
+
+
 PRESETS = {
-    "910b": Cluster("910b", "npu", 1, 8, 64.0, 56.0, 25.0, 313.0, RESERVE_GB["npu"]),
-    "910c": Cluster("910c", "npu", 1, 16, 64.0, 196.0, 25.0, 376.0, RESERVE_GB["npu"]),
-    "a100-80g": Cluster("a100-80g", "cuda", 1, 8, 80.0, 300.0, 25.0, 312.0, RESERVE_GB["cuda"]),
-    "h100-80g": Cluster("h100-80g", "cuda", 1, 8, 80.0, 450.0, 50.0, 989.0, RESERVE_GB["cuda"]),
-    "cpu-laptop": Cluster("cpu-laptop", "cpu", 1, 2, 8.0, 2.0, 0.125, 0.1, RESERVE_GB["cpu"]),
+    "910b": _preset("910b", "npu", 8, 56.0, 25.0),
+    "910c": _preset("910c", "npu", 16, 196.0, 25.0),
+    "a100-80g": _preset("a100-80g", "cuda", 8, 300.0, 25.0),
+    "h100-80g": _preset("h100-80g", "cuda", 8, 450.0, 50.0),
+    "cpu-laptop": _preset("cpu-laptop", "cpu", 2, 2.0, 0.125),
 }
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GB = 1e9  # decimal gigabytes throughout, as the ZeRO paper's figures
+from tasks.parallel.layout import Layout
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_STATE_BYTES = {  # (mixed precision, pure fp32) bytes per parameter: see the module docstring
@@ -67,6 +67,20 @@ def shape_of(tcfg) -> ModelShape:
     """ModelShape of a tasks.model TransformerConfig (duck-typed, so this module imports nothing heavy)."""
     return ModelShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
                       ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, tied=tcfg.tie_embeddings, qkv_bias=tcfg.qkv_bias)
+
+
+def flops_per_token(shape, seq_len: int, n_params: float = 0.0) -> float:
+    """Training FLOPs per token (forward + backward), the one formula behind the planner's step time and the
+    trainer's/benchmarks' MFU. `shape`: a ModelShape, a TransformerConfig, or None (then 6 × `n_params`).
+
+    6 × the parameters that multiply (every weight but the embedding lookup; the output projection multiplies tied
+    or not) + attention scores and values, 12 · L · h · seq (Kaplan et al. 2020, §2.1; Narayanan et al. 2021, eq. 3
+    without recomputation)."""
+    if shape is None:
+        return 6.0 * n_params
+    sh = shape if isinstance(shape, ModelShape) else shape_of(shape)
+    matmul_params = sh.layers * sh.layer_params + sh.hidden + sh.embedding_params
+    return 6.0 * matmul_params + 12.0 * sh.layers * sh.hidden * seq_len
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
@@ -166,21 +180,6 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
     return chunks / virtual
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    schedule: str = "1f1b"     # ignored when pp == 1
-    micro_batch: int = 1
-    microbatches: int = 1      # per data-parallel rank and optimizer step
-    virtual: int = 1           # interleaved virtual stages per rank
-    sp: bool = True            # sequence parallel (only meaningful with tp > 1)
-    flash: bool = False        # fused attention: no s×s activations (see layer_activation_bytes)
-
-
 def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, precision: str = "bf16",
                     optimizer: str = "adamw") -> dict[str, float]:
     """Bytes on one device of pipeline stage `stage` (0 = holds the embedding, pp-1 = holds the output layer)."""
@@ -197,15 +196,15 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
     states = runtime_state_bytes(n, precision, optimizer, lay.zero, lay.dp)
 
     s, b = seq_len, lay.micro_batch
-    flight = in_flight(lay.schedule, p, lay.microbatches, stage, lay.virtual)
-    per_layer = layer_activation_bytes(s, b, h, shape.heads, t, lay.sp, lay.recompute, shape.ffn, shape.gated, A,
-                                       lay.flash, shape.kv_heads)
+    flight = in_flight(lay.pp_schedule, p, lay.n_microbatches, stage, lay.virtual_stages)
+    per_layer = layer_activation_bytes(s, b, h, shape.heads, t, lay.sequence_parallel, lay.recompute, shape.ffn,
+                                       shape.gated, A, lay.flash_attention, shape.kv_heads)
     act = per_layer * layers * flight
     if lay.recompute == "full":  # backward of one layer re-creates all of that layer's activations; its kept input
         # is one of them (the attention norm's input), so it is not counted twice
-        act += layer_activation_bytes(s, b, h, shape.heads, t, lay.sp, "none", shape.ffn, shape.gated, A, lay.flash,
-                                      shape.kv_heads) - per_layer
-    sp = lay.sp and t > 1
+        act += layer_activation_bytes(s, b, h, shape.heads, t, lay.sequence_parallel, "none", shape.ffn, shape.gated,
+                                      A, lay.flash_attention, shape.kv_heads) - per_layer
+    sp = lay.sequence_parallel and t > 1
     if first:  # Korthikanti §4.3: int64 input ids (8sb) and the embedding dropout mask (sbh, split under SP)
         act += (8 * s * b + s * b * h / (t if sp else 1)) * flight
     if last:   # final-norm and output-layer inputs (4sbh) + fp32 logits for the loss (4sbv, vocab-parallel)
@@ -249,6 +248,7 @@ def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, tp: int 
                      sequence_parallel: bool = True, flash_attention: bool = True) -> int:
     """Estimated peak bytes the framework allocates on one device for a run (no runtime reserve): what the smoke
     and training stages divide by the measured peak to log `memory.estimate_over_measured`."""
-    lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, schedule=schedule, micro_batch=micro_batch,
-                 microbatches=microbatches, virtual=virtual, sp=sequence_parallel, flash=flash_attention)
+    lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, pp_schedule=schedule, micro_batch=micro_batch,
+                 microbatches=microbatches, virtual_stages=virtual, sequence_parallel=sequence_parallel,
+                 flash_attention=flash_attention)
     return int(estimate(shape_of(tcfg), seq_len, lay, precision, optimizer)["total_bytes"])

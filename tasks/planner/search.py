@@ -4,7 +4,8 @@ Rank layout: TP innermost (inside a node), then PP, DP outermost — so a TP gro
 nodes once tp·pp exceeds a node, and DP crosses nodes once the world does.
 
 Step time (no overlap of communication with compute, so it is an upper estimate; ranks compare like with like):
-- compute: FLOPs / (world × peak × efficiency), FLOPs = tokens × (6 × matmul params + 12·L·h·s attention),
+- compute: FLOPs / (world × peak × efficiency), FLOPs = tokens × memory.flops_per_token (6 × matmul params +
+  12·L·h·s attention),
   plus the recomputed forward (full: 2 × layer params + 4·L·h·s per token; selective: the attention core 4·L·h·s,
   or nothing with fused attention, where selective recomputes element-wise ops only);
 - pipeline bubble: compute × (m + p − 1)/m for GPipe and 1F1B (bubble fraction (p − 1)/(m + p − 1)),
@@ -22,7 +23,9 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
-from tasks.planner.memory import GB, PRECISION_BYTES, Layout, ModelShape, estimate
+from tasks.parallel.layout import Layout
+from tasks.planner.memory import PRECISION_BYTES, ModelShape, estimate, flops_per_token
+from tasks.units import GB
 
 FP32_PEAK_FRACTION = 0.5  # fp32 matmuls run as TF32/HF32 at about half the 16-bit peak on A100/H100/910B
 GRAD_REDUCE_BYTES = 4     # gradients are reduced in fp32 (Megatron's bf16 default; FSDP2 reduce_dtype here)
@@ -78,12 +81,13 @@ def layout_problem(pb: Problem, dp: int, tp: int, pp: int) -> str | None:
 
 
 def schedule_problem(pb: Problem, lay: Layout) -> str | None:
-    p, m = lay.pp, lay.microbatches
-    if lay.schedule == "1f1b" and m < p:  # torch.distributed.pipelining.Schedule1F1B refuses it
+    p, m = lay.pp, lay.n_microbatches
+    if lay.pp_schedule == "1f1b" and m < p:  # torch.distributed.pipelining.Schedule1F1B refuses it
         return f"1f1b needs >= {p} micro-batches per rank, got {m}"
-    if lay.schedule == "interleaved1f1b":
-        if pb.shape is not None and pb.shape.layers % (p * lay.virtual):
-            return f"interleaved: pp {p} × {lay.virtual} virtual stages does not divide {pb.shape.layers} layers"
+    if lay.pp_schedule == "interleaved1f1b":
+        if pb.shape is not None and pb.shape.layers % (p * lay.virtual_stages):
+            return (f"interleaved: pp {p} × {lay.virtual_stages} virtual stages does not divide "
+                    f"{pb.shape.layers} layers")
         rounds = max(1, m // p)  # ScheduleInterleaved1F1B's own check
         if m % rounds:
             return f"interleaved: {m} micro-batches is not a multiple of {rounds} rounds"
@@ -100,24 +104,24 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     tokens = pb.global_batch * s
     A = PRECISION_BYTES[pb.precision]
     peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    per_token = flops_per_token(sh, s, pb.n_params)
     if sh is None:
-        per_token, layer_params = 6.0 * pb.n_params, 0.0
+        layer_params = 0.0
     else:
         L, h = sh.layers, sh.hidden
         attention_fwd = 4.0 * L * h * s
-        per_token = 6.0 * (L * sh.layer_params + sh.embedding_params) + 3 * attention_fwd
         # Recompute: full repeats the forward; selective the attention core (paper) or, with fused attention, only
         # element-wise ops (the project's policy keeps matmul and attention outputs), whose FLOPs we neglect.
-        selective = 0.0 if lay.flash else attention_fwd
+        selective = 0.0 if lay.flash_attention else attention_fwd
         per_token += {"full": 2.0 * L * sh.layer_params + attention_fwd, "selective": selective}.get(
             lay.recompute, 0.0)
         layer_params = sh.layer_params
     compute = tokens * per_token / (c.world * peak)
-    p, m = lay.pp, lay.microbatches
+    p, m = lay.pp, lay.n_microbatches
     if p == 1:
         bubble = 0.0
-    elif lay.schedule == "interleaved1f1b":
-        bubble = (p - 1) / (lay.virtual * m + p - 1)
+    elif lay.pp_schedule == "interleaved1f1b":
+        bubble = (p - 1) / (lay.virtual_stages * m + p - 1)
     else:
         bubble = (p - 1) / (m + p - 1)
     pipeline = compute / (1 - bubble)
@@ -128,8 +132,8 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
         per_mb = 4 + (2 if lay.recompute == "full" else 0)
         tp_s = per_mb * m * (sh.layers / p) * _ring(act, lay.tp, c.intra_gbps)
         pp_bw = c.inter_gbps if lay.tp * p > c.devices_per_node else c.intra_gbps
-        pp_s = 0.0 if p == 1 else 2 * m * (lay.virtual if lay.schedule == "interleaved1f1b" else 1) * act / (
-            pp_bw * GB)
+        chunks = lay.virtual_stages if lay.pp_schedule == "interleaved1f1b" else 1
+        pp_s = 0.0 if p == 1 else 2 * m * chunks * act / (pp_bw * GB)
     shard = (sh.layers / p * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     grads = _ring(shard * GRAD_REDUCE_BYTES, lay.dp, dp_bw, 1.0)  # one reduce-scatter
@@ -180,17 +184,16 @@ def candidates(pb: Problem):
                 for sched in (pb.schedules if pp > 1 else ["1f1b"]):
                     for zero in zeros:
                         for rc in recomputes:
-                            lay = Layout(dp, tp, pp, zero, rc, sched, mb, per_rank // mb,
-                                         pb.virtual if sched == "interleaved1f1b" else 1,
-                                         pb.sequence_parallel and tp > 1, pb.flash_attention)
+                            lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=rc, pp_schedule=sched,
+                                         micro_batch=mb, microbatches=per_rank // mb,
+                                         virtual_stages=pb.virtual if sched == "interleaved1f1b" else 1,
+                                         sequence_parallel=pb.sequence_parallel and tp > 1,
+                                         global_batch=pb.global_batch, flash_attention=pb.flash_attention)
                             yield _row(lay), schedule_problem(pb, lay), lay
 
 
 def _row(lay: Layout) -> dict:
-    d = asdict(lay)
-    d["pp_schedule"] = d.pop("schedule") if lay.pp > 1 else "none"
-    d["sequence_parallel"] = d.pop("sp")
-    return d
+    return {**asdict(lay), "pp_schedule": lay.pp_schedule if lay.pp > 1 else "none"}
 
 
 def evaluate(pb: Problem, lay: Layout) -> dict:

@@ -1,9 +1,7 @@
 """The ranked plan table (what `python -m tasks plan` prints and the stage logs as plan_table.txt)."""
 from __future__ import annotations
 
-from tasks.planner.memory import GB
-
-MB = 1e6
+from tasks.units import GB, MB
 
 _HEAD = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'recompute':<9} {'schedule':<15} {'mb×m':>7} "
          f"{'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'other':>6} {'total':>7} {'step s':>9} "

@@ -1,10 +1,11 @@
 """Advisor rules over the unified report: each finding has a rule id, a severity, the evidence numbers and advice.
 
-Thresholds follow the seed guides and msprof-analyze's advisor (ascend-reference.md A3). The two field guides give
-two AllReduce figures: the rule fires at 30 % of the step (communication.allreduce, medium/high) and the 25 % figure
-stays as a low-severity note (communication.allreduce_note) between the two. Slow rank / slow link at
-(max − min) / mean > 5 % (slow_rank_analyzer RATIO_THRESHOLD, slow_link_analyzer), AI CPU tasks > 20 µs
-(aicpu_checker _MIN_TASK_DURATION), data loader > 10 000 µs per step (rules/dataloader.yaml).
+Thresholds: msprof-analyze's advisor (Ascend/msprof-analyze, `msprof_analyze/advisor`) where it has one — slow
+rank / slow link at (max − min) / mean > 5 % (analyzer/cluster/slow_rank_analyzer.py RATIO_THRESHOLD,
+slow_link_analyzer.py), AI CPU tasks > 20 µs (computation/aicpu/aicpu_checker.py _MIN_TASK_DURATION), data loader
+> 10 000 µs per step (rules/en/dataloader.yaml). The AllReduce share has no advisor threshold; this project's rule
+of thumb fires at 30 % of the step (communication.allreduce, medium/high) and keeps a low-severity note from 25 %
+(communication.allreduce_note).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from dataclasses import asdict, dataclass
 THRESHOLDS = {
     "busy_min": 0.50,                 # device busy (1 − free) below this share of the step → under-utilised
     "comm_not_overlapped_max": 0.30,  # exposed communication above this share of the step
-    "allreduce_max": 0.30,            # AllReduce time above this share of the step: the rule (field guide, 30 %)
-    "allreduce_note": 0.25,           # between this and allreduce_max: a low-severity note (the other guide's 25 %)
+    "allreduce_max": 0.30,            # AllReduce time above this share of the step: the rule (rule of thumb, 30 %)
+    "allreduce_note": 0.25,           # between this and allreduce_max: a low-severity note (25 %)
     "spread_max": 0.05,               # slow rank / slow link: (max − min) / mean
     "spread_min_share": 0.05,         # ignore a dimension smaller than this share of the step (noise, not a rank)
     "ai_cpu_max_us": 20.0,

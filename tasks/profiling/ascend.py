@@ -1,5 +1,8 @@
 """Ascend profiler output → RankData: torch_npu `*_ascend_pt/ASCEND_PROFILER_OUTPUT`, msprof `PROF_*`, and
-msprof-analyze `cluster_analysis_output`. Formats as in ascend-reference.md section A; files recognised by header.
+msprof-analyze `cluster_analysis_output`. Formats as documented by their producers — Ascend/pytorch
+`docs/en/developer_notes/ascend_pytorch_profiler_user_guide.md`, Ascend/msprof
+`docs/en/user_guide/profile_data_file_references.md`, Ascend/msprof-analyze's cluster_analyse README — and as their
+test fixtures show; files recognised by header.
 """
 from __future__ import annotations
 

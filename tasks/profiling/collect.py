@@ -11,7 +11,8 @@ The training worker calls (out_dir None = not profiling: a no-op profiler, same 
   `tensorboard_trace_handler` → `<out_dir>/rank{r}_<time>_ascend_pt/ASCEND_PROFILER_OUTPUT/` (torch_npu parses on
   the spot). torch_npu is imported through tasks.device only.
 - CUDA / CPU: `torch.profiler.profile` → `<out_dir>/rank{r}.pt.trace.json` (Chrome trace, memory when asked).
-The schedule comes from cfg.profile: skip_first, wait, warmup, active, one cycle (repeat=1, as the Ascend guide
+The schedule comes from cfg.profile: skip_first, wait, warmup, active, one cycle (repeat=1, as Ascend/pytorch's
+docs/en/developer_notes/ascend_pytorch_profiler_user_guide.md
 recommends for cluster analysis).
 """
 from __future__ import annotations

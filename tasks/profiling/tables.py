@@ -2,9 +2,9 @@
 
 Files are recognised by their header, never by their name: torch_npu writes `ASCEND_PROFILER_OUTPUT/*.csv` with
 renamed kernel columns, msprof writes `mindstudio_profiler_output/*_<timestamp>.csv` with the original ones, and
-teams rename both. Quirks handled (ascend-reference.md A, "Caveats"): a trailing `\\t` inside time values, `N/A`
-placeholders, triple-quoted shapes, an optional `Device_id` / `Step Id` / `Preparing` column, `Block Dim` (CANN < 9)
-vs `Block Num`, a UTF-8 BOM.
+teams rename both. Quirks handled (seen in those tools' own test fixtures and docs): a trailing `\\t` inside
+time values, `N/A` placeholders, triple-quoted shapes, an optional `Device_id` / `Step Id` / `Preparing` column,
+`Block Dim` (CANN < 9) vs `Block Num`, a UTF-8 BOM.
 """
 from __future__ import annotations
 

@@ -16,14 +16,11 @@ from pathlib import Path
 from tasks.errors import StageError
 from tasks.profiling import timeline as tl
 from tasks.profiling.model import Op, RankData, Step, categorize
+from tasks.units import MB
 
 DATA_WAIT_RE = re.compile(r"enumerate\(DataLoader\)|DataLoader\w*Iter\.__next__|^data_wait$", re.I)
 _RANK_RE = re.compile(r"rank[_-]?(\d+)", re.I)
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def is_torch_trace(meta: dict) -> bool:
-    return "traceEvents" in meta and ("schemaVersion" in meta or "distributedInfo" in meta or "traceName" in meta)
 
 
 def data_wait_per_step(events: list[dict], windows) -> list[float]:
@@ -137,4 +134,4 @@ def _memory_peak(events: list[dict]) -> dict:
     if not peaks:
         return {}
     alloc, reserved = peaks[max(peaks)]  # device type 0 is CPU; accelerators have higher numbers
-    return {"allocated": alloc / 2**20, "reserved": reserved / 2**20}
+    return {"allocated": alloc / MB, "reserved": reserved / MB}

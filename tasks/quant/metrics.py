@@ -61,33 +61,6 @@ def state_dict_bytes(model, dtype: torch.dtype | None = None) -> int:
     return counter.written
 
 
-@torch.no_grad()
-def forward_latency(models: dict, tokens: torch.Tensor, device, repeats: int = 5, warmup: int = 2) -> dict:
-    """Seconds per token of one forward over `tokens` [b, s], for each model; rounds alternate between the models
-    so that background load hits all of them alike; the median round counts."""
-    times = {name: [] for name in models}
-    tokens = tokens.to(device)
-    for i in range(warmup + repeats):
-        for name, model in models.items():
-            devices.synchronize(tokens.device)
-            t0 = time.perf_counter()
-            model(tokens)
-            devices.synchronize(tokens.device)
-            if i >= warmup:
-                times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) / tokens.numel() for name, t in times.items()}
-
-
-@torch.no_grad()
-def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, max_seq_len: int, device) -> list[int]:
-    """Argmax decoding without a KV cache (small models; the context is cut to the model's window)."""
-    ids = list(prompt_ids)
-    for _ in range(max_new_tokens):
-        ctx = torch.tensor([ids[-max_seq_len:]], device=device)
-        ids.append(int(model(ctx)[0, -1].argmax()))
-    return ids[len(prompt_ids):]
-
-
 def agreement(a: list, b: list) -> float:
     """Share of positions where two continuations of the same prompts agree (pairs of equal-length token lists)."""
     pairs = [(x, y) for seq_a, seq_b in zip(a, b) for x, y in zip(seq_a, seq_b)]

@@ -1,0 +1,104 @@
+"""Each fact is defined once: a second copy coming back (a class, a formula, a table, a setting) fails here."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CODE = [p for d in ("tasks", "data_prep", "bench", "dags", "plugins") for p in (REPO / d).rglob("*.py")]
+
+
+def defined(pattern: str) -> list[str]:
+    """Files (relative) whose text matches `pattern` (a definition, not a use)."""
+    rx = re.compile(pattern, re.M)
+    return sorted(str(p.relative_to(REPO)) for p in CODE if rx.search(p.read_text(encoding="utf-8")))
+
+
+def test_one_parallel_layout_type_for_planner_and_trainer():
+    assert defined(r"^class Layout\b") == ["tasks/parallel/layout.py"]
+    from tasks.parallel import layout
+    from tasks.planner import memory, search
+
+    assert search.Layout is memory.Layout is layout.Layout
+    # The planner's plan row is the Layout itself (plus its figures): the trainer reads it without renaming.
+    row = search._row(layout.Layout(pp=2, pp_schedule="interleaved1f1b", virtual_stages=2))
+    assert set(layout.Layout.__dataclass_fields__) <= set(row)
+
+
+def test_one_flop_per_token_formula():
+    """Defined in planner/memory.py; the planner's step time, the trainer's MFU and the benchmarks call it."""
+    assert defined(r"^def flops_per_token\b") == ["tasks/planner/memory.py"]
+    assert defined(r"\b6(\.0)?\s*\*\s*\(?\s*(matmul|[a-z_.]*n_params|[a-z_.]*num_params|L\s*\*)") == [
+        "tasks/planner/memory.py"]
+    from tasks.model import flops_per_token as model_flops
+    from tasks.model.config import get_preset
+    from tasks.planner.memory import flops_per_token, shape_of
+    from tasks.planner.search import Problem, step_time
+    from tasks.planner.cluster import get_cluster
+    from tasks.parallel.layout import Layout
+
+    tcfg = get_preset("llama3-8b")
+    assert model_flops is flops_per_token and flops_per_token(tcfg, 2048) == flops_per_token(shape_of(tcfg), 2048)
+    c = get_cluster("h100-80g")
+    pb = Problem(c, shape_of(tcfg), 2048, 64, efficiency=1.0)
+    t = step_time(pb, Layout(dp=8, micro_batch=1, microbatches=8))
+    assert t["compute_s"] == 64 * 2048 * flops_per_token(tcfg, 2048) / (8 * c.peak_tflops * 1e12)
+
+
+def test_one_table_of_device_peaks_and_memory():
+    """Cluster presets and the trainer's MFU peak read tasks.planner.cluster.DEVICES; no TFLOP/s figure elsewhere."""
+    from tasks.planner.cluster import DEVICES, PRESETS, device_peak_tflops
+
+    for name, cluster in PRESETS.items():
+        assert (cluster.memory_gb, cluster.peak_tflops) == (DEVICES[name].memory_gb, DEVICES[name].peak_tflops)
+    assert device_peak_tflops("NVIDIA H100 80GB HBM3") == PRESETS["h100-80g"].peak_tflops
+    assert device_peak_tflops("NVIDIA A100-SXM4-80GB") == PRESETS["a100-80g"].peak_tflops
+    assert device_peak_tflops("Ascend910B2") == PRESETS["910b"].peak_tflops
+    assert device_peak_tflops("Ascend910_9391") == PRESETS["910c"].peak_tflops
+    assert device_peak_tflops("Tesla T4") is None
+    for figure in ("989", "313", "376"):  # each datasheet peak is written once
+        assert defined(rf"\b{figure}\.0\b") == ["tasks/planner/cluster.py"], figure
+    assert not defined(r"PEAK_TFLOPS\s*=")
+
+
+def test_one_memory_unit():
+    """Printed memory is decimal (tasks/units.py: GB = 1e9); no other GB/GiB constant or 2**30 divisor."""
+    from tasks.units import GB, MB
+
+    assert (GB, MB) == (1e9, 1e6)
+    assert defined(r"^\s*(GB|GIB|MB)\s*=") == ["tasks/units.py"]
+    assert not defined(r"(/|//)\s*(2\s*\*\*\s*30|1\s*<<\s*30|1024\s*\*\*\s*3|2\s*\*\*\s*20|1\s*<<\s*20)\b")
+
+
+def test_one_mlflow_ui_url_setting(monkeypatch):
+    """tracking.ui_url, $MLFLOW_UI_URL and the default resolve in tasks.tracking.ui_url(); the summary and the link
+    plugin print the same address."""
+    import sys
+
+    from tasks import tracking
+    from tasks.config import load_config
+
+    cfg = load_config()
+    monkeypatch.setenv("MLFLOW_UI_URL", "http://env.example:5001/")
+    assert tracking.ui_url(cfg) == "http://env.example:5001" and cfg.tracking.ui_url == ""
+    assert tracking.run_url("r1", cfg) == "http://env.example:5001/#/runs/r1"
+    cfg.tracking.ui_url = "http://cfg.example:5002"
+    assert tracking.run_url("r1", cfg, "7") == "http://cfg.example:5002/#/experiments/7/runs/r1"
+    monkeypatch.delenv("MLFLOW_UI_URL")
+    assert tracking.ui_url(None) == tracking.DEFAULT_UI_URL
+    sys.path.insert(0, str(REPO / "plugins"))
+    try:
+        import mlflow_link
+    finally:
+        sys.path.remove(str(REPO / "plugins"))
+    monkeypatch.setenv("MLFLOW_UI_URL", "http://env.example:5001")
+    assert mlflow_link.mlflow_run_url("r1") == tracking.run_url("r1", load_config())
+    assert "UI_URL" not in (REPO / "plugins" / "mlflow_link.py").read_text().split('"""', 2)[2]
+    assert defined(r"127\.0\.0\.1:5000\"") == ["tasks/tracking.py"]
+
+
+def test_docstrings_cite_public_sources_not_notes_outside_the_repository():
+    stale = re.compile(r"ascend-reference\.md|platform-facts|seed guides?|upstream-apis\.md|/work/shared", re.I)
+    files = CODE + list((REPO / "tests").glob("*.py"))
+    assert [str(p.relative_to(REPO)) for p in files
+            if p.name != "test_one_source.py" and stale.search(p.read_text(encoding="utf-8"))] == []
