@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tasks.model import build_model, get_preset, materialize, num_params  # noqa: E402
+from tasks.model import build_model, get_preset, materialize  # noqa: E402
 from tasks.model.step import train_step  # noqa: E402
 
 BATCH, SEQ, ROUNDS, WARMUP, MFU_ROUNDS = 4, 128, 30, 2, 12
@@ -51,11 +51,11 @@ def matmul_peak_flops(n: int = 1024, reps: int = 4, dtype=torch.float32) -> floa
 
 
 def step_flops(tcfg, batch: int, seq: int) -> float:
-    """Training FLOPs of one step: 6 × matmul params per token + causal attention as executed."""
-    matmul_params = num_params(tcfg, include_embedding=False) + (tcfg.vocab_size * tcfg.dim if tcfg.tie_embeddings
-                                                                 else 0)
-    attention = 12.0 * tcfg.n_layers * tcfg.n_heads * tcfg.head_dim * (seq + 1) / 2
-    return (6.0 * matmul_params + attention) * batch * seq
+    """Training FLOPs of one step: the project's one formula (tasks.planner.memory.flops_per_token), with causal
+    attention counted as executed."""
+    from tasks.planner.memory import flops_per_token
+
+    return flops_per_token(tcfg, seq, causal=True) * batch * seq
 
 
 def plain_step(model, opt, x, y):

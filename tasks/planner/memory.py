@@ -69,18 +69,20 @@ def shape_of(tcfg) -> ModelShape:
                       ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, tied=tcfg.tie_embeddings, qkv_bias=tcfg.qkv_bias)
 
 
-def flops_per_token(shape, seq_len: int, n_params: float = 0.0) -> float:
+def flops_per_token(shape, seq_len: int, n_params: float = 0.0, causal: bool = False) -> float:
     """Training FLOPs per token (forward + backward), the one formula behind the planner's step time and the
     trainer's/benchmarks' MFU. `shape`: a ModelShape, a TransformerConfig, or None (then 6 × `n_params`).
 
     6 × the parameters that multiply (every weight but the embedding lookup; the output projection multiplies tied
     or not) + attention scores and values, 12 · L · h · seq (Kaplan et al. 2020, §2.1; Narayanan et al. 2021, eq. 3
-    without recomputation)."""
+    without recomputation). `causal=True` counts attention as a causal kernel executes it: each query attends to
+    (seq + 1) / 2 keys on average, so the attention term is scaled by (seq + 1) / (2 · seq)."""
     if shape is None:
         return 6.0 * n_params
     sh = shape if isinstance(shape, ModelShape) else shape_of(shape)
     matmul_params = sh.layers * sh.layer_params + sh.hidden + sh.embedding_params
-    return 6.0 * matmul_params + 12.0 * sh.layers * sh.hidden * seq_len
+    attention = 12.0 * sh.layers * sh.hidden * seq_len * ((seq_len + 1) / (2 * seq_len) if causal else 1.0)
+    return 6.0 * matmul_params + attention
 
 
 def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int]:
