@@ -108,6 +108,12 @@ class ModelConfig:
     vocab_size: int = 0                   # 0 = preset, or the tokenizer's size when the preset allows
     rope_theta: float = 0.0
     max_seq_len: int = 0
+    # Mixture of experts (MoE presets: moe-demo, qwen1.5-moe-a2.7b, qwen2-57b-a14b; tasks/model/moe.py)
+    n_experts: int = 0
+    top_k: int = 0
+    moe_ffn_dim: int = 0
+    aux_loss_coef: float = -1.0           # router load-balancing loss weight (-1 = the preset's, 0 = off)
+    capacity_factor: float = -1.0         # -1 = the preset's (dropless); > 0 drops tokens above the capacity
     # NPU fused kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu) swapped in after the model is built:
     # auto = on when the device is an NPU and the op exists; off = plain PyTorch everywhere (tasks/model/npu_kernels)
     npu_kernels: str = "auto"

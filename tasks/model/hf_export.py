@@ -70,6 +70,44 @@ def _numel(shape) -> int:
     return n
 
 
+def expand_experts(tensors):
+    """Stacked expert weights [E, ...] → E entries keyed (our name, j) of shape [...] (HF stores one tensor per
+    expert); every other entry unchanged."""
+    from tasks.model.hf_io import is_expert_stack
+
+    out = []
+    for name, shape, dt in tensors:
+        if is_expert_stack(name):
+            out.extend(((name, j), tuple(shape[1:]), dt) for j in range(shape[0]))
+        else:
+            out.append((name, shape, dt))
+    return out
+
+
+def _hf_name(key) -> str:
+    from tasks.model.hf_io import expert_hf_name, ours_to_hf
+
+    return expert_hf_name(*key) if isinstance(key, tuple) else ours_to_hf(key)
+
+
+class _Reader:
+    """Reads entries from the checkpoint; an expert stack is read once and kept while its experts are written
+    (at most that one full tensor held)."""
+
+    def __init__(self, ckpt: Path, shapes: dict):
+        self.ckpt, self.shapes, self.held = ckpt, shapes, (None, None)
+
+    def __call__(self, key, shape, dtype) -> torch.Tensor:
+        if not isinstance(key, tuple):
+            self.held = (None, None)
+            return _read_tensor(self.ckpt, key, shape, dtype)
+        name, j = key
+        if self.held[0] != name:
+            self.held = (None, None)
+            self.held = (name, _read_tensor(self.ckpt, name, self.shapes[name], dtype))
+        return self.held[1][j]
+
+
 def _read_tensor(ckpt: Path, name: str, shape, dtype) -> torch.Tensor:
     import torch.distributed.checkpoint as dcp
 
@@ -109,7 +147,7 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
                            barrier=None, dtype: torch.dtype | None = None, file_bytes: int = FILE_BYTES) -> Path:
     """Write the HF directory `out` from the DCP checkpoint `ckpt`; with world > 1 every rank calls it (with a
     `barrier` callable) and writes its share of the files."""
-    from tasks.model.hf_io import _copy_tokenizer, ours_to_hf, to_hf_config
+    from tasks.model.hf_io import _copy_tokenizer, to_hf_config
 
     ckpt, out = Path(ckpt), Path(out)
     tmp = out.parent / f".{out.name}.tmp"
@@ -118,18 +156,21 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    files = plan_files(checkpoint_tensors(ckpt, tcfg), dtype, file_bytes)
+    tensors = checkpoint_tensors(ckpt, tcfg)
+    reader = _Reader(ckpt, {n: shape for n, shape, _ in tensors})
+    files = plan_files(expand_experts(tensors), dtype, file_bytes)
     names = file_names(len(files))
     for i in range(rank, len(files), world):
         src = files[i]
-        entries = [(ours_to_hf(n), shape, dtype or dt) for n, shape, dt in src]
-        write_streaming(tmp / names[i], entries, lambda k, src=src: _read_tensor(ckpt, *src[k]))
+        entries = [(_hf_name(n), shape, dtype or dt) for n, shape, dt in src]
+        write_streaming(tmp / names[i], entries, lambda k, src=src: reader(*src[k]))
+        reader.held = (None, None)
     barrier()
     if rank == 0:
         out_dtype = dtype or (files[0][0][2] if files else torch.float32)
         (tmp / "config.json").write_text(json.dumps(to_hf_config(tcfg, out_dtype), indent=2) + "\n")
         if len(files) > 1:
-            weight_map = {ours_to_hf(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
+            weight_map = {_hf_name(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
             total = sum(_numel(s) * (dtype or d).itemsize for f in files for _, s, d in f)
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
