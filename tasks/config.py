@@ -131,6 +131,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"             # gpipe | 1f1b | interleaved1f1b
     microbatches: int = 0                 # 0 = global_batch / micro_batch per DP rank
     virtual_stages: int = 2               # for interleaved1f1b
+    ep: int = 1                           # expert parallelism (MoE): experts split over ep of the dp ranks
 
 
 @dataclass
@@ -321,6 +322,8 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "data.shard_size_mb": (0.01, 100_000), "data.tokenize_processes": (1, 256), "data.loader_workers": (0, 64),
     "data.max_documents": (0, None), "data.min_chars": (0, None), "data.shard_multiple": (0, 1 << 16),
     "parallel.dp": (0, 1 << 16), "parallel.tp": (0, 1024), "parallel.pp": (0, 1024),
+    "parallel.ep": (1, 1024), "model.n_experts": (0, 4096), "model.top_k": (0, 4096), "model.moe_ffn_dim": (0, None),
+    "model.aux_loss_coef": (-1.0, 100.0), "model.capacity_factor": (-1.0, 1000.0),
     "parallel.recompute_every": (1, 1024), "parallel.microbatches": (0, 1 << 16), "parallel.virtual_stages": (1, 64),
     "train.steps": (1, None), "train.global_batch": (1, None), "train.micro_batch": (1, None),
     "train.lr": (0.0, None), "train.warmup_steps": (0, None), "train.grad_clip": (0.0, None),

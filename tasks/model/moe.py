@@ -66,11 +66,29 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: 
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, scale: float):
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts in three stacked weights (HF per expert j: gate_proj = w1[j], up_proj = w3[j],
     down_proj = w2[j])."""
 
     use_grouped_mm = True  # False: the loop (tests compare the two)
+    grad_scale = 1.0       # expert parallelism: 1 / ep (tasks/parallel/ep.py)
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int):
         super().__init__()
@@ -79,8 +97,10 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows sorted by (local) expert, counts[e] rows for expert e."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        """x: rows sorted by (local) expert, counts[e] rows for expert e (this rank's experts under EP)."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         grouped = self.use_grouped_mm and grouped_ok(x, w1, w2, w3)
         h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
         return expert_matmul(h, w2, counts, grouped)
