@@ -1,0 +1,209 @@
+"""Planner for mixture-of-experts models: memory and step time of (dp, ep, zero, recompute, micro-batch) layouts.
+
+The trainer runs MoE with dp/FSDP and expert parallelism (ep carved from dp, tasks/parallel/ep.py), so tp = pp = 1
+here. Per device:
+
+- model states (ZeRO §3.1 bytes per parameter, tasks.planner.memory): the non-expert parameters (attention, norms,
+  embeddings, routers, shared experts, dense layers) over dp as for a dense model; the routed experts are first
+  split over ep (each rank owns E/ep of them) and then ZeRO-sharded over their dp/ep replicas;
+- activations per MoE layer and micro-batch: the attention and shared-expert part as a dense layer of width
+  shared_ffn (Korthikanti et al. 2022 count, memory.layer_activation_bytes), plus the router's fp32 logits and
+  probabilities (8·E bytes per token) and, per routed assignment (tokens × top_k × capacity, capacity 1 when
+  dropless: the balanced expectation), the dispatched input and combined output (2h) and the four ffn-wide SwiGLU
+  tensors (4·moe_ffn) in 16-bit;
+- all-to-all buffers: one layer's send and receive buffers for dispatch (2 × assignments × h × 2 B), live while
+  that layer runs;
+- ZeRO-3 gather buffer: the current and prefetched layer's gathered parameters (its E/ep local experts included).
+
+Step time: compute = tokens × (6 × active parameters + attention) / (world × peak × efficiency) (active: top_k
+experts per token); all-to-all = 4 per MoE layer and micro-batch (dispatch and combine, forward and backward), each
+moving assignments × h × 2 B of which (ep−1)/ep leaves the device, over the intra-node link while ep fits in a node
+and the inter-node link otherwise (EP inside a node preferred); DP = reduce-scatter + all-gather (ZeRO 1/2) or the
+ZeRO-3 gathers of the non-expert states over dp and of the expert states over dp/ep, ring cost as in search.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from tasks.planner.cluster import Cluster
+from tasks.planner.memory import GB, PRECISION_BYTES, layer_activation_bytes, model_state_bytes
+from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int                 # dense layers' SwiGLU width
+    vocab: int
+    n_experts: int
+    top_k: int
+    moe_ffn: int
+    shared_ffn: int
+    moe_layers: int
+    total_params: int
+    active_params: int
+    tied: bool = False
+
+    @property
+    def expert_params(self) -> int:
+        """Routed experts of all MoE layers (the part expert parallelism splits)."""
+        return self.moe_layers * self.n_experts * 3 * self.hidden * self.moe_ffn
+
+    @property
+    def dense_params(self) -> int:
+        return self.total_params - self.expert_params
+
+
+def moe_shape_of(tcfg) -> MoeShape:
+    from tasks.model.config import num_params
+
+    return MoeShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
+                    ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, n_experts=tcfg.n_experts, top_k=tcfg.top_k,
+                    moe_ffn=tcfg.moe_ffn_dim, shared_ffn=tcfg.shared_ffn_dim, moe_layers=tcfg.n_moe_layers,
+                    total_params=num_params(tcfg), active_params=num_params(tcfg, active=True),
+                    tied=tcfg.tie_embeddings)
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    dp: int
+    ep: int = 1
+    zero: int = 3
+    recompute: str = "none"
+    micro_batch: int = 1
+    microbatches: int = 1
+
+
+@dataclass
+class MoeProblem:
+    cluster: Cluster
+    shape: MoeShape
+    seq_len: int
+    global_batch: int
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    capacity_factor: float = 0.0      # 0 = dropless
+    zero_stages: list = field(default_factory=lambda: [1, 2, 3])
+    recompute: list = field(default_factory=lambda: ["none", "full"])
+    micro_batches: list = field(default_factory=list)
+    flash_attention: bool = True
+    efficiency: float = 0.4
+    pins: dict = field(default_factory=dict)   # {"dp"|"ep": n}
+
+
+def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
+    sh, A = pb.shape, PRECISION_BYTES[pb.precision]
+    dense = model_state_bytes(sh.dense_params, pb.precision, pb.optimizer, lay.zero, lay.dp)
+    experts = model_state_bytes(sh.expert_params / lay.ep, pb.precision, pb.optimizer, lay.zero, lay.dp // lay.ep)
+    states = {k: dense[k] + experts[k] for k in dense}
+    s, b, h = pb.seq_len, lay.micro_batch, sh.hidden
+    cap = pb.capacity_factor or 1.0
+    assignments = s * b * sh.top_k * cap
+    routed = 0.0 if lay.recompute == "full" else assignments * A * (2 * h + 4 * sh.moe_ffn) + s * b * 8 * sh.n_experts
+    moe_layer = layer_activation_bytes(s, b, h, sh.heads, 1, False, lay.recompute, sh.shared_ffn, True, A,
+                                       pb.flash_attention, sh.kv_heads) + routed
+    dense_layer = layer_activation_bytes(s, b, h, sh.heads, 1, False, lay.recompute, sh.ffn, True, A,
+                                         pb.flash_attention, sh.kv_heads)
+    act = sh.moe_layers * moe_layer + (sh.layers - sh.moe_layers) * dense_layer
+    if lay.recompute == "full":  # one layer's activations re-created in backward
+        act += layer_activation_bytes(s, b, h, sh.heads, 1, False, "none", sh.shared_ffn, True, A,
+                                      pb.flash_attention, sh.kv_heads) + assignments * A * (2 * h + 4 * sh.moe_ffn)
+    act += 8 * s * b + s * b * h + 4 * s * b * h + 4 * s * b * sh.vocab  # ids, embedding out, final norm, fp32 logits
+    a2a = 2 * assignments * h * A if lay.ep > 1 else 0.0
+    layer_params = (sh.dense_params - sh.vocab * h * (1 if sh.tied else 2)) / sh.layers + \
+        sh.expert_params / max(1, sh.moe_layers) / lay.ep
+    gather = 2 * layer_params * A if lay.zero >= 3 and lay.dp > 1 else 0.0
+    out = {**states, "activations_bytes": act, "all_to_all_bytes": a2a, "buffers_bytes": gather,
+           "reserve_bytes": pb.cluster.reserve_gb * GB}
+    out["total_bytes"] = sum(out.values())
+    return out
+
+
+def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
+    c, sh, s = pb.cluster, pb.shape, pb.seq_len
+    A = PRECISION_BYTES[pb.precision]
+    tokens = pb.global_batch * s
+    peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    per_token = 6.0 * sh.active_params + 12.0 * sh.layers * sh.hidden * s
+    if lay.recompute == "full":
+        per_token += 2.0 * sh.active_params + 4.0 * sh.layers * sh.hidden * s
+    compute = tokens * per_token / (c.world * peak)
+    inside = lay.ep <= c.devices_per_node
+    a2a_bw = c.intra_gbps if inside else c.inter_gbps
+    per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
+    a2a = 0.0 if lay.ep == 1 else 4 * sh.moe_layers * lay.microbatches * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+    dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
+    rep = lay.dp // lay.ep
+    rep_bw = c.inter_gbps if lay.dp > c.devices_per_node else c.intra_gbps  # replicas are ep apart
+    dp_s = 0.0
+    for n_params, n, bw in ((sh.dense_params, lay.dp, dp_bw), (sh.expert_params / lay.ep, rep, rep_bw)):
+        grads = _ring(n_params * GRAD_REDUCE_BYTES, n, bw, 1.0)
+        gather = _ring(n_params * A, n, bw, 1.0)
+        dp_s += grads + (gather if lay.zero < 3 else 2 * lay.microbatches * gather)
+    total = compute + a2a + dp_s
+    return {"step_s": total, "compute_s": compute, "all_to_all_s": a2a, "dp_comm_s": dp_s,
+            "all_to_all_share": a2a / total if total else 0.0, "ep_intra_node": inside, "tokens_per_s": tokens / total}
+
+
+def layout_problem(pb: MoeProblem, dp: int, ep: int) -> str | None:
+    sh, c = pb.shape, pb.cluster
+    if sh.n_experts % ep:
+        return f"ep {ep} does not divide the {sh.n_experts} experts"
+    if dp % ep:
+        return f"ep {ep} does not divide dp {dp}"
+    if pb.global_batch % dp:
+        return f"dp {dp} does not divide global batch {pb.global_batch}"
+    if ep > c.devices_per_node and ep % c.devices_per_node:
+        return f"ep {ep} spans nodes unevenly ({c.devices_per_node} devices per node)"
+    return None
+
+
+def candidates(pb: MoeProblem):
+    dp = pb.cluster.world
+    if pb.pins.get("dp") and pb.pins["dp"] != dp:
+        yield {"dp": pb.pins["dp"]}, (f"pinned dp {pb.pins['dp']} ≠ world {dp} devices (MoE trains with tp = pp = "
+                                      f"1)"), None
+        return
+    for ep in [d for d in range(1, dp + 1) if dp % d == 0]:
+        if pb.pins.get("ep") and pb.pins["ep"] != ep:
+            continue
+        why = layout_problem(pb, dp, ep)
+        if why:
+            yield {"dp": dp, "ep": ep}, why, None
+            continue
+        per_rank = pb.global_batch // dp
+        for mb in pb.micro_batches or [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0]:
+            if per_rank % mb:
+                yield {"dp": dp, "ep": ep, "micro_batch": mb}, f"micro-batch {mb} does not divide {per_rank}", None
+                continue
+            for zero in pb.zero_stages:
+                for rc in pb.recompute:
+                    yield None, None, MoeLayout(dp, ep, zero, rc, mb, per_rank // mb)
+
+
+def evaluate(pb: MoeProblem, lay: MoeLayout) -> dict:
+    return {**asdict(lay), "tp": 1, "pp": 1, **memory(pb, lay), **step_time(pb, lay)}
+
+
+def search(pb: MoeProblem) -> dict:
+    """{"plans": feasible plans best first (faster; ties to EP inside a node, then less memory), "rejected":
+    [{..., "reason"}]}."""
+    limit = pb.cluster.memory_gb * GB
+    plans, rejected = [], []
+    for row, why, lay in candidates(pb):
+        if why:
+            rejected.append({**row, "reason": why})
+            continue
+        plan = evaluate(pb, lay)
+        if plan["total_bytes"] > limit:
+            rejected.append({**plan, "reason": f"needs {plan['total_bytes'] / GB:.1f} GB > "
+                                               f"{pb.cluster.memory_gb:g} GB"})
+        else:
+            plans.append(plan)
+    plans.sort(key=lambda p: (float(f"{p['step_s']:.3g}"), not p["ep_intra_node"], p["total_bytes"]))
+    rejected.sort(key=lambda r: r.get("total_bytes", math.inf))
+    return {"plans": plans, "rejected": rejected}
