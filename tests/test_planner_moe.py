@@ -58,3 +58,24 @@ def test_pins_and_batch_refusals():
     assert search(pb)["rejected"][0]["reason"].startswith("pinned dp 4 ≠ world 8 devices")
     pb = _pb("moe-demo", 1, batch=12)
     assert any(r["reason"] == "dp 8 does not divide global batch 12" for r in search(pb)["rejected"])
+
+
+def test_plan_stage_sizes_a_moe_preset_and_hands_ep_to_training(tmp_path, capsys):
+    import json
+
+    from tasks.cli import main
+    from tasks.parallel.layout import resolve
+
+    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--model", "qwen1.5-moe-a2.7b", "--cluster",
+               "910b", "--nodes", "2", "--seq-len", "4096", "--global-batch", "64", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["parallel"]["ep"] in (2, 4) and (result["parallel"]["tp"], result["parallel"]["pp"]) == (1, 1)
+    table = (tmp_path / "plan" / "plan_table.txt").read_text()
+    assert "MoE: 60 experts, top-4" in table and "dp16·ep8: ep 8 does not divide the 60 experts" in table
+
+    from tasks.config import PipelineConfig
+
+    cfg = PipelineConfig()
+    cfg.parallel.dp = 0
+    assert resolve(cfg, result, 16).ep == result["parallel"]["ep"]

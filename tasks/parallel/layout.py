@@ -54,7 +54,7 @@ def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
             if getattr(lay, key) == 0 and chosen.get(key):
                 setattr(lay, key, int(chosen[key]))
         for key in ("zero", "recompute", "pp_schedule", "microbatches", "micro_batch", "virtual_stages",
-                    "sequence_parallel"):
+                    "sequence_parallel", "ep"):
             if chosen.get(key) not in (None, ""):
                 setattr(lay, key, type(getattr(lay, key))(chosen[key]))
     lay.tp = lay.tp or 1

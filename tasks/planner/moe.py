@@ -207,3 +207,76 @@ def search(pb: MoeProblem) -> dict:
     plans.sort(key=lambda p: (float(f"{p['step_s']:.3g}"), not p["ep_intra_node"], p["total_bytes"]))
     rejected.sort(key=lambda r: r.get("total_bytes", math.inf))
     return {"plans": plans, "rejected": rejected}
+
+
+def _line(p: dict) -> str:
+    return (f"dp{p['dp']}·ep{p['ep']} zero{p['zero']} {p['recompute']:<9} mb{p['micro_batch']}×{p['microbatches']}"
+            f"  {p['total_bytes'] / GB:8.2f} GB  step {p['step_s']:.3g} s  all-to-all {p['all_to_all_share']:.0%}"
+            f"{'' if p['ep_intra_node'] else ' (EP across nodes)'}")
+
+
+def render(result: dict, header: str, top_k: int = 10) -> str:
+    lines = [header, "", f"feasible plans: {len(result['plans'])} (memory per device incl. the runtime reserve)"]
+    lines += [f"  {i:>2} {_line(p)}" for i, p in enumerate(result["plans"][:top_k], 1)]
+    lines += ["", f"rejected: {len(result['rejected'])}"]
+    seen, by_memory = set(), 0
+    for r in result["rejected"]:
+        if "total_bytes" in r:
+            by_memory += 1
+            if by_memory > 5:  # the five closest to fitting
+                continue
+        elif r["reason"] in seen:
+            continue
+        seen.add(r["reason"])
+        lines.append(f"  dp{r.get('dp')}·ep{r.get('ep')}: {r['reason']}")
+        if len(lines) > 40:
+            break
+    return "\n".join(lines)
+
+
+def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str,
+          config_pins: bool = True) -> dict:
+    """The plan stage for a mixture-of-experts model (called by tasks/plan.py): search, plan.json + table, the
+    chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp = pp = 1)."""
+    from tasks import tracking
+    from tasks.errors import StageError
+    from tasks.fsutil import atomic_write_json, atomic_write_text
+
+    par = cfg.parallel
+    pins = {k: getattr(par, k) for k in ("dp", "ep")
+            if config_pins and getattr(par, k) and getattr(par, k) > (k == "ep")}
+    if getattr(ctx.args, "dp", None):
+        pins["dp"] = ctx.args.dp
+    pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, global_batch, precision=precision,
+                    capacity_factor=tcfg.capacity_factor, zero_stages=list(cfg.plan.zero_stages) or [3],
+                    recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
+                    efficiency=cfg.plan.efficiency, pins=pins)
+    result = search(pb)
+    out = ctx.run_dir / "plan"
+    desc = (f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
+            f"{pb.shape.total_params / 1e9:.3g}B params, {pb.shape.active_params / 1e9:.3g}B active)")
+    header = f"model: {desc}\ncluster: {cluster.describe()}\ntraining: seq {seq_len}, global batch {global_batch}"
+    plan_path = atomic_write_json(out / "plan.json", {"model": desc, "moe": True, "pins": pins,
+                                                      "chosen": (result["plans"] or [None])[0], **result})
+    table_path = atomic_write_text(out / "plan_table.txt", render(result, header, cfg.plan.top_k) + "\n")
+    tracking.log_artifact(plan_path)
+    tracking.log_artifact(table_path)
+    if not result["plans"]:
+        closest = result["rejected"][0]["reason"] if result["rejected"] else "none tried"
+        raise StageError(f"no feasible plan for {desc.split(' (')[0]} on {cluster.nodes}×{cluster.devices_per_node} "
+                         f"{cluster.name} devices of {cluster.memory_gb:g} GB: closest {closest} (see {plan_path})")
+    best = result["plans"][0]
+    if not getattr(ctx.args, "json", False):
+        print(table_path.read_text())
+    tracking.log_metrics({"plan.total_gb": best["total_bytes"] / GB, "plan.step_s": best["step_s"],
+                          "plan.all_to_all_share": best["all_to_all_share"], "plan.feasible": len(result["plans"])})
+    parallel = {"dp": best["dp"], "tp": 1, "pp": 1, "ep": best["ep"], "zero": best["zero"],
+                "recompute": best["recompute"], "micro_batch": best["micro_batch"],
+                "microbatches": best["microbatches"]}
+    return {"status": "ok", "summary": f"{_line(best)} ({len(result['plans'])} feasible, "
+                                       f"{len(result['rejected'])} rejected)",
+            "plan_json": str(plan_path), "table": str(table_path), "parallel": parallel, "pinned": False,
+            "feasible": len(result["plans"]), "rejected": len(result["rejected"]),
+            "best": {k: best[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                                          "all_to_all_bytes", "buffers_bytes", "reserve_bytes", "total_bytes",
+                                          "step_s", "tokens_per_s", "all_to_all_share")}}
