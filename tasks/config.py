@@ -97,7 +97,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = "demo"                  # tasks.model presets: debug, demo, qwen2-0.5b, … llama3-70b, llama-13b
+    preset: str = "demo"                  # tasks.model presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
     hf_path: str = ""                     # initialise from a local HF directory instead of random weights
     # Shape overrides (0 / "" = the preset's value).
     dim: int = 0
