@@ -226,3 +226,25 @@ def test_presets_and_config_refusals():
     dense.n_experts = 4
     with pytest.raises(ConfigError, match="needs family qwen2_moe"):
         dense.validate()
+
+
+def test_expert_imbalance_rule_and_all_to_all_is_communication(tmp_path):
+    from tasks.profiling.model import categorize
+    from tasks.profiling.moe_rules import expert_imbalance
+
+    for name in ("c10d::alltoall_base_", "gloo:all_to_all", "hcom_alltoallv_", "record_param_comms"):
+        assert categorize(name) == "communication"
+    path = tmp_path / "metrics.jsonl"
+    even = {"0": [10, 10, 10, 10], "1": [12, 8, 10, 10]}
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0, "moe_tokens_per_expert": even}) + "\n"
+                            for s in (1, 2)))
+    assert expert_imbalance(path) == []
+    skewed = {"0": [10, 10, 10, 10], "1": [31, 3, 3, 3]}
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 3, "loss": 1.0, "moe_tokens_per_expert": skewed}) + "\n")
+    [finding] = expert_imbalance(path)
+    assert finding["rule"] == "moe.expert_imbalance" and finding["evidence"]["layer"] == "1"
+    assert finding["evidence"]["expert"] == 0
+    assert finding["evidence"]["max_over_mean"] == pytest.approx(4 * 55 / 120)
+    assert expert_imbalance(path, max_over_mean=2.0) == []
+    assert expert_imbalance(tmp_path / "none.jsonl") == []
