@@ -17,26 +17,35 @@ every layout then reproduces the single-process step (tests/test_moe_train.py).
 """
 from __future__ import annotations
 
+import time
+
 import torch
+
+# Wall seconds this process spent inside the token all-to-alls (forward and backward), for benchmarks.
+A2A_SECONDS = [0.0]
+
+
+def _timed_all_to_all(out, x, out_splits, in_splits, group) -> None:
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    A2A_SECONDS[0] += time.perf_counter() - t0
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
-        import torch.distributed as dist
-
         ctx.args = (out_splits, in_splits, group)
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _timed_all_to_all(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
-
         out_splits, in_splits, group = ctx.args
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=group)
+        _timed_all_to_all(back, grad.contiguous(), in_splits, out_splits, group)
         return back, None, None, None
 
 
