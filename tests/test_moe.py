@@ -248,3 +248,32 @@ def test_expert_imbalance_rule_and_all_to_all_is_communication(tmp_path):
     assert finding["evidence"]["max_over_mean"] == pytest.approx(4 * 55 / 120)
     assert expert_imbalance(path, max_over_mean=2.0) == []
     assert expert_imbalance(tmp_path / "none.jsonl") == []
+
+
+def test_int8_weight_only_quantizes_the_experts_and_reloads(tmp_path):
+    """The quantize stage's torchao path: experts are a layer (GroupedExperts) quantized INT8 weight-only per row
+    beside the Linear layers; the state dict reloads onto a meta skeleton as load_quantized does."""
+    from tasks.quant.artifact import describe_layers
+    from tasks.quant.plan import select_layers
+    from tasks.quant.torchao_backend import quantize, quantized_names
+
+    model = _moe_model(n_layers=2).eval()
+    with torch.no_grad():
+        want = model(TOKENS)
+    layers = describe_layers(model)
+    assert ("layers.0.moe.experts", "GroupedExperts", (8, 128, 128)) in [(x.name, x.type, x.shape) for x in layers]
+    names = select_layers(layers, "torchao", "llm", "int8_weight_only", ["output", "tok_embeddings", "router",
+                                                                         "shared_gate"])
+    with pytest.raises(StageError, match="quantized INT8 weight-only only"):
+        select_layers(layers, "torchao", "llm", "int8_dynamic", ["output", "tok_embeddings"])
+    quantize(model, "int8_weight_only", names, [], "cpu")
+    assert sorted(quantized_names(model)) == sorted(names) and "layers.1.moe.experts" in names
+    with torch.no_grad():
+        got = model(TOKENS)
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
+    torch.save(model.state_dict(), tmp_path / "q.pt")
+    back = build_model(model.config, "meta")
+    back.load_state_dict(torch.load(tmp_path / "q.pt", weights_only=True), assign=True)
+    back.init_rope("cpu")
+    with torch.no_grad():
+        torch.testing.assert_close(back.eval()(TOKENS), got)

@@ -49,6 +49,8 @@ def grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """torch._grouped_mm runs here: it exists, the dtype is fp32/bf16 and every row stride is 16-byte aligned."""
     if _GROUPED_MM is None or x.dtype not in (torch.float32, torch.bfloat16):
         return False
+    if any(type(w.data if isinstance(w, nn.Parameter) else w) is not torch.Tensor for w in weights):
+        return False  # a tensor subclass (torchao INT8, DTensor shards are made local before): the loop
     align = 16 // x.element_size()
     return all(w.dtype == x.dtype for w in weights) and all(s % align == 0 for w in (x, *weights)
                                                             for s in w.shape[-1:])
@@ -61,7 +63,7 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: 
         return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
     outs, start = [], 0
     for e, n in enumerate(counts):
-        outs.append(x[start:start + n] @ w[e].transpose(0, 1))
+        outs.append(F.linear(x[start:start + n], w[e]))  # F.linear: also for INT8 weight tensors (torchao)
         start += n
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 

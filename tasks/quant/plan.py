@@ -15,12 +15,12 @@ from tasks.errors import StageError
 SUPPORTED = {
     ("amct", "ptq"): ("Linear", "Conv2d", "Conv3d", "ConvTranspose2d", "AvgPool2d"),
     ("amct", "llm"): ("Linear",),
-    ("torchao", None): ("Linear",),
+    ("torchao", None): ("Linear", "GroupedExperts"),  # GroupedExperts: MoE routed experts, INT8 weight-only only
 }
 # Our modules use torchtitan names; users write skip_layers in HF terms ("lm_head", "embed_tokens") as for AMCT.
 HF_ALIASES = {"output": "lm_head", "tok_embeddings": "embed_tokens", "attention.": "self_attn.",
               "feed_forward.": "mlp.", "wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
-              "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+              "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj", "moe.": "mlp.", "router": "gate"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ def select_layers(layers: list[Layer], backend: str, flow: str, method: str, ski
             continue
         if backend == "amct":
             _check_amct_layer(layer, flow, method)
+        if layer.type == "GroupedExperts" and method != "int8_weight_only":
+            raise StageError(f"quantize: MoE experts {layer.name} are quantized INT8 weight-only only (torchao), not "
+                             f"{method}; use quantize.method=int8_weight_only or add it to quantize.skip_layers")
         chosen.append(layer.name)
     if not chosen:
         raise StageError(f"quantize: no layer left to quantize with {label} (quantize.skip_layers="
