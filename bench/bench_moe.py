@@ -89,16 +89,23 @@ def _ep_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 def _ep_share() -> float:
+    """Two gloo ranks as two processes running this file (`--ep-rank R PORT OUT`)."""
     import json
-
-    import torch.multiprocessing as mp
+    import subprocess
+    import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ep.json")
-        mp.spawn(_ep_worker, args=(2, port, out), nprocs=2, join=True)
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ep-rank", str(r), str(port), out],
+                                  env=env, cwd=root) for r in range(2)]
+        codes = [p.wait(timeout=600) for p in procs]
+        if any(codes):
+            raise RuntimeError(f"EP bench ranks exited {codes}")
         with open(out) as f:
             return json.load(f)["share"]
 
@@ -128,4 +135,9 @@ def run() -> dict:
 
 
 if __name__ == "__main__":
-    print(run())
+    import sys
+
+    if len(sys.argv) == 5 and sys.argv[1] == "--ep-rank":
+        _ep_worker(int(sys.argv[2]), 2, int(sys.argv[3]), sys.argv[4])
+    else:
+        print(run())

@@ -277,8 +277,8 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     moe = moe_metrics(s.parts)
     if s.rank == 0:
         tps = lay.global_batch * cfg.data.seq_len / dt
-        s.metrics.log({**moe, "step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), "tokens_per_s": tps,
-                       "step_time_s": dt, "data_wait_s": t_data,
+        s.metrics.log({**moe, "step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(),
+                       "tokens_per_s": tps, "step_time_s": dt, "data_wait_s": t_data,
                        "mfu": s.flops_tok * tps / (s.peak * s.world) if s.peak else None,
                        "peak_mem_gb": memory_stats(device)["peak_bytes"] / 2**30})
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
