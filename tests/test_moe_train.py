@@ -61,6 +61,7 @@ def test_ep2_and_ep4_on_four_ranks_match_single_process(cfg, tmp_path, shards):
     ({"parallel.dp": 2, "parallel.ep": 2, "model.preset": "debug"}, "parallel.ep: 2 needs a mixture-of-experts"),
     ({"parallel.dp": 1, "parallel.tp": 2}, "a mixture-of-experts model trains with dp/FSDP and ep only"),
     ({"parallel.dp": 6, "parallel.ep": 3, "train.global_batch": 12}, "parallel.ep: 3 does not divide the model's 8"),
+    ({"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1}, "parallel.zero: expert parallelism shards the experts"),
 ])
 def test_bad_moe_layouts_fail_before_launch(cfg, tmp_path, shards, sets, expected):
     from tasks import train

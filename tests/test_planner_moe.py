@@ -24,6 +24,7 @@ def test_qwen2_57b_a14b_on_four_910b_nodes_prefers_ep_inside_a_node():
     assert cross["all_to_all_s"] > step_time(pb, MoeLayout(32, 8, best["zero"], best["recompute"],
                                                           best["micro_batch"], best["microbatches"]))["all_to_all_s"]
     reasons = [r["reason"] for r in result["rejected"]]
+    assert "ep 8 needs ZeRO 2/3 (experts sharded with FSDP2), not zero 1" in reasons
     assert any(r.startswith("needs ") and r.endswith("> 64 GB") for r in reasons)
     # the whole model replicated per rank (ep 1, ZeRO-1) cannot fit: 57B × 4 B of 16-bit params + grads alone
     ep1 = [r for r in result["rejected"] if r.get("ep") == 1 and r.get("zero") == 1]
@@ -40,7 +41,7 @@ def test_qwen15_moe_a27b_rejects_ep_not_dividing_60_experts():
 def test_memory_terms():
     pb = _pb("qwen2-57b-a14b", 4)
     sh = pb.shape
-    one, eight = (memory(pb, MoeLayout(32, ep, 1, "none", 1, 4)) for ep in (1, 8))
+    one, eight = (memory(pb, MoeLayout(32, ep, 1, "none", 1, 4)) for ep in (1, 8))  # the formula at ZeRO-1
     # expert optimizer states split over ep (ZeRO-1 shards them over dp / ep replicas): 12 B × experts / 32
     assert eight["optimizer_bytes"] == sh.dense_params * 12 / 32 + sh.expert_params * 12 / 8 / 4
     assert one["params_bytes"] - eight["params_bytes"] == sh.expert_params * 2 * (1 - 1 / 8)

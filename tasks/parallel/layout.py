@@ -115,6 +115,9 @@ def moe_problems(lay: Layout, tcfg) -> list[str]:
                         f"carved from the data-parallel ranks)")
     if lay.ep > 1 and n_exp and n_exp % lay.ep:
         problems.append(f"parallel.ep: {lay.ep} does not divide the model's {n_exp} experts")
+    if lay.ep > 1 and lay.zero < 2:
+        problems.append(f"parallel.zero: expert parallelism shards the experts with FSDP2 (ZeRO 2/3), got zero "
+                        f"{lay.zero}; set parallel.zero 2 or 3, or parallel.ep 1")
     if n_exp and (lay.tp > 1 or lay.pp > 1):
         problems.append(f"parallel: a mixture-of-experts model trains with dp/FSDP and ep only (got tp {lay.tp}, "
                         f"pp {lay.pp}); set parallel.tp = parallel.pp = 1")

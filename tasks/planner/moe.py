@@ -181,6 +181,10 @@ def candidates(pb: MoeProblem):
                 yield {"dp": dp, "ep": ep, "micro_batch": mb}, f"micro-batch {mb} does not divide {per_rank}", None
                 continue
             for zero in pb.zero_stages:
+                if ep > 1 and zero < 2:  # the trainer shards experts with FSDP2 under EP (tasks/parallel/layout.py)
+                    yield ({"dp": dp, "ep": ep, "micro_batch": mb, "zero": zero},
+                           f"ep {ep} needs ZeRO 2/3 (experts sharded with FSDP2), not zero {zero}", None)
+                    continue
                 for rc in pb.recompute:
                     yield None, None, MoeLayout(dp, ep, zero, rc, mb, per_rank // mb)
 
