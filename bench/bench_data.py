@@ -4,13 +4,18 @@
   pack, write tars, sha256, fsync, publish) in tokens/s, over the raw `tokenizers` encode_batch throughput (Rust,
   all cores) on the same documents already in memory. Goal ≥ 0.9.
 - sharding.seconds_by_size / sharding.peak_rss_mb_by_size: three corpus sizes; time should grow linearly, the
-  builder's peak RSS (VmHWM of this process, reset before each build) should stay flat.
+  build's peak memory should stay flat. Memory counts the builder AND its tokenizer/writer worker processes: a
+  sampler thread sums VmRSS over this process and all its descendants every 10 ms (peak_rss_mb_by_size), and the
+  proportional set size (PSS: shared pages split between the processes sharing them, so nothing counts twice) the
+  same way (peak_pss_mb_by_size); parent_peak_rss_mb_by_size is this process alone (VmHWM, reset per build).
 - loader.samples_per_s: ShardLoader with 0 and 2 workers, and the ratio of the 0-worker figure to a plain
   `wds.WebDataset(...).decode()` pass over the same shards (the baseline).
 """
 from __future__ import annotations
 
+import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +35,60 @@ def _reset_peak() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _field_kb(path: str, name: str) -> int:
+    try:
+        with open(path) as f:
+            return next((int(line.split()[1]) for line in f if line.startswith(name)), 0)
+    except OSError:  # the process ended between listing and reading
+        return 0
+
+
+class TreeMemory:
+    """Peak of Σ VmRSS and Σ Pss over this process and its descendants (the build's worker processes), sampled."""
+
+    def __init__(self, interval: float = 0.01):
+        self.interval, self.rss_kb, self.pss_kb = interval, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        pids = [os.getpid()] + _descendants(os.getpid())
+        self.rss_kb = max(self.rss_kb, sum(_field_kb(f"/proc/{p}/status", "VmRSS:") for p in pids))
+        self.pss_kb = max(self.pss_kb, sum(_field_kb(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self):
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
 
 
 def _corpus(size_mb: int) -> list[str]:
@@ -94,6 +153,7 @@ def run() -> dict:
     from data_prep.tokenizer import train_bpe
 
     figures: dict = {"sharding.seconds_by_size": {}, "sharding.peak_rss_mb_by_size": {},
+                     "sharding.peak_pss_mb_by_size": {}, "sharding.parent_peak_rss_mb_by_size": {},
                      "sharding.tokens_per_s_by_size": {}}
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         tmp = Path(tmp)
@@ -108,10 +168,13 @@ def run() -> dict:
 
         for size, files in corpora.items():
             _reset_peak()
-            result = build(files, f"out-{size}")
+            with TreeMemory() as mem:
+                result = build(files, f"out-{size}")
             key = f"{size}mb"
             figures["sharding.seconds_by_size"][key] = round(result.seconds, 2)
-            figures["sharding.peak_rss_mb_by_size"][key] = round(_vmhwm_mb(), 1)
+            figures["sharding.peak_rss_mb_by_size"][key] = round(mem.rss_kb / 1024, 1)
+            figures["sharding.peak_pss_mb_by_size"][key] = round(mem.pss_kb / 1024, 1)
+            figures["sharding.parent_peak_rss_mb_by_size"][key] = round(_vmhwm_mb(), 1)
             figures["sharding.tokens_per_s_by_size"][key] = round(result.tokens / result.seconds)
         # The ratio: baseline and builder interleaved on the largest corpus, best of two each (a shared host is noisy).
         largest = corpora[SIZES_MB[-1]]

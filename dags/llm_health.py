@@ -1,7 +1,8 @@
 """
 ### LLM health: hourly device and host check of this training host
 
-Samples the chips (`npu-smi info`; torch memory on CUDA/NPU) and the host (memory, disk, NTP clock) and logs them
+Samples the chips with the vendors' tools only (`npu-smi info`, `nvidia-smi`: never a device context, so a
+running training job is not disturbed) and the host (memory, disk, NTP clock) and logs them
 to the MLflow experiment `llm-pipeline-health` (one run per check: temperatures, HBM fill, clock offset over time).
 The task **fails with a one-line cause** on an alarm: a chip in alarm or at/above `hardware.max_device_temp_c`, a
 dropped card, HBM full with no process on the chip, a clock beyond `hardware.max_clock_offset_ms` (multi-node),

@@ -79,6 +79,10 @@ def run_stage_task(stage: str) -> dict:
         raise AirflowFailException(str(e)) from None  # bad input: retrying cannot help
     except OSError as e:  # read-only or full var dir, a file in the way: the path and the errno's meaning
         raise AirflowFailException(os_error_cause(e)) from None
+    except Exception as e:  # a Python exception in the stage itself: a retry would fail the same way
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise AirflowFailException(f"{stage}: {type(e).__name__}: {first} (traceback in the task log and "
+                                   f"<run-dir>/{stage}.json)") from e
 
 
 def bound_from_run_config(context) -> None:
@@ -106,7 +110,8 @@ def notify_failure(context) -> None:
     record_failure(ti.dag_id, context["run_id"], ti.task_id, context.get("exception"))
 
 
-# The train task retries: a retry resumes from the latest complete checkpoint (a dead rank is retryable).
+# The train task retries only what a retry can fix (StageError.retryable: a rank killed by a signal, a lost peer, a
+# collective timeout); a retry resumes from the newest verified checkpoint. Everything else fails at once.
 RETRIES = {"train": dict(retries=2, retry_delay=pendulum.duration(seconds=15))}
 
 

@@ -130,7 +130,7 @@ class ShardLoader:
 
     def __init__(self, shard_dir, split: str = "train", batch_size: int = 8, dp_rank: int = 0, dp_world: int = 1,
                  num_workers: int = 0, seed: int = 0, shuffle: bool = True, verify_sha256: bool = False,
-                 with_keys: bool = False, pin_memory: bool = False):
+                 with_keys: bool = False, pin_memory: bool = False, prefetch_factor: int | None = None):
         if not (0 <= dp_rank < dp_world) or batch_size < 1 or num_workers < 0:
             raise DataPrepError(f"ShardLoader: need 0 <= dp_rank ({dp_rank}) < dp_world ({dp_world}), "
                                 f"batch_size ({batch_size}) >= 1, num_workers ({num_workers}) >= 0")
@@ -142,6 +142,7 @@ class ShardLoader:
         self.batch_size, self.dp_rank, self.dp_world = batch_size, dp_rank, dp_world
         self.num_workers, self.seed, self.shuffle = num_workers, seed, shuffle
         self.with_keys, self.pin_memory = with_keys, pin_memory
+        self.prefetch_factor = prefetch_factor if num_workers > 0 else None  # torch: only with worker processes
         self.epoch, self.samples = 0, 0
         self.total = sum(e["samples"] for e in self.entries)
         if len(self) == 0:
@@ -170,7 +171,8 @@ class ShardLoader:
         stream = _EpochStream(self.shard_dir, self.entries, self._order(epoch), start, limit, self.global_batch,
                               self.dp_rank * self.batch_size, epoch, self.seed, self.shuffle, self.batch_size,
                               self.manifest["dtype"], self.seq_len, self.with_keys)
-        batches = iter(DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory))
+        batches = iter(DataLoader(stream, batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                                  prefetch_factor=self.prefetch_factor))
         done = 0
         try:
             for batch in batches:

@@ -67,6 +67,9 @@ class HardwareConfig:
     max_hbm_used_pct: float = 95.0        # HBM this full with no process on the chip = leaked memory
     expected_devices: int = 0             # chips per node; 0 = the most this host has shown before
     # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s, requirements-k8s.txt).
+    # Ranks bound to the cores nearest their device (npu-smi topo / sysfs on NPU, torchrun --numa-binding on CUDA,
+    # an even split on CPU; tasks/parallel/binding.py). false = let the OS schedule them.
+    bind_cpus: bool = True
     launcher: str = "local"               # local | kubernetes
     k8s_namespace: str = "llm"
     k8s_image: str = ""                   # the training image (docker/Dockerfile.ascend); required for kubernetes
@@ -91,7 +94,8 @@ class DataConfig:
     token_dtype: str = "auto"             # auto (uint16 when the vocabulary fits) | uint16 | uint32
     eos_token: str = ""                   # "" = tokenizer_config.json's eos_token or a usual name (<|endoftext|>, </s>…)
     shard_multiple: int = 0               # shard count is a multiple of this; 0 = world size × max(1, loader_workers)
-    loader_workers: int = 1
+    loader_workers: int = 1               # loader processes per rank; -1 = from the rank's cores (cores − 1, max 4)
+    prefetch_factor: int = 2              # batches each loader worker keeps ready (torch DataLoader prefetch_factor)
     verify_sha256: bool = False           # loader checks every shard's sha256 against the manifest before reading
 
 
@@ -195,6 +199,9 @@ class ProfileConfig:
     npu_level: str = "Level1"             # Level_none | Level0 | Level1 | Level2
     aic_metrics: str = "PipeUtilization"
     use_msprof: bool = False              # wrap the run in `msprof --application` when msprof is on PATH
+    # Step breakdown of Ascend data from msprof-analyze (PyPI msprof-analyze, matching the CANN version) or the
+    # built-in readers; auto = msprof-analyze when on PATH, else built-in. Where both run they must agree within 1 %.
+    analyzer: str = "auto"                # auto | builtin | msprof-analyze
     fail_on_regression: bool = False
     regression_threshold: float = 0.10
 
@@ -302,6 +309,7 @@ CHOICES = {
     "profile.npu_level": ["Level_none", "Level0", "Level1", "Level2"],
     "profile.aic_metrics": ["PipeUtilization", "ArithmeticUtilization", "Memory", "MemoryL0", "MemoryUB",
                             "ResourceConflictRatio", "L2Cache", "MemoryAccess", "AiCoreNone"],  # torch_npu AiCMetrics
+    "profile.analyzer": ["auto", "builtin", "msprof-analyze"],
     "quantize.method": ["int8_weight_only", "int8_dynamic", "smoothquant"],
     "quantize.backend": ["auto", "amct", "torchao"],
     "quantize.amct_flow": ["llm", "ptq"],
@@ -319,7 +327,8 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "hardware.cann_log_max_mb": (0.0, 100_000.0),
     "hardware.hccl_connect_timeout": (120, 7200), "hardware.hccl_exec_timeout": (0, 2147483647),
     "data.seq_len": (8, 1 << 20), "data.vocab_size": (256, 1 << 22), "data.val_fraction": (0.0, 0.5),
-    "data.shard_size_mb": (0.01, 100_000), "data.tokenize_processes": (1, 256), "data.loader_workers": (0, 64),
+    "data.shard_size_mb": (0.01, 100_000), "data.tokenize_processes": (1, 256), "data.loader_workers": (-1, 64),
+    "data.prefetch_factor": (1, 64),
     "data.max_documents": (0, None), "data.min_chars": (0, None), "data.shard_multiple": (0, 1 << 16),
     "parallel.dp": (0, 1 << 16), "parallel.tp": (0, 1024), "parallel.pp": (0, 1024),
     "parallel.ep": (1, 1024), "model.n_experts": (0, 4096), "model.top_k": (0, 4096), "model.moe_ffn_dim": (0, None),

@@ -163,9 +163,20 @@ def reset_peak(device) -> None:
         mod.reset_peak_memory_stats(device)
     else:
         _cpu_peak_baseline[0] = _rss_bytes()
+        _reset_hwm()
 
 
 _cpu_peak_baseline = [0]
+
+
+def _reset_hwm() -> None:
+    """Linux: writing 5 to /proc/self/clear_refs resets the RSS high-water mark (VmHWM) to the current RSS, so the
+    next peak read is this phase's, not the process lifetime's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _rss_bytes() -> int:
@@ -175,6 +186,14 @@ def _rss_bytes() -> int:
 
 
 def _peak_rss_bytes() -> int:
+    """The RSS high-water mark since the last reset_peak (VmHWM), else the lifetime maximum."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

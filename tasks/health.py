@@ -5,8 +5,9 @@ Ascend jobs: a chip in alarm or too hot, a dropped card (fewer chips than expect
 HBM full with no process on the chip (memory a crashed job left behind: the next job OOMs), a clock off NTP
 (HCCL link set-up times out across nodes), and too little disk or host memory. Warnings are logged, not raised.
 
-`collect()` does the I/O (npu-smi, torch memory on CUDA/NPU, host memory/disk, chrony); `assess()` turns a sample
-into checks and is pure, so the alarm logic is tested on npu-smi fixture files.
+`collect()` does the I/O (npu-smi, nvidia-smi, host memory/disk, chrony) and never creates a device context: the
+chips may be running a training job, so only the vendors' management tools are asked (no torch, no mem_get_info).
+`assess()` turns a sample into checks and is pure, so the alarm logic is tested on npu-smi/nvidia-smi fixture files.
 """
 from __future__ import annotations
 
@@ -30,40 +31,26 @@ def state_path() -> Path:
     return var_dir() / "health" / f"{socket.gethostname()}.json"
 
 
-def torch_devices(kind: str) -> list[dict]:
-    """Per-device memory from the runtime (all processes): what HBM/VRAM use looks like without npu-smi."""
-    from tasks import device
-
-    mod = device.device_module(kind)
-    out = []
-    for i in range(mod.device_count()):
-        free, total = mod.mem_get_info(i)
-        out.append({"index": i, "used_mb": (total - free) // 2**20, "total_mb": total // 2**20})
-    return out
-
-
 def collect(cfg: PipelineConfig) -> dict:
-    """One sample of this host: versions, devices (npu-smi and/or torch), host memory, disk, clock."""
-    from tasks import device
+    """One sample of this host: versions, devices (npu-smi / nvidia-smi only), host memory, disk, clock."""
+    from tasks import nvidia_smi
 
-    hw = cfg.hardware
     sample = {"time": time.time(), "host": system.host_facts(),
               "versions": {"torch": versions.package_version("torch"),
                            "torch_npu": versions.package_version("torch-npu"),
                            "cann": (versions.find_cann() or {}).get("version")},
-              "clock": system.clock_status(), "npu_smi": None, "torch_devices": [],
+              "clock": system.clock_status(), "npu_smi": None, "nvidia_smi": None,
               "disk_paths": {"var": str(var_dir()), "data": str(repo_path(cfg.data.out_dir))}}
     text = npu_smi.run()
     if text:
         sample["npu_smi"] = npu_smi.parse(text)
-    try:
-        backend = device.detect(hw.device)
-    except StageError as e:  # e.g. device npu configured but torch_npu/CANN broken: that is the alarm
-        sample["backend"] = {"kind": hw.device, "error": str(e)}
-        return sample
-    sample["backend"] = {"kind": backend.kind, "device_count": backend.device_count}
-    if backend.is_accelerator:
-        sample["torch_devices"] = torch_devices(backend.kind)
+    sample["nvidia_smi"] = nvidia_smi.run()
+    kind = "npu" if sample["npu_smi"] else "cuda" if sample["nvidia_smi"] else "cpu"
+    sample["backend"] = {"kind": kind, "device_count": device_count(sample)}
+    if cfg.hardware.device in ("npu", "cuda") and kind != cfg.hardware.device:  # the configured devices are gone
+        tool = "npu-smi" if cfg.hardware.device == "npu" else "nvidia-smi"
+        sample["backend"]["error"] = (f"hardware.device is {cfg.hardware.device} but {tool} lists no device "
+                                      "(driver not loaded, tool missing or not mounted)")
     return sample
 
 
@@ -72,7 +59,7 @@ def _chip_label(c: dict) -> str:
 
 
 def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
-    """Temperature, chip health, dropped cards and HBM fill, from npu-smi (or torch's view on CUDA)."""
+    """Temperature, chip health, dropped cards and HBM fill, from npu-smi or nvidia-smi (never a device context)."""
     out = []
     info = sample.get("npu_smi")
     backend = sample.get("backend", {})
@@ -103,21 +90,37 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
             out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every chip"))
         count = len({c["npu"] for c in info["chips"]})
         kind = "NPU cards (npu-smi)"
-    elif backend.get("kind") in ("cuda", "npu") and "device_count" in backend:
-        count = backend["device_count"]
-        kind = f"{backend['kind'].upper()} devices (torch)"
-        full = [d for d in sample["torch_devices"] if d["total_mb"] and
-                100 * d["used_mb"] / d["total_mb"] >= hw.max_hbm_used_pct]
-        out.append(check("hbm", "warn", ", ".join(f"device {d['index']} {d['used_mb']}/{d['total_mb']} MB"
-                                                  for d in full)) if full else
-                   check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every device"))
+    elif sample.get("nvidia_smi"):
+        gpus = sample["nvidia_smi"]["gpus"]
+        count, kind = len(gpus), "GPUs (nvidia-smi)"
+        hot = [f"GPU {g['index']} at {g['temp_c']:g} C" for g in gpus
+               if g["temp_c"] is not None and g["temp_c"] >= hw.max_device_temp_c]
+        temps = [g["temp_c"] for g in gpus if g["temp_c"] is not None]
+        out.append(check("temperature", "fail", "; ".join(hot) + " (alarm at hardware.max_device_temp_c "
+                                                                 f"{hw.max_device_temp_c:g} C)") if hot else
+                   check("temperature", "ok", f"max {max(temps):g} C" if temps else "not reported"))
+        busy = {p["gpu_uuid"] for p in sample["nvidia_smi"]["processes"]}
+        full = [g for g in gpus if g["memory_total_mb"] and g["memory_used_mb"] is not None and
+                100 * g["memory_used_mb"] / g["memory_total_mb"] >= hw.max_hbm_used_pct]
+        leaked = [g for g in full if g["uuid"] not in busy]
+        if leaked:
+            out.append(check("hbm", "fail", "; ".join(f"GPU {g['index']} memory {g['memory_used_mb']:g}/"
+                                                      f"{g['memory_total_mb']:g} MB with no process on it"
+                                                      for g in leaked) + ": memory left by a dead job; reset the "
+                                                                         "GPU (nvidia-smi -r) or reboot"))
+        elif full:
+            out.append(check("hbm", "warn", ", ".join(f"GPU {g['index']}" for g in full) +
+                             f" memory ≥ {hw.max_hbm_used_pct:g}% (in use by a running process)"))
+        else:
+            out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every GPU"))
     else:
         return out  # CPU host: host memory and disk are the device checks
     expected = hw.expected_devices or last_seen
     source = "hardware.expected_devices" if hw.expected_devices else "seen on this host before"
     if expected and count < expected:
         out.append(check("devices", "fail", f"dropped card: {count} {kind} visible, {expected} expected ({source}); "
-                                            "check `npu-smi info -l` and dmesg, then reseat or replace"))
+                                            "check `npu-smi info -l` / `nvidia-smi -L` and dmesg, then reseat or "
+                                            "replace"))
     else:
         out.append(check("devices", "ok", f"{count} {kind}"))
     return out
@@ -150,15 +153,19 @@ def metrics(sample: dict) -> dict[str, float]:
                 out[f"{key}.{name}"] = c[name]
         if c["memory_total_mb"]:
             out[f"{key}.memory_used_pct"] = round(100 * c["memory_used_mb"] / c["memory_total_mb"], 2)
-    for d in sample.get("torch_devices", []):
-        out[f"device{d['index']}.memory_used_pct"] = round(100 * d["used_mb"] / max(d["total_mb"], 1), 2)
+    for g in (sample.get("nvidia_smi") or {}).get("gpus", []):
+        for name in ("temp_c", "power_w", "util_pct"):
+            if g[name] is not None:
+                out[f"gpu{g['index']}.{name}"] = g[name]
+        if g["memory_total_mb"] and g["memory_used_mb"] is not None:
+            out[f"gpu{g['index']}.memory_used_pct"] = round(100 * g["memory_used_mb"] / g["memory_total_mb"], 2)
     return out
 
 
 def device_count(sample: dict) -> int:
     if sample.get("npu_smi"):
         return len({c["npu"] for c in sample["npu_smi"]["chips"]})
-    return sample.get("backend", {}).get("device_count", 0) if sample.get("torch_devices") else 0
+    return len((sample.get("nvidia_smi") or {}).get("gpus", []))
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:

@@ -22,12 +22,9 @@ from tasks.profiling import baseline, charts
 from tasks.profiling.advisor import advise
 from tasks.profiling.collect import steps_needed
 from tasks.profiling.loader import load_profile
-from tasks.profiling.msprof import find_msprof, msprof_wrap, run_msprof_analyze
+from tasks.profiling.msprof import find_msprof, msprof_wrap
 from tasks.profiling.render import render_markdown
 from tasks.profiling.report import build_report, headline
-
-ASCEND_FORMATS = ("ascend_pt", "msprof")
-
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", nargs="?", choices=("collect", "analyze"), default="collect",
@@ -50,7 +47,8 @@ def analyze(path: str | Path) -> dict:
     fmt = report["source"]["format"]
     kind = "npu" if fmt != "torch_trace" else ("cuda" if any(o["core"] == "CUDA" for o in report["top_ops"])
                                                else "cpu")
-    report["op_support"] = op_support.report(kind, ai_cpu=report["ai_cpu_ops"] if kind == "npu" else None)
+    per_rank_ops = fmt in ("ascend_pt", "msprof")  # msprof-analyze's cluster output has no operator table
+    report["op_support"] = op_support.report(kind, ai_cpu=report["ai_cpu_ops"] if per_rank_ops else None)
     return report
 
 
@@ -147,7 +145,11 @@ def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None, key: dict
                        "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]})),
                        baseline.KEY_TAG: baseline.key_digest(key), baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True),
                        "profile.info": " | ".join(f["title"] for f in report.get("info", []))[:5000],
-                       "profile.op_support": report["op_support"]["note"][:5000]})
+                       "profile.op_support": report["op_support"]["note"][:5000],
+                       "profile.analyzer": report.get("engine", {}).get("used", "builtin")})
+    agreement = report.get("engine", {}).get("agreement")
+    if agreement:
+        tracking.log_metrics({"profile.analyzer_agreement_worst": agreement["worst"]})
     for p in paths.values():
         tracking.log_artifact(p, "profile")
     if extra_dir and extra_dir.is_dir():
@@ -169,8 +171,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     fmt = report["source"]["format"]
     report["source"]["notes"] += notes
     analyze_dir = out_dir / "msprof_analyze"
-    if fmt in ASCEND_FORMATS:  # cross-check with Huawei's own tool where it is installed
-        report["source"]["msprof_analyze"] = run_msprof_analyze(source, analyze_dir, fmt=fmt)
+    from tasks.profiling import engine  # profile.analyzer: msprof-analyze as primary engine where installed
+
+    engine.apply(cfg.profile.analyzer, report, source, analyze_dir)
     key = baseline.profile_key(cfg, report, device_kind)
     found, note = baseline.find_baseline(cfg, key, ctx.mlflow_run_id)
     comparison, regressions = baseline.compare(report, found, cfg.profile.regression_threshold)
@@ -197,5 +200,6 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "step_ms": round(report["step"]["step_us"] / 1000, 3),
         "comm_not_overlapped_share": round(report["step"]["shares"]["comm_not_overlapped"], 4),
         "format": fmt, "source": str(source), "world": report["world"],
+        "analyzer": report["engine"]["used"],
         "baseline_run_id": comparison["run_id"] if comparison else None, "baseline_note": note,
     }

@@ -13,7 +13,7 @@ from pathlib import Path
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.errors import ConfigError, StageError, os_error_cause
-from tasks.fsutil import atomic_write_json, read_json
+from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
 from tasks.procs import RunDirLock
 from tasks.stages import STAGES
 
@@ -132,6 +132,7 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
     # Every node of a multi-node job runs the stage in the shared run directory: node 0's result is the stage's.
     node = cfg.hardware.node_rank
     result_path = run_dir / (f"{stage}.json" if node == 0 else f"{stage}-node{node}.json")
+    check_location(run_dir)
     try:
         lock = RunDirLock(run_dir, stage, node).__enter__()  # one writer per run directory (and node)
     except OSError as e:
@@ -142,7 +143,30 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
         lock.__exit__(None, None, None)
 
 
+LOCATION = ".run-dir"
+
+
+def check_location(run_dir: Path) -> None:
+    """Results inside a run directory name files by absolute path (checkpoints, hf/, quantize/, shards): a copied
+    or moved run directory would silently use the original's artifacts. The directory records where it was
+    created (`.run-dir`); used anywhere else it is refused in one line."""
+    here = str(Path(run_dir).resolve())
+    marker = Path(run_dir) / LOCATION
+    try:
+        recorded = marker.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        atomic_write_text(marker, here + "\n")
+        return
+    except OSError as e:
+        raise StageError(f"cannot read {marker}: {os_error_cause(e)}") from None
+    if recorded != here:
+        raise StageError(f"run directory {here} was copied or moved from {recorded}: its results point at files "
+                         f"there; use a new --run-dir (or move it back to {recorded})")
+
+
 def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started: float, result_path: Path) -> dict:
+    if cfg.tracking.enabled and (run_dir / tracking.PENDING).is_file():  # an earlier stage's MLflow outage
+        tracking.flush_pending(run_dir)
     with tracking.stage_run(cfg, stage, parent_run_id) as run_id:
         ctx = StageContext(run_dir=run_dir, stage=stage, args=args, inputs=load_inputs(run_dir),
                            mlflow_run_id=run_id, parent_run_id=parent_run_id)
@@ -171,7 +195,8 @@ def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started:
         result.setdefault("summary", "")
         result.update(stage=stage, mlflow_run_id=run_id, seconds=round(time.time() - started, 2))
         if run_id:
-            tracking.set_tags({"pipeline.status": result["status"]})
+            with tracking.best_effort("the stage status tag"):
+                tracking.set_tags({"pipeline.status": result["status"]})
     atomic_write_json(result_path, result)
     return result
 

@@ -24,7 +24,8 @@ def shard_multiple(cfg: PipelineConfig) -> int:
         from tasks.device import detect
 
         nproc = detect(cfg.hardware.device).device_count
-    return max(1, nproc * cfg.hardware.nnodes) * max(1, cfg.data.loader_workers)
+    workers = cfg.data.loader_workers if cfg.data.loader_workers >= 0 else 4  # -1: sized per rank, at most 4
+    return max(1, nproc * cfg.hardware.nnodes) * max(1, workers)
 
 
 def shard_config(cfg: PipelineConfig):
@@ -74,7 +75,8 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
         raise StageError(f"shard: published shard set {shard_dir} is unusable ({e}); re-run llm_data") from None
     if want and sha != want:
         raise StageError(f"shard: published shard set {shard_dir} changed since it was published (manifest "
-                         f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it again")
+                         f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it "
+                         "again")
     splits = m["splits"]
     tracking.log_params({"shard.version": m["version"], "shard.manifest_sha256": sha, "shard.published": True})
     tracking.log_artifact(shard_dir / "manifest.json", "shards")

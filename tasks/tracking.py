@@ -45,9 +45,23 @@ def git_sha() -> str:
         return "unknown"
 
 
+# MLflow's HTTP client retries 7 times with exponential backoff and a 120 s timeout by default: minutes of hang per
+# call while a server is down. Tracking must never hold up the pipeline, so calls fail fast and what was not sent is
+# sent later (metrics from metrics.jsonl, see backfill_metrics / flush_pending).
+_BOUNDED_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+PENDING = "tracking-pending.json"
+
+
+def bound_http() -> None:
+    for k, v in _BOUNDED_HTTP.items():
+        os.environ.setdefault(k, v)
+
+
 def _configure(cfg: PipelineConfig):
     import mlflow
 
+    bound_http()
     uri = tracking_uri(cfg)
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +129,8 @@ def record_asset_event(cfg: PipelineConfig, parent_run_id: str, event: dict) -> 
 
     client = mlflow.MlflowClient(tracking_uri(cfg))
     tags = {"trigger.kind": "asset", "trigger.asset_uri": event.get("uri"), "trigger.asset_name": event.get("name"),
-            "trigger.manifest_digest": event.get("manifest_digest"), "trigger.source_dag_id": event.get("source_dag_id"),
+            "trigger.manifest_digest": event.get("manifest_digest"),
+            "trigger.source_dag_id": event.get("source_dag_id"),
             "trigger.source_run_id": event.get("source_run_id"), "trigger.timestamp": event.get("timestamp")}
     for key, value in tags.items():
         if value:
@@ -191,8 +206,129 @@ def stage_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None,
         for k in ("airflow.dag_id", "airflow.run_id"):
             if k in parent.data.tags:
                 all_tags[k] = parent.data.tags[k]
-    with mlflow.start_run(run_name=stage, tags=all_tags) as run:
+    run = mlflow.start_run(run_name=stage, tags=all_tags)
+    status = "FAILED"
+    try:
         yield run.info.run_id
+        status = "FINISHED"
+    finally:
+        try:
+            mlflow.end_run(status)
+        except Exception as e:  # server gone since the start: the stage's own outcome stands
+            _warn(f"could not mark MLflow run {run.info.run_id} {status} ({_short(e)}); it stays RUNNING there")
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def _warn(msg: str) -> None:
+    import sys
+
+    print(f"warning: tracking: {msg}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def best_effort(what: str):
+    """MLflow calls after the work is done (final metrics, tags, artifacts): an outage is a warning, never the
+    stage's failure."""
+    try:
+        yield
+    except Exception as e:
+        _warn(f"{what} not logged to MLflow ({_short(e)})")
+
+
+def _metric_batches(records: list[dict], prefix: str, have: set[int], timestamp_ms: int):
+    from mlflow.entities import Metric
+
+    batch = []
+    for r in records:
+        if r["step"] in have:
+            continue
+        for k, v in r.items():
+            if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
+                batch.append(Metric(f"{prefix}{k}", float(v), int(r.get("time", 0) * 1000) or timestamp_ms,
+                                    int(r["step"])))
+                if len(batch) == 900:  # log_batch takes at most 1000 metrics
+                    yield batch
+                    batch = []
+    if batch:
+        yield batch
+
+
+def backfill_metrics(uri: str, run_id: str, metrics_path: str | os.PathLike, prefix: str = "train.",
+                     key: str = "loss") -> int:
+    """Send every step of metrics.jsonl that MLflow lacks (by `<prefix><key>` history); returns how many steps
+    were sent. Raises when the server is still unreachable (the caller keeps it pending)."""
+    import time as _time
+
+    import mlflow
+
+    from tasks.parallel.metrics import read_metrics
+
+    bound_http()
+    records = read_metrics(Path(metrics_path))
+    if not records:
+        return 0
+    client = mlflow.MlflowClient(uri)
+    have = {m.step for m in client.get_metric_history(run_id, f"{prefix}{key}")}
+    missing = [r for r in records if r["step"] not in have]
+    for batch in _metric_batches(missing, prefix, set(), int(_time.time() * 1000)):
+        client.log_batch(run_id, metrics=batch, synchronous=True)
+    return len(missing)
+
+
+def settle_metrics(run_dir: Path, uri: str, run_id: str, metrics_path, prefix: str = "train.") -> None:
+    """At stage end: backfill what the trainer's asynchronous sender could not send; when MLflow is down, record
+    it in <run-dir>/tracking-pending.json for the next stage (flush_pending) and warn, never fail."""
+    try:
+        backfill_metrics(uri, run_id, metrics_path, prefix)
+    except Exception as e:
+        from tasks.fsutil import atomic_write_json, read_json
+
+        path = Path(run_dir) / PENDING
+        pending = read_json(path) if path.is_file() else []
+        entry = {"uri": uri, "run_id": run_id, "metrics": str(metrics_path), "prefix": prefix}
+        if entry not in pending:
+            atomic_write_json(path, pending + [entry])
+        _warn(f"MLflow unreachable at the end of the stage ({_short(e)}); every step is in {metrics_path} and is "
+              f"sent by the next stage (or `python -m tasks.tracking flush --run-dir {run_dir}`)")
+
+
+def flush_pending(run_dir: Path) -> int:
+    """Send the metrics earlier stages could not; entries that still fail stay pending. Returns steps sent."""
+    from tasks.fsutil import atomic_write_json, read_json
+
+    path = Path(run_dir) / PENDING
+    if not path.is_file():
+        return 0
+    sent, left = 0, []
+    for entry in read_json(path):
+        try:
+            sent += backfill_metrics(entry["uri"], entry["run_id"], entry["metrics"], entry["prefix"])
+        except Exception as e:
+            left.append(entry)
+            _warn(f"still cannot send {entry['metrics']} to MLflow run {entry['run_id']} ({_short(e)})")
+    if left:
+        atomic_write_json(path, left)
+    else:
+        path.unlink(missing_ok=True)
+    return sent
+
+
+def main(argv=None) -> int:
+    """`python -m tasks.tracking flush --run-dir D`: send what an MLflow outage left pending."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m tasks.tracking")
+    p.add_argument("command", choices=["flush"])
+    p.add_argument("--run-dir", required=True)
+    args = p.parse_args(argv)
+    n = flush_pending(Path(args.run_dir))
+    left = (Path(args.run_dir) / PENDING).is_file()
+    print(f"sent {n} steps to MLflow" + ("; some remain pending (MLflow unreachable)" if left else ""))
+    return 1 if left else 0
 
 
 def active_run_id() -> str | None:
@@ -272,3 +408,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[key] = v
     return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -65,7 +66,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     backend, nproc, world = _world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
     hw = cfg.hardware
-    hint = "; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks" if not backend.is_accelerator else ""
+    hint = ("; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks"
+            if hw.nproc_per_node and not backend.is_accelerator else "")
     problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
                              f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}")
     try:
@@ -160,7 +162,9 @@ def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_
     else:
         argv += ["--nnodes", str(hw.nnodes), "--node-rank", str(hw.node_rank), "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", hw.rdzv_endpoint, "--rdzv-id", rdzv_id]
-    argv += ["-m", "tasks.parallel.worker"]
+    from tasks.parallel import binding  # ranks on the cores nearest their device (hardware.bind_cpus)
+
+    argv += binding.launch_args(cfg) + ["-m", binding.entry_module(cfg)]
     for p in spec_paths:
         argv += ["--spec", str(p)]
     return argv
@@ -176,6 +180,9 @@ def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id
     # spin-wait, measured 10-30x slower steps on a busy 2-core host.
     env.update(device_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
     env.pop("MLFLOW_RUN_ID", None)
+    from tasks.parallel import binding
+
+    binding.prepare(cfg, backend_kind, nproc, env)
     if cfg.tracking.enabled and cfg.hardware.node_rank == 0 and mlflow_run_id:
         env.update(tracking.subprocess_env(cfg, mlflow_run_id))
     return env
@@ -207,7 +214,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
                          spec["layout"].items()}, "train.world": spec["world"], "train.shards": spec["shard_dir"]})
     tracking.log_json_artifact(spec, "train/launch.json")
     if cfg.hardware.node_rank == 0:  # evidence of an earlier attempt (other nodes wait for node 0 to rendezvous)
-        for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json"):
+        for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json", "export_memory.json"):
             p = train_dir / stale
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     # The HF export runs inside the job (every rank streams part of it), not in this (Airflow worker) process.
@@ -224,6 +231,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
     env = launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
+    _record_binding(env, train_dir)
     rc, log_text = launch(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
     if rc != 0:
         from tasks.device import alloc_conf_in_force
@@ -239,6 +247,18 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         raise StageError(f"training finished but the HF export {run_dir / 'hf'} is missing; see "
                          f"{run_dir / 'logs'}/rank-0.log, rerun to export again")
     return _result(cfg, ctx, spec, reused=False)
+
+
+def _record_binding(env: dict, train_dir: Path) -> None:
+    """The per-rank CPU binding (tasks/parallel/binding.py) → train/binding.json and MLflow."""
+    from tasks.parallel.binding import PLAN_ENV
+
+    path = train_dir / "binding.json"
+    if env.get(PLAN_ENV):
+        atomic_write_json(path, json.loads(env[PLAN_ENV]))
+        tracking.log_artifact(path, "train")
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _plans(plan_result: dict | None) -> list[dict]:
@@ -268,11 +288,14 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
         "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
         "warnings": spec.get("warnings", []),
+        "binding": [f"local rank {e['local_rank']}: CPUs {e['cpulist']} ({e['source']})"
+                    for e in (read_json(run_dir / "train" / "binding.json")
+                              if (run_dir / "train" / "binding.json").is_file() else [])],
         "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
                    f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
     }
     if not reused:
-        _log_run(ctx, spec, records, result, peaks)
+        _log_run(cfg, ctx, spec, records, result, summary)
     return result
 
 
@@ -280,18 +303,49 @@ def _human(x: float) -> str:
     return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
 
 
-def _log_run(ctx, spec: dict, records: list[dict], result: dict, peaks: list[int]) -> None:
-    """Stage-run extras from the launcher (rank 0 already logged the per-step metrics)."""
+def memory_figures(summary: dict, export_memory: dict | None, estimate_bytes: int | None, backend: str) -> dict:
+    """MLflow metrics: each phase's peak per rank (memory.<phase>.peak_gb.rankN), and the planner's estimate over
+    the measured training-phase peak of the worst rank. Like with like: the estimate counts the framework's
+    tensors (model states + activations); on an accelerator the allocator's peak is exactly that, on CPU the RSS
+    peak also holds the interpreter, torch and the process group, so the RSS held before the model existed
+    (the phase record's `base`) is subtracted."""
+    out = {}
+    phases = summary.get("memory_phases_per_rank") or []
+    for rank, m in enumerate(summary.get("memory_per_rank") or []):
+        if m:
+            out[f"memory.peak_gb.rank{rank}"] = m["peak_bytes"] / 2**30
+    for rank, ph in enumerate(phases):
+        for phase, peak in (ph or {}).items():
+            if phase != "base":
+                out[f"memory.{phase}.peak_gb.rank{rank}"] = peak / 2**30
+    for rank, ph in enumerate((export_memory or {}).get("per_rank") or []):
+        out[f"memory.export.peak_gb.rank{rank}"] = ph["export"] / 2**30
+        if ph.get("written_bytes"):
+            out[f"memory.export.peak_over_written.rank{rank}"] = ph["export"] / ph["written_bytes"]
+    measured = [ph["train"] - (ph["base"] if backend == "cpu" else 0) for ph in phases if ph and "train" in ph]
+    if estimate_bytes and measured and max(measured) > 0:
+        out["memory.estimate_over_measured"] = estimate_bytes / max(measured)
+    return out
+
+
+def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: dict, summary: dict) -> None:
+    """Stage-run extras from the launcher. Rank 0 sent the per-step metrics asynchronously; whatever it could not
+    send (an MLflow outage mid-training) is backfilled from metrics.jsonl now, or left pending for the next stage.
+    Nothing here can fail the stage: the training is done."""
+    if ctx.mlflow_run_id:
+        tracking.settle_metrics(ctx.run_dir, tracking.tracking_uri(cfg), ctx.mlflow_run_id,
+                                result["metrics"])
     final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
-    for rank, peak in enumerate(peaks):
-        final[f"memory.peak_gb.rank{rank}"] = peak / 2**30
-    if spec.get("estimate_bytes") and peaks:
-        final["memory.estimate_over_measured"] = spec["estimate_bytes"] / max(peaks)
-    tracking.log_metrics(final)
-    tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
-    tracking.log_artifact(result["metrics"])
+    export_path = ctx.run_dir / "train" / "export_memory.json"
+    final.update(memory_figures(summary, read_json(export_path) if export_path.is_file() else None,
+                                spec.get("estimate_bytes"), spec["backend"]))
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
-    tracking.log_artifact(plot, "train")
+    with tracking.best_effort("final training metrics, tags and artifacts"):
+        tracking.log_metrics(final)
+        tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
+        tracking.log_artifact(result["metrics"])
+        tracking.log_artifact(plot, "train")
+
 
 
 def _loss_plot(records: list[dict], path: Path) -> Path:

@@ -112,7 +112,7 @@ def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
                 expect(dialog.get_by_text(section, exact=True)).to_be_visible()
             dialog.get_by_text("Training", exact=True).click()
             steps = dialog.locator("[name=element_steps]")
-            expect(steps).to_have_value("6")  # ci-tiny's train.steps
+            expect(steps).to_have_value("")  # empty = from the preset (ci-tiny: 6)
             expect(dialog.get_by_text("Optimizer steps")).to_be_visible()
             expect(dialog.locator("[name=element_micro_batch]")).to_be_visible()
             steps.fill("4")

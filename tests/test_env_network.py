@@ -101,17 +101,21 @@ def test_hccl_socket_variables_against_this_hosts_interfaces():
 
 
 def test_ifname_rules_prefix_exact_and_exclude():
+    """The four documented forms (HCCL_SOCKET_IFNAME reference): the prefix applies to the whole list."""
     names = ["eth0", "eth1", "enp189s0f0", "lo"]
-    assert network.match_ifname("eth", names) == ["eth0", "eth1"]
-    assert network.match_ifname("=eth1", names) == ["eth1"]
-    assert network.match_ifname("^eth,^lo", names) == ["enp189s0f0"]
     assert network.match_ifname("eth,enp", names) == ["eth0", "eth1", "enp189s0f0"]
+    assert network.match_ifname("=eth0,enp0", names) == ["eth0"]
+    assert network.match_ifname("^eth,enp", names) == ["lo"]
+    assert network.match_ifname("^=eth0,enp0", names) == ["eth1", "enp189s0f0", "lo"]
 
 
 @pytest.mark.parametrize("env,status,needle", [
     ({"HCCL_ALGO": "level0:NA;level1:H-D_R"}, "ok", "leave unset"),
-    ({"HCCL_ALGO": "allreduce=level0:NA;level1:ring/allgather=level0:NA;level1:NHR"}, "ok", "HCCL_ALGO="),
+    ({"HCCL_ALGO": "allreduce=level0:NA;level1:ring/alltoall=level0:NA;level1:pairwise"}, "ok", "HCCL_ALGO="),
     ({"HCCL_ALGO": "level1:magic"}, "warn", "not in the documented set"),
+    ({"HCCL_ALGO": "allreduce=level0:NA;level1:pairwise"}, "warn", "AlltoAll family"),
+    ({"HCCL_ALGO": "allsum=level0:NA;level1:ring"}, "warn", "operator 'allsum'"),
+    ({"HCCL_ALGO": "level0:ring;level1:ring"}, "fail", "only NA"),
     ({"HCCL_ALGO": "ring"}, "fail", "is not levelN:ALGO"),
     ({"HCCL_BUFFSIZE": "200"}, "ok", "200 MB"),
     ({"HCCL_BUFFSIZE": "0"}, "fail", "integer number of MB >= 1"),
@@ -133,3 +137,23 @@ def test_rendezvous_port_listen_test():
     free = network.rendezvous_check(f"127.0.0.1:{port}", 0, 2)
     assert free["status"] == "ok", free
     assert network.rendezvous_check("no-such-host.invalid:29400", 1, 2)["status"] == "fail"
+
+
+def test_env_stage_hook_records_network_facts_and_checks():
+    from tasks import env
+    from tasks.config import load_config
+
+    cfg = load_config("ci-tiny", sets=["tracking.enabled=false"])
+    facts, checks = {}, []
+    env._network_checks(cfg, "cpu", facts, checks)
+    names = [c["name"] for c in checks]
+    assert "rendezvous" in names and facts["network"]["checks"] == checks and facts["network"]["interfaces"]
+    assert all(c["status"] == "ok" for c in checks if c.get("severity") == "info")
+
+
+def test_queries_the_tool_does_not_answer_are_info():
+    old_driver = {d: {"link": v["link"], "ip": v["ip"]} for d, v in GOOD.items()}  # no net_health/pfc/tls answer
+    checks = by_name(network.nic_checks(network.collect_nics([0, 1], feed(old_driver)), nnodes=2))
+    assert checks["nic-link"]["status"] == "ok" and checks["nic-ip"]["status"] == "ok"
+    for name in ("nic-health", "nic-pfc", "nic-tls"):
+        assert checks[name]["severity"] == "info" and network.NOT_AVAILABLE in checks[name]["detail"]

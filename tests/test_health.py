@@ -107,3 +107,49 @@ def test_health_dag_parses_light_and_hourly(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "{} False True ['health'] []"
+
+
+def fake_nvidia_smi(bin_dir: Path) -> Path:
+    """An `nvidia-smi` on PATH that answers the two CSV queries with fixture output (the driver's tool's format)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    exe = bin_dir / "nvidia-smi"
+    fix = FIX / "health" / "nvidia-smi"
+    exe.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                   f"  --query-gpu=*) cat '{fix / 'query-gpu.csv'}';;\n"
+                   f"  --query-compute-apps=*) cat '{fix / 'query-compute-apps.csv'}';;\n"
+                   "  *) exit 2;;\nesac\n")
+    exe.chmod(0o755)
+    return bin_dir
+
+
+def test_cuda_health_from_nvidia_smi_without_any_device_context(cfg, tmp_path):
+    """collect() asks nvidia-smi only: it never imports torch (so it can create no CUDA/NPU context, nor call
+    mem_get_info on a GPU a job is using); the alarms come from nvidia-smi's own figures."""
+    bin_dir = fake_nvidia_smi(tmp_path / "bin")
+    code = ("import sys, json; from tasks.config import load_config; from tasks import health; "
+            "cfg = load_config('demo-cpu'); cfg.hardware.device = 'cuda'; s = health.collect(cfg); "
+            "print(json.dumps({'torch': 'torch' in sys.modules, 'backend': s['backend'], "
+            "'checks': health.assess(s, cfg, last_seen=2), 'metrics': health.metrics(s)}))")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+           "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False  # no torch: no device context is possible
+    assert got["backend"] == {"kind": "cuda", "device_count": 2}
+    checks = {c["name"]: c for c in got["checks"]}
+    assert checks["temperature"]["status"] == "fail" and "GPU 1 at 93 C" in checks["temperature"]["detail"]
+    assert checks["hbm"]["status"] == "fail" and "GPU 1 memory 80100/81559 MB with no process" in \
+        checks["hbm"]["detail"] and "GPU 0" not in checks["hbm"]["detail"]  # GPU 0 is full but busy
+    assert checks["devices"]["status"] == "ok" and "2 GPUs (nvidia-smi)" in checks["devices"]["detail"]
+    assert got["metrics"]["gpu0.util_pct"] == 97 and "gpu1.power_w" not in got["metrics"]
+
+
+def test_configured_devices_missing_from_the_tools_is_an_alarm(cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # neither npu-smi nor nvidia-smi here
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    cfg.hardware.device = "npu"
+    checks = by_name(health.assess(health.collect(cfg), cfg))
+    assert checks["backend"]["status"] == "fail" and "npu-smi lists no device" in checks["backend"]["detail"]

@@ -32,9 +32,14 @@ LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
     "dp2_pp2_1f1b": (2, 1, 2, {"parallel.pp_schedule": "1f1b"}),
     "tp2_pp2_interleaved": (1, 2, 2, {"parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4,
                                       "parallel.recompute": "selective"}),
+    "dp2_tp2_zero1": (2, 2, 1, {"parallel.zero": 1}),  # ZeRO-1 over TP DTensors
+    "dp2_pp2_zero0": (2, 1, 2, {"parallel.zero": 0, "parallel.pp_schedule": "1f1b"}),
 }
 LAYOUTS_2 = {
     "dp2": (2, 1, 1, {}),
+    "dp2_zero0": (2, 1, 1, {"parallel.zero": 0}),
+    "dp2_zero1": (2, 1, 1, {"parallel.zero": 1}),
+    "dp2_zero1_bf16": (2, 1, 1, {"parallel.zero": 1, "train.precision": "bf16"}),  # autocast, fp32 parameters
     "dp2_zero2_full_recompute": (2, 1, 1, {"parallel.zero": 2, "parallel.recompute": "full"}),
     "dp2_bf16": (2, 1, 1, {"train.precision": "bf16"}),  # FSDP mixed precision: bf16 compute, fp32 reduce
     "tp2": (1, 2, 1, {}),
@@ -92,11 +97,34 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
     log = (tmp_path / "dp4_resumed_on_dp2" / "logs" / "rank-0.log").read_text()
     assert "resumed from" in log and "data stream" not in log  # the position carried over to dp2
 
+    _check_zero_stages(tmp_path)
+
     diag = json.loads((tmp_path / "nan" / "train" / "diagnosis.json").read_text())
     assert diag["step"] == 2 and diag["last_good_checkpoint"].endswith("step-1")
     assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir()) == ["step-1"]
 
 
+
+
+def _check_zero_stages(tmp_path):
+    """What each ZeRO stage shards, from each rank's record of its local tensors at the end of a step (dp 2)."""
+    def ranks(name):
+        return json.loads((tmp_path / name / "train" / "summary.json").read_text())["sharding_per_rank"]
+
+    for name, zero in (("dp2_zero0", 0), ("dp2_zero1", 1), ("dp2_zero2_full_recompute", 2), ("dp2_bf16", 3)):
+        rs = ranks(name)
+        full = rs[0]["full_elems"]
+        layer_full = 2 * rs[0]["layer_elems_at_rest"] if zero >= 2 else rs[0]["layer_elems_at_rest"]
+        params, grads, optim = (sum(r[k] for r in rs) for k in ("param_elems", "grad_elems", "optim_elems"))
+        assert params == (full if zero >= 2 else 2 * full), (name, "parameters", params, full)
+        assert grads == (full if zero >= 2 else 2 * full), (name, "gradients", grads, full)
+        # AdamW: two moments per element; sharded from stage 1 on (balanced: each rank holds under 3/4).
+        assert optim == (2 * full if zero >= 1 else 4 * full), (name, "optimizer state", optim, full)
+        if zero >= 1:
+            assert all(r["optim_elems"] < 0.75 * 2 * full for r in rs), (name, [r["optim_elems"] for r in rs])
+        # Between forward and backward a layer is whole under ZeRO 0-2 and only this rank's shard under ZeRO-3.
+        after = rs[0]["layer_elems_after_forward"]
+        assert after == (rs[0]["layer_elems_at_rest"] if zero == 3 else layer_full), (name, after)
 
 
 @pytest.mark.slow

@@ -152,11 +152,11 @@ def test_infeasible_plan_fails_with_the_reason_and_keeps_the_table(cfg, tmp_path
     cfg.tracking.enabled = False
     args = plan_args("--params", "13e9", "--cluster", "910b", "--nodes", "1", "--devices-per-node", "1",
                      "--device-memory-gb", "64")
-    with pytest.raises(StageError, match=r"needs 213\.0 GB > 64 GB") as err:  # 208 GB of states + 5 GB CANN
+    with pytest.raises(StageError, match=r"needs 239\.0 GB > 64 GB") as err:  # 234 GB of training states + 5 GB CANN
         run_stage("plan", cfg, tmp_path, args=args)
     assert "\n" not in str(err.value)
     saved = read_json(tmp_path / "plan" / "plan.json")
-    assert saved["plans"] == [] and saved["rejected"][0]["total_bytes"] == 208e9 + 5e9
+    assert saved["plans"] == [] and saved["rejected"][0]["total_bytes"] == 234e9 + 5e9
 
 
 def test_cli_13b_on_one_card_subprocess(tmp_path):
@@ -166,7 +166,7 @@ def test_cli_13b_on_one_card_subprocess(tmp_path):
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
     assert proc.stdout == ""
-    assert "no feasible plan for 13.00B params" in proc.stderr and "needs 213.0 GB > 64 GB" in proc.stderr
+    assert "no feasible plan for 13.00B params" in proc.stderr and "needs 239.0 GB > 64 GB" in proc.stderr
 
 
 def test_cli_70b_json(tmp_path, capsys):

@@ -110,12 +110,12 @@ def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
     assert est["total_bytes"] == pytest.approx(sum(est[k] for k in parts))
     assert est["reserve_bytes"] == 5e9
     assert est["peak_stage"] == 0  # four micro-batches in flight beat the last stage's logits
-    # Eight layers of params plus the embedding, 16 B each.
+    # Eight layers of params plus the embedding: fp32 params + grads + AdamW moments (16 B) + autocast's bf16 copy.
     assert est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"] == pytest.approx(
-        16 * (8 * sh.layer_params + sh.embedding_params))
-    # ZeRO-3 over 8 ranks shards all model states and adds the two-layer all-gather buffer.
+        18 * (8 * sh.layer_params + sh.embedding_params))
+    # ZeRO-3 over 8 ranks shards all model states (fp32) and adds the two-layer bf16 all-gather buffer.
     z3 = estimate(sh, 4096, Layout(dp=8, zero=3, micro_batch=1, recompute="full"))
-    assert z3["params_bytes"] == pytest.approx(2 * sh.num_params / 8)
+    assert z3["params_bytes"] == pytest.approx(4 * sh.num_params / 8)
     assert z3["buffers_bytes"] == 2 * 2 * sh.layer_params
 
 
@@ -161,3 +161,17 @@ def test_recompute_never_increases_the_activation_estimate(model, cluster, nodes
             assert got <= none * (1 + 1e-12), f"{rc} {got / none:.3f}× none for {lay}"
         checked += 1
     assert checked > 50
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_runtime_states_per_zero_stage_are_what_tasks_parallel_runs(precision):
+    """0: all whole; 1: AdamW moments / dp; 2: FSDP2 shards + gathered compute copy kept through backward;
+    3: FSDP2 shards only (16 B / dp). Parameters and gradients are fp32 in every stage."""
+    from tasks.planner.memory import runtime_state_bytes
+
+    n, dp, a = 1e9, 4, {"fp32": 4, "bf16": 2}[precision]
+    cast = a if precision == "bf16" else 0  # autocast's copies (stages 0/1)
+    want = {0: (4 + cast, 4, 8), 1: (4 + cast, 4, 8 / dp), 2: (4 / dp + a, 4 / dp, 8 / dp), 3: (4 / dp, 4 / dp, 8 / dp)}
+    for zero, (p, g, o) in want.items():
+        got = runtime_state_bytes(n, precision, "adamw", zero, dp)
+        assert got == pytest.approx({"params_bytes": p * n, "grads_bytes": g * n, "optimizer_bytes": o * n}), zero

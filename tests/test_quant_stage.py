@@ -58,4 +58,5 @@ def test_bad_inputs_fail_in_one_line(cfg, tiny, tmp_path):
     fails(r"quantize.backend amct: amct_pytorch is not importable \(No module named 'amct_pytorch'\)")
     cfg.quantize.backend = "torchao"
     cfg.train.micro_batch = 10_000                                  # more than the val split holds
-    fails(r"calibration set is empty: the val split of .* has \d+ sequences, fewer than one batch of 10000")
+    fails(r"calibration set is empty: the val split of .* has \d+ sequences, \d+ of them in the calibration part "
+          r"\(val split, file order: window index % 4 == 0 → calibration.*\), fewer than one batch of 10000")

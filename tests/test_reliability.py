@@ -338,3 +338,107 @@ def test_kill_9_of_the_train_stage_leaves_no_orphans(tmp_path, shards):
 
     with RunDirLock(run, "train"):  # and the run directory is free for the rerun
         pass
+
+
+# ---- class 3: an MLflow outage never blocks training --------------------------------------------------------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mlflow_server(port: int, store, artifacts):
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    proc = subprocess.Popen([str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", f"sqlite:///{store}", "--default-artifact-root", str(artifacts)],
+                            stdout=open(Path(store).with_suffix(f".{port}.log"), "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+            return proc
+        except OSError:
+            assert proc.poll() is None, Path(store).with_suffix(f".{port}.log").read_text()[-2000:]
+            time.sleep(0.5)
+    raise AssertionError("mlflow server did not answer in 120 s")
+
+
+def _kill_group(proc) -> None:
+    import os
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.mark.slow
+def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
+    """A real `mlflow server` is SIGKILLed while training runs: training finishes in bounded time, every step is in
+    metrics.jsonl, and after the server is back the next stage sends the missing steps to the same MLflow run."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import mlflow
+
+    from conftest import REPO
+    from train_fixture import BASE
+
+    port, store, art = _free_port(), tmp_path / "mlflow.db", tmp_path / "mlartifacts"
+    uri = f"http://127.0.0.1:{port}"
+    server = _mlflow_server(port, store, art)
+    run = tmp_path / "run"
+    steps = 150
+    sets = {**BASE, **DP2, "train.steps": steps, "tracking.uri": uri, "tracking.experiment": "outage",
+            "tracking.artifact_root": str(art)}
+    argv = [sys.executable, "-m", "tasks", "train", "--no-export", "--run-dir", str(run), "--shard-dir",
+            str(shards)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    train = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        metrics = run / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+            time.sleep(0.1)
+        _kill_group(server)
+        killed_at = metrics.read_text().count("\n")
+        assert killed_at < steps, "training ended before the server was killed: raise steps"
+        out, err = train.communicate(timeout=300)
+    finally:
+        if train.poll() is None:
+            train.kill()
+        _kill_group(server)
+    assert train.returncode == 0, err[-2000:]
+    assert "MLflow unreachable at the end of the stage" in err, err[-2000:]
+    assert [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()] == list(range(1, steps + 1))
+    assert (run / "tracking-pending.json").is_file()
+
+    server = _mlflow_server(port, store, art)  # back, same store
+    try:
+        plan = subprocess.run([sys.executable, "-m", "tasks", "plan", "--run-dir", str(run)]
+                              + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+                              cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+        assert plan.returncode == 0, plan.stderr[-2000:]
+        run_id = json.loads((run / "train.json").read_text())["mlflow_run_id"]
+        history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train.loss")
+    finally:
+        _kill_group(server)
+    want = {json.loads(ln)["step"]: json.loads(ln)["loss"] for ln in metrics.read_text().splitlines()}
+    assert sorted(m.step for m in history) == list(range(1, steps + 1)), f"killed at step {killed_at}"
+    assert all(m.value == pytest.approx(want[m.step]) for m in history)
+    assert not (run / "tracking-pending.json").exists()

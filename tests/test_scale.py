@@ -75,12 +75,19 @@ def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg
     rc, out = torchrun(meta, 4, [spec_meta, spec_hf], tmp_path / "torchrun.log")
     assert rc == 0, out[-3000:]
 
-    full_bytes = num_params(tcfg) * 4
+    full_bytes = num_params(tcfg) * 4  # the whole fp32 model
     for run in ("meta", "imported"):
         summary = json.loads((tmp_path / run / "train" / "summary.json").read_text())
-        peaks = [m["peak_bytes"] for m in summary["memory_per_rank"]]
-        # fp32 params + grads + AdamW moments = 4 × the model's bytes in one process; ZeRO-3 over 4 ranks: ~1×.
-        assert max(peaks) < 2.0 * full_bytes, (run, peaks, full_bytes)
+        exported = json.loads((tmp_path / run / "train" / "export_memory.json").read_text())["per_rank"]
+        for rank, (ph, ex) in enumerate(zip(summary["memory_phases_per_rank"], exported)):
+            held = {k: ph[k] - ph["base"] for k in ("init", "train")} | {"export": ex["export"] - ex["base"]}
+            # Built on meta, each rank allocates and fills (random or from the safetensors) only its quarter.
+            assert held["init"] < 0.5 * full_bytes, (run, rank, held)
+            # One process training it would hold 4× (fp32 params, grads, AdamW moments); ZeRO-3 on 4 ranks ~1×
+            # plus the gathered tied embedding and its gradient.
+            assert held["train"] < 2.0 * full_bytes, (run, rank, held)
+            # The export streams tensors: no rank ever holds the model.
+            assert held["export"] < 0.75 * full_bytes and ex["written_bytes"] > 0, (run, rank, held)
         index = json.loads((tmp_path / run / "hf" / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) >= 3
     # From HF at learning rate 0: the export is the imported checkpoint (and transformers reproduces it).
@@ -91,3 +98,34 @@ def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg
     want_trained = _logits_of_checkpoint(ckpt, trained, tokens)
     gc.collect()
     torch.testing.assert_close(_hf_logits(tmp_path / "meta" / "hf", tokens), want_trained, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_phase_peaks_are_each_phases_own():
+    """A big allocation in one phase does not show up as the next phase's peak (RSS high-water mark reset)."""
+    from tasks.parallel.metrics import PhasePeaks
+
+    phases = PhasePeaks(torch.device("cpu"))
+    phases.enter("big")
+    big = torch.ones(64 * 2**20)  # 256 MB, touched
+    del big
+    gc.collect()
+    phases.enter("small")
+    small = torch.ones(2**20)
+    del small
+    got = phases.result()
+    assert got["big"] - got["small"] > 200 * 2**20, got
+    assert got["base"] > 0
+
+
+def test_memory_figures_compare_the_estimate_with_the_training_phase_over_the_base():
+    from tasks.train import memory_figures
+
+    summary = {"memory_per_rank": [{"peak_bytes": 3 * 2**30}, {"peak_bytes": 4 * 2**30}],
+               "memory_phases_per_rank": [{"init": 2**30, "train": 3 * 2**30, "base": 2**29},
+                                          {"init": 2**30, "train": 4 * 2**30, "base": 2**30}]}
+    export = {"per_rank": [{"export": 2**30, "base": 2**29, "written_bytes": 2**29}]}
+    got = memory_figures(summary, export, estimate_bytes=6 * 2**30, backend="cpu")
+    assert got["memory.estimate_over_measured"] == pytest.approx(6 / 3)  # worst rank: 4 GB − 1 GB base
+    assert got["memory.train.peak_gb.rank1"] == 4 and got["memory.init.peak_gb.rank0"] == 1
+    assert got["memory.export.peak_over_written.rank0"] == 2
+    assert memory_figures(summary, None, 6 * 2**30, "npu")["memory.estimate_over_measured"] == pytest.approx(1.5)

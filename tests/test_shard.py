@@ -230,6 +230,14 @@ def test_cli_error_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: no input files matched") and r.stderr.count("\n") == 1
 
 
+def test_cli_takes_several_pairs_after_one_set(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "data_prep", "shard", "--input", "stdlib", "--out", str(tmp_path),
+                        "--set", "seq_len=1", "vocab_size=100", "--set", "max_documents=5"], cwd=REPO,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip() == ("error: seq_len: 1 is out of range; vocab_size: 100 is out "
+                                                      "of range")
+
+
 def test_model_directory_tokenizer_uses_its_eos(tmp_path):
     """A local model directory (e.g. Qwen): tokenizer.json + tokenizer_config.json naming the EOS token."""
     from data_prep.tokenizer import train_bpe

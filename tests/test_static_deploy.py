@@ -160,6 +160,12 @@ def test_render_for_a_dag_run(cfg, tmp_path):
     assert container["resources"]["requests"]["huawei.com/Ascend910"] == 8
     args = container["args"][0]
     assert f"hardware.rdzv_endpoint={name}-0.{name}:29400" in args and "$JOB_COMPLETION_INDEX" in args
+    assert "data.seq_len" not in args  # from the preset: the pods take the shard set's
+    from tasks.config import apply_overrides
+
+    apply_overrides(cfg, {"data.seq_len": 64})  # set explicitly: the pods must still see it as explicit
+    assert "--set data.seq_len=64" in k8s_job.render(cfg, tmp_path / "run", name)[1]["spec"]["template"]["spec"][
+        "containers"][0]["args"][0]
     written = yaml.safe_load((tmp_path / "run" / "k8s" / f"{name}.yaml").read_text())
     assert written["hardware"]["nnodes"] == 4 and written["tracking"]["uri"] == ""
     cfg.hardware.k8s_image = ""

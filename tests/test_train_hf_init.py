@@ -50,7 +50,8 @@ def test_train_starts_from_hf_path_weights(tmp_path, shards):  # noqa: F811
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
     want = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
-    got = load_file(str(run_dir / "hf" / "model.safetensors"))
+    got = {k: v for f in sorted((run_dir / "hf").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert (run_dir / "hf" / "model.safetensors.index.json").is_file()  # both ranks wrote a file
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name], t), f"{name} differs from the checkpoint's"

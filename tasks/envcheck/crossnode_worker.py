@@ -87,7 +87,8 @@ def main() -> None:
     dev = devlayer.torch_device(args.kind, local_rank)
     dist.init_process_group(devlayer.DIST_BACKEND[args.kind], timeout=datetime.timedelta(seconds=args.timeout_s))
     # The configured node rank (hardware.node_rank), not torchrun's arrival order: what the operator calls the node.
-    me = {"rank": rank, "local_rank": local_rank, "node": int(os.environ.get("LLM_NODE_RANK", os.environ["GROUP_RANK"])),
+    node = int(os.environ.get("LLM_NODE_RANK", os.environ["GROUP_RANK"]))
+    me = {"rank": rank, "local_rank": local_rank, "node": node,
           "host": socket.gethostname(), "matmul_ms": _matmul_ms(dev)}
     ranks: list = [None] * world
     dist.all_gather_object(ranks, me)

@@ -27,8 +27,11 @@ HCCN_TOOL_PATHS = ("/usr/local/Ascend/driver/tools/hccn_tool",)
 NOT_AVAILABLE = "not available on this host"
 QUERIES = ("link", "ip", "net_health", "pfc", "tls")
 HEALTH_OK = "Success"
-# HCCL_ALGO algorithm names in CANN 7/8 documentation; an unknown one only warns (new releases add names).
-KNOWN_ALGOS = {"NA", "ring", "H-D_R", "NHR", "NHR_V1", "NB", "pipeline", "pairwise", "fullmesh", "AHC", "AHC_BROKE"}
+# HCCL_ALGO as documented (HCCL environment-variable reference): level0 (inside a server) only NA; level1 (between
+# servers) ring, H-D_R, NHR, NHR_V1, NB, pipeline, pairwise (AlltoAll family only); per-operator form for these ops.
+# An unknown name only warns: new CANN releases add algorithms.
+LEVEL1_ALGOS = {"ring", "H-D_R", "NHR", "NHR_V1", "NB", "pipeline", "pairwise"}
+ALGO_OPS = {"allgather", "reducescatter", "allreduce", "broadcast", "reduce", "scatter", "alltoall"}
 HCCL_BUFFSIZE_DEFAULT_MB = 200
 
 
@@ -106,19 +109,30 @@ def collect_nics(devices: list[int], run: Callable[[int, str], str | None]) -> d
 
 
 def nic_checks(nics: dict[int, dict], nnodes: int) -> list[dict]:
-    """One check per query over all devices; severity 'fail' only when the run spans nodes."""
+    """One check per query over all devices; severity 'fail' only when the run spans nodes. A query the installed
+    hccn_tool answers on no device (older driver, no RoCE NIC) is info, not a fault."""
     bad = "fail" if nnodes > 1 else "warn"
     scope = "" if nnodes > 1 else " (single node: only inter-node traffic uses RoCE)"
     out = []
+    for query, judge in (("link", _link), ("ip", _ip), ("net_health", _health), ("pfc", _pfc), ("tls", _tls)):
+        name = f"nic-{query.replace('net_health', 'health')}"
+        if all(n.get("raw", {}).get(query) is None and n.get(query) is None for n in nics.values()):
+            out.append(info(name, f"hccn_tool -{query} -g gave no answer on any device: {NOT_AVAILABLE}"))
+        else:
+            out.append(judge(name, nics, bad, scope))
+    return out
 
+
+def _link(name, nics, bad, scope) -> dict:
     down = [d for d, n in nics.items() if n["link"] != "UP"]
     if down:
-        out.append(check("nic-link", bad, f"RoCE link not UP on device(s) {down} "
-                                          f"({', '.join(str(nics[d]['link']) for d in down)}){scope}; fix: check "
-                                          "cable/optical module (hccn_tool -i N -optical -g) and the switch port"))
-    else:
-        out.append(check("nic-link", "ok", f"link UP on {len(nics)} device(s)"))
+        return check(name, bad, f"RoCE link not UP on device(s) {down} "
+                                f"({', '.join(str(nics[d]['link']) for d in down)}){scope}; fix: check "
+                                "cable/optical module (hccn_tool -i N -optical -g) and the switch port")
+    return check(name, "ok", f"link UP on {len(nics)} device(s)")
 
+
+def _ip(name, nics, bad, scope) -> dict:
     ips = {d: n["ip"] or {} for d, n in nics.items()}
     missing = [d for d, v in ips.items() if not v.get("ipaddr")]
     seen: dict[str, int] = {}
@@ -131,49 +145,50 @@ def nic_checks(nics: dict[int, dict], nnodes: int) -> list[dict]:
     masks = {v.get("netmask") for v in ips.values() if v.get("netmask")}
     if missing or dup:
         what = "; ".join(([f"no IP on device(s) {missing}"] if missing else []) + [f"duplicate IP {x}" for x in dup])
-        out.append(check("nic-ip", bad, f"{what}{scope}; fix: hccn_tool -i N -ip -s address A.B.C.D netmask M "
-                                        "(one address per card, /etc/hccn.conf)"))
-    elif len(masks) > 1:
-        out.append(check("nic-ip", "warn", f"devices use different netmasks {sorted(masks)}: cards in one plane "
-                                           "normally share a subnet; fix: hccn_tool -i N -ip -s … netmask M"))
-    else:
-        out.append(check("nic-ip", "ok", ", ".join(f"{d}:{v['ipaddr']}" for d, v in ips.items())))
+        return check(name, bad, f"{what}{scope}; fix: hccn_tool -i N -ip -s address A.B.C.D netmask M "
+                                "(one address per card, /etc/hccn.conf)")
+    if len(masks) > 1:
+        return check(name, "warn", f"devices use different netmasks {sorted(masks)}: cards in one plane normally "
+                                   "share a subnet; fix: hccn_tool -i N -ip -s … netmask M")
+    return check(name, "ok", ", ".join(f"{d}:{v['ipaddr']}" for d, v in ips.items()))
 
+
+def _health(name, nics, bad, scope) -> dict:
     unhealthy = {d: n["net_health"] for d, n in nics.items() if n["net_health"] != HEALTH_OK}
-    if unhealthy:
-        only_init = all(v == "Init" for v in unhealthy.values())
-        fix = ("no detect IP is configured: hccn_tool -i N -netdetect -s address <gateway or peer IP>"
-               if only_init else "check link, IP and the peer (hccn_tool -i N -ping -g address <peer IP>)")
-        out.append(check("nic-health", "warn" if only_init else bad,
-                         f"net health not Success on {', '.join(f'{d}: {v}' for d, v in unhealthy.items())}"
-                         f"{scope}; fix: {fix}"))
-    else:
-        out.append(check("nic-health", "ok", f"net health Success on {len(nics)} device(s)"))
+    if not unhealthy:
+        return check(name, "ok", f"net health Success on {len(nics)} device(s)")
+    only_init = all(v == "Init" for v in unhealthy.values())
+    fix = ("no detect IP is configured: hccn_tool -i N -netdetect -s address <gateway or peer IP>"
+           if only_init else "check link, IP and the peer (hccn_tool -i N -ping -g address <peer IP>)")
+    return check(name, "warn" if only_init else bad,
+                 f"net health not Success on {', '.join(f'{d}: {v}' for d, v in unhealthy.items())}{scope}; "
+                 f"fix: {fix}")
 
+
+def _pfc(name, nics, bad, scope) -> dict:
     pfc = {d: n["pfc"] for d, n in nics.items() if n["pfc"] is not None}
-    if pfc:
-        variants = {tuple(v) for v in pfc.values()}
-        if len(variants) > 1:
-            out.append(check("nic-pfc", bad, "PFC priorities differ across devices: "
-                             + ", ".join(f"{d}:{v}" for d, v in pfc.items())
-                             + "; fix: the same PFC priority on every card and on the switch (hccn_tool -i N -pfc -s "
-                               "bitmap …; the HCCL guide recommends queue 4)"))
-        elif not next(iter(variants)):
-            out.append(check("nic-pfc", "warn", "PFC disabled on every priority: RoCE without PFC drops under "
-                                                "congestion; fix: enable the switch's lossless priority (queue 4)"))
-        else:
-            out.append(check("nic-pfc", "ok", f"PFC on priority {list(next(iter(variants)))} on every device "
-                                              "(must match the switch)"))
+    variants = {tuple(v) for v in pfc.values()}
+    if len(variants) > 1:
+        seen = ", ".join(f"{d}:{v}" for d, v in pfc.items())
+        return check(name, bad, f"PFC priorities differ across devices: {seen}"
+                     + "; fix: the same PFC priority on every card and on the switch (hccn_tool -i N -pfc -s bitmap …; "
+                       "the HCCL guide recommends queue 4)")
+    if not variants or not next(iter(variants)):
+        return check(name, "warn", "PFC disabled on every priority (or unreadable): RoCE without PFC drops under "
+                                   "congestion; fix: enable the switch's lossless priority (queue 4)")
+    return check(name, "ok", f"PFC on priority {list(next(iter(variants)))} on every device (must match the switch)")
+
+
+def _tls(name, nics, bad, scope) -> dict:
     tls = {d: n["tls"] for d, n in nics.items() if n["tls"] is not None}
-    if tls and len(set(tls.values())) > 1:
-        on = [d for d, v in tls.items() if v == 1]
-        out.append(check("nic-tls", "fail" if nnodes > 1 or len(nics) > 1 else "warn",
-                         f"TLS switch differs across devices (enabled on {on}, disabled on "
-                         f"{[d for d, v in tls.items() if v == 0]}): cards with and without TLS cannot link; fix: "
-                         "hccn_tool -i N -tls -s enable 0 (or 1) on every card of every node"))
-    elif tls:
-        out.append(check("nic-tls", "ok", f"TLS switch {next(iter(tls.values()))} on every device"))
-    return out
+    if len(set(tls.values())) > 1:
+        return check(name, bad, f"TLS switch differs across devices (enabled on {[d for d, v in tls.items() if v]}, "
+                                f"disabled on {[d for d, v in tls.items() if not v]}): cards with and without TLS "
+                                f"cannot link{scope}; fix: hccn_tool -i N -tls -s enable 0 (or 1) on every card of "
+                                "every node")
+    if not tls:
+        return check(name, "warn", "TLS switch unreadable on every device (hccn_tool -i N -tls -g)")
+    return check(name, "ok", f"TLS switch {next(iter(tls.values()))} on every device")
 
 
 def host_interfaces() -> dict[str, dict[str, list[str]]]:
@@ -193,17 +208,18 @@ def host_interfaces() -> dict[str, dict[str, list[str]]]:
 
 
 def match_ifname(spec: str, names: list[str]) -> list[str]:
-    """Interfaces HCCL_SOCKET_IFNAME selects: comma-separated prefixes, `=name` exact, `^…` excludes."""
-    include, exclude = [], []
-    for item in [s.strip() for s in spec.split(",") if s.strip()]:
-        target = exclude if item.startswith("^") else include
-        item = item.lstrip("^")
-        target.append((item.startswith("="), item.lstrip("=")))
+    """Interfaces HCCL_SOCKET_IFNAME selects. One rule for the whole comma-separated list (HCCL_SOCKET_IFNAME
+    reference): `eth,enp` prefixes, `=eth0,enp0` exact names, `^eth,enp` no interface with those prefixes, `^=eth0`
+    not those names. HCCL takes the first match."""
+    exclude = spec.startswith("^")
+    rest = spec[1:] if exclude else spec
+    exact = rest.startswith("=")
+    items = [i.strip() for i in (rest[1:] if exact else rest).split(",") if i.strip()]
 
-    def hit(name, rules):
-        return any(name == v if exact else name.startswith(v) for exact, v in rules)
+    def hit(name: str) -> bool:
+        return any(name == i if exact else name.startswith(i) for i in items)
 
-    return [n for n in names if (not include or hit(n, include)) and not hit(n, exclude)]
+    return [n for n in names if hit(n) != exclude]
 
 
 def socket_env_checks(env: dict[str, str], interfaces: dict[str, dict[str, list[str]]], kind: str) -> list[dict]:
@@ -254,31 +270,38 @@ def socket_env_checks(env: dict[str, str], interfaces: dict[str, dict[str, list[
 
 
 def algo_checks(env: dict[str, str], kind: str) -> list[dict]:
-    """HCCL_ALGO syntax (`level0:NA;level1:H-D_R`, or per operator `allreduce=level0:NA;level1:ring/…`) and
+    """HCCL_ALGO syntax (`level0:NA;level1:H-D_R`, or per operator `alltoall=level0:NA;level1:pairwise/…`) and
     HCCL_BUFFSIZE (MB, integer ≥ 1, default 200)."""
     out = []
     bad = "fail" if kind == "npu" else "warn"
     algo = (env.get("HCCL_ALGO") or "").strip()
     if algo:
-        problems, unknown = [], set()
+        problems, doubts = [], []
         for group in algo.split("/"):
-            body = group.split("=", 1)[1] if "=" in group else group
+            op, _, body = group.rpartition("=")
+            op = op.strip()
+            if op and op not in ALGO_OPS:
+                doubts.append(f"operator {op!r} is not one of {sorted(ALGO_OPS)}")
             for part in [p for p in body.split(";") if p.strip()]:
                 m = re.fullmatch(r"\s*level(\d)\s*:\s*([\w-]+)\s*", part)
                 if not m:
                     problems.append(f"{part!r} is not levelN:ALGO")
-                elif m.group(2) not in KNOWN_ALGOS:
-                    unknown.add(m.group(2))
+                elif m.group(1) == "0" and m.group(2) != "NA":
+                    problems.append(f"level0:{m.group(2)} (inside a server only NA is supported)")
+                elif m.group(1) == "1" and m.group(2) not in LEVEL1_ALGOS:
+                    doubts.append(f"level1 algorithm {m.group(2)!r} is not in the documented set "
+                                  f"{sorted(LEVEL1_ALGOS)}")
+                elif m.group(2) == "pairwise" and op and op != "alltoall":
+                    doubts.append(f"pairwise is for the AlltoAll family, not {op}")
         if problems:
             out.append(check("hccl-algo", bad, f"HCCL_ALGO={algo!r}: {'; '.join(problems)}; fix: unset HCCL_ALGO "
                                                "(HCCL picks per topology) or write e.g. level0:NA;level1:H-D_R"))
-        elif unknown:
-            out.append(check("hccl-algo", "warn", f"HCCL_ALGO={algo}: algorithm(s) {sorted(unknown)} are not in the "
-                                                  f"documented set {sorted(KNOWN_ALGOS)}; check the CANN version's "
+        elif doubts:
+            out.append(check("hccl-algo", "warn", f"HCCL_ALGO={algo}: {'; '.join(doubts)}; check the CANN version's "
                                                   "HCCL_ALGO page"))
         else:
-            out.append(info("hccl-algo", f"HCCL_ALGO={algo} (msprof-analyze advisor: leave unset unless measured "
-                                         "faster)"))
+            out.append(info("hccl-algo", f"HCCL_ALGO={algo} (it turns off HCCL's adaptive choice; the msprof-analyze "
+                                         "advisor: leave unset unless measured faster)"))
     size = (env.get("HCCL_BUFFSIZE") or "").strip()
     if size:
         if not re.fullmatch(r"\d+", size) or int(size) < 1:
@@ -286,8 +309,9 @@ def algo_checks(env: dict[str, str], kind: str) -> list[dict]:
                                                    f"(default {HCCL_BUFFSIZE_DEFAULT_MB}); fix: export "
                                                    f"HCCL_BUFFSIZE={HCCL_BUFFSIZE_DEFAULT_MB}"))
         else:
-            out.append(check("hccl-buffsize", "ok", f"HCCL_BUFFSIZE={size} MB per communicator "
-                                                    f"(default {HCCL_BUFFSIZE_DEFAULT_MB}; it is device memory)"))
+            out.append(check("hccl-buffsize", "ok", f"HCCL_BUFFSIZE={size} MB per communicator, twice that in "
+                                                    f"device memory (send + receive; default "
+                                                    f"{HCCL_BUFFSIZE_DEFAULT_MB})"))
     return out
 
 

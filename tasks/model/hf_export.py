@@ -3,8 +3,9 @@
 Runs inside the training job: every rank of the world writes some of the output files (round-robin), reading each
 tensor alone from the DCP checkpoint (`dcp.load(..., no_dist=True)` of one key) and appending its bytes to a
 safetensors file whose header was written up front from the checkpoint's metadata. A process therefore holds at most
-one full tensor at a time, never the model. Rank 0 writes config.json, the index and the tokenizer, then renames the
-finished directory into place (a crash leaves only a `.tmp` directory, removed by the next export).
+one full tensor at a time, never the model. Rank 0 writes config.json, the index and the tokenizer, then swaps the
+finished directory in (tasks.fsutil.swap_dir: a crash leaves the old export or a `.tmp` directory, never neither;
+the next export cleans up).
 """
 from __future__ import annotations
 
@@ -144,27 +145,41 @@ def write_streaming(path: Path, entries: list[tuple], read) -> int:
 
 def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out: str | os.PathLike,
                            tokenizer_dir: str | os.PathLike | None = None, rank: int = 0, world: int = 1,
-                           barrier=None, dtype: torch.dtype | None = None, file_bytes: int = FILE_BYTES) -> Path:
+                           barrier=None, dtype: torch.dtype | None = None, file_bytes: int | None = None,
+                           stats: dict | None = None) -> Path:
     """Write the HF directory `out` from the DCP checkpoint `ckpt`; with world > 1 every rank calls it (with a
-    `barrier` callable) and writes its share of the files."""
+    `barrier` callable) and writes its share of the files (`file_bytes` None: about 1/world of the model per file,
+    at most FILE_BYTES, so every rank takes part). `stats` receives this rank's written_bytes and
+    largest_tensor_bytes."""
+    from tasks.fsutil import recover_dir, swap_dir
     from tasks.model.hf_io import _copy_tokenizer, to_hf_config
 
     ckpt, out = Path(ckpt), Path(out)
     tmp = out.parent / f".{out.name}.tmp"
     barrier = barrier or (lambda: None)
     if rank == 0:
+        recover_dir(out)  # a crash between swap_dir's renames restored; stale temp directories removed
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     tensors = checkpoint_tensors(ckpt, tcfg)
+    if file_bytes is None:
+        total = sum(_numel(shape) * (dtype or dt).itemsize for _, shape, dt in tensors)
+        file_bytes = min(FILE_BYTES, -(-total // world))
     reader = _Reader(ckpt, {n: shape for n, shape, _ in tensors})
     files = plan_files(expand_experts(tensors), dtype, file_bytes)
     names = file_names(len(files))
+    written, largest = 0, 0
     for i in range(rank, len(files), world):
         src = files[i]
         entries = [(_hf_name(n), shape, dtype or dt) for n, shape, dt in src]
-        write_streaming(tmp / names[i], entries, lambda k, src=src: reader(*src[k]))
+        written += write_streaming(tmp / names[i], entries, lambda k, src=src: reader(*src[k]))
         reader.held = (None, None)
+        # an expert stack is read whole (the largest tensor held), its experts written one by one
+        largest = max([largest] + [_numel(reader.shapes[n[0]] if isinstance(n, tuple) else shape) * dt.itemsize
+                                   for n, shape, dt in src])
+    if stats is not None:
+        stats.update(written_bytes=written, largest_tensor_bytes=largest)
     barrier()
     if rank == 0:
         out_dtype = dtype or (files[0][0][2] if files else torch.float32)
@@ -176,8 +191,6 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        swap_dir(tmp, out)  # the old export stays until the new one is complete
     barrier()
     return out

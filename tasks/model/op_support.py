@@ -62,7 +62,8 @@ def report(kind: str, warnings_text=(), ai_cpu: list[dict] | None = None, source
     ac = [{"op": o["name"], "max_us": o.get("max_us"), "count": o.get("count")} for o in (ai_cpu or [])]
     note = (f"{len(fb)} operator(s) fell back to the CPU, {len(ac)} ran on AI CPU" if fb or ac else
             "every operator ran on the AI Core / Vector units (no fallback warning"
-            + (", no AI CPU kernel in the profile)" if ai_cpu is not None else "; AI CPU needs a profile)"))
+            + (", no AI CPU kernel in the profile)" if ai_cpu is not None else
+               "; AI CPU operators need per-rank kernel data: kernel_details.csv or op_summary)"))
     return {"device": kind, "fallback": fb, "ai_cpu": ac, "note": note, "advice": ADVICE if fb or ac else []}
 
 

@@ -1,8 +1,9 @@
-"""Data parallelism with FSDP2 `fully_shard` over the dp axis of the mesh (composes with TP DTensors: 2-D).
+"""ZeRO stages 2 and 3: FSDP2 `fully_shard` over the dp axis of the mesh (composes with TP DTensors: 2-D).
 
-ZeRO mapping: 3 → parameters resharded after forward (gathered again for backward); 1/2 → kept gathered between
-forward and backward (FSDP2 always shards gradients and optimizer states, so 1 behaves as 2); 0 → the same as 2
-(plain replicated DDP is not composed with TP/PP here; memory is never worse than DDP's).
+Parameters (fp32), gradients and optimizer states are sharded at rest. ZeRO-3: each layer's parameters are
+resharded after its forward and gathered again for backward; ZeRO-2: kept gathered from forward through backward
+(no second all-gather, the whole model's compute-dtype parameters are resident during the step). Stages 0 and 1
+(replicated parameters) are tasks/parallel/dp.py.
 Mixed precision: compute in bf16/fp16, gradients reduced in fp32, master weights and optimizer states fp32.
 """
 from __future__ import annotations

@@ -43,29 +43,92 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    """Rank 0's sink. MLflow is used when the launcher handed over a run (MLFLOW_RUN_ID)."""
+    """Rank 0's sink: metrics.jsonl first (the record of truth, written and flushed before anything else), then
+    MLflow — asynchronously, from a sender thread with bounded retries, when the launcher handed over a run
+    (MLFLOW_RUN_ID). Training never waits on tracking: a step MLflow did not take is backfilled from metrics.jsonl
+    by the launcher at stage end (tasks.tracking.settle_metrics) or by the next stage."""
 
     def __init__(self, path: Path, start_step: int, use_mlflow: bool):
         self.path = Path(path)
         truncate_after(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")
-        self.mlflow = None
+        self.sender = None
         if use_mlflow and os.environ.get("MLFLOW_RUN_ID"):
-            import mlflow
-
-            mlflow.start_run()  # resumes the run named by MLFLOW_RUN_ID (the stage's child run)
-            self.mlflow = mlflow
+            self.sender = MlflowSender(os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_RUN_ID"])
 
     def log(self, record: dict) -> None:
+        record = {**record, "time": time.time()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self.mlflow is not None:
-            values = {f"train.{k}": float(v) for k, v in record.items()
-                      if k != "step" and isinstance(v, (int, float)) and v is not None}
-            self.mlflow.log_metrics(values, step=record["step"])
+        if self.sender is not None:
+            self.sender.submit(record)
 
-    def close(self) -> None:
+    def close(self, flush_s: float = 10.0) -> None:
         self._file.close()
+        if self.sender is not None:
+            self.sender.close(flush_s)
+
+
+class MlflowSender:
+    """A daemon thread sending metric records to one MLflow run; submit() never blocks. Each record is tried
+    `attempts` times; when that fails the sender skips records for `pause_s` before trying again (the outage's
+    steps are left to the backfill), so a dead server costs a bounded amount of effort and nothing else."""
+
+    def __init__(self, uri: str, run_id: str, attempts: int = 2, queue_size: int = 10000, pause_s: float = 5.0):
+        import queue
+        import threading
+
+        from tasks.tracking import bound_http
+
+        bound_http()
+        self.uri, self.run_id, self.attempts, self.pause_s = uri, run_id, attempts, pause_s
+        self.q: "queue.Queue" = queue.Queue(maxsize=queue_size)
+        self.sent = self.failed = 0
+        self.thread = threading.Thread(target=self._run, name="mlflow-sender", daemon=True)
+        self.thread.start()
+
+    def submit(self, record: dict) -> None:
+        import queue
+
+        try:
+            self.q.put_nowait(record)
+        except queue.Full:  # MLflow far behind: dropped here, backfilled later from metrics.jsonl
+            self.failed += 1
+
+    def _run(self) -> None:
+        import mlflow
+        from mlflow.entities import Metric
+
+        client = mlflow.MlflowClient(self.uri)
+        down_until = 0.0
+        while True:
+            record = self.q.get()
+            if record is None:
+                return
+            if time.time() < down_until:
+                self.failed += 1
+                continue
+            metrics = [Metric(f"train.{k}", float(v), int(record["time"] * 1000), int(record["step"]))
+                       for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))
+                       and not isinstance(v, bool) and v is not None]
+            for attempt in range(self.attempts):
+                try:
+                    client.log_batch(self.run_id, metrics=metrics, synchronous=True)
+                    self.sent += 1
+                    break
+                except Exception:
+                    time.sleep(0.5 * (attempt + 1))
+            else:
+                self.failed += 1
+                down_until = time.time() + self.pause_s
+
+    def close(self, flush_s: float) -> None:
+        """Give the queue up to flush_s to drain; what is left is the backfill's."""
+        try:
+            self.q.put(None, timeout=flush_s)
+        except Exception:
+            return
+        self.thread.join(flush_s)
 
 
 class Heartbeat:
@@ -91,3 +154,35 @@ def read_heartbeats(directory: Path) -> dict[int, dict]:
             continue
         beats[int(b["rank"])] = b
     return beats
+
+
+class PhasePeaks:
+    """This rank's memory peak per phase (init, train, checkpoint, export): the peak counter is reset when a phase
+    starts and read when it ends (on CPU the RSS high-water mark, VmHWM, reset through /proc/self/clear_refs), so
+    each figure is that phase's own; a phase entered again keeps its maximum. `base_bytes` is what the process
+    held before the model existed (imports, process group): on CPU the estimate is compared with peak − base."""
+
+    def __init__(self, device):
+        from tasks.device import memory_stats
+
+        self.device, self.peaks, self.current = device, {}, None
+        self.base_bytes = memory_stats(device)["allocated_bytes"]
+
+    def enter(self, phase: str) -> None:
+        from tasks.device import reset_peak
+
+        self.close()
+        reset_peak(self.device)
+        self.current = phase
+
+    def close(self) -> None:
+        from tasks.device import memory_stats
+
+        if self.current:
+            peak = memory_stats(self.device)["peak_bytes"]
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak)
+            self.current = None
+
+    def result(self) -> dict:
+        self.close()
+        return {**self.peaks, "base": self.base_bytes}

@@ -18,14 +18,15 @@ def lr_factor(step: int, warmup: int, total: int, lr: float, min_lr: float) -> f
     return (min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))) / lr
 
 
-def build_optimizers(parts, train_cfg):
-    """[(AdamW, LambdaLR)] per model part."""
+def build_optimizers(parts, train_cfg, owned: set[str] | None = None):
+    """[(AdamW, LambdaLR)] per model part; with `owned` (ZeRO-1) each AdamW holds only the named parameters this
+    rank owns (a part owning none gets an AdamW over no parameters; the owners broadcast the updates)."""
     import torch
     from torch.distributed.tensor import DTensor
 
     out = []
     for part in parts:
-        params = [p for p in part.parameters() if p.requires_grad]
+        params = [p for n, p in part.named_parameters() if p.requires_grad and (owned is None or n in owned)]
         meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
         # foreach kernels reject a mix of plain tensors and DTensors (or DTensors on different meshes).
         foreach = len(meshes) == 1

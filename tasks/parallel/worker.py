@@ -90,7 +90,8 @@ def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, init_from
 
             apply_ep(part, mesh, ep)
         apply_ac(part, lay.recompute, lay.recompute_every)
-        apply_fsdp(part, mesh["dp"], precision, lay.zero, mesh["dp_rep"] if ep > 1 else None)
+        if lay.zero >= 2:  # ZeRO 2/3: FSDP2; 0/1: replicated parameters (tasks/parallel/dp.py)
+            apply_fsdp(part, mesh["dp"], precision, lay.zero, mesh["dp_rep"] if ep > 1 else None)
         materialize(part, device, seed, source=source)
     return indexed, lay.pp * per_rank
 
@@ -103,13 +104,14 @@ def setup(spec: dict, device) -> SimpleNamespace:
 
     from data_prep.errors import DataPrepError
     from data_prep.loader import ShardLoader
+    from tasks.parallel.binding import loader_options  # workers from this rank's cores, pin_memory, prefetch
     from tasks.config import PipelineConfig, apply_overrides
-    from tasks.device import reset_peak
     from tasks.model import TransformerConfig, flops_per_token, lm_loss
     from tasks.parallel.checkpoint import CheckpointManager, latest_verified
+    from tasks.parallel.dp import owners
     from tasks.parallel.layout import Layout
     from tasks.parallel.mesh import build_mesh, coords, layout_name
-    from tasks.parallel.metrics import Heartbeat, MetricsLog, peak_flops
+    from tasks.parallel.metrics import Heartbeat, MetricsLog, PhasePeaks, peak_flops
     from tasks.parallel.optim import build_optimizers
     from tasks.parallel.pp import build_schedule
     from tasks.parallel.step import PipelineStep, PlainStep
@@ -119,6 +121,8 @@ def setup(spec: dict, device) -> SimpleNamespace:
     run_dir = Path(spec["run_dir"])
     rank, world = dist.get_rank(), dist.get_world_size()
     _redirect_output(run_dir / "logs" / f"rank-{rank}.log")
+    phases = PhasePeaks(device)
+    phases.enter("init")
     if lay.ep > 1:
         from tasks.parallel.ep import build_mesh as build_ep_mesh
 
@@ -151,15 +155,28 @@ def setup(spec: dict, device) -> SimpleNamespace:
     indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed, init_from,
                                     cfg.model.npu_kernels)
     parts = [p for _, p in indexed]
-    optimizers = build_optimizers(parts, cfg.train)
+    named = [(n, p) for part in parts for n, p in part.named_parameters()]
+    owner = {k: v for part in parts for k, v in owners(list(part.named_parameters()), lay.dp).items()} \
+        if lay.zero == 1 and lay.dp > 1 else None
+    optimizers = build_optimizers(parts, cfg.train, owned=None if owner is None else
+                                  {n for n, r in owner.items() if r == c["dp"]})
+    # ZeRO 0/1 keep fp32 parameters: bf16 compute comes from autocast (FSDP's MixedPrecisionPolicy does it for 2/3).
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) \
+        if lay.zero < 2 and cfg.train.precision == "bf16" else None
     if lay.pp > 1:
         sched = build_schedule(lay.pp_schedule, indexed, n_stages, device, mesh["pp"].get_group(),
                                lay.n_microbatches, lm_loss)
-        step_fn = PipelineStep(sched, [i for i, _ in indexed], n_stages)
+        step_fn = PipelineStep(sched, [i for i, _ in indexed], n_stages, autocast)
     else:
-        step_fn = PlainStep(parts[0], lay.n_microbatches)
+        step_fn = PlainStep(parts[0], lay.n_microbatches, autocast)
+    probe = {}
+    if lay.pp == 1:  # how much of one layer this rank holds between forward and backward (ZeRO 2 vs 3)
+        block = next(iter(parts[0].layers.values()))
+        parts[0].register_forward_hook(lambda *_: probe.__setitem__(
+            "layer_elems_after_forward", sum(_local(p).numel() for p in block.parameters())))
+        probe["block"] = block
     loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
-                         dp_world=lay.dp, num_workers=cfg.data.loader_workers, seed=cfg.train.seed,
+                         dp_world=lay.dp, **loader_options(cfg, device), seed=cfg.train.seed,
                          verify_sha256=cfg.data.verify_sha256 and not spec.get("shards_verified"))
     start, last_good = 0, None
     if source:
@@ -170,10 +187,11 @@ def setup(spec: dict, device) -> SimpleNamespace:
         last_good = str(source)
         _log(f"resumed from {source} at step {start}" + "".join(f"; {n}" for n in notes))
     dist.barrier()
-    reset_peak(device)
-    return SimpleNamespace(
+    phases.enter("train")
+    return SimpleNamespace(phases=phases,
         cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank, world=world,
         parts=parts, params=[p for part in parts for p in part.parameters()], optimizers=optimizers,
+        named=named, owner=owner, probe=probe, sharding=None, dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
         step_fn=step_fn, loader=loader, batches=loader.batches(), ckpt=ckpt, start=start, last_good=last_good,
         device=device, pp_group=mesh["pp"].get_group() if lay.pp > 1 else None, fault=_fault(rank),
         metrics=MetricsLog(run_dir / "metrics.jsonl", start, cfg.tracking.enabled) if rank == 0 else None,
@@ -205,12 +223,19 @@ def train(spec: dict, device, profile_dir: str | None = None) -> int:
         _write_failure(s.train_dir, kind, s.rank, step, memory_stats(device), spec.get("estimate_bytes"), str(e))
         return EXIT_OOM if kind == "oom" else EXIT_TIMEOUT
     s.beat.beat(step, "done")
-    peaks = [None] * s.world
-    dist.all_gather_object(peaks, memory_stats(device))
+    train_mem = memory_stats(device)
+    phases = s.phases.result()
+    train_mem["peak_bytes"] = train_mem["peak_reserved_bytes"] = phases.get("train", train_mem["peak_bytes"])
+    peaks, sharding, by_phase = [None] * s.world, [None] * s.world, [None] * s.world
+    dist.all_gather_object(peaks, train_mem)
+    dist.all_gather_object(sharding, s.sharding)
+    dist.all_gather_object(by_phase, phases)
     if s.rank == 0:
         s.metrics.close()
         atomic_write_json(s.train_dir / "summary.json", {"final_step": step, "start_step": s.start,
                                                           "checkpoint": s.last_good, "memory_per_rank": peaks,
+                                                          "sharding_per_rank": sharding,
+                                                          "memory_phases_per_rank": by_phase,
                                                           "layout": spec["layout"]})
     _log(f"done at step {step}")
     return 0
@@ -224,10 +249,18 @@ def export(spec: dict) -> None:
     import torch.distributed as dist
 
     from tasks.model import TransformerConfig
-    from tasks.model.hf_export import FILE_BYTES, export_from_checkpoint
+    from tasks.model.hf_export import export_from_checkpoint
     from tasks.parallel.checkpoint import latest
 
+    import torch
+
+    from tasks.fsutil import atomic_write_json
+    from tasks.parallel.metrics import PhasePeaks
+
     gc.collect()
+    phases = PhasePeaks(torch.device("cpu"))  # the export runs on the host whatever the training device
+    phases.enter("export")
+    stats = {}
     run_dir = Path(spec["run_dir"])
     found = latest(run_dir / "checkpoints")
     if found is None:
@@ -236,7 +269,11 @@ def export(spec: dict) -> None:
     export_from_checkpoint(found[1], TransformerConfig(**spec["model"]), run_dir / "hf",
                            tokenizer_dir=spec["export"].get("tokenizer_dir"), rank=dist.get_rank(),
                            world=dist.get_world_size(), barrier=dist.barrier,
-                           file_bytes=spec["export"].get("file_bytes", FILE_BYTES))
+                           file_bytes=spec["export"].get("file_bytes"), stats=stats)
+    by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, {**phases.result(), **stats})
+    if dist.get_rank() == 0:
+        atomic_write_json(run_dir / "train" / "export_memory.json", {"per_rank": by_rank})
     _log("export done")
 
 
@@ -247,6 +284,7 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
 
     from tasks.device import memory_stats, synchronize
     from tasks.parallel.checkpoint import shaping_config
+    from tasks.parallel.dp import all_reduce_grads, broadcast_params
     from tasks.parallel.optim import grad_norm_and_clip
     from tasks.parallel.step import global_loss
 
@@ -263,6 +301,8 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     t_data = time.perf_counter() - t0
     s.beat.beat(step, "compute")
     loss = global_loss(s.step_fn(x, y), lay.dp, lay.tp)
+    if lay.zero < 2 and s.dp_group is not None:  # replicated data parallel: average gradients over dp
+        all_reduce_grads(s.params, s.dp_group, lay.dp)
     norm = grad_norm_and_clip(s.params, cfg.train.grad_clip, s.pp_group)
     if not (torch.isfinite(loss) and torch.isfinite(norm)):
         _write_nonfinite(s.train_dir, s.rank, step, loss, norm, s.parts, s.last_good)
@@ -271,7 +311,11 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     for opt, sched in s.optimizers:
         opt.step()
         sched.step()
-        opt.zero_grad(set_to_none=True)
+    if s.owner is not None:  # ZeRO-1: each owner's updated parameters to the other dp ranks
+        broadcast_params(s.named, s.owner, s.dp_group)
+    s.sharding = _sharding(s)
+    for p in s.params:  # a ZeRO-1 optimizer holds only the parameters it owns: clear every gradient here
+        p.grad = None
     synchronize(device)
     dt = time.perf_counter() - t0
     moe = moe_metrics(s.parts)
@@ -283,9 +327,11 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
                        "peak_mem_gb": memory_stats(device)["peak_bytes"] / 2**30})
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
         s.beat.beat(step, "checkpoint")
+        s.phases.enter("checkpoint")
         meta = {"model": s.spec["model"], "layout": s.spec["layout"], "config_hash": s.spec.get("config_hash", ""),
                 "shaping": shaping_config(s.spec["config"])}
         s.last_good = str(s.ckpt.save(step, s.parts, s.optimizers, s.loader, meta))
+        s.phases.enter("train")
     return True
 
 
@@ -312,6 +358,21 @@ def moe_metrics(parts) -> dict:
     out["moe_tokens_per_expert"] = {n.removeprefix("layers.").removesuffix(".moe"): t.tolist()
                                     for n, t in tokens.items()}
     return out
+
+
+def _sharding(s: SimpleNamespace) -> dict:
+    """What this rank holds (elements of its local tensors) at the end of a step: evidence of the ZeRO stage."""
+    from torch.distributed.tensor import DTensor
+
+    opt_elems = sum(_local(t).numel() for opt, _ in s.optimizers for st in opt.state.values()
+                    for t in st.values() if hasattr(t, "numel") and t.dim() > 0)
+    return {"param_elems": sum(_local(p).numel() for p in s.params),
+            "grad_elems": sum(_local(p.grad).numel() for p in s.params if p.grad is not None),
+            "optim_elems": opt_elems, "full_elems": sum(p.numel() for p in s.params),
+            "layer_elems_after_forward": s.probe.get("layer_elems_after_forward"),
+            "layer_elems_at_rest": sum(_local(p).numel() for p in s.probe["block"].parameters())
+            if "block" in s.probe else None,
+            "dtensor_params": sum(isinstance(p, DTensor) for p in s.params)}
 
 
 def _write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, last_good) -> None:

@@ -7,8 +7,9 @@ gradients, ZeRO-3 also the parameters. "Transformer Math 101" (EleutherAI, 2023)
 figures: params 2 B (bf16/fp16) or 4 B (fp32), gradients 2 B or 4 B, AdamW 12 B and SGD with momentum 8 B
 (fp32 copy + momentum). In pure fp32 training the parameters already are the fp32 copy, so the optimizer adds only
 its moments (AdamW 8 B, SGD 4 B): fp32 + AdamW = 4 + 4 + 8 = 16 B per parameter, the same total as mixed precision.
-(Megatron keeps fp32 gradients, 18 B per parameter; FSDP2's MixedPrecisionPolicy keeps fp32 sharded parameters: both
-land within a few percent of these sums once sharded.)
+(Megatron keeps fp32 gradients, 18 B per parameter.) `model_state_bytes` is that textbook model; the planner's
+estimates use `runtime_state_bytes`, which models exactly what tasks/parallel runs for each ZeRO stage (fp32
+parameters and gradients, FSDP2 for stages 2/3, replicated parameters for 0/1).
 
 Activations follow Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 Table 2, per transformer layer (s sequence, b micro-batch, h hidden, a heads, t tensor-parallel degree):
@@ -82,6 +83,30 @@ def model_state_bytes(n_params: float, precision: str = "bf16", optimizer: str =
     return {"params_bytes": n_params * bp / (dp if zero >= 3 else 1),
             "grads_bytes": n_params * bg / (dp if zero >= 2 else 1),
             "optimizer_bytes": n_params * bo / (dp if zero >= 1 else 1)}
+
+
+def runtime_state_bytes(n_params: float, precision: str = "bf16", optimizer: str = "adamw", zero: int = 0,
+                        dp: int = 1) -> dict[str, float]:
+    """Per-device model-state bytes of what the training stage runs (tasks/parallel), not the paper's scheme.
+
+    Parameters and gradients are fp32 (the parameters are the master copy); the optimizer adds its fp32 moments
+    (AdamW 8 B, SGD 4 B per parameter). ZeRO 0 (replicated, tasks/parallel/dp.py): everything whole. ZeRO 1: the
+    moments sharded over dp. ZeRO 2 and 3 (FSDP2): parameters, gradients and moments sharded; ZeRO 2 also keeps
+    every layer's gathered compute-dtype parameters from forward to backward (A bytes per parameter, counted in
+    params_bytes); ZeRO 3 regathers one layer at a time (stage_breakdown's buffers_bytes). Mixed precision under
+    ZeRO 0/1 is autocast, whose low-precision weight copies live until backward (A bytes per parameter).
+    """
+    A = PRECISION_BYTES[precision]
+    moments = OPTIMIZER_STATE_BYTES[optimizer][1]
+    d = max(1, dp)
+    sharded = d if zero >= 2 else 1
+    compute = 0.0
+    if zero < 2 and A < 4:
+        compute = A * n_params
+    elif zero == 2 and (d > 1 or A < 4):
+        compute = A * n_params
+    return {"params_bytes": 4 * n_params / sharded + compute, "grads_bytes": 4 * n_params / sharded,
+            "optimizer_bytes": moments * n_params / (d if zero >= 1 else 1)}
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -169,7 +194,7 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
         n += shape.embedding_params / t
     if last:  # final norm + output projection (a tied one is the embedding itself unless the stages differ)
         n += h + (0 if shape.tied and p == 1 else shape.embedding_params / t)
-    states = model_state_bytes(n, precision, optimizer, lay.zero, lay.dp)
+    states = runtime_state_bytes(n, precision, optimizer, lay.zero, lay.dp)
 
     s, b = seq_len, lay.micro_batch
     flight = in_flight(lay.schedule, p, lay.microbatches, stage, lay.virtual)
@@ -197,7 +222,7 @@ def estimate(shape: ModelShape | None, seq_len: int, lay: Layout, precision: str
     With `shape` None only the model states of `n_params` parameters are known (split evenly over tp·pp).
     """
     if shape is None:
-        parts = model_state_bytes(n_params / (lay.tp * lay.pp), precision, optimizer, lay.zero, lay.dp)
+        parts = runtime_state_bytes(n_params / (lay.tp * lay.pp), precision, optimizer, lay.zero, lay.dp)
         parts.update(activations_bytes=0.0, buffers_bytes=0.0)
         worst, stage = parts, 0
     else:

@@ -134,7 +134,8 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     grads = _ring(shard * GRAD_REDUCE_BYTES, lay.dp, dp_bw, 1.0)  # one reduce-scatter
     gather = _ring(shard * A, lay.dp, dp_bw, 1.0)                  # one all-gather of the parameters
-    dp_s = {0: 2 * grads, 1: grads + gather, 2: grads + gather}.get(lay.zero, grads + 2 * m * gather)
+    # 0: all-reduce; 1: all-reduce + owners' parameter broadcasts; 2: reduce-scatter + one all-gather; 3: per use.
+    dp_s = {0: 2 * grads, 1: 2 * grads + gather, 2: grads + gather}.get(lay.zero, grads + 2 * m * gather)
     total = pipeline + tp_s + pp_s + dp_s
     return {"step_s": total, "compute_s": compute, "bubble": bubble, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
             "dp_comm_s": dp_s, "tokens_per_s": tokens / total}

@@ -32,7 +32,8 @@ def guide_rules(report: dict, thresholds: dict | None = None) -> list[dict]:
     if core > 0 and core / total >= t["min_compute_share"]:
         cube_share = cube / core
         ev = {"cube_us": cube, "vector_us": vector, "cube_share": cube_share, "vector_share": 1 - cube_share,
-              "top_vector": cats.get("vector", {}).get("top", []), "top_cube": cats.get("cube/matmul", {}).get("top", [])}
+              "top_vector": cats.get("vector", {}).get("top", []),
+              "top_cube": cats.get("cube/matmul", {}).get("top", [])}
         if 1 - cube_share > t["bound_ratio"]:
             out.append(Finding(
                 "compute.cube_vector_imbalance", "medium",

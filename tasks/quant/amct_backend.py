@@ -23,7 +23,7 @@ from tasks.quant.amct_config import llm_quant_config, qat_retrain_json, qat_simp
 # The functions each flow calls (tests/test_npu_api.py checks these names against AMCT's real sources).
 FLOW_API = {"llm": ("quantize", "convert"),
             "ptq": ("create_quant_config", "quantize_model", "save_model"),
-            "qat": ("create_quant_retrain_config",)}
+            "qat": ("create_quant_retrain_config", "create_quant_retrain_model", "save_quant_retrain_model")}
 # AMCT's own requirement (hicann/amct README, requirements.txt): CANN >= 8.5.0, a CPU build of torch 2.1.0 or 2.7.1
 # with the matching torch_npu.
 AMCT_TORCH = ("2.1.0", "2.7.1")
@@ -138,18 +138,12 @@ def write_qat_handoff(out_dir: Path, layers: list[tuple[str, str]], skip_names, 
     return {"retrain_cfg": str(cfg_path), "retrain_config_json": str(json_path)}
 
 
-RETRAIN_API = ("create_quant_retrain_config", "create_quant_retrain_model", "save_quant_retrain_model")
-
-
 def quantize_retrain(model, skip_names, sample, out_dir: Path, train_fn):
     """AMCT QAT (the retrain flow): create_quant_retrain_config → create_quant_retrain_model (fake-quant retrain
     modules) → `train_fn(model)` → save_quant_retrain_model (fake-quant and deploy ONNX, like PTQ's save_model).
     → (the retrained torch model, train_fn's losses, the ONNX paths)."""
     amct = _amct()
-    missing = [name for name in RETRAIN_API if not hasattr(amct, name)]
-    if missing:
-        raise StageError(f"QAT: the installed amct_pytorch has no {missing[0]} (its retrain flow); update AMCT from "
-                         "CANN, or set quantize.qat_on_fail=false and use skip_layers/SmoothQuant")
+    require_flow(amct, "qat")  # the retrain flow exists only where the package offers all three calls
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg_path, config_file, record_file = out_dir / "retrain.cfg", out_dir / "retrain_config.json", out_dir / "record.txt"
     atomic_write_text(cfg_path, qat_simplified_cfg(skip_names, 1))

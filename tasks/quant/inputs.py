@@ -74,9 +74,10 @@ def val_part(shard_dir: Path, n: int, batch_size: int, part: str) -> tuple[list,
             keys.append(int(batch_keys[0]))
             if len(rows) >= n * batch_size:
                 break
-    if not rows:
-        raise StageError(f"{part} set is empty: the val split of {shard_dir} has {samples} sequences and none falls "
-                         f"in the {part} part ({SPLIT_RULE}); reshard with a larger data.val_fraction or corpus")
+    if len(rows) < batch_size:
+        raise StageError(f"{part} set is empty: the val split of {shard_dir} has {samples} sequences, {len(rows)} of "
+                         f"them in the {part} part ({SPLIT_RULE}), fewer than one batch of {batch_size}; reshard "
+                         "with a larger data.val_fraction or corpus")
     batches = [(torch.cat([r[0] for r in rows[i:i + batch_size]]), torch.cat([r[1] for r in rows[i:i + batch_size]]))
                for i in range(0, len(rows), batch_size)]
     info = {"rule": SPLIT_RULE, "part": part, "sequences": len(keys), "tokens": sum(t.numel() for _, t in batches),

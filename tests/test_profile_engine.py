@@ -1,0 +1,77 @@
+"""profile.analyzer: auto | builtin | msprof-analyze. The agreement check runs on fixtures in the exact formats of
+both producers (torch_npu ASCEND_PROFILER_OUTPUT and msprof-analyze's cluster_analysis_output, written by
+tests/fixtures/profiling/generate.py); the end-to-end run of the real msprof-analyze needs the PyPI package
+msprof-analyze on PATH in the test environment and is skipped without it."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import StageError
+from tasks.profile import analyze
+from tasks.profiling import engine
+from tasks.profiling.msprof import run_msprof_analyze
+
+FIX = Path(__file__).resolve().parent / "fixtures" / "profiling"
+HAS_TOOL = shutil.which("msprof-analyze") is not None
+
+
+def _cluster_output(fixture: str, folder: str = "cluster_analysis_output"):
+    """The cluster_analysis_output msprof-analyze writes, taken from a fixture in its format."""
+    def run(data_dir, out_dir, **_):  # msprof-analyze's inputs (fmt) are not needed by the stand-in output
+        shutil.copytree(FIX / fixture / folder, Path(out_dir) / "cluster_analysis_output")
+        return {"status": "ok", "output": str(out_dir)}
+    return run
+
+
+def test_builtin_never_runs_the_tool(tmp_path):
+    r = engine.apply("builtin", analyze(FIX / "ascend_pt_new_healthy"), FIX / "ascend_pt_new_healthy", tmp_path)
+    assert r["engine"]["used"] == "builtin" and "msprof_analyze" not in r["source"]
+
+
+def test_auto_falls_back_and_required_fails_in_one_line_without_the_tool(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "no-tools"))  # a host without msprof-analyze (requirements.txt has it)
+    src = FIX / "ascend_pt_new_healthy"
+    r = engine.apply("auto", analyze(src), src, tmp_path)
+    assert r["engine"]["used"] == "builtin" and "not on PATH" in r["engine"]["reason"]
+    assert any("msprof-analyze not used" in n for n in r["source"]["notes"])
+    with pytest.raises(StageError) as e:
+        engine.apply("msprof-analyze", analyze(src), src, tmp_path)
+    assert "pip install msprof-analyze==" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_torch_traces_are_builtin_only(tmp_path):
+    src = FIX / "torch_cuda_healthy"
+    assert engine.apply("auto", analyze(src), src, tmp_path)["engine"]["used"] == "builtin"
+    with pytest.raises(StageError, match="does not read"):
+        engine.apply("msprof-analyze", analyze(src), src, tmp_path)
+
+
+def test_msprof_analyze_breakdown_is_primary_and_agrees_within_one_percent(tmp_path):
+    src = FIX / "ascend_pt_new_healthy"
+    builtin = analyze(src)
+    r = engine.apply("msprof-analyze", analyze(src), src, tmp_path, run=_cluster_output("cluster_new_healthy"))
+    eng = r["engine"]
+    assert eng["used"] == "msprof-analyze" and eng["agreement"]["within"], eng["agreement"]
+    assert eng["agreement"]["worst"] <= 0.01
+    assert r["step"]["step_us"] != builtin["step"]["step_us"] and r["step"]["step_us"] == pytest.approx(100450.0)
+    assert "analysis.disagreement" not in {f["rule"] for f in r["findings"]}
+
+
+def test_a_disagreement_is_a_finding(tmp_path):
+    src = FIX / "ascend_pt_new_healthy"
+    r = engine.apply("auto", analyze(src), src, tmp_path, run=_cluster_output("cluster_old_unhealthy",
+                                                                                         "msprof_analyze_out"))
+    f = next(f for f in r["findings"] if f["rule"] == "analysis.disagreement")
+    assert f["severity"] == "medium" and not r["engine"]["agreement"]["within"]
+
+
+@pytest.mark.skipif(not HAS_TOOL, reason="needs the PyPI package msprof-analyze on PATH (requirements.txt installs it)")
+def test_real_msprof_analyze_agrees_with_builtin(tmp_path):
+    src = tmp_path / "data"
+    shutil.copytree(FIX / "ascend_pt_new_healthy", src)
+    assert run_msprof_analyze(src, tmp_path / "probe")["status"] in ("ok", "failed")
+    r = engine.apply("msprof-analyze", analyze(src), src, tmp_path / "out")
+    assert r["engine"]["used"] == "msprof-analyze" and r["engine"]["agreement"]["within"], r["engine"]
