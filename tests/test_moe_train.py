@@ -30,6 +30,7 @@ def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards):
 
     runs = _run(cfg, tmp_path, shards, {
         "dp2": {"parallel.dp": 2},
+        "dp2_zero1": {"parallel.dp": 2, "parallel.zero": 1},  # replicated parameters (tasks/parallel/dp.py)
         "dp2_ep2": {"parallel.dp": 2, "parallel.ep": 2, "train.checkpoint_every": 5},
     }, 2)
     want = reference_losses(configure(load_config("demo-cpu"), **MOE), shards, 5)
