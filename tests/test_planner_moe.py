@@ -80,3 +80,20 @@ def test_plan_stage_sizes_a_moe_preset_and_hands_ep_to_training(tmp_path, capsys
     cfg = PipelineConfig()
     cfg.parallel.dp = 0
     assert resolve(cfg, result, 16).ep == result["parallel"]["ep"]
+
+
+def test_dag_form_ep_reaches_the_moe_plan(tmp_path, capsys):
+    """make run CONF='{"model_preset": "moe-demo", "ep": 2}': the form's EP pins the MoE planner's ep."""
+    import json
+
+    from tasks.cli import main
+    from tasks.pipeline import overrides_from_params, param_schemas
+
+    assert param_schemas()["ep"]["section"] == "Parallelism"
+    _, sets = overrides_from_params({"model_preset": "moe-demo", "ep": 2})
+    assert sets == {"model.preset": "moe-demo", "parallel.ep": 2}
+    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--json",
+               *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["parallel"]["ep"] == 2 and result["parallel"]["zero"] >= 2
