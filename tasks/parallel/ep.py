@@ -83,14 +83,24 @@ class AllToAllDispatcher:
         return all_to_all(back, send, recv_by.sum(1).tolist(), self.group)
 
 
-def build_mesh(device_type: str, pp: int, dp: int, tp: int, ep: int):
+class EPMesh:
+    """The root mesh (pp, dp_rep, ep, tp) plus its flattened "dp" kept by us (torch deprecates slicing a flattened
+    dimension from the root): `mesh[name]` as for tasks.parallel.mesh's mesh."""
+
+    def __init__(self, root, dp):
+        self.root, self.dp = root, dp
+
+    def __getitem__(self, name):
+        return self.dp if name == "dp" else self.root[name]
+
+
+def build_mesh(device_type: str, pp: int, dp: int, tp: int, ep: int) -> EPMesh:
     """The training mesh with dp split into (dp_rep, ep); "dp" is the flattened pair (tasks.parallel.mesh names
     stay valid)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "dp_rep", "ep", "tp"))
-    mesh["dp_rep", "ep"]._flatten("dp")
-    return mesh
+    root = init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "dp_rep", "ep", "tp"))
+    return EPMesh(root, root["dp_rep", "ep"]._flatten("dp"))
 
 
 def apply_ep(model, mesh, ep: int) -> None:
