@@ -25,6 +25,7 @@ def _run(cfg, tmp_path, shards, layouts: dict, nproc: int):
     return {name: tmp_path / name for name in specs}
 
 
+@pytest.mark.slow
 def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards):
     from tasks.config import load_config
 
