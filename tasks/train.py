@@ -106,7 +106,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
 
 
-_WEIGHT_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "qkv_bias", "tie_embeddings")
+_WEIGHT_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "qkv_bias", "tie_embeddings",
+                 "n_experts", "moe_ffn_dim")
 
 
 def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:

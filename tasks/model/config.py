@@ -132,7 +132,8 @@ VOCAB_FROM_TOKENIZER = ("debug", "demo", "moe-demo")
 def get_preset(name: str) -> TransformerConfig:
     if name not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {name!r} (known: {', '.join(PRESETS)})")
-    return dataclasses.replace(PRESETS[name])
+    preset = PRESETS[name]
+    return dataclasses.replace(preset, mlp_only_layers=list(preset.mlp_only_layers))  # no list shared with PRESETS
 
 
 _OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta", "max_seq_len",
