@@ -193,7 +193,7 @@ def test_aux_loss_matches_hf_formula_and_reaches_the_router():
     set_aux_scale(model, 0.25)
     assert moe.aux_scale == 0.25
     stats = summarise(**collect_stats([model]))
-    assert stats["moe_aux_loss"] == pytest.approx(float(ours), rel=1e-5)
+    assert stats["moe_aux_loss"] == pytest.approx(float(ours.detach()), rel=1e-5)
     assert stats["moe_load_max_over_mean"] >= 1.0
 
 
@@ -277,3 +277,23 @@ def test_int8_weight_only_quantizes_the_experts_and_reloads(tmp_path):
     back.init_rope("cpu")
     with torch.no_grad():
         torch.testing.assert_close(back.eval()(TOKENS), got)
+
+
+def test_router_statistics_count_once_under_full_recompute():
+    """Activation checkpointing re-runs the MoE forward inside backward: tokens are counted once, and the gradient
+    (aux loss included) equals the one without recompute."""
+    from tasks.parallel.ac import apply_ac
+
+    plain, ckpt = _moe_model(n_layers=2), _moe_model(n_layers=2)
+    apply_ac(ckpt, "full", 1)
+    grads = []
+    for model in (plain, ckpt):
+        collect_stats([model])
+        model(TOKENS).float().pow(2).mean().backward()
+        stats = collect_stats([model])
+        assert all(float(t.sum()) == TOKENS.numel() * 2 for t in stats["tokens"].values())
+        assert stats["calls"] == 2
+        grads.append(model.layers["1"].moe.router.weight.grad
+                     if hasattr(model.layers["1"], "moe") else
+                     model.layers["1"]._checkpoint_wrapped_module.moe.router.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1])

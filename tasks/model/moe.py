@@ -79,6 +79,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def _recomputing() -> bool:
+    """Inside backward (activation checkpointing re-running this forward): statistics were counted already."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _local(w: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -153,8 +158,9 @@ class MoE(nn.Module):
         out = out.view(b, s, d)
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.aux_loss(probs, top_i, b)
-            self.stat_aux += float(aux.detach())
-            self.stat_calls += 1
+            if not _recomputing():
+                self.stat_aux += float(aux.detach())
+                self.stat_calls += 1
             out = _AuxLoss.apply(out, aux, self.aux_loss_coef * self.aux_scale)
         return out
 
@@ -163,14 +169,15 @@ class MoE(nn.Module):
         expert_of = top_i.reshape(-1)                               # [T·k] assignment → expert
         order = torch.argsort(expert_of, stable=True)               # assignments grouped by expert, token order kept
         counts = torch.bincount(expert_of, minlength=n_exp)
-        with torch.no_grad():
+        if not _recomputing():
             self.stat_tokens += counts.detach().to("cpu", torch.float64)
         if self.capacity_factor > 0:
             cap = math.ceil(self.capacity_factor * n_tok * k / n_exp)
             starts = torch.cumsum(counts, 0) - counts
             pos = torch.arange(order.numel(), device=order.device) - starts[expert_of[order]]
             keep = pos < cap
-            self.stat_dropped += int((~keep).sum())
+            if not _recomputing():
+                self.stat_dropped += int((~keep).sum())
             order, counts = order[keep], counts.clamp(max=cap)
         token = order // k
         xs = flat[token]
