@@ -10,11 +10,12 @@ CONF ?= {}
 export LLM_PIPELINE_CONF := $(value CONF)
 unexport CONF
 
-.PHONY: help venv run test test-fast bench db clean ui stop browser npu-api
+.PHONY: help venv run test test-fast lint bench db clean ui stop browser npu-api
 
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
 	@echo "make test   - set up .venv and run the whole test suite (what CI runs)"
+	@echo "make lint   - ruff check (also the first step of make test)"
 	@echo "make bench  - run the benchmarks; writes bench/results.json and bench/results.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
 
@@ -31,8 +32,11 @@ db: venv
 run: db
 	@bash scripts/run-pipeline.sh
 
-test: db browser
+test: lint db browser
 	@$(ENV) python -m pytest -q $(PYTEST_ARGS)
+
+lint: venv  ## ruff (pyproject.toml [tool.ruff]); make test runs it first
+	@$(VENV)/bin/ruff check --no-cache .
 
 test-fast: db browser
 	@$(ENV) python -m pytest -q -m "not slow" $(PYTEST_ARGS)

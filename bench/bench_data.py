@@ -38,21 +38,23 @@ def _reset_peak() -> None:
 
 
 def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, from each process's parent in /proc/<pid>/stat (no CONFIG_PROC_CHILDREN
+    needed)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])  # field 4, after "(comm)"
+        except (OSError, ValueError, IndexError):
+            continue
     out, todo = [], [pid]
     while todo:
         p = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
     return out
 
 

@@ -10,6 +10,8 @@ over BF16's and over FP32's (> 1: INT8 is faster). The headline is vs BF16: weig
 ratio vs FP32 is mostly BF16's own gain.
 
 Headline keys are the pipeline's default method, INT8 weight-only; `quant.w8a8.*` repeats them for int8_dynamic.
+Everything runs on one thread (`quant.threads`), as a torchrun CPU rank does: on a shared 2-core host two intra-op
+threads measure each other's barrier waits.
 """
 from __future__ import annotations
 
@@ -119,6 +121,17 @@ def _speed(models: dict, shards: Path) -> dict:
 
 
 def run() -> dict:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return dict(measure(), **{"quant.threads": torch.get_num_threads()})
+    finally:
+        torch.set_num_threads(threads)
+
+
+def measure() -> dict:
     import copy
 
     import torch

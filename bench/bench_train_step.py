@@ -10,8 +10,10 @@ them within ~2%. The three variants are interleaved round by round (order rotate
 their median reported.
 
 MFU (`train_step.cpu_mfu`) is measured separately, the way the term is meant: achieved FLOP/s of our step in wall
-clock with every thread the run uses (torch's default), over the peak FLOP/s of this CPU measured in the same run
-with the same thread count and dtype (fp32): `train_step.cpu_matmul_peak_gflops`, the best of a few 1024² matmuls.
+clock with the threads a training rank uses — torchrun gives each CPU rank OMP_NUM_THREADS=1 (the train stage
+leaves it so), and this bench uses $OMP_NUM_THREADS or 1 likewise (`train_step.threads`) — over the peak FLOP/s of
+this CPU measured in the same run with the same thread count and dtype (fp32): `train_step.cpu_matmul_peak_gflops`,
+the best of a few 1024² matmuls.
 FLOPs per token: 6 × matmul parameters plus causal attention as a causal kernel executes it (scores and values for
 the s(s+1)/2 visible pairs, forward + backward: 12·L·H·d·(s+1)/2). Step and peak are interleaved round by round;
 the per-round ratio's median is reported.
@@ -137,9 +139,10 @@ def mfu() -> dict:
 
 def run() -> dict:
     threads = torch.get_num_threads()
-    out = mfu()
-    torch.set_num_threads(1)
     try:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))  # as a torchrun CPU rank
+        out = mfu()
+        torch.set_num_threads(1)
         out.update(ratios())
     finally:
         torch.set_num_threads(threads)

@@ -94,10 +94,7 @@ def main(argv: list[str]) -> int:
               f"{', '.join(sorted(p.stem[6:] for p in HERE.glob('bench_*.py')))}", file=sys.stderr)
         return 2
     out_json = HERE / "results.json"
-    previous = json.loads(out_json.read_text()) if out_json.exists() else {}
-    if not argv:  # a full run: nothing old survives
-        previous = {}
-    fresh, errors, timings = {}, {}, dict(previous.get("seconds", {}))
+    fresh, errors, timings = {}, {}, {}
     stamp = {"date": time.strftime("%Y-%m-%d"), "machine": machine()}
     for name in names:
         spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"bench_{name}.py")
@@ -114,6 +111,9 @@ def main(argv: list[str]) -> int:
             errors[name] = traceback.format_exc().strip().splitlines()[-1]
             print(traceback.format_exc(), file=sys.stderr)
         timings[name] = round(time.time() - started, 1)
+    # Read now, not at the start: another partial run that finished meanwhile keeps its figures.
+    previous = json.loads(out_json.read_text()) if argv and out_json.exists() else {}  # full run: nothing old
+    timings = {**previous.get("seconds", {}), **timings}
     figures, prov = merge(previous, fresh, stamp)
     doc = {"figures": figures, "provenance": prov, "refreshed": sorted(fresh), "errors": errors,
            "seconds": timings, "date": stamp["date"], "machine": stamp["machine"]}

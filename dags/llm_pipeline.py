@@ -35,8 +35,9 @@ DOCS = {
     "profile": "A short profiled run of the same trainer and plan (torch_npu.profiler on Ascend, torch.profiler "
                "elsewhere), analysed into a report with advisor findings and a comparison with the last baseline.",
     "quantize": "INT8 post-training quantization: AMCT on Ascend, torchao elsewhere; skips configured layers.",
-    "evaluate": "Perplexity FP vs INT8 on the held-out shards, latency, size, sample generations; the gate registers "
-                "a version (alias candidate, champion when better than the current one).",
+    "evaluate": "INT8 vs BF16 on held-out tokens disjoint from calibration: top-1 accuracy, perplexity, greedy "
+                "agreement, size, prefill/decode speed; QAT when PTQ misses the gate; the gate registers a version "
+                "(alias candidate, champion when better than the current one).",
 }
 
 

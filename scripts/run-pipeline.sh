@@ -30,6 +30,14 @@ PY
 ) || exit 2
 echo "llm_pipeline on $preset (conf: $conf); full log: $log"
 start=$(date +%s)
+# One `airflow dags test` at a time per var dir: two at once race in Airflow's own metadata DB (both insert the DAG's
+# rows). A second `make run` waits for the first, then runs and reports its own run.
+exec 9>>"$var/logs/.make-run.lock"
+if ! flock -n 9; then
+  echo "  waiting for the other make run ($(cat "$var/logs/.make-run.holder" 2>/dev/null || echo '?')) to finish…"
+  flock 9
+fi
+echo "pid $$, log $log" > "$var/logs/.make-run.holder"
 airflow dags test llm_pipeline --conf "$conf" 2>&1 | tee "$log" | \
   sed -nuE 's/.*\[DAG TEST\] starting task_id=([a-z_]+).*/  … \1/p; s/.*(AirflowFailException|StageError): (.*)/  ! \2/p'
 status=${PIPESTATUS[0]}

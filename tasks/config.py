@@ -128,7 +128,7 @@ class ParallelConfig:
     dp: int = 0                           # 0 = chosen by the planner
     tp: int = 0
     pp: int = 0
-    zero: int = 3                         # 0 plain DP (replicated), 1/2/3 ZeRO stage (3 = FSDP fully_shard)
+    zero: int = 3                         # 0 replicated DP, 1 + sharded AdamW state, 2 FSDP2 (no reshard), 3 FSDP2
     sequence_parallel: bool = True
     recompute: str = "none"               # none | selective | full
     recompute_every: int = 1              # checkpoint every k-th layer (full)

@@ -224,6 +224,17 @@ def _figures(m: dict) -> str:
             + (f", greedy agreement {m['greedy_agreement']:.0%}" if "greedy_agreement" in m else ""))
 
 
+SHORT = {"accuracy_drop_pct": "acc drop", "ppl_drop_pct": "ppl rise", "greedy_disagreement_pct": "greedy diff"}
+
+
+def _headline(m: dict) -> str:
+    """The summary's first 80 characters: gate metric and verdict's figure, decode speed vs BF16 (saying when INT8
+    is slower), size."""
+    d = m["decode_speed_vs_bf16"]
+    return (f"{m['stage'].upper()} {SHORT[m['gate_metric']]} {m['gate_value']:+.2f}% (≤{m['max_drop_pct']:g}%), "
+            f"decode {d:.2f}x BF16{' (INT8 slower)' if d < 1 else ''}, {m['size_ratio_vs_bf16']:.2f}x size")
+
+
 def _speed_note(m: dict) -> str:
     """Size and speed vs BF16 (the headline: INT8 weight-only computes in BF16), saying where INT8 is slower."""
     parts = [f"{m['size_ratio_vs_bf16']:.2f}x BF16 size"]
@@ -289,9 +300,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     tracking.set_tags({"quant.passed_by": final["stage"] if final["passed"] else "none"})
 
     passed = final["passed"]
-    figures = f"{_figures(final)}; {_speed_note(final)}"
+    figures = f"{_headline(final)}; {_figures(final)}; {_speed_note(final)}"
     if ptq is not None:
-        figures = f"QAT ({final['qat_steps']} steps): {figures}; PTQ was {_figures(ptq)}"
+        figures = f"{figures}; QAT {final['qat_steps']} steps after PTQ {_figures(ptq)}"
     result = {"passed": passed, "passed_by": final["stage"] if passed else None, "gate_metric": final["gate_metric"],
               "gate_value": round(final["gate_value"], 4), "ppl_drop_pct": round(final["ppl_drop_pct"], 4),
               "accuracy_drop_pct": round(final["accuracy_drop_pct"], 4), "fp_ppl": round(final["fp_ppl"], 4),
@@ -327,12 +338,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             raise StageError(reason)
         return dict(result, status="warn", summary=f"gate missed: {figures}", qat=handoff, reason=reason)
     if not ctx.mlflow_run_id:
-        return dict(result, status="warn", summary=f"gate passed ({final['stage']}), not registered (tracking off): "
-                                                   f"{figures}")
+        return dict(result, status="warn", summary=f"not registered (tracking off): {figures}")
     reg = _register(cfg, ctx, final_meta, final, digest, final_dir, final_model, ptq)
     tracking.set_tags({"registry.version": reg["version"], "registry.champion": reg["champion"]})
     status = "ok" if reg.pop("comparable") else "warn"
-    role = "champion" if reg["champion"] else f"candidate ({reg['champion_reason']})"
+    role = "champion" if reg["champion"] else "candidate"
     return dict(result, **reg, status=status,
-                summary=f"{reg['registered_model']} v{reg['version']} {role}, passed by {final['stage'].upper()}: "
-                        f"{figures}")
+                summary=f"v{reg['version']} {role} {figures}; {reg['registered_model']}: {reg['champion_reason']}")

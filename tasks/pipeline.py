@@ -55,8 +55,9 @@ PARAMS = [
 ]
 
 LABELS = {  # readable labels for enum values in the trigger form
-    "parallel.zero": {0: "0 — plain DP", 1: "1 — optimizer states sharded", 2: "2 — + gradients",
-                      3: "3 — + parameters (FSDP)"},
+    "parallel.zero": {0: "0 — replicated DP (gradient all-reduce)", 1: "1 — + AdamW states sharded",
+                      2: "2 — FSDP2, all shards; parameters gathered forward→backward",
+                      3: "3 — FSDP2, resharded after forward"},
     "quantize.method": {"int8_weight_only": "INT8 weight-only", "int8_dynamic": "W8A8 dynamic",
                         "smoothquant": "SmoothQuant W8A8 (AMCT)"},
     "train.precision": {"fp32": "FP32", "bf16": "BF16 (autocast)", "fp16": "FP16 (autocast)"},

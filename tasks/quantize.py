@@ -28,7 +28,8 @@ def _settings(cfg: PipelineConfig, model_dir: Path, backend: str) -> dict:
     q = cfg.quantize
     return {"model_dir": str(model_dir), "model_fingerprint": inputs.fingerprint(model_dir), "backend": backend,
             "method": q.method, "skip_layers": list(q.skip_layers), "dtype": q.dtype,
-            "amct_flow": q.amct_flow if backend == "amct" else None, "calibration_batches": q.calibration_batches}
+            "amct_flow": q.amct_flow if backend == "amct" else None, "calibration_batches": q.calibration_batches,
+            "calibration_rule": inputs.SPLIT_RULE}  # an artifact calibrated on other tokens is not reused
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:

@@ -63,12 +63,16 @@ def _configure(cfg: PipelineConfig):
 
     bound_http()
     uri = tracking_uri(cfg)
+    lock = contextlib.nullcontext()
     if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        db = Path(uri[len("sqlite:///"):])
+        db.parent.mkdir(parents=True, exist_ok=True)
+        lock = _file_lock(db.with_name(db.name + ".init-lock"))
     mlflow.set_tracking_uri(uri)
     check_reachable(uri)
-    client = mlflow.MlflowClient(uri)
-    exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    with lock:  # two processes opening a new SQLite store at once would both run its schema migrations
+        client = mlflow.MlflowClient(uri)
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         root = cfg.tracking.artifact_root or str(var_dir() / "mlartifacts")
         if "://" not in root:
@@ -85,6 +89,18 @@ def _configure(cfg: PipelineConfig):
         exp_id = exp.experiment_id
     mlflow.set_experiment(experiment_id=exp_id)
     return mlflow, client, exp_id
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_reachable(uri: str, timeout: float = 5.0) -> None:

@@ -24,8 +24,8 @@ from tasks.parallel import checkpoint as ckpt
 from tasks.parallel import layout as layouts
 from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
-from tasks.parallel.worker import FAULT_ENV, parse_fault
 from tasks.parallel.metrics import read_metrics
+from tasks.parallel.worker import FAULT_ENV, parse_fault
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -86,9 +86,11 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     last, warnings_ = _resume_point(cfg, ctx.run_dir / "checkpoints")
     model = dataclasses.asdict(tcfg)
     if last:
-        warnings_ += [f"resuming from {last[1].name} with training-shaping config changed since it was saved: "
-                      f"{'; '.join(changes)} (the curve will differ from an uninterrupted run; use --fresh to "
-                      f"start over)" for changes in [ckpt.config_changes(last[1], cfg.to_dict())] if changes]
+        changes = ckpt.config_changes(last[1], cfg.to_dict())
+        if changes:
+            warnings_.append(f"resuming from {last[1].name} with training-shaping config changed since it was "
+                             f"saved: {'; '.join(changes)} (the curve will differ from an uninterrupted run; use "
+                             f"--fresh to start over)")
         saved = ckpt.read_meta(last[1])["model"]
         diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
         if diff:
@@ -99,8 +101,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         raise ConfigError(problems)
     for w in warnings_:
         print(f"warning: {w}", file=sys.stderr, flush=True)
-    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model, "layout": lay.to_dict(),
-            "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
+    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model,
+            "layout": lay.to_dict(), "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
             **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
             "warnings": warnings_, "shards_verified": cfg.data.verify_sha256,
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
@@ -207,8 +209,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     run_dir, lay = ctx.run_dir, layouts.Layout(**spec["layout"])
     train_dir = run_dir / "train"
     export = not getattr(ctx.args, "no_export", False) and cfg.hardware.node_rank == 0
-    last = (spec.get("resume_from") and (int(Path(spec["resume_from"]).name.split("-")[1]), spec["resume_from"])) \
-        if cfg.hardware.node_rank == 0 else ckpt.latest(run_dir / "checkpoints")
+    if cfg.hardware.node_rank == 0:  # the verified checkpoint prepare() chose
+        last = (ckpt.step_of(spec["resume_from"]), spec["resume_from"]) if spec.get("resume_from") else None
+    else:
+        last = ckpt.latest(run_dir / "checkpoints")
     if last and last[0] >= cfg.train.steps and (not export or (run_dir / "hf" / "config.json").is_file()):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
     ep = f"·ep{lay.ep}" if lay.ep > 1 else ""

@@ -38,3 +38,28 @@ def test_rerun_replaces_only_that_benchs_figures_and_markdown_names_refreshed():
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| `")}
     assert "d0 M" in rows["`train_step.x`"] and "2026-12-01 M" in rows["`sharding.tokens_per_s`"]
     assert "OldCPU" in md and "NewCPU" in md
+
+
+def test_tree_memory_counts_worker_processes():
+    """bench_data's peak memory includes child processes (the tokenizer/writer workers), not only the parent."""
+    import subprocess
+    import sys
+    import time
+
+    spec = importlib.util.spec_from_file_location("bench_data", Path(__file__).resolve().parent.parent / "bench" /
+                                                  "bench_data.py")
+    bench_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_data)
+    with bench_data.TreeMemory() as alone:
+        time.sleep(0.1)
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; x = bytearray(80_000_000); "
+                              "x[::4096] = b'1' * len(x[::4096]); print(flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # the child has touched its 80 MB
+        with bench_data.TreeMemory() as tree:
+            time.sleep(0.2)
+    finally:
+        child.kill()
+        child.wait()
+    assert tree.rss_kb - alone.rss_kb > 70_000 and tree.pss_kb - alone.pss_kb > 70_000

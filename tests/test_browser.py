@@ -40,8 +40,6 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory):
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: run scripts/install-browser.sh (make test does)")
     var = tmp_path_factory.mktemp("ui") / "var"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW", "LLM_PIPELINE"))}
     env.update(LLM_PIPELINE_VAR_DIR=str(var), AIRFLOW_PORT=str(free_port()), MLFLOW_PORT=str(free_port()),
@@ -87,6 +85,8 @@ def wait_for_run(ui, run_id: str) -> dict:
 
 
 def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run scripts/install-browser.sh (make test does)")
     from playwright.sync_api import expect, sync_playwright
 
     expect.set_options(timeout=60_000)  # a 2-core machine under load renders slowly

@@ -55,7 +55,7 @@ def test_dag_files_import_no_heavy_modules():
 def test_out_of_range_param_fails_before_the_run(tmp_path, airflow_db):
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
-    cmd = f"source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{{\"steps\": 0}}'"
+    cmd = "source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{\"steps\": 0}'"
     out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0
     text = out.stdout + out.stderr

@@ -54,6 +54,9 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path):
     assert {"int8_accuracy", "ref_accuracy", "greedy_agreement", "decode_speed_vs_bf16", "prefill_speed_vs_fp32",
             "ptq.accuracy_drop_pct"} <= set(run.metrics)
     assert v1.tags["quant.passed_by"] == "ptq" and v1.tags["eval.gate_metric"] == "accuracy_drop_pct"
+    head = r["summary"][:80]  # what the run summary shows: gate figure, decode speed vs BF16 (and if slower), size
+    assert head.startswith(f"v{r['version']} champion PTQ acc drop ") and "decode " in head and "x BF16" in head
+    assert ("(INT8 slower)" in head) == (r["decode_speed_vs_bf16"] < 1)
     assert "| top1_accuracy | greedy_agreement |" in md and "window index % 4 == 0 → calibration" in md
 
     again = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, qdir))    # rerun: same version, no new one
@@ -124,7 +127,8 @@ def test_qat_after_a_failed_ptq_gate(cfg, tiny, tmp_path):
     run_stage("quantize", cfg, tmp_path / "b", args=args)
     r = run_stage("evaluate", cfg, tmp_path / "b", args=args)
     assert r["passed"] and r["passed_by"] == "qat" and r["ptq"]["ppl_drop_pct"] > 2.0 >= r["ppl_drop_pct"]
-    assert r["quant_dir"].endswith("quantize_qat") and "passed by QAT" in r["summary"] and "PTQ was" in r["summary"]
+    assert r["quant_dir"].endswith("quantize_qat")
+    assert r["summary"].split(" ", 2)[2].startswith("QAT ppl rise") and "QAT 50 steps after PTQ ppl_drop_pct" in r["summary"]
     client = MlflowClient(cfg.tracking.uri)
     v = client.get_model_version(cfg.evaluate.registered_model, r["version"])
     assert v.tags["quant.passed_by"] == "qat" and float(v.tags["eval.ptq_gate_value"]) > 2.0

@@ -132,3 +132,21 @@ def test_export_from_dcp_checkpoint_streams_sharded_files_that_transformers_load
     half = export_from_checkpoint(tmp_path / "step-1", ours.config, tmp_path / "bf16", dtype=torch.bfloat16)
     assert (half / "model.safetensors").is_file() and not (tmp_path / ".bf16.tmp").exists()
     assert load_hf(half).layers["1"].attention.wq.bias.equal(ours.layers["1"].attention.wq.bias.bfloat16().float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hf_weights_reads_any_box_of_a_tensor(tmp_path, dtype):
+    """What a rank owning rows [a, b) × columns [c, d) of a tensor reads is that box of the checkpoint's tensor."""
+    from tasks.model.init import HFWeights
+
+    hf = _hf_model(*CASES["qwen2-gqa-untied"]).to(dtype)
+    hf.save_pretrained(tmp_path / "hf")
+    source = HFWeights(tmp_path / "hf")
+    full = hf.model.layers[1].mlp.down_proj.weight.detach()  # [64, 96]
+    for (a, b), (c, d) in [((0, 64), (0, 96)), ((7, 33), (50, 96)), ((63, 64), (0, 1)), ((5, 5), (0, 96))]:
+        box = torch.empty(b - a, d - c, dtype=torch.float32)
+        source.fill("layers.1.feed_forward.w2.weight", box, tuple(full.shape), (a, c))
+        assert torch.equal(box, full[a:b, c:d].float()), ((a, b), (c, d))
+    bias = torch.empty(3)
+    source.fill("layers.0.attention.wq.bias", bias, (64,), (10,))
+    assert torch.equal(bias, hf.model.layers[0].self_attn.q_proj.bias.detach()[10:13].float())

@@ -2,8 +2,10 @@
 line before Airflow starts; each invocation has its own log."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +37,32 @@ def test_conf_never_reaches_a_shell(payload, tmp_path):
     lines = [ln for ln in (out.stdout + out.stderr).strip().splitlines() if not ln.startswith("make: ***")]
     assert len(lines) == 1 and lines[0].startswith("error: CONF "), lines
     assert "is not JSON" in lines[0] or "unknown preset" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
+    """Two `make run` started together (real make, real `airflow dags test`): each writes its own log and prints the
+    summary of the run directory it made (here both stop at env: device npu on a CPU host); the second waits for the
+    first (Airflow's metadata DB takes one `dags test` at a time) and says so."""
+    import re
+
+    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env.pop("MAKEFLAGS", None)
+    conf = '{"preset": "ci-tiny", "device": "npu"}'
+    procs = [subprocess.Popen(["make", "-s", "-o", "db", "run", f"CONF={conf}"], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    runs, logs = [], []
+    for p, out in zip(procs, outs):
+        assert p.returncode != 0, out[-2000:]
+        m = re.search(r"Run directory: (\S+)  Log: (\S+)", out)
+        assert m, out[-2000:]
+        runs.append(m.group(1))
+        logs.append(m.group(2))
+        assert "torch_npu is not importable" in out  # the stage's cause is on screen
+        assert Path(m.group(2)).is_file() and "env" in Path(m.group(2)).read_text()
+    assert runs[0] != runs[1] and logs[0] != logs[1], (runs, logs)
+    assert sum("waiting for the other make run (pid " in out for out in outs) == 1
+    for run in runs:
+        assert json.loads((Path(run) / "env.json").read_text())["status"] == "failed"

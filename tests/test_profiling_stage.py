@@ -43,7 +43,10 @@ def slowed_copy(src: Path, dst: Path, factor: float) -> Path:
 
 
 def test_analyze_stage_writes_report_and_logs_to_mlflow(cfg, tmp_path, monkeypatch):
-    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}:/usr/bin:/bin")  # no Ascend tools on PATH
+    bin_dir = tmp_path / "bin"  # python only: no Ascend tools (msprof, msprof-analyze) on PATH
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
     result = run_stage("profile", cfg, tmp_path / "run", args=analyze_args(FIX / "ascend_pt_new_unhealthy"))
     assert result["status"] == "warn" and result["findings"] == 6 and result["world"] == 4
     assert result["summary"].startswith("step 150.0 ms") and "6 findings" in result["summary"]

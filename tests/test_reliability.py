@@ -108,6 +108,17 @@ def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, 
     assert spec["resume_from"].endswith("step-6")
 
 
+def test_pruning_never_deletes_the_checkpoint_just_saved(tmp_path):
+    """Resumed from step-2 below a corrupt step-4 with keep 1: saving step-3 must not prune step-3."""
+    from tasks.parallel.checkpoint import CheckpointManager, complete_checkpoints
+
+    for step in (2, 3, 4):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / "meta.json").write_text("{}")
+    CheckpointManager(tmp_path, 1, 0, {"dp": 0, "tp": 0, "pp": 0}, 1, 1)._prune(3)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [3, 4]
+
+
 # ---- class 4: environment faults are one line at the top (real CLI processes) --------------------------------------
 
 def cli(*argv, env=None, timeout=180):

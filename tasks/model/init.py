@@ -10,12 +10,14 @@ rank draws only the chunks that overlap its rows, one at a time, and keeps only 
 layout (and one process) gets bit-identical weights, with memory bounded by one chunk (≤ 4 MB) plus the local shard.
 (DTensor's own RNG cannot do this on CPU: every shard gets the same values.)
 
-The HF source reads each box with `safetensors.safe_open(...).get_slice(name)[box]`: only those bytes leave the file.
+The HF source reads each box's rows straight from the safetensors file (header offsets, plain reads in bounded
+chunks, no mmap): only those bytes leave the file, and nothing stays mapped.
 """
 from __future__ import annotations
 
 import json
 import math
+import struct
 import zlib
 from pathlib import Path
 
@@ -124,13 +126,16 @@ class HFWeights:
         single = self.path / "model.safetensors"
         if not single.is_file():
             raise StageError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
-        return {single: list(self._open(single).keys())}
+        return {single: [k for k in self._header(single) if not k.startswith("__")]}
 
-    def _open(self, file: Path):
-        from safetensors import safe_open
-
+    def _header(self, file: Path) -> dict:
+        """The safetensors header (name → dtype, shape, data_offsets), read once per file."""
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+            with open(file, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            header["__data_start__"] = 8 + n
+            self._handles[file] = header
         return self._handles[file]
 
     def check(self, names) -> None:
@@ -150,7 +155,10 @@ class HFWeights:
             raise StageError(f"{self.path}: checkpoint lacks {len(missing)} tensors, first {hf!r}")
 
     def fill(self, name: str, dest: torch.Tensor, full_shape: tuple, offset: tuple) -> None:
-        if name in self.experts:  # a stacked expert weight: this rank's experts, each its box of the HF tensor
+        """Read this box with plain file reads of its rows (in chunks of ≤ CHUNK_ELEMS elements' bytes), not an
+        mmap: only the box (plus one chunk) is ever resident, and no file pages stay mapped afterwards. A stacked
+        MoE expert weight reads each of this rank's experts' boxes from that expert's HF tensor."""
+        if name in self.experts:
             for e in range(dest.shape[0]):
                 self._copy(name, self.experts[name][offset[0] + e], dest[e], full_shape[1:], offset[1:])
             return
@@ -160,13 +168,34 @@ class HFWeights:
 
     def _copy(self, name, where, dest, full_shape, offset) -> None:
         file, hf_name = where
-        sl = self._open(file).get_slice(hf_name)
-        shape = tuple(sl.get_shape())
+        header = self._header(file)
+        entry = header[hf_name]
+        shape = tuple(entry["shape"])
         if shape != tuple(full_shape):
             raise StageError(f"{self.path}: tensors do not match config.json (size mismatch for {name}: "
                              f"checkpoint {list(shape)}, model {list(full_shape)})")
-        box = tuple(slice(o, o + s) for o, s in zip(offset, dest.shape))
-        dest.copy_(sl[box] if box else sl[:])
+        dtype = _ST_DTYPES[entry["dtype"]]
+        start = header["__data_start__"] + entry["data_offsets"][0]
+        if not shape:
+            shape, dest, offset = (1,), dest.view(1), (0,)
+        row_elems = math.prod(shape[1:])
+        row_bytes = row_elems * dtype.itemsize
+        r0, r1 = offset[0], offset[0] + dest.shape[0]
+        rest = tuple(slice(o, o + n) for o, n in zip(offset[1:], dest.shape[1:]))
+        step = max(1, CHUNK_ELEMS * 4 // max(1, row_elems))
+        with open(file, "rb", buffering=0) as f:
+            for a in range(r0, r1, step):
+                b = min(r1, a + step)
+                buf = bytearray((b - a) * row_bytes)
+                f.seek(start + a * row_bytes)
+                f.readinto(buf)
+                rows = torch.frombuffer(buf, dtype=dtype).view(b - a, *shape[1:]) if buf else \
+                    torch.empty((0, *shape[1:]), dtype=dtype)
+                dest[a - r0:b - r0].copy_(rows[(slice(None), *rest)])
+
+
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 @torch.no_grad()

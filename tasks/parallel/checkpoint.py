@@ -10,7 +10,7 @@ is the same) — sits beside it. For multi-node runs the directory must be on a 
 Verification: meta.json records every file's size and sha256 at save (`files`). Before a resume the launcher picks
 the newest checkpoint that verifies (`latest_verified`), says which newer ones it skipped and why, and rank 0 hands
 that decision to every rank (one broadcast: no rank looks at the directory while rank 0 may be renaming in it).
-Pruning keeps the newest `keep` checkpoints, and the one just saved has been hashed, so the last verified
+Pruning keeps the newest `keep` checkpoints and always the one just saved (hashed at save), so the last verified
 checkpoint is never deleted.
 """
 from __future__ import annotations
@@ -36,6 +36,10 @@ def complete_checkpoints(ckpt_dir: Path) -> list[tuple[int, Path]]:
         if m and (p / "meta.json").is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def step_of(path: str | Path) -> int:
+    return int(_STEP_DIR.match(Path(path).name).group(1))
 
 
 def latest(ckpt_dir: Path) -> tuple[int, Path] | None:
@@ -173,13 +177,16 @@ class CheckpointManager:
             tmp.rename(final)
             fsync_dir(self.dir)
             shutil.rmtree(old, ignore_errors=True)
-            self._prune()
+            self._prune(step)
         dist.barrier()
         return final
 
-    def _prune(self) -> None:
-        for _, path in complete_checkpoints(self.dir)[:-self.keep]:
-            shutil.rmtree(path, ignore_errors=True)
+    def _prune(self, saved: int) -> None:
+        """Keep the newest `keep`, and always the one just saved (hashed at save: the last verified checkpoint),
+        even when newer ones left by an earlier attempt (unverified, maybe corrupt) outnumber it."""
+        for step, path in complete_checkpoints(self.dir)[:-self.keep]:
+            if step != saved:
+                shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: Path, parts, optimizers, loader) -> tuple[int, list[str]]:
         """Restore everything; returns (step, notes about state that could not be restored for this layout)."""

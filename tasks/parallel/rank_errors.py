@@ -54,19 +54,28 @@ class RankFailure:
         return bool(self.exc_type) and not self.collective
 
 
-def torchrun_failures(log_text: str) -> list[tuple[int, int]]:
-    """[(global rank, exitcode)] of every failed rank in torchrun's end-of-run report, root cause first."""
+_REPORT = re.compile(r"rank\s*:\s*(\d+)(?:\s*\(local_rank:\s*(\d+)\))?.*?\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_report(log_text: str) -> list[tuple[int, int | None, int]]:
+    """[(global rank, local rank or None, exitcode)] of every failed rank in torchrun's end-of-run report, the root
+    cause first."""
     if "Root Cause" in log_text:
         root = log_text[log_text.rfind("Root Cause"):]
         rest = log_text[log_text.rfind("Failures:"):log_text.rfind("Root Cause")] if "Failures:" in log_text else ""
     else:
         root, rest = log_text, ""
-    pattern = r"rank\s*:\s*(\d+).*?\n\s*exitcode\s*:\s*(-?\d+)"
-    out = []
-    for r, c in re.findall(pattern, root) + re.findall(pattern, rest):
-        if (int(r), int(c)) not in out:
-            out.append((int(r), int(c)))
+    out, seen = [], set()
+    for r, lr, c in _REPORT.findall(root) + _REPORT.findall(rest):
+        if int(r) not in seen:
+            seen.add(int(r))
+            out.append((int(r), int(lr) if lr else None, int(c)))
     return out
+
+
+def torchrun_failures(log_text: str) -> list[tuple[int, int]]:
+    """[(global rank, exitcode)] of every failed rank in torchrun's end-of-run report, root cause first."""
+    return [(r, c) for r, _, c in torchrun_report(log_text)]
 
 
 def error_file_cause(log_dir: Path, local_rank: int) -> tuple[str, str] | None:
@@ -116,9 +125,10 @@ def collect(torchrun_log: str, logs_dir: Path, node_rank: int, nproc: int,
     """Every failed rank of this launch with its cause where one was left (error file first, then rank log)."""
     logs_dir = Path(logs_dir)
     out = []
-    for rank, code in torchrun_failures(torchrun_log):
+    for rank, local, code in torchrun_report(torchrun_log):
         f = RankFailure(rank, code)
-        local = rank - node_rank * nproc
+        if local is None:  # an older report format: standalone numbering
+            local = rank - node_rank * nproc
         found = error_file_cause(logs_dir / f"torchelastic-node{node_rank}", local) if 0 <= local < nproc else None
         if found:
             f.source = f"error file of rank {rank}"

@@ -188,10 +188,11 @@ def setup(spec: dict, device) -> SimpleNamespace:
         _log(f"resumed from {source} at step {start}" + "".join(f"; {n}" for n in notes))
     dist.barrier()
     phases.enter("train")
-    return SimpleNamespace(phases=phases,
-        cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank, world=world,
+    return SimpleNamespace(
+        phases=phases, cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank, world=world,
         parts=parts, params=[p for part in parts for p in part.parameters()], optimizers=optimizers,
-        named=named, owner=owner, probe=probe, sharding=None, dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
+        named=named, owner=owner, probe=probe, sharding=None,
+        dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
         step_fn=step_fn, loader=loader, batches=loader.batches(), ckpt=ckpt, start=start, last_good=last_good,
         device=device, pp_group=mesh["pp"].get_group() if lay.pp > 1 else None, fault=_fault(rank),
         metrics=MetricsLog(run_dir / "metrics.jsonl", start, cfg.tracking.enabled) if rank == 0 else None,
@@ -258,6 +259,7 @@ def export(spec: dict) -> None:
     from tasks.parallel.metrics import PhasePeaks
 
     gc.collect()
+    _release_freed_memory()
     phases = PhasePeaks(torch.device("cpu"))  # the export runs on the host whatever the training device
     phases.enter("export")
     stats = {}
@@ -275,6 +277,16 @@ def export(spec: dict) -> None:
     if dist.get_rank() == 0:
         atomic_write_json(run_dir / "train" / "export_memory.json", {"per_rank": by_rank})
     _log("export done")
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed heap pages; hand them back (malloc_trim) so the next phase starts from what is in use."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def train_step(s: SimpleNamespace, step: int) -> bool:

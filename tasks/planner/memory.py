@@ -212,6 +212,13 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
         act += (4 * s * b * h / (t if sp else 1) + 4 * s * b * v / t) * flight
     # ZeRO-3 all-gathers each layer's full parameters before use: the current and the prefetched layer.
     gather = 2 * (shape.layer_params / t) * A if lay.zero >= 3 and lay.dp > 1 else 0.0
+    if lay.zero >= 2 and lay.dp > 1:
+        # FSDP2's root unit (embedding, output projection) stays gathered from forward through backward
+        # (tasks/parallel/fsdp.py; under ZeRO 2 already in params_bytes), and its fp32 gradient is whole until the
+        # reduce-scatter at the end of backward.
+        root = (shape.embedding_params / t) * ((1 if first else 0) + (1 if last and not (shape.tied and p == 1)
+                                                                      else 0))
+        gather += root * (4 + (A if lay.zero >= 3 else 0))
     return {**states, "activations_bytes": act, "buffers_bytes": gather}
 
 

@@ -16,7 +16,7 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def render_markdown(report: dict, charts: dict[str, str] | None = None) -> str:
     src, step = report["source"], report["step"]
-    lines = [f"# Profile report", "", f"**{headline(report)}**", "",
+    lines = ["# Profile report", "", f"**{headline(report)}**", "",
              f"Source: `{src['path']}` ({src['format']}), {report['world']} rank(s), "
              f"{report['steps_per_rank']} profiled step(s) per rank.", ""]
     lines += ["## Findings", ""]

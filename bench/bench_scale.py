@@ -1,0 +1,122 @@
+"""Real shapes on 4 gloo ranks, and what each ZeRO stage holds, from the training stage's own per-phase memory peaks.
+
+scale.*: Qwen2-0.5B (published shapes, random weights written by transformers in a subprocess) imported into 4
+ranks (dp4, ZeRO-3, fp32), trained 3 steps at seq 128 and exported back to HF by the ranks. Baselines from the same
+run: the whole fp32 model's bytes (what one process would hold just for the parameters), each rank's own shard
+(parameters it holds; bytes of the files it wrote), and the planner's estimate for exactly this layout. On CPU a
+phase's peak is its RSS high-water mark; "held" figures subtract the RSS each rank had before the model existed
+(interpreter, torch, gloo), which no estimate counts.
+(dp2×tp2 is not measured: Qwen2-0.5B ties its embeddings, which the training stage supports with dp only.)
+
+zero.estimate_over_measured.{0,1,2,3}: the demo model on dp 2, one run per stage: the planner's estimate over the
+measured training-phase peak held (worst rank).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+SCALE_STEPS, SCALE_SEQ = 3, 128
+
+_WRITE_HF = """
+import sys, torch, transformers
+from tasks.model import get_preset
+from tasks.model.hf_io import to_hf_config
+cfg = {k: v for k, v in to_hf_config(get_preset("qwen2-0.5b")).items() if k not in ("architectures", "dtype",
+       "torch_dtype")}
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**cfg), dtype=torch.float32)
+model.save_pretrained(sys.argv[1], max_shard_size="600MB")
+"""
+
+
+def _train(tmp: Path, shards: Path, name: str, sets: dict, export: bool) -> Path:
+    from tasks import train
+    from tasks.config import apply_overrides, load_config
+    from tasks.runner import StageContext
+
+    cfg = load_config("demo-cpu")
+    cfg.tracking.enabled = False
+    apply_overrides(cfg, {"data.loader_workers": 0, "train.checkpoint_every": 0, "hardware.device": "cpu",
+                          "parallel.tp": 1, "parallel.pp": 1, **sets})
+    run_dir = tmp / name
+    train.run(cfg, StageContext(run_dir=run_dir, stage="train",
+                                args=argparse.Namespace(shard_dir=str(shards), fresh=True, no_export=not export)))
+    return run_dir
+
+
+def _read(run_dir: Path) -> tuple[dict, dict, dict | None]:
+    summary = json.loads((run_dir / "train" / "summary.json").read_text())
+    spec = json.loads((run_dir / "train" / "launch.json").read_text())
+    ex = run_dir / "train" / "export_memory.json"
+    return summary, spec, json.loads(ex.read_text()) if ex.is_file() else None
+
+
+def _scale(tmp: Path, shards: Path) -> dict:
+    from tasks.model import get_preset, num_params
+    from tasks.train import memory_figures
+
+    ckpt = tmp / "qwen2-0.5b-hf"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    subprocess.run([sys.executable, "-c", _WRITE_HF, str(ckpt)], check=True, env=env)  # its memory is freed
+    run_dir = _train(tmp, shards, "qwen2_0_5b", {
+        "model.hf_path": str(ckpt), "data.seq_len": SCALE_SEQ, "train.steps": SCALE_STEPS, "train.global_batch": 4,
+        "train.micro_batch": 1, "train.precision": "fp32", "parallel.dp": 4, "parallel.zero": 3,
+        "hardware.nproc_per_node": 4}, export=True)
+    summary, spec, export = _read(run_dir)
+    full = num_params(get_preset("qwen2-0.5b")) * 4
+    phases = summary["memory_phases_per_rank"]
+    shard = [r["param_elems"] * 4 for r in summary["sharding_per_rank"]]
+    peak = max(ph["train"] for ph in phases)
+    figures = memory_figures(summary, export, spec["estimate_bytes"], "cpu")
+    held_train = [ph["train"] - ph["base"] for ph in phases]
+    return {
+        "scale.qwen2_0_5b.peak_rss_gb_per_rank": round(peak / 2**30, 3),
+        "scale.qwen2_0_5b.rss_over_full_model": round(peak / full, 3),
+        "scale.qwen2_0_5b.held_over_full_model": round(max(held_train) / full, 3),
+        "scale.qwen2_0_5b.estimate_over_measured": round(figures["memory.estimate_over_measured"], 3),
+        **{f"scale.qwen2_0_5b.estimate_over_measured.rank{r}": round(spec["estimate_bytes"] / h, 3)
+           for r, h in enumerate(held_train)},
+        "scale.hf_import_peak_rss_over_shard": round(max((ph["init"] - ph["base"]) / s
+                                                         for ph, s in zip(phases, shard)), 3),
+        "scale.hf_export_peak_rss_over_shard": round(max((r["export"] - r["base"]) / r["written_bytes"]
+                                                         for r in export["per_rank"] if r["written_bytes"]), 3),
+    }
+
+
+def _zero(tmp: Path, shards: Path) -> dict:
+    from tasks.train import memory_figures
+
+    out = {}
+    for zero in (0, 1, 2, 3):
+        run_dir = _train(tmp, shards, f"zero{zero}", {
+            "model.preset": "demo", "data.seq_len": 128, "train.steps": 3, "train.global_batch": 8,
+            "train.micro_batch": 4, "train.precision": "fp32", "parallel.dp": 2, "parallel.zero": zero,
+            "hardware.nproc_per_node": 2}, export=False)
+        summary, spec, _ = _read(run_dir)
+        out[f"zero.estimate_over_measured.{zero}"] = round(
+            memory_figures(summary, None, spec["estimate_bytes"], "cpu")["memory.estimate_over_measured"], 3)
+    return out
+
+
+def run() -> dict:
+    from data_prep.testing import tiny_shard_set
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        shards = tiny_shard_set(tmp / "data", seq_len=128, vocab_size=2048, n_docs=60)
+        figures = _zero(tmp, shards)
+        figures.update(_scale(tmp, shards))
+    return figures
+
+
+if __name__ == "__main__":
+    print(run())
