@@ -101,7 +101,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    preset: str = "demo"                  # tasks.model presets: debug, demo, qwen2-0.5b, … llama3-70b, llama-13b
+    preset: str = "demo"                  # tasks.model presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
     hf_path: str = ""                     # initialise from a local HF directory instead of random weights
     # Shape overrides (0 / "" = the preset's value).
     dim: int = 0
@@ -112,6 +112,12 @@ class ModelConfig:
     vocab_size: int = 0                   # 0 = preset, or the tokenizer's size when the preset allows
     rope_theta: float = 0.0
     max_seq_len: int = 0
+    # Mixture of experts (MoE presets: moe-demo, qwen1.5-moe-a2.7b, qwen2-57b-a14b; tasks/model/moe.py)
+    n_experts: int = 0
+    top_k: int = 0
+    moe_ffn_dim: int = 0
+    aux_loss_coef: float = -1.0           # router load-balancing loss weight (-1 = the preset's, 0 = off)
+    capacity_factor: float = -1.0         # -1 = the preset's (dropless); > 0 drops tokens above the capacity
     # NPU fused kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu) swapped in after the model is built:
     # auto = on when the device is an NPU and the op exists; off = plain PyTorch everywhere (tasks/model/npu_kernels)
     npu_kernels: str = "auto"
@@ -129,6 +135,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"             # gpipe | 1f1b | interleaved1f1b
     microbatches: int = 0                 # 0 = global_batch / micro_batch per DP rank
     virtual_stages: int = 2               # for interleaved1f1b
+    ep: int = 1                           # expert parallelism (MoE): experts split over ep of the dp ranks
 
 
 @dataclass
@@ -323,6 +330,8 @@ RANGES = {  # inclusive (min, max); None = unbounded
     "data.prefetch_factor": (1, 64),
     "data.max_documents": (0, None), "data.min_chars": (0, None), "data.shard_multiple": (0, 1 << 16),
     "parallel.dp": (0, 1 << 16), "parallel.tp": (0, 1024), "parallel.pp": (0, 1024),
+    "parallel.ep": (1, 1024), "model.n_experts": (0, 4096), "model.top_k": (0, 4096), "model.moe_ffn_dim": (0, None),
+    "model.aux_loss_coef": (-1.0, 100.0), "model.capacity_factor": (-1.0, 1000.0),
     "parallel.recompute_every": (1, 1024), "parallel.microbatches": (0, 1 << 16), "parallel.virtual_stages": (1, 64),
     "train.steps": (1, None), "train.global_batch": (1, None), "train.micro_batch": (1, None),
     "train.lr": (0.0, None), "train.warmup_steps": (0, None), "train.grad_clip": (0.0, None),

@@ -208,7 +208,36 @@ def _choose(result: dict, pinned: bool, pb: Problem, model_desc: str, plan_path:
                      f"(see {plan_path})")
 
 
+def _moe_model(cfg: PipelineConfig, ctx):
+    """The TransformerConfig when the model to plan is a mixture of experts (planned by tasks/planner/moe.py),
+    else None. Shape flags and --params describe dense models."""
+    if any(_arg(ctx, f) is not None for f in ("params", "family", *_SHAPE_FLAGS)):
+        return None
+    from tasks.model.config import from_pipeline, get_preset
+
+    if _arg(ctx, "hf_config"):
+        tcfg = _hf_config(Path(_arg(ctx, "hf_config")))
+    elif _arg(ctx, "model"):
+        tcfg = get_preset(_arg(ctx, "model"))
+    else:
+        c = copy.deepcopy(cfg)
+        c.model.max_seq_len = max(c.model.max_seq_len, c.data.seq_len)
+        shard = ctx.inputs.get("shard") or {}
+        tcfg = from_pipeline(c, vocab_size=shard.get("vocab_size") or (
+            cfg.data.vocab_size if cfg.data.tokenizer == "train" else None))
+    return (tcfg, _arg(ctx, "hf_config") or _arg(ctx, "model") or cfg.model.hf_path or cfg.model.preset) \
+        if tcfg.n_experts else None
+
+
 def run(cfg: PipelineConfig, ctx) -> dict:
+    moe = _moe_model(cfg, ctx)
+    if moe is not None:
+        from tasks.planner import moe as moe_planner
+
+        what_if = any(_arg(ctx, f) is not None for f in _MODEL_FLAGS + _CLUSTER_FLAGS)
+        return moe_planner.stage(cfg, ctx, moe[0], _cluster(cfg, ctx), _arg(ctx, "seq_len") or cfg.data.seq_len,
+                                 _arg(ctx, "global_batch") or cfg.train.global_batch,
+                                 _arg(ctx, "precision") or cfg.train.precision, moe[1], config_pins=not what_if)
     pb, model_desc, pinned = problem(cfg, ctx)
     result = search(pb)
     # A pinned layout is only verified; the table (and train's out-of-memory advice) still ranks the alternatives.

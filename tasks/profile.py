@@ -180,6 +180,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     report["baseline"] = comparison
     report["baseline_key"], report["baseline_note"] = key, note
     report["findings"] += regressions
+    if getattr(ctx.args, "action", "collect") != "analyze":  # router statistics of the profiled run (MoE models)
+        from tasks.profiling.moe_rules import expert_imbalance
+
+        report["findings"] += expert_imbalance(out_dir / "run" / "metrics.jsonl")
     paths = write_outputs(report, out_dir)
     if ctx.mlflow_run_id:
         _log(report, paths, analyze_dir, key)

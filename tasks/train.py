@@ -109,7 +109,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
             "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
 
 
-_WEIGHT_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "qkv_bias", "tie_embeddings")
+_WEIGHT_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "qkv_bias", "tie_embeddings",
+                 "n_experts", "moe_ffn_dim")
 
 
 def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
@@ -213,7 +214,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         last = ckpt.latest(run_dir / "checkpoints")
     if last and last[0] >= cfg.train.steps and (not export or (run_dir / "hf" / "config.json").is_file()):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
-    tracking.log_params({"train.layout": layout_name(lay.dp, lay.tp, lay.pp), **{f"parallel.{k}": v for k, v in
+    ep = f"·ep{lay.ep}" if lay.ep > 1 else ""
+    tracking.log_params({"train.layout": layout_name(lay.dp, lay.tp, lay.pp) + ep, **{f"parallel.{k}": v for k, v in
                          spec["layout"].items()}, "train.world": spec["world"], "train.shards": spec["shard_dir"]})
     tracking.log_json_artifact(spec, "train/launch.json")
     if cfg.hardware.node_rank == 0:  # evidence of an earlier attempt (other nodes wait for node 0 to rendezvous)
@@ -273,7 +275,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
     run_dir, lay = ctx.run_dir, layouts.Layout(**spec["layout"])
     records = read_metrics(run_dir / "metrics.jsonl")
     last = ckpt.latest(run_dir / "checkpoints")
-    name = layout_name(lay.dp, lay.tp, lay.pp)
+    name = layout_name(lay.dp, lay.tp, lay.pp) + (f"·ep{lay.ep}" if lay.ep > 1 else "")
     hf_dir = run_dir / "hf"
     if cfg.hardware.node_rank != 0:  # rank 0, its metrics and the MLflow logging belong to node 0's launcher
         return {"status": "ok", "summary": f"node {cfg.hardware.node_rank}: trained {name}", "layout": name}

@@ -71,6 +71,44 @@ def _numel(shape) -> int:
     return n
 
 
+def expand_experts(tensors):
+    """Stacked expert weights [E, ...] → E entries keyed (our name, j) of shape [...] (HF stores one tensor per
+    expert); every other entry unchanged."""
+    from tasks.model.hf_io import is_expert_stack
+
+    out = []
+    for name, shape, dt in tensors:
+        if is_expert_stack(name):
+            out.extend(((name, j), tuple(shape[1:]), dt) for j in range(shape[0]))
+        else:
+            out.append((name, shape, dt))
+    return out
+
+
+def _hf_name(key) -> str:
+    from tasks.model.hf_io import expert_hf_name, ours_to_hf
+
+    return expert_hf_name(*key) if isinstance(key, tuple) else ours_to_hf(key)
+
+
+class _Reader:
+    """Reads entries from the checkpoint; an expert stack is read once and kept while its experts are written
+    (at most that one full tensor held)."""
+
+    def __init__(self, ckpt: Path, shapes: dict):
+        self.ckpt, self.shapes, self.held = ckpt, shapes, (None, None)
+
+    def __call__(self, key, shape, dtype) -> torch.Tensor:
+        if not isinstance(key, tuple):
+            self.held = (None, None)
+            return _read_tensor(self.ckpt, key, shape, dtype)
+        name, j = key
+        if self.held[0] != name:
+            self.held = (None, None)
+            self.held = (name, _read_tensor(self.ckpt, name, self.shapes[name], dtype))
+        return self.held[1][j]
+
+
 def _read_tensor(ckpt: Path, name: str, shape, dtype) -> torch.Tensor:
     import torch.distributed.checkpoint as dcp
 
@@ -114,7 +152,7 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
     at most FILE_BYTES, so every rank takes part). `stats` receives this rank's written_bytes and
     largest_tensor_bytes."""
     from tasks.fsutil import recover_dir, swap_dir
-    from tasks.model.hf_io import _copy_tokenizer, ours_to_hf, to_hf_config
+    from tasks.model.hf_io import _copy_tokenizer, to_hf_config
 
     ckpt, out = Path(ckpt), Path(out)
     tmp = out.parent / f".{out.name}.tmp"
@@ -128,14 +166,18 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
     if file_bytes is None:
         total = sum(_numel(shape) * (dtype or dt).itemsize for _, shape, dt in tensors)
         file_bytes = min(FILE_BYTES, -(-total // world))
-    files = plan_files(tensors, dtype, file_bytes)
+    reader = _Reader(ckpt, {n: shape for n, shape, _ in tensors})
+    files = plan_files(expand_experts(tensors), dtype, file_bytes)
     names = file_names(len(files))
     written, largest = 0, 0
     for i in range(rank, len(files), world):
         src = files[i]
-        entries = [(ours_to_hf(n), shape, dtype or dt) for n, shape, dt in src]
-        written += write_streaming(tmp / names[i], entries, lambda k, src=src: _read_tensor(ckpt, *src[k]))
-        largest = max([largest] + [_numel(shape) * dt.itemsize for _, shape, dt in src])
+        entries = [(_hf_name(n), shape, dtype or dt) for n, shape, dt in src]
+        written += write_streaming(tmp / names[i], entries, lambda k, src=src: reader(*src[k]))
+        reader.held = (None, None)
+        # an expert stack is read whole (the largest tensor held), its experts written one by one
+        largest = max([largest] + [_numel(reader.shapes[n[0]] if isinstance(n, tuple) else shape) * dt.itemsize
+                                   for n, shape, dt in src])
     if stats is not None:
         stats.update(written_bytes=written, largest_tensor_bytes=largest)
     barrier()
@@ -143,7 +185,7 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
         out_dtype = dtype or (files[0][0][2] if files else torch.float32)
         (tmp / "config.json").write_text(json.dumps(to_hf_config(tcfg, out_dtype), indent=2) + "\n")
         if len(files) > 1:
-            weight_map = {ours_to_hf(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
+            weight_map = {_hf_name(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
             total = sum(_numel(s) * (dtype or d).itemsize for f in files for _, s, d in f)
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")

@@ -69,7 +69,7 @@ class RandomInit:
             return
         # A tied output projection (e.g. on a stage without the embedding) takes the embedding's values.
         key = "tok_embeddings.weight" if name == "output.weight" and self.tie else name
-        scale = self.out_std if name.endswith(("wo.weight", "w2.weight")) else STD
+        scale = self.out_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else STD
         base = (self.seed * 1_000_003 + zlib.crc32(key.encode())) * 1_000_033
         rows = full_shape[0]
         row_elems = math.prod(full_shape[1:])
@@ -90,16 +90,21 @@ class HFWeights:
     of boxes: `fill` reads exactly this rank's box of one tensor."""
 
     def __init__(self, path, tcfg=None):
-        from tasks.model.hf_io import _FAMILY_ARCH, hf_to_ours, read_hf_config
+        from tasks.model.hf_io import _FAMILY_ARCH, hf_expert, hf_to_ours, read_hf_config
 
         self.path = Path(path)
         self.tcfg = tcfg or read_hf_config(self.path)
         self._handles: dict[Path, object] = {}
         self.where: dict[str, tuple[Path, str]] = {}  # our name → (file, HF name)
+        self.experts: dict[str, dict[int, tuple[Path, str]]] = {}  # stacked expert weight → {j: (file, HF name)}
         arch = _FAMILY_ARCH[self.tcfg.family]
         for file, names in self._files().items():
             for hf_name in names:
                 ours = hf_to_ours(hf_name)
+                expert = hf_expert(hf_name) if ours is None else None
+                if expert is not None:
+                    self.experts.setdefault(expert[0], {})[expert[1]] = (file, hf_name)
+                    continue
                 if ours is None:
                     if "rotary_emb.inv_freq" in hf_name:  # old checkpoints saved the RoPE table: recomputed
                         continue
@@ -135,18 +140,34 @@ class HFWeights:
 
     def check(self, names) -> None:
         """Every parameter the model needs is in the checkpoint (one line naming the first missing one)."""
-        from tasks.model.hf_io import ours_to_hf
+        from tasks.model.hf_io import expert_hf_name, is_expert_stack, ours_to_hf
 
-        missing = sorted(set(names) - set(self.where))
+        have = set(self.where) | {n for n, by_j in self.experts.items()
+                                  if len(by_j) == self.tcfg.n_experts}
+        missing = sorted(set(names) - have)
         if missing:
-            raise StageError(f"{self.path}: checkpoint lacks {len(missing)} tensors, first {ours_to_hf(missing[0])!r}")
+            first = missing[0]
+            if is_expert_stack(first):
+                j = min(set(range(self.tcfg.n_experts)) - set(self.experts.get(first, {})))
+                hf = expert_hf_name(first, j)
+            else:
+                hf = ours_to_hf(first)
+            raise StageError(f"{self.path}: checkpoint lacks {len(missing)} tensors, first {hf!r}")
 
     def fill(self, name: str, dest: torch.Tensor, full_shape: tuple, offset: tuple) -> None:
         """Read this box with plain file reads of its rows (in chunks of ≤ CHUNK_ELEMS elements' bytes), not an
-        mmap: only the box (plus one chunk) is ever resident, and no file pages stay mapped afterwards."""
+        mmap: only the box (plus one chunk) is ever resident, and no file pages stay mapped afterwards. A stacked
+        MoE expert weight reads each of this rank's experts' boxes from that expert's HF tensor."""
+        if name in self.experts:
+            for e in range(dest.shape[0]):
+                self._copy(name, self.experts[name][offset[0] + e], dest[e], full_shape[1:], offset[1:])
+            return
         if name not in self.where:
             self.check([name])
-        file, hf_name = self.where[name]
+        self._copy(name, self.where[name], dest, full_shape, offset)
+
+    def _copy(self, name, where, dest, full_shape, offset) -> None:
+        file, hf_name = where
         header = self._header(file)
         entry = header[hf_name]
         shape = tuple(entry["shape"])

@@ -89,16 +89,22 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, c: TransformerConfig):
+    def __init__(self, c: TransformerConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(c.dim, c.norm_eps)
         self.attention = Attention(c)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
-        self.feed_forward = FeedForward(c.dim, c.ffn_dim)
+        if c.is_moe_layer(layer):  # mixture of experts (tasks/model/moe.py) in place of the dense SwiGLU
+            from tasks.model.moe import MoE
+
+            self.moe = MoE(c)
+        else:
+            self.feed_forward = FeedForward(c.dim, c.ffn_dim)
 
     def forward(self, x, rope):
         h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if "moe" in self._modules else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
@@ -106,7 +112,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = tcfg.validate()
         self.tok_embeddings = nn.Embedding(tcfg.vocab_size, tcfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(tcfg) for i in range(tcfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(tcfg, i) for i in range(tcfg.n_layers)})
         self.norm = RMSNorm(tcfg.dim, tcfg.norm_eps)
         self.output = nn.Linear(tcfg.dim, tcfg.vocab_size, bias=False)
         self.tie_weights()

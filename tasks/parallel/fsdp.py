@@ -11,7 +11,9 @@ from __future__ import annotations
 PARAM_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 
 
-def apply_fsdp(model, dp_mesh, precision: str, zero: int) -> None:
+def apply_fsdp(model, dp_mesh, precision: str, zero: int, dp_rep_mesh=None) -> None:
+    """`dp_rep_mesh`: under expert parallelism, the routed experts (already Shard(0) over "ep") are sharded over
+    this axis first (tasks.parallel.ep.shard_experts)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -20,6 +22,10 @@ def apply_fsdp(model, dp_mesh, precision: str, zero: int) -> None:
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, name) if name else None, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     reshard = zero == 3
+    if dp_rep_mesh is not None:
+        from tasks.parallel.ep import shard_experts
+
+        shard_experts(model, dp_rep_mesh, mp, reshard)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root's parameters (embedding, final norm, output) are used last in forward, first in backward:

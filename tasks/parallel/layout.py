@@ -24,6 +24,7 @@ class Layout:
     micro_batch: int = 1
     global_batch: int = 1
     flash_attention: bool = True  # fused attention: no s×s activations (planner.memory.layer_activation_bytes)
+    ep: int = 1                  # expert parallelism: experts split over ep ranks of the dp axis (tasks/parallel/ep.py)
 
     @property
     def local_batch(self) -> int:
@@ -48,14 +49,14 @@ def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
     lay = Layout(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero, recompute=par.recompute,
                  recompute_every=par.recompute_every, sequence_parallel=par.sequence_parallel,
                  pp_schedule=par.pp_schedule, microbatches=par.microbatches, virtual_stages=par.virtual_stages,
-                 micro_batch=train.micro_batch, global_batch=train.global_batch)
+                 micro_batch=train.micro_batch, global_batch=train.global_batch, ep=getattr(par, "ep", 1) or 1)
     chosen = (plan_result or {}).get("parallel") or {}
     if 0 in (par.dp, par.tp, par.pp) and chosen:
         for key in ("dp", "tp", "pp"):
             if getattr(lay, key) == 0 and chosen.get(key):
                 setattr(lay, key, int(chosen[key]))
         for key in ("zero", "recompute", "pp_schedule", "microbatches", "micro_batch", "virtual_stages",
-                    "sequence_parallel"):
+                    "sequence_parallel", "ep"):
             if chosen.get(key) not in (None, ""):
                 setattr(lay, key, type(getattr(lay, key))(chosen[key]))
     lay.tp = lay.tp or 1
@@ -91,6 +92,7 @@ def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[
         problems.append("parallel.pp_schedule: interleaved1f1b needs parallel.pp >= 2")
     if tcfg.tie_embeddings and (lay.pp > 1 or lay.tp > 1):
         problems.append("model: tied embeddings are supported with dp only (parallel.tp = parallel.pp = 1)")
+    problems += moe_problems(lay, tcfg)
     if lay.global_batch % lay.dp:
         problems.append(f"train.global_batch: {lay.global_batch} is not divisible by parallel.dp {lay.dp}")
     elif lay.local_batch % lay.n_microbatches:
@@ -100,4 +102,25 @@ def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[
         problems.append(f"parallel.microbatches: {lay.n_microbatches} micro-batches per step are fewer than the "
                         f"{lay.pp} pipeline stages ({lay.pp_schedule} needs >= pp; lower train.micro_batch or "
                         f"raise train.global_batch)")
+    return problems
+
+
+def moe_problems(lay: Layout, tcfg) -> list[str]:
+    """Mixture-of-experts constraints: experts train under dp/FSDP and expert parallelism (ep carved from dp)."""
+    problems = []
+    n_exp = getattr(tcfg, "n_experts", 0)
+    if lay.ep > 1 and not n_exp:
+        problems.append(f"parallel.ep: {lay.ep} needs a mixture-of-experts model (e.g. model.preset moe-demo); "
+                        f"set parallel.ep 1")
+    if lay.ep > 1 and lay.dp % lay.ep:
+        problems.append(f"parallel.ep: {lay.ep} does not divide parallel.dp {lay.dp} (expert parallelism is "
+                        f"carved from the data-parallel ranks)")
+    if lay.ep > 1 and n_exp and n_exp % lay.ep:
+        problems.append(f"parallel.ep: {lay.ep} does not divide the model's {n_exp} experts")
+    if lay.ep > 1 and lay.zero < 2:
+        problems.append(f"parallel.zero: expert parallelism shards the experts with FSDP2 (ZeRO 2/3), got zero "
+                        f"{lay.zero}; set parallel.zero 2 or 3, or parallel.ep 1")
+    if n_exp and (lay.tp > 1 or lay.pp > 1):
+        problems.append(f"parallel: a mixture-of-experts model trains with dp/FSDP and ep only (got tp {lay.tp}, "
+                        f"pp {lay.pp}); set parallel.tp = parallel.pp = 1")
     return problems

@@ -12,8 +12,11 @@ class PlainStep:
     """No pipeline: accumulate gradients over the micro-batches of this rank's share of the global batch."""
 
     def __init__(self, model, n_microbatches: int, autocast=None):
+        from tasks.model.moe import set_aux_scale
+
         self.model, self.n = model, n_microbatches
         self.autocast = autocast or contextlib.nullcontext
+        set_aux_scale(model, 1.0 / n_microbatches)  # MoE load-balancing loss divided like the LM loss below
 
     def __call__(self, x, y) -> torch.Tensor:
         total = torch.zeros((), device=x.device)

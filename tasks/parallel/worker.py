@@ -83,12 +83,17 @@ def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, init_from
     convert_npu_kernels(model, device.type, npu_kernels)  # NPU fused ops before any parallelism; identity elsewhere
     per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
     indexed = split_model(model, c["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
+    ep = getattr(lay, "ep", 1)
     for _, part in indexed:
         if lay.tp > 1:
             apply_tp(part, mesh["tp"], lay.sequence_parallel)
+        if ep > 1:  # experts Shard(0) over "ep", all-to-all dispatch (tasks/parallel/ep.py)
+            from tasks.parallel.ep import apply_ep
+
+            apply_ep(part, mesh, ep)
         apply_ac(part, lay.recompute, lay.recompute_every)
         if lay.zero >= 2:  # ZeRO 2/3: FSDP2; 0/1: replicated parameters (tasks/parallel/dp.py)
-            apply_fsdp(part, mesh["dp"], precision, lay.zero)
+            apply_fsdp(part, mesh["dp"], precision, lay.zero, mesh["dp_rep"] if ep > 1 else None)
         materialize(part, device, seed, source=source)
     return indexed, lay.pp * per_rank
 
@@ -120,9 +125,15 @@ def setup(spec: dict, device) -> SimpleNamespace:
     _redirect_output(run_dir / "logs" / f"rank-{rank}.log")
     phases = PhasePeaks(device)
     phases.enter("init")
-    mesh = build_mesh(device.type, lay.pp, lay.dp, lay.tp)
+    if lay.ep > 1:
+        from tasks.parallel.ep import build_mesh as build_ep_mesh
+
+        mesh = build_ep_mesh(device.type, lay.pp, lay.dp, lay.tp, lay.ep)
+    else:
+        mesh = build_mesh(device.type, lay.pp, lay.dp, lay.tp)
     c = coords(mesh)
-    _log(f"layout {layout_name(lay.dp, lay.tp, lay.pp)} coords {c} device {device}")
+    _log(f"layout {layout_name(lay.dp, lay.tp, lay.pp)}{f'·ep{lay.ep}' if lay.ep > 1 else ''} coords {c} "
+         f"device {device}")
     torch.manual_seed(cfg.train.seed)
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
     # Rank 0 decides what to resume from and tells everyone (no rank reads the directory while rank 0 may be
@@ -321,10 +332,11 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
         p.grad = None
     synchronize(device)
     dt = time.perf_counter() - t0
+    moe = moe_metrics(s.parts)
     if s.rank == 0:
         tps = lay.global_batch * cfg.data.seq_len / dt
-        s.metrics.log({"step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(), "tokens_per_s": tps,
-                       "step_time_s": dt, "data_wait_s": t_data,
+        s.metrics.log({**moe, "step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(),
+                       "tokens_per_s": tps, "step_time_s": dt, "data_wait_s": t_data,
                        "mfu": s.flops_tok * tps / (s.peak * s.world) if s.peak else None,
                        "peak_mem_gb": memory_stats(device)["peak_bytes"] / GB})
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
@@ -335,6 +347,31 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
         s.last_good = str(s.ckpt.save(step, s.parts, s.optimizers, s.loader, meta))
         s.phases.enter("train")
     return True
+
+
+def moe_metrics(parts) -> dict:
+    """Router statistics of this step summed over all ranks (a collective: every rank calls it): the
+    load-balancing loss, the busiest expert's tokens over the mean (worst layer), dropped assignments
+    (tasks.model.moe.summarise); {} for a dense model."""
+    import torch
+    import torch.distributed as dist
+
+    from tasks.model.moe import collect_stats, summarise
+
+    st = collect_stats(parts)
+    if not st["tokens"]:
+        return {}
+    names = sorted(st["tokens"])
+    flat = torch.cat([st["tokens"][n] for n in names] + [torch.tensor([st["aux_sum"], st["calls"], st["dropped"]],
+                                                                       dtype=torch.float64)])
+    dist.all_reduce(flat)
+    n_exp = st["tokens"][names[0]].numel()
+    tokens = {n: flat[i * n_exp:(i + 1) * n_exp] for i, n in enumerate(names)}
+    aux, calls, dropped = flat[-3:].tolist()
+    out = summarise(tokens, aux, int(calls), int(dropped))
+    out["moe_tokens_per_expert"] = {n.removeprefix("layers.").removesuffix(".moe"): t.tolist()
+                                    for n, t in tokens.items()}
+    return out
 
 
 def _sharding(s: SimpleNamespace) -> dict:

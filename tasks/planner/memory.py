@@ -81,7 +81,17 @@ def flops_per_token(shape, seq_len: int, n_params: float = 0.0, causal: bool = F
         return 6.0 * n_params
     sh = shape if isinstance(shape, ModelShape) else shape_of(shape)
     matmul_params = sh.layers * sh.layer_params + sh.hidden + sh.embedding_params
-    attention = 12.0 * sh.layers * sh.hidden * seq_len * ((seq_len + 1) / (2 * seq_len) if causal else 1.0)
+    n_moe = getattr(shape, "n_moe_layers", 0)
+    if n_moe:  # MoE (a TransformerConfig): a token multiplies its top-k experts, the router and the shared expert
+        from tasks.model.config import moe_layer_params
+
+        matmul_params += n_moe * (moe_layer_params(shape, active=True) - 3 * shape.dim * shape.ffn_dim)
+    return token_flops(matmul_params, sh.layers, sh.hidden, seq_len, causal)
+
+
+def token_flops(matmul_params: float, layers: int, hidden: int, seq_len: int, causal: bool = False) -> float:
+    """6 × the parameters a token multiplies + attention scores and values (12 · L · h · seq; see flops_per_token)."""
+    attention = 12.0 * layers * hidden * seq_len * ((seq_len + 1) / (2 * seq_len) if causal else 1.0)
     return 6.0 * matmul_params + attention
 
 

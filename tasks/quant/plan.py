@@ -17,10 +17,12 @@ SUPPORTED = {
     ("amct", "llm"): ("Linear",),
     ("torchao", None): ("Linear",),
 }
+# MoE routed experts (tasks/model/moe.py): torchao INT8 weight-only over the stacked expert weights.
+EXPERTS = "GroupedExperts"
 # Our modules use torchtitan names; users write skip_layers in HF terms ("lm_head", "embed_tokens") as for AMCT.
 HF_ALIASES = {"output": "lm_head", "tok_embeddings": "embed_tokens", "attention.": "self_attn.",
               "feed_forward.": "mlp.", "wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
-              "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+              "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj", "moe.": "mlp.", "router": "gate"}
 
 
 @dataclass(frozen=True)
@@ -73,13 +75,17 @@ def select_layers(layers: list[Layer], backend: str, flow: str, method: str, ski
     for layer in layers:
         if is_skipped(layer.name, skip_layers):
             continue
-        if layer.type not in supported:
+        experts = layer.type == EXPERTS and backend == "torchao"
+        if layer.type not in supported and not experts:
             if len(layer.shape) >= 2:
                 raise StageError(f"quantize: layer {layer.name} ({layer.type}) is not supported by {label} "
                                  f"(supports {', '.join(supported)}); add it to quantize.skip_layers")
             continue
         if backend == "amct":
             _check_amct_layer(layer, flow, method)
+        if experts and method != "int8_weight_only":
+            raise StageError(f"quantize: MoE experts {layer.name} are quantized INT8 weight-only only (torchao), not "
+                             f"{method}; use quantize.method=int8_weight_only or add it to quantize.skip_layers")
         chosen.append(layer.name)
     if not chosen:
         raise StageError(f"quantize: no layer left to quantize with {label} (quantize.skip_layers="

@@ -27,6 +27,7 @@ def quantize(model: torch.nn.Module, method: str, names, calib_batches, device) 
         return fqn in wanted and isinstance(module, torch.nn.Linear)
 
     base = _configs(method)
+    _quantize_experts(model, method, wanted)
     if method != "smoothquant":
         quantize_(model, base, filter_fn=only_chosen)
         return model
@@ -42,7 +43,30 @@ def quantize(model: torch.nn.Module, method: str, names, calib_batches, device) 
     return model
 
 
+def _quantize_experts(model: torch.nn.Module, method: str, wanted: set) -> None:
+    """MoE routed experts (stacked [E, out, in] weights, tasks/model/moe.py): INT8 weight-only per row, by
+    parameter name (torchao FqnToConfig); the expert loop multiplies them with F.linear, which torchao's Int8Tensor
+    implements."""
+    from collections import OrderedDict
+
+    from torchao.quantization import FqnToConfig, quantize_
+
+    from tasks.model.moe import GroupedExperts
+
+    params = [f"{n}.{w}" for n, m in model.named_modules() if n in wanted and isinstance(m, GroupedExperts)
+              for w in ("w1", "w2", "w3")]
+    if not params:
+        return
+    if method != "int8_weight_only":
+        raise StageError(f"quantize: MoE experts are quantized INT8 weight-only only, not {method}")
+    quantize_(model, FqnToConfig(OrderedDict((p, _configs(method)) for p in params)), filter_fn=None)
+
+
 def quantized_names(model: torch.nn.Module) -> list[str]:
-    """Layers whose weight is now a torchao tensor subclass (what was actually quantized)."""
-    return [name for name, m in model.named_modules()
-            if isinstance(getattr(m, "weight", None), torch.Tensor) and type(m.weight).__module__.startswith("torchao")]
+    """Layers whose weight (MoE experts: stacked w1) is now a torchao tensor subclass (what was quantized)."""
+    out = []
+    for name, m in model.named_modules():
+        w = getattr(m, "weight", getattr(m, "w1", None))
+        if isinstance(w, torch.Tensor) and type(w).__module__.startswith("torchao"):
+            out.append(name)
+    return out

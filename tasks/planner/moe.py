@@ -1,0 +1,286 @@
+"""Planner for mixture-of-experts models: memory and step time of (dp, ep, zero, recompute, micro-batch) layouts.
+
+The trainer runs MoE with dp/FSDP and expert parallelism (ep carved from dp, tasks/parallel/ep.py), so tp = pp = 1
+here. Per device:
+
+- model states (ZeRO §3.1 bytes per parameter, tasks.planner.memory): the non-expert parameters (attention, norms,
+  embeddings, routers, shared experts, dense layers) over dp as for a dense model; the routed experts are first
+  split over ep (each rank owns E/ep of them) and then ZeRO-sharded over their dp/ep replicas;
+- activations per MoE layer and micro-batch: the attention and shared-expert part as a dense layer of width
+  shared_ffn (Korthikanti et al. 2022 count, memory.layer_activation_bytes), plus the router's fp32 logits and
+  probabilities (8·E bytes per token) and, per routed assignment (tokens × top_k × capacity, capacity 1 when
+  dropless: the balanced expectation), the dispatched input and combined output (2h) and the four ffn-wide SwiGLU
+  tensors (4·moe_ffn) in 16-bit;
+- all-to-all buffers: one layer's send and receive buffers for dispatch (2 × assignments × h × 2 B), live while
+  that layer runs;
+- ZeRO-3 gather buffer: the current and prefetched layer's gathered parameters (its E/ep local experts included).
+
+Step time: compute = tokens × (6 × active parameters + attention) / (world × peak × efficiency) (active: top_k
+experts per token); all-to-all = 4 per MoE layer and micro-batch (dispatch and combine, forward and backward), each
+moving assignments × h × 2 B of which (ep−1)/ep leaves the device, over the intra-node link while ep fits in a node
+and the inter-node link otherwise (EP inside a node preferred); DP = reduce-scatter + all-gather (ZeRO 1/2) or the
+ZeRO-3 gathers of the non-expert states over dp and of the expert states over dp/ep, ring cost as in search.py.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from tasks.planner.cluster import Cluster
+from tasks.planner.memory import GB, PRECISION_BYTES, layer_activation_bytes, model_state_bytes, token_flops
+from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int                 # dense layers' SwiGLU width
+    vocab: int
+    n_experts: int
+    top_k: int
+    moe_ffn: int
+    shared_ffn: int
+    moe_layers: int
+    total_params: int
+    active_params: int
+    tied: bool = False
+
+    @property
+    def expert_params(self) -> int:
+        """Routed experts of all MoE layers (the part expert parallelism splits)."""
+        return self.moe_layers * self.n_experts * 3 * self.hidden * self.moe_ffn
+
+    @property
+    def dense_params(self) -> int:
+        return self.total_params - self.expert_params
+
+
+def moe_shape_of(tcfg) -> MoeShape:
+    from tasks.model.config import num_params
+
+    return MoeShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
+                    ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, n_experts=tcfg.n_experts, top_k=tcfg.top_k,
+                    moe_ffn=tcfg.moe_ffn_dim, shared_ffn=tcfg.shared_ffn_dim, moe_layers=tcfg.n_moe_layers,
+                    total_params=num_params(tcfg), active_params=num_params(tcfg, active=True),
+                    tied=tcfg.tie_embeddings)
+
+
+@dataclass(frozen=True)
+class MoeLayout:
+    dp: int
+    ep: int = 1
+    zero: int = 3
+    recompute: str = "none"
+    micro_batch: int = 1
+    microbatches: int = 1
+
+
+@dataclass
+class MoeProblem:
+    cluster: Cluster
+    shape: MoeShape
+    seq_len: int
+    global_batch: int
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    capacity_factor: float = 0.0      # 0 = dropless
+    zero_stages: list = field(default_factory=lambda: [1, 2, 3])
+    recompute: list = field(default_factory=lambda: ["none", "full"])
+    micro_batches: list = field(default_factory=list)
+    flash_attention: bool = True
+    efficiency: float = 0.4
+    pins: dict = field(default_factory=dict)   # {"dp"|"ep": n}
+
+
+def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
+    sh, A = pb.shape, PRECISION_BYTES[pb.precision]
+    dense = model_state_bytes(sh.dense_params, pb.precision, pb.optimizer, lay.zero, lay.dp)
+    experts = model_state_bytes(sh.expert_params / lay.ep, pb.precision, pb.optimizer, lay.zero, lay.dp // lay.ep)
+    states = {k: dense[k] + experts[k] for k in dense}
+    s, b, h = pb.seq_len, lay.micro_batch, sh.hidden
+    cap = pb.capacity_factor or 1.0
+    assignments = s * b * sh.top_k * cap
+    routed = 0.0 if lay.recompute == "full" else assignments * A * (2 * h + 4 * sh.moe_ffn) + s * b * 8 * sh.n_experts
+    moe_layer = layer_activation_bytes(s, b, h, sh.heads, 1, False, lay.recompute, sh.shared_ffn, True, A,
+                                       pb.flash_attention, sh.kv_heads) + routed
+    dense_layer = layer_activation_bytes(s, b, h, sh.heads, 1, False, lay.recompute, sh.ffn, True, A,
+                                         pb.flash_attention, sh.kv_heads)
+    act = sh.moe_layers * moe_layer + (sh.layers - sh.moe_layers) * dense_layer
+    if lay.recompute == "full":  # one layer's activations re-created in backward
+        act += layer_activation_bytes(s, b, h, sh.heads, 1, False, "none", sh.shared_ffn, True, A,
+                                      pb.flash_attention, sh.kv_heads) + assignments * A * (2 * h + 4 * sh.moe_ffn)
+    act += 8 * s * b + s * b * h + 4 * s * b * h + 4 * s * b * sh.vocab  # ids, embedding out, final norm, fp32 logits
+    a2a = 2 * assignments * h * A if lay.ep > 1 else 0.0
+    layer_params = (sh.dense_params - sh.vocab * h * (1 if sh.tied else 2)) / sh.layers + \
+        sh.expert_params / max(1, sh.moe_layers) / lay.ep
+    gather = 2 * layer_params * A if lay.zero >= 3 and lay.dp > 1 else 0.0
+    out = {**states, "activations_bytes": act, "all_to_all_bytes": a2a, "buffers_bytes": gather,
+           "reserve_bytes": pb.cluster.reserve_gb * GB}
+    out["total_bytes"] = sum(out.values())
+    return out
+
+
+def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
+    c, sh, s = pb.cluster, pb.shape, pb.seq_len
+    A = PRECISION_BYTES[pb.precision]
+    tokens = pb.global_batch * s
+    peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    per_token = token_flops(sh.active_params, sh.layers, sh.hidden, s)  # the one formula (planner.memory)
+    if lay.recompute == "full":
+        per_token *= 4 / 3  # one more forward: (2N + 4·L·h·s) on top of 6N + 12·L·h·s
+    compute = tokens * per_token / (c.world * peak)
+    inside = lay.ep <= c.devices_per_node
+    a2a_bw = c.intra_gbps if inside else c.inter_gbps
+    per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
+    a2a = 0.0 if lay.ep == 1 else 4 * sh.moe_layers * lay.microbatches * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+    dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
+    rep = lay.dp // lay.ep
+    rep_bw = c.inter_gbps if lay.dp > c.devices_per_node else c.intra_gbps  # replicas are ep apart
+    dp_s = 0.0
+    for n_params, n, bw in ((sh.dense_params, lay.dp, dp_bw), (sh.expert_params / lay.ep, rep, rep_bw)):
+        grads = _ring(n_params * GRAD_REDUCE_BYTES, n, bw, 1.0)
+        gather = _ring(n_params * A, n, bw, 1.0)
+        dp_s += grads + (gather if lay.zero < 3 else 2 * lay.microbatches * gather)
+    total = compute + a2a + dp_s
+    return {"step_s": total, "compute_s": compute, "all_to_all_s": a2a, "dp_comm_s": dp_s,
+            "all_to_all_share": a2a / total if total else 0.0, "ep_intra_node": inside, "tokens_per_s": tokens / total}
+
+
+def layout_problem(pb: MoeProblem, dp: int, ep: int) -> str | None:
+    sh, c = pb.shape, pb.cluster
+    if sh.n_experts % ep:
+        return f"ep {ep} does not divide the {sh.n_experts} experts"
+    if dp % ep:
+        return f"ep {ep} does not divide dp {dp}"
+    if pb.global_batch % dp:
+        return f"dp {dp} does not divide global batch {pb.global_batch}"
+    if ep > c.devices_per_node and ep % c.devices_per_node:
+        return f"ep {ep} spans nodes unevenly ({c.devices_per_node} devices per node)"
+    return None
+
+
+def candidates(pb: MoeProblem):
+    dp = pb.cluster.world
+    if pb.pins.get("dp") and pb.pins["dp"] != dp:
+        yield {"dp": pb.pins["dp"]}, (f"pinned dp {pb.pins['dp']} ≠ world {dp} devices (MoE trains with tp = pp = "
+                                      f"1)"), None
+        return
+    for ep in [d for d in range(1, dp + 1) if dp % d == 0]:
+        if pb.pins.get("ep") and pb.pins["ep"] != ep:
+            continue
+        why = layout_problem(pb, dp, ep)
+        if why:
+            yield {"dp": dp, "ep": ep}, why, None
+            continue
+        per_rank = pb.global_batch // dp
+        for mb in pb.micro_batches or [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0]:
+            if per_rank % mb:
+                yield {"dp": dp, "ep": ep, "micro_batch": mb}, f"micro-batch {mb} does not divide {per_rank}", None
+                continue
+            for zero in pb.zero_stages:
+                if ep > 1 and zero < 2:  # the trainer shards experts with FSDP2 under EP (tasks/parallel/layout.py)
+                    yield ({"dp": dp, "ep": ep, "micro_batch": mb, "zero": zero},
+                           f"ep {ep} needs ZeRO 2/3 (experts sharded with FSDP2), not zero {zero}", None)
+                    continue
+                for rc in pb.recompute:
+                    yield None, None, MoeLayout(dp, ep, zero, rc, mb, per_rank // mb)
+
+
+def evaluate(pb: MoeProblem, lay: MoeLayout) -> dict:
+    return {**asdict(lay), "tp": 1, "pp": 1, **memory(pb, lay), **step_time(pb, lay)}
+
+
+def search(pb: MoeProblem) -> dict:
+    """{"plans": feasible plans best first (faster; ties to EP inside a node, then less memory), "rejected":
+    [{..., "reason"}]}."""
+    limit = pb.cluster.memory_gb * GB
+    plans, rejected = [], []
+    for row, why, lay in candidates(pb):
+        if why:
+            rejected.append({**row, "reason": why})
+            continue
+        plan = evaluate(pb, lay)
+        if plan["total_bytes"] > limit:
+            rejected.append({**plan, "reason": f"needs {plan['total_bytes'] / GB:.1f} GB > "
+                                               f"{pb.cluster.memory_gb:g} GB"})
+        else:
+            plans.append(plan)
+    plans.sort(key=lambda p: (float(f"{p['step_s']:.3g}"), not p["ep_intra_node"], p["total_bytes"]))
+    rejected.sort(key=lambda r: r.get("total_bytes", math.inf))
+    return {"plans": plans, "rejected": rejected}
+
+
+def _line(p: dict) -> str:
+    return (f"dp{p['dp']}·ep{p['ep']} zero{p['zero']} {p['recompute']:<9} mb{p['micro_batch']}×{p['microbatches']}"
+            f"  {p['total_bytes'] / GB:8.2f} GB  step {p['step_s']:.3g} s  all-to-all {p['all_to_all_share']:.0%}"
+            f"{'' if p['ep_intra_node'] else ' (EP across nodes)'}")
+
+
+def render(result: dict, header: str, top_k: int = 10) -> str:
+    lines = [header, "", f"feasible plans: {len(result['plans'])} (memory per device incl. the runtime reserve)"]
+    lines += [f"  {i:>2} {_line(p)}" for i, p in enumerate(result["plans"][:top_k], 1)]
+    lines += ["", f"rejected: {len(result['rejected'])}"]
+    seen, by_memory = set(), 0
+    for r in result["rejected"]:
+        if "total_bytes" in r:
+            by_memory += 1
+            if by_memory > 5:  # the five closest to fitting
+                continue
+        elif r["reason"] in seen:
+            continue
+        seen.add(r["reason"])
+        lines.append(f"  dp{r.get('dp')}·ep{r.get('ep')}: {r['reason']}")
+        if len(lines) > 40:
+            break
+    return "\n".join(lines)
+
+
+def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str,
+          config_pins: bool = True) -> dict:
+    """The plan stage for a mixture-of-experts model (called by tasks/plan.py): search, plan.json + table, the
+    chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp = pp = 1)."""
+    from tasks import tracking
+    from tasks.errors import StageError
+    from tasks.fsutil import atomic_write_json, atomic_write_text
+
+    par = cfg.parallel
+    pins = {k: getattr(par, k) for k in ("dp", "ep")
+            if config_pins and getattr(par, k) and getattr(par, k) > (k == "ep")}
+    if getattr(ctx.args, "dp", None):
+        pins["dp"] = ctx.args.dp
+    pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, global_batch, precision=precision,
+                    capacity_factor=tcfg.capacity_factor, zero_stages=list(cfg.plan.zero_stages) or [3],
+                    recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
+                    efficiency=cfg.plan.efficiency, pins=pins)
+    result = search(pb)
+    out = ctx.run_dir / "plan"
+    desc = (f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
+            f"{pb.shape.total_params / 1e9:.3g}B params, {pb.shape.active_params / 1e9:.3g}B active)")
+    header = f"model: {desc}\ncluster: {cluster.describe()}\ntraining: seq {seq_len}, global batch {global_batch}"
+    plan_path = atomic_write_json(out / "plan.json", {"model": desc, "moe": True, "pins": pins,
+                                                      "chosen": (result["plans"] or [None])[0], **result})
+    table_path = atomic_write_text(out / "plan_table.txt", render(result, header, cfg.plan.top_k) + "\n")
+    tracking.log_artifact(plan_path)
+    tracking.log_artifact(table_path)
+    if not result["plans"]:
+        closest = result["rejected"][0]["reason"] if result["rejected"] else "none tried"
+        raise StageError(f"no feasible plan for {desc.split(' (')[0]} on {cluster.nodes}×{cluster.devices_per_node} "
+                         f"{cluster.name} devices of {cluster.memory_gb:g} GB: closest {closest} (see {plan_path})")
+    best = result["plans"][0]
+    if not getattr(ctx.args, "json", False):
+        print(table_path.read_text())
+    tracking.log_metrics({"plan.total_gb": best["total_bytes"] / GB, "plan.step_s": best["step_s"],
+                          "plan.all_to_all_share": best["all_to_all_share"], "plan.feasible": len(result["plans"])})
+    parallel = {"dp": best["dp"], "tp": 1, "pp": 1, "ep": best["ep"], "zero": best["zero"],
+                "recompute": best["recompute"], "micro_batch": best["micro_batch"],
+                "microbatches": best["microbatches"]}
+    return {"status": "ok", "summary": f"{_line(best)} ({len(result['plans'])} feasible, "
+                                       f"{len(result['rejected'])} rejected)",
+            "plan_json": str(plan_path), "table": str(table_path), "parallel": parallel, "pinned": False,
+            "feasible": len(result["plans"]), "rejected": len(result["rejected"]),
+            "best": {k: best[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
+                                          "all_to_all_bytes", "buffers_bytes", "reserve_bytes", "total_bytes",
+                                          "step_s", "tokens_per_s", "all_to_all_share")}}

@@ -1,0 +1,48 @@
+"""Mixture-of-experts rule: expert load imbalance, from the router statistics the trainer logs per step
+(metrics.jsonl: moe_tokens_per_expert {layer: [tokens per expert]}, moe_load_max_over_mean; tasks/parallel/worker.py).
+
+An expert that receives far more than the mean number of tokens sets the pace of its layer (dropless: its grouped
+matmul is the longest; with expert parallelism its rank's all-to-all and compute are the longest — the other ranks
+wait). Fires when the busiest expert's tokens over the mean exceed `max_over_mean` (default 1.5, the capacity
+factor commonly used to bound dropping, e.g. GShard / Switch Transformer's 1.25–2.0 range) in any layer, averaged
+over the logged steps. All-to-all itself is counted as communication by tasks.profiling.model.categorize.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MAX_OVER_MEAN = 1.5
+
+
+def expert_imbalance(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) -> list[dict]:
+    path = Path(metrics_path)
+    if not path.is_file():
+        return []
+    records = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    records = [r for r in records if r.get("moe_tokens_per_expert")]
+    if not records:
+        return []
+    by_layer: dict[str, list[float]] = {}
+    for r in records:
+        for layer, tokens in r["moe_tokens_per_expert"].items():
+            acc = by_layer.setdefault(layer, [0.0] * len(tokens))
+            for i, t in enumerate(tokens):
+                acc[i] += t
+    ratios = {layer: max(t) / (sum(t) / len(t)) for layer, t in by_layer.items() if sum(t) > 0}
+    worst = max(ratios, key=ratios.get)
+    if ratios[worst] <= max_over_mean:
+        return []
+    tokens = by_layer[worst]
+    busiest = max(range(len(tokens)), key=tokens.__getitem__)
+    ratio = ratios[worst]
+    return [{
+        "rule": "moe.expert_imbalance", "severity": "high" if ratio >= 2 * max_over_mean else "medium",
+        "title": f"expert {busiest} of layer {worst} gets {ratio:.2f}× the mean tokens "
+                 f"(threshold {max_over_mean:g}×)",
+        "evidence": {"layer": worst, "expert": busiest, "max_over_mean": ratio, "steps": len(records),
+                     "by_layer_max_over_mean": ratios, "tokens_per_expert": tokens},
+        "advice": "Raise model.aux_loss_coef (load-balancing loss), or cap the busiest experts with "
+                  "model.capacity_factor; with expert parallelism the rank owning that expert sets the pace of the "
+                  "all-to-all.",
+    }]

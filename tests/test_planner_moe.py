@@ -1,0 +1,99 @@
+"""MoE planner (tasks/planner/moe.py): published Qwen-MoE shapes sized on Atlas 800T A2 (910B) nodes, expert
+parallelism in the search space with its constraints, memory and all-to-all terms that move the right way."""
+from __future__ import annotations
+
+from tasks.model import get_preset
+from tasks.planner.cluster import get_cluster
+from tasks.planner.memory import GB
+from tasks.planner.moe import MoeLayout, MoeProblem, memory, moe_shape_of, search, step_time
+
+
+def _pb(preset, nodes, batch=64, **kw):
+    return MoeProblem(get_cluster("910b", nodes=nodes), moe_shape_of(get_preset(preset)), 4096, batch, **kw)
+
+
+def test_qwen2_57b_a14b_on_four_910b_nodes_prefers_ep_inside_a_node():
+    pb = _pb("qwen2-57b-a14b", 4, batch=128)
+    result = search(pb)
+    best = result["plans"][0]
+    assert best["ep"] == 8 and best["ep_intra_node"]  # 64 experts, 8 NPUs per node: EP on the node's mesh
+    assert best["total_bytes"] <= 64 * GB and 0 < best["all_to_all_share"] < 0.5
+    # the same layout with EP across nodes pays the 25 GB/s RoCE link instead of the 56 GB/s HCCS mesh
+    cross = step_time(pb, MoeLayout(32, 32, best["zero"], best["recompute"], best["micro_batch"],
+                                    best["microbatches"]))
+    assert cross["all_to_all_s"] > step_time(pb, MoeLayout(32, 8, best["zero"], best["recompute"],
+                                                          best["micro_batch"], best["microbatches"]))["all_to_all_s"]
+    reasons = [r["reason"] for r in result["rejected"]]
+    assert "ep 8 needs ZeRO 2/3 (experts sharded with FSDP2), not zero 1" in reasons
+    assert any(r.startswith("needs ") and r.endswith("> 64 GB") for r in reasons)
+    # the whole model replicated per rank (ep 1, ZeRO-1) cannot fit: 57B × 4 B of 16-bit params + grads alone
+    ep1 = [r for r in result["rejected"] if r.get("ep") == 1 and r.get("zero") == 1]
+    assert ep1 and all(r["total_bytes"] > 64 * GB for r in ep1)
+
+
+def test_qwen15_moe_a27b_rejects_ep_not_dividing_60_experts():
+    result = search(_pb("qwen1.5-moe-a2.7b", 2))
+    reasons = {r.get("ep"): r["reason"] for r in result["rejected"] if "does not divide the" in r["reason"]}
+    assert reasons == {8: "ep 8 does not divide the 60 experts", 16: "ep 16 does not divide the 60 experts"}
+    assert result["plans"] and all(60 % p["ep"] == 0 for p in result["plans"])
+
+
+def test_memory_terms():
+    pb = _pb("qwen2-57b-a14b", 4)
+    sh = pb.shape
+    one, eight = (memory(pb, MoeLayout(32, ep, 1, "none", 1, 4)) for ep in (1, 8))  # the formula at ZeRO-1
+    # expert optimizer states split over ep (ZeRO-1 shards them over dp / ep replicas): 12 B × experts / 32
+    assert eight["optimizer_bytes"] == sh.dense_params * 12 / 32 + sh.expert_params * 12 / 8 / 4
+    assert one["params_bytes"] - eight["params_bytes"] == sh.expert_params * 2 * (1 - 1 / 8)
+    assert one["all_to_all_bytes"] == 0 < eight["all_to_all_bytes"]
+    # tokens × top-k × capacity: a capacity factor of 2 doubles the routed activations and buffers
+    roomy = memory(MoeProblem(pb.cluster, sh, 4096, 64, capacity_factor=2.0), MoeLayout(32, 8, 1, "none", 1, 4))
+    assert roomy["all_to_all_bytes"] == 2 * eight["all_to_all_bytes"]
+    assert roomy["activations_bytes"] > eight["activations_bytes"]
+    assert 56e9 < sh.total_params < 58e9 and 13.5e9 < sh.active_params < 14.5e9
+
+
+def test_pins_and_batch_refusals():
+    pb = _pb("moe-demo", 1, batch=8)
+    pb.pins = {"dp": 4}
+    assert search(pb)["rejected"][0]["reason"].startswith("pinned dp 4 ≠ world 8 devices")
+    pb = _pb("moe-demo", 1, batch=12)
+    assert any(r["reason"] == "dp 8 does not divide global batch 12" for r in search(pb)["rejected"])
+
+
+def test_plan_stage_sizes_a_moe_preset_and_hands_ep_to_training(tmp_path, capsys):
+    import json
+
+    from tasks.cli import main
+    from tasks.parallel.layout import resolve
+
+    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--model", "qwen1.5-moe-a2.7b", "--cluster",
+               "910b", "--nodes", "2", "--seq-len", "4096", "--global-batch", "64", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["parallel"]["ep"] in (2, 4) and (result["parallel"]["tp"], result["parallel"]["pp"]) == (1, 1)
+    table = (tmp_path / "plan" / "plan_table.txt").read_text()
+    assert "MoE: 60 experts, top-4" in table and "dp16·ep8: ep 8 does not divide the 60 experts" in table
+
+    from tasks.config import PipelineConfig
+
+    cfg = PipelineConfig()
+    cfg.parallel.dp = 0
+    assert resolve(cfg, result, 16).ep == result["parallel"]["ep"]
+
+
+def test_dag_form_ep_reaches_the_moe_plan(tmp_path, capsys):
+    """make run CONF='{"model_preset": "moe-demo", "ep": 2}': the form's EP pins the MoE planner's ep."""
+    import json
+
+    from tasks.cli import main
+    from tasks.pipeline import overrides_from_params, param_schemas
+
+    assert param_schemas()["ep"]["section"] == "Parallelism"
+    _, sets = overrides_from_params({"model_preset": "moe-demo", "ep": 2})
+    assert sets == {"model.preset": "moe-demo", "parallel.ep": 2}
+    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--json",
+               *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["parallel"]["ep"] == 2 and result["parallel"]["zero"] >= 2
