@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tasks.model import get_preset
 from tasks.planner.cluster import get_cluster
-from tasks.planner.memory import GB
+from tasks.units import GB
 from tasks.planner.moe import MoeLayout, MoeProblem, memory, moe_shape_of, search, step_time
 
 

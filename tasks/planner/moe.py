@@ -27,7 +27,8 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
-from tasks.planner.memory import GB, PRECISION_BYTES, layer_activation_bytes, model_state_bytes, token_flops
+from tasks.planner.memory import PRECISION_BYTES, layer_activation_bytes, model_state_bytes, token_flops
+from tasks.units import GB
 from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring
 
 
