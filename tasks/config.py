@@ -92,7 +92,8 @@ class DataConfig:
     shard_size_mb: float = 16.0
     tokenize_processes: int = 2
     token_dtype: str = "auto"             # auto (uint16 when the vocabulary fits) | uint16 | uint32
-    eos_token: str = ""                   # "" = tokenizer_config.json's eos_token or a usual name (<|endoftext|>, </s>…)
+    # "" = tokenizer_config.json's eos_token or a usual name (<|endoftext|>, </s>…)
+    eos_token: str = ""
     shard_multiple: int = 0               # shard count is a multiple of this; 0 = world size × max(1, loader_workers)
     loader_workers: int = 1               # loader processes per rank; -1 = from the rank's cores (cores − 1, max 4)
     prefetch_factor: int = 2              # batches each loader worker keeps ready (torch DataLoader prefetch_factor)
@@ -211,10 +212,12 @@ class QuantizeConfig:
     # inputs.strategy "token") | smoothquant (W8A8, per-tensor activations, calibrated)
     method: str = "int8_weight_only"
     backend: str = "auto"                 # auto (AMCT on an NPU host where it imports, else torchao) | amct | torchao
-    skip_layers: list[str] = field(default_factory=lambda: ["lm_head", "embed"])  # substrings of layer names (ours or HF)
+    # substrings of layer names (ours or HF)
+    skip_layers: list[str] = field(default_factory=lambda: ["lm_head", "embed"])
     calibration_batches: int = 4
     amct_flow: str = "llm"                # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
-    dtype: str = "bf16"                   # bf16 | fp16 | fp32 (not with AMCT: INT8 on fp16/bf16 only): unquantized parts
+    # bf16 | fp16 | fp32 (not with AMCT: INT8 on fp16/bf16 only): unquantized parts
+    dtype: str = "bf16"
     qat_on_fail: bool = True              # PTQ misses the gate → quantization-aware fine-tune, then gate again
     qat_steps: int = 50                   # QAT optimizer steps on the training shards (lr: train.min_lr)
 
@@ -222,8 +225,9 @@ class QuantizeConfig:
 @dataclass
 class EvaluateConfig:
     max_drop_pct: float = 2.0             # gate: evaluate.gate_metric may be at most this many percent
-    gate_metric: str = "accuracy_drop_pct"  # accuracy_drop_pct (relative next-token top-1 drop) | ppl_drop_pct |
-    #                                        greedy_disagreement_pct — each INT8 vs the unquantized model in quantize.dtype
+    # accuracy_drop_pct (relative next-token top-1 drop) | ppl_drop_pct | greedy_disagreement_pct — each INT8 vs the
+    # unquantized model in quantize.dtype
+    gate_metric: str = "accuracy_drop_pct"
     eval_batches: int = 8
     agreement_windows: int = 8            # evaluation windows whose greedy continuations INT8 and BF16 must match
     latency_tokens: int = 32
@@ -502,7 +506,8 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     for dotted, allowed in ITEM_CHOICES.items():
         bad = [v for v in get(cfg, dotted) if v not in allowed]
         if bad or not get(cfg, dotted):
-            problems.append(f"{dotted}: {get(cfg, dotted)!r} must be a non-empty list of {', '.join(map(str, allowed))}")
+            problems.append(f"{dotted}: {get(cfg, dotted)!r} must be a non-empty list of "
+                            f"{', '.join(map(str, allowed))}")
     for dotted, (lo, hi) in RANGES.items():
         v = get(cfg, dotted)
         if (lo is not None and v < lo) or (hi is not None and v > hi):

@@ -79,7 +79,8 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
         leaked = [c for c in full if (c["npu"], c["chip"]) not in busy]
         if leaked:
             out.append(check("hbm", "fail", "; ".join(f"{_chip_label(c)} HBM {c['memory_used_mb']}/"
-                                                      f"{c['memory_total_mb']} MB with no process on it" for c in leaked)
+                                                      f"{c['memory_total_mb']} MB with no process on it"
+                                                      for c in leaked)
                              + ": memory left by a dead job; reset the chip (npu-smi set -t reset) or reboot"))
         elif full:
             out.append(check("hbm", "warn", ", ".join(_chip_label(c) for c in full) + " HBM ≥ "
@@ -186,7 +187,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     warned = [c["name"] for c in checks if c["status"] == "warn"]
     backend = sample.get("backend", {}).get("kind", "?")
     return {"status": "warn" if warned else "ok", "checks": checks,
-            "summary": f"{backend}: {len(checks)} checks, " + (f"warnings: {', '.join(warned)}" if warned else "all ok")}
+            "summary": f"{backend}: {len(checks)} checks, "
+                       + (f"warnings: {', '.join(warned)}" if warned else "all ok")}
 
 
 def run_health(cfg: PipelineConfig, run_dir: str | Path, tags: dict | None = None) -> dict:

@@ -143,7 +143,8 @@ def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None, key: dict
                           "profile.findings_high": n_high})
     tracking.set_tags({baseline.FORMAT_TAG: report["source"]["format"], "profile.source": report["source"]["path"],
                        "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]})),
-                       baseline.KEY_TAG: baseline.key_digest(key), baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True),
+                       baseline.KEY_TAG: baseline.key_digest(key),
+                       baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True),
                        "profile.info": " | ".join(f["title"] for f in report.get("info", []))[:5000],
                        "profile.op_support": report["op_support"]["note"][:5000],
                        "profile.analyzer": report.get("engine", {}).get("used", "builtin")})

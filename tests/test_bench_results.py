@@ -3,7 +3,8 @@ and machine it was measured on."""
 import importlib.util
 from pathlib import Path
 
-spec = importlib.util.spec_from_file_location("run_all", Path(__file__).resolve().parent.parent / "bench" / "run_all.py")
+RUN_ALL = Path(__file__).resolve().parent.parent / "bench" / "run_all.py"
+spec = importlib.util.spec_from_file_location("run_all", RUN_ALL)
 run_all = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(run_all)
 

@@ -47,9 +47,10 @@ def test_summary_table(tmp_path):
     out = cli("summary", "--run-dir", str(tmp_path))
     assert out.returncode == 0
     lines = out.stdout.splitlines()
-    assert any(l.startswith("Environment validation") and "ok" in l and "cpu ×2" in l for l in lines)
-    assert any(l.startswith("WebDataset sharding") and "failed" in l and "no matching files" in l for l in lines)
-    assert any("runs/abc" in l for l in lines) and any("(not run)" in l for l in lines)
+    assert any(line.startswith("Environment validation") and "ok" in line and "cpu ×2" in line for line in lines)
+    assert any(line.startswith("WebDataset sharding") and "failed" in line and "no matching files" in line
+               for line in lines)
+    assert any("runs/abc" in line for line in lines) and any("(not run)" in line for line in lines)
 
 
 @pytest.fixture(scope="module")

@@ -72,8 +72,9 @@ def test_a_node_that_never_arrives_is_named_within_the_bound(cfg, tmp_path):
 def test_judge_names_slow_ranks_links_and_clock_skew_by_host(cfg):
     hw = copy.deepcopy(cfg.hardware)
     hw.nnodes, hw.max_clock_offset_ms = 3, 50.0
-    node = lambda n, host, gbps, off: {"node": n, "host": host, "ranks": [n], "reachable": True, "rtt_ms": 0.1,
-                                       "link_gbps": gbps, "clock_offset_ms": off}
+    def node(n, host, gbps, off):
+        return {"node": n, "host": host, "ranks": [n], "reachable": True, "rtt_ms": 0.1, "link_gbps": gbps,
+                "clock_offset_ms": off}
     result = {"world_size": 3, "allreduce_ok": True, "sizes": [],
               "ranks": [{"rank": i, "node": i, "host": h, "local_rank": 0, "matmul_ms": t}
                         for i, (h, t) in enumerate([("a", 1.0), ("b", 1.1), ("c", 9.0)])],

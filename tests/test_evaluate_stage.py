@@ -128,7 +128,8 @@ def test_qat_after_a_failed_ptq_gate(cfg, tiny, tmp_path):
     r = run_stage("evaluate", cfg, tmp_path / "b", args=args)
     assert r["passed"] and r["passed_by"] == "qat" and r["ptq"]["ppl_drop_pct"] > 2.0 >= r["ppl_drop_pct"]
     assert r["quant_dir"].endswith("quantize_qat")
-    assert r["summary"].split(" ", 2)[2].startswith("QAT ppl rise") and "QAT 50 steps after PTQ ppl_drop_pct" in r["summary"]
+    assert r["summary"].split(" ", 2)[2].startswith("QAT ppl rise")
+    assert "QAT 50 steps after PTQ ppl_drop_pct" in r["summary"]
     client = MlflowClient(cfg.tracking.uri)
     v = client.get_model_version(cfg.evaluate.registered_model, r["version"])
     assert v.tags["quant.passed_by"] == "qat" and float(v.tags["eval.ptq_gate_value"]) > 2.0

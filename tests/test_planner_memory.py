@@ -142,7 +142,8 @@ def test_fused_attention_and_the_projects_selective_policy_by_hand():
 
 
 @pytest.mark.parametrize("flash", [True, False])
-@pytest.mark.parametrize("model, cluster, nodes, seq", [("llama3-70b", "910b", 8, 4096), ("qwen2-7b", "h100-80g", 2, 8192),
+@pytest.mark.parametrize("model, cluster, nodes, seq", [("llama3-70b", "910b", 8, 4096),
+                                                        ("qwen2-7b", "h100-80g", 2, 8192),
                                                         ("demo", "910b", 8, 512), ("llama-13b", "910c", 1, 2048)])
 def test_recompute_never_increases_the_activation_estimate(model, cluster, nodes, seq, flash):
     """Property over the planner's whole search space: for every runnable layout (dp, tp, pp, SP, schedule,

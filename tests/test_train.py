@@ -102,9 +102,12 @@ def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, sh
 
 
 @pytest.mark.parametrize("sets, expected", [
-    ({"parallel.tp": 3, "hardware.nproc_per_node": 3, "parallel.dp": 1}, "parallel.tp: 3 does not divide the model's 4 heads"),
-    ({"parallel.tp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1}, "parallel.tp: 4 does not divide the model's 2 KV heads"),
-    ({"parallel.pp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1}, "parallel.pp: 4 pipeline stages exceed the model's 2 layers"),
+    ({"parallel.tp": 3, "hardware.nproc_per_node": 3, "parallel.dp": 1},
+     "parallel.tp: 3 does not divide the model's 4 heads"),
+    ({"parallel.tp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1},
+     "parallel.tp: 4 does not divide the model's 2 KV heads"),
+    ({"parallel.pp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1},
+     "parallel.pp: 4 pipeline stages exceed the model's 2 layers"),
     ({"parallel.dp": 2, "parallel.tp": 2, "hardware.nproc_per_node": 2}, "dp 2 × tp 2 × pp 1 = 4 ≠ world size 2"),
     ({"parallel.pp": 2, "parallel.dp": 1, "train.global_batch": 2, "hardware.nproc_per_node": 2},
      "1 micro-batches per step are fewer than the 2 pipeline stages"),

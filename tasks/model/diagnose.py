@@ -45,6 +45,7 @@ def diagnose_non_finite(model, inputs, autocast, precision: str, step: int, loss
     else:
         where = "no layer output is non-finite in the replay (non-deterministic overflow?)"
     what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
-    return {"precision": precision, "step": step, "loss": loss, "grad_norm": grad_norm, "first_bad_layer": culprit, "first_bad_grad": bad_grad, "where": where,
+    return {"precision": precision, "step": step, "loss": loss, "grad_norm": grad_norm, "first_bad_layer": culprit,
+            "first_bad_grad": bad_grad, "where": where,
             "cause": f"{precision.upper()} {what} at step {step}; {where}",
             "likely_causes": causes, "advice": [ADVICE[c] for c in causes], "layers": probe.records}

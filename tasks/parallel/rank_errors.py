@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The last line of a Python traceback: "pkg.mod.SomeError: message" (or a bare "SomeError").
-_EXC_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
+_EXC_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?"  # an optional "[rank]:" prefix
+                       r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
 # Errors a rank gets because a *peer* died or the network failed: secondary, and a retry can fix them.
 _COLLECTIVE = re.compile(r"connection (closed|reset)|closed by peer|broken pipe|timed out|timeout|"
                          r"watchdog|nccl|hccl|gloo|socket|connection refused|rendezvous|store", re.I)

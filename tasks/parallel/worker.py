@@ -191,7 +191,8 @@ def setup(spec: dict, device) -> SimpleNamespace:
     dist.barrier()
     phases.enter("train")
     return SimpleNamespace(
-        phases=phases, cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank, world=world,
+        phases=phases, cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank,
+        world=world,
         parts=parts, params=[p for part in parts for p in part.parameters()], optimizers=optimizers,
         named=named, owner=owner, probe=probe, sharding=None,
         dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,

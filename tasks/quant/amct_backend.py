@@ -145,7 +145,8 @@ def quantize_retrain(model, skip_names, sample, out_dir: Path, train_fn):
     amct = _amct()
     require_flow(amct, "qat")  # the retrain flow exists only where the package offers all three calls
     out_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path, config_file, record_file = out_dir / "retrain.cfg", out_dir / "retrain_config.json", out_dir / "record.txt"
+    cfg_path, config_file = out_dir / "retrain.cfg", out_dir / "retrain_config.json"
+    record_file = out_dir / "record.txt"
     atomic_write_text(cfg_path, qat_simplified_cfg(skip_names, 1))
     amct.create_quant_retrain_config(str(config_file), model, sample, config_defination=str(cfg_path))
     model = amct.create_quant_retrain_model(str(config_file), model, str(record_file), sample)
