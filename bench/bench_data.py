@@ -5,7 +5,7 @@
   all cores) on the same documents already in memory. Goal ≥ 0.9.
 - sharding.seconds_by_size / sharding.peak_rss_mb_by_size: three corpus sizes; time should grow linearly, the
   build's peak memory should stay flat. Memory counts the builder AND its tokenizer/writer worker processes: a
-  sampler thread sums VmRSS over this process and all its descendants every 10 ms (peak_rss_mb_by_size), and the
+  sampler thread sums VmRSS over this process and all its descendants every 50 ms (peak_rss_mb_by_size), and the
   proportional set size (PSS: shared pages split between the processes sharing them, so nothing counts twice) the
   same way (peak_pss_mb_by_size); parent_peak_rss_mb_by_size is this process alone (VmHWM, reset per build).
 - loader.samples_per_s: ShardLoader with 0 and 2 workers, and the ratio of the 0-worker figure to a plain
@@ -72,7 +72,7 @@ def _field_kb(path: str, name: str) -> int:
 class TreeMemory:
     """Peak of Σ VmRSS and Σ Pss over this process and its descendants (the build's worker processes), sampled."""
 
-    def __init__(self, interval: float = 0.01):
+    def __init__(self, interval: float = 0.05):
         self.interval, self.rss_kb, self.pss_kb = interval, 0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)

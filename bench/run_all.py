@@ -87,7 +87,8 @@ def markdown(doc: dict) -> str:
 def main(argv: list[str]) -> int:
     from tasks.fsutil import atomic_write_json, atomic_write_text
 
-    names = argv or sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py"))
+    # sorted: the data bench (peak RSS of this process and its workers) runs before the model benches grow the heap
+    names = sorted(set(argv)) if argv else sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py"))
     unknown = [n for n in names if not (HERE / f"bench_{n}.py").is_file()]
     if unknown:
         print(f"run_all: no bench/bench_{unknown[0]}.py; choose from "
