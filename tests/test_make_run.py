@@ -24,7 +24,8 @@ PAYLOADS = [  # each would create `pwned` in the temp dir if it reached a shell 
 def make_run(conf: str, tmp_path, timeout: int = 120) -> subprocess.CompletedProcess:
     """`make run CONF=…` without the venv/db prerequisites (-o db: already made), in a temp var dir."""
     env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
-    env.pop("MAKEFLAGS", None)
+    for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a user's top-level make, even under make test
+        env.pop(var, None)
     return subprocess.run(["make", "-s", "-o", "db", "run", f"CONF={conf}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -48,7 +49,8 @@ def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
 
     env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
-    env.pop("MAKEFLAGS", None)
+    for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a user's top-level make, even under make test
+        env.pop(var, None)
     conf = '{"preset": "ci-tiny", "device": "npu"}'
     procs = [subprocess.Popen(["make", "-s", "-o", "db", "run", f"CONF={conf}"], cwd=REPO, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
