@@ -127,6 +127,7 @@ def test_memory_figures_compare_the_estimate_with_the_training_phase_over_the_ba
     export = {"per_rank": [{"export": 2**30, "base": 2**29, "written_bytes": 2**29}]}
     got = memory_figures(summary, export, estimate_bytes=6 * 2**30, backend="cpu")
     assert got["memory.estimate_over_measured"] == pytest.approx(6 / 3)  # worst rank: 4 GB − 1 GB base
-    assert got["memory.train.peak_gb.rank1"] == 4 and got["memory.init.peak_gb.rank0"] == 1
+    # GB = 1e9 (tasks.units)
+    assert got["memory.train.peak_gb.rank1"] == 4 * 2**30 / 1e9 and got["memory.init.peak_gb.rank0"] == 2**30 / 1e9
     assert got["memory.export.peak_over_written.rank0"] == 2
     assert memory_figures(summary, None, 6 * 2**30, "npu")["memory.estimate_over_measured"] == pytest.approx(1.5)

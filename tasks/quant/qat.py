@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tasks.errors import StageError
-from tasks.fsutil import atomic_write_json, publish_dir
+from tasks.fsutil import atomic_write_json, recover_dir, sha256_file, swap_dir
 
 QAT_DIR = "quantize_qat"
 
@@ -102,9 +102,10 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
     names = ptq_meta["quantized_layers"]
     ctx_dir = Path(run_dir)
     ctx_dir.mkdir(parents=True, exist_ok=True)
+    recover_dir(ctx_dir / QAT_DIR)  # an earlier crash between swap_dir's renames undone; stale temp dirs removed
     tmp = Path(tempfile.mkdtemp(prefix=".quantize_qat.", dir=ctx_dir))
     meta = {k: v for k, v in ptq_meta.items() if k not in ("int8_bytes", "deploy_onnx", "fake_quant_onnx",
-                                                          "amct_config")}
+                                                          "amct_config", "weights_sha256")}
     meta.update(stage="qat", qat_steps=q.qat_steps, qat_lr=t.min_lr)
     out = {}
     try:
@@ -114,6 +115,7 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
             meta["format"] = "torch_state_dict"
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
+            meta["weights_sha256"] = sha256_file(tmp / WEIGHTS)  # checked whenever the file is loaded (evaluate)
         else:
             from tasks.quant.amct_backend import quantize_retrain
 
@@ -129,9 +131,7 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     dest = ctx_dir / QAT_DIR
-    if dest.exists():
-        shutil.rmtree(dest)
-    publish_dir(tmp, dest)
+    swap_dir(tmp, dest)  # the previous QAT result stays until this one is complete
     if "model" in out:  # the ONNX paths were written under tmp: point them at the published folder
         for k in ("deploy_onnx", "fake_quant_onnx"):
             meta[k] = str(dest / Path(meta[k]).relative_to(tmp))
