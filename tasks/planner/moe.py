@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from tasks.planner.cluster import Cluster
 from tasks.planner.memory import PRECISION_BYTES, layer_activation_bytes, model_state_bytes, token_flops
 from tasks.units import GB
-from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring
+from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring, feasible
 
 
 @dataclass(frozen=True)
@@ -197,18 +197,7 @@ def evaluate(pb: MoeProblem, lay: MoeLayout) -> dict:
 def search(pb: MoeProblem) -> dict:
     """{"plans": feasible plans best first (faster; ties to EP inside a node, then less memory), "rejected":
     [{..., "reason"}]}."""
-    limit = pb.cluster.memory_gb * GB
-    plans, rejected = [], []
-    for row, why, lay in candidates(pb):
-        if why:
-            rejected.append({**row, "reason": why})
-            continue
-        plan = evaluate(pb, lay)
-        if plan["total_bytes"] > limit:
-            rejected.append({**plan, "reason": f"needs {plan['total_bytes'] / GB:.1f} GB > "
-                                               f"{pb.cluster.memory_gb:g} GB"})
-        else:
-            plans.append(plan)
+    plans, rejected = feasible(pb, candidates(pb), evaluate)
     plans.sort(key=lambda p: (float(f"{p['step_s']:.3g}"), not p["ep_intra_node"], p["total_bytes"]))
     rejected.sort(key=lambda r: r.get("total_bytes", math.inf))
     return {"plans": plans, "rejected": rejected}

@@ -213,20 +213,27 @@ def rank_key(plan: dict):
             plan["total_bytes"])
 
 
-def search(pb: Problem) -> dict:
-    """{"plans": feasible plans best first, "rejected": [{..., "reason"}]}."""
+def feasible(pb, rows, evaluate_fn) -> tuple[list[dict], list[dict]]:
+    """(plans that fit the device memory, rejections with their reason) from candidate (row, why, layout) rows;
+    shared by the dense search and the MoE search (planner/moe.py)."""
     limit = pb.cluster.memory_gb * GB
     plans, rejected = [], []
-    for row, why, lay in candidates(pb):
+    for row, why, lay in rows:
         if why:
             rejected.append({**row, "reason": why})
             continue
-        plan = evaluate(pb, lay)
+        plan = evaluate_fn(pb, lay)
         if plan["total_bytes"] > limit:
             rejected.append({**plan, "reason": f"needs {plan['total_bytes'] / GB:.1f} GB > "
                                                f"{pb.cluster.memory_gb:g} GB"})
         else:
             plans.append(plan)
+    return plans, rejected
+
+
+def search(pb: Problem) -> dict:
+    """{"plans": feasible plans best first, "rejected": [{..., "reason"}]}."""
+    plans, rejected = feasible(pb, candidates(pb), evaluate)
     if pb.shape is None:  # TP/PP traffic is unknown without a shape: the least model parallelism that fits first
         plans.sort(key=lambda p: (p["tp"] * p["pp"], rank_key(p)))
     else:
