@@ -80,9 +80,3 @@ def run_stage_job(stage: str, cfg, dag_id: str, run_id: str, try_number: int = 1
                                           namespace=namespace)
         except Exception as e:  # already gone, or no permission: the job's own outcome is what matters
             log.warning("could not delete the service/podgroup of %s/%s: %s", namespace, name, e)
-
-
-def run_train_job(cfg, dag_id: str, run_id: str, try_number: int = 1, conn_id: str = "kubernetes_default",
-                  poll_s: float = 30.0) -> dict:
-    """The train stage's Job (kept for callers of the earlier, train-only launcher)."""
-    return run_stage_job("train", cfg, dag_id, run_id, try_number, conn_id, poll_s)

@@ -180,4 +180,4 @@ def test_kubernetes_launcher_without_the_provider_says_what_to_install(cfg):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # importing the module needs no provider
     with pytest.raises(StageError, match="requirements-k8s.txt"):
-        module.run_train_job(cfg, "llm_pipeline", "manual__1")
+        module.run_stage_job("train", cfg, "llm_pipeline", "manual__1")
