@@ -99,6 +99,6 @@ def test_one_mlflow_ui_url_setting(monkeypatch):
 
 def test_docstrings_cite_public_sources_not_notes_outside_the_repository():
     stale = re.compile(r"ascend-reference\.md|platform-facts|seed guides?|upstream-apis\.md|/work/shared", re.I)
-    files = CODE + list((REPO / "tests").glob("*.py"))
+    files = CODE + list((REPO / "tests").rglob("*.py"))
     assert [str(p.relative_to(REPO)) for p in files
             if p.name != "test_one_source.py" and stale.search(p.read_text(encoding="utf-8"))] == []
