@@ -68,7 +68,7 @@ def trained_model(cfg) -> tuple[Path, Path, dict]:
     from tasks.model.transformer import build_model, materialize
     from tasks.parallel.optim import lr_factor
     from tasks.quant import inputs
-    from tasks.shard import shard_config
+    from tasks.stages.shard import shard_config
 
     root = WORK / _key(cfg)
     record_path = root / "record.json"
@@ -103,7 +103,7 @@ def trained_model(cfg) -> tuple[Path, Path, dict]:
 
 
 def _stages(cfg, run_dir: Path, model_dir: Path, shards: Path) -> dict:
-    from tasks import evaluate, quantize
+    from tasks.stages import evaluate, quantize
     from tasks.runner import StageContext
 
     args = argparse.Namespace(model_dir=str(model_dir), shard_dir=str(shards), quant_dir=None)

@@ -38,7 +38,7 @@ model.save_pretrained(sys.argv[1], max_shard_size="600MB")
 
 
 def _train(tmp: Path, shards: Path, name: str, sets: dict, export: bool) -> Path:
-    from tasks import train
+    from tasks.stages import train
     from tasks.config import apply_overrides, load_config
     from tasks.runner import StageContext
 
@@ -61,7 +61,7 @@ def _read(run_dir: Path) -> tuple[dict, dict, dict | None]:
 
 def _scale(tmp: Path, shards: Path) -> dict:
     from tasks.model import get_preset, num_params
-    from tasks.train import memory_figures
+    from tasks.stages.train import memory_figures
     from tasks.units import GB
 
     ckpt = tmp / "qwen2-0.5b-hf"
@@ -93,7 +93,7 @@ def _scale(tmp: Path, shards: Path) -> dict:
 
 
 def _zero(tmp: Path, shards: Path) -> dict:
-    from tasks.train import memory_figures
+    from tasks.stages.train import memory_figures
 
     out = {}
     for zero in (0, 1, 2, 3):

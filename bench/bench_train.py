@@ -21,7 +21,7 @@ SETS = {"model.preset": "demo", "data.seq_len": 128, "data.loader_workers": 0, "
 
 
 def _tokens_per_s(tmp: Path, shards: Path, dp: int) -> float:
-    from tasks import train
+    from tasks.stages import train
     from tasks.config import apply_overrides, load_config
     from tasks.parallel.metrics import read_metrics
     from tasks.runner import StageContext

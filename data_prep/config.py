@@ -1,4 +1,4 @@
-"""ShardConfig: the sharding stage's own settings (tasks/shard.py maps PipelineConfig.data onto it)."""
+"""ShardConfig: the sharding stage's own settings (tasks/stages/shard.py maps PipelineConfig.data onto it)."""
 from __future__ import annotations
 
 import dataclasses

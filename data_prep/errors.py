@@ -1,4 +1,4 @@
-"""One-line errors for bad inputs (tasks/shard.py turns them into StageError)."""
+"""One-line errors for bad inputs (tasks/stages/shard.py turns them into StageError)."""
 
 
 class DataPrepError(ValueError):

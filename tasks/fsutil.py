@@ -110,6 +110,13 @@ def read_json(path: str | os.PathLike):
         return json.load(f)
 
 
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Records of a JSON-lines file (e.g. metrics.jsonl); [] when it does not exist."""
+    if not Path(path).is_file():
+        return []
+    return [json.loads(ln) for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
+
+
 def atomic_save_figure(fig, path: str | os.PathLike, dpi: int = 100, **kwargs) -> Path:
     """A matplotlib figure as a PNG, atomically (a reader never sees half an image); the figure is closed."""
     import io

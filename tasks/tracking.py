@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tasks.config import REPO_ROOT, PipelineConfig, repo_path, var_dir
 from tasks.errors import StageError
+from tasks.fsutil import read_jsonl
 
 _KEY_BAD = re.compile(r"[^/\w.\- ]")  # MLflow accepts ^[/\w.\- ]*$
 
@@ -299,10 +300,8 @@ def backfill_metrics(uri: str, run_id: str, metrics_path: str | os.PathLike, pre
 
     import mlflow
 
-    from tasks.parallel.metrics import read_metrics
-
     bound_http()
-    records = read_metrics(Path(metrics_path))
+    records = read_jsonl(metrics_path)
     if not records:
         return 0
     client = mlflow.MlflowClient(uri)

@@ -294,7 +294,7 @@ def test_under_msprof_npu_profiler_is_not_started(tmp_path, monkeypatch):
 
 def test_msprof_run_is_analysed_from_its_prof_folder(tmp_path):
     from tasks.errors import StageError
-    from tasks.profile import msprof_source
+    from tasks.stages.profile import msprof_source
 
     with pytest.raises(StageError, match="wrote no PROF_\\* folder"):
         msprof_source(tmp_path / "msprof")

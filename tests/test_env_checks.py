@@ -131,7 +131,7 @@ def test_probe_judgement():
 
 
 def test_bad_probe_sizes_are_a_config_error(cfg):
-    from tasks.env import probe_sizes
+    from tasks.stages.env import probe_sizes
     from tasks.errors import ConfigError
 
     cfg.hardware.probe_sizes_mb = [1, 4.0]

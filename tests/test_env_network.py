@@ -140,7 +140,7 @@ def test_rendezvous_port_listen_test():
 
 
 def test_env_stage_hook_records_network_facts_and_checks():
-    from tasks import env
+    from tasks.stages import env
     from tasks.config import load_config
 
     cfg = load_config("ci-tiny", sets=["tracking.enabled=false"])

@@ -66,7 +66,7 @@ def test_ep2_and_ep4_on_four_ranks_match_single_process(cfg, tmp_path, shards):
     ({"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1}, "parallel.zero: expert parallelism shards the experts"),
 ])
 def test_bad_moe_layouts_fail_before_launch(cfg, tmp_path, shards, sets, expected):
-    from tasks import train
+    from tasks.stages import train
     from tasks.errors import ConfigError
 
     c = configure(cfg, **{**MOE, **sets})

@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan_args(*argv: str) -> argparse.Namespace:
-    from tasks.plan import add_cli_args
+    from tasks.stages.plan import add_cli_args
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)

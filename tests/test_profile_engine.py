@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import StageError
-from tasks.profile import analyze
+from tasks.stages.profile import analyze
 from tasks.profiling import engine
 from tasks.profiling.msprof import run_msprof_analyze
 

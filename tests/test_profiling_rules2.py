@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.profile import analyze
+from tasks.stages.profile import analyze
 from tasks.profiling.render import render_markdown
 from tasks.profiling.rules_guides import guide_rules
 

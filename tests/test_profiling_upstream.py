@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.profile import analyze
+from tasks.stages.profile import analyze
 from tasks.profiling import ascend, tables
 
 UP = Path(__file__).resolve().parent / "fixtures" / "profiling_upstream"

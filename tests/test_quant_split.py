@@ -6,7 +6,7 @@ import torch
 
 from tasks.errors import StageError
 from tasks.quant import inputs
-from tasks.evaluate import gate_figures
+from tasks.stages.evaluate import gate_figures
 from tests.quant_fixture import tiny_trained
 
 

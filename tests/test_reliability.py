@@ -27,8 +27,7 @@ def _shrunk_vocab(shards, tmp_path, vocab: int = 64):
 @pytest.mark.slow
 def test_rank_python_exception_is_named_and_not_retried(cfg, tmp_path, shards):
     """Token ids ≥ the vocabulary: every rank raises IndexError in the embedding; the stage names it, no retry."""
-    from tasks import train
-
+    from tasks.stages import train
     c = configure(cfg, **DP2, **{"train.steps": 2})
     with pytest.raises(StageError) as err:
         train.run(c, context(tmp_path / "run", _shrunk_vocab(shards, tmp_path)))
@@ -79,7 +78,7 @@ def test_rank_cause_from_log_and_retry_policy(tmp_path):
 def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, shards, capsys):
     """A truncated shard of the newest checkpoint: the resume skips it (saying so), continues from the one before,
     and the curve equals an uninterrupted run; changed training-shaping config is warned about on resume."""
-    from tasks import train
+    from tasks.stages import train
     from tasks.parallel import checkpoint as ckpt
     from train_fixture import assert_same_curve, losses, reference_losses
 
@@ -234,9 +233,9 @@ def test_corrupt_int8_model_is_named_and_rebuilt(cfg, tiny_model, tmp_path, caps
 
 def test_altered_shard_bytes_fail_smoke_and_train_when_verify_is_on(cfg, tmp_path, shards):
     """Same size, one byte flipped: with data.verify_sha256 (the DAG turns it on) smoke and train name the shard."""
-    from tasks import train
+    from tasks.stages import train
     from tasks.pipeline import config_for_params
-    from tasks.smoke import load_batches
+    from tasks.stages.smoke import load_batches
 
     assert config_for_params({}).data.verify_sha256
     bad = tmp_path / "shards"

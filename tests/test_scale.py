@@ -119,7 +119,7 @@ def test_cpu_phase_peaks_are_each_phases_own():
 
 
 def test_memory_figures_compare_the_estimate_with_the_training_phase_over_the_base():
-    from tasks.train import memory_figures
+    from tasks.stages.train import memory_figures
 
     summary = {"memory_per_rank": [{"peak_bytes": 3 * 2**30}, {"peak_bytes": 4 * 2**30}],
                "memory_phases_per_rank": [{"init": 2**30, "train": 3 * 2**30, "base": 2**29},

@@ -56,8 +56,7 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 
 @pytest.mark.slow
 def test_two_torchrun_agents_with_nnodes_2_train_together(cfg, tmp_path, shards):
-    from tasks import train
-
+    from tasks.stages import train
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -89,8 +88,7 @@ def test_two_torchrun_agents_with_nnodes_2_train_together(cfg, tmp_path, shards)
 
 @pytest.mark.slow
 def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, shards, monkeypatch):
-    from tasks import train
-
+    from tasks.stages import train
     c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2,
                           "train.steps": 4, "train.timeout_s": 10})
     monkeypatch.setenv("LLM_PIPELINE_FAULT", "1:3:hang")  # rank 1 stops responding at the start of step 3
@@ -113,8 +111,7 @@ def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, sh
      "1 micro-batches per step are fewer than the 2 pipeline stages"),
 ])
 def test_bad_layouts_fail_before_launch_one_line_each(cfg, tmp_path, shards, sets, expected):
-    from tasks import train
-
+    from tasks.stages import train
     c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, **sets})
     with pytest.raises(ConfigError) as err:
         train.run(c, context(tmp_path, shards))
@@ -124,8 +121,7 @@ def test_bad_layouts_fail_before_launch_one_line_each(cfg, tmp_path, shards, set
 
 
 def test_missing_shard_and_foreign_checkpoint_fail_before_launch(cfg, tmp_path, shards):
-    from tasks import train
-
+    from tasks.stages import train
     c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2})
     broken = tmp_path / "broken"
     shutil.copytree(shards, broken)
@@ -200,7 +196,7 @@ def test_unpinned_degrees_come_from_the_plan(cfg):
 
 
 def test_cpu_world_size_comes_from_the_layout_unless_nproc_is_pinned(cfg):
-    from tasks.train import _world
+    from tasks.stages.train import _world
 
     plan = {"parallel": {"dp": 2, "tp": 2, "pp": 1}}
     c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})

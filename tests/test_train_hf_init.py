@@ -62,7 +62,7 @@ def test_train_starts_from_hf_path_weights(tmp_path, shards):  # noqa: F811
 
 
 def test_shape_override_that_cannot_load_hf_path_is_refused(cfg, tmp_path, shards):  # noqa: F811
-    from tasks import train
+    from tasks.stages import train
     from tasks.errors import ConfigError
     from train_fixture import configure, context
 

@@ -42,7 +42,7 @@ def context(run_dir: Path, shards: Path, no_export: bool = True):
 
 def write_spec(cfg, run_dir: Path, shards: Path, **extra) -> Path:
     """The stage's own launch spec (train.prepare: all pre-launch checks), written where the stage writes it."""
-    from tasks import train
+    from tasks.stages import train
     from tasks.fsutil import atomic_write_json
 
     run_dir = Path(run_dir)
@@ -53,8 +53,7 @@ def write_spec(cfg, run_dir: Path, shards: Path, **extra) -> Path:
 
 def torchrun(cfg, nproc: int, specs: list[Path], log: Path, env_extra: dict | None = None):
     """One real torchrun launch of the worker over several specs; returns (rc, torchrun output)."""
-    from tasks import train
-
+    from tasks.stages import train
     argv = train.torchrun_argv(cfg, nproc, specs, rdzv_id="test")
     env = train.launch_env(cfg, "cpu", nproc, None)
     env.update(env_extra or {})

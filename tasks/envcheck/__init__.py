@@ -1,4 +1,4 @@
-"""Logic behind the environment stage (tasks/env.py): versions, compatibility, npu-smi, system, collective probe.
+"""Logic behind the environment stage (tasks/stages/env.py): versions, compatibility, npu-smi, system, collective probe.
 
 Every check is a small dict {"name", "status": ok|warn|fail, "detail"}; a fail stops the pipeline, a warn doesn't.
 """

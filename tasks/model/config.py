@@ -1,9 +1,9 @@
 """TransformerConfig: the shape of one decoder-only model (Llama / Qwen2 / Qwen2-MoE family), presets by name; its
 parameter and FLOP counts come from tasks.planner.memory (ModelShape, flops_per_token), the one copy of those formulas
-(MoE layers: moe_layer_params here, used by both).
+(MoE layers: moe_layer_params, also there).
 
-Presets hold shapes only (no weights). `from_pipeline` applies the pipeline's `model.*` overrides on top of a preset
-(or of a local HF directory's config.json when `model.hf_path` is set).
+Presets hold shapes only (no weights). tasks.model.resolve.from_pipeline applies the pipeline's `model.*` overrides on
+top of a preset (or of a local HF directory's config.json when `model.hf_path` is set).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tasks.errors import ConfigError
-from tasks.planner.memory import flops_per_token, shape_of  # noqa: F401 (flops_per_token: re-exported)
+from tasks.planner.memory import flops_per_token, moe_layer_params, shape_of  # noqa: F401 (re-exported)
 
 FAMILIES = ("llama", "qwen2", "qwen2_moe")
 
@@ -136,56 +136,6 @@ def get_preset(name: str) -> TransformerConfig:
         raise ConfigError(f"model.preset: unknown preset {name!r} (known: {', '.join(PRESETS)})")
     preset = PRESETS[name]
     return dataclasses.replace(preset, mlp_only_layers=list(preset.mlp_only_layers))  # no list shared with PRESETS
-
-
-_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta", "max_seq_len",
-              "n_experts", "top_k", "moe_ffn_dim")
-# Set even when 0 (0 is meaningful): applied when the pipeline config gives a value >= 0 (-1 = the preset's).
-_OVERRIDES_SIGNED = ("aux_loss_coef", "capacity_factor")
-
-
-def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
-    """The model of a PipelineConfig: preset (or HF config.json) + non-zero `model.*` overrides.
-
-    `vocab_size` is the tokenizer's size: it fills the embedding of small presets and must fit in any model.
-    """
-    mc = cfg.model
-    if mc.hf_path:
-        from tasks.model.hf_io import read_hf_config
-
-        from tasks.config import repo_path
-
-        tcfg = read_hf_config(repo_path(mc.hf_path))
-    else:
-        tcfg = get_preset(mc.preset)
-        if vocab_size and mc.preset in VOCAB_FROM_TOKENIZER:
-            tcfg.vocab_size = vocab_size
-    for name in _OVERRIDES:
-        value = getattr(mc, name)
-        if value:
-            setattr(tcfg, name, type(getattr(tcfg, name))(value))
-    for name in _OVERRIDES_SIGNED:
-        value = getattr(mc, name, -1)
-        if value >= 0:
-            setattr(tcfg, name, float(value))
-    tcfg.validate()
-    if vocab_size and vocab_size > tcfg.vocab_size:
-        raise ConfigError(f"model.vocab_size: tokenizer has {vocab_size} tokens but the model embedding only "
-                          f"{tcfg.vocab_size}; set model.vocab_size >= {vocab_size} (or 0 for a small preset)")
-    seq_len = cfg.data.seq_len
-    if seq_len > tcfg.max_seq_len:
-        raise ConfigError(f"data.seq_len: {seq_len} exceeds model max_seq_len {tcfg.max_seq_len}; "
-                          f"set model.max_seq_len >= {seq_len}")
-    return tcfg
-
-
-def moe_layer_params(tcfg: TransformerConfig, active: bool = False) -> int:
-    """One MoE layer's feed-forward parameters: router, routed experts (all, or the top-k a token uses), shared
-    expert and its gate."""
-    d = tcfg.dim
-    experts = tcfg.top_k if active else tcfg.n_experts
-    shared = 3 * d * tcfg.shared_ffn_dim + d if tcfg.shared_ffn_dim else 0
-    return d * tcfg.n_experts + experts * 3 * d * tcfg.moe_ffn_dim + shared
 
 
 def num_params(tcfg: TransformerConfig, include_embedding: bool = True, active: bool = False) -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,60 +15,15 @@ import torch
 
 from tasks.errors import StageError
 from tasks.fsutil import recover_dir, swap_dir
-from tasks.model.config import TransformerConfig
-from tasks.model.transformer import Transformer, build_model
+from tasks.model.hf_config import (  # noqa: F401 (re-exported: the HF-facing API of the model package)
+    ARCHITECTURES, config_from_hf, expert_hf_name, hf_expert, hf_to_ours, is_expert_stack, ours_to_hf,
+    read_hf_config, to_hf_config)
+from tasks.model.init import HFWeights
+from tasks.model.transformer import Transformer, build_model, materialize
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe"}
-_FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "generation_config.json")
 MAX_SHARD_BYTES = 5 * 1024 ** 3
-
-# HF name (layer part after "model.layers.{i}.") → ours (after "layers.{i}.")
-_LAYER_NAMES = {
-    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
-    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
-    # Qwen2-MoE sparse layers (tasks/model/moe.py)
-    "mlp.gate": "moe.router", "mlp.shared_expert.gate_proj": "moe.shared.w1",
-    "mlp.shared_expert.down_proj": "moe.shared.w2", "mlp.shared_expert.up_proj": "moe.shared.w3",
-    "mlp.shared_expert_gate": "moe.shared_gate",
-}
-# Routed experts: HF stores one tensor per expert, we stack them ([E, ...] per projection).
-_EXPERT_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
-_OUR_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])$")
-_TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-              "lm_head.weight": "output.weight"}
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-_OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-def hf_to_ours(name: str) -> str | None:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    m = _HF_LAYER.match(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
-
-
-def hf_expert(name: str) -> tuple[str, int] | None:
-    """HF per-expert tensor name → (our stacked parameter, expert index), None for any other name."""
-    m = _HF_EXPERT.match(name)
-    return (f"layers.{m.group(1)}.moe.experts.{_EXPERT_PROJ[m.group(3)]}", int(m.group(2))) if m else None
-
-
-def is_expert_stack(name: str) -> bool:
-    return _OUR_EXPERT.match(name) is not None
-
-
-def expert_hf_name(name: str, j: int) -> str:
-    """Our stacked expert parameter and an expert index → that expert's HF tensor name."""
-    m = _OUR_EXPERT.match(name)
-    proj = {v: k for k, v in _EXPERT_PROJ.items()}[m.group(2)]
-    return f"model.layers.{m.group(1)}.mlp.experts.{j}.{proj}.weight"
-
 
 def hf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Our parameter → [(HF name, tensor)]: one, or one per expert for a stacked expert weight."""
@@ -78,112 +32,11 @@ def hf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(ours_to_hf(name), t)]
 
 
-def ours_to_hf(name: str) -> str:
-    top = {v: k for k, v in _TOP_NAMES.items()}
-    if name in top:
-        return top[name]
-    m = _OUR_LAYER.match(name)
-    inverse = {v: k for k, v in _LAYER_NAMES.items()}
-    if not m or m.group(2) not in inverse:
-        raise StageError(f"save_hf: parameter {name!r} has no Hugging Face name")
-    return f"model.layers.{m.group(1)}.{inverse[m.group(2)]}.{m.group(3)}"
-
-
-def config_from_hf(hf: dict) -> TransformerConfig:
-    """TransformerConfig from a config.json dict; anything this model cannot represent fails in one line."""
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise StageError(f"unsupported architecture {arch or hf.get('model_type')!r} "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
-    family = ARCHITECTURES[arch]
-    moe = _moe_from_hf(hf) if family == "qwen2_moe" else {}
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    heads = hf["num_attention_heads"]
-    unsupported = {
-        f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") != "silu",
-        f"rope_type {rope_type!r}": rope_type != "default",
-        "attention_bias (o_proj bias)": family == "llama" and hf.get("attention_bias", False),
-        "mlp_bias": hf.get("mlp_bias", False),
-        "head_dim != hidden_size / heads": hf.get("head_dim") not in (None, hf["hidden_size"] // heads),
-        "use_sliding_window": hf.get("use_sliding_window", False),
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise StageError(f"{arch}: unsupported setting {', '.join(bad)}")
-    return TransformerConfig(
-        family=family, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), max_seq_len=hf.get("max_position_embeddings", 2048),
-        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **moe)
-
-
-def _moe_from_hf(hf: dict) -> dict:
-    if hf.get("num_experts", 60) < 1:
-        raise StageError("Qwen2MoeForCausalLM: num_experts 0 (a dense model) is not supported; export it as Qwen2")
-    if not hf.get("shared_expert_intermediate_size", 5632):
-        raise StageError("Qwen2MoeForCausalLM: shared_expert_intermediate_size 0 is not supported")
-    # Defaults are Qwen2MoeConfig's own (transformers), used when a key is absent.
-    return dict(n_experts=hf.get("num_experts", 60), top_k=hf.get("num_experts_per_tok", 4),
-                moe_ffn_dim=hf.get("moe_intermediate_size", 1408),
-                shared_ffn_dim=hf.get("shared_expert_intermediate_size", 5632),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                mlp_only_layers=list(hf.get("mlp_only_layers") or []),
-                aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
-
-
-def to_hf_config(tcfg: TransformerConfig, dtype: torch.dtype = torch.float32) -> dict:
-    if tcfg.family == "llama" and tcfg.qkv_bias:
-        raise StageError("save_hf: Llama has no q/k/v-only bias; use family qwen2 for a model with qkv_bias")
-    if tcfg.family == "qwen2_moe" and not tcfg.shared_ffn_dim:
-        raise StageError("save_hf: Qwen2MoeForCausalLM always has a shared expert; set model shared_ffn_dim > 0")
-    if tcfg.family == "qwen2" and not tcfg.qkv_bias:
-        raise StageError("save_hf: Qwen2 always has q/k/v bias; set qkv_bias or use family llama")
-    dtype_name = str(dtype).removeprefix("torch.")
-    cfg = {
-        "architectures": [_FAMILY_ARCH[tcfg.family]], "model_type": tcfg.family,
-        "hidden_size": tcfg.dim, "intermediate_size": tcfg.ffn_dim, "num_hidden_layers": tcfg.n_layers,
-        "num_attention_heads": tcfg.n_heads, "num_key_value_heads": tcfg.n_kv_heads, "head_dim": tcfg.head_dim,
-        "vocab_size": tcfg.vocab_size, "max_position_embeddings": tcfg.max_seq_len, "rms_norm_eps": tcfg.norm_eps,
-        "hidden_act": "silu", "tie_word_embeddings": tcfg.tie_embeddings,
-        # Both spellings: transformers 5 reads rope_parameters, older readers (4.x, vLLM) rope_theta.
-        "rope_theta": tcfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": tcfg.rope_theta},
-        "dtype": dtype_name, "torch_dtype": dtype_name, "use_cache": True,
-    }
-    if tcfg.family == "llama":
-        cfg.update(attention_bias=False, mlp_bias=False)
-    else:
-        cfg.update(use_sliding_window=False)
-    if tcfg.family == "qwen2_moe":
-        cfg.update(qkv_bias=tcfg.qkv_bias, num_experts=tcfg.n_experts, num_experts_per_tok=tcfg.top_k,
-                   moe_intermediate_size=tcfg.moe_ffn_dim, shared_expert_intermediate_size=tcfg.shared_ffn_dim,
-                   norm_topk_prob=tcfg.norm_topk_prob, decoder_sparse_step=tcfg.decoder_sparse_step,
-                   mlp_only_layers=list(tcfg.mlp_only_layers), router_aux_loss_coef=tcfg.aux_loss_coef,
-                   output_router_logits=False)
-    return cfg
-
-
-def read_hf_config(path: str | os.PathLike) -> TransformerConfig:
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        raise StageError(f"{path}: not a Hugging Face model directory (no config.json)")
-    try:
-        return config_from_hf(json.loads(cfg_path.read_text()))
-    except (json.JSONDecodeError, KeyError) as e:
-        raise StageError(f"{cfg_path}: unreadable config ({type(e).__name__}: {e})") from None
-
-
 def load_hf(path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32) -> Transformer:
     """A local HF Llama/Qwen2 directory (single or sharded safetensors) → Transformer on `device` in `dtype`.
 
     One process, whole model: for a sharded model, `materialize(model, device, source=HFWeights(path))` after
     parallelising reads only each rank's slices (tasks.model.init)."""
-    from tasks.model.init import HFWeights
-    from tasks.model.transformer import materialize
-
     source = HFWeights(path)
     model = build_model(source.tcfg, device="meta").to(dtype)
     return materialize(model, device, source=source)

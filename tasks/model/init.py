@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 from tasks.errors import StageError
+from tasks.model.hf_config import (_FAMILY_ARCH, expert_hf_name, hf_expert, hf_to_ours, is_expert_stack, ours_to_hf,
+                                    read_hf_config)
 
 CHUNK_ELEMS = 1 << 20  # elements per generator chunk (fixed by the full shape only: layout-free)
 STD = 0.02
@@ -90,8 +92,6 @@ class HFWeights:
     of boxes: `fill` reads exactly this rank's box of one tensor."""
 
     def __init__(self, path, tcfg=None):
-        from tasks.model.hf_io import _FAMILY_ARCH, hf_expert, hf_to_ours, read_hf_config
-
         self.path = Path(path)
         self.tcfg = tcfg or read_hf_config(self.path)
         self._handles: dict[Path, object] = {}
@@ -140,8 +140,6 @@ class HFWeights:
 
     def check(self, names) -> None:
         """Every parameter the model needs is in the checkpoint (one line naming the first missing one)."""
-        from tasks.model.hf_io import expert_hf_name, is_expert_stack, ours_to_hf
-
         have = set(self.where) | {n for n, by_j in self.experts.items()
                                   if len(by_j) == self.tcfg.n_experts}
         missing = sorted(set(names) - have)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tasks.model.ffn import FeedForward
+
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
@@ -116,8 +118,6 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, c):
         super().__init__()
-        from tasks.model.transformer import FeedForward
-
         self.n_experts, self.top_k, self.norm_topk_prob = c.n_experts, c.top_k, c.norm_topk_prob
         self.aux_loss_coef, self.capacity_factor = c.aux_loss_coef, c.capacity_factor
         self.router = nn.Linear(c.dim, c.n_experts, bias=False)

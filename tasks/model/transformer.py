@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tasks.model.config import TransformerConfig
+from tasks.model.ffn import FeedForward
+from tasks.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -77,17 +79,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)   # gate
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)   # down
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False)   # up
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     def __init__(self, c: TransformerConfig, layer: int = 0):
         super().__init__()
@@ -95,8 +86,6 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(c)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         if c.is_moe_layer(layer):  # mixture of experts (tasks/model/moe.py) in place of the dense SwiGLU
-            from tasks.model.moe import MoE
-
             self.moe = MoE(c)
         else:
             self.feed_forward = FeedForward(c.dim, c.ffn_dim)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from tasks.fsutil import atomic_write_text
+from tasks.fsutil import read_jsonl as read_metrics  # noqa: F401 (metrics.jsonl: one record per line)
 
 def peak_flops(device, configured_tflops: float) -> float | None:
     """Dense 16-bit peak FLOP/s of one device for MFU: hardware.peak_tflops when set, else the planner's device
@@ -30,12 +31,6 @@ def truncate_after(path: Path, step: int) -> None:
     kept = [ln for ln in path.read_text(encoding="utf-8").splitlines()
             if ln.strip() and json.loads(ln)["step"] <= step]
     atomic_write_text(path, "".join(ln + "\n" for ln in kept))
-
-
-def read_metrics(path: Path) -> list[dict]:
-    if not Path(path).is_file():
-        return []
-    return [json.loads(ln) for ln in Path(path).read_text(encoding="utf-8").splitlines() if ln.strip()]
 
 
 class MetricsLog:

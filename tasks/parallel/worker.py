@@ -1,6 +1,6 @@
 """Per-rank training entry, started by torchrun: `python -m tasks.parallel.worker --spec launch.json [--spec …]`.
 
-The spec (written by tasks/train.py) holds the resolved config, model shape, layout and paths. Several specs run
+The spec (written by tasks/stages/train.py) holds the resolved config, model shape, layout and paths. Several specs run
 one after another in the same process group (the tests use this to check many layouts per torchrun launch).
 Exit codes: 0 done, 3 non-finite loss/gradient, 4 out of memory, 5 collective timeout, 1 anything else.
 """

@@ -83,10 +83,17 @@ def flops_per_token(shape, seq_len: int, n_params: float = 0.0, causal: bool = F
     matmul_params = sh.layers * sh.layer_params + sh.hidden + sh.embedding_params
     n_moe = getattr(shape, "n_moe_layers", 0)
     if n_moe:  # MoE (a TransformerConfig): a token multiplies its top-k experts, the router and the shared expert
-        from tasks.model.config import moe_layer_params
-
         matmul_params += n_moe * (moe_layer_params(shape, active=True) - 3 * shape.dim * shape.ffn_dim)
     return token_flops(matmul_params, sh.layers, sh.hidden, seq_len, causal)
+
+
+def moe_layer_params(tcfg, active: bool = False) -> int:
+    """One MoE layer's feed-forward parameters: router, routed experts (all, or the top-k a token uses), shared
+    expert and its gate."""
+    d = tcfg.dim
+    experts = tcfg.top_k if active else tcfg.n_experts
+    shared = 3 * d * tcfg.shared_ffn_dim + d if tcfg.shared_ffn_dim else 0
+    return d * tcfg.n_experts + experts * 3 * d * tcfg.moe_ffn_dim + shared
 
 
 def token_flops(matmul_params: float, layers: int, hidden: int, seq_len: int, causal: bool = False) -> float:

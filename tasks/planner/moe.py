@@ -230,7 +230,7 @@ def render(result: dict, header: str, top_k: int = 10) -> str:
 
 def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str,
           config_pins: bool = True) -> dict:
-    """The plan stage for a mixture-of-experts model (called by tasks/plan.py): search, plan.json + table, the
+    """The plan stage for a mixture-of-experts model (called by tasks/stages/plan.py): search, plan.json + table, the
     chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp = pp = 1)."""
     from tasks import tracking
     from tasks.errors import StageError

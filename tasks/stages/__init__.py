@@ -1,14 +1,14 @@
 """The one registry of stages, in pipeline order: name → module holding `run(cfg, ctx)`."""
 
 STAGES = {
-    "env": "tasks.env",
-    "shard": "tasks.shard",
-    "smoke": "tasks.smoke",
-    "plan": "tasks.plan",
-    "train": "tasks.train",
-    "profile": "tasks.profile",
-    "quantize": "tasks.quantize",
-    "evaluate": "tasks.evaluate",
+    "env": "tasks.stages.env",
+    "shard": "tasks.stages.shard",
+    "smoke": "tasks.stages.smoke",
+    "plan": "tasks.stages.plan",
+    "train": "tasks.stages.train",
+    "profile": "tasks.stages.profile",
+    "quantize": "tasks.stages.quantize",
+    "evaluate": "tasks.stages.evaluate",
 }
 
 # What each stage shows in the end-of-run summary (the Airflow task id equals the stage name).

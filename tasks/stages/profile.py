@@ -91,8 +91,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     Same trainer, model, shard set and layout (train.prepare resolves them exactly as the train stage does);
     its checkpoints and metrics go under <run-dir>/profile/run so the training run is untouched.
     """
-    from tasks import train
-
+    from tasks.stages import train
     runner.shard_set(cfg, ctx)  # before the digest below: data.seq_len follows the shard set (as train.prepare)
     traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
     if marker.is_file() and read_json(marker).get("config_hash") == cfg.digest():

@@ -84,7 +84,8 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
     if _arg(ctx, "params") is not None:
         n = _arg(ctx, "params")
         return None, n, f"{_count(n)} params (model states only: no shape, so no activations)"
-    from tasks.model.config import TransformerConfig, from_pipeline, get_preset
+    from tasks.model.config import TransformerConfig, get_preset
+    from tasks.model.resolve import from_pipeline
 
     shape = {field: _arg(ctx, flag) for flag, field in _SHAPE_FLAGS.items() if _arg(ctx, flag) is not None}
     family = _arg(ctx, "family")
@@ -213,7 +214,8 @@ def _moe_model(cfg: PipelineConfig, ctx):
     else None. Shape flags and --params describe dense models."""
     if any(_arg(ctx, f) is not None for f in ("params", "family", *_SHAPE_FLAGS)):
         return None
-    from tasks.model.config import from_pipeline, get_preset
+    from tasks.model.config import get_preset
+    from tasks.model.resolve import from_pipeline
 
     if _arg(ctx, "hf_config"):
         tcfg = _hf_config(Path(_arg(ctx, "hf_config")))
