@@ -1,14 +1,7 @@
-"""The data section of the pipeline configuration, and the pydantic base every configuration section shares.
-
-`DataConfig` is the one data model: `python -m data_prep`, the shard stage (`cfg.data`) and the loader settings read
-it (`ShardConfig` is the same class under the name the builder grew up with). It lives here because tasks imports
-data_prep and never the reverse; tasks.config builds the other sections on `Section` and reports with `problems()`.
-
-`Section`: unknown keys are refused naming the nearest valid one; text values (YAML, `--set`, JSON) are read as the
-field's type first (`"64"` → 64, `"0,1"` → [0, 1]), then pydantic checks types strictly, ranges (`Field(ge/le)`),
-enumerations (`Literal`) and cross-field rules (model validators raising `rule_error`). `problems()` turns a
-ValidationError into one line per problem: `seq_len: 4 must be in [8, 1048576]`.
-"""
+"""`DataConfig`, the one data model (`python -m data_prep`, the shard stage's `cfg.data`, the loader settings;
+`ShardConfig` is the builder's name for it), and `Section`, the pydantic base of every configuration section, with
+`problems()`, which turns a ValidationError into one line per problem. Here because tasks imports data_prep, never
+the reverse: tasks.config builds its sections on the same base."""
 from __future__ import annotations
 
 import difflib
@@ -38,39 +31,33 @@ def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
-def _yaml_or_text(text: str):
+def _yaml(text: str):
     try:
         return yaml_load(text) if text.strip() else text
     except yaml.YAMLError:
         return text
 
 
-def _kinds(annotation) -> set:
-    """The Python types a scalar annotation admits: {int} for int and Literal[0, 1], {str} for Literal["a"]."""
-    if typing.get_origin(annotation) is Literal:
-        return {type(a) for a in typing.get_args(annotation)}
-    return {annotation}
+def _literal(annotation) -> tuple:
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
 
 
 def from_text(value: Any, annotation) -> Any:
-    """Read a YAML/JSON/CLI value as `annotation` before pydantic's strict check: a string for a non-string field
-    is a YAML scalar (`--set train.steps=5`), a string for a list is YAML (`[1, 2.5]`) or comma-separated items
-    (`0,1`), each item read as the item type; a number for a string field is its text; 2.0 for an int is 2."""
+    """Read a YAML/JSON/CLI value as `annotation` before pydantic's strict check: text for a non-string field is a
+    YAML scalar (`"64"` → 64), for a list YAML (`[1, 2.5]`) or comma-separated items (`0,1`), each read as the item
+    type; a number for a string field is its text; 2.0 for an int is 2; true for a number stays text."""
     if typing.get_origin(annotation) is list:
         if isinstance(value, str):
-            parsed = _yaml_or_text(value)
+            parsed = _yaml(value)
             value = parsed if isinstance(parsed, list) else [v.strip() for v in value.split(",") if v.strip()]
-        if isinstance(value, (list, tuple)):
-            return [from_text(v, typing.get_args(annotation)[0]) for v in value]
-        return value
-    kinds = _kinds(annotation)
+        return [from_text(v, typing.get_args(annotation)[0]) for v in value] if isinstance(value, list) else value
+    kinds = {type(a) for a in _literal(annotation)} or {annotation}
     if kinds == {str}:
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-    if isinstance(value, str):
-        value = _yaml_or_text(value)
-    if int in kinds and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
+    value = _yaml(value) if isinstance(value, str) else value
+    if isinstance(value, bool) and bool not in kinds:  # True == 1: Literal[0, 1] would take it
+        return str(value).lower()
+    return int(value) if int in kinds and isinstance(value, float) and value.is_integer() else value
 
 
 def rule_error(lines: list[str]) -> PydanticCustomError:
@@ -79,103 +66,72 @@ def rule_error(lines: list[str]) -> PydanticCustomError:
 
 
 class Section(BaseModel):
-    """A configuration model: strict types after `from_text`, unknown keys refused, numbers finite."""
+    """A configuration model: values read by `from_text`, then strict types, unknown keys refused, finite numbers."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
     def _read_text(cls, data):
-        if isinstance(data, dict):
-            data = {k: from_text(v, cls.model_fields[k].annotation) if k in cls.model_fields else v
-                    for k, v in data.items()}
-        return data
-
-
-_TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true/false", str: "a string", list: "a list"}
-_TYPE_ERRORS = {"int_type": int, "int_parsing": int, "int_from_float": int, "float_type": float,
-                "float_parsing": float, "finite_number": float, "bool_type": bool, "bool_parsing": bool,
-                "string_type": str, "list_type": list}
+        fields = cls.model_fields
+        return {k: from_text(v, fields[k].annotation) if k in fields else v for k, v in data.items()} \
+            if isinstance(data, dict) else data
 
 
 def _model(annotation):
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-def _bounds(field) -> dict:
-    return {k: getattr(m, k) for m in field.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+_EXPECTED = {"int": "an integer", "float": "a finite number", "finite": "a finite number", "bool": "true/false",
+             "string": "a string", "list": "a list", "model": "a mapping of keys", "dict": "a mapping of keys"}
 
 
-def _range_text(b: dict) -> str:
-    lo, hi = b.get("ge", b.get("gt")), b.get("le", b.get("lt"))
-    if "ge" in b and "le" in b:
-        return f"in [{lo}, {hi}]"
-    return " and ".join(f"{op} {b[k]}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if k in b)
+def _unknown(owner, names: list[str], value) -> list[str]:
+    """An unknown key (or section), with the nearest valid name and the known ones."""
+    known, parent = list(owner.model_fields), ".".join(names[:-1])
+    close = difflib.get_close_matches(names[-1], known, n=1)
+    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    sections = [k for k, f in owner.model_fields.items() if _model(f.annotation)]
+    if parent or not sections:
+        return [f"{'.'.join(names)}: unknown key{hint} (known{' in ' + parent if parent else ''}: {', '.join(known)})"]
+    keys = [f".{k}" for k in value] if isinstance(value, dict) and value else [""]
+    return [f"{names[0]}{k}: unknown section {names[0]!r}{hint} (known: {', '.join(sections)})" for k in keys]
 
 
 def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ranges: bool = False) -> list[str]:
-    """One line per problem of `err` (from validating `data` against `model`), named by dotted path.
-
-    Ranges read `x: 0 must be >= 1` / `must be in [lo, hi]` (`terse_ranges`: `is out of range`, data_prep's CLI),
-    enumerations `'x' is not one of a, b`, lists of choices as a whole, unknown keys with the nearest valid one."""
-    lines: list[str] = []
+    """One line per problem of `err` (from validating `data` against `model`), named by dotted path: `x: 0 must be
+    >= 1` / `in [lo, hi]` (`terse_ranges`: `is out of range`, data_prep's CLI), `'x' is not one of a, b`, a list of
+    choices as a whole, `expected an integer, got 'x'`, unknown keys with the nearest valid one."""
+    lines = []
     for e in err.errors():
-        loc, kind, value = e["loc"], e["type"], e.get("input")
-        # Walk the models along the path: `owner` holds the field, `field` its FieldInfo, `raw` the data there.
-        owner, field, raw, names, index = model, None, data, [], None
-        for part in loc:
-            if isinstance(part, int):
-                index = part
-                continue
-            if field is not None:
-                owner = _model(field.annotation) or owner
-            field = owner.model_fields.get(part)
-            raw = raw.get(part) if isinstance(raw, dict) else None
-            names.append(part)
-        path = ".".join(map(str, names))
-        where = path + (f"[{index}]" if index is not None else "")
-        if kind == "extra_forbidden":
-            parent, known = ".".join(names[:-1]), list(owner.model_fields)
-            close = difflib.get_close_matches(names[-1], known, n=1, cutoff=0.6)
-            hint = f"; did you mean {(parent + '.') if parent else ''}{close[0]}?" if close else ""
-            if not parent and any(_model(f.annotation) for f in owner.model_fields.values()):
-                sections = [k for k, f in owner.model_fields.items() if _model(f.annotation)]
-                for key in (value if isinstance(value, dict) and value else {"": None}):
-                    lines.append(f"{path}{'.' + key if key else ''}: unknown section {names[-1]!r}{hint} "
-                                 f"(known: {', '.join(sections)})")
-            else:
-                lines.append(f"{path}: unknown key{hint} (known{' in ' + parent if parent else ''}: "
-                             f"{', '.join(known)})")
-            continue
+        kind, value = e["type"], e.get("input")
+        names = [p for p in e["loc"] if isinstance(p, str)]
+        where = ".".join(names) + "".join(f"[{p}]" for p in e["loc"] if isinstance(p, int))
+        owner, raw = model, data
+        for name in names[:-1]:
+            owner, raw = _model(owner.model_fields[name].annotation), raw.get(name, {})
+        field = owner.model_fields.get(names[-1]) if names else None
+        ann = field.annotation if field else None
+        item = typing.get_args(ann)[0] if typing.get_origin(ann) is list else None
+        choices = _literal(ann if item is None else item)
         if kind == "config_rule":
-            lines += [f"{path}.{line}" if path else line for line in e["ctx"]["lines"]]
-            continue
-        item_type = typing.get_args(field.annotation)[0] if field is not None and \
-            typing.get_origin(field.annotation) is list else None
-        choices = typing.get_args(item_type) if typing.get_origin(item_type) is Literal else None
-        if choices is not None and (kind == "too_short" or kind == "literal_error"
-                                    and isinstance(value, tuple(_kinds(item_type)))):
-            whole = from_text(raw, field.annotation)
-            lines.append(f"{path}: {whole!r} must be a non-empty list of {', '.join(map(str, choices))}")
-            continue
-        if kind == "literal_error":
-            allowed = typing.get_args(item_type if index is not None else field.annotation)
-            expected = {type(a) for a in allowed}
-            if isinstance(value, tuple(expected)) and not isinstance(value, bool):
-                lines.append(f"{where}: {value!r} is not one of {', '.join(map(str, allowed))}")
-                continue
-            kind = "int_type" if expected == {int} else "string_type"
-        if kind in _TYPE_ERRORS:
-            lines.append(f"{where}: expected {_TYPE_WORDS[_TYPE_ERRORS[kind]]}, got {value!r}")
-        elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
-            lines.append(f"{where}: {value!r} is out of range" if terse_ranges else
-                         f"{where}: {value} must be {_range_text(_bounds(field))}")
+            lines += [f"{where}.{line}" if where else line for line in e["ctx"]["lines"]]
+        elif kind == "extra_forbidden":
+            lines += _unknown(owner, names, value)
+        elif choices and (kind == "too_short" or kind == "literal_error" and type(value) is type(choices[0])):
+            lines.append(f"{'.'.join(names)}: {from_text(raw.get(names[-1]), ann)!r} must be a non-empty list of "
+                         f"{', '.join(map(str, choices))}" if item is not None else
+                         f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        elif kind.startswith(("greater_than", "less_than")):
+            b = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}  # bounds: ge/le
+            rng = f"in [{b['ge']}, {b['le']}]" if len(b) == 2 else f">= {b['ge']}" if "ge" in b else f"<= {b['le']}"
+            lines.append(f"{where}: {value!r} is out of range" if terse_ranges else f"{where}: {value} must be {rng}")
         elif kind == "too_short":
             lines.append(f"{where}: must not be empty")
-        elif kind in ("model_type", "dict_type", "model_attributes_type"):
-            lines.append(f"{where}: expected a mapping of keys, got {value!r}")
         else:
-            lines.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+            expect = ("int" if type(choices[0]) is int else "string") if kind == "literal_error" else kind.split("_")[0]
+            lines.append(f"{where}: expected {_EXPECTED[expect]}, got {value!r}" if expect in _EXPECTED else
+                         f"{where}: {e['msg'].removeprefix('Value error, ')}")
     return list(dict.fromkeys(lines))  # items of one list share their line
 
 

@@ -1,10 +1,8 @@
-"""The one typed pipeline configuration: a pydantic model per section (data_prep.config.Section).
+"""The one typed pipeline configuration: a pydantic model per section (ranges `Field(ge/le)`, choices `Literal`).
 
 Layers, later wins: the models' defaults → a YAML preset from configs/ (or a file) → overrides (DAG Params, `--conf`,
-as a nested dict or dotted keys) → CLI `--set section.key=value`. All layers are merged and validated by the one
-model (types, ranges as `Field(ge/le)`, choices as `Literal`, cross-field rules as model validators); every problem
-is reported, one line each (`train.steps: 0 must be >= 1`). The trigger form's schema is derived from the same
-model (tasks.pipeline.param_schemas).
+as a nested dict or dotted keys) → CLI `--set section.key=value`, merged and validated by the one model; every
+problem is one line (`train.steps: 0 must be >= 1`). The trigger form's schema is the model's (tasks.pipeline).
 
 `cfg.explicit` is the set of dotted keys the caller set for this run — overrides and `--set`, not the preset's
 values, which are defaults like the models' own. Stages use it where a value can come from elsewhere: a stage
@@ -12,6 +10,7 @@ reading a shard set takes data.seq_len from its manifest unless the caller set a
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import typing
@@ -221,25 +220,21 @@ class TrackingConfig(Section):
     enabled: bool = True
 
 
-def _seconds(default: int, lo: int = 1):
-    return Field(default, ge=lo)
-
-
 class TimeoutConfig(Section):
     """Bounds on every wait, in seconds (tasks/bounds.py): each DAG task's execution_timeout, the torchrun and
     Kubernetes Job waits inside it, and the cross-node probe's rendezvous."""
-    env_s: int = _seconds(900)
-    shard_s: int = _seconds(3600)
-    smoke_s: int = _seconds(1800)
-    plan_s: int = _seconds(600)
-    train_s: int = _seconds(0, lo=0)      # 0 = steps × the planner's step estimate × train_margin + train_overhead_s
+    env_s: int = Field(900, ge=1)
+    shard_s: int = Field(3600, ge=1)
+    smoke_s: int = Field(1800, ge=1)
+    plan_s: int = Field(600, ge=1)
+    train_s: int = Field(0, ge=0)         # 0 = steps × the planner's step estimate × train_margin + train_overhead_s
     train_margin: float = Field(4.0, ge=1.0, le=1000.0)  # how much slower than the planner's estimate a step may be
-    train_overhead_s: int = _seconds(900, lo=0)  # start-up, rendezvous, checkpoints, HF export
-    profile_s: int = _seconds(1800)
-    quantize_s: int = _seconds(3600)
-    evaluate_s: int = _seconds(3600)
-    rendezvous_s: int = _seconds(300)     # the cross-node probe waits this long for every node to arrive
-    k8s_pending_s: int = _seconds(900)    # a Job's pods may wait this long to be scheduled, on top of the stage's bound
+    train_overhead_s: int = Field(900, ge=0)  # start-up, rendezvous, checkpoints, HF export
+    profile_s: int = Field(1800, ge=1)
+    quantize_s: int = Field(3600, ge=1)
+    evaluate_s: int = Field(3600, ge=1)
+    rendezvous_s: int = Field(300, ge=1)  # the cross-node probe waits this long for every node to arrive
+    k8s_pending_s: int = Field(900, ge=1)  # a Job's pods may wait this long to be scheduled, on top of the stage's
 
 
 class PipelineConfig(Section):
@@ -266,31 +261,26 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def _rules(self):
         """Rules across fields, checked once every field is valid."""
-        t, hw, problems_ = self.train, self.hardware, []
-        if t.micro_batch > t.global_batch:
-            problems_.append(f"train.micro_batch: {t.micro_batch} exceeds train.global_batch {t.global_batch}")
-        if t.min_lr > t.lr:
-            problems_.append(f"train.min_lr: {t.min_lr} exceeds train.lr {t.lr}")
-        if hw.node_rank >= hw.nnodes:
-            problems_.append(f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}")
-        if ":" not in hw.rdzv_endpoint:
-            problems_.append(f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port")
-        if hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout:
-            problems_.append(f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout "
-                             f"{hw.hccl_exec_timeout} so HCCL reports the real error before torch's watchdog fires")
-        if hw.warn_clock_offset_ms > hw.max_clock_offset_ms:
-            problems_.append(f"hardware.warn_clock_offset_ms: {hw.warn_clock_offset_ms} exceeds "
-                             f"hardware.max_clock_offset_ms {hw.max_clock_offset_ms}")
-        if problems_:
-            raise rule_error(problems_)
+        t, hw = self.train, self.hardware
+        lines = [line for broken, line in (
+            (t.micro_batch > t.global_batch,
+             f"train.micro_batch: {t.micro_batch} exceeds train.global_batch {t.global_batch}"),
+            (t.min_lr > t.lr, f"train.min_lr: {t.min_lr} exceeds train.lr {t.lr}"),
+            (hw.node_rank >= hw.nnodes, f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}"),
+            (":" not in hw.rdzv_endpoint, f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port"),
+            (hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout,
+             f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout {hw.hccl_exec_timeout} so HCCL "
+             "reports the real error before torch's watchdog fires"),
+            (hw.warn_clock_offset_ms > hw.max_clock_offset_ms, f"hardware.warn_clock_offset_ms: "
+             f"{hw.warn_clock_offset_ms} exceeds hardware.max_clock_offset_ms {hw.max_clock_offset_ms}")) if broken]
+        if lines:
+            raise rule_error(lines)
         return self
 
     def to_dict(self) -> dict:
         return self.model_dump()
 
     def digest(self) -> str:
-        import hashlib
-
         body = json.dumps({k: v for k, v in self.to_dict().items() if k != "preset"}, sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:12]
 

@@ -69,16 +69,11 @@ FROM_PRESET = "from the preset"  # how an empty (null) field reads in the trigge
 FORM_KEYS = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items", "minItems")
 
 
-@functools.lru_cache(maxsize=1)
-def _model_schema() -> dict:
-    return PipelineConfig.model_json_schema()
-
-
+@functools.lru_cache(maxsize=None)
 def field_schema(key: str) -> dict:
     """The config model's JSON schema of one dotted key (pydantic's: the field's type, Literal, Field(ge/le…))."""
-    schema = _model_schema()
     section, _, name = key.partition(".")
-    return schema["$defs"][schema["properties"][section]["$ref"].rsplit("/", 1)[-1]]["properties"][name]
+    return PipelineConfig.model_fields[section].annotation.model_json_schema()["properties"][name]
 
 
 def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
