@@ -151,6 +151,10 @@ def test_one_data_model_for_the_pipeline_and_data_prep():
         with pytest.raises(DataPrepError, match=f"^{key}: {value} is out of range$"):
             ShardConfig.from_dict({key: value})
     assert ShardConfig.from_dict({"seq_len": "8", "inputs": "a.txt"}).inputs == ["a.txt"]  # text read as the type
+    # The shard-set cache key is what it was: the loader's and the pipeline's fields stay out of it.
+    assert sorted(DataConfig().key_fields()) == sorted([
+        "text_field", "max_documents", "min_chars", "max_chars", "on_decode_error", "vocab_size", "eos_token",
+        "token_dtype", "seq_len", "val_fraction", "shard_size_mb", "shard_multiple"])
 
 
 def test_form_and_model_refuse_the_same_values():
