@@ -6,7 +6,8 @@ running training job is not disturbed) and the host (memory, disk, NTP clock) an
 to the MLflow experiment `llm-pipeline-health` (one run per check: temperatures, HBM fill, clock offset over time).
 The task **fails with a one-line cause** on an alarm: a chip in alarm or at/above `hardware.max_device_temp_c`, a
 dropped card, HBM full with no process on the chip, a clock beyond `hardware.max_clock_offset_ms` (multi-node),
-or disk/host memory below the minimums. Logic: `tasks/health.py` (also `python -c "from tasks.health import …"`).
+or disk/host memory below the minimums. Logic: `tasks/health.py`, run by `tasks.runner.run_stage` like every stage
+(result file `<run-dir>/health.json`, lock, one-line error; also `python -m tasks health`).
 """
 from __future__ import annotations
 

@@ -6,12 +6,9 @@ Errors print one line and exit 2. The pipeline's own entry is `python -m tasks s
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
-
-import yaml
 
 from data_prep.config import ShardConfig
 from data_prep.errors import DataPrepError
@@ -23,7 +20,7 @@ def _overrides(sets: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise DataPrepError(f"--set {item!r}: expected key=value")
-        out[key.strip()] = yaml.safe_load(value) if value.strip() else value
+        out[key.strip()] = value  # read as the field's type by the model (data_prep.config.from_text)
     return out
 
 
@@ -36,7 +33,7 @@ def main(argv=None) -> int:
     shard.add_argument("--config", default=None, help="YAML: a pipeline preset (its data: section) or flat keys")
     shard.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                        help=f"override settings, several after one --set or --set repeated "
-                            f"({', '.join(f.name for f in dataclasses.fields(ShardConfig))})")
+                            f"({', '.join(ShardConfig.model_fields)})")
     shard.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     verify = sub.add_parser("verify", help="check every shard's size and sha256 against the manifest")
     verify.add_argument("shard_dir")

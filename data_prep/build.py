@@ -58,6 +58,8 @@ def version_name(files: list[Path], cfg: ShardConfig) -> str:
 def build_shard_set(cfg: ShardConfig) -> BuildResult:
     started = time.perf_counter()
     cfg.validate()
+    if not cfg.shard_multiple:  # 0 = automatic; alone, data_prep knows of one reader (the pipeline passes its own)
+        cfg = cfg.model_copy(update={"shard_multiple": 1})
     files = resolve_inputs(cfg.inputs)
     out_dir = Path(cfg.out_dir)
     version = version_name(files, cfg)

@@ -1,85 +1,208 @@
-"""ShardConfig: the sharding stage's own settings (tasks/stages/shard.py maps PipelineConfig.data onto it)."""
+"""`DataConfig`, the one data model (`python -m data_prep`, the shard stage's `cfg.data`, the loader settings;
+`ShardConfig` is the builder's name for it), and `Section`, the pydantic base of every configuration section, with
+`problems()`, which turns a ValidationError into one line per problem. Here because tasks imports data_prep, never
+the reverse: tasks.config builds its sections on the same base."""
 from __future__ import annotations
 
-import dataclasses
+import difflib
 import hashlib
 import json
-from dataclasses import dataclass, field
+import re
+import typing
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from data_prep.errors import DataPrepError
 
-# Fields that do not change the bytes written, so they stay out of the cache key.
-_NOT_IN_KEY = {"inputs", "out_dir", "tokenizer", "tokenize_processes", "progress"}
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string; YAML 1.2 and every user read it as a float."""
 
 
-@dataclass
-class ShardConfig:
-    inputs: list = field(default_factory=lambda: ["stdlib"])  # files, dirs, globs; "stdlib" = Python's own sources
-    out_dir: str = "var/data"
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def _yaml(text: str):
+    try:
+        return yaml_load(text) if text.strip() else text
+    except yaml.YAMLError:
+        return text
+
+
+def _literal(annotation) -> tuple:
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
+
+
+def from_text(value: Any, annotation) -> Any:
+    """Read a YAML/JSON/CLI value as `annotation` before pydantic's strict check: text for a non-string field is a
+    YAML scalar (`"64"` → 64), for a list YAML (`[1, 2.5]`) or comma-separated items (`0,1`), each read as the item
+    type; a number for a string field is its text; 2.0 for an int is 2; true for a number stays text."""
+    if typing.get_origin(annotation) is list:
+        if isinstance(value, str):
+            parsed = _yaml(value)
+            value = parsed if isinstance(parsed, list) else [v.strip() for v in value.split(",") if v.strip()]
+        return [from_text(v, typing.get_args(annotation)[0]) for v in value] if isinstance(value, list) else value
+    kinds = {type(a) for a in _literal(annotation)} or {annotation}
+    if kinds == {str}:
+        return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    value = _yaml(value) if isinstance(value, str) else value
+    if isinstance(value, bool) and bool not in kinds:  # True == 1: Literal[0, 1] would take it
+        return str(value).lower()
+    return int(value) if int in kinds and isinstance(value, float) and value.is_integer() else value
+
+
+def rule_error(lines: list[str]) -> PydanticCustomError:
+    """A model validator's cross-field problems, one line each, named relative to the model that raises them."""
+    return PydanticCustomError("config_rule", "{lines}", {"lines": lines})
+
+
+class Section(BaseModel):
+    """A configuration model: values read by `from_text`, then strict types, unknown keys refused, finite numbers."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_text(cls, data):
+        fields = cls.model_fields
+        return {k: from_text(v, fields[k].annotation) if k in fields else v for k, v in data.items()} \
+            if isinstance(data, dict) else data
+
+
+def _model(annotation):
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+_EXPECTED = {"int": "an integer", "float": "a finite number", "finite": "a finite number", "bool": "true/false",
+             "string": "a string", "list": "a list", "model": "a mapping of keys", "dict": "a mapping of keys"}
+
+
+def _unknown(owner, names: list[str], value) -> list[str]:
+    """An unknown key (or section), with the nearest valid name and the known ones."""
+    known, parent = list(owner.model_fields), ".".join(names[:-1])
+    close = difflib.get_close_matches(names[-1], known, n=1)
+    hint = f"; did you mean {parent + '.' if parent else ''}{close[0]}?" if close else ""
+    sections = [k for k, f in owner.model_fields.items() if _model(f.annotation)]
+    if parent or not sections:
+        return [f"{'.'.join(names)}: unknown key{hint} (known{' in ' + parent if parent else ''}: {', '.join(known)})"]
+    keys = [f".{k}" for k in value] if isinstance(value, dict) and value else [""]
+    return [f"{names[0]}{k}: unknown section {names[0]!r}{hint} (known: {', '.join(sections)})" for k in keys]
+
+
+def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ranges: bool = False) -> list[str]:
+    """One line per problem of `err` (from validating `data` against `model`), named by dotted path: `x: 0 must be
+    >= 1` / `in [lo, hi]` (`terse_ranges`: `is out of range`, data_prep's CLI), `'x' is not one of a, b`, a list of
+    choices as a whole, `expected an integer, got 'x'`, unknown keys with the nearest valid one."""
+    lines = []
+    for e in err.errors():
+        kind, value = e["type"], e.get("input")
+        names = [p for p in e["loc"] if isinstance(p, str)]
+        where = ".".join(names) + "".join(f"[{p}]" for p in e["loc"] if isinstance(p, int))
+        owner, raw = model, data
+        for name in names[:-1]:
+            owner, raw = _model(owner.model_fields[name].annotation), raw.get(name, {})
+        field = owner.model_fields.get(names[-1]) if names else None
+        ann = field.annotation if field else None
+        item = typing.get_args(ann)[0] if typing.get_origin(ann) is list else None
+        choices = _literal(ann if item is None else item)
+        if kind == "config_rule":
+            lines += [f"{where}.{line}" if where else line for line in e["ctx"]["lines"]]
+        elif kind == "extra_forbidden":
+            lines += _unknown(owner, names, value)
+        elif choices and (kind == "too_short" or kind == "literal_error" and type(value) is type(choices[0])):
+            lines.append(f"{'.'.join(names)}: {from_text(raw.get(names[-1]), ann)!r} must be a non-empty list of "
+                         f"{', '.join(map(str, choices))}" if item is not None else
+                         f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        elif kind.startswith(("greater_than", "less_than")):
+            b = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}  # bounds: ge/le
+            rng = f"in [{b['ge']}, {b['le']}]" if len(b) == 2 else f">= {b['ge']}" if "ge" in b else f"<= {b['le']}"
+            lines.append(f"{where}: {value!r} is out of range" if terse_ranges else f"{where}: {value} must be {rng}")
+        elif kind == "too_short":
+            lines.append(f"{where}: must not be empty")
+        else:
+            expect = ("int" if type(choices[0]) is int else "string") if kind == "literal_error" else kind.split("_")[0]
+            lines.append(f"{where}: expected {_EXPECTED[expect]}, got {value!r}" if expect in _EXPECTED else
+                         f"{where}: {e['msg'].removeprefix('Value error, ')}")
+    return list(dict.fromkeys(lines))  # items of one list share their line
+
+
+# Fields that do not change the bytes written, so they stay out of the cache key: where things are, how fast they
+# are built, and the loader's own settings.
+_NOT_IN_KEY = {"inputs", "out_dir", "tokenizer", "tokenize_processes", "progress", "loader_workers",
+               "prefetch_factor", "verify_sha256"}
+
+
+class DataConfig(Section):
+    """Corpus → shards → loader. Where the pipeline's and data_prep's old models disagreed, the stricter bound won:
+    seq_len ≥ 8 (a shorter window teaches nothing; ≥ 2 only kept the arithmetic valid), val_fraction ≤ 0.5 (more
+    held out than trained on is always a mistake; < 1 only kept one training sample), shard_size_mb ≥ 0.01.
+    shard_multiple 0 = automatic: ranks × loader workers in the pipeline (tasks.shard), 1 for data_prep alone."""
+
+    # files, directories, globs; "stdlib" = the Python standard library's own sources (the offline demo corpus)
+    inputs: list[str] = Field(default_factory=lambda: ["stdlib"], min_length=1)
     text_field: str = "text"              # .jsonl key / .parquet column holding the text
-    max_documents: int = 0                # 0 = all (counted after cleaning and de-duplication)
-    min_chars: int = 16
-    max_chars: int = 1_000_000            # longer documents are skipped (counted), never loaded whole
-    on_decode_error: str = "replace"      # replace | skip
-    tokenizer: str = "train"              # "train" or a tokenizer.json / model directory
-    vocab_size: int = 4096                # for "train"
-    eos_token: str = ""                   # "" = from tokenizer_config.json or the usual names
-    token_dtype: str = "auto"             # auto (smallest that fits) | uint16 | uint32
-    seq_len: int = 256
-    val_fraction: float = 0.05
-    shard_size_mb: float = 16.0
-    shard_multiple: int = 1               # shard count is planned as a multiple of this (dp ranks × loader workers)
-    tokenize_processes: int = 2
-    progress: bool = True
+    out_dir: str = "var/data"             # shard sets are versioned directories below it
+    max_documents: int = Field(0, ge=0)   # 0 = all (counted after cleaning and de-duplication)
+    min_chars: int = Field(16, ge=0)
+    max_chars: int = Field(1_000_000, ge=1)  # longer documents are skipped (counted), never loaded whole
+    on_decode_error: Literal["replace", "skip"] = "replace"
+    tokenizer: str = "train"              # "train" (byte-level BPE on the corpus) or a tokenizer.json / model dir
+    seq_len: int = Field(256, ge=8, le=1 << 20)
+    vocab_size: int = Field(4096, ge=256, le=1 << 22)  # for "train"
+    val_fraction: float = Field(0.05, ge=0.0, le=0.5)
+    shard_size_mb: float = Field(16.0, ge=0.01, le=100_000)
+    tokenize_processes: int = Field(2, ge=1, le=256)
+    token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocabulary fits
+    # "" = tokenizer_config.json's eos_token or a usual name (<|endoftext|>, </s>…)
+    eos_token: str = ""
+    shard_multiple: int = Field(0, ge=0, le=1 << 16)  # shard count is a multiple of this (0: see above)
+    loader_workers: int = Field(1, ge=-1, le=64)  # loader processes per rank; -1 = from the rank's cores (max 4)
+    prefetch_factor: int = Field(2, ge=1, le=64)  # batches each loader worker keeps ready (DataLoader's)
+    verify_sha256: bool = False           # loader checks every shard's sha256 against the manifest before reading
+    progress: bool = True                 # a tqdm bar while tokenising
 
-    def validate(self) -> "ShardConfig":
-        problems = []
-        if not self.inputs:
-            problems.append("inputs: at least one input path is required")
-        if self.on_decode_error not in ("replace", "skip"):
-            problems.append(f"on_decode_error: {self.on_decode_error!r} is not one of replace, skip")
-        if self.token_dtype not in ("auto", "uint16", "uint32"):
-            problems.append(f"token_dtype: {self.token_dtype!r} is not one of auto, uint16, uint32")
-        checks = [("seq_len", self.seq_len >= 2), ("vocab_size", self.vocab_size >= 256),
-                  ("max_chars", self.max_chars >= 1), ("min_chars", 0 <= self.min_chars <= self.max_chars),
-                  ("val_fraction", 0.0 <= self.val_fraction < 1.0), ("shard_size_mb", self.shard_size_mb > 0),
-                  ("shard_multiple", self.shard_multiple >= 1), ("tokenize_processes", self.tokenize_processes >= 1),
-                  ("max_documents", self.max_documents >= 0)]
-        problems += [f"{name}: {getattr(self, name)!r} is out of range" for name, ok in checks if not ok]
-        if problems:
-            raise DataPrepError("; ".join(problems))
+    @model_validator(mode="after")
+    def _chars(self):
+        if self.min_chars > self.max_chars:
+            raise rule_error([f"min_chars: {self.min_chars} exceeds max_chars {self.max_chars}"])
+        return self
+
+    def validate(self) -> "DataConfig":  # noqa: D102 (data_prep's check: its own one-line error)
+        self.from_dict(self.model_dump())
         return self
 
     def key_fields(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NOT_IN_KEY}
+        return self.model_dump(exclude=_NOT_IN_KEY)
 
     def config_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.key_fields(), sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "ShardConfig":
-        """Read a YAML file: either a pipeline preset (its `data:` section is used) or flat ShardConfig keys."""
+    def from_yaml(cls, path: str | Path, **overrides) -> "DataConfig":
+        """Read a YAML file: either a pipeline preset (its `data:` section is used) or flat data keys."""
         try:
-            data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            data = yaml_load(Path(path).read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError) as e:
             raise DataPrepError(f"config {path}: cannot read ({e})") from None
         if not isinstance(data, dict):
             raise DataPrepError(f"config {path}: expected a mapping")
-        data = data.get("data", data)
-        return cls.from_dict({**data, **overrides})
+        return cls.from_dict({**data.get("data", data), **overrides})
 
     @classmethod
-    def from_dict(cls, values: dict) -> "ShardConfig":
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(known))
-        # Pipeline-only data keys (loader settings) are allowed in a preset's data: section and ignored here.
-        unknown = [k for k in unknown if k not in ("loader_workers", "verify_sha256")]
-        if unknown:
-            raise DataPrepError(f"unknown shard config keys: {', '.join(unknown)} (known: {', '.join(known)})")
-        cfg = cls(**{k: v for k, v in values.items() if k in known})
-        if isinstance(cfg.inputs, str):
-            cfg.inputs = [cfg.inputs]
-        return cfg.validate()
+    def from_dict(cls, values: dict) -> "DataConfig":
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            raise DataPrepError("; ".join(problems(e, cls, values, terse_ranges=True))) from None
+
+
+ShardConfig = DataConfig  # the builder's name for it (data_prep.build, tests, benchmarks)

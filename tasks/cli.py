@@ -9,7 +9,7 @@ import json
 import sys
 
 from tasks.errors import StageError, os_error_cause
-from tasks.stages import STAGES
+from tasks.stages import OWN_SCHEDULE, STAGES
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +25,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() + "\n\nstages: " + ", ".join(STAGES) + ", summary")
+        print(__doc__.strip() + "\n\nstages: " + ", ".join([*STAGES, *OWN_SCHEDULE]) + ", summary")
         return 0
     stage = argv.pop(0)
     run_dir = None

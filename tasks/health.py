@@ -8,10 +8,13 @@ HBM full with no process on the chip (memory a crashed job left behind: the next
 `collect()` does the I/O (npu-smi, nvidia-smi, host memory/disk, chrony) and never creates a device context: the
 chips may be running a training job, so only the vendors' management tools are asked (no torch, no mem_get_info).
 `assess()` turns a sample into checks and is pure, so the alarm logic is tested on npu-smi/nvidia-smi fixture files.
+
+It is a stage like the pipeline's (tasks.stages.OWN_SCHEDULE) and runs through `tasks.runner.run_stage`: the result
+file `<run-dir>/health.json` (the failure record with the one-line cause on an alarm), its own MLflow run with
+`pipeline.error`, the run-directory lock. `python -m tasks health` runs it from the CLI.
 """
 from __future__ import annotations
 
-import copy
 import json
 import socket
 import time
@@ -22,6 +25,9 @@ from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.envcheck import check, npu_smi, system, versions, worst
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
+
+EXPERIMENT_SUFFIX = "-health"             # runner: health runs go to their own experiment, <tracking.experiment>-health
+RUN_TAGS = {"pipeline.kind": "health"}
 
 
 def state_path() -> Path:
@@ -168,7 +174,7 @@ def device_count(sample: dict) -> int:
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
-    """Stage-like entry point: sample, assess, log to MLflow, raise the alarms as one line."""
+    """The stage: sample, assess, log to MLflow, raise the alarms as one line (the runner records it)."""
     path = state_path()
     last_seen = read_json(path).get("max_devices", 0) if path.is_file() else 0
     sample = collect(cfg)
@@ -180,7 +186,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     tracking.log_metrics(metrics(sample))
     tracking.log_json_artifact({"sample": sample, "checks": checks}, "health.json")
     tracking.set_tags({"health.status": status})
-    atomic_write_json(Path(ctx.run_dir) / "health.json", {"sample": sample, "checks": checks})
+    atomic_write_json(Path(ctx.run_dir) / "health" / "sample.json", {"sample": sample, "checks": checks})
     failed = [f"{c['name']}: {c['detail']}" for c in checks if c["status"] == "fail"]
     if failed:
         raise StageError("health alarm: " + " | ".join(failed))
@@ -192,19 +198,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 
 
 def run_health(cfg: PipelineConfig, run_dir: str | Path, tags: dict | None = None) -> dict:
-    """One health check as its own MLflow run (experiment `<tracking.experiment>-health`); used by the DAG."""
-    from tasks.runner import StageContext
+    """One health check through the runner, as its own MLflow run (experiment `<tracking.experiment>-health`);
+    used by the DAG, `tags` naming its dag and run."""
+    from tasks.runner import run_stage
 
-    cfg = copy.deepcopy(cfg)
-    cfg.tracking.experiment = f"{cfg.tracking.experiment}-health"
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with tracking.stage_run(cfg, "health", tags={"pipeline.kind": "health", **(tags or {})}) as run_id:
-        try:
-            result = run(cfg, StageContext(run_dir=run_dir, stage="health", mlflow_run_id=run_id))
-        except StageError as e:
-            tracking.set_tags({"pipeline.error": str(e)[:5000]})
-            raise
-    result.update(stage="health", mlflow_run_id=run_id)
+    result = run_stage("health", cfg, run_dir, tags=tags)
     print(json.dumps({k: result[k] for k in ("status", "summary", "mlflow_run_id")}))
     return result

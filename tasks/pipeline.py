@@ -1,17 +1,18 @@
 """What the orchestrator needs from tasks/, without importing Airflow: trigger-form Params and the stage call.
 
-The DAG turns PARAMS into `airflow.sdk.Param`s (JSON schema, sections, ranges, enums come from tasks.config, so the
-form refuses exactly what config validation refuses), and calls `run_for_dag_run()` from each task.
+The DAG turns PARAMS into `airflow.sdk.Param`s (each field's JSON schema — type, enum, minimum/maximum — is the config
+model's own, `field_schema()`, so the form refuses exactly what config validation refuses), and calls
+`run_for_dag_run()` from each task.
 """
 from __future__ import annotations
 
+import functools
 import os
-import typing
 
 from tasks import tracking
 from tasks.errors import ConfigError
 from tasks.fsutil import atomic_write_text
-from tasks.config import CHOICES, RANGES, PipelineConfig, get, load_config, _section_types
+from tasks.config import PipelineConfig, get, load_config
 from tasks.runner import default_run_dir, run_stage
 
 # (param name, config key, form section, title, description). The order is the form's order.
@@ -64,18 +65,24 @@ LABELS = {  # readable labels for enum values in the trigger form
     "parallel.recompute": {"none": "none", "selective": "selective (attention)", "full": "full"},
 }
 
-_JSON_TYPE = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array"}
-
-
 FROM_PRESET = "from the preset"  # how an empty (null) field reads in the trigger form
+FORM_KEYS = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items", "minItems")
+
+
+@functools.lru_cache(maxsize=None)
+def field_schema(key: str) -> dict:
+    """The config model's JSON schema of one dotted key (pydantic's: the field's type, Literal, Field(ge/le…))."""
+    section, _, name = key.partition(".")
+    return PipelineConfig.model_fields[section].annotation.model_json_schema()["properties"][name]
 
 
 def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     """name → Param kwargs (default, type, title, description, section, enum/values_display, minimum/maximum).
 
-    Every field but the preset defaults to null, "from the preset": only what the user sets overrides the chosen
-    preset, and an explicit value always wins, even one equal to some preset's default. The description names the
-    default preset's value, so the form still tells what an empty field means.
+    The constraints are the config model's (`field_schema`), each made nullable: every field but the preset defaults
+    to null, "from the preset": only what the user sets overrides the chosen preset, and an explicit value always
+    wins, even one equal to some preset's default. The description names the default preset's value, so the form
+    still tells what an empty field means.
     """
     import json
     from pathlib import Path
@@ -90,25 +97,16 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
             out[name] = dict(default=cfg.preset or "demo-cpu", type="string", enum=presets, title=title,
                              description=desc, section=section)
             continue
-        sec, _, field = key.partition(".")
-        typ = _section_types(type(getattr(cfg, sec)))[field]
-        typ = typing.get_origin(typ) or typ
+        model = field_schema(key)
         preset_value = get(cfg, key)
         shown = ", ".join(map(str, preset_value)) if isinstance(preset_value, list) else preset_value
-        schema = dict(default=None, type=[_JSON_TYPE[typ], "null"], title=title, section=section,
+        schema = {k: model[k] for k in FORM_KEYS if k in model}
+        schema.update(default=None, type=[model["type"], "null"], title=title, section=section,
                       description=f"{desc} Empty = {FROM_PRESET} ({cfg.preset or 'demo-cpu'}: {shown}).")
-        if key in CHOICES:
-            schema["enum"] = [*CHOICES[key], None]
+        if "enum" in model:
+            schema["enum"] = [*model["enum"], None]
             labels = {json.dumps(k) if not isinstance(k, str) else k: v for k, v in LABELS.get(key, {}).items()}
             schema["values_display"] = {**labels, "null": FROM_PRESET}
-        if key in RANGES:
-            lo, hi = RANGES[key]
-            if lo is not None:
-                schema["minimum"] = lo
-            if hi is not None:
-                schema["maximum"] = hi
-        if typ is list:
-            schema["items"] = {"type": "string"}
         out[name] = schema
     return out
 

@@ -15,7 +15,7 @@ from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.errors import ConfigError, StageError, os_error_cause
 from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
 from tasks.procs import RunDirLock
-from tasks.stages import STAGES
+from tasks.stages import OWN_SCHEDULE, STAGES
 
 
 @dataclass
@@ -29,9 +29,10 @@ class StageContext:
 
 
 def stage_module(stage: str):
-    if stage not in STAGES:
-        raise StageError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)})")
-    return importlib.import_module(STAGES[stage])
+    if stage not in STAGES and stage not in OWN_SCHEDULE:
+        raise StageError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)}); on its own schedule: "
+                         f"{', '.join(OWN_SCHEDULE)}")
+    return importlib.import_module({**STAGES, **OWN_SCHEDULE}[stage])
 
 
 def add_shard_dir_arg(parser: argparse.ArgumentParser, purpose: str = "to read") -> None:
@@ -117,9 +118,19 @@ def load_inputs(run_dir) -> dict:
 
 
 def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argparse.Namespace | None = None,
-              parent_run_id: str | None = None) -> dict:
-    """Run one stage; write `<run_dir>/<stage>.json`; return the result (raises StageError on failure)."""
+              parent_run_id: str | None = None, tags: dict | None = None) -> dict:
+    """Run one stage; write `<run_dir>/<stage>.json`; return the result (raises StageError on failure).
+
+    `tags` go on the stage's MLflow run (a DAG without a parent run passes its dag/run ids here). A stage module
+    may set `EXPERIMENT_SUFFIX` (its runs go to `<tracking.experiment><suffix>`) and `RUN_TAGS`."""
     module = stage_module(stage)
+    suffix = getattr(module, "EXPERIMENT_SUFFIX", "")
+    if suffix:
+        import copy
+
+        cfg = copy.deepcopy(cfg)
+        cfg.tracking.experiment += suffix
+    tags = {**getattr(module, "RUN_TAGS", {}), **(tags or {})}
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise StageError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
@@ -138,7 +149,7 @@ def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argpar
     except OSError as e:
         raise StageError(f"cannot lock the run directory: {os_error_cause(e)}") from None
     try:
-        return _run_locked(module, stage, cfg, run_dir, args, parent_run_id, started, result_path)
+        return _run_locked(module, stage, cfg, run_dir, args, parent_run_id, started, result_path, tags)
     finally:
         lock.__exit__(None, None, None)
 
@@ -164,10 +175,11 @@ def check_location(run_dir: Path) -> None:
                          f"there; use a new --run-dir (or move it back to {recorded})")
 
 
-def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started: float, result_path: Path) -> dict:
+def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started: float, result_path: Path,
+                tags: dict) -> dict:
     if cfg.tracking.enabled and (run_dir / tracking.PENDING).is_file():  # an earlier stage's MLflow outage
         tracking.flush_pending(run_dir)
-    with tracking.stage_run(cfg, stage, parent_run_id) as run_id:
+    with tracking.stage_run(cfg, stage, parent_run_id, tags=tags) as run_id:
         ctx = StageContext(run_dir=run_dir, stage=stage, args=args, inputs=load_inputs(run_dir),
                            mlflow_run_id=run_id, parent_run_id=parent_run_id)
         try:

@@ -1,4 +1,6 @@
 """Config: presets, layered overrides, and one clear line per problem."""
+import re
+
 import pytest
 
 from tasks.config import load_config, parse_sets
@@ -87,3 +89,103 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 def test_set_syntax_error():
     with pytest.raises(ConfigError, match="expected section.key=value"):
         parse_sets(["train.steps"])
+
+
+def test_every_layer_goes_through_the_same_model(tmp_path):
+    """A YAML preset, DAG Params / --conf (overrides), --set and code (apply_overrides, validate) give one line."""
+    from tasks.config import apply_overrides, validate
+
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  steps: 0\n")
+    lines = []
+    for kwargs in ({"preset_or_path": str(f)}, {"overrides": {"train": {"steps": 0}}},
+                   {"overrides": {"train.steps": 0}}, {"sets": ["train.steps=0"]}):
+        with pytest.raises(ConfigError) as e:
+            load_config(**kwargs)
+        lines.append(e.value.problems)
+    cfg = load_config()
+    train = cfg.train
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(cfg, {"train.steps": "0"})
+    lines.append(e.value.problems)
+    assert cfg.train.steps == 300 and "train.steps" not in cfg.explicit  # refused: nothing set
+    apply_overrides(cfg, {"train.steps": "7", "plan.zero_stages": "1,2"})
+    assert cfg.train is train and train.steps == 7 and cfg.plan.zero_stages == [1, 2]  # in place, typed
+    assert {"train.steps", "plan.zero_stages"} <= cfg.explicit
+    cfg.train.steps = 0  # code changed a field: validate() checks it with the same model
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    lines.append(e.value.problems)
+    assert lines == [["train.steps: 0 must be >= 1"]] * len(lines)
+
+
+@pytest.mark.parametrize("sets, line", [
+    (["data.seq_le=64"], "data.seq_le: unknown key; did you mean data.seq_len? (known in data: inputs,"),
+    (["trian.steps=3"], "trian.steps: unknown section 'trian'; did you mean train? (known: hardware,"),
+    (["parallel.zero=x"], "parallel.zero: expected an integer, got 'x'"),
+    (["parallel.zero=4"], "parallel.zero: 4 is not one of 0, 1, 2, 3"),
+    (["hardware.bind_cpus=maybe"], "hardware.bind_cpus: expected true/false, got 'maybe'"),
+    (["train.lr=.nan"], "train.lr: expected a finite number, got nan"),
+    (["data.min_chars=100", "data.max_chars=10"], "data.min_chars: 100 exceeds max_chars 10"),
+    (["data.inputs=[]"], "data.inputs: must not be empty"),
+])
+def test_pydantic_errors_read_as_the_projects_lines(sets, line):
+    with pytest.raises(ConfigError) as e:
+        load_config(sets=sets)
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(line), e.value.problems
+
+
+def test_one_data_model_for_the_pipeline_and_data_prep():
+    """DataConfig is data_prep's model (tasks imports it): the same fields, defaults and ranges both ways; the
+    pipeline names the bound, data_prep's own CLI says `is out of range` (its format)."""
+    from data_prep.config import DataConfig, ShardConfig
+    from data_prep.errors import DataPrepError
+    from tasks.config import PipelineConfig
+
+    assert PipelineConfig.model_fields["data"].annotation is DataConfig is ShardConfig
+    assert (DataConfig().seq_len, DataConfig().val_fraction, DataConfig().shard_multiple) == (256, 0.05, 0)
+    for key, value, bound in (("seq_len", 4, "in [8, 1048576]"), ("val_fraction", 0.6, "in [0.0, 0.5]"),
+                              ("shard_multiple", -1, "in [0, 65536]")):
+        with pytest.raises(ConfigError, match=fr"data.{key}: {value} must be {re.escape(bound)}"):
+            load_config(overrides={f"data.{key}": value})
+        with pytest.raises(DataPrepError, match=f"^{key}: {value} is out of range$"):
+            ShardConfig.from_dict({key: value})
+    assert ShardConfig.from_dict({"seq_len": "8", "inputs": "a.txt"}).inputs == ["a.txt"]  # text read as the type
+    # The shard-set cache key is what it was: the loader's and the pipeline's fields stay out of it.
+    assert sorted(DataConfig().key_fields()) == sorted([
+        "text_field", "max_documents", "min_chars", "max_chars", "on_decode_error", "vocab_size", "eos_token",
+        "token_dtype", "seq_len", "val_fraction", "shard_size_mb", "shard_multiple"])
+
+
+def test_form_and_model_refuse_the_same_values():
+    """For every Param: each bound, one past it and every enum value (and one more) are accepted by the trigger
+    form's JSON schema exactly when the config model's field accepts them."""
+    import jsonschema
+    from pydantic import ValidationError
+
+    from tasks.config import PipelineConfig
+    from tasks.pipeline import PARAMS, param_schemas
+
+    forms = param_schemas()
+    checked = 0
+    for name, key, *_ in PARAMS:
+        if key is None:
+            continue
+        form, (section, _, field) = forms[name], key.partition(".")
+        step = 1 if "integer" in form["type"] else 0.5
+        values = [v for b in ("minimum", "maximum") if b in form for v in (form[b], form[b] + step, form[b] - step)]
+        values += [*form.get("enum", []), "bogus"] if "enum" in form else []
+        for value in values:
+            try:
+                jsonschema.validate(value, form)
+                by_form = True
+            except jsonschema.ValidationError:
+                by_form = False
+            try:
+                PipelineConfig.model_fields[section].annotation.model_validate({field: value})
+                by_model = True
+            except ValidationError:
+                by_model = False
+            assert by_form == (by_model or value is None), (name, value, by_form, by_model)
+            checked += 1
+    assert checked > 40

@@ -43,6 +43,38 @@ def test_params_have_sections_types_and_ranges(dagbag):
     assert params.get_param("precision").schema["enum"] == ["fp32", "bf16", "fp16", None]
 
 
+def test_every_param_schema_is_the_config_models_schema_of_its_field(dagbag):
+    """The trigger form cannot disagree with validation: for every Param the form's type, enum, minimum/maximum and
+    items are the config model's own JSON schema for that field (pydantic's), made nullable ("from the preset");
+    the form's default is null and the model's default is a value the form accepts."""
+    import jsonschema
+
+    from tasks.config import PipelineConfig, load_config
+    from tasks.pipeline import PARAMS
+
+    model = PipelineConfig.model_json_schema()
+    demo = load_config()
+    for pipeline_dag in (dagbag.dags["llm_pipeline"], dagbag.dags["llm_data"]):
+        for name, key, *_ in PARAMS:
+            if key is None or name not in pipeline_dag.params:
+                continue
+            section, _, field = key.partition(".")
+            ref = model["properties"][section]["$ref"].rsplit("/", 1)[-1]
+            want = model["$defs"][ref]["properties"][field]
+            form = {k: v for k, v in pipeline_dag.params.get_param(name).schema.items()
+                    if k not in ("title", "description", "section", "values_display", "default")}
+            expect = {k: v for k, v in want.items() if k not in ("title", "description", "default")}
+            expect["type"] = [want["type"], "null"]
+            if "enum" in want:
+                expect["enum"] = [*want["enum"], None]
+            assert form == expect, (name, key)
+            assert pipeline_dag.params.get_param(name).resolve(None) is None  # the default: from the preset
+            default = want.get("default", getattr(getattr(PipelineConfig(), section), field))
+            jsonschema.validate(default, pipeline_dag.params.get_param(name).schema)
+            shown = str(demo.model_dump()[section][field]).strip("[]").replace("'", "")
+            assert f"(demo-cpu: {shown})" in pipeline_dag.params.get_param(name).description
+
+
 def test_dag_files_import_no_heavy_modules():
     code = ("import sys; sys.path.insert(0, 'dags'); import llm_pipeline, llm_data, llm_health; "
             "bad = [m for m in ('torch', 'mlflow', 'webdataset', 'torchao') if m in sys.modules]; print(bad)")

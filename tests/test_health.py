@@ -153,3 +153,43 @@ def test_configured_devices_missing_from_the_tools_is_an_alarm(cfg, tmp_path, mo
     cfg.hardware.device = "npu"
     checks = by_name(health.assess(health.collect(cfg), cfg))
     assert checks["backend"]["status"] == "fail" and "npu-smi lists no device" in checks["backend"]["detail"]
+
+
+def test_health_runs_through_the_runner(cfg, tmp_path, monkeypatch):
+    """Like every stage: run_stage writes <run-dir>/health.json (ok, and the failure record with the one-line cause
+    on an alarm), holds the run-directory lock, and refuses a moved run directory; the CLI runs it too."""
+    import json
+
+    from tasks import runner
+
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    cfg.tracking.enabled = False
+    cfg.hardware.min_host_memory_gb = cfg.hardware.min_free_disk_gb = 0.01
+    calls = []
+    real = runner.run_stage
+    monkeypatch.setattr(runner, "run_stage", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    result = health.run_health(cfg, tmp_path / "run")
+    assert calls == ["health"]
+    written = json.loads((tmp_path / "run" / "health.json").read_text())
+    assert written["stage"] == "health" and written["status"] == result["status"] and "seconds" in written
+    assert {c["name"] for c in written["checks"]} >= {"disk", "host-memory"}
+    assert (tmp_path / "run" / "health" / "sample.json").is_file() and (tmp_path / "run" / ".run-dir").is_file()
+
+    cfg.hardware.min_free_disk_gb = 1e9
+    with pytest.raises(StageError) as err:
+        health.run_health(cfg, tmp_path / "run")
+    failed = json.loads((tmp_path / "run" / "health.json").read_text())
+    assert failed["status"] == "failed" and failed["error"] == str(err.value)
+    assert failed["error"].startswith("health alarm: disk: ") and "\n" not in failed["error"]
+
+    (tmp_path / "run").rename(tmp_path / "moved")  # the runner's own check, so it is the runner that ran
+    with pytest.raises(StageError, match="was copied or moved"):
+        health.run_health(cfg, tmp_path / "moved")
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
+    out = subprocess.run([sys.executable, "-m", "tasks", "health", "--no-tracking", "--run-dir", str(tmp_path / "cli"),
+                          "--set", "hardware.min_free_disk_gb=1e9"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 2 and out.stderr.startswith("error: health alarm: disk: "), out.stderr[-2000:]
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert json.loads((tmp_path / "cli" / "health.json").read_text())["status"] == "failed"

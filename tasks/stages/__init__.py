@@ -11,6 +11,11 @@ STAGES = {
     "evaluate": "tasks.stages.evaluate",
 }
 
+# Stages on their own schedule, outside the pipeline's order (their own DAG); the runner runs them like the others.
+OWN_SCHEDULE = {
+    "health": "tasks.health",
+}
+
 # What each stage shows in the end-of-run summary (the Airflow task id equals the stage name).
 TITLES = {
     "env": "Environment validation",

@@ -29,16 +29,11 @@ def shard_multiple(cfg: PipelineConfig) -> int:
 
 
 def shard_config(cfg: PipelineConfig):
-    from data_prep.config import ShardConfig
-
+    """cfg.data as data_prep builds it (the same model): paths resolved, the shard multiple decided."""
     d = cfg.data
     tokenizer = d.tokenizer if d.tokenizer == "train" else str(repo_path(d.tokenizer))
-    return ShardConfig(inputs=_inputs(d.inputs), out_dir=str(repo_path(d.out_dir)), text_field=d.text_field,
-                       max_documents=d.max_documents, min_chars=d.min_chars, max_chars=d.max_chars,
-                       on_decode_error=d.on_decode_error, tokenizer=tokenizer, vocab_size=d.vocab_size,
-                       eos_token=d.eos_token, token_dtype=d.token_dtype, seq_len=d.seq_len,
-                       val_fraction=d.val_fraction, shard_size_mb=d.shard_size_mb, shard_multiple=shard_multiple(cfg),
-                       tokenize_processes=d.tokenize_processes)
+    return d.model_copy(update={"inputs": _inputs(d.inputs), "out_dir": str(repo_path(d.out_dir)),
+                                "tokenizer": tokenizer, "shard_multiple": shard_multiple(cfg)})
 
 
 def add_cli_args(parser) -> None:
