@@ -6,7 +6,7 @@ running training job is not disturbed) and the host (memory, disk, NTP clock) an
 to the MLflow experiment `llm-pipeline-health` (one run per check: temperatures, HBM fill, clock offset over time).
 The task **fails with a one-line cause** on an alarm: a chip in alarm or at/above `hardware.max_device_temp_c`, a
 dropped card, HBM full with no process on the chip, a clock beyond `hardware.max_clock_offset_ms` (multi-node),
-or disk/host memory below the minimums. Logic: `tasks/health.py`, run by `tasks.runner.run_stage` like every stage
+or disk/host memory below the minimums. Logic: `tasks/stages/health.py`, run by `runner.run_stage` like every stage
 (result file `<run-dir>/health.json`, lock, one-line error; also `python -m tasks health`).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def llm_health():
 
         from tasks.config import load_config
         from tasks.errors import StageError
-        from tasks.health import run_health
+        from tasks.stages.health import run_health
         from tasks.runner import default_run_dir
 
         ctx = get_current_context()

@@ -65,7 +65,7 @@ class HardwareConfig(Section):
     ascend_log_level: int = Field(-1, ge=-1, le=4)
     ascend_log_stdout: bool = False
     cann_log_max_mb: float = Field(50.0, ge=0.0, le=100_000.0)
-    # Health DAG alarms (tasks/health.py).
+    # Health DAG alarms (tasks/stages/health.py).
     max_device_temp_c: float = Field(85.0, ge=0.0, le=150.0)  # a chip at or above this temperature: an alarm
     max_hbm_used_pct: float = Field(95.0, ge=1.0, le=100.0)   # HBM this full with no process on the chip = leaked
     expected_devices: int = Field(0, ge=0, le=1024)           # chips per node; 0 = the most this host has shown

@@ -8,7 +8,7 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from tasks import health
+from tasks.stages import health
 from tasks.envcheck import npu_smi, system
 from tasks.errors import StageError
 
@@ -126,7 +126,7 @@ def test_cuda_health_from_nvidia_smi_without_any_device_context(cfg, tmp_path):
     """collect() asks nvidia-smi only: it never imports torch (so it can create no CUDA/NPU context, nor call
     mem_get_info on a GPU a job is using); the alarms come from nvidia-smi's own figures."""
     bin_dir = fake_nvidia_smi(tmp_path / "bin")
-    code = ("import sys, json; from tasks.config import load_config; from tasks import health; "
+    code = ("import sys, json; from tasks.config import load_config; from tasks.stages import health; "
             "cfg = load_config('demo-cpu'); cfg.hardware.device = 'cuda'; s = health.collect(cfg); "
             "print(json.dumps({'torch': 'torch' in sys.modules, 'backend': s['backend'], "
             "'checks': health.assess(s, cfg, last_seen=2), 'metrics': health.metrics(s)}))")

@@ -13,7 +13,7 @@ STAGES = {
 
 # Stages on their own schedule, outside the pipeline's order (their own DAG); the runner runs them like the others.
 OWN_SCHEDULE = {
-    "health": "tasks.health",
+    "health": "tasks.stages.health",
 }
 
 # What each stage shows in the end-of-run summary (the Airflow task id equals the stage name).
