@@ -8,11 +8,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tasks.config import HardwareConfig
 from tasks.envcheck import check
 from tasks.units import GB
 
-HCCL_RANGES = {"HCCL_CONNECT_TIMEOUT": (120, 7200), "HCCL_EXEC_TIMEOUT": (0, 2147483647),
-               "HCCL_EVENT_TIMEOUT": (0, 2147483647)}   # CANN 8.x documentation, A2/A3 (910B/910C)
+
+def _bounds(field: str) -> tuple[int, int]:
+    """The config model's own range of a hardware field (tasks.config, the one copy)."""
+    meta = HardwareConfig.model_fields[field].metadata
+    return (next(m.ge for m in meta if hasattr(m, "ge")), next(m.le for m in meta if hasattr(m, "le")))
+
+
+# CANN 8.x documentation, A2/A3 (910B/910C); the two the config sets come from its fields.
+HCCL_RANGES = {"HCCL_CONNECT_TIMEOUT": _bounds("hccl_connect_timeout"),
+               "HCCL_EXEC_TIMEOUT": _bounds("hccl_exec_timeout"), "HCCL_EVENT_TIMEOUT": (0, 2147483647)}
 
 
 # --- clock ----------------------------------------------------------------------------------------------------
