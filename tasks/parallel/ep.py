@@ -13,7 +13,14 @@ back in the same order.
 
 Gradients: an expert's gradient on its owner sums the contributions of all ep ranks' tokens while FSDP over dp_rep
 averages over dp / ep ranks only, so the expert weights' gradient is scaled by 1 / ep in the expert computation —
-every layout then reproduces the single-process step (tests/test_moe_train.py).
+every layout then reproduces the single-process step (tests/test_moe_train.py). ZeRO 0/1 (replicated parameters,
+tasks/parallel/dp.py) average the experts' gradients over "dp_rep" the same way, and ZeRO-1 picks each expert
+weight's owner among those replicas (tasks.parallel.worker.dp_replica_groups).
+
+Composition: the mesh is (pp, dp_rep, ep, tp), so each pipeline stage carves its own EP groups from its dp ranks,
+and under TP every TP coordinate has its own EP groups: the attention and the shared expert are TP-split, the
+routed experts are whole on every TP rank (replicated over tp, as torchtitan without expert-tensor parallelism),
+each TP rank dispatches the same tokens within its EP group (tasks/parallel/tp.py).
 """
 from __future__ import annotations
 
@@ -101,6 +108,11 @@ def build_mesh(device_type: str, pp: int, dp: int, tp: int, ep: int) -> EPMesh:
 
     root = init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "dp_rep", "ep", "tp"))
     return EPMesh(root, root["dp_rep", "ep"]._flatten("dp"))
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed-expert weight (stacked [E, ...]) by its parameter name."""
+    return ".moe.experts." in name.replace("_checkpoint_wrapped_module.", "")
 
 
 def apply_ep(model, mesh, ep: int) -> None:
