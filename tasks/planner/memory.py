@@ -259,7 +259,13 @@ def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, tp: int 
                      schedule: str = "1f1b", microbatches: int = 1, virtual: int = 1,
                      sequence_parallel: bool = True, flash_attention: bool = True) -> int:
     """Estimated peak bytes the framework allocates on one device for a run (no runtime reserve): what the smoke
-    and training stages divide by the measured peak to log `memory.estimate_over_measured`."""
+    and training stages divide by the measured peak to log `memory.estimate_over_measured`. A mixture-of-experts
+    model (tp = pp = 1) is sized by tasks.planner.moe (its experts, routed activations, all-to-all buffers)."""
+    if getattr(tcfg, "n_experts", 0) and tp == pp == 1:
+        from tasks.planner import moe
+
+        return moe.estimate_for_run(tcfg, seq_len, micro_batch, dp=dp, zero=zero, recompute=recompute,
+                                    precision=precision, microbatches=microbatches)
     lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, pp_schedule=schedule, micro_batch=micro_batch,
                  microbatches=microbatches, virtual_stages=virtual, sequence_parallel=sequence_parallel,
                  flash_attention=flash_attention)

@@ -24,7 +24,7 @@ ZeRO-3 gathers of the non-expert states over dp and of the expert states over dp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tasks.planner.cluster import Cluster
 from tasks.planner.memory import PRECISION_BYTES, layer_activation_bytes, model_state_bytes, token_flops
@@ -122,6 +122,18 @@ def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
            "reserve_bytes": pb.cluster.reserve_gb * GB}
     out["total_bytes"] = sum(out.values())
     return out
+
+
+def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, ep: int = 1, zero: int = 0,
+                     recompute: str = "none", precision: str = "bf16", microbatches: int = 1) -> int:
+    """Estimated peak bytes the framework allocates on one device for a MoE run with tp = pp = 1 (no runtime
+    reserve): memory() above for that layout, what smoke and train compare with the measured peak."""
+    from tasks.planner.cluster import get_cluster
+
+    cluster = replace(get_cluster("cpu-laptop"), reserve_gb=0.0)  # only the reserve is read from the cluster
+    pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, micro_batch * microbatches * dp, precision=precision,
+                    capacity_factor=tcfg.capacity_factor)
+    return int(memory(pb, MoeLayout(dp, ep, zero, recompute, micro_batch, microbatches))["total_bytes"])
 
 
 def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
