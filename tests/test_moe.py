@@ -302,6 +302,20 @@ def test_qat_fake_quantizes_and_converts_the_experts():
         assert torch.isfinite(model.eval()(TOKENS).float()).all()
 
 
+def test_kv_cache_decoding_runs_the_moe_blocks():
+    """Evaluation's greedy decoding (tasks/model/generate.py) goes through the MoE blocks: the cached prefill's
+    logits equal the model's forward, and the continuation equals argmax decoding without a cache."""
+    from tasks.model.generate import forward_cached, greedy
+
+    model = _moe_model(n_layers=2).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(forward_cached(model, TOKENS, {}, 0), model(TOKENS), atol=1e-4, rtol=1e-4)
+        seq = TOKENS[:, :8]
+        for _ in range(4):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(greedy(model, TOKENS[:, :8], 4), seq[:, 8:])
+
+
 def test_router_statistics_count_once_under_full_recompute():
     """Activation checkpointing re-runs the MoE forward inside backward: tokens are counted once, and the gradient
     (aux loss included) equals the one without recompute."""
