@@ -2,6 +2,8 @@
 parallelism in the search space with its constraints, memory and all-to-all terms that move the right way."""
 from __future__ import annotations
 
+import pytest
+
 from tasks.model import get_preset
 from tasks.planner.cluster import get_cluster
 from tasks.units import GB
@@ -36,6 +38,33 @@ def test_qwen15_moe_a27b_rejects_ep_not_dividing_60_experts():
     reasons = {r.get("ep"): r["reason"] for r in result["rejected"] if "does not divide the" in r["reason"]}
     assert reasons == {8: "ep 8 does not divide the 60 experts", 16: "ep 16 does not divide the 60 experts"}
     assert result["plans"] and all(60 % p["ep"] == 0 for p in result["plans"])
+
+
+def test_all_to_all_time_is_alpha_beta_with_the_clusters_latency():
+    """All-to-all time = calls × the link's per-call latency + bytes leaving / bandwidth: 5 calls and 4 token
+    transfers per MoE layer and micro-batch (8 and 6 under full recompute), intra-node figures while ep fits."""
+    from dataclasses import replace
+
+    from tasks.model.config import get_preset
+
+    sh = moe_shape_of(get_preset("moe-demo"))
+    base = get_cluster("cpu-laptop")
+    lay = MoeLayout(2, 2, 3, "none", 4, 2)
+    pb = MoeProblem(base, sh, 128, 16, precision="fp32")
+    t = step_time(pb, lay)
+    leaving = 4 * 128 * sh.top_k * sh.hidden * 4 / 2  # one transfer of one micro-batch, half leaving the rank
+    assert t["all_to_all_calls"] == sh.moe_layers * 2 * 5
+    assert t["all_to_all_latency_s"] == pytest.approx(sh.moe_layers * 2 * 5 * base.intra_latency_us * 1e-6)
+    assert t["all_to_all_transfer_s"] == pytest.approx(sh.moe_layers * 2 * 4 * leaving / (base.intra_gbps * 1e9))
+    assert t["all_to_all_s"] == pytest.approx(t["all_to_all_latency_s"] + t["all_to_all_transfer_s"])
+    slow = step_time(MoeProblem(replace(base, intra_latency_us=2 * base.intra_latency_us), sh, 128, 16,
+                                precision="fp32"), lay)
+    assert slow["all_to_all_s"] - t["all_to_all_s"] == pytest.approx(t["all_to_all_latency_s"])
+    full = step_time(pb, MoeLayout(2, 2, 3, "full", 4, 2))
+    assert full["all_to_all_calls"] == sh.moe_layers * 2 * 8
+    assert full["all_to_all_transfer_s"] == pytest.approx(t["all_to_all_transfer_s"] * 6 / 4)
+    assert step_time(pb, MoeLayout(2, 1, 3, "none", 4, 2))["all_to_all_s"] == 0.0
+    assert get_cluster("cpu-laptop", intra_latency_us=7.0).intra_latency_us == 7.0
 
 
 def test_memory_terms():

@@ -28,8 +28,11 @@ import time
 
 import torch
 
-# Wall seconds this process spent inside the token all-to-alls (forward and backward), for benchmarks.
+# Wall seconds this process spent inside the all-to-alls (token counts, dispatch, combine; forward and backward),
+# for benchmarks; A2A_LOG (a list, when a benchmark sets one) also gets each call's (enter, exit) perf_counter times,
+# from which it separates waiting for the peers from the transfer itself.
 A2A_SECONDS = [0.0]
+A2A_LOG: list | None = None
 
 
 def _timed_all_to_all(out, x, out_splits, in_splits, group) -> None:
@@ -37,7 +40,10 @@ def _timed_all_to_all(out, x, out_splits, in_splits, group) -> None:
 
     t0 = time.perf_counter()
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-    A2A_SECONDS[0] += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    A2A_SECONDS[0] += t1 - t0
+    if A2A_LOG is not None:
+        A2A_LOG.append((t0, t1))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -69,11 +75,9 @@ class AllToAllDispatcher:
         self.bytes_sent = 0  # all-to-all payload of this rank since the last reset (benchmarks, profiling)
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
-        import torch.distributed as dist
-
         ep, local = self.ep, self.local
         counts_in = torch.empty_like(counts)
-        dist.all_to_all_single(counts_in, counts.contiguous(), group=self.group)  # [ep · local]: per source rank
+        _timed_all_to_all(counts_in, counts.contiguous(), None, None, self.group)  # [ep · local]: per source rank
         send = counts.view(ep, local).sum(1).tolist()
         recv_by = counts_in.view(ep, local)                                       # [source rank, local expert]
         recv = all_to_all(xs, recv_by.sum(1).tolist(), send, self.group)

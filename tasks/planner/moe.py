@@ -16,9 +16,11 @@ here. Per device:
 - ZeRO-3 gather buffer: the current and prefetched layer's gathered parameters (its E/ep local experts included).
 
 Step time: compute = tokens × (6 × active parameters + attention) / (world × peak × efficiency) (active: top_k
-experts per token); all-to-all = 4 per MoE layer and micro-batch (dispatch and combine, forward and backward), each
-moving assignments × h × 2 B of which (ep−1)/ep leaves the device, over the intra-node link while ep fits in a node
-and the inter-node link otherwise (EP inside a node preferred); DP = reduce-scatter + all-gather (ZeRO 1/2) or the
+experts per token); all-to-all, α-β: calls × the link's per-call latency (cluster.*_latency_us) + bytes / the link's
+bandwidth, per MoE layer and micro-batch 5 calls (the token counts, dispatch and combine forward; their reverse in
+backward; + 3 under full recompute) of which 4 move tokens (+ 2), each assignments × h × 2 B of which (ep−1)/ep
+leaves the device, over the intra-node link while ep fits in a node and the inter-node link otherwise (EP inside a
+node preferred); DP = reduce-scatter + all-gather (ZeRO 1/2) or the
 ZeRO-3 gathers of the non-expert states over dp and of the expert states over dp/ep, ring cost as in search.py.
 """
 from __future__ import annotations
@@ -136,6 +138,16 @@ def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, ep: int 
     return int(memory(pb, MoeLayout(dp, ep, zero, recompute, micro_batch, microbatches))["total_bytes"])
 
 
+def a2a_per_layer(recompute: str) -> tuple[int, int]:
+    """(all-to-all calls, token transfers) of one MoE layer and micro-batch under expert parallelism
+    (tasks/parallel/ep.py): forward = the token counts (E integers: latency only), dispatch, combine; backward =
+    combine's and dispatch's reverse all-to-alls; full recompute runs the forward's three again in backward."""
+    calls, transfers = 3 + 2, 2 + 2
+    if recompute == "full":
+        calls, transfers = calls + 3, transfers + 2
+    return calls, transfers
+
+
 def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
     c, sh, s = pb.cluster, pb.shape, pb.seq_len
     A = PRECISION_BYTES[pb.precision]
@@ -146,9 +158,15 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
         per_token *= 4 / 3  # one more forward: (2N + 4·L·h·s) on top of 6N + 12·L·h·s
     compute = tokens * per_token / (c.world * peak)
     inside = lay.ep <= c.devices_per_node
-    a2a_bw = c.intra_gbps if inside else c.inter_gbps
-    per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
-    a2a = 0.0 if lay.ep == 1 else 4 * sh.moe_layers * lay.microbatches * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+    calls, transfers = a2a_per_layer(lay.recompute)
+    a2a_lat = a2a_bw_s = 0.0
+    if lay.ep > 1:
+        a2a_bw = c.intra_gbps if inside else c.inter_gbps
+        alpha = (c.intra_latency_us if inside else c.inter_latency_us) * 1e-6
+        per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
+        a2a_lat = sh.moe_layers * lay.microbatches * calls * alpha
+        a2a_bw_s = sh.moe_layers * lay.microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+    a2a = a2a_lat + a2a_bw_s
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     rep = lay.dp // lay.ep
     rep_bw = c.inter_gbps if lay.dp > c.devices_per_node else c.intra_gbps  # replicas are ep apart
@@ -158,7 +176,9 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
         gather = _ring(n_params * A, n, bw, 1.0)
         dp_s += grads + (gather if lay.zero < 3 else 2 * lay.microbatches * gather)
     total = compute + a2a + dp_s
-    return {"step_s": total, "compute_s": compute, "all_to_all_s": a2a, "dp_comm_s": dp_s,
+    return {"step_s": total, "compute_s": compute, "all_to_all_s": a2a, "all_to_all_latency_s": a2a_lat,
+            "all_to_all_transfer_s": a2a_bw_s, "all_to_all_calls": sh.moe_layers * lay.microbatches * calls
+            if lay.ep > 1 else 0, "dp_comm_s": dp_s,
             "all_to_all_share": a2a / total if total else 0.0, "ep_intra_node": inside, "tokens_per_s": tokens / total}
 
 
