@@ -26,7 +26,9 @@ def test_qwen2_57b_a14b_on_four_910b_nodes_prefers_ep_inside_a_node():
     assert cross["all_to_all_s"] > step_time(pb, MoeLayout(32, 8, best["zero"], best["recompute"],
                                                           best["micro_batch"], best["microbatches"]))["all_to_all_s"]
     reasons = [r["reason"] for r in result["rejected"]]
-    assert "ep 8 needs ZeRO 2/3 (experts sharded with FSDP2), not zero 1" in reasons
+    # ZeRO 1 under EP is a candidate (the trainer composes them) rejected by memory: the 16-bit states stay whole
+    zero1_ep8 = [r for r in result["rejected"] if (r.get("ep"), r.get("zero")) == (8, 1)]
+    assert zero1_ep8 and all(r["reason"].endswith("> 64 GB") for r in zero1_ep8)
     assert any(r.startswith("needs ") and r.endswith("> 64 GB") for r in reasons)
     # the whole model replicated per rank (ep 1, ZeRO-1) cannot fit: 57B × 4 B of 16-bit params + grads alone
     ep1 = [r for r in result["rejected"] if r.get("ep") == 1 and r.get("zero") == 1]
@@ -125,4 +127,19 @@ def test_dag_form_ep_reaches_the_moe_plan(tmp_path, capsys):
                *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["parallel"]["ep"] == 2 and result["parallel"]["zero"] >= 2
+    assert result["parallel"]["ep"] == 2 and result["parallel"]["zero"] in (1, 2, 3)  # plan.zero_stages
+
+
+def test_pinned_tp_and_pp_leave_the_dp_ep_part_to_the_moe_planner(tmp_path, capsys):
+    """A MoE model pinned to tp 2 (or pp 2) on 4 ranks: the planner plans dp 2 · ep 2 and hands tp/pp through."""
+    import json
+
+    from tasks.cli import main
+
+    for axis in ("tp", "pp"):
+        rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path / axis), "--json",
+                   "--set", "model.preset=moe-demo", "--set", "hardware.nproc_per_node=4", "--set", "parallel.dp=2",
+                   "--set", f"parallel.{axis}=2", "--set", "parallel.ep=2"])
+        assert rc == 0
+        par = json.loads(capsys.readouterr().out)["parallel"]
+        assert (par["dp"], par["ep"], par[axis]) == (2, 2, 2), par

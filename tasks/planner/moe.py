@@ -1,7 +1,8 @@
 """Planner for mixture-of-experts models: memory and step time of (dp, ep, zero, recompute, micro-batch) layouts.
 
-The trainer runs MoE with dp/FSDP and expert parallelism (ep carved from dp, tasks/parallel/ep.py), so tp = pp = 1
-here. Per device:
+The trainer runs MoE with dp/FSDP and expert parallelism (ep carved from dp, tasks/parallel/ep.py), composed with TP
+and PP; this planner searches the dp/ep part: tp = pp = 1, or the tp/pp the config pins, whose split of the states and
+activations it does not model (its memory is then that of tp = pp = 1: an upper bound). Per device:
 
 - model states (ZeRO §3.1 bytes per parameter, tasks.planner.memory): the non-expert parameters (attention, norms,
   embeddings, routers, shared experts, dense layers) over dp as for a dense model; the routed experts are first
@@ -96,6 +97,8 @@ class MoeProblem:
     flash_attention: bool = True
     efficiency: float = 0.4
     pins: dict = field(default_factory=dict)   # {"dp"|"ep": n}
+    tp: int = 1   # pinned by the config: dp/ep are planned over world / (tp · pp) ranks
+    pp: int = 1
 
 
 def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
@@ -196,10 +199,10 @@ def layout_problem(pb: MoeProblem, dp: int, ep: int) -> str | None:
 
 
 def candidates(pb: MoeProblem):
-    dp = pb.cluster.world
+    dp = pb.cluster.world // (pb.tp * pb.pp)
     if pb.pins.get("dp") and pb.pins["dp"] != dp:
-        yield {"dp": pb.pins["dp"]}, (f"pinned dp {pb.pins['dp']} ≠ world {dp} devices (MoE trains with tp = pp = "
-                                      f"1)"), None
+        yield {"dp": pb.pins["dp"]}, (f"pinned dp {pb.pins['dp']} ≠ world {pb.cluster.world} devices / tp {pb.tp} / "
+                                      f"pp {pb.pp} = {dp} (dp × tp × pp fills the world)"), None
         return
     for ep in [d for d in range(1, dp + 1) if dp % d == 0]:
         if pb.pins.get("ep") and pb.pins["ep"] != ep:
@@ -214,16 +217,12 @@ def candidates(pb: MoeProblem):
                 yield {"dp": dp, "ep": ep, "micro_batch": mb}, f"micro-batch {mb} does not divide {per_rank}", None
                 continue
             for zero in pb.zero_stages:
-                if ep > 1 and zero < 2:  # the trainer shards experts with FSDP2 under EP (tasks/parallel/layout.py)
-                    yield ({"dp": dp, "ep": ep, "micro_batch": mb, "zero": zero},
-                           f"ep {ep} needs ZeRO 2/3 (experts sharded with FSDP2), not zero {zero}", None)
-                    continue
                 for rc in pb.recompute:
                     yield None, None, MoeLayout(dp, ep, zero, rc, mb, per_rank // mb)
 
 
 def evaluate(pb: MoeProblem, lay: MoeLayout) -> dict:
-    return {**asdict(lay), "tp": 1, "pp": 1, **memory(pb, lay), **step_time(pb, lay)}
+    return {**asdict(lay), "tp": pb.tp, "pp": pb.pp, **memory(pb, lay), **step_time(pb, lay)}
 
 
 def search(pb: MoeProblem) -> dict:
@@ -263,7 +262,7 @@ def render(result: dict, header: str, top_k: int = 10) -> str:
 def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str,
           config_pins: bool = True) -> dict:
     """The plan stage for a mixture-of-experts model (called by tasks/plan.py): search, plan.json + table, the
-    chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp = pp = 1)."""
+    chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp/pp as pinned, else 1)."""
     from tasks import tracking
     from tasks.errors import StageError
     from tasks.fsutil import atomic_write_json, atomic_write_text
@@ -273,10 +272,11 @@ def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: s
             if config_pins and getattr(par, k) and getattr(par, k) > (k == "ep")}
     if getattr(ctx.args, "dp", None):
         pins["dp"] = ctx.args.dp
+    mp = {k: getattr(par, k) for k in ("tp", "pp") if config_pins and getattr(par, k, 0) > 1}
     pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, global_batch, precision=precision,
                     capacity_factor=tcfg.capacity_factor, zero_stages=list(cfg.plan.zero_stages) or [3],
                     recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
-                    efficiency=cfg.plan.efficiency, pins=pins)
+                    efficiency=cfg.plan.efficiency, pins=pins, **mp)
     result = search(pb)
     out = ctx.run_dir / "plan"
     desc = (f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
@@ -296,7 +296,7 @@ def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: s
         print(table_path.read_text())
     tracking.log_metrics({"plan.total_gb": best["total_bytes"] / GB, "plan.step_s": best["step_s"],
                           "plan.all_to_all_share": best["all_to_all_share"], "plan.feasible": len(result["plans"])})
-    parallel = {"dp": best["dp"], "tp": 1, "pp": 1, "ep": best["ep"], "zero": best["zero"],
+    parallel = {"dp": best["dp"], "tp": pb.tp, "pp": pb.pp, "ep": best["ep"], "zero": best["zero"],
                 "recompute": best["recompute"], "micro_batch": best["micro_batch"],
                 "microbatches": best["microbatches"]}
     return {"status": "ok", "summary": f"{_line(best)} ({len(result['plans'])} feasible, "
