@@ -43,6 +43,8 @@ class HardwareConfig(Section):
     device_memory_gb: float = 0.0         # 0 = from the cluster preset / measured
     intra_node_gbps: float = 0.0          # 0 = from the cluster preset
     inter_node_gbps: float = 0.0
+    intra_node_latency_us: float = 0.0    # one collective call's fixed cost (α); 0 = from the cluster preset
+    inter_node_latency_us: float = 0.0
     peak_tflops: float = 0.0
     hccl_connect_timeout: int = Field(120, ge=120, le=7200)  # s, CANN range [120, 7200]
     # s, 0 = never. CANN's A2/A3 default 1836 is fine for training steps; a synchronous checkpoint save longer than

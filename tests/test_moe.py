@@ -279,6 +279,43 @@ def test_int8_weight_only_quantizes_the_experts_and_reloads(tmp_path):
         torch.testing.assert_close(back.eval()(TOKENS), got)
 
 
+def test_qat_fake_quantizes_and_converts_the_experts():
+    """QAT (when PTQ misses the gate) treats the experts as PTQ does: fake-quantized int8 per row while it
+    fine-tunes (straight-through: the weights move), INT8 tensors after convert — never left in full precision."""
+    from tasks.quant.artifact import describe_layers
+    from tasks.quant.plan import select_layers
+    from tasks.quant.qat import torchao_qat
+    from tasks.quant.torchao_backend import quantized_names
+
+    model = _moe_model(n_layers=2)
+    names = select_layers(describe_layers(model), "torchao", "llm", "int8_weight_only",
+                          ["output", "tok_embeddings", "router", "shared_gate"])
+    before = model.layers["0"].moe.experts.w1.detach().clone()
+    batches = iter([(TOKENS[:, :-1], TOKENS[:, 1:])] * 3)
+    model, losses = torchao_qat(model, "int8_weight_only", names, 2, batches, 1e-3, 0.0, 1.0, torch.bfloat16, "cpu")
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert sorted(quantized_names(model)) == sorted(names) and "layers.0.moe.experts" in names
+    w1 = model.layers["0"].moe.experts.w1
+    assert type(w1).__module__.startswith("torchao") and w1.qdata.dtype == torch.int8
+    assert not torch.equal(w1.dequantize().float(), before.bfloat16().float())  # fine-tuned, then quantized
+    with torch.no_grad():
+        assert torch.isfinite(model.eval()(TOKENS).float()).all()
+
+
+def test_kv_cache_decoding_runs_the_moe_blocks():
+    """Evaluation's greedy decoding (tasks/model/generate.py) goes through the MoE blocks: the cached prefill's
+    logits equal the model's forward, and the continuation equals argmax decoding without a cache."""
+    from tasks.model.generate import forward_cached, greedy
+
+    model = _moe_model(n_layers=2).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(forward_cached(model, TOKENS, {}, 0), model(TOKENS), atol=1e-4, rtol=1e-4)
+        seq = TOKENS[:, :8]
+        for _ in range(4):
+            seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(greedy(model, TOKENS[:, :8], 4), seq[:, 8:])
+
+
 def test_router_statistics_count_once_under_full_recompute():
     """Activation checkpointing re-runs the MoE forward inside backward: tokens are counted once, and the gradient
     (aux loss included) equals the one without recompute."""

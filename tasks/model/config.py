@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tasks.errors import ConfigError
-from tasks.planner.memory import flops_per_token, moe_layer_params, shape_of  # noqa: F401 (re-exported)
+from tasks.planner.memory import flops_per_token, moe_layer_params, num_params, shape_of  # noqa: F401 (re-exported)
 
 FAMILIES = ("llama", "qwen2", "qwen2_moe")
 
@@ -136,16 +136,3 @@ def get_preset(name: str) -> TransformerConfig:
         raise ConfigError(f"model.preset: unknown preset {name!r} (known: {', '.join(PRESETS)})")
     preset = PRESETS[name]
     return dataclasses.replace(preset, mlp_only_layers=list(preset.mlp_only_layers))  # no list shared with PRESETS
-
-
-def num_params(tcfg: TransformerConfig, include_embedding: bool = True, active: bool = False) -> int:
-    """Parameter count (a tied output projection counts once): planner.memory.ModelShape's count of this shape, with
-    each MoE layer's feed-forward replaced by its router, experts (all, or the top-k a token uses: `active`) and
-    shared expert."""
-    shape = shape_of(tcfg)
-    total = shape.num_params - (0 if include_embedding else shape.embedding_params)
-    n_moe = getattr(tcfg, "n_moe_layers", 0)
-    if n_moe:
-        dense_mlp = 3 * tcfg.dim * tcfg.ffn_dim
-        total += n_moe * (moe_layer_params(tcfg, active) - dense_mlp)
-    return total

@@ -34,7 +34,8 @@ def forward_cached(model, tokens: torch.Tensor, cache: dict, start: int) -> torc
     h = model.tok_embeddings(tokens)
     for i, block in enumerate(model.layers.values()):
         h = h + _attend(block.attention, block.attention_norm(h), rope, cache, i)
-        h = h + block.feed_forward(block.ffn_norm(h))
+        ffn = block.moe if "moe" in block._modules else block.feed_forward  # mixture of experts: its MoE block
+        h = h + ffn(block.ffn_norm(h))
     return model.output(model.norm(h))
 
 

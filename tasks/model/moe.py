@@ -21,6 +21,7 @@ the aux value, dropped assignments) accumulate in each layer for the trainer to 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -84,6 +85,24 @@ class _ScaleGrad(torch.autograd.Function):
 def _recomputing() -> bool:
     """Inside backward (activation checkpointing re-running this forward): statistics were counted already."""
     return torch._C._current_graph_task_id() != -1
+
+
+_PAUSED = [0]
+
+
+@contextlib.contextmanager
+def stats_paused():
+    """Forwards that are not training steps (the pipeline schedule's shape inference on its first step) leave the
+    router statistics alone."""
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
+
+
+def _counting() -> bool:
+    return not _PAUSED[0] and not _recomputing()
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -158,7 +177,7 @@ class MoE(nn.Module):
         out = out.view(b, s, d)
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.aux_loss(probs, top_i, b)
-            if not _recomputing():
+            if _counting():
                 self.stat_aux += float(aux.detach())
                 self.stat_calls += 1
             out = _AuxLoss.apply(out, aux, self.aux_loss_coef * self.aux_scale)
@@ -169,14 +188,14 @@ class MoE(nn.Module):
         expert_of = top_i.reshape(-1)                               # [T·k] assignment → expert
         order = torch.argsort(expert_of, stable=True)               # assignments grouped by expert, token order kept
         counts = torch.bincount(expert_of, minlength=n_exp)
-        if not _recomputing():
+        if _counting():
             self.stat_tokens += counts.detach().to("cpu", torch.float64)
         if self.capacity_factor > 0:
             cap = math.ceil(self.capacity_factor * n_tok * k / n_exp)
             starts = torch.cumsum(counts, 0) - counts
             pos = torch.arange(order.numel(), device=order.device) - starts[expert_of[order]]
             keep = pos < cap
-            if not _recomputing():
+            if _counting():
                 self.stat_dropped += int((~keep).sum())
             order, counts = order[keep], counts.clamp(max=cap)
         token = order // k

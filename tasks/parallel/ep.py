@@ -13,7 +13,14 @@ back in the same order.
 
 Gradients: an expert's gradient on its owner sums the contributions of all ep ranks' tokens while FSDP over dp_rep
 averages over dp / ep ranks only, so the expert weights' gradient is scaled by 1 / ep in the expert computation —
-every layout then reproduces the single-process step (tests/test_moe_train.py).
+every layout then reproduces the single-process step (tests/test_moe_train.py). ZeRO 0/1 (replicated parameters,
+tasks/parallel/dp.py) average the experts' gradients over "dp_rep" the same way, and ZeRO-1 picks each expert
+weight's owner among those replicas (tasks.parallel.worker.dp_replica_groups).
+
+Composition: the mesh is (pp, dp_rep, ep, tp), so each pipeline stage carves its own EP groups from its dp ranks,
+and under TP every TP coordinate has its own EP groups: the attention and the shared expert are TP-split, the
+routed experts are whole on every TP rank (replicated over tp, as torchtitan without expert-tensor parallelism),
+each TP rank dispatches the same tokens within its EP group (tasks/parallel/tp.py).
 """
 from __future__ import annotations
 
@@ -21,8 +28,11 @@ import time
 
 import torch
 
-# Wall seconds this process spent inside the token all-to-alls (forward and backward), for benchmarks.
+# Wall seconds this process spent inside the all-to-alls (token counts, dispatch, combine; forward and backward),
+# for benchmarks; A2A_LOG (a list, when a benchmark sets one) also gets each call's (enter, exit) perf_counter times,
+# from which it separates waiting for the peers from the transfer itself.
 A2A_SECONDS = [0.0]
+A2A_LOG: list | None = None
 
 
 def _timed_all_to_all(out, x, out_splits, in_splits, group) -> None:
@@ -30,7 +40,10 @@ def _timed_all_to_all(out, x, out_splits, in_splits, group) -> None:
 
     t0 = time.perf_counter()
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-    A2A_SECONDS[0] += time.perf_counter() - t0
+    t1 = time.perf_counter()
+    A2A_SECONDS[0] += t1 - t0
+    if A2A_LOG is not None:
+        A2A_LOG.append((t0, t1))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -62,11 +75,9 @@ class AllToAllDispatcher:
         self.bytes_sent = 0  # all-to-all payload of this rank since the last reset (benchmarks, profiling)
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
-        import torch.distributed as dist
-
         ep, local = self.ep, self.local
         counts_in = torch.empty_like(counts)
-        dist.all_to_all_single(counts_in, counts.contiguous(), group=self.group)  # [ep · local]: per source rank
+        _timed_all_to_all(counts_in, counts.contiguous(), None, None, self.group)  # [ep · local]: per source rank
         send = counts.view(ep, local).sum(1).tolist()
         recv_by = counts_in.view(ep, local)                                       # [source rank, local expert]
         recv = all_to_all(xs, recv_by.sum(1).tolist(), send, self.group)
@@ -101,6 +112,11 @@ def build_mesh(device_type: str, pp: int, dp: int, tp: int, ep: int) -> EPMesh:
 
     root = init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "dp_rep", "ep", "tp"))
     return EPMesh(root, root["dp_rep", "ep"]._flatten("dp"))
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed-expert weight (stacked [E, ...]) by its parameter name."""
+    return ".moe.experts." in name.replace("_checkpoint_wrapped_module.", "")
 
 
 def apply_ep(model, mesh, ep: int) -> None:

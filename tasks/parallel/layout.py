@@ -106,7 +106,9 @@ def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[
 
 
 def moe_problems(lay: Layout, tcfg) -> list[str]:
-    """Mixture-of-experts constraints: experts train under dp/FSDP and expert parallelism (ep carved from dp)."""
+    """Mixture-of-experts constraints: expert parallelism is carved from dp (inside each pipeline stage, at each
+    TP coordinate) and composes with ZeRO 0-3, TP (attention and shared expert split; routed experts whole on
+    every TP rank) and PP (tasks/parallel/ep.py)."""
     problems = []
     n_exp = getattr(tcfg, "n_experts", 0)
     if lay.ep > 1 and not n_exp:
@@ -117,10 +119,8 @@ def moe_problems(lay: Layout, tcfg) -> list[str]:
                         f"carved from the data-parallel ranks)")
     if lay.ep > 1 and n_exp and n_exp % lay.ep:
         problems.append(f"parallel.ep: {lay.ep} does not divide the model's {n_exp} experts")
-    if lay.ep > 1 and lay.zero < 2:
-        problems.append(f"parallel.zero: expert parallelism shards the experts with FSDP2 (ZeRO 2/3), got zero "
-                        f"{lay.zero}; set parallel.zero 2 or 3, or parallel.ep 1")
-    if n_exp and (lay.tp > 1 or lay.pp > 1):
-        problems.append(f"parallel: a mixture-of-experts model trains with dp/FSDP and ep only (got tp {lay.tp}, "
-                        f"pp {lay.pp}); set parallel.tp = parallel.pp = 1")
+    shared = getattr(tcfg, "shared_ffn_dim", 0)
+    if n_exp and lay.tp > 1 and shared and shared % lay.tp:
+        problems.append(f"parallel.tp: {lay.tp} does not divide the shared expert's width {shared} "
+                        f"(model.shared_ffn_dim)")
     return problems

@@ -54,7 +54,25 @@ def build_schedule(schedule: str, parts, n_stages: int, device, pp_group, n_micr
                                               ScheduleInterleaved1F1B)
 
     stages = [PipelineStage(module, index, n_stages, device, group=pp_group) for index, module in parts]
+    for stage in stages:
+        _quiet_shape_inference(stage)
     if schedule == "interleaved1f1b":
         return ScheduleInterleaved1F1B(stages, n_microbatches, loss_fn=loss_fn)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     return cls(stages[0], n_microbatches, loss_fn=loss_fn)
+
+
+def _quiet_shape_inference(stage) -> None:
+    """torch.distributed.pipelining infers each stage's shapes on the first step by running its forward once more
+    (real tensors on the first stage, filled ones after): that forward must not count in the MoE router statistics
+    (tasks.model.moe.stats_paused)."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:  # a torch without it infers otherwise: nothing to quiet
+        return
+    from tasks.model.moe import stats_paused
+
+    def quiet(*args, **kwargs):
+        with stats_paused():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = quiet

@@ -3,14 +3,22 @@
 Column-wise q/k/v and w1/w3 shard heads and the FFN width; row-wise wo/w2 reduce back. With sequence parallelism
 the norms and the residual stream between blocks stay sharded along the sequence (Shard(1)), so activations outside
 attention/FFN shrink by the TP degree; without it, every TP rank holds the full sequence.
+
+Mixture-of-experts blocks (tasks/model/moe.py), as torchtitan without expert-tensor parallelism: the block's input
+is gathered to the full sequence (Replicate), the shared expert is split like the dense FFN (its row-wise w2
+all-reduces), and the router, the shared-expert gate and the routed experts stay whole on every TP rank — each TP
+rank routes the same tokens and computes the same routed result (under expert parallelism its own all-to-alls
+within the EP group of its TP coordinate), so their gradients are equal on the TP ranks and need no reduction
+over tp. The block's output goes back to the sequence layout (a local slice: no communication forward, an
+all-gather of the gradient backward).
 """
 from __future__ import annotations
 
 
 def apply_tp(model, tp_mesh, sequence_parallel: bool) -> None:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                                   RowwiseParallel, SequenceParallel, parallelize_module)
 
     seq = Shard(1) if sequence_parallel else Replicate()
     top = {}
@@ -31,12 +39,22 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool) -> None:
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
         }
+        if "moe" in block._modules:
+            plan["moe"] = PrepareModuleInputOutput(
+                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+            if block.moe.shared is not None:
+                plan.update({"moe.shared.w1": ColwiseParallel(), "moe.shared.w3": ColwiseParallel(),
+                             "moe.shared.w2": RowwiseParallel(output_layouts=Replicate())})
+        else:
+            plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
+                                                   use_local_output=True),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                "feed_forward.w3": ColwiseParallel(),
+            })
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()

@@ -158,10 +158,15 @@ def setup(spec: dict, device) -> SimpleNamespace:
                                     cfg.model.npu_kernels)
     parts = [p for _, p in indexed]
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
-    owner = {k: v for part in parts for k, v in owners(list(part.named_parameters()), lay.dp).items()} \
-        if lay.zero == 1 and lay.dp > 1 else None
-    optimizers = build_optimizers(parts, cfg.train, owned=None if owner is None else
-                                  {n for n, r in owner.items() if r == c["dp"]})
+    # Replicated data parallelism (ZeRO 0/1): gradients averaged, ZeRO-1 owners chosen, per group of replicas —
+    # all dp ranks for most parameters; under expert parallelism the dp/ep replicas of the same experts.
+    replicas = dp_replica_groups(named, mesh, lay) if lay.zero < 2 and lay.dp > 1 else []
+    owner = {}
+    if lay.zero == 1:
+        for group in replicas:
+            owner.update({k: (v, group) for k, v in owners(group["named"], group["size"]).items()})
+    optimizers = build_optimizers(parts, cfg.train, owned=None if not owner else
+                                  {n for n, _ in named if n not in owner or owner[n][0] == owner[n][1]["rank"]})
     # ZeRO 0/1 keep fp32 parameters: bf16 compute comes from autocast (FSDP's MixedPrecisionPolicy does it for 2/3).
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) \
         if lay.zero < 2 and cfg.train.precision == "bf16" else None
@@ -194,7 +199,8 @@ def setup(spec: dict, device) -> SimpleNamespace:
         phases=phases, cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank,
         world=world,
         parts=parts, params=[p for part in parts for p in part.parameters()], optimizers=optimizers,
-        named=named, owner=owner, probe=probe, sharding=None,
+        named=named, owner=owner or None, replicas=replicas, probe=probe, sharding=None,
+        moe_layers=([f"layers.{i}.moe" for i in range(tcfg.n_layers) if tcfg.is_moe_layer(i)], tcfg.n_experts),
         dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
         step_fn=step_fn, loader=loader, batches=loader.batches(), ckpt=ckpt, start=start, last_good=last_good,
         device=device, pp_group=mesh["pp"].get_group() if lay.pp > 1 else None, fault=_fault(rank),
@@ -316,8 +322,8 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     t_data = time.perf_counter() - t0
     s.beat.beat(step, "compute")
     loss = global_loss(s.step_fn(x, y), lay.dp, lay.tp)
-    if lay.zero < 2 and s.dp_group is not None:  # replicated data parallel: average gradients over dp
-        all_reduce_grads(s.params, s.dp_group, lay.dp)
+    for group in s.replicas:  # replicated data parallel: average gradients over the replicas
+        all_reduce_grads([p for _, p in group["named"]], group["group"], group["size"])
     norm = grad_norm_and_clip(s.params, cfg.train.grad_clip, s.pp_group)
     if not (torch.isfinite(loss) and torch.isfinite(norm)):
         _write_nonfinite(s.train_dir, s.rank, step, loss, norm, s.parts, s.last_good)
@@ -326,14 +332,15 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     for opt, sched in s.optimizers:
         opt.step()
         sched.step()
-    if s.owner is not None:  # ZeRO-1: each owner's updated parameters to the other dp ranks
-        broadcast_params(s.named, s.owner, s.dp_group)
+    if s.owner is not None:  # ZeRO-1: each owner's updated parameters to the other replicas
+        for group in s.replicas:
+            broadcast_params(group["named"], {n: s.owner[n][0] for n, _ in group["named"]}, group["group"])
     s.sharding = _sharding(s)
     for p in s.params:  # a ZeRO-1 optimizer holds only the parameters it owns: clear every gradient here
         p.grad = None
     synchronize(device)
     dt = time.perf_counter() - t0
-    moe = moe_metrics(s.parts)
+    moe = moe_metrics(s.parts, *s.moe_layers, lay.tp)
     if s.rank == 0:
         tps = lay.global_batch * cfg.data.seq_len / dt
         s.metrics.log({**moe, "step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(),
@@ -350,28 +357,48 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     return True
 
 
-def moe_metrics(parts) -> dict:
+def moe_metrics(parts, layer_names: list[str], n_exp: int, tp: int = 1) -> dict:
     """Router statistics of this step summed over all ranks (a collective: every rank calls it): the
     load-balancing loss, the busiest expert's tokens over the mean (worst layer), dropped assignments
-    (tasks.model.moe.summarise); {} for a dense model."""
+    (tasks.model.moe.summarise); {} for a dense model. `layer_names`: every MoE layer of the whole model, so that
+    pipeline stages (each holding some of them) add up position by position; the TP ranks of one replica route
+    the same tokens, hence the division by tp."""
     import torch
     import torch.distributed as dist
 
     from tasks.model.moe import collect_stats, summarise
 
     st = collect_stats(parts)
-    if not st["tokens"]:
+    if not layer_names:
         return {}
-    names = sorted(st["tokens"])
-    flat = torch.cat([st["tokens"][n] for n in names] + [torch.tensor([st["aux_sum"], st["calls"], st["dropped"]],
-                                                                       dtype=torch.float64)])
+    flat = torch.zeros(len(layer_names) * n_exp + 3, dtype=torch.float64)
+    for i, name in enumerate(layer_names):
+        if name in st["tokens"]:
+            flat[i * n_exp:(i + 1) * n_exp] = st["tokens"][name]
+    flat[-3:] = torch.tensor([st["aux_sum"], st["calls"], st["dropped"]], dtype=torch.float64)
     dist.all_reduce(flat)
-    n_exp = st["tokens"][names[0]].numel()
-    tokens = {n: flat[i * n_exp:(i + 1) * n_exp] for i, n in enumerate(names)}
+    flat /= tp
+    tokens = {n: flat[i * n_exp:(i + 1) * n_exp] for i, n in enumerate(layer_names)}
     aux, calls, dropped = flat[-3:].tolist()
-    out = summarise(tokens, aux, int(calls), int(dropped))
+    out = summarise(tokens, aux, round(calls), round(dropped))
     out["moe_tokens_per_expert"] = {n.removeprefix("layers.").removesuffix(".moe"): t.tolist()
                                     for n, t in tokens.items()}
+    return out
+
+
+def dp_replica_groups(named, mesh, lay) -> list[dict]:
+    """ZeRO 0/1: the groups over which gradients are averaged (and ZeRO-1 owners chosen), each {"named", "group",
+    "size", "rank"}: every parameter over the dp ranks, except under expert parallelism the routed experts
+    (DTensor shards over "ep"), whose replicas are the dp / ep ranks holding the same experts ("dp_rep"; their
+    gradient already sums the EP group's tokens, scaled by 1 / ep: tasks/parallel/ep.py)."""
+    from tasks.parallel.ep import is_expert_param
+
+    experts = [(n, p) for n, p in named if lay.ep > 1 and is_expert_param(n)]
+    rest = [(n, p) for n, p in named if not (lay.ep > 1 and is_expert_param(n))]
+    out = [{"named": rest, "group": mesh["dp"].get_group(), "size": lay.dp, "rank": mesh["dp"].get_local_rank()}]
+    if experts and lay.dp // lay.ep > 1:  # (one replica of each expert: nothing to average, no one to tell)
+        out.append({"named": experts, "group": mesh["dp_rep"].get_group(), "size": lay.dp // lay.ep,
+                    "rank": mesh["dp_rep"].get_local_rank()})
     return out
 
 

@@ -18,6 +18,14 @@ the runtime reserve. Bandwidths are per device and per direction, the β of the 
   GPU); 989 TFLOP/s dense BF16 (H100 datasheet).
 - cpu-laptop: the CI demo, 2 gloo processes on one machine; rough memcpy-bound gloo and 1 Gb/s Ethernet figures.
 
+Collective latency (α of the α-β model: the fixed cost of one collective call — launch, the peers' handshake, the
+first byte — paid however small the message; bytes / bandwidth is β's part). Accelerator collectives cost tens of
+µs per call at the smallest sizes (HCCL/NCCL launch plus link latency); the presets take 20 µs inside a node
+(HCCS / NVLink) and 30 µs across nodes (RoCE / InfiniBand) as nominal figures — measure yours with hccl_test /
+nccl-tests at their smallest data_size (`aveg_time`) and set hardware.intra_node_latency_us /
+inter_node_latency_us. cpu-laptop: 100 µs, the median of a 1 KB `all_to_all_single` between 2 gloo processes over
+loopback on this repository's 2-core machine (bench/bench_moe.py measures it again: moe.gloo_all_to_all_latency_us).
+
 Runtime reserve (memory the framework never sees): CANN + HCCL + driver take ~5 GB per NPU (MindSpeed auto_settings,
 static_mem_modeling.py: 5000 MB "cann+hccl+driver+os"); a CUDA context + NCCL ~1 GB; nothing on CPU.
 """
@@ -41,6 +49,8 @@ class Cluster:
     inter_gbps: float         # GB/s per device between nodes
     peak_tflops: float        # dense 16-bit (fp32 runs at a fraction: see search.FP32_PEAK_FRACTION)
     reserve_gb: float
+    intra_latency_us: float = 20.0  # one collective call's fixed cost inside a node (α)
+    inter_latency_us: float = 30.0  # … across nodes
 
     @property
     def world(self) -> int:
@@ -76,10 +86,11 @@ def device_peak_tflops(device_name: str) -> float | None:
     return next((d.peak_tflops for d in DEVICES.values() if any(m in device_name for m in d.match)), None)
 
 
-def _preset(name: str, kind: str, devices_per_node: int, intra_gbps: float, inter_gbps: float) -> Cluster:
+def _preset(name: str, kind: str, devices_per_node: int, intra_gbps: float, inter_gbps: float,
+            intra_latency_us: float = 20.0, inter_latency_us: float = 30.0) -> Cluster:
     d = DEVICES[name]
     return Cluster(name, kind, 1, devices_per_node, d.memory_gb, intra_gbps, inter_gbps, d.peak_tflops,
-                   RESERVE_GB[kind])
+                   RESERVE_GB[kind], intra_latency_us, inter_latency_us)
 
 
 PRESETS = {
@@ -87,19 +98,20 @@ PRESETS = {
     "910c": _preset("910c", "npu", 16, 196.0, 25.0),
     "a100-80g": _preset("a100-80g", "cuda", 8, 300.0, 25.0),
     "h100-80g": _preset("h100-80g", "cuda", 8, 450.0, 50.0),
-    "cpu-laptop": _preset("cpu-laptop", "cpu", 2, 2.0, 0.125),
+    "cpu-laptop": _preset("cpu-laptop", "cpu", 2, 2.0, 0.125, 100.0, 200.0),
 }
 
 
 def get_cluster(name: str, nodes: int = 0, devices_per_node: int = 0, memory_gb: float = 0.0,
                 intra_gbps: float = 0.0, inter_gbps: float = 0.0, peak_tflops: float = 0.0,
-                reserve_gb: float = 0.0) -> Cluster:
+                reserve_gb: float = 0.0, intra_latency_us: float = 0.0, inter_latency_us: float = 0.0) -> Cluster:
     """A preset with every non-zero override applied."""
     if name not in PRESETS:
         raise ConfigError(f"hardware.cluster: unknown cluster {name!r} (known: {', '.join(PRESETS)})")
     overrides = {"nodes": nodes, "devices_per_node": devices_per_node, "memory_gb": memory_gb,
                  "intra_gbps": intra_gbps, "inter_gbps": inter_gbps, "peak_tflops": peak_tflops,
-                 "reserve_gb": reserve_gb}
+                 "reserve_gb": reserve_gb, "intra_latency_us": intra_latency_us,
+                 "inter_latency_us": inter_latency_us}
     bad = [f"{k}: {v} must be >= 0" for k, v in overrides.items() if v < 0]
     if bad:
         raise ConfigError(bad)

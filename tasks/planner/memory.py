@@ -96,6 +96,19 @@ def moe_layer_params(tcfg, active: bool = False) -> int:
     return d * tcfg.n_experts + experts * 3 * d * tcfg.moe_ffn_dim + shared
 
 
+def num_params(tcfg, include_embedding: bool = True, active: bool = False) -> int:
+    """Parameter count of a TransformerConfig (a tied output projection counts once): ModelShape's count of its
+    shape, with each MoE layer's feed-forward replaced by its router, experts (all, or the top-k a token uses:
+    `active`) and shared expert."""
+    shape = shape_of(tcfg)
+    total = shape.num_params - (0 if include_embedding else shape.embedding_params)
+    n_moe = getattr(tcfg, "n_moe_layers", 0)
+    if n_moe:
+        dense_mlp = 3 * tcfg.dim * tcfg.ffn_dim
+        total += n_moe * (moe_layer_params(tcfg, active) - dense_mlp)
+    return total
+
+
 def token_flops(matmul_params: float, layers: int, hidden: int, seq_len: int, causal: bool = False) -> float:
     """6 × the parameters a token multiplies + attention scores and values (12 · L · h · seq; see flops_per_token)."""
     attention = 12.0 * layers * hidden * seq_len * ((seq_len + 1) / (2 * seq_len) if causal else 1.0)
@@ -261,12 +274,13 @@ def estimate(shape: ModelShape | None, seq_len: int, lay: Layout, precision: str
     return out
 
 
-def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
+def dense_estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
                      recompute: str = "none", precision: str = "bf16", optimizer: str = "adamw",
                      schedule: str = "1f1b", microbatches: int = 1, virtual: int = 1,
                      sequence_parallel: bool = True, flash_attention: bool = True) -> int:
     """Estimated peak bytes the framework allocates on one device for a run (no runtime reserve): what the smoke
-    and training stages divide by the measured peak to log `memory.estimate_over_measured`."""
+    and training stages divide by the measured peak to log `memory.estimate_over_measured` (a dense model;
+    tasks.planner.estimate_for_run sends a mixture-of-experts model to tasks.planner.moe)."""
     lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, pp_schedule=schedule, micro_batch=micro_batch,
                  microbatches=microbatches, virtual_stages=virtual, sequence_parallel=sequence_parallel,
                  flash_attention=flash_attention)

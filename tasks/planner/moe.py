@@ -1,7 +1,8 @@
 """Planner for mixture-of-experts models: memory and step time of (dp, ep, zero, recompute, micro-batch) layouts.
 
-The trainer runs MoE with dp/FSDP and expert parallelism (ep carved from dp, tasks/parallel/ep.py), so tp = pp = 1
-here. Per device:
+The trainer runs MoE with dp/FSDP and expert parallelism (ep carved from dp, tasks/parallel/ep.py), composed with TP
+and PP; this planner searches the dp/ep part: tp = pp = 1, or the tp/pp the config pins, whose split of the states and
+activations it does not model (its memory is then that of tp = pp = 1: an upper bound). Per device:
 
 - model states (ZeRO §3.1 bytes per parameter, tasks.planner.memory): the non-expert parameters (attention, norms,
   embeddings, routers, shared experts, dense layers) over dp as for a dense model; the routed experts are first
@@ -16,18 +17,20 @@ here. Per device:
 - ZeRO-3 gather buffer: the current and prefetched layer's gathered parameters (its E/ep local experts included).
 
 Step time: compute = tokens × (6 × active parameters + attention) / (world × peak × efficiency) (active: top_k
-experts per token); all-to-all = 4 per MoE layer and micro-batch (dispatch and combine, forward and backward), each
-moving assignments × h × 2 B of which (ep−1)/ep leaves the device, over the intra-node link while ep fits in a node
-and the inter-node link otherwise (EP inside a node preferred); DP = reduce-scatter + all-gather (ZeRO 1/2) or the
+experts per token); all-to-all, α-β: calls × the link's per-call latency (cluster.*_latency_us) + bytes / the link's
+bandwidth, per MoE layer and micro-batch 5 calls (the token counts, dispatch and combine forward; their reverse in
+backward; + 3 under full recompute) of which 4 move tokens (+ 2), each assignments × h × 2 B of which (ep−1)/ep
+leaves the device, over the intra-node link while ep fits in a node and the inter-node link otherwise (EP inside a
+node preferred); DP = reduce-scatter + all-gather (ZeRO 1/2) or the
 ZeRO-3 gathers of the non-expert states over dp and of the expert states over dp/ep, ring cost as in search.py.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tasks.planner.cluster import Cluster
-from tasks.planner.memory import PRECISION_BYTES, layer_activation_bytes, model_state_bytes, token_flops
+from tasks.planner.memory import PRECISION_BYTES, layer_activation_bytes, model_state_bytes, num_params, token_flops
 from tasks.units import GB
 from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring, feasible
 
@@ -60,8 +63,6 @@ class MoeShape:
 
 
 def moe_shape_of(tcfg) -> MoeShape:
-    from tasks.model.config import num_params
-
     return MoeShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
                     ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, n_experts=tcfg.n_experts, top_k=tcfg.top_k,
                     moe_ffn=tcfg.moe_ffn_dim, shared_ffn=tcfg.shared_ffn_dim, moe_layers=tcfg.n_moe_layers,
@@ -94,6 +95,8 @@ class MoeProblem:
     flash_attention: bool = True
     efficiency: float = 0.4
     pins: dict = field(default_factory=dict)   # {"dp"|"ep": n}
+    tp: int = 1   # pinned by the config: dp/ep are planned over world / (tp · pp) ranks
+    pp: int = 1
 
 
 def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
@@ -124,6 +127,28 @@ def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
     return out
 
 
+def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, ep: int = 1, zero: int = 0,
+                     recompute: str = "none", precision: str = "bf16", microbatches: int = 1) -> int:
+    """Estimated peak bytes the framework allocates on one device for a MoE run with tp = pp = 1 (no runtime
+    reserve): memory() above for that layout, what smoke and train compare with the measured peak."""
+    from tasks.planner.cluster import get_cluster
+
+    cluster = replace(get_cluster("cpu-laptop"), reserve_gb=0.0)  # only the reserve is read from the cluster
+    pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, micro_batch * microbatches * dp, precision=precision,
+                    capacity_factor=tcfg.capacity_factor)
+    return int(memory(pb, MoeLayout(dp, ep, zero, recompute, micro_batch, microbatches))["total_bytes"])
+
+
+def a2a_per_layer(recompute: str) -> tuple[int, int]:
+    """(all-to-all calls, token transfers) of one MoE layer and micro-batch under expert parallelism
+    (tasks/parallel/ep.py): forward = the token counts (E integers: latency only), dispatch, combine; backward =
+    combine's and dispatch's reverse all-to-alls; full recompute runs the forward's three again in backward."""
+    calls, transfers = 3 + 2, 2 + 2
+    if recompute == "full":
+        calls, transfers = calls + 3, transfers + 2
+    return calls, transfers
+
+
 def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
     c, sh, s = pb.cluster, pb.shape, pb.seq_len
     A = PRECISION_BYTES[pb.precision]
@@ -134,9 +159,15 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
         per_token *= 4 / 3  # one more forward: (2N + 4·L·h·s) on top of 6N + 12·L·h·s
     compute = tokens * per_token / (c.world * peak)
     inside = lay.ep <= c.devices_per_node
-    a2a_bw = c.intra_gbps if inside else c.inter_gbps
-    per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
-    a2a = 0.0 if lay.ep == 1 else 4 * sh.moe_layers * lay.microbatches * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+    calls, transfers = a2a_per_layer(lay.recompute)
+    a2a_lat = a2a_bw_s = 0.0
+    if lay.ep > 1:
+        a2a_bw = c.intra_gbps if inside else c.inter_gbps
+        alpha = (c.intra_latency_us if inside else c.inter_latency_us) * 1e-6
+        per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
+        a2a_lat = sh.moe_layers * lay.microbatches * calls * alpha
+        a2a_bw_s = sh.moe_layers * lay.microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+    a2a = a2a_lat + a2a_bw_s
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     rep = lay.dp // lay.ep
     rep_bw = c.inter_gbps if lay.dp > c.devices_per_node else c.intra_gbps  # replicas are ep apart
@@ -146,7 +177,9 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
         gather = _ring(n_params * A, n, bw, 1.0)
         dp_s += grads + (gather if lay.zero < 3 else 2 * lay.microbatches * gather)
     total = compute + a2a + dp_s
-    return {"step_s": total, "compute_s": compute, "all_to_all_s": a2a, "dp_comm_s": dp_s,
+    return {"step_s": total, "compute_s": compute, "all_to_all_s": a2a, "all_to_all_latency_s": a2a_lat,
+            "all_to_all_transfer_s": a2a_bw_s, "all_to_all_calls": sh.moe_layers * lay.microbatches * calls
+            if lay.ep > 1 else 0, "dp_comm_s": dp_s,
             "all_to_all_share": a2a / total if total else 0.0, "ep_intra_node": inside, "tokens_per_s": tokens / total}
 
 
@@ -164,10 +197,10 @@ def layout_problem(pb: MoeProblem, dp: int, ep: int) -> str | None:
 
 
 def candidates(pb: MoeProblem):
-    dp = pb.cluster.world
+    dp = pb.cluster.world // (pb.tp * pb.pp)
     if pb.pins.get("dp") and pb.pins["dp"] != dp:
-        yield {"dp": pb.pins["dp"]}, (f"pinned dp {pb.pins['dp']} ≠ world {dp} devices (MoE trains with tp = pp = "
-                                      f"1)"), None
+        yield {"dp": pb.pins["dp"]}, (f"pinned dp {pb.pins['dp']} ≠ world {pb.cluster.world} devices / tp {pb.tp} / "
+                                      f"pp {pb.pp} = {dp} (dp × tp × pp fills the world)"), None
         return
     for ep in [d for d in range(1, dp + 1) if dp % d == 0]:
         if pb.pins.get("ep") and pb.pins["ep"] != ep:
@@ -182,16 +215,12 @@ def candidates(pb: MoeProblem):
                 yield {"dp": dp, "ep": ep, "micro_batch": mb}, f"micro-batch {mb} does not divide {per_rank}", None
                 continue
             for zero in pb.zero_stages:
-                if ep > 1 and zero < 2:  # the trainer shards experts with FSDP2 under EP (tasks/parallel/layout.py)
-                    yield ({"dp": dp, "ep": ep, "micro_batch": mb, "zero": zero},
-                           f"ep {ep} needs ZeRO 2/3 (experts sharded with FSDP2), not zero {zero}", None)
-                    continue
                 for rc in pb.recompute:
                     yield None, None, MoeLayout(dp, ep, zero, rc, mb, per_rank // mb)
 
 
 def evaluate(pb: MoeProblem, lay: MoeLayout) -> dict:
-    return {**asdict(lay), "tp": 1, "pp": 1, **memory(pb, lay), **step_time(pb, lay)}
+    return {**asdict(lay), "tp": pb.tp, "pp": pb.pp, **memory(pb, lay), **step_time(pb, lay)}
 
 
 def search(pb: MoeProblem) -> dict:
@@ -231,7 +260,7 @@ def render(result: dict, header: str, top_k: int = 10) -> str:
 def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str,
           config_pins: bool = True) -> dict:
     """The plan stage for a mixture-of-experts model (called by tasks/stages/plan.py): search, plan.json + table, the
-    chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp = pp = 1)."""
+    chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp/pp as pinned, else 1)."""
     from tasks import tracking
     from tasks.errors import StageError
     from tasks.fsutil import atomic_write_json, atomic_write_text
@@ -241,10 +270,11 @@ def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: s
             if config_pins and getattr(par, k) and getattr(par, k) > (k == "ep")}
     if getattr(ctx.args, "dp", None):
         pins["dp"] = ctx.args.dp
+    mp = {k: getattr(par, k) for k in ("tp", "pp") if config_pins and getattr(par, k, 0) > 1}
     pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, global_batch, precision=precision,
                     capacity_factor=tcfg.capacity_factor, zero_stages=list(cfg.plan.zero_stages) or [3],
                     recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
-                    efficiency=cfg.plan.efficiency, pins=pins)
+                    efficiency=cfg.plan.efficiency, pins=pins, **mp)
     result = search(pb)
     out = ctx.run_dir / "plan"
     desc = (f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
@@ -264,7 +294,7 @@ def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: s
         print(table_path.read_text())
     tracking.log_metrics({"plan.total_gb": best["total_bytes"] / GB, "plan.step_s": best["step_s"],
                           "plan.all_to_all_share": best["all_to_all_share"], "plan.feasible": len(result["plans"])})
-    parallel = {"dp": best["dp"], "tp": 1, "pp": 1, "ep": best["ep"], "zero": best["zero"],
+    parallel = {"dp": best["dp"], "tp": pb.tp, "pp": pb.pp, "ep": best["ep"], "zero": best["zero"],
                 "recompute": best["recompute"], "micro_batch": best["micro_batch"],
                 "microbatches": best["microbatches"]}
     return {"status": "ok", "summary": f"{_line(best)} ({len(result['plans'])} feasible, "

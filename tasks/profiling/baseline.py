@@ -53,7 +53,7 @@ def report_metrics(report: dict) -> dict[str, float]:
     return {STEP_KEY: s["step_us"] / 1000, COMM_KEY: s["shares"]["comm_not_overlapped"],
             "profile.computing_share": s["shares"]["computing"], "profile.free_share": s["shares"]["free"],
             "profile.bubble_share": s["shares"]["bubble"], "profile.allreduce_share": s["allreduce_share"],
-            "profile.world": report["world"]}
+            "profile.all_to_all_share": s.get("all_to_all_share", 0.0), "profile.world": report["world"]}
 
 
 def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) -> tuple[dict | None, str]:

@@ -98,3 +98,8 @@ def categorize(name: str, core: str = "") -> str:
 
 def is_allreduce(name: str) -> bool:
     return bool(re.search(r"all_?reduce", name, re.I))
+
+
+def is_all_to_all(name: str) -> bool:
+    """Expert parallelism's token dispatch/combine (gloo alltoall_base, HCCL alltoallv, NCCL all_to_all)."""
+    return bool(re.search(r"all_?to_?all", name, re.I))

@@ -15,14 +15,16 @@ from pathlib import Path
 MAX_OVER_MEAN = 1.5
 
 
-def expert_imbalance(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) -> list[dict]:
+def expert_load(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) -> dict | None:
+    """What the rule evaluated: per layer the busiest expert's tokens over the mean, summed over the logged steps
+    of the run's router statistics; None for a run without them (a dense model)."""
     path = Path(metrics_path)
     if not path.is_file():
-        return []
+        return None
     records = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     records = [r for r in records if r.get("moe_tokens_per_expert")]
     if not records:
-        return []
+        return None
     by_layer: dict[str, list[float]] = {}
     for r in records:
         for layer, tokens in r["moe_tokens_per_expert"].items():
@@ -30,18 +32,25 @@ def expert_imbalance(metrics_path: str | Path, max_over_mean: float = MAX_OVER_M
             for i, t in enumerate(tokens):
                 acc[i] += t
     ratios = {layer: max(t) / (sum(t) / len(t)) for layer, t in by_layer.items() if sum(t) > 0}
-    worst = max(ratios, key=ratios.get)
-    if ratios[worst] <= max_over_mean:
+    worst = max(ratios, key=ratios.get) if ratios else None
+    return {"steps": len(records), "threshold": max_over_mean, "by_layer_max_over_mean": ratios,
+            "worst_layer": worst, "max_over_mean": ratios[worst] if worst else 0.0,
+            "tokens_per_expert": by_layer}
+
+
+def expert_imbalance(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) -> list[dict]:
+    load = expert_load(metrics_path, max_over_mean)
+    if not load or load["worst_layer"] is None or load["max_over_mean"] <= max_over_mean:
         return []
-    tokens = by_layer[worst]
+    worst, ratio = load["worst_layer"], load["max_over_mean"]
+    tokens = load["tokens_per_expert"][worst]
     busiest = max(range(len(tokens)), key=tokens.__getitem__)
-    ratio = ratios[worst]
     return [{
         "rule": "moe.expert_imbalance", "severity": "high" if ratio >= 2 * max_over_mean else "medium",
         "title": f"expert {busiest} of layer {worst} gets {ratio:.2f}× the mean tokens "
                  f"(threshold {max_over_mean:g}×)",
-        "evidence": {"layer": worst, "expert": busiest, "max_over_mean": ratio, "steps": len(records),
-                     "by_layer_max_over_mean": ratios, "tokens_per_expert": tokens},
+        "evidence": {"layer": worst, "expert": busiest, "max_over_mean": ratio, "steps": load["steps"],
+                     "by_layer_max_over_mean": load["by_layer_max_over_mean"], "tokens_per_expert": tokens},
         "advice": "Raise model.aux_loss_coef (load-balancing loss), or cap the busiest experts with "
                   "model.capacity_factor; with expert parallelism the rank owning that expert sets the pace of the "
                   "all-to-all.",

@@ -11,7 +11,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from statistics import mean
 
-from tasks.profiling.model import CATEGORIES, Profile, RankData, is_allreduce
+from tasks.profiling.model import CATEGORIES, Profile, RankData, is_all_to_all, is_allreduce
 
 PARTS = ("computing", "comm_not_overlapped", "overlapped", "communication", "free", "bubble", "preparing")
 SPREAD_DIMS = ("step", "computing", "communication", "free")   # msprof-analyze's slow-rank dimensions + the step
@@ -27,8 +27,10 @@ def _rank_summary(r: RankData) -> dict:
     shares["busy"] = 1.0 - shares["free"]
     if r.comm_ops:
         allreduce = sum(c.elapse_ms * 1000 for c in r.comm_ops if is_allreduce(c.name)) / n
+        all_to_all = sum(c.elapse_ms * 1000 for c in r.comm_ops if is_all_to_all(c.name)) / n
     else:
         allreduce = sum(o.total_us for o in r.ops if o.category == "communication" and is_allreduce(o.name)) / n
+        all_to_all = sum(o.total_us for o in r.ops if o.category == "communication" and is_all_to_all(o.name)) / n
     bandwidth = defaultdict(lambda: [0.0, 0.0])
     for c in r.comm_ops:
         for transport, (size_mb, time_ms) in c.bandwidth.items():
@@ -37,6 +39,7 @@ def _rank_summary(r: RankData) -> dict:
     return {
         "rank": r.rank, "origin": r.origin, "steps": [asdict(s) | {"total": s.total} for s in r.steps],
         "mean": avg, "shares": shares, "allreduce_us_per_step": allreduce, "allreduce_share": allreduce / step,
+        "all_to_all_us_per_step": all_to_all, "all_to_all_share": all_to_all / step,  # MoE expert parallelism
         "data_wait_us_per_step": mean(r.data_wait_us) if r.data_wait_us else None,
         "memory_peak_mb": r.memory_peak_mb or None,
         # GB/s = MB/ms, the unit communication.json uses.
@@ -118,7 +121,9 @@ def build_report(profile: Profile, top_n: int = 15) -> dict:
         "steps_per_rank": max(len(r["steps"]) for r in ranks),
         "step": {**overall, "shares": shares,
                  "allreduce_us_per_step": max(r["allreduce_us_per_step"] for r in ranks),
-                 "allreduce_share": max(r["allreduce_share"] for r in ranks)},
+                 "allreduce_share": max(r["allreduce_share"] for r in ranks),
+                 "all_to_all_us_per_step": max(r["all_to_all_us_per_step"] for r in ranks),
+                 "all_to_all_share": max(r["all_to_all_share"] for r in ranks)},
         "slow_ranks": slow_ranks(ranks),
         **_ops(profile, top_n),
         "communication": _communication(profile),

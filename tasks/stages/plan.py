@@ -157,6 +157,8 @@ def _cluster(cfg: PipelineConfig, ctx):
                        devices_per_node=_arg(ctx, "devices_per_node") or (hw.nproc_per_node if own else 0),
                        memory_gb=_arg(ctx, "device_memory_gb") or (hw.device_memory_gb if own else 0),
                        intra_gbps=hw.intra_node_gbps if own else 0, inter_gbps=hw.inter_node_gbps if own else 0,
+                       intra_latency_us=hw.intra_node_latency_us if own else 0,
+                       inter_latency_us=hw.inter_node_latency_us if own else 0,
                        peak_tflops=hw.peak_tflops if own else 0, reserve_gb=cfg.plan.runtime_reserve_gb)
 
 

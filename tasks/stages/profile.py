@@ -181,12 +181,15 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     report["baseline_key"], report["baseline_note"] = key, note
     report["findings"] += regressions
     if getattr(ctx.args, "action", "collect") != "analyze":  # router statistics of the profiled run (MoE models)
-        from tasks.profiling.moe_rules import expert_imbalance
+        from tasks.profiling.moe_rules import expert_imbalance, expert_load
 
+        report["moe"] = expert_load(out_dir / "run" / "metrics.jsonl")
         report["findings"] += expert_imbalance(out_dir / "run" / "metrics.jsonl")
     paths = write_outputs(report, out_dir)
     if ctx.mlflow_run_id:
         _log(report, paths, analyze_dir, key)
+        if report.get("moe"):
+            tracking.log_metrics({"profile.moe_load_max_over_mean": report["moe"]["max_over_mean"]})
     summary = headline(report)
     if regressions and cfg.profile.fail_on_regression:
         raise StageError(f"{regressions[0]['title']} ({summary}); see {paths['report_md']}")
@@ -199,6 +202,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "op_support": report["op_support"]["note"],
         "step_ms": round(report["step"]["step_us"] / 1000, 3),
         "comm_not_overlapped_share": round(report["step"]["shares"]["comm_not_overlapped"], 4),
+        "all_to_all_share": round(report["step"]["all_to_all_share"], 4),
+        "moe_load_max_over_mean": round(report["moe"]["max_over_mean"], 3) if report.get("moe") else None,
         "format": fmt, "source": str(source), "world": report["world"],
         "analyzer": report["engine"]["used"],
         "baseline_run_id": comparison["run_id"] if comparison else None, "baseline_note": note,

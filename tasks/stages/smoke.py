@@ -162,7 +162,7 @@ def plot_curves(curves: dict, path: Path) -> None:
 def log_memory_estimate(cfg, tcfg, seq_len: int, peak_bytes: int) -> float:
     """Calibrate the planner: its estimate for the FP32 run over the measured peak (on CPU the peak is the process
     RSS, libraries included, so the ratio there is far below 1; on NPU/CUDA it is the allocator's peak)."""
-    from tasks.planner.memory import estimate_for_run
+    from tasks.planner import estimate_for_run
 
     ratio = estimate_for_run(tcfg, seq_len, cfg.smoke.micro_batch, precision="fp32") / max(peak_bytes, 1)
     tracking.log_metrics({"memory.estimate_over_measured": ratio})

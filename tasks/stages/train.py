@@ -142,11 +142,17 @@ def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path]
     return found, warnings_
 
 
-def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int:
-    """The planner's per-device peak for exactly this layout (no runtime reserve), to compare with the measured."""
+def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int | None:
+    """The planner's per-device peak for exactly this layout (no runtime reserve), to compare with the measured;
+    None for a mixture-of-experts layout with tp or pp > 1, which the MoE planner does not size."""
     from tasks.planner.memory import estimate, shape_of
 
     m = lay.n_microbatches
+    if tcfg.n_experts:
+        from tasks.planner import moe
+
+        return moe.estimate_for_run(tcfg, cfg.data.seq_len, lay.local_batch // m, lay.dp, lay.ep, lay.zero,
+                                    lay.recompute, cfg.train.precision, m) if lay.tp == lay.pp == 1 else None
     run = dataclasses.replace(lay, micro_batch=lay.local_batch // m, microbatches=m)
     return int(estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision)["total_bytes"])
 
