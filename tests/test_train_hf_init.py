@@ -99,3 +99,10 @@ def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_pa
     assert train.prepare(c, context(tmp_path / "run", shards))["init_from"] == str(tmp_path / "ckpt")
     shutil.copyfile(shards / "tokenizer.json", tmp_path / "ckpt" / "tokenizer.json")
     assert train.prepare(c, context(tmp_path / "run", shards))["init_from"] == str(tmp_path / "ckpt")
+    # A checkpoint (without a tokenizer of its own) whose embedding is smaller than the shard set's vocabulary.
+    tiny_qwen2(tmp_path / "small", 256)
+    c = configure(cfg, **{"model.hf_path": str(tmp_path / "small"), "hardware.nproc_per_node": 2})
+    with pytest.raises(ConfigError, match=r"model.hf_path: the shard set's tokenizer has 512 tokens but the "
+                                          r"checkpoint's embedding only 256; shard with the checkpoint's own "
+                                          r"tokenizer \(data.tokenizer=.*small\)$"):
+        train.prepare(c, context(tmp_path / "run", shards))
