@@ -117,5 +117,9 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
     if not (out / "tokenizer_config.json").exists():
-        # A bare `tokenizers` file: tell AutoTokenizer which class wraps it.
-        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+        # A bare `tokenizers` file: tell AutoTokenizer which class wraps it, and (from a shard set) its EOS.
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if (src / "manifest.json").is_file():
+            eos = json.loads((src / "manifest.json").read_text()).get("eos_token")
+            config.update({"eos_token": eos} if eos else {})
+        (out / "tokenizer_config.json").write_text(json.dumps(config) + "\n")
