@@ -82,7 +82,7 @@ def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_pa
     from tokenizers import Tokenizer
 
     from data_prep.tokenizer import train_bpe
-    from tasks import train
+    from tasks.stages import train
     from tasks.errors import ConfigError
     from train_fixture import configure, context
 
