@@ -13,7 +13,7 @@ from airflow.sdk import Asset, AssetAlias, Param, dag, task
 from tasks.pipeline import end_parent_run, param_schemas
 
 SHARD_SET = AssetAlias("llm-shard-set")
-DATA_PARAMS = ("preset", "data_inputs", "max_documents", "vocab_size", "seq_len")
+DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_size", "seq_len")
 
 
 @dag(

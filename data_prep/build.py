@@ -23,8 +23,8 @@ from data_prep.corpus import CorpusStats, fingerprint, resolve_inputs
 from data_prep.errors import DataPrepError
 from data_prep.manifest import FORMAT, MANIFEST, digest, load_manifest, manifest_bytes
 from data_prep.pack import TokenFile, plan_shards
-from data_prep.tokenizer import (encode_stream, find_eos, load_tokenizer, token_dtype, tokenizer_file,
-                                 tokenizer_identity, train_bpe)
+from data_prep.tokenizer import (encode_stream, find_eos, load_tokenizer, token_dtype, tokenizer_companions,
+                                 tokenizer_file, tokenizer_identity, train_bpe)
 from data_prep.writer import ensure_writable, fresh_tmp_dir, out_dir_lock, publish, sha256_file, write_split
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,14 @@ def _build(cfg: ShardConfig, files: list[Path], version: str, tmp: Path) -> tupl
     eos_name, eos_id = find_eos(tok, cfg.tokenizer, cfg.eos_token)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab, cfg.token_dtype)
-    tok.save(str(tmp / "tokenizer.json"))
+    tok_files = ["tokenizer.json"]
+    if cfg.tokenizer == "train":
+        tok.save(str(tmp / "tokenizer.json"))
+    else:  # as given, byte for byte, with its companion files (tokenizer_config.json …)
+        shutil.copyfile(tokenizer_file(cfg.tokenizer), tmp / "tokenizer.json")
+        for f in tokenizer_companions(cfg.tokenizer):
+            shutil.copyfile(f, tmp / f.name)
+            tok_files.append(f.name)
 
     stats = CorpusStats()
     streams = {s: TokenFile(tmp / f".{s}.tokens", dtype) for s in (TRAIN, VAL)}
@@ -155,7 +162,8 @@ def _build(cfg: ShardConfig, files: list[Path], version: str, tmp: Path) -> tupl
     manifest = {
         "format": FORMAT, "version": version, "seq_len": cfg.seq_len, "sample_tokens": window, "dtype": dtype.name,
         "vocab_size": vocab, "eos_token": eos_name, "eos_id": eos_id,
-        "tokenizer": {"file": "tokenizer.json", "sha256": sha256_file(tmp / "tokenizer.json"), "source": source},
+        "tokenizer": {"file": "tokenizer.json", "sha256": sha256_file(tmp / "tokenizer.json"), "source": source,
+                      **({"files": tok_files} if len(tok_files) > 1 else {})},
         "source": {"inputs": list(cfg.inputs), "files": len(files), "fingerprint": fingerprint(files)},
         "config": cfg.key_fields(), "stats": stats.as_dict(), "shard_multiple": cfg.shard_multiple,
         "warnings": warnings, "splits": splits,

@@ -56,11 +56,31 @@ def load_tokenizer(spec: str) -> Tokenizer:
         raise DataPrepError(f"tokenizer {path}: cannot be loaded ({str(e).splitlines()[0]})") from None
 
 
+# Files a model directory keeps beside tokenizer.json (EOS/BOS, special tokens, chat template): the shard set keeps
+# them with it, so an HF export of a model trained on the shard set carries the tokenizer as it was given.
+COMPANION_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def tokenizer_companions(spec: str) -> list[Path]:
+    """The companion files beside a given tokenizer.json (none for "train" or a tokenizer file named otherwise)."""
+    if spec == "train":
+        return []
+    path = tokenizer_file(spec)
+    if path.name != "tokenizer.json":
+        return []
+    return [path.parent / name for name in COMPANION_FILES if (path.parent / name).is_file()]
+
+
 def tokenizer_identity(spec: str) -> str:
-    """What the cache key uses: "train" (the result is a function of corpus + config) or the file's sha256."""
+    """What the cache key uses: "train" (the result is a function of corpus + config) or the sha256 of the file
+    (and of its companion files: tokenizer_config.json's eos_token shapes the token stream)."""
     if spec == "train":
         return "train"
-    return hashlib.sha256(tokenizer_file(spec).read_bytes()).hexdigest()[:16]
+    h = hashlib.sha256(tokenizer_file(spec).read_bytes())
+    for f in tokenizer_companions(spec):
+        h.update(f"\0{f.name}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def find_eos(tok: Tokenizer, spec: str, eos_token: str = "") -> tuple[str, int]:

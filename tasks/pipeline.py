@@ -28,11 +28,17 @@ PARAMS = [
     ("data_inputs", "data.inputs", "Data", "Corpus inputs",
      "Files, directories or globs (.txt, .jsonl, .parquet, gzip'd or not); 'stdlib' = Python's own sources."),
     ("max_documents", "data.max_documents", "Data", "Max documents", "0 = the whole corpus."),
+    ("tokenizer", "data.tokenizer", "Data", "Tokenizer",
+     "train = a byte-level BPE trained on the corpus; or a local tokenizer.json / model directory (e.g. the "
+     "checkpoint's own, with Start from HF checkpoint)."),
     ("vocab_size", "data.vocab_size", "Data", "Tokenizer vocabulary", "Byte-level BPE trained on the corpus."),
     ("seq_len", "data.seq_len", "Data", "Sequence length", "Tokens per packed training window."),
     ("model_preset", "model.preset", "Model", "Model preset",
      "Shapes: debug, demo, qwen2-0.5b/1.5b/7b, llama3-8b/70b, llama-13b; mixture of experts: moe-demo, "
      "qwen1.5-moe-a2.7b, qwen2-57b-a14b."),
+    ("hf_path", "model.hf_path", "Model", "Start from HF checkpoint",
+     "A local Hugging Face model directory (config.json + safetensors): its shape and weights start training; "
+     "shard with its own tokenizer (Tokenizer = the same directory)."),
     ("dp", "parallel.dp", "Parallelism", "Data parallel (DP)", "0 = chosen by the planner."),
     ("tp", "parallel.tp", "Parallelism", "Tensor parallel (TP)", "Within a node; divides heads and KV heads."),
     ("pp", "parallel.pp", "Parallelism", "Pipeline parallel (PP)", "Across nodes; divides the layers."),

@@ -80,7 +80,7 @@ def wait_for_run(ui, run_id: str) -> dict:
                           "/taskInstances", token)["task_instances"]
             run["tasks"] = {t["task_id"]: t["state"] for t in tis}
             return run
-        time.sleep(5)
+        time.sleep(1)
     pytest.fail(f"run {run_id} did not finish in {RUN_TIMEOUT_S} s")
 
 

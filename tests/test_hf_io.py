@@ -98,6 +98,12 @@ def test_export_with_tokenizer_loads_in_transformers(tmp_path):
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
     reloaded = load_hf(tmp_path / "out")
     torch.testing.assert_close(reloaded.tok_embeddings.weight, model.tok_embeddings.weight.bfloat16().float())
+    assert hf_tok.eos_token is None  # a bare tokenizer.json says nothing of its EOS
+    # From a shard set (the training job exports with the set's tokenizer): its manifest names the EOS.
+    (tmp_path / "tok" / "manifest.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    save_hf(model, tmp_path / "out2", tokenizer_dir=tmp_path / "tok")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out2")
+    assert hf_tok.eos_token == "<eos>" and hf_tok.eos_token_id == tok.token_to_id("<eos>")
 
 
 def test_shapes_contradicting_config_fail_in_one_line(tmp_path):

@@ -1,7 +1,14 @@
-"""The whole main DAG through `airflow dags test` on CPU (the ci-tiny preset), read back from MLflow."""
+"""The whole main DAG through `airflow dags test` on CPU (the ci-tiny preset), read back from MLflow.
+
+One full run is shared by two tests (a module fixture; each reads it only): ci-tiny continuing the training of a tiny
+Qwen2 saved by `transformers` with its own tokenizer (`tokenizer` and `hf_path` Params = that directory). The default
+path (a BPE trained on the corpus, random init) runs every task of the DAG in tests/test_browser.py (through the
+scheduler) and its shard and train tasks in tests/test_orchestration.py."""
+import hashlib
 import json
 import os
 import subprocess
+import sysconfig
 from pathlib import Path
 
 import mlflow
@@ -10,16 +17,68 @@ import torch
 
 from tasks.stages import STAGES
 
+os.environ["HF_HUB_OFFLINE"] = "1"
+import transformers  # noqa: E402
+
+from test_orchestration import dags_test  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tiny_checkpoint(path: Path, vocab: int = 384):
+    """A byte-level BPE trained on a few local files, wrapped and saved by transformers, beside a tiny random Qwen2
+    whose embedding is exactly that vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tok.train([str(stdlib / name) for name in ("textwrap.py", "string.py", "bisect.py")], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=len(fast), max_position_embeddings=128,
+                                   tie_word_embeddings=False, eos_token_id=fast.eos_token_id)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return model, fast
+
+
+def _nll(model, batches) -> float:
+    """Mean next-token NLL of `batches` under a transformers model (fp32)."""
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in batches:
+            logits = model(inputs).logits.float()
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
+            n += targets.numel()
+    return total / n
+
+
+@pytest.fixture(scope="module")
+def checkpoint_run(tmp_path_factory, airflow_db):
+    """One `airflow dags test llm_pipeline` of ci-tiny from a checkpoint with its own tokenizer, through every
+    stage: (tmp dir, output, checkpoint dir, transformers model, tokenizer)."""
+    tmp = tmp_path_factory.mktemp("checkpoint-run")
+    ckpt = tmp / "ckpt"
+    hf, fast = tiny_checkpoint(ckpt)
+    conf = {"preset": "ci-tiny", "tokenizer": str(ckpt), "hf_path": str(ckpt), "precision": "fp32", "steps": 4}
+    out = dags_test("llm_pipeline", conf, tmp, extra_env={"HF_HUB_OFFLINE": "1"}, timeout=1200)
+    return tmp, out, ckpt, hf, fast
+
+
 @pytest.mark.slow
-def test_dags_test_runs_every_stage(tmp_path, airflow_db):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"), "MLFLOW_TRACKING_URI": uri}
-    conf = json.dumps({"preset": "ci-tiny"})
-    cmd = f"source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{conf}'"
-    out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=1200, env=env)
+def test_dags_test_runs_every_stage(checkpoint_run):
+    tmp_path, out, *_ = checkpoint_run
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
 
@@ -37,6 +96,62 @@ def test_dags_test_runs_every_stage(tmp_path, airflow_db):
     assert sorted(c.data.tags["pipeline.stage"] for c in children) == sorted(STAGES)
     assert {c.info.run_id for c in children} == {r["mlflow_run_id"] for r in results.values()}
     assert "Evaluation & registry" in log  # the summary table was printed
+
+
+@pytest.mark.slow
+def test_dag_continues_training_a_checkpoint_with_its_own_tokenizer(checkpoint_run):
+    """Continued training from a pretrained checkpoint uses the checkpoint's own tokenizer end to end: the shard
+    set, the starting weights, the HF export, quantize and evaluate all carry them."""
+    from data_prep.loader import ShardLoader
+    from data_prep.manifest import digest
+    from tasks.config import load_config
+    from tasks.quant import inputs
+
+    tmp_path, out, ckpt, hf, fast = checkpoint_run
+    assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
+    run_dir = next((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())
+    res = {s: json.loads((run_dir / f"{s}.json").read_text()) for s in ("shard", "train", "quantize", "evaluate")}
+
+    # Shard: the checkpoint's tokenizer, byte for byte, and its vocabulary.
+    shard_dir = Path(res["shard"]["shard_dir"])
+    manifest = json.loads((shard_dir / "manifest.json").read_text())
+    assert manifest["tokenizer"]["source"] == str((ckpt / "tokenizer.json").resolve())
+    assert manifest["tokenizer"]["sha256"] == _sha(ckpt / "tokenizer.json") == _sha(shard_dir / "tokenizer.json")
+    assert manifest["vocab_size"] == len(fast) == hf.config.vocab_size
+    assert manifest["eos_id"] == fast.eos_token_id
+
+    # Train: step 1's loss is the checkpoint's own loss on step 1's global batch (same weights, same tokens).
+    tiny = load_config("ci-tiny")
+    loader = ShardLoader(shard_dir, "train", batch_size=tiny.train.global_batch, dp_rank=0, dp_world=1,
+                         num_workers=0, seed=tiny.train.seed)
+    first = next(iter(loader))
+    step1 = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert step1["step"] == 1
+    assert step1["loss"] == pytest.approx(_nll(hf, [first]), abs=1e-4)
+    assert res["train"]["steps"] == 4 and res["train"]["final_loss"] < res["train"]["first_loss"]
+
+    # Export: transformers loads it, with the checkpoint's tokenizer files (not a tokenizer of the project's).
+    export = Path(res["train"]["hf_dir"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # all transformers wrote (no special_tokens_map.json)
+        assert _sha(export / name) == _sha(ckpt / name), name
+    back = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+    back_tok = transformers.AutoTokenizer.from_pretrained(export)
+    assert back_tok.get_vocab() == fast.get_vocab() and back_tok.eos_token == fast.eos_token
+    assert back.config.vocab_size == hf.config.vocab_size
+    assert not torch.equal(back.model.layers[0].mlp.down_proj.weight, hf.model.layers[0].mlp.down_proj.weight)
+
+    # Quantize and evaluate: that export, calibrated and measured on the checkpoint tokenizer's shard set.
+    meta = json.loads((run_dir / "quantize" / "quant_meta.json").read_text())
+    assert meta["model_dir"] == str(export) and meta["data_digest"] == digest(shard_dir)
+    assert res["quantize"]["model_dir"] == res["evaluate"]["model_dir"] == str(export)
+    if res["evaluate"]["ptq"] is None:  # PTQ passed the gate: evaluated the quantize stage's model
+        assert res["evaluate"]["quant_dir"] == res["quantize"]["quant_dir"]
+    else:  # QAT of that model
+        assert res["evaluate"]["quant_dir"] == str(run_dir / "quantize_qat")
+    assert res["evaluate"]["data_digest"] == digest(shard_dir)
+    comparison = json.loads((run_dir / "evaluate" / "comparison.json").read_text())
+    batches = inputs.val_batches(shard_dir, tiny.evaluate.eval_batches, tiny.train.micro_batch, "evaluation")
+    assert comparison["ptq"]["fp_nll"] == pytest.approx(_nll(back, batches), abs=1e-4)
 
 
 @pytest.mark.slow

@@ -107,6 +107,21 @@ def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, 
     assert spec["resume_from"].endswith("step-6")
 
 
+def test_checkpoint_file_table_split_over_ranks_is_the_whole_table(tmp_path):
+    """save() has every rank hash a share of the files: the shares are disjoint and together the whole table."""
+    from tasks.parallel.checkpoint import file_table
+
+    for i, size in enumerate([5, 300, 40, 300, 0, 7]):
+        (tmp_path / ("sub" if i == 2 else "")).mkdir(exist_ok=True)
+        (tmp_path / ("sub" if i == 2 else "") / f"f{i}").write_bytes(bytes([i]) * size)
+    (tmp_path / "meta.json").write_text("{}")
+    whole = file_table(tmp_path)
+    assert sorted(whole) == ["f0", "f1", "f3", "f4", "f5", "sub/f2"]
+    shares = [file_table(tmp_path, r, 4) for r in range(4)]
+    assert sum(len(s) for s in shares) == len(whole) and {k: v for s in shares for k, v in s.items()} == whole
+    assert "f1" in shares[0] and "f3" in shares[1]  # the two largest files go to different ranks
+
+
 def test_pruning_never_deletes_the_checkpoint_just_saved(tmp_path):
     """Resumed from step-2 below a corrupt step-4 with keep 1: saving step-3 must not prune step-3."""
     from tasks.parallel.checkpoint import CheckpointManager, complete_checkpoints
@@ -413,7 +428,7 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
     uri = f"http://127.0.0.1:{port}"
     server = _mlflow_server(port, store, art)
     run = tmp_path / "run"
-    steps = 150
+    steps = 40  # the server dies after step 3: 37 steps without it, then the backfill of every step
     sets = {**BASE, **DP2, "train.steps": steps, "tracking.uri": uri, "tracking.experiment": "outage",
             "tracking.artifact_root": str(art)}
     argv = [sys.executable, "-m", "tasks", "train", "--no-export", "--run-dir", str(run), "--shard-dir",

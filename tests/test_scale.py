@@ -28,12 +28,14 @@ def _logits_of_checkpoint(ckpt, tcfg, tokens) -> torch.Tensor:
     """Our model, loaded whole from the training checkpoint in this process (the reference for the export)."""
     import torch.distributed.checkpoint as dcp
 
-    from tasks.model import build_model, materialize
+    from tasks.model import build_model
 
-    model = materialize(build_model(tcfg, "meta"), "cpu")
+    model = build_model(tcfg, "meta").to_empty(device="cpu")  # no random init: every weight is read below
+    model.tie_weights()
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(state["model"])
+    model.init_rope()
     with torch.no_grad():
         return model(tokens)
 

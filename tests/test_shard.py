@@ -251,3 +251,11 @@ def test_model_directory_tokenizer_uses_its_eos(tmp_path):
     r = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
     assert r.manifest["eos_token"] == "<|im_end|>" and r.manifest["eos_id"] == tok.token_to_id("<|im_end|>")
     assert (r.shard_dir / "tokenizer.json").read_text() == tok.to_str(pretty=True)
+    # The shard set keeps the directory's tokenizer files as given (an HF export of a model trained on it copies
+    # them), and tokenizer_config.json is part of the cache key: another EOS is another token stream.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (r.shard_dir / name).read_bytes() == (tmp_path / "model" / name).read_bytes()
+    assert r.manifest["tokenizer"]["files"] == ["tokenizer.json", "tokenizer_config.json"]
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    r2 = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
+    assert r2.shard_dir != r.shard_dir and r2.manifest["eos_token"] == "<|endoftext|>"

@@ -72,3 +72,37 @@ def test_shape_override_that_cannot_load_hf_path_is_refused(cfg, tmp_path, shard
                           "hardware.nproc_per_node": 2})
     with pytest.raises(ConfigError, match="model.ffn_dim: 128 differs from 96 in model.hf_path's config.json"):
         train.prepare(c, context(tmp_path / "run", shards))
+
+
+def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_path, shards):  # noqa: F811
+    """The checkpoint's embedding rows are its own tokenizer's ids: a shard set of another tokenizer whose ids happen
+    to fit would train on the wrong rows without a word. Refused in one line; the same tokenizer passes."""
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from data_prep.tokenizer import train_bpe
+    from tasks.stages import train
+    from tasks.errors import ConfigError
+    from train_fixture import configure, context
+
+    vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
+    tiny_qwen2(tmp_path / "ckpt", vocab)
+    c = configure(cfg, **{"model.hf_path": str(tmp_path / "ckpt"), "hardware.nproc_per_node": 2})
+    other = train_bpe(iter(["def f(x):\n    return x + 1\n"] * 4), 300)
+    other.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"model.hf_path: its tokenizer \(\d+ tokens, .*ckpt/tokenizer.json\) is "
+                                          r"not the shard set's \(512 tokens, .*\); shard with data.tokenizer="):
+        train.prepare(c, context(tmp_path / "run", shards))
+    Tokenizer.from_file(str(shards / "tokenizer.json")).save(str(tmp_path / "ckpt" / "tokenizer.json"), pretty=False)
+    assert (tmp_path / "ckpt" / "tokenizer.json").read_bytes() != (shards / "tokenizer.json").read_bytes()
+    assert train.prepare(c, context(tmp_path / "run", shards))["init_from"] == str(tmp_path / "ckpt")
+    shutil.copyfile(shards / "tokenizer.json", tmp_path / "ckpt" / "tokenizer.json")
+    assert train.prepare(c, context(tmp_path / "run", shards))["init_from"] == str(tmp_path / "ckpt")
+    # A checkpoint (without a tokenizer of its own) whose embedding is smaller than the shard set's vocabulary.
+    tiny_qwen2(tmp_path / "small", 256)
+    c = configure(cfg, **{"model.hf_path": str(tmp_path / "small"), "hardware.nproc_per_node": 2})
+    with pytest.raises(ConfigError, match=r"model.hf_path: the shard set's tokenizer has 512 tokens but the "
+                                          r"checkpoint's embedding only 256; shard with the checkpoint's own "
+                                          r"tokenizer \(data.tokenizer=.*small\)$"):
+        train.prepare(c, context(tmp_path / "run", shards))

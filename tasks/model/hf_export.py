@@ -1,11 +1,11 @@
 """DCP checkpoint → HF directory (sharded safetensors + index + config.json + tokenizer), streamed tensor by tensor.
 
 Runs inside the training job: every rank of the world writes some of the output files (round-robin), reading each
-tensor alone from the DCP checkpoint (`dcp.load(..., no_dist=True)` of one key) and appending its bytes to a
-safetensors file whose header was written up front from the checkpoint's metadata. A process therefore holds at most
-one full tensor at a time, never the model. Rank 0 writes config.json, the index and the tokenizer, then swaps the
-finished directory in (tasks.fsutil.swap_dir: a crash leaves the old export or a `.tmp` directory, never neither;
-the next export cleans up).
+tensor alone from the DCP checkpoint (`dcp.load(..., no_dist=True)` of one key; the checkpoint's metadata read once)
+and appending its bytes to a safetensors file whose header was written up front from the checkpoint's metadata. A
+process therefore holds at most one full tensor at a time, never the model. Rank 0 writes config.json, the index and
+the tokenizer, then swaps the finished directory in (tasks.fsutil.swap_dir: a crash leaves the old export or a `.tmp`
+directory, never neither; the next export cleans up).
 """
 from __future__ import annotations
 
@@ -97,25 +97,43 @@ class _Reader:
 
     def __init__(self, ckpt: Path, shapes: dict):
         self.ckpt, self.shapes, self.held = ckpt, shapes, (None, None)
+        self.storage = storage_reader(ckpt)
 
     def __call__(self, key, shape, dtype) -> torch.Tensor:
         if not isinstance(key, tuple):
             self.held = (None, None)
-            return _read_tensor(self.ckpt, key, shape, dtype)
+            return _read_tensor(self.storage, key, shape, dtype)
         name, j = key
         if self.held[0] != name:
             self.held = (None, None)
-            self.held = (name, _read_tensor(self.ckpt, name, self.shapes[name], dtype))
+            self.held = (name, _read_tensor(self.storage, name, self.shapes[name], dtype))
         return self.held[1][j]
 
 
-def _read_tensor(ckpt: Path, name: str, shape, dtype) -> torch.Tensor:
+def storage_reader(ckpt: Path):
+    """A FileSystemReader that reads the checkpoint's metadata once. `dcp.load` reads `.metadata` on every call, and
+    it lists every shard of every model and optimizer tensor: per tensor that was most of the export's time
+    (Qwen2-0.5B on 4 ranks: 0.4 s a tensor, 290 tensors; 0.03 s each with it read once)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class _OnceReader(FileSystemReader):
+        _metadata = None
+
+        def read_metadata(self):
+            if self._metadata is None:
+                self._metadata = super().read_metadata()
+            return self._metadata
+
+    return _OnceReader(str(ckpt))
+
+
+def _read_tensor(storage, name: str, shape, dtype) -> torch.Tensor:
     import torch.distributed.checkpoint as dcp
 
     t = torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": {name: t}}, checkpoint_id=str(ckpt), no_dist=True)
+        dcp.load({"model": {name: t}}, storage_reader=storage, no_dist=True)
     return t
 
 

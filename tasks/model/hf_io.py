@@ -22,7 +22,7 @@ from tasks.model.init import HFWeights
 from tasks.model.transformer import Transformer, build_model, materialize
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "generation_config.json")
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 MAX_SHARD_BYTES = 5 * 1024 ** 3
 
 def hf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -95,6 +95,21 @@ def _write_safetensors(tensors: dict, out: Path, save_file) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
+def tokenizer_problem(hf_dir: str | os.PathLike, shard_dir: str | os.PathLike) -> str | None:
+    """One line when the checkpoint `hf_dir` has a tokenizer.json that is not the shard set's: its embedding rows are
+    its own tokenizer's ids, so tokens of another tokenizer would index the wrong rows (silently, when they fit)."""
+    from tokenizers import Tokenizer
+
+    own, theirs = Path(hf_dir) / "tokenizer.json", Path(shard_dir) / "tokenizer.json"
+    if not own.is_file() or not theirs.is_file() or own.read_bytes() == theirs.read_bytes():
+        return None
+    a, b = Tokenizer.from_file(str(own)), Tokenizer.from_file(str(theirs))
+    if a.to_str() == b.to_str():  # the same tokenizer, serialised differently
+        return None
+    return (f"model.hf_path: its tokenizer ({a.get_vocab_size()} tokens, {own}) is not the shard set's "
+            f"({b.get_vocab_size()} tokens, {theirs}); shard with data.tokenizer={hf_dir} (the checkpoint's own)")
+
+
 def _copy_tokenizer(src: Path, out: Path) -> None:
     if not (src / "tokenizer.json").is_file() and not (src / "tokenizer.model").is_file():
         raise StageError(f"save_hf: {src} holds no tokenizer.json or tokenizer.model")
@@ -102,5 +117,9 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
     if not (out / "tokenizer_config.json").exists():
-        # A bare `tokenizers` file: tell AutoTokenizer which class wraps it.
-        (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+        # A bare `tokenizers` file: tell AutoTokenizer which class wraps it, and (from a shard set) its EOS.
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if (src / "manifest.json").is_file():
+            eos = json.loads((src / "manifest.json").read_text()).get("eos_token")
+            config.update({"eos_token": eos} if eos else {})
+        (out / "tokenizer_config.json").write_text(json.dumps(config) + "\n")

@@ -33,6 +33,10 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
         if value >= 0:
             setattr(tcfg, name, float(value))
     tcfg.validate()
+    if vocab_size and vocab_size > tcfg.vocab_size and mc.hf_path:
+        raise ConfigError(f"model.hf_path: the shard set's tokenizer has {vocab_size} tokens but the checkpoint's "
+                          f"embedding only {tcfg.vocab_size}; shard with the checkpoint's own tokenizer "
+                          f"(data.tokenizer={mc.hf_path})")
     if vocab_size and vocab_size > tcfg.vocab_size:
         raise ConfigError(f"model.vocab_size: tokenizer has {vocab_size} tokens but the model embedding only "
                           f"{tcfg.vocab_size}; set model.vocab_size >= {vocab_size} (or 0 for a small preset)")

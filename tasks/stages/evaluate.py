@@ -313,7 +313,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
               **{f"{w}_speed_vs_{b}": round(final[f"{w}_speed_vs_{b}"], 4)
                  for w in ("prefill", "decode") for b in ("bf16", "fp32")},
               "ptq": {k: ptq[k] for k in ("gate_value", "ppl_drop_pct", "accuracy_drop_pct")} if ptq else None,
-              "quant_dir": str(final_dir), "data_digest": digest, "comparison": str(out / "comparison.md")}
+              "quant_dir": str(final_dir), "model_dir": str(model_dir), "data_digest": digest,
+              "comparison": str(out / "comparison.md")}
     if not passed:
         from tasks.quant.amct_backend import write_qat_handoff
 

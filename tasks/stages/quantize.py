@@ -119,7 +119,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 
 def _result(meta: dict, out: Path, reused: bool) -> dict:
     mb = 1024 ** 2
-    r = {"quant_dir": str(out), "backend": meta["backend"], "method": meta["method"], "format": meta["format"],
+    r = {"quant_dir": str(out), "model_dir": meta["model_dir"], "backend": meta["backend"], "method": meta["method"],
+         "format": meta["format"],
          "int8_mb": round(meta["int8_bytes"] / mb, 3), "bf16_mb": round(meta["bf16_bytes"] / mb, 3),
          "fp32_mb": round(meta["fp32_bytes"] / mb, 3),
          "size_ratio_vs_bf16": round(meta["int8_bytes"] / meta["bf16_bytes"], 4),

@@ -18,7 +18,7 @@ from pathlib import Path
 from tasks import device as devices
 from tasks import runner, tracking
 from tasks.config import repo_path
-from tasks.errors import StageError
+from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json
 from tasks.units import MB
 
@@ -227,6 +227,12 @@ def run(cfg, ctx) -> dict:
     from tasks.model import num_params
 
     shard_dir = runner.shard_set(cfg, ctx)
+    if cfg.model.hf_path:
+        from tasks.model.hf_io import tokenizer_problem
+
+        problem = tokenizer_problem(repo_path(cfg.model.hf_path), shard_dir)
+        if problem:
+            raise ConfigError(problem)
     tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
     batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed, cfg.data.verify_sha256)
     check_batches(batches, tcfg)

@@ -98,6 +98,10 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
             problems.append(f"checkpoint {last[1]}: written for another model shape ({', '.join(diff[:3])}); "
                             f"use --fresh or another --run-dir")
     init_from = _init_from(cfg, tcfg, problems)
+    if init_from:
+        from tasks.model.hf_io import tokenizer_problem
+
+        problems.extend(filter(None, [tokenizer_problem(init_from, shard_dir)]))
     if problems:
         raise ConfigError(problems)
     for w in warnings_:
