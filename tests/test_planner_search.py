@@ -29,7 +29,10 @@ def test_70b_on_8_nodes_with_tp8_inside_and_pp_across_nodes_is_feasible():
     best = plans[0]
     assert (best["dp"], best["tp"], best["pp"]) == (1, 8, 8)
     assert best["total_bytes"] <= 64e9
-    assert best["recompute"] == "none"  # fused attention keeps no s×s scores: recompute would only cost time
+    # Fused attention keeps no s×s scores, but the first stage also holds TP's whole-vocabulary embedding gradient
+    # twice during its backward (DTensor has no vocab-sharded embedding backward: 2 × 4 B × 128256 × 8192 = 8.4 GB,
+    # planner.memory.stage_breakdown), so the fastest plan that fits recomputes selectively.
+    assert best["recompute"] == "selective"
     # With the paper's unfused attention (5as/h) 8 in-flight micro-batches fit only with recompute.
     pb.flash_attention = False
     plans = search(pb)["plans"]
