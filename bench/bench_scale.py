@@ -7,7 +7,7 @@ run: the whole fp32 model's bytes (what one process would hold just for the para
 phase's peak is its RSS high-water mark; "held" figures subtract the RSS each rank had before the model existed
 (interpreter, torch, gloo); the estimate includes the CPU runtime reserve (tasks.planner.cluster.RESERVE_GB).
 scale.qwen2_0_5b.dp2_tp2.*: the same import and 3 steps on dp2×tp2 (ZeRO-3 over dp, the tied embedding one
-vocab-sharded DTensor), not exported.
+hidden-sharded DTensor), not exported.
 
 zero.estimate_over_measured.{0,1,2,3}: the demo model on dp 2, one run per stage: the planner's estimate over the
 measured training-phase peak held (worst rank).

@@ -63,7 +63,7 @@ def test_rejection_reasons():
     pb = Problem(get_cluster("910b"), ModelShape(896, 24, 14, 2, 4864, 151936, tied=True), 1000, 16)
     reasons = {r["reason"] for r in search(pb)["rejected"]}
     assert "tied embeddings need pp = 1 (pp 2)" in reasons
-    # TP keeps the tied weight on every stage's one part (vocab-sharded for both uses): tp 2 is planned.
+    # TP keeps the tied weight on every stage's one part (hidden-sharded for both uses): tp 2 is planned.
     assert any(p["tp"] == 2 and p["pp"] == 1 for p in search(pb)["plans"])
     pb = Problem(get_cluster("910b"), LLAMA3_70B, 1001, 16)
     reasons = {r["reason"] for r in search(pb)["rejected"]}

@@ -1,5 +1,5 @@
 """Tensor parallelism with tied embeddings (Qwen2-0.5B/1.5B tie lm_head to the embedding): the embedding and the
-output projection share one vocab-sharded DTensor parameter, so tp2 and dp2×tp2 (ZeRO 3 and 0) reproduce the
+output projection share one hidden-sharded DTensor parameter, so tp2 and dp2×tp2 (ZeRO 3 and 0) reproduce the
 single-process curve, and the export is a tied HF model that transformers loads with the trained logits."""
 from __future__ import annotations
 
