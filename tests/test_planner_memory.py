@@ -184,3 +184,61 @@ def test_runtime_states_per_zero_stage_are_what_tasks_parallel_runs(precision):
     for zero, (p, g, o) in want.items():
         got = runtime_state_bytes(n, precision, "adamw", zero, dp)
         assert got == pytest.approx({"params_bytes": p * n, "grads_bytes": g * n, "optimizer_bytes": o * n}), zero
+
+
+
+def test_tied_embedding_adds_its_second_gradient():
+    """A tied embedding's backward holds two vocab × hidden gradients at once (the output projection's, waiting, and
+    the embedding's dense one, added to it in place; measured 2.0 vs 1.0 for either use alone): one more than the
+    state counts, in the unsharded parameter's dtype, split by TP like the vocabulary."""
+    from tasks.planner.memory import stage_breakdown
+
+    def buffers(vocab=151936, tied=True, precision="fp32", **lay):
+        shape = ModelShape(896, 24, 14, 2, 4864, vocab, tied=tied)
+        return stage_breakdown(shape, 128, Layout(**{"dp": 4, "micro_batch": 1, **lay}), 0, precision)["buffers_bytes"]
+
+    sh = ModelShape(896, 24, 14, 2, 4864, 151936, tied=True)
+    emb = sh.embedding_params
+    for zero in (0, 1, 2, 3):
+        # The untied root unit also counts the output projection's gathered weight and gradient, tied does not.
+        root_out = emb * (4 + (4 if zero == 3 else 0)) if zero >= 2 else 0
+        assert buffers(zero=zero) - (buffers(zero=zero, tied=False) - root_out) == pytest.approx(emb * 4), zero
+    # Scales with the vocabulary.
+    assert buffers(vocab=2 * 151936, zero=0) == pytest.approx(2 * buffers(zero=0))
+    # FSDP2 mixed precision: the unsharded gradients are bf16; ZeRO 0/1 (autocast over fp32 parameters): fp32.
+    assert buffers(zero=3, precision="bf16") == pytest.approx(2 * 2 * sh.layer_params + emb * (4 + 2) + emb * 2)
+    assert buffers(zero=1, precision="bf16") == pytest.approx(emb * 4)
+
+
+def test_cpu_training_estimate_adds_the_measured_runtime_reserve():
+    """On CPU the measured peak is RSS, which holds the runtime's own 0.12 GB (tasks.planner.cluster.RESERVE_GB):
+    the trainer's estimate adds it there and not on an accelerator, whose allocator never sees it."""
+    from tasks.config import load_config
+    from tasks.model import get_preset
+    from tasks.planner.cluster import RESERVE_GB
+    from tasks.stages.train import _estimate
+
+    cfg = load_config("demo-cpu")
+    lay = Layout(dp=2, zero=3, micro_batch=4, global_batch=8)
+    tcfg = get_preset("demo")
+    assert RESERVE_GB["cpu"] == 0.12
+    assert _estimate(cfg, tcfg, lay, "cpu") - _estimate(cfg, tcfg, lay, "npu") == pytest.approx(0.12e9, abs=1)
+
+
+def test_tp_embedding_backward_holds_the_whole_vocabulary_gradient_twice():
+    """DTensor's embedding backward has no vocab-sharded strategy: under TP an untied (vocab-split) embedding builds
+    the whole vocab × hidden gradient (Partial) and reduce-scatters it — two whole gradients, not split by t. A tied
+    one is split along the hidden dimension: only its local second gradient."""
+    from tasks.planner.memory import stage_breakdown
+
+    for tied in (True, False):
+        sh = ModelShape(896, 24, 14, 2, 4864, 151936, tied=tied)
+        for zero in (0, 3):
+            for tp in (2, 4):
+                lay = Layout(dp=2, tp=tp, zero=zero, micro_batch=1)
+                got = stage_breakdown(sh, 128, lay, 0, "fp32")["buffers_bytes"]
+                layers = 2 * 4 * sh.layer_params / tp if zero == 3 else 0
+                root = (sh.embedding_params / tp) * (1 if tied else 2) * (4 + (4 if zero == 3 else 0)) \
+                    if zero >= 2 else 0
+                want = sh.embedding_params * 4 / tp if tied else 2 * sh.embedding_params * 4
+                assert got - layers - root == pytest.approx(want), (tied, zero, tp)

@@ -112,3 +112,16 @@ def test_gate_advice_names_the_remedies():
     tips = gate_advice("int8_dynamic", "amct")
     assert "SmoothQuant" in tips and "skip_layers" in tips and "create_quant_retrain_model" in tips
     assert "SmoothQuant" not in gate_advice("smoothquant", "torchao") and "QAT" in gate_advice("smoothquant", "torchao")
+
+
+def test_a_tied_models_output_projection_is_a_shared_linear():
+    import dataclasses
+
+    from tasks.model import build_model, get_preset
+    from tasks.quant.artifact import describe_layers
+
+    tied = build_model(dataclasses.replace(get_preset("debug"), tie_embeddings=True), "meta")
+    rows = {layer.name: layer for layer in describe_layers(tied)}
+    assert rows["output"].type == "Linear" and rows["output"].shared and rows["tok_embeddings"].shared
+    with pytest.raises(StageError, match="output shares its weight"):
+        select_layers(list(rows.values()), "amct", "ptq", "int8_dynamic", ["tok_embeddings"])

@@ -67,15 +67,18 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def reference_losses(cfg, shards: Path, steps: int) -> dict[int, float]:
     """One process, one plain model, one loader of the whole global batch: the curve every layout must reproduce
-    (the loader's global sample order gives every dp degree the same samples per step)."""
+    (the loader's global sample order gives every dp degree the same samples per step). With model.hf_path the
+    weights start from that checkpoint, as the trainer's do."""
     from data_prep.loader import ShardLoader
     from data_prep.manifest import load_manifest
     from tasks.model import build_model, from_pipeline, lm_loss, materialize
+    from tasks.model.init import HFWeights
     from tasks.parallel.optim import build_optimizers, grad_norm_and_clip
 
     t = cfg.train
     tcfg = from_pipeline(cfg, vocab_size=load_manifest(shards)["vocab_size"])
-    model = materialize(build_model(tcfg, "meta"), "cpu", t.seed)
+    source = HFWeights(cfg.model.hf_path, tcfg) if cfg.model.hf_path else None
+    model = materialize(build_model(tcfg, "meta"), "cpu", t.seed, source=source)
     [(opt, sched)] = build_optimizers([model], t)
     stream = ShardLoader(shards, "train", batch_size=t.global_batch, num_workers=0, seed=t.seed).batches()
     out = {}

@@ -90,8 +90,9 @@ def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[
         problems.append(f"parallel.pp: {n_stages} pipeline stages{extra} exceed the model's {tcfg.n_layers} layers")
     if lay.pp_schedule == "interleaved1f1b" and lay.pp < 2:
         problems.append("parallel.pp_schedule: interleaved1f1b needs parallel.pp >= 2")
-    if tcfg.tie_embeddings and (lay.pp > 1 or lay.tp > 1):
-        problems.append("model: tied embeddings are supported with dp only (parallel.tp = parallel.pp = 1)")
+    if tcfg.tie_embeddings and lay.pp > 1:
+        problems.append(f"parallel.pp: {lay.pp} splits the model's tied embeddings (model.tie_embeddings: the first "
+                        f"and last stage would each hold a copy) — set parallel.pp 1 (dp/tp/zero all train it)")
     problems += moe_problems(lay, tcfg)
     if lay.global_batch % lay.dp:
         problems.append(f"train.global_batch: {lay.global_batch} is not divisible by parallel.dp {lay.dp}")

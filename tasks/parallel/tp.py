@@ -11,6 +11,19 @@ rank routes the same tokens and computes the same routed result (under expert pa
 within the EP group of its TP coordinate), so their gradients are equal on the TP ranks and need no reduction
 over tp. The block's output goes back to the sequence layout (a local slice: no communication forward, an
 all-gather of the gradient backward).
+
+Tied embeddings (Qwen2-0.5B/1.5B): both uses of the shared weight are sharded along the hidden dimension — the
+embedding column-wise (ColwiseParallel on nn.Embedding: weight Shard(1)), the output projection row-wise
+(RowwiseParallel on nn.Linear: weight Shard(1); its partial logits are summed into the replicated logits the loss
+takes, as the vocabulary-split projection all-gathers them) — so one DTensor parameter serves both. Not the vocabulary
+split (Shard(0)) used untied: DTensor has no vocabulary-sharded strategy for aten::embedding_dense_backward
+(torch/distributed/tensor/_ops/_embedding_ops.py), so that embedding's backward builds the whole vocab × hidden
+gradient and reduce-scatters it (measured: two whole-vocabulary gradients at once, Qwen2-0.5B dp2×tp2 ran out of
+memory on a 24 GB host). Each style registers its own new DTensor parameter (torch/distributed/tensor/parallel/
+style.py `_partition_embedding_fn` / `_partition_linear_fn`); re-tying right away leaves one parameter that both
+uses' gradients accumulate into, as on one process. (materialize re-ties after to_empty too, but FSDP2 wraps the
+part before that: without this re-tie its root unit would also manage the stale second copy — one more sharded
+tensor gathered and reduce-scattered every step.)
 """
 from __future__ import annotations
 
@@ -21,15 +34,20 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool) -> None:
                                                    RowwiseParallel, SequenceParallel, parallelize_module)
 
     seq = Shard(1) if sequence_parallel else Replicate()
+    tied = model.config.tie_embeddings
     top = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        # Tied: hidden-sharded (ColwiseParallel on nn.Embedding: weight Shard(1)), see the module docstring.
+        top["tok_embeddings"] = (ColwiseParallel if tied else RowwiseParallel)(input_layouts=Replicate(),
+                                                                               output_layouts=seq)
     if model.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+        top["output"] = (RowwiseParallel if tied else ColwiseParallel)(input_layouts=seq, output_layouts=Replicate(),
+                                                                      use_local_output=True)
     if top:
         parallelize_module(model, tp_mesh, top)
+        model.tie_weights()  # a no-op unless the model ties its embeddings (and this part holds both ends)
     for block in model.layers.values():
         plan = {
             # The rope table (second input) stays a plain tensor: every rank needs all of it.

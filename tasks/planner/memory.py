@@ -250,6 +250,22 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
         root = (shape.embedding_params / t) * ((1 if first else 0) + (1 if last and not (shape.tied and p == 1)
                                                                       else 0))
         gather += root * (4 + (A if lay.zero >= 3 else 0))
+    g = A if lay.zero >= 2 else 4  # gradient bytes: FSDP2's compute dtype (ZeRO 2/3), the fp32 parameter's (0/1)
+    if first and t > 1 and not shape.tied:
+        # TP's vocabulary-sharded embedding (RowwiseParallel, tasks/parallel/tp.py; untied models): DTensor has no
+        # vocab-sharded strategy for aten::embedding_dense_backward (torch/distributed/tensor/_ops/
+        # _embedding_ops.py lists the column-wise and batch-sharded ones), so the backward builds the whole
+        # vocab × hidden gradient as a Partial and reduce-scatters it to this rank's rows. Measured (Qwen2-0.5B
+        # shapes with the vocabulary split, dp2×tp2, gloo): two whole-vocabulary gradients at once. (A tied
+        # embedding is split along the hidden dimension instead, whose backward stays local.)
+        gather += 2 * shape.embedding_params * g
+    elif shape.tied and first and last:
+        # A tied embedding's two gradients: the output projection's (the linear backward's vocab × hidden weight
+        # gradient, handed on as a copy by tasks/model/transformer.TiedOutput) waits in autograd's input buffer
+        # while aten::embedding_dense_backward allocates the embedding's dense vocab × hidden gradient; autograd
+        # then adds it in place. Two gradient-sized tensors at once where the counts above hold one (measured on one
+        # process, vocab 151936, hidden 896: the backward's peak over its start is 2.0 gradients).
+        gather += (shape.embedding_params / t) * g  # split like the weight (vocab or hidden)
     return {**states, "activations_bytes": act, "buffers_bytes": gather}
 
 

@@ -19,11 +19,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def describe_layers(model: torch.nn.Module) -> list[Layer]:
     """Leaf modules as plan rows: name, class name, weight shape, and whether the weight is shared (tied)."""
+    from tasks.model.transformer import TiedOutput
+
     leaves = [(n, m) for n, m in model.named_modules() if n and next(m.children(), None) is None]
     # MoE routed experts hold stacked w1/w2/w3 [E, out, in] instead of one weight (tasks/model/moe.py)
     weights = [getattr(m, "weight", getattr(m, "w1", None)) for _, m in leaves]
     holders = Counter(id(w) for w in weights if isinstance(w, torch.Tensor))
-    return [Layer(n, type(m).__name__, tuple(w.shape) if isinstance(w, torch.Tensor) else (),
+    # A tied model's output projection is an nn.Linear whose training backward copies its gradient: a Linear here.
+    return [Layer(n, "Linear" if isinstance(m, TiedOutput) else type(m).__name__,
+                  tuple(w.shape) if isinstance(w, torch.Tensor) else (),
                   isinstance(w, torch.Tensor) and holders[id(w)] > 1) for (n, m), w in zip(leaves, weights)]
 
 

@@ -110,7 +110,8 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
             "layout": lay.to_dict(), "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
             **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
             "warnings": warnings_, "shards_verified": cfg.data.verify_sha256,
-            "estimate_bytes": _estimate(cfg, tcfg, lay), "backend": backend.kind, "nproc": nproc, "world": world}
+            "estimate_bytes": _estimate(cfg, tcfg, lay, backend.kind), "backend": backend.kind, "nproc": nproc,
+            "world": world}
 
 
 _WEIGHT_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "qkv_bias", "tie_embeddings",
@@ -146,19 +147,25 @@ def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path]
     return found, warnings_
 
 
-def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout) -> int | None:
-    """The planner's per-device peak for exactly this layout (no runtime reserve), to compare with the measured;
-    None for a mixture-of-experts layout with tp or pp > 1, which the MoE planner does not size."""
+def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> int | None:
+    """The planner's per-device peak for exactly this layout, to compare with the measured: on CPU with the runtime
+    reserve, which the measured RSS holds (tasks.planner.cluster.RESERVE_GB); on an accelerator without it, which
+    the allocator's peak does not see. None for a mixture-of-experts layout with tp or pp > 1, which the MoE
+    planner does not size."""
+    from tasks.planner.cluster import RESERVE_GB
     from tasks.planner.memory import estimate, shape_of
 
     m = lay.n_microbatches
+    reserve = RESERVE_GB["cpu"] * GB if backend == "cpu" else 0.0
     if tcfg.n_experts:
         from tasks.planner import moe
 
-        return moe.estimate_for_run(tcfg, cfg.data.seq_len, lay.local_batch // m, lay.dp, lay.ep, lay.zero,
-                                    lay.recompute, cfg.train.precision, m) if lay.tp == lay.pp == 1 else None
+        return int(moe.estimate_for_run(tcfg, cfg.data.seq_len, lay.local_batch // m, lay.dp, lay.ep, lay.zero,
+                                        lay.recompute, cfg.train.precision, m) + reserve) \
+            if lay.tp == lay.pp == 1 else None
     run = dataclasses.replace(lay, micro_batch=lay.local_batch // m, microbatches=m)
-    return int(estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision)["total_bytes"])
+    return int(estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision,
+                        reserve_bytes=reserve)["total_bytes"])
 
 
 def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str,
