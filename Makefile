@@ -15,7 +15,7 @@ unexport CONF
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
 	@echo "make test   - set up .venv and run the whole test suite (what CI runs)"
-	@echo "make lint   - ruff check (also the first step of make test)"
+	@echo "make lint   - ruff check + ruff format --check (also the first step of make test)"
 	@echo "make bench  - run the benchmarks; writes bench/results.json and bench/results.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
 
@@ -35,8 +35,9 @@ run: db
 test: lint db browser
 	@$(ENV) python -m pytest -q $(PYTEST_ARGS)
 
-lint: venv  ## ruff (pyproject.toml [tool.ruff]); make test runs it first
+lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test runs it first
 	@$(VENV)/bin/ruff check --no-cache .
+	@$(VENV)/bin/ruff format --check --no-cache . || (echo "run: .venv/bin/ruff format ." >&2; exit 1)
 
 test-fast: db browser
 	@$(ENV) python -m pytest -q -m "not slow" $(PYTEST_ARGS)

@@ -11,6 +11,7 @@
 - loader.samples_per_s: ShardLoader with 0 and 2 workers, and the ratio of the 0-worker figure to a plain
   `wds.WebDataset(...).decode()` pass over the same shards (the baseline).
 """
+
 from __future__ import annotations
 
 import os
@@ -157,18 +158,31 @@ def run() -> dict:
     from data_prep.corpus import CorpusStats
     from data_prep.tokenizer import train_bpe
 
-    figures: dict = {"sharding.seconds_by_size": {}, "sharding.peak_rss_mb_by_size": {},
-                     "sharding.peak_pss_mb_by_size": {}, "sharding.parent_peak_rss_mb_by_size": {},
-                     "sharding.tokens_per_s_by_size": {}}
+    figures: dict = {
+        "sharding.seconds_by_size": {},
+        "sharding.peak_rss_mb_by_size": {},
+        "sharding.peak_pss_mb_by_size": {},
+        "sharding.parent_peak_rss_mb_by_size": {},
+        "sharding.tokens_per_s_by_size": {},
+    }
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         tmp = Path(tmp)
         corpora = {size: _corpus(size) for size in SIZES_MB}
         docs = (t for _, t in clean_documents([Path(f) for f in corpora[SIZES_MB[0]]], ShardConfig(), CorpusStats()))
         tok_path = tmp / "tokenizer.json"
         train_bpe(docs, VOCAB).save(str(tok_path))  # one fixed tokenizer: builder and baseline encode alike
+
         def build(files: list[str], out: str):
-            cfg = ShardConfig(inputs=files, out_dir=str(tmp / out), tokenizer=str(tok_path), seq_len=SEQ_LEN,
-                              shard_size_mb=4, shard_multiple=2, tokenize_processes=2, progress=False)
+            cfg = ShardConfig(
+                inputs=files,
+                out_dir=str(tmp / out),
+                tokenizer=str(tok_path),
+                seq_len=SEQ_LEN,
+                shard_size_mb=4,
+                shard_multiple=2,
+                tokenize_processes=2,
+                progress=False,
+            )
             return build_shard_set(cfg)
 
         for size, files in corpora.items():

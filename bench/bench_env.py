@@ -1,5 +1,6 @@
 """Collective probe figures: all_reduce bus bandwidth of 2 gloo ranks (the env stage's torchrun probe), as a ratio
 to the baseline of a single-process copy of the same buffer (what memory bandwidth allows on this host)."""
+
 from __future__ import annotations
 
 import tempfile
@@ -18,7 +19,7 @@ def _copy_gbps(size_mb: float, iters: int = 15) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        src = torch.ones(int(size_mb * 2 ** 20) // 4)
+        src = torch.ones(int(size_mb * 2**20) // 4)
         dst = torch.empty_like(src)
         dst.copy_(src)  # warm-up: page faults
         times = []

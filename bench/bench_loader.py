@@ -8,6 +8,7 @@ Each step takes the next batch from ShardLoader (the wait is measured) and then 
 - loader.after_over_before: the after share over the before share (< 1 = less time waiting for data).
 On a host with one core per rank the sized loader has 0 workers and the figures coincide: that is the finding.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,7 +57,13 @@ def run() -> dict:
         before = _loop(shards, 0, None)
         after = _loop(shards, auto, 2 if auto else None)
         after4 = _loop(shards, auto, 4 if auto else None)
-    return {"loader.data_wait_share": {"before": round(before, 4), "after": round(after, 4),
-                                       "after_prefetch4": round(after4, 4), "cores_per_rank": cores,
-                                       "workers_after": auto},
-            "loader.after_over_before": round(after / before, 3) if before else None}
+    return {
+        "loader.data_wait_share": {
+            "before": round(before, 4),
+            "after": round(after, 4),
+            "after_prefetch4": round(after4, 4),
+            "cores_per_rank": cores,
+            "workers_after": auto,
+        },
+        "loader.after_over_before": round(after / before, 3) if before else None,
+    }

@@ -24,6 +24,7 @@
   transfer above it is the exchange slowed inside the step (gloo's transport threads competing for the 2 cores
   with the ranks' compute, FSDP's own collectives and other jobs), which neither figure of an isolated call holds.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,15 +33,37 @@ import tempfile
 import time
 
 SEQ, BATCH, STEPS = 128, 8, 6
-MOE = dict(family="qwen2_moe", dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=1024, vocab_size=2048,
-           max_seq_len=SEQ, qkv_bias=True, n_experts=8, top_k=2, moe_ffn_dim=256, shared_ffn_dim=512)
+MOE = dict(
+    family="qwen2_moe",
+    dim=256,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=1024,
+    vocab_size=2048,
+    max_seq_len=SEQ,
+    qkv_bias=True,
+    n_experts=8,
+    top_k=2,
+    moe_ffn_dim=256,
+    shared_ffn_dim=512,
+)
 
 
 def _dense():
     from tasks.model import TransformerConfig
 
-    return TransformerConfig(family="qwen2", dim=256, n_layers=4, n_heads=4, n_kv_heads=2,
-                             ffn_dim=2 * 256 + 512, vocab_size=2048, max_seq_len=SEQ, qkv_bias=True)
+    return TransformerConfig(
+        family="qwen2",
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=2 * 256 + 512,
+        vocab_size=2048,
+        max_seq_len=SEQ,
+        qkv_bias=True,
+    )
 
 
 def _tokens_per_s(tcfg, steps=STEPS) -> float:
@@ -99,6 +122,7 @@ def _ep_worker(rank: int, world: int, port: int, out: str) -> None:
             a2a += ep_mod.A2A_SECONDS[0] - before
             calls += ep_mod.A2A_LOG
     ep_mod.A2A_LOG = None
+
     # α: a 1 KB all-to-all between the same ranks (128 fp32 each way); β: one of the step's token all-to-alls
     # (BATCH / world sequences × SEQ × top-k rows of dim fp32, half leaving the rank); medians of 50 after 10 warm-up.
     def median_call(n: int) -> float:
@@ -127,8 +151,15 @@ def _ep_worker(rank: int, world: int, port: int, out: str) -> None:
             shares["transfer"] += (me["a2a"] - wait) / me["total"] / world
             shares["transfer_s"] += (me["a2a"] - wait) / STEPS / world
         with open(out, "w") as f:
-            json.dump({**shares, "calls_per_step": len(calls) / STEPS, "latency_s": everyone[0]["lat"],
-                       "gbps": everyone[0]["gbps"]}, f)
+            json.dump(
+                {
+                    **shares,
+                    "calls_per_step": len(calls) / STEPS,
+                    "latency_s": everyone[0]["lat"],
+                    "gbps": everyone[0]["gbps"],
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 
@@ -145,8 +176,12 @@ def _ep_share() -> dict:
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "ep.json")
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--ep-rank", str(r), str(port), out],
-                                  env=env, cwd=root) for r in range(2)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--ep-rank", str(r), str(port), out], env=env, cwd=root
+            )
+            for r in range(2)
+        ]
         codes = [p.wait(timeout=600) for p in procs]
         if any(codes):
             raise RuntimeError(f"EP bench ranks exited {codes}")
@@ -172,23 +207,30 @@ def run() -> dict:
     pb = MoeProblem(get_cluster("cpu-laptop"), moe_shape_of(moe), SEQ, BATCH, precision="fp32")
     predicted = step_time(pb, MoeLayout(2, 2, 3, "none", BATCH // 2, 1))
     ep = _ep_share()
-    return {"moe.tokens_per_s_ratio_vs_dense_same_active_params": round(moe_tps / dense_tps, 3),
-            "moe.grouped_mm_speedup_vs_loop": round(moe_tps / loop_tps, 3),
-            "moe.params_ratio_vs_dense": round(num_params(moe) / num_params(dense), 2),
-            "moe.ep2_all_to_all_share": round(ep["share"], 3),
-            "moe.ep2_all_to_all_wait_share": round(ep["wait"], 3),
-            "moe.ep2_all_to_all_transfer_share": round(ep["transfer"], 3),
-            "moe.ep2_planner_all_to_all_share": round(predicted["all_to_all_share"], 3),
-            "moe.ep2_all_to_all_transfer_ms_per_step": round(ep["transfer_s"] * 1e3, 2),
-            "moe.ep2_planner_all_to_all_ms_per_step": round(predicted["all_to_all_s"] * 1e3, 2),
-            "moe.ep2_all_to_all_calls_per_step": ep["calls_per_step"],
-            "moe.ep2_planner_all_to_all_calls_per_step": predicted["all_to_all_calls"],
-            "moe.gloo_all_to_all_latency_us": round(ep["latency_s"] * 1e6, 1),
-            "moe.gloo_all_to_all_gbps": round(ep["gbps"], 3),
-            # the same α-β formula with this host's α and β measured on isolated calls instead of the preset's
-            "moe.ep2_alpha_beta_measured_ms_per_step": round(1e3 * (
-                predicted["all_to_all_calls"] * ep["latency_s"] + predicted["all_to_all_transfer_s"]
-                * get_cluster("cpu-laptop").intra_gbps / ep["gbps"]), 2)}
+    return {
+        "moe.tokens_per_s_ratio_vs_dense_same_active_params": round(moe_tps / dense_tps, 3),
+        "moe.grouped_mm_speedup_vs_loop": round(moe_tps / loop_tps, 3),
+        "moe.params_ratio_vs_dense": round(num_params(moe) / num_params(dense), 2),
+        "moe.ep2_all_to_all_share": round(ep["share"], 3),
+        "moe.ep2_all_to_all_wait_share": round(ep["wait"], 3),
+        "moe.ep2_all_to_all_transfer_share": round(ep["transfer"], 3),
+        "moe.ep2_planner_all_to_all_share": round(predicted["all_to_all_share"], 3),
+        "moe.ep2_all_to_all_transfer_ms_per_step": round(ep["transfer_s"] * 1e3, 2),
+        "moe.ep2_planner_all_to_all_ms_per_step": round(predicted["all_to_all_s"] * 1e3, 2),
+        "moe.ep2_all_to_all_calls_per_step": ep["calls_per_step"],
+        "moe.ep2_planner_all_to_all_calls_per_step": predicted["all_to_all_calls"],
+        "moe.gloo_all_to_all_latency_us": round(ep["latency_s"] * 1e6, 1),
+        "moe.gloo_all_to_all_gbps": round(ep["gbps"], 3),
+        # the same α-β formula with this host's α and β measured on isolated calls instead of the preset's
+        "moe.ep2_alpha_beta_measured_ms_per_step": round(
+            1e3
+            * (
+                predicted["all_to_all_calls"] * ep["latency_s"]
+                + predicted["all_to_all_transfer_s"] * get_cluster("cpu-laptop").intra_gbps / ep["gbps"]
+            ),
+            2,
+        ),
+    }
 
 
 if __name__ == "__main__":

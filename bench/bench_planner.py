@@ -3,6 +3,7 @@
 
 bf16 runs the model in bf16 (as FSDP2's MixedPrecisionPolicy does in training); bf16_autocast keeps fp32 weights
 under torch.autocast (as the smoke run does), which also saves bf16 copies of the weights and fp32 residuals."""
+
 from __future__ import annotations
 
 
@@ -26,8 +27,11 @@ def run() -> dict:
         bf16_model = materialize(build_model(tcfg), "cpu").to(torch.bfloat16)
         bf16_model.init_rope()  # the RoPE table stays fp32
         tokens = torch.randint(0, tcfg.vocab_size, (b, s), generator=gen)
-        for label, precision, net, cast in (("fp32", "fp32", model, None), ("bf16", "bf16", bf16_model, None),
-                                            ("bf16_autocast", "bf16", model, torch.bfloat16)):
+        for label, precision, net, cast in (
+            ("fp32", "fp32", model, None),
+            ("bf16", "bf16", bf16_model, None),
+            ("bf16_autocast", "bf16", model, torch.bfloat16),
+        ):
             measured = saved_activation_bytes(net, tokens, lm_loss, cast)
             key = f"planner.act_estimate_over_saved.{preset}_s{s}_b{b}_{label}"
             for flash, suffix in ((True, ""), (False, "_unfused_formula")):
@@ -37,8 +41,9 @@ def run() -> dict:
     seventy = shape_of(get_preset("llama3-70b"))
     result = search(Problem(get_cluster("910b", nodes=8), seventy, 4096, 512))
     best = result["plans"][0]
-    figures["planner.llama3_70b_8x8x910b.best_layout"] = (f"dp{best['dp']} tp{best['tp']} pp{best['pp']} "
-                                                          f"zero{best['zero']} {best['recompute']}")
+    figures["planner.llama3_70b_8x8x910b.best_layout"] = (
+        f"dp{best['dp']} tp{best['tp']} pp{best['pp']} zero{best['zero']} {best['recompute']}"
+    )
     figures["planner.llama3_70b_8x8x910b.best_total_gb"] = round(best["total_bytes"] / GB, 1)
     figures["planner.llama3_70b_8x8x910b.feasible_plans"] = len(result["plans"])
     one_card = search(Problem(get_cluster("910b", devices_per_node=1), None, 4096, 8, n_params=13e9))

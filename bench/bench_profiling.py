@@ -3,6 +3,7 @@
   recording on, the stage's settings) over the same loop unprofiled;
 - the analyser's speed: load_profile + build_report + advise on the traces that loop wrote (copied as 2 ranks),
   over plain json.load of the same files (the floor any trace reader pays)."""
+
 from __future__ import annotations
 
 import json
@@ -61,11 +62,13 @@ def run() -> dict:
         advise(report)
         t_analyze = time.perf_counter() - t0
     events = 2 * len(data["traceEvents"])
-    return {"profiling.step_ms_unprofiled": round(base * 1000, 3),
-            "profiling.step_ms_profiled": round(profiled * 1000, 3),
-            "profiling.step_overhead_ratio": round(profiled / base, 3),
-            "profiling.analyze_events_per_s": round(events / t_analyze),
-            "profiling.analyze_vs_json_load_ratio": round(t_analyze / t_json, 2)}
+    return {
+        "profiling.step_ms_unprofiled": round(base * 1000, 3),
+        "profiling.step_ms_profiled": round(profiled * 1000, 3),
+        "profiling.step_overhead_ratio": round(profiled / base, 3),
+        "profiling.analyze_events_per_s": round(events / t_analyze),
+        "profiling.analyze_vs_json_load_ratio": round(t_analyze / t_json, 2),
+    }
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Headline keys are the pipeline's default method, INT8 weight-only; `quant.w8a8.*
 Everything runs on one thread (`quant.threads`), as a torchrun CPU rank does: on a shared 2-core host two intra-op
 threads measure each other's barrier waits.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ def _cfg():
     from tasks.config import load_config
 
     cfg = load_config("demo-cpu")
-    cfg.tracking.enabled = False              # figures only; the registry path is covered by the tests
+    cfg.tracking.enabled = False  # figures only; the registry path is covered by the tests
     cfg.hardware.device = "cpu"
     cfg.data.out_dir = str(WORK / "data")
     cfg.data.shard_multiple = 1
@@ -76,7 +77,7 @@ def trained_model(cfg) -> tuple[Path, Path, dict]:
         record = json.loads(record_path.read_text())
         return root / "hf", Path(record["shard_dir"]), record
     if WORK.exists():
-        shutil.rmtree(WORK)                   # another key: a stale cache
+        shutil.rmtree(WORK)  # another key: a stale cache
     shards = build_shard_set(shard_config(cfg)).shard_dir
     t = cfg.train
     tcfg = get_preset(cfg.model.preset)
@@ -144,13 +145,16 @@ def measure() -> dict:
     model_dir, shards, record = trained_model(cfg)
     curve = {int(k): v for k, v in record["val_ppl_curve"].items()}
     steps = sorted(curve)
-    last, before = curve[steps[-1]], curve[steps[-3]]   # the last 100 steps of 300
+    last, before = curve[steps[-1]], curve[steps[-3]]  # the last 100 steps of 300
     cfg.evaluate.prompts = []
     cfg.evaluate.eval_batches = 16
-    cfg.evaluate.max_drop_pct = 100.0         # measure, don't gate
+    cfg.evaluate.max_drop_pct = 100.0  # measure, don't gate
     cfg.quantize.qat_on_fail = False
-    out = {"quant.model_train_steps": record["steps"], "quant.model_val_ppl": round(last, 2),
-           "quant.model_val_ppl_fall_last_100_steps_pct": round((before - last) / before * 100, 2)}
+    out = {
+        "quant.model_train_steps": record["steps"],
+        "quant.model_val_ppl": round(last, 2),
+        "quant.model_val_ppl_fall_last_100_steps_pct": round((before - last) / before * 100, 2),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         qdirs = {}
@@ -158,21 +162,31 @@ def measure() -> dict:
             cfg.quantize.method = method
             r = _stages(cfg, tmp / method, model_dir, shards)
             qdirs[prefix] = r["quant_dir"]
-            out.update({f"{prefix}size_ratio_vs_bf16": r["size_ratio_vs_bf16"],
-                        f"{prefix}accuracy_drop_pct": r["accuracy_drop_pct"],
-                        f"{prefix}ppl_drop_pct": r["ppl_drop_pct"],
-                        f"{prefix}greedy_agreement": r["greedy_agreement"]})
+            out.update(
+                {
+                    f"{prefix}size_ratio_vs_bf16": r["size_ratio_vs_bf16"],
+                    f"{prefix}accuracy_drop_pct": r["accuracy_drop_pct"],
+                    f"{prefix}ppl_drop_pct": r["ppl_drop_pct"],
+                    f"{prefix}greedy_agreement": r["greedy_agreement"],
+                }
+            )
         out["quant.bf16_ppl"], out["quant.bf16_top1_accuracy"] = r["ref_ppl"], r["ref_accuracy"]
         fp32 = load_hf(model_dir).eval()
         bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
         bf16.init_rope()
-        models = {"fp32": fp32, "bf16": bf16, "quant.": load_quantized(qdirs["quant."]),
-                  "quant.w8a8.": load_quantized(qdirs["quant.w8a8."])}
+        models = {
+            "fp32": fp32,
+            "bf16": bf16,
+            "quant.": load_quantized(qdirs["quant."]),
+            "quant.w8a8.": load_quantized(qdirs["quant.w8a8."]),
+        }
         speed = _speed(models, shards)
     for b, s in speed.items():
         for what in ("prefill", "decode"):
-            tps = {n: (b * PROMPT / v["prefill_s"] if what == "prefill" else v["decode_tokens_per_s"])
-                   for n, v in s.items()}
+            tps = {
+                n: (b * PROMPT / v["prefill_s"] if what == "prefill" else v["decode_tokens_per_s"])
+                for n, v in s.items()
+            }
             out[f"quant.bf16_{what}_tokens_per_s.b{b}"] = round(tps["bf16"], 1)
             for prefix in ("quant.", "quant.w8a8."):
                 for base in ("bf16", "fp32"):

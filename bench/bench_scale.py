@@ -12,6 +12,7 @@ hidden-sharded DTensor), not exported.
 zero.estimate_over_measured.{0,1,2,3}: the demo model on dp 2, one run per stage: the planner's estimate over the
 measured training-phase peak held (worst rank).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,26 @@ def _train(tmp: Path, shards: Path, name: str, sets: dict, export: bool) -> Path
 
     cfg = load_config("demo-cpu")
     cfg.tracking.enabled = False
-    apply_overrides(cfg, {"data.loader_workers": 0, "train.checkpoint_every": 0, "hardware.device": "cpu",
-                          "parallel.tp": 1, "parallel.pp": 1, **sets})
+    apply_overrides(
+        cfg,
+        {
+            "data.loader_workers": 0,
+            "train.checkpoint_every": 0,
+            "hardware.device": "cpu",
+            "parallel.tp": 1,
+            "parallel.pp": 1,
+            **sets,
+        },
+    )
     run_dir = tmp / name
-    train.run(cfg, StageContext(run_dir=run_dir, stage="train",
-                                args=argparse.Namespace(shard_dir=str(shards), fresh=True, no_export=not export)))
+    train.run(
+        cfg,
+        StageContext(
+            run_dir=run_dir,
+            stage="train",
+            args=argparse.Namespace(shard_dir=str(shards), fresh=True, no_export=not export),
+        ),
+    )
     return run_dir
 
 
@@ -78,8 +94,10 @@ def _layout_figures(summary: dict, spec: dict, prefix: str) -> dict:
         f"{prefix}.held_over_full_model": round(max(held_train) / full, 3),
         f"{prefix}.estimate_gb": round(spec["estimate_bytes"] / GB, 3),
         f"{prefix}.estimate_over_measured": round(figures["memory.estimate_over_measured"], 3),
-        **{f"{prefix}.estimate_over_measured.rank{r}": round(spec["estimate_bytes"] / h, 3)
-           for r, h in enumerate(held_train)},
+        **{
+            f"{prefix}.estimate_over_measured.rank{r}": round(spec["estimate_bytes"] / h, 3)
+            for r, h in enumerate(held_train)
+        },
     }
 
 
@@ -87,25 +105,35 @@ def _scale(tmp: Path, shards: Path) -> dict:
     ckpt = tmp / "qwen2-0.5b-hf"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     subprocess.run([sys.executable, "-c", _WRITE_HF, str(ckpt)], check=True, env=env)  # its memory is freed
-    common = {"model.hf_path": str(ckpt), "data.seq_len": SCALE_SEQ, "train.steps": SCALE_STEPS,
-              "train.global_batch": 4, "train.micro_batch": 1, "train.precision": "fp32", "parallel.zero": 3,
-              "hardware.nproc_per_node": 4}
+    common = {
+        "model.hf_path": str(ckpt),
+        "data.seq_len": SCALE_SEQ,
+        "train.steps": SCALE_STEPS,
+        "train.global_batch": 4,
+        "train.micro_batch": 1,
+        "train.precision": "fp32",
+        "parallel.zero": 3,
+        "hardware.nproc_per_node": 4,
+    }
     run_dir = _train(tmp, shards, "qwen2_0_5b", {**common, "parallel.dp": 4}, export=True)
     summary, spec, export = _read(run_dir)
     phases = summary["memory_phases_per_rank"]
     shard = [r["param_elems"] * 4 for r in summary["sharding_per_rank"]]
     out = {
         **_layout_figures(summary, spec, "scale.qwen2_0_5b"),
-        "scale.hf_import_peak_rss_over_shard": round(max((ph["init"] - ph["base"]) / s
-                                                         for ph, s in zip(phases, shard)), 3),
-        "scale.hf_export_peak_rss_over_shard": round(max((r["export"] - r["base"]) / r["written_bytes"]
-                                                         for r in export["per_rank"] if r["written_bytes"]), 3),
+        "scale.hf_import_peak_rss_over_shard": round(
+            max((ph["init"] - ph["base"]) / s for ph, s in zip(phases, shard)), 3
+        ),
+        "scale.hf_export_peak_rss_over_shard": round(
+            max((r["export"] - r["base"]) / r["written_bytes"] for r in export["per_rank"] if r["written_bytes"]), 3
+        ),
     }
     from tasks.errors import StageError
 
     try:  # its failure (e.g. the host's memory taken by other work) must not drop the dp4 figures above
-        run_dir = _train(tmp, shards, "qwen2_0_5b_dp2_tp2", {**common, "parallel.dp": 2, "parallel.tp": 2},
-                         export=False)
+        run_dir = _train(
+            tmp, shards, "qwen2_0_5b_dp2_tp2", {**common, "parallel.dp": 2, "parallel.tp": 2}, export=False
+        )
     except StageError as e:
         out["scale.qwen2_0_5b.dp2_tp2.error"] = str(e)[:300]
         return out
@@ -119,13 +147,27 @@ def _zero(tmp: Path, shards: Path) -> dict:
 
     out = {}
     for zero in (0, 1, 2, 3):
-        run_dir = _train(tmp, shards, f"zero{zero}", {
-            "model.preset": "demo", "data.seq_len": 128, "train.steps": 3, "train.global_batch": 8,
-            "train.micro_batch": 4, "train.precision": "fp32", "parallel.dp": 2, "parallel.zero": zero,
-            "hardware.nproc_per_node": 2}, export=False)
+        run_dir = _train(
+            tmp,
+            shards,
+            f"zero{zero}",
+            {
+                "model.preset": "demo",
+                "data.seq_len": 128,
+                "train.steps": 3,
+                "train.global_batch": 8,
+                "train.micro_batch": 4,
+                "train.precision": "fp32",
+                "parallel.dp": 2,
+                "parallel.zero": zero,
+                "hardware.nproc_per_node": 2,
+            },
+            export=False,
+        )
         summary, spec, _ = _read(run_dir)
         out[f"zero.estimate_over_measured.{zero}"] = round(
-            memory_figures(summary, None, spec["estimate_bytes"], "cpu")["memory.estimate_over_measured"], 3)
+            memory_figures(summary, None, spec["estimate_bytes"], "cpu")["memory.estimate_over_measured"], 3
+        )
     return out
 
 

@@ -18,6 +18,7 @@ FLOPs per token: 6 × matmul parameters plus causal attention as a causal kernel
 the s(s+1)/2 visible pairs, forward + backward: 12·L·H·d·(s+1)/2). Step and peak are interleaved round by round;
 the per-round ratio's median is reported.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,7 +48,7 @@ def matmul_peak_flops(n: int = 1024, reps: int = 4, dtype=torch.float32) -> floa
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def step_flops(tcfg, batch: int, seq: int) -> float:
@@ -72,11 +73,21 @@ def plain_step(model, opt, x, y):
 def hf_llama(tcfg):
     import transformers
 
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=tcfg.dim, intermediate_size=tcfg.ffn_dim, num_hidden_layers=tcfg.n_layers,
-        num_attention_heads=tcfg.n_heads, num_key_value_heads=tcfg.n_kv_heads, vocab_size=tcfg.vocab_size,
-        max_position_embeddings=tcfg.max_seq_len, rms_norm_eps=tcfg.norm_eps, tie_word_embeddings=False,
-        use_cache=False, attn_implementation="sdpa"))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            hidden_size=tcfg.dim,
+            intermediate_size=tcfg.ffn_dim,
+            num_hidden_layers=tcfg.n_layers,
+            num_attention_heads=tcfg.n_heads,
+            num_key_value_heads=tcfg.n_kv_heads,
+            vocab_size=tcfg.vocab_size,
+            max_position_embeddings=tcfg.max_seq_len,
+            rms_norm_eps=tcfg.norm_eps,
+            tie_word_embeddings=False,
+            use_cache=False,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def _batch(tcfg):
@@ -97,7 +108,7 @@ def ratios() -> dict:
     times = {k: [] for k in steps}
     names = list(steps)
     for r in range(WARMUP + ROUNDS):
-        for name in names[r % 3:] + names[:r % 3]:  # rotate the order: no variant always runs first
+        for name in names[r % 3 :] + names[: r % 3]:  # rotate the order: no variant always runs first
             model, step = steps[name]
             t = time.process_time()
             step(model, opts[name])
@@ -107,9 +118,11 @@ def ratios() -> dict:
     def ratio(other: str) -> float:  # per round, then the median: variants of one round saw the same machine
         return round(statistics.median(a / b for a, b in zip(times["ours"], times[other])), 3)
 
-    return {"train_step.ratio_vs_plain_loop": ratio("plain"),
-            "train_step.ratio_vs_transformers": ratio("transformers"),
-            "train_step.cpu_seconds_per_step_1_thread": round(statistics.median(times["ours"]), 4)}
+    return {
+        "train_step.ratio_vs_plain_loop": ratio("plain"),
+        "train_step.ratio_vs_transformers": ratio("transformers"),
+        "train_step.cpu_seconds_per_step_1_thread": round(statistics.median(times["ours"]), 4),
+    }
 
 
 def mfu() -> dict:
@@ -130,11 +143,13 @@ def mfu() -> dict:
         per_round.append(flops / dt / peak)
         step_s.append(dt)
         peaks.append(peak)
-    return {"train_step.cpu_mfu": round(statistics.median(per_round), 4),
-            "train_step.cpu_matmul_peak_gflops": round(statistics.median(peaks) / 1e9, 1),
-            "train_step.achieved_gflops": round(flops / statistics.median(step_s) / 1e9, 1),
-            "train_step.wall_seconds_per_step": round(statistics.median(step_s), 4),
-            "train_step.threads": torch.get_num_threads()}
+    return {
+        "train_step.cpu_mfu": round(statistics.median(per_round), 4),
+        "train_step.cpu_matmul_peak_gflops": round(statistics.median(peaks) / 1e9, 1),
+        "train_step.achieved_gflops": round(flops / statistics.median(step_s) / 1e9, 1),
+        "train_step.wall_seconds_per_step": round(statistics.median(step_s), 4),
+        "train_step.threads": torch.get_num_threads(),
+    }
 
 
 def run() -> dict:

@@ -7,6 +7,7 @@ Not part of `make bench` (it needs a GPU/NPU). On a lent machine:
 Tokens are synthetic (seeded random ids): the figure is the model step, not the data pipeline.
 Keys: gpu_train.tokens_per_s, gpu_train.mfu, gpu_train.peak_mem_gb, gpu_train.step_time_s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,29 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # Llama-3.2-1B's shape with an untied output projection (1.50B parameters).
-LLAMA_1B = dict(family="llama", dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
-                rope_theta=500000.0, max_seq_len=8192)
+LLAMA_1B = dict(
+    family="llama",
+    dim=2048,
+    n_layers=16,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_dim=8192,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_seq_len=8192,
+)
 
 
 def _init_dist(backend_name: str):
     import torch.distributed as dist
 
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29531")):
+    for key, value in (
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_RANK", "0"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", "29531"),
+    ):
         os.environ.setdefault(key, value)  # plain `python bench/gpu_train.py` = a world of one
     dist.init_process_group(backend_name)
     return dist.get_rank(), dist.get_world_size()
@@ -67,8 +82,9 @@ def main(argv=None) -> dict:
     device = torch_device(backend.kind, int(os.environ["LOCAL_RANK"]))
     tcfg = get_preset(args.preset) if args.preset else TransformerConfig(**LLAMA_1B)
     local = args.micro_batch * args.accum
-    lay = Layout(dp=world, tp=1, pp=1, zero=3, recompute=args.recompute, micro_batch=args.micro_batch,
-                 global_batch=local * world)
+    lay = Layout(
+        dp=world, tp=1, pp=1, zero=3, recompute=args.recompute, micro_batch=args.micro_batch, global_batch=local * world
+    )
     mesh = build_mesh(device.type, 1, world, 1)
     [(_, model)], _ = build_parts(tcfg, lay, mesh, coords(mesh), device, args.precision, seed=0)
     train_cfg = TrainConfig(steps=args.steps, lr=3e-4, min_lr=3e-5, warmup_steps=2)
@@ -91,18 +107,29 @@ def main(argv=None) -> dict:
         losses.append(loss.item())
         if rank == 0:
             print(f"step {i + 1}: loss {losses[-1]:.3f}, {times[-1]:.3f} s", flush=True)
-    step_s = statistics.median(times[args.warmup:] or times)
+    step_s = statistics.median(times[args.warmup :] or times)
     tps = lay.global_batch * args.seq_len / step_s
     peak = peak_flops(device, args.peak_tflops)
     mem = memory_stats(device)
-    result = {"gpu_train.tokens_per_s": round(tps, 1), "gpu_train.step_time_s": round(step_s, 4),
-              "gpu_train.mfu": round(flops_per_token(tcfg, args.seq_len) * tps / (peak * world), 4) if peak else None,
-              "gpu_train.peak_mem_gb": round(mem["peak_bytes"] / GB, 2),
-              "gpu_train.peak_reserved_gb": round(mem["peak_reserved_bytes"] / GB, 2),
-              "config": {"params": num_params(tcfg), "world": world, "device": str(device),
-                         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-                         "seq_len": args.seq_len, "global_batch": lay.global_batch, "precision": args.precision,
-                         "recompute": args.recompute, "first_loss": losses[0], "last_loss": losses[-1]}}
+    result = {
+        "gpu_train.tokens_per_s": round(tps, 1),
+        "gpu_train.step_time_s": round(step_s, 4),
+        "gpu_train.mfu": round(flops_per_token(tcfg, args.seq_len) * tps / (peak * world), 4) if peak else None,
+        "gpu_train.peak_mem_gb": round(mem["peak_bytes"] / GB, 2),
+        "gpu_train.peak_reserved_gb": round(mem["peak_reserved_bytes"] / GB, 2),
+        "config": {
+            "params": num_params(tcfg),
+            "world": world,
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "seq_len": args.seq_len,
+            "global_batch": lay.global_batch,
+            "precision": args.precision,
+            "recompute": args.recompute,
+            "first_loss": losses[0],
+            "last_loss": losses[-1],
+        },
+    }
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))

@@ -6,6 +6,7 @@ fails is recorded as an error (and makes this exit non-zero) without hiding the 
 that bench's old ones, every other figure is kept as it was, with the date and machine it was measured on
 (each figure carries its own provenance), and the files say which benches this run refreshed.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,8 +30,12 @@ def machine() -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"python": platform.python_version(), "platform": platform.platform(), "processor": cpu,
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": cpu,
+        "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
 
 
 def _legacy_provenance(previous: dict) -> dict:
@@ -48,8 +53,11 @@ def merge(previous: dict, fresh: dict[str, dict], stamp: dict) -> tuple[dict, di
     prov = {k: prov.get(k) or {"date": "unknown", "machine": {}, "bench": None} for k in figures}
     for name, figs in fresh.items():
         areas = {k.split(".", 1)[0] for k in figs}
-        stale = [k for k, p in prov.items()
-                 if p.get("bench") == name or (p.get("bench") is None and k.split(".", 1)[0] in areas)]
+        stale = [
+            k
+            for k, p in prov.items()
+            if p.get("bench") == name or (p.get("bench") is None and k.split(".", 1)[0] in areas)
+        ]
         for k in stale:
             figures.pop(k, None)
             prov.pop(k, None)
@@ -70,9 +78,13 @@ def markdown(doc: dict) -> str:
         if label not in machines:
             machines.append(label)
     refreshed = ", ".join(doc["refreshed"]) or "none"
-    lines = ["# Benchmark results", "",
-             f"Last run {doc['date']} refreshed: {refreshed}. Every other figure is from its own earlier run: "
-             "each row says when and on which machine (M#) it was measured.", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Last run {doc['date']} refreshed: {refreshed}. Every other figure is from its own earlier run: "
+        "each row says when and on which machine (M#) it was measured.",
+        "",
+    ]
     lines += [f"- M{i + 1}: {label}" for i, label in enumerate(machines)]
     lines += ["", "| figure | value | measured |", "|---|---|---|"]
     for k in sorted(doc["figures"]):
@@ -88,11 +100,14 @@ def main(argv: list[str]) -> int:
     from tasks.fsutil import atomic_write_json, atomic_write_text
 
     # sorted: the data bench (peak RSS of this process and its workers) runs before the model benches grow the heap
-    names = sorted(set(argv)) if argv else sorted(p.stem[len("bench_"):] for p in HERE.glob("bench_*.py"))
+    names = sorted(set(argv)) if argv else sorted(p.stem[len("bench_") :] for p in HERE.glob("bench_*.py"))
     unknown = [n for n in names if not (HERE / f"bench_{n}.py").is_file()]
     if unknown:
-        print(f"run_all: no bench/bench_{unknown[0]}.py; choose from "
-              f"{', '.join(sorted(p.stem[6:] for p in HERE.glob('bench_*.py')))}", file=sys.stderr)
+        print(
+            f"run_all: no bench/bench_{unknown[0]}.py; choose from "
+            f"{', '.join(sorted(p.stem[6:] for p in HERE.glob('bench_*.py')))}",
+            file=sys.stderr,
+        )
         return 2
     out_json = HERE / "results.json"
     fresh, errors, timings = {}, {}, {}
@@ -116,8 +131,15 @@ def main(argv: list[str]) -> int:
     previous = json.loads(out_json.read_text()) if argv and out_json.exists() else {}  # full run: nothing old
     timings = {**previous.get("seconds", {}), **timings}
     figures, prov = merge(previous, fresh, stamp)
-    doc = {"figures": figures, "provenance": prov, "refreshed": sorted(fresh), "errors": errors,
-           "seconds": timings, "date": stamp["date"], "machine": stamp["machine"]}
+    doc = {
+        "figures": figures,
+        "provenance": prov,
+        "refreshed": sorted(fresh),
+        "errors": errors,
+        "seconds": timings,
+        "date": stamp["date"],
+        "machine": stamp["machine"],
+    }
     atomic_write_json(out_json, doc)
     atomic_write_text(HERE / "results.md", markdown(doc))
     print(f"\nwrote {out_json} and {HERE / 'results.md'} (refreshed: {', '.join(sorted(fresh)) or 'none'})")

@@ -5,6 +5,7 @@ Called from the main DAG's stage tasks (never at parse time) for env, smoke, tra
 it. The connection `kubernetes_default` (in-cluster, or a kubeconfig) chooses the cluster. Not a DAG file: listed in
 dags/.airflowignore.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,10 @@ def _hook(conn_id: str):
     try:
         from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
     except ImportError as e:
-        raise StageError(f"hardware.launcher=kubernetes needs the cncf provider ({e}); "
-                         "pip install -r requirements-k8s.txt on the Airflow workers") from None
+        raise StageError(
+            f"hardware.launcher=kubernetes needs the cncf provider ({e}); "
+            "pip install -r requirements-k8s.txt on the Airflow workers"
+        ) from None
     return KubernetesHook(conn_id=conn_id)
 
 
@@ -35,8 +38,15 @@ def _describe_pods(hook, namespace: str, name: str) -> str:
     return ", ".join(out)
 
 
-def run_stage_job(stage: str, cfg, dag_id: str, run_id: str, try_number: int = 1,
-                  conn_id: str = "kubernetes_default", poll_s: float = 30.0) -> dict:
+def run_stage_job(
+    stage: str,
+    cfg,
+    dag_id: str,
+    run_id: str,
+    try_number: int = 1,
+    conn_id: str = "kubernetes_default",
+    poll_s: float = 30.0,
+) -> dict:
     from tasks import k8s_job, tracking
     from tasks.errors import StageError
     from tasks.runner import default_run_dir
@@ -53,6 +63,7 @@ def run_stage_job(stage: str, cfg, dag_id: str, run_id: str, try_number: int = 1
         hook.create_custom_object(group=group, version=version, plural=plural, body=pg, namespace=namespace)
     hook.apply_from_yaml_file(yaml_objects=[m for m in manifests if m["kind"] != "PodGroup"], namespace=namespace)
     try:
+
         def status():
             job = hook.get_job_status(job_name=name, namespace=namespace)
             if not hook.is_job_complete(job=job):
@@ -60,11 +71,15 @@ def run_stage_job(stage: str, cfg, dag_id: str, run_id: str, try_number: int = 1
             return True, hook.is_job_failed(job=job) or ""
 
         try:
-            _, reason = k8s_job.wait_for_job(status, name, k8s_job.deadline_s(stage, cfg, run_dir), poll_s,
-                                             describe=lambda: _describe_pods(hook, namespace, name))
+            _, reason = k8s_job.wait_for_job(
+                status,
+                name,
+                k8s_job.deadline_s(stage, cfg, run_dir),
+                poll_s,
+                describe=lambda: _describe_pods(hook, namespace, name),
+            )
         except StageError:
-            hook.batch_v1_client.delete_namespaced_job(name=name, namespace=namespace,
-                                                       propagation_policy="Foreground")
+            hook.batch_v1_client.delete_namespaced_job(name=name, namespace=namespace, propagation_policy="Foreground")
             raise
         if reason:
             # train is retryable: the next try submits a new Job that resumes from the DCP checkpoint.
@@ -76,7 +91,8 @@ def run_stage_job(stage: str, cfg, dag_id: str, run_id: str, try_number: int = 1
             if any(m["kind"] == "Service" for m in manifests):
                 hook.core_v1_client.delete_namespaced_service(name=name, namespace=namespace)
             for pg in custom:
-                hook.delete_custom_object(group=group, version=version, plural=plural, name=pg["metadata"]["name"],
-                                          namespace=namespace)
+                hook.delete_custom_object(
+                    group=group, version=version, plural=plural, name=pg["metadata"]["name"], namespace=namespace
+                )
         except Exception as e:  # already gone, or no permission: the job's own outcome is what matters
             log.warning("could not delete the service/podgroup of %s/%s: %s", namespace, name, e)

@@ -5,6 +5,7 @@ A cache hit (same corpus, same config) publishes nothing. A new shard-set versio
 `llm-shard-set` alias, which schedules `llm_pipeline` (data-aware retraining). The main DAG shards too (a cache
 hit then), but never publishes, so a run can never trigger itself.
 """
+
 from __future__ import annotations
 
 import pendulum
@@ -25,7 +26,7 @@ DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_siz
     doc_md=__doc__,
     tags=["llm", "data"],
     params={n: Param(**s) for n, s in param_schemas().items() if n in DATA_PARAMS},
-    on_success_callback=end_parent_run(success=True),   # the MLflow parent run ends with the DAG run's outcome
+    on_success_callback=end_parent_run(success=True),  # the MLflow parent run ends with the DAG run's outcome
     on_failure_callback=end_parent_run(success=False),
 )
 def llm_data():
@@ -43,8 +44,10 @@ def llm_data():
         except StageError as e:
             raise AirflowFailException(str(e)) from None
         if not result.get("cache_hit", False):
-            outlet_events[SHARD_SET].add(Asset(uri=result["asset_uri"], name=f"llm-{result['version']}"),
-                                         extra={"manifest_digest": result.get("manifest_digest", "")})
+            outlet_events[SHARD_SET].add(
+                Asset(uri=result["asset_uri"], name=f"llm-{result['version']}"),
+                extra={"manifest_digest": result.get("manifest_digest", "")},
+            )
         return result
 
     shard()

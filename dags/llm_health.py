@@ -9,6 +9,7 @@ dropped card, HBM full with no process on the chip, a clock beyond `hardware.max
 or disk/host memory below the minimums. Logic: `tasks/stages/health.py`, run by `runner.run_stage` like every stage
 (result file `<run-dir>/health.json`, lock, one-line error; also `python -m tasks health`).
 """
+
 from __future__ import annotations
 
 import pendulum
@@ -23,8 +24,14 @@ from airflow.sdk import Param, dag, task
     max_active_runs=1,
     doc_md=__doc__,
     tags=["llm", "ascend", "health"],
-    params={"preset": Param("demo-cpu", type="string", title="Configuration preset",
-                            description="The preset whose hardware section sets the alarm thresholds.")},
+    params={
+        "preset": Param(
+            "demo-cpu",
+            type="string",
+            title="Configuration preset",
+            description="The preset whose hardware section sets the alarm thresholds.",
+        )
+    },
     default_args={"retries": 0},
 )
 def llm_health():
@@ -41,8 +48,11 @@ def llm_health():
         ctx = get_current_context()
         try:
             cfg = load_config(ctx["params"]["preset"])
-            return run_health(cfg, default_run_dir(ctx["dag"].dag_id, ctx["run_id"]),
-                              tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]})
+            return run_health(
+                cfg,
+                default_run_dir(ctx["dag"].dag_id, ctx["run_id"]),
+                tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]},
+            )
         except StageError as e:
             raise AirflowFailException(str(e)) from None  # an alarm: a retry an hour later is the next run
 

@@ -10,6 +10,7 @@ Runs weekly (no catch-up) and whenever the `llm_data` DAG publishes a new shard 
 Results: `var/runs/llm_pipeline/<run_id>/`; MLflow: one parent run per DAG run, one child run per stage
 (each task's **MLflow run** link opens it).
 """
+
 from __future__ import annotations
 
 import pendulum
@@ -22,22 +23,22 @@ SHARD_SET = AssetAlias("llm-shard-set")  # the llm_data DAG attaches each newly 
 
 DOCS = {
     "env": "Versions (Python, torch, torch_npu, CANN, driver) against the compatibility matrix, devices, "
-           "npu-smi health, a collective all_reduce + bandwidth probe, clock offset, HCCL timeouts, disk and memory.",
+    "npu-smi health, a collective all_reduce + bandwidth probe, clock offset, HCCL timeouts, disk and memory.",
     "shard": "Corpus → cleaned, deduplicated documents → BPE tokenizer → packed windows → WebDataset shards with a "
-             "manifest. Same input and config: a cache hit, nothing rewritten.",
+    "manifest. Same input and config: a cache hit, nothing rewritten.",
     "smoke": "One device, the configured model: N steps in FP32, then the same in BF16. Fails (and stops the run) "
-             "on a non-finite loss, a loss that does not fall, or FP32/BF16 curves that disagree; names the first bad "
-             "layer.",
+    "on a non-finite loss, a loss that does not fall, or FP32/BF16 curves that disagree; names the first bad "
+    "layer.",
     "plan": "Memory estimate and DP/TP/PP/ZeRO/recompute search for the cluster; the best feasible plan configures "
-            "training unless parallel.dp/tp/pp are pinned.",
+    "training unless parallel.dp/tp/pp are pinned.",
     "train": "torchrun over one DeviceMesh (pp × dp × tp): FSDP2, tensor and pipeline parallel, recompute, BF16, DCP "
-             "checkpoints. A retry resumes from the latest complete checkpoint.",
+    "checkpoints. A retry resumes from the latest complete checkpoint.",
     "profile": "A short profiled run of the same trainer and plan (torch_npu.profiler on Ascend, torch.profiler "
-               "elsewhere), analysed into a report with advisor findings and a comparison with the last baseline.",
+    "elsewhere), analysed into a report with advisor findings and a comparison with the last baseline.",
     "quantize": "INT8 post-training quantization: AMCT on Ascend, torchao elsewhere; skips configured layers.",
     "evaluate": "INT8 vs BF16 on held-out tokens disjoint from calibration: top-1 accuracy, perplexity, greedy "
-                "agreement, size, prefill/decode speed; QAT when PTQ misses the gate; the gate registers a version "
-                "(alias candidate, champion when better than the current one).",
+    "agreement, size, prefill/decode speed; QAT when PTQ misses the gate; the gate registers a version "
+    "(alias candidate, champion when better than the current one).",
 }
 
 
@@ -48,9 +49,18 @@ def triggering_shard_sets(ctx) -> list[dict]:
         found = events[SHARD_SET] if events else []
     except KeyError:
         return []
-    return [{"uri": e.asset.uri, "name": e.asset.name, "extra": dict(e.extra or {}), "source_dag_id": e.source_dag_id,
-             "source_run_id": e.source_run_id, "source_task_id": e.source_task_id,
-             "timestamp": e.timestamp.isoformat() if e.timestamp else None} for e in found]
+    return [
+        {
+            "uri": e.asset.uri,
+            "name": e.asset.name,
+            "extra": dict(e.extra or {}),
+            "source_dag_id": e.source_dag_id,
+            "source_run_id": e.source_run_id,
+            "source_task_id": e.source_task_id,
+            "timestamp": e.timestamp.isoformat() if e.timestamp else None,
+        }
+        for e in found
+    ]
 
 
 def run_stage_task(stage: str) -> dict:
@@ -82,8 +92,9 @@ def run_stage_task(stage: str) -> dict:
         raise AirflowFailException(os_error_cause(e)) from None
     except Exception as e:  # a Python exception in the stage itself: a retry would fail the same way
         first = str(e).splitlines()[0] if str(e) else ""
-        raise AirflowFailException(f"{stage}: {type(e).__name__}: {first} (traceback in the task log and "
-                                   f"<run-dir>/{stage}.json)") from e
+        raise AirflowFailException(
+            f"{stage}: {type(e).__name__}: {first} (traceback in the task log and <run-dir>/{stage}.json)"
+        ) from e
 
 
 def bound_from_run_config(context) -> None:
@@ -127,9 +138,14 @@ def stage_task(stage_id: str):
         return run_stage_task(stage_id)
 
     body.__name__ = stage_id
-    return task(task_id=stage_id, doc_md=DOCS[stage_id], on_failure_callback=notify_failure,
-                execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, load_config())),
-                pre_execute=bound_from_run_config, **RETRIES.get(stage_id, {}))(body)
+    return task(
+        task_id=stage_id,
+        doc_md=DOCS[stage_id],
+        on_failure_callback=notify_failure,
+        execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, load_config())),
+        pre_execute=bound_from_run_config,
+        **RETRIES.get(stage_id, {}),
+    )(body)
 
 
 @dag(
@@ -142,7 +158,7 @@ def stage_task(stage_id: str):
     tags=["llm", "ascend", "training"],
     params={name: Param(**schema) for name, schema in param_schemas().items()},
     default_args={"retries": 0},
-    on_success_callback=end_parent_run(success=True),   # the MLflow parent run ends with the DAG run's outcome
+    on_success_callback=end_parent_run(success=True),  # the MLflow parent run ends with the DAG run's outcome
     on_failure_callback=end_parent_run(success=False),
 )
 def llm_pipeline():
@@ -155,8 +171,11 @@ def llm_pipeline():
         ctx = get_current_context()
         return print_summary(dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"])
 
-    @task(task_id="pipeline_ok", doc_md="Fails unless every stage succeeded, so the run's state tells the truth "
-                                        "(the summary task runs either way).")
+    @task(
+        task_id="pipeline_ok",
+        doc_md="Fails unless every stage succeeded, so the run's state tells the truth "
+        "(the summary task runs either way).",
+    )
     def pipeline_ok() -> None:
         return None
 

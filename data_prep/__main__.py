@@ -3,6 +3,7 @@
 
 Errors print one line and exit 2. The pipeline's own entry is `python -m tasks shard` (same code, plus MLflow).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,15 @@ def main(argv=None) -> int:
     shard.add_argument("--input", nargs="+", default=None, help="files, directories, globs or 'stdlib'")
     shard.add_argument("--out", default=None, help="output root; the shard set is <out>/<version>/")
     shard.add_argument("--config", default=None, help="YAML: a pipeline preset (its data: section) or flat keys")
-    shard.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                       help=f"override settings, several after one --set or --set repeated "
-                            f"({', '.join(ShardConfig.model_fields)})")
+    shard.add_argument(
+        "--set",
+        dest="sets",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override settings, several after one --set or --set repeated ({', '.join(ShardConfig.model_fields)})",
+    )
     shard.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     verify = sub.add_parser("verify", help="check every shard's size and sha256 against the manifest")
     verify.add_argument("shard_dir")
@@ -61,13 +68,22 @@ def main(argv=None) -> int:
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = {"shard_dir": str(result.shard_dir), "cache_hit": result.cache_hit, "manifest_digest": result.digest,
-               "tokens": result.tokens, "tokens_per_s": round(result.tokens_per_s),
-               "splits": {k: {"samples": v["samples"], "shards": len(v["shards"])}
-                          for k, v in result.manifest["splits"].items()}}
-    print(json.dumps(summary, indent=2) if args.json else
-          f"{'cached' if result.cache_hit else 'built'} {result.shard_dir} "
-          + " ".join(f"{k}={v['samples']} samples/{v['shards']} shards" for k, v in summary["splits"].items()))
+    summary = {
+        "shard_dir": str(result.shard_dir),
+        "cache_hit": result.cache_hit,
+        "manifest_digest": result.digest,
+        "tokens": result.tokens,
+        "tokens_per_s": round(result.tokens_per_s),
+        "splits": {
+            k: {"samples": v["samples"], "shards": len(v["shards"])} for k, v in result.manifest["splits"].items()
+        },
+    }
+    print(
+        json.dumps(summary, indent=2)
+        if args.json
+        else f"{'cached' if result.cache_hit else 'built'} {result.shard_dir} "
+        + " ".join(f"{k}={v['samples']} samples/{v['shards']} shards" for k, v in summary["splits"].items())
+    )
     return 0
 
 

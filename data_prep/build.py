@@ -4,6 +4,7 @@ The version directory's name is a hash of the source fingerprint, the output-sha
 identity: the same source and config find the published directory and rewrite nothing (a cache hit); any change
 gives a new version beside the old one.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +24,16 @@ from data_prep.corpus import CorpusStats, fingerprint, resolve_inputs
 from data_prep.errors import DataPrepError
 from data_prep.manifest import FORMAT, MANIFEST, digest, load_manifest, manifest_bytes
 from data_prep.pack import TokenFile, plan_shards
-from data_prep.tokenizer import (encode_stream, find_eos, load_tokenizer, token_dtype, tokenizer_companions,
-                                 tokenizer_file, tokenizer_identity, train_bpe)
+from data_prep.tokenizer import (
+    encode_stream,
+    find_eos,
+    load_tokenizer,
+    token_dtype,
+    tokenizer_companions,
+    tokenizer_file,
+    tokenizer_identity,
+    train_bpe,
+)
 from data_prep.writer import ensure_writable, fresh_tmp_dir, out_dir_lock, publish, sha256_file, write_split
 
 log = logging.getLogger(__name__)
@@ -35,11 +44,11 @@ BATCH_DOCS, BATCH_CHARS = 512, 1 << 20  # per encode task: big enough to amortis
 class BuildResult:
     shard_dir: Path
     manifest: dict
-    digest: str                 # sha256 of manifest.json
+    digest: str  # sha256 of manifest.json
     cache_hit: bool
-    seconds: float              # this call, wall clock
-    tokenizer_seconds: float = 0.0   # training the BPE (0 when loaded or cached)
-    sharding_seconds: float = 0.0    # read → clean → tokenise → pack → write → publish
+    seconds: float  # this call, wall clock
+    tokenizer_seconds: float = 0.0  # training the BPE (0 when loaded or cached)
+    sharding_seconds: float = 0.0  # read → clean → tokenise → pack → write → publish
 
     @property
     def tokens(self) -> int:
@@ -146,8 +155,10 @@ def _build(cfg: ShardConfig, files: list[Path], version: str, tmp: Path) -> tupl
     for split, stream in streams.items():
         windows = stream.tokens // window
         if split == TRAIN and windows == 0:
-            raise DataPrepError(f"seq_len {cfg.seq_len} is longer than the whole corpus: {stream.tokens} training "
-                                f"tokens make no window of {window}; lower data.seq_len or add documents")
+            raise DataPrepError(
+                f"seq_len {cfg.seq_len} is longer than the whole corpus: {stream.tokens} training "
+                f"tokens make no window of {window}; lower data.seq_len or add documents"
+            )
         plan = plan_shards(windows, cfg.seq_len, dtype, cfg.shard_size_mb, cfg.shard_multiple)
         if windows == 0 and cfg.val_fraction > 0:
             warnings.append(f"{split} split is empty ({stream.tokens} tokens < one window of {window})")
@@ -155,17 +166,35 @@ def _build(cfg: ShardConfig, files: list[Path], version: str, tmp: Path) -> tupl
             warnings.append(f"{split}: {plan.warning}")
         entries = write_split(tmp, split, stream.path, plan, cfg.seq_len, dtype, seed, cfg.tokenize_processes)
         stream.path.unlink()
-        splits[split] = {"samples": plan.used, "tokens": plan.used * window, "token_stream": stream.tokens,
-                         "dropped_samples": plan.dropped, "shards": entries}
+        splits[split] = {
+            "samples": plan.used,
+            "tokens": plan.used * window,
+            "token_stream": stream.tokens,
+            "dropped_samples": plan.dropped,
+            "shards": entries,
+        }
     for w in warnings:
         log.warning("%s", w)
     manifest = {
-        "format": FORMAT, "version": version, "seq_len": cfg.seq_len, "sample_tokens": window, "dtype": dtype.name,
-        "vocab_size": vocab, "eos_token": eos_name, "eos_id": eos_id,
-        "tokenizer": {"file": "tokenizer.json", "sha256": sha256_file(tmp / "tokenizer.json"), "source": source,
-                      **({"files": tok_files} if len(tok_files) > 1 else {})},
+        "format": FORMAT,
+        "version": version,
+        "seq_len": cfg.seq_len,
+        "sample_tokens": window,
+        "dtype": dtype.name,
+        "vocab_size": vocab,
+        "eos_token": eos_name,
+        "eos_id": eos_id,
+        "tokenizer": {
+            "file": "tokenizer.json",
+            "sha256": sha256_file(tmp / "tokenizer.json"),
+            "source": source,
+            **({"files": tok_files} if len(tok_files) > 1 else {}),
+        },
         "source": {"inputs": list(cfg.inputs), "files": len(files), "fingerprint": fingerprint(files)},
-        "config": cfg.key_fields(), "stats": stats.as_dict(), "shard_multiple": cfg.shard_multiple,
-        "warnings": warnings, "splits": splits,
+        "config": cfg.key_fields(),
+        "stats": stats.as_dict(),
+        "shard_multiple": cfg.shard_multiple,
+        "warnings": warnings,
+        "splits": splits,
     }
     return manifest, t1 - t0, time.perf_counter() - t1

@@ -1,4 +1,5 @@
 """Cleaning: newline normalisation, length filters, exact de-duplication, and the train/val split by content hash."""
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,9 @@ def split_of(digest: bytes, val_fraction: float) -> str:
 def clean_documents(files: list[Path], cfg: ShardConfig, stats: CorpusStats) -> Iterator[tuple[str, str]]:
     """(split, text) for every kept document, in corpus order. Memory: 16 bytes (+ set overhead) per document."""
     seen: set[bytes] = set()
-    for text in iter_documents(files, text_field=cfg.text_field, max_chars=cfg.max_chars,
-                               on_decode_error=cfg.on_decode_error, stats=stats):
+    for text in iter_documents(
+        files, text_field=cfg.text_field, max_chars=cfg.max_chars, on_decode_error=cfg.on_decode_error, stats=stats
+    ):
         text = normalize(text)
         if len(text) < cfg.min_chars:
             stats.too_short += 1

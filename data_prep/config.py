@@ -2,6 +2,7 @@
 `ShardConfig` is the builder's name for it), and `Section`, the pydantic base of every configuration section, with
 `problems()`, which turns a ValidationError into one line per problem. Here because tasks imports data_prep, never
 the reverse: tasks.config builds its sections on the same base."""
+
 from __future__ import annotations
 
 import difflib
@@ -23,8 +24,9 @@ class _Loader(yaml.SafeLoader):
     """PyYAML follows YAML 1.1, where `1e-4` (no dot) is a string; YAML 1.2 and every user read it as a float."""
 
 
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def yaml_load(text: str):
@@ -74,16 +76,27 @@ class Section(BaseModel):
     @classmethod
     def _read_text(cls, data):
         fields = cls.model_fields
-        return {k: from_text(v, fields[k].annotation) if k in fields else v for k, v in data.items()} \
-            if isinstance(data, dict) else data
+        return (
+            {k: from_text(v, fields[k].annotation) if k in fields else v for k, v in data.items()}
+            if isinstance(data, dict)
+            else data
+        )
 
 
 def _model(annotation):
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-_EXPECTED = {"int": "an integer", "float": "a finite number", "finite": "a finite number", "bool": "true/false",
-             "string": "a string", "list": "a list", "model": "a mapping of keys", "dict": "a mapping of keys"}
+_EXPECTED = {
+    "int": "an integer",
+    "float": "a finite number",
+    "finite": "a finite number",
+    "bool": "true/false",
+    "string": "a string",
+    "list": "a list",
+    "model": "a mapping of keys",
+    "dict": "a mapping of keys",
+}
 
 
 def _unknown(owner, names: list[str], value) -> list[str]:
@@ -119,9 +132,12 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
         elif kind == "extra_forbidden":
             lines += _unknown(owner, names, value)
         elif choices and (kind == "too_short" or kind == "literal_error" and type(value) is type(choices[0])):
-            lines.append(f"{'.'.join(names)}: {from_text(raw.get(names[-1]), ann)!r} must be a non-empty list of "
-                         f"{', '.join(map(str, choices))}" if item is not None else
-                         f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+            lines.append(
+                f"{'.'.join(names)}: {from_text(raw.get(names[-1]), ann)!r} must be a non-empty list of "
+                f"{', '.join(map(str, choices))}"
+                if item is not None
+                else f"{where}: {value!r} is not one of {', '.join(map(str, choices))}"
+            )
         elif kind.startswith(("greater_than", "less_than")):
             b = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}  # bounds: ge/le
             rng = f"in [{b['ge']}, {b['le']}]" if len(b) == 2 else f">= {b['ge']}" if "ge" in b else f"<= {b['le']}"
@@ -130,15 +146,26 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
             lines.append(f"{where}: must not be empty")
         else:
             expect = ("int" if type(choices[0]) is int else "string") if kind == "literal_error" else kind.split("_")[0]
-            lines.append(f"{where}: expected {_EXPECTED[expect]}, got {value!r}" if expect in _EXPECTED else
-                         f"{where}: {e['msg'].removeprefix('Value error, ')}")
+            lines.append(
+                f"{where}: expected {_EXPECTED[expect]}, got {value!r}"
+                if expect in _EXPECTED
+                else f"{where}: {e['msg'].removeprefix('Value error, ')}"
+            )
     return list(dict.fromkeys(lines))  # items of one list share their line
 
 
 # Fields that do not change the bytes written, so they stay out of the cache key: where things are, how fast they
 # are built, and the loader's own settings.
-_NOT_IN_KEY = {"inputs", "out_dir", "tokenizer", "tokenize_processes", "progress", "loader_workers",
-               "prefetch_factor", "verify_sha256"}
+_NOT_IN_KEY = {
+    "inputs",
+    "out_dir",
+    "tokenizer",
+    "tokenize_processes",
+    "progress",
+    "loader_workers",
+    "prefetch_factor",
+    "verify_sha256",
+}
 
 
 class DataConfig(Section):
@@ -149,13 +176,13 @@ class DataConfig(Section):
 
     # files, directories, globs; "stdlib" = the Python standard library's own sources (the offline demo corpus)
     inputs: list[str] = Field(default_factory=lambda: ["stdlib"], min_length=1)
-    text_field: str = "text"              # .jsonl key / .parquet column holding the text
-    out_dir: str = "var/data"             # shard sets are versioned directories below it
-    max_documents: int = Field(0, ge=0)   # 0 = all (counted after cleaning and de-duplication)
+    text_field: str = "text"  # .jsonl key / .parquet column holding the text
+    out_dir: str = "var/data"  # shard sets are versioned directories below it
+    max_documents: int = Field(0, ge=0)  # 0 = all (counted after cleaning and de-duplication)
     min_chars: int = Field(16, ge=0)
     max_chars: int = Field(1_000_000, ge=1)  # longer documents are skipped (counted), never loaded whole
     on_decode_error: Literal["replace", "skip"] = "replace"
-    tokenizer: str = "train"              # "train" (byte-level BPE on the corpus) or a tokenizer.json / model dir
+    tokenizer: str = "train"  # "train" (byte-level BPE on the corpus) or a tokenizer.json / model dir
     seq_len: int = Field(256, ge=8, le=1 << 20)
     vocab_size: int = Field(4096, ge=256, le=1 << 22)  # for "train"
     val_fraction: float = Field(0.05, ge=0.0, le=0.5)
@@ -167,8 +194,8 @@ class DataConfig(Section):
     shard_multiple: int = Field(0, ge=0, le=1 << 16)  # shard count is a multiple of this (0: see above)
     loader_workers: int = Field(1, ge=-1, le=64)  # loader processes per rank; -1 = from the rank's cores (max 4)
     prefetch_factor: int = Field(2, ge=1, le=64)  # batches each loader worker keeps ready (DataLoader's)
-    verify_sha256: bool = False           # loader checks every shard's sha256 against the manifest before reading
-    progress: bool = True                 # a tqdm bar while tokenising
+    verify_sha256: bool = False  # loader checks every shard's sha256 against the manifest before reading
+    progress: bool = True  # a tqdm bar while tokenising
 
     @model_validator(mode="after")
     def _chars(self):

@@ -5,6 +5,7 @@ read whole: text files are read up to the length limit, jsonl lines with a cappe
 so a 200 MB single-line file costs at most `max_chars` of memory. Problems with one file or record are counted
 skips (`CorpusStats`); only "nothing to read at all" is an error.
 """
+
 from __future__ import annotations
 
 import glob
@@ -33,13 +34,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class CorpusStats:
     files: int = 0
-    binary_files: int = 0         # skipped: NUL bytes in the first 8 KiB
-    unreadable_files: int = 0     # skipped: I/O or format error (named in `skipped`)
-    documents_in: int = 0         # documents seen (before any filter)
-    undecodable: int = 0          # had invalid UTF-8 (replaced or skipped per on_decode_error)
+    binary_files: int = 0  # skipped: NUL bytes in the first 8 KiB
+    unreadable_files: int = 0  # skipped: I/O or format error (named in `skipped`)
+    documents_in: int = 0  # documents seen (before any filter)
+    undecodable: int = 0  # had invalid UTF-8 (replaced or skipped per on_decode_error)
     too_long: int = 0
     too_short: int = 0
-    bad_records: int = 0          # jsonl lines that are not JSON objects with a string text field
+    bad_records: int = 0  # jsonl lines that are not JSON objects with a string text field
     duplicates: int = 0
     documents_out: int = 0
 
@@ -58,8 +59,13 @@ def stdlib_files() -> list[Path]:
 
 
 def _walk(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and _kind_suffix(p) in WALK_SUFFIXES
-                  and not any(part.startswith(".") for part in p.relative_to(directory).parts))
+    return sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file()
+        and _kind_suffix(p) in WALK_SUFFIXES
+        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
 
 
 def _kind_suffix(path: Path) -> str:
@@ -91,8 +97,9 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
             raise DataPrepError(f"input {spec} does not exist")
     unique = list(dict.fromkeys(Path(os.path.abspath(p)) for p in files))
     if not unique:
-        raise DataPrepError(f"no input files matched {', '.join(inputs)} (looked for {', '.join(sorted(WALK_SUFFIXES))}"
-                            f" and their .gz)")
+        raise DataPrepError(
+            f"no input files matched {', '.join(inputs)} (looked for {', '.join(sorted(WALK_SUFFIXES))} and their .gz)"
+        )
     return unique
 
 
@@ -165,8 +172,9 @@ def _parquet_file(path: Path, text_field: str, stats: CorpusStats) -> Iterator[s
     with _open(path) as f:
         pf = pq.ParquetFile(f)
         if text_field not in pf.schema_arrow.names:
-            raise DataPrepError(f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); "
-                                f"set data.text_field")
+            raise DataPrepError(
+                f"{path}: no column {text_field!r} (columns: {', '.join(pf.schema_arrow.names)}); set data.text_field"
+            )
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             for value in batch.column(0).to_pylist():
                 stats.documents_in += 1
@@ -176,8 +184,14 @@ def _parquet_file(path: Path, text_field: str, stats: CorpusStats) -> Iterator[s
                     stats.bad_records += 1
 
 
-def iter_documents(files: list[Path], *, text_field: str = "text", max_chars: int = 1_000_000,
-                   on_decode_error: str = "replace", stats: CorpusStats | None = None) -> Iterator[str]:
+def iter_documents(
+    files: list[Path],
+    *,
+    text_field: str = "text",
+    max_chars: int = 1_000_000,
+    on_decode_error: str = "replace",
+    stats: CorpusStats | None = None,
+) -> Iterator[str]:
     """Raw document texts, in file order. Unreadable files are skipped with a warning and counted."""
     stats = stats if stats is not None else CorpusStats()
     for path in files:
@@ -199,8 +213,10 @@ def iter_documents(files: list[Path], *, text_field: str = "text", max_chars: in
             if isinstance(e, (EOFError, gzip.BadGzipFile)) or stats.documents_in > seen:
                 # Truncated/corrupt after documents of it were already taken: "skipping" would be untrue, and a
                 # partial file silently shapes the shard set. Refuse, naming the file.
-                raise DataPrepError(f"input {path} is truncated or corrupt after {stats.documents_in - seen} "
-                                    f"documents ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                                    f"repair or re-download it, or remove it from data.inputs") from None
+                raise DataPrepError(
+                    f"input {path} is truncated or corrupt after {stats.documents_in - seen} "
+                    f"documents ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                    f"repair or re-download it, or remove it from data.inputs"
+                ) from None
             stats.unreadable_files += 1
             log.warning("skipping unreadable input %s: %s: %s", path, type(e).__name__, e)

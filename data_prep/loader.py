@@ -21,6 +21,7 @@ dropping the last reference is what stops its workers. The position is counted h
 handed out, not read from StatefulDataLoader's own state_dict: that one is bound to the worker count that wrote it
 (it asserts the same `num_workers` on load) and to one rank, and this position must move across layouts.
 """
+
 from __future__ import annotations
 
 import io
@@ -41,8 +42,9 @@ ORDER = "global/1"  # the state_dict's position format: global samples consumed 
 
 def epoch_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     """Manifest indices of the shards in this epoch's order."""
-    return [int(i) for i in (np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle
-                             else range(n_shards))]
+    return [
+        int(i) for i in (np.random.default_rng([seed, epoch]).permutation(n_shards) if shuffle else range(n_shards))
+    ]
 
 
 class _Stream(IterableDataset):
@@ -50,8 +52,7 @@ class _Stream(IterableDataset):
     (counted from the position) goes to DataLoader worker c % num_workers; in an epoch, batch j covers the global
     positions first + j·global_batch + offset … + batch_size. `epoch`, `samples`: the starting position."""
 
-    def __init__(self, shard_dir, entries, global_batch, offset, seed, shuffle, batch_size, dtype, seq_len,
-                 with_keys):
+    def __init__(self, shard_dir, entries, global_batch, offset, seed, shuffle, batch_size, dtype, seq_len, with_keys):
         self.shard_dir, self.entries, self.global_batch, self.offset = Path(shard_dir), entries, global_batch, offset
         self.seed, self.shuffle, self.batch_size = seed, shuffle, batch_size
         self.dtype, self.sample_tokens, self.with_keys = np.dtype(dtype), seq_len + 1, with_keys
@@ -94,15 +95,17 @@ class _Stream(IterableDataset):
             made += 1
             yield batch
         if made != len(firsts):
-            raise CorruptShardError(f"{self.shard_dir}: epoch {epoch} gave a worker {made} batches, the manifest "
-                                    f"promises {len(firsts)}")
+            raise CorruptShardError(
+                f"{self.shard_dir}: epoch {epoch} gave a worker {made} batches, the manifest promises {len(firsts)}"
+            )
 
     @staticmethod
     def _corrupt(exn: Exception, urls: dict) -> bool:
         text = " ".join(map(str, exn.args))
         name = next((u for u in urls if Path(u).name in text), "of this worker")
-        raise CorruptShardError(f"shard {name} is corrupt or truncated: {type(exn).__name__}: "
-                                f"{str(exn.args[0]) if exn.args else exn}") from None
+        raise CorruptShardError(
+            f"shard {name} is corrupt or truncated: {type(exn).__name__}: {str(exn.args[0]) if exn.args else exn}"
+        ) from None
 
     def _select(self, samples, urls: dict, base: dict, firsts: list[int], epoch: int):
         """Tar samples arrive shard after shard: permute each shard, keep the samples at this worker's positions."""
@@ -119,10 +122,15 @@ class _Stream(IterableDataset):
     def _emit(self, url: str, group: list, index: int, base: dict, firsts: list[int], epoch: int, k: int):
         """Yield the samples of shard `index` at this worker's positions; returns the next batch to fill."""
         if len(group) != self.entries[index]["samples"]:
-            raise CorruptShardError(f"shard {url} is corrupt or truncated: only {len(group)} of "
-                                    f"{self.entries[index]['samples']} samples readable")
-        order = (np.random.default_rng([self.seed, epoch, index]).permutation(len(group)) if self.shuffle
-                 else range(len(group)))
+            raise CorruptShardError(
+                f"shard {url} is corrupt or truncated: only {len(group)} of "
+                f"{self.entries[index]['samples']} samples readable"
+            )
+        order = (
+            np.random.default_rng([self.seed, epoch, index]).permutation(len(group))
+            if self.shuffle
+            else range(len(group))
+        )
         for pos, i in enumerate(order, start=base[index]):
             while k < len(firsts) and pos >= firsts[k] + self.batch_size:
                 k += 1
@@ -138,7 +146,7 @@ class _Stream(IterableDataset):
         a header np.load accepted once is remembered and later samples with those exact bytes are read from the
         offset after it — what np.load would return."""
         data = sample.get("tokens.npy", b"")
-        header = data[:len(data) - self.sample_tokens * self.dtype.itemsize]
+        header = data[: len(data) - self.sample_tokens * self.dtype.itemsize]
         if header and header in self._headers:
             return np.frombuffer(data, dtype=self.dtype, offset=len(header)), sample["__key__"]
         try:
@@ -146,8 +154,10 @@ class _Stream(IterableDataset):
         except (ValueError, EOFError, OSError):
             row = None
         if row is None or row.dtype != self.dtype or row.shape != (self.sample_tokens,):
-            raise CorruptShardError(f"shard {sample['__url__']}: sample {sample['__key__']} is not "
-                                    f"{self.sample_tokens} {self.dtype.name} tokens")
+            raise CorruptShardError(
+                f"shard {sample['__url__']}: sample {sample['__key__']} is not "
+                f"{self.sample_tokens} {self.dtype.name} tokens"
+            )
         self._headers.add(header)
         return row, sample["__key__"]
 
@@ -166,12 +176,26 @@ class ShardLoader:
     each sample's key (its window index) per batch.
     """
 
-    def __init__(self, shard_dir, split: str = "train", batch_size: int = 8, dp_rank: int = 0, dp_world: int = 1,
-                 num_workers: int = 0, seed: int = 0, shuffle: bool = True, verify_sha256: bool = False,
-                 with_keys: bool = False, pin_memory: bool = False, prefetch_factor: int | None = None):
+    def __init__(
+        self,
+        shard_dir,
+        split: str = "train",
+        batch_size: int = 8,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        num_workers: int = 0,
+        seed: int = 0,
+        shuffle: bool = True,
+        verify_sha256: bool = False,
+        with_keys: bool = False,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+    ):
         if not (0 <= dp_rank < dp_world) or batch_size < 1 or num_workers < 0:
-            raise DataPrepError(f"ShardLoader: need 0 <= dp_rank ({dp_rank}) < dp_world ({dp_world}), "
-                                f"batch_size ({batch_size}) >= 1, num_workers ({num_workers}) >= 0")
+            raise DataPrepError(
+                f"ShardLoader: need 0 <= dp_rank ({dp_rank}) < dp_world ({dp_world}), "
+                f"batch_size ({batch_size}) >= 1, num_workers ({num_workers}) >= 0"
+            )
         self.shard_dir, self.split = Path(shard_dir), split
         self.manifest = load_manifest(shard_dir)
         self.entries = shards(self.manifest, split)
@@ -183,12 +207,24 @@ class ShardLoader:
         self.prefetch_factor = prefetch_factor if num_workers > 0 else None  # torch: only with worker processes
         self.epoch, self.samples = 0, 0
         self.total = sum(e["samples"] for e in self.entries)
-        self._stream = _Stream(self.shard_dir, self.entries, self.global_batch, dp_rank * batch_size, seed, shuffle,
-                               batch_size, self.manifest["dtype"], self.seq_len, with_keys)
+        self._stream = _Stream(
+            self.shard_dir,
+            self.entries,
+            self.global_batch,
+            dp_rank * batch_size,
+            seed,
+            shuffle,
+            batch_size,
+            self.manifest["dtype"],
+            self.seq_len,
+            with_keys,
+        )
         self._batches = None  # the StatefulDataLoader iterator; its next batch is at (epoch, samples)
         if len(self) == 0:
-            raise DataPrepError(f"split {split!r} of {self.manifest['version']} has {len(self.entries)} shard(s) and "
-                                f"{self.total} samples: not one batch of {batch_size} for each of {dp_world} rank(s)")
+            raise DataPrepError(
+                f"split {split!r} of {self.manifest['version']} has {len(self.entries)} shard(s) and "
+                f"{self.total} samples: not one batch of {batch_size} for each of {dp_world} rank(s)"
+            )
 
     @property
     def global_batch(self) -> int:
@@ -208,9 +244,15 @@ class ShardLoader:
             self._stream.epoch, self._stream.samples = epoch, start
             with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated by torch 2.13
                 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
-                self._batches = iter(StatefulDataLoader(self._stream, batch_size=None, num_workers=self.num_workers,
-                                                        pin_memory=self.pin_memory,
-                                                        prefetch_factor=self.prefetch_factor))
+                self._batches = iter(
+                    StatefulDataLoader(
+                        self._stream,
+                        batch_size=None,
+                        num_workers=self.num_workers,
+                        pin_memory=self.pin_memory,
+                        prefetch_factor=self.prefetch_factor,
+                    )
+                )
         for done in range(1, limit + 1):
             try:
                 batch = next(self._batches)
@@ -221,8 +263,9 @@ class ShardLoader:
                 raise
             else:
                 # The position moves before the yield: a checkpoint taken after this batch resumes after it.
-                self.epoch, self.samples = ((epoch + 1, 0) if done == limit else
-                                            (epoch, start + done * self.global_batch))
+                self.epoch, self.samples = (
+                    (epoch + 1, 0) if done == limit else (epoch, start + done * self.global_batch)
+                )
                 yield batch
                 continue
             # A broken stream: dropped here (its last reference, so its workers stop now, not when a traceback
@@ -238,14 +281,24 @@ class ShardLoader:
     def state_dict(self) -> dict:
         """The position in the global order (epoch, samples consumed by all ranks), valid for any layout; the
         batch size, dp_world and num_workers are recorded for information only."""
-        return {"order": ORDER, "epoch": self.epoch, "samples": self.samples, "seed": self.seed,
-                "shuffle": self.shuffle, "version": self.manifest["version"], "batch_size": self.batch_size,
-                "dp_world": self.dp_world, "num_workers": self.num_workers}
+        return {
+            "order": ORDER,
+            "epoch": self.epoch,
+            "samples": self.samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "version": self.manifest["version"],
+            "batch_size": self.batch_size,
+            "dp_world": self.dp_world,
+            "num_workers": self.num_workers,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("order") != ORDER:
-            raise DataPrepError("cannot resume the data stream: the saved position is per rank (written before the "
-                                "layout-independent sample order); the data stream restarts")
+            raise DataPrepError(
+                "cannot resume the data stream: the saved position is per rank (written before the "
+                "layout-independent sample order); the data stream restarts"
+            )
         mine = self.state_dict()
         for key in ("version", "seed", "shuffle"):
             if state.get(key) != mine[key]:

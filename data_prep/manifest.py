@@ -6,6 +6,7 @@ Format "llm-pipeline-shards/1" (keys sorted, so the same build gives the same by
   stats (CorpusStats counters), shard_multiple, warnings [..],
   splits {train|val: {samples, tokens, dropped_samples, shards: [{name, samples, tokens, bytes, sha256}]}}.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,9 @@ def load_manifest(shard_dir: str | Path) -> dict:
 
 def shards(manifest: dict, split: str) -> list[dict]:
     if split not in manifest["splits"]:
-        raise DataPrepError(f"shard set {manifest['version']} has no split {split!r} "
-                            f"(has {', '.join(manifest['splits'])})")
+        raise DataPrepError(
+            f"shard set {manifest['version']} has no split {split!r} (has {', '.join(manifest['splits'])})"
+        )
     return manifest["splits"][split]["shards"]
 
 
@@ -62,7 +64,8 @@ def check_files(shard_dir: str | Path, manifest: dict, split: str, sha256: bool 
             raise CorruptShardError(f"shard {path} is missing")
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise CorruptShardError(f"shard {path} is truncated or altered: {size} bytes, manifest says "
-                                    f"{entry['bytes']}")
+            raise CorruptShardError(
+                f"shard {path} is truncated or altered: {size} bytes, manifest says {entry['bytes']}"
+            )
         if sha256 and sha256_file(path) != entry["sha256"]:
             raise CorruptShardError(f"shard {path} is corrupt: sha256 differs from the manifest")

@@ -4,6 +4,7 @@ Each split's token stream goes to a flat binary file first (streamed, constant m
 windows known, which is what lets the shard count be planned as a multiple of (ranks × loader workers) with every
 shard holding exactly the same number of samples.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,8 @@ def sample_bytes(seq_len: int, dtype: np.dtype) -> int:
 @dataclass
 class ShardPlan:
     num_shards: int
-    per_shard: int       # samples in every shard (all equal)
-    dropped: int         # windows left out so that every shard is equal (< num_shards)
+    per_shard: int  # samples in every shard (all equal)
+    dropped: int  # windows left out so that every shard is equal (< num_shards)
     warning: str = ""
 
     @property
@@ -60,8 +61,10 @@ def plan_shards(windows: int, seq_len: int, dtype: np.dtype, shard_size_mb: floa
         shards = windows // multiple * multiple or windows
     warning = ""
     if shards % multiple:
-        warning = (f"{shards} shards is not a multiple of {multiple} (ranks × loader workers): only {windows} "
-                   f"samples; some ranks/workers will read more shards than others")
+        warning = (
+            f"{shards} shards is not a multiple of {multiple} (ranks × loader workers): only {windows} "
+            f"samples; some ranks/workers will read more shards than others"
+        )
     per_shard = windows // shards
     return ShardPlan(shards, per_shard, windows - shards * per_shard, warning)
 

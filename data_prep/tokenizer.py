@@ -4,6 +4,7 @@ Encoding runs in `processes` spawned workers, each fed bounded batches (at most 
 stays flat however large the corpus, and results come back in submission order, so the token stream (and the shards)
 do not depend on the number of processes.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,8 +32,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str = "<|endofte
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     return tok
 
@@ -43,8 +48,10 @@ def tokenizer_file(spec: str) -> Path:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise DataPrepError(f"tokenizer {spec}: no tokenizer.json found (give a tokenizer.json, a model directory "
-                            f"holding one, or 'train')")
+        raise DataPrepError(
+            f"tokenizer {spec}: no tokenizer.json found (give a tokenizer.json, a model directory "
+            f"holding one, or 'train')"
+        )
     return path
 
 
@@ -105,8 +112,10 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
     if requested == "auto":
         return np.dtype(np.uint16 if fits16 else np.uint32)
     if requested == "uint16" and not fits16:
-        raise DataPrepError(f"tokenizer vocabulary {vocab_size} does not fit token_dtype uint16 (max 65536 ids); "
-                            f"use token_dtype auto or uint32")
+        raise DataPrepError(
+            f"tokenizer vocabulary {vocab_size} does not fit token_dtype uint16 (max 65536 ids); "
+            f"use token_dtype auto or uint32"
+        )
     return np.dtype(DTYPES[requested])
 
 
@@ -127,7 +136,7 @@ def encode_docs(tok: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) 
     out = np.empty(sum(map(len, ids)) + len(ids), dtype=dtype)
     pos = 0
     for doc in ids:
-        out[pos:pos + len(doc)] = doc
+        out[pos : pos + len(doc)] = doc
         out[pos + len(doc)] = eos_id
         pos += len(doc) + 1
     return out
@@ -137,8 +146,9 @@ def _encode_in_worker(key, texts: list[str]):
     return key, encode_docs(_WORKER["tok"], texts, _WORKER["eos"], _WORKER["dtype"])
 
 
-def encode_stream(tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterable[tuple[object, list[str]]],
-                  processes: int) -> Iterator[tuple[object, np.ndarray]]:
+def encode_stream(
+    tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterable[tuple[object, list[str]]], processes: int
+) -> Iterator[tuple[object, np.ndarray]]:
     """(key, texts) batches → (key, ids) in the same order; `processes` > 1 uses spawned workers."""
     if processes <= 1:
         for key, texts in batches:
@@ -146,8 +156,12 @@ def encode_stream(tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterabl
         return
     # spawn, not fork: the parent may hold threads (MLflow, rayon, Airflow). An executor, not mp.Pool: a worker that
     # dies (OOM killer) raises BrokenProcessPool here instead of hanging the stage forever.
-    pool = ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                               initargs=(os.getpid(), tok.to_str(), eos_id, dtype.name))
+    pool = ProcessPoolExecutor(
+        processes,
+        mp_context=mp.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(os.getpid(), tok.to_str(), eos_id, dtype.name),
+    )
     with spawn_without_main():
         try:
             pending: collections.deque = collections.deque()
@@ -158,7 +172,8 @@ def encode_stream(tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterabl
             while pending:
                 yield pending.popleft().result()
         except BrokenProcessPool:
-            raise DataPrepError("a tokenizer worker process died (out of memory?); lower data.tokenize_processes") \
-                from None
+            raise DataPrepError(
+                "a tokenizer worker process died (out of memory?); lower data.tokenize_processes"
+            ) from None
         finally:
             pool.shutdown(cancel_futures=True)

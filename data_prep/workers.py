@@ -1,4 +1,5 @@
 """Helpers for the tokenizer and shard-writer worker processes (kept import-light: spawned workers import it)."""
+
 from __future__ import annotations
 
 import contextlib

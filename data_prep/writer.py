@@ -4,6 +4,7 @@ Reproducible: fixed mtime/owner/mode in every tar header, a seeded sample order 
 input gives byte-identical shards. Crash-safe: nothing appears under the version directory's name until the
 rename; a killed writer leaves only `.tmp-<version>-<pid>`, removed by the next run (under the output directory's lock).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,28 +43,54 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_shards(tmp_dir: Path, split: str, token_path: Path, per_shard: int, seq_len: int, dtype: str,
-                  first: int, order: np.ndarray) -> list[dict]:
+def _write_shards(
+    tmp_dir: Path, split: str, token_path: Path, per_shard: int, seq_len: int, dtype: str, first: int, order: np.ndarray
+) -> list[dict]:
     """Shards first, first + 1, … holding the windows `order` (per_shard each); their manifest entries."""
     dtype = np.dtype(dtype)
     header = npy_header(seq_len, dtype)
     names: list[str] = []
     fd = os.open(token_path, os.O_RDONLY)
     try:
-        with wds.ShardWriter(str(tmp_dir / SHARD_PATTERN.format(split=split)), maxcount=per_shard,
-                             maxsize=float("inf"), start_shard=first, verbose=0, post=names.append,
-                             mtime=0, user="llm", group="llm", mode=0o444) as sink:
+        with wds.ShardWriter(
+            str(tmp_dir / SHARD_PATTERN.format(split=split)),
+            maxcount=per_shard,
+            maxsize=float("inf"),
+            start_shard=first,
+            verbose=0,
+            post=names.append,
+            mtime=0,
+            user="llm",
+            group="llm",
+            mode=0o444,
+        ) as sink:
             for index in order:
                 window = read_window(fd, int(index), seq_len, dtype)
                 sink.write({"__key__": f"{index:010d}", "tokens.npy": header + window.tobytes()})
     finally:
         os.close(fd)
-    return [{"name": Path(n).name, "samples": per_shard, "tokens": per_shard * (seq_len + 1),
-             "bytes": os.path.getsize(n), "sha256": sha256_file(Path(n))} for n in names]
+    return [
+        {
+            "name": Path(n).name,
+            "samples": per_shard,
+            "tokens": per_shard * (seq_len + 1),
+            "bytes": os.path.getsize(n),
+            "sha256": sha256_file(Path(n)),
+        }
+        for n in names
+    ]
 
 
-def write_split(tmp_dir: Path, split: str, token_path: Path, plan: ShardPlan, seq_len: int, dtype: np.dtype,
-                seed: int, processes: int = 1) -> list[dict]:
+def write_split(
+    tmp_dir: Path,
+    split: str,
+    token_path: Path,
+    plan: ShardPlan,
+    seq_len: int,
+    dtype: np.dtype,
+    seed: int,
+    processes: int = 1,
+) -> list[dict]:
     """Write `plan.used` windows of a token file, in a seeded order, as `<split>-%06d.tar`; return shard entries.
 
     Tar writing is Python-bound (~0.1 ms a sample), so contiguous ranges of shards go to `processes` forked
@@ -72,14 +99,26 @@ def write_split(tmp_dir: Path, split: str, token_path: Path, plan: ShardPlan, se
     """
     if plan.num_shards == 0:
         return []
-    order = window_order(plan.used + plan.dropped, seed)[:plan.used]
+    order = window_order(plan.used + plan.dropped, seed)[: plan.used]
     bounds = np.linspace(0, plan.num_shards, min(processes, plan.num_shards) + 1).astype(int)
-    tasks = [(tmp_dir, split, token_path, plan.per_shard, seq_len, np.dtype(dtype).str, int(a),
-              order[a * plan.per_shard:b * plan.per_shard]) for a, b in zip(bounds[:-1], bounds[1:])]
+    tasks = [
+        (
+            tmp_dir,
+            split,
+            token_path,
+            plan.per_shard,
+            seq_len,
+            np.dtype(dtype).str,
+            int(a),
+            order[a * plan.per_shard : b * plan.per_shard],
+        )
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     if len(tasks) == 1:
         return _write_shards(*tasks[0])
-    with ProcessPoolExecutor(len(tasks), mp_context=mp.get_context("fork"), initializer=die_with_parent,
-                             initargs=(os.getpid(),)) as pool:
+    with ProcessPoolExecutor(
+        len(tasks), mp_context=mp.get_context("fork"), initializer=die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         parts = [pool.submit(_write_shards, *task) for task in tasks]
         return [entry for part in parts for entry in part.result()]
 

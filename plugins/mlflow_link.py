@@ -10,6 +10,7 @@ default) — the one setting the end-of-run summary also prints: tracking.ui_url
 server's environment; `make ui` sets it), else http://127.0.0.1:5000. The link is `tasks.tracking.run_url()`,
 MLflow's experiment-free route `#/runs/<run_id>`, so the API server needs no access to the tracking store.
 """
+
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
@@ -45,9 +46,13 @@ def stage_result(ti_key):
 
     with create_session() as session:
         row = session.execute(
-            XComModel.get_many(key=XCOM_RETURN_KEY, run_id=ti_key.run_id, dag_ids=ti_key.dag_id,
-                               task_ids=ti_key.task_id, map_indexes=ti_key.map_index)
-            .with_only_columns(XComModel.value)
+            XComModel.get_many(
+                key=XCOM_RETURN_KEY,
+                run_id=ti_key.run_id,
+                dag_ids=ti_key.dag_id,
+                task_ids=ti_key.task_id,
+                map_indexes=ti_key.map_index,
+            ).with_only_columns(XComModel.value)
         ).first()
     return None if row is None else XComModel.deserialize_value(row)
 

@@ -11,6 +11,7 @@ master), read from a git checkout (`--amct-git DIR`). The JSON goes to tests/fix
 
 Wheels are cached (only their .py/.yaml members, a few MB) under $LLM_PIPELINE_CACHE or ~/.cache/llm-pipeline.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ class DownloadError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------- pins and wheels
 
+
 def torch_npu_pins(repo: Path = REPO) -> list[str]:
     """torch-npu versions pinned by the requirements files, in file order, unique."""
     out = []
@@ -71,8 +73,23 @@ def slim_wheel(version: str, timeout: int = 600) -> Path:
     slim.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="npu-api-") as tmp:
         py, plat = PLATFORM
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", py,
-               "--platform", plat, "--disable-pip-version-check", "-q", "-d", tmp, f"torch-npu=={version}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            py,
+            "--platform",
+            plat,
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            f"torch-npu=={version}",
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -95,16 +112,23 @@ def slim_wheel(version: str, timeout: int = 600) -> Path:
 
 # --------------------------------------------------------------------------------------------- AST surface
 
+
 def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef, drop_self: bool) -> dict:
     a = fn.args
     positional = [p.arg for p in a.posonlyargs + a.args]
     if drop_self and positional and positional[0] in ("self", "cls"):
         positional = positional[1:]
     n_defaults = len(a.defaults)
-    required = positional[:len(positional) - n_defaults] if n_defaults else positional
-    return {"kind": "function", "params": positional, "required": required,
-            "posonly": [p.arg for p in a.posonlyargs], "kwonly": [p.arg for p in a.kwonlyargs],
-            "varargs": a.vararg is not None, "varkw": a.kwarg is not None}
+    required = positional[: len(positional) - n_defaults] if n_defaults else positional
+    return {
+        "kind": "function",
+        "params": positional,
+        "required": required,
+        "posonly": [p.arg for p in a.posonlyargs],
+        "kwonly": [p.arg for p in a.kwonlyargs],
+        "varargs": a.vararg is not None,
+        "varkw": a.kwarg is not None,
+    }
 
 
 def _is_static(fn) -> bool:
@@ -132,7 +156,7 @@ def _resolve_relative(module: str, is_pkg: bool, level: int, name: str | None) -
     parts = module.split(".")
     base = parts if is_pkg else parts[:-1]
     if level > 1:
-        base = base[:len(base) - (level - 1)]
+        base = base[: len(base) - (level - 1)]
     return ".".join(base + ([name] if name else []))
 
 
@@ -163,14 +187,17 @@ def module_surface(source: str, module: str, is_pkg: bool) -> dict:
                     if alias.name == "*":
                         star.append(src)
                     else:
-                        symbols[alias.asname or alias.name] = {"kind": "ref", "target": f"{src}.{alias.name}",
-                                                               "from": src}
+                        symbols[alias.asname or alias.name] = {
+                            "kind": "ref",
+                            "target": f"{src}.{alias.name}",
+                            "from": src,
+                        }
             elif isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.asname:
                         symbols[alias.asname] = {"kind": "ref", "target": alias.name}
                     elif "." in alias.name and alias.name.startswith(module + "."):
-                        child = alias.name[len(module) + 1:].split(".")[0]
+                        child = alias.name[len(module) + 1 :].split(".")[0]
                         symbols.setdefault(child, {"kind": "ref", "target": f"{module}.{child}"})
             elif isinstance(node, (ast.If, ast.Try)):
                 visit(node.body)
@@ -184,7 +211,7 @@ def module_surface(source: str, module: str, is_pkg: bool) -> dict:
     if star:
         out["star"] = star
     if has_getattr:
-        out["dynamic"] = True   # module __getattr__ (PEP 562): names resolved at run time
+        out["dynamic"] = True  # module __getattr__ (PEP 562): names resolved at run time
     return out
 
 
@@ -213,10 +240,10 @@ def surface_from_files(files: dict[str, str], roots: tuple[str, ...]) -> dict:
             surf = module_surface(files[path], module, is_pkg)
         except SyntaxError as e:
             surf = {"symbols": {}, "syntax_error": str(e)}
-        if module in modules and path.endswith(".py"):   # a .pyi stub wins over its .py
+        if module in modules and path.endswith(".py"):  # a .pyi stub wins over its .py
             continue
         modules[module] = surf
-    for module in list(modules):   # a package knows its submodules as attributes
+    for module in list(modules):  # a package knows its submodules as attributes
         parent, _, child = module.rpartition(".")
         if parent in modules:
             modules[parent]["symbols"].setdefault(child, {"kind": "ref", "target": module})
@@ -224,6 +251,7 @@ def surface_from_files(files: dict[str, str], roots: tuple[str, ...]) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- op signatures
+
 
 def _split_args(text: str) -> list[str]:
     out, depth, cur = [], 0, ""
@@ -254,8 +282,15 @@ def parse_schema(args: str) -> dict:
         (kwonly if star else params).append(name)
         if not default and not star:
             required.append(name)
-    return {"kind": "function", "params": params, "required": required, "posonly": [], "kwonly": kwonly,
-            "varargs": False, "varkw": False}
+    return {
+        "kind": "function",
+        "params": params,
+        "required": required,
+        "posonly": [],
+        "kwonly": kwonly,
+        "varargs": False,
+        "varkw": False,
+    }
 
 
 _DOC_SIG = re.compile(r'_add_torch_npu_docstr\(\s*"(\w+)",\s*"""\s*torch_npu\.(\w+)\((.*?)\)\s*->', re.S)
@@ -280,14 +315,21 @@ def torch_npu_snapshot(version: str, slim: Path | None = None) -> dict:
         files = {n: z.read(n).decode("utf-8", "replace") for n in z.namelist() if n.endswith((".py", ".pyi"))}
         yaml_name = next((n for n in z.namelist() if n.endswith("npu_native_functions_by_codegen.yaml")), None)
         schema = z.read(yaml_name).decode("utf-8", "replace") if yaml_name else ""
-    return {"package": "torch_npu", "version": version, "wheel": info["wheel"], "wheel_sha256": info["sha256"],
-            "generated_by": "scripts/npu_api.py", "aliases": {"torch.npu": "torch_npu.npu"},
-            "modules": surface_from_files(files, TORCH_NPU_MODULES),
-            "ops": op_signatures(files.get("torch_npu/_op_plugin_docs.py", ""), schema)}
+    return {
+        "package": "torch_npu",
+        "version": version,
+        "wheel": info["wheel"],
+        "wheel_sha256": info["sha256"],
+        "generated_by": "scripts/npu_api.py",
+        "aliases": {"torch.npu": "torch_npu.npu"},
+        "modules": surface_from_files(files, TORCH_NPU_MODULES),
+        "ops": op_signatures(files.get("torch_npu/_op_plugin_docs.py", ""), schema),
+    }
 
 
 def amct_snapshot(git_dir: Path, ref: str) -> dict:
     """AMCT's surface from a git checkout of hicann/amct at `ref` (no work tree needed)."""
+
     def git(*args) -> bytes:
         return subprocess.run(["git", "--git-dir", str(git_dir), *args], capture_output=True, check=True).stdout
 
@@ -301,15 +343,23 @@ def amct_snapshot(git_dir: Path, ref: str) -> dict:
     except subprocess.CalledProcessError:
         pass
     modules = surface_from_files(files, AMCT_MODULES)
-    return {"package": "amct_pytorch", "version": ref, "package_version": version, "commit": commit,
-            "source": "github.com/hicann/amct", "generated_by": "scripts/npu_api.py",
-            # master resolves the classic flow lazily (amct_pytorch.__getattr__ → graph_based.amct_pytorch)
-            "getattr_delegates": {"amct_pytorch": ["amct_pytorch.classic.graph_based.amct_pytorch"]}
-            if "amct_pytorch.classic.graph_based.amct_pytorch" in modules else {},
-            "modules": modules}
+    return {
+        "package": "amct_pytorch",
+        "version": ref,
+        "package_version": version,
+        "commit": commit,
+        "source": "github.com/hicann/amct",
+        "generated_by": "scripts/npu_api.py",
+        # master resolves the classic flow lazily (amct_pytorch.__getattr__ → graph_based.amct_pytorch)
+        "getattr_delegates": {"amct_pytorch": ["amct_pytorch.classic.graph_based.amct_pytorch"]}
+        if "amct_pytorch.classic.graph_based.amct_pytorch" in modules
+        else {},
+        "modules": modules,
+    }
 
 
 # --------------------------------------------------------------------------------------------- lookups
+
 
 class Surface:
     """Resolve dotted names (`torch_npu.profiler._ExperimentalConfig`) in one snapshot."""
@@ -339,16 +389,16 @@ class Surface:
                     return kind, found
             if f"{module}.{name}" in self.modules:
                 return "module", f"{module}.{name}"
-            if mod.get("dynamic") and module not in self.delegates:   # delegated __getattr__ was followed above
+            if mod.get("dynamic") and module not in self.delegates:  # delegated __getattr__ was followed above
                 return "external", f"{module}.{name}"
             return None, None
         if entry["kind"] == "ref":
             target = entry["target"]
-            if "from" in entry:   # `from X import n`: X's symbol n first, X's submodule n otherwise
-                parent, leaf = entry["from"], target[len(entry["from"]) + 1:]
+            if "from" in entry:  # `from X import n`: X's symbol n first, X's submodule n otherwise
+                parent, leaf = entry["from"], target[len(entry["from"]) + 1 :]
                 if not self._ours(parent):
                     return "external", target
-                if (parent, leaf) != (module, name):   # `from pkg import sub` inside pkg itself: the submodule
+                if (parent, leaf) != (module, name):  # `from pkg import sub` inside pkg itself: the submodule
                     kind, found = self._symbol(parent, leaf, depth + 1)
                     if kind is not None:
                         return kind, found
@@ -370,7 +420,7 @@ class Surface:
         ("member", None) | (None, why)."""
         for alias, real in self.aliases.items():
             if dotted == alias or dotted.startswith(alias + "."):
-                dotted = real + dotted[len(alias):]
+                dotted = real + dotted[len(alias) :]
         parts = dotted.split(".")
         if parts[0] not in {m.split(".")[0] for m in self.modules}:
             return None, f"{parts[0]} is not in this snapshot"
@@ -386,7 +436,7 @@ class Surface:
             elif kind == "def" and cur["kind"] == "class":
                 if part not in cur["members"]:
                     if cur.get("bases"):
-                        return "external", dotted   # may be inherited from a base we do not follow
+                        return "external", dotted  # may be inherited from a base we do not follow
                     return None, f"{'.'.join(parts[:i])} has no member {part!r}"
                 kind, cur = "member", None
             elif kind in ("external", "member"):
@@ -395,8 +445,9 @@ class Surface:
                 return "external", dotted
         return kind, cur
 
-    def check_call(self, dotted: str, n_positional: int, keywords: list[str],
-                   has_star_args: bool = False) -> str | None:
+    def check_call(
+        self, dotted: str, n_positional: int, keywords: list[str], has_star_args: bool = False
+    ) -> str | None:
         """None when the call matches the signature, else why not."""
         kind, entry = self.resolve(dotted)
         if kind is None:
@@ -432,9 +483,12 @@ def write(snap: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--amct-git", default=os.environ.get("AMCT_GIT_DIR"),
-                   help="a git directory of hicann/amct (a clone or mirror) to snapshot AMCT from; without it the "
-                        "committed AMCT snapshots are kept")
+    p.add_argument(
+        "--amct-git",
+        default=os.environ.get("AMCT_GIT_DIR"),
+        help="a git directory of hicann/amct (a clone or mirror) to snapshot AMCT from; without it the "
+        "committed AMCT snapshots are kept",
+    )
     args = p.parse_args(argv)
     for version in torch_npu_pins():
         try:
@@ -443,8 +497,7 @@ def main(argv=None) -> int:
             print(f"npu-api: {e}; the committed snapshot stays", file=sys.stderr)
             return 1
         write(snap, snapshot_path("torch_npu", version))
-        print(f"npu-api: torch_npu {version}: {len(snap['modules'])} modules, {len(snap['ops'])} ops "
-              f"({snap['wheel']})")
+        print(f"npu-api: torch_npu {version}: {len(snap['modules'])} modules, {len(snap['ops'])} ops ({snap['wheel']})")
     if args.amct_git:
         for ref in AMCT_REFS:
             snap = amct_snapshot(Path(args.amct_git), ref)

@@ -5,6 +5,7 @@ KeyboardInterrupt handler, so `airflow standalone` could not be stopped cleanly 
 Restoring the default before exec lets `kill -INT` reach standalone's own shutdown path.
 Usage: python scripts/sigint-exec.py airflow standalone
 """
+
 import os
 import signal
 import sys

@@ -6,6 +6,7 @@ wait (tasks/launcher.py). Train's bound is steps × the planner's step estimate 
 `timeouts.train_overhead_s` unless `timeouts.train_s` pins it. `run_bounded()` kills the whole process tree on expiry
 and raises a StageError naming the bound, what it was derived from, and the config key that raises it.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -44,8 +45,10 @@ def train_timeout(cfg: PipelineConfig, run_dir: str | Path | None = None, steps:
     source = "the planner's estimate" if est else f"no planner estimate: {FALLBACK_STEP_S:g} s assumed"
     est = est or FALLBACK_STEP_S
     seconds = int(steps * est * t.train_margin + t.train_overhead_s)
-    return seconds, (f"{steps} steps × {est:.3g} s/step ({source}) × timeouts.train_margin {t.train_margin:g} + "
-                     f"timeouts.train_overhead_s {t.train_overhead_s}")
+    return seconds, (
+        f"{steps} steps × {est:.3g} s/step ({source}) × timeouts.train_margin {t.train_margin:g} + "
+        f"timeouts.train_overhead_s {t.train_overhead_s}"
+    )
 
 
 def stage_timeout(stage: str, cfg: PipelineConfig, run_dir: str | Path | None = None) -> tuple[int, str]:
@@ -75,8 +78,7 @@ def task_timeout_s(stage: str, cfg: PipelineConfig, run_dir: str | Path | None =
     return seconds
 
 
-def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: float, what: str,
-                how: str = "") -> int:
+def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: float, what: str, how: str = "") -> int:
     """Run argv (its own session, output to log_path) to completion within timeout_s; return its exit code.
 
     On expiry the whole process group (torchrun's agent and every rank) gets SIGTERM, then SIGKILL, and a
@@ -90,6 +92,9 @@ def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: f
         try:
             return run_in_group(argv, env=env, cwd=cwd, stdout=log, timeout_s=timeout_s, grace_s=10.0)
         except subprocess.TimeoutExpired:  # run_in_group has already stopped the whole group
-            raise StageError(f"{what} did not finish within {timeout_s:g} s ({how or 'its bound'}); killed after "
-                             f"{time.monotonic() - started:.0f} s; see {log_path}. If it was only slow, raise the "
-                             "bound (timeouts.*)", retryable=False) from None
+            raise StageError(
+                f"{what} did not finish within {timeout_s:g} s ({how or 'its bound'}); killed after "
+                f"{time.monotonic() - started:.0f} s; see {log_path}. If it was only slow, raise the "
+                "bound (timeouts.*)",
+                retryable=False,
+            ) from None

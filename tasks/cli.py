@@ -2,6 +2,7 @@
 
 Also `python -m tasks summary --run-dir D` (the end-of-run table). Errors print one line and exit 2.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,9 +15,15 @@ from tasks.stages import OWN_SCHEDULE, STAGES
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="preset name in configs/ or a YAML file (default demo-cpu)")
-    parser.add_argument("--set", dest="sets", action="extend", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override config values: --set a.b=1 c.d=2, or --set repeated (positional arguments "
-                             "go before --set)")
+    parser.add_argument(
+        "--set",
+        dest="sets",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override config values: --set a.b=1 c.d=2, or --set repeated (positional arguments go before --set)",
+    )
     parser.add_argument("--run-dir", default=None, help="where results go (default var/runs/cli-<time>)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")

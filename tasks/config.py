@@ -8,6 +8,7 @@ problem is one line (`train.steps: 0 must be >= 1`). The trigger form's schema i
 values, which are defaults like the models' own. Stages use it where a value can come from elsewhere: a stage
 reading a shard set takes data.seq_len from its manifest unless the caller set a different one explicitly.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,11 +40,11 @@ class HardwareConfig(Section):
     nnodes: int = Field(1, ge=1, le=4096)
     node_rank: int = Field(0, ge=0, le=4095)
     rdzv_endpoint: str = "127.0.0.1:29400"  # c10d rendezvous host:port (multi-node: the first node's address)
-    cluster: str = "cpu-laptop"           # planner cluster preset (910b, 910c, a100-80g, h100-80g, cpu-laptop)
-    device_memory_gb: float = 0.0         # 0 = from the cluster preset / measured
-    intra_node_gbps: float = 0.0          # 0 = from the cluster preset
+    cluster: str = "cpu-laptop"  # planner cluster preset (910b, 910c, a100-80g, h100-80g, cpu-laptop)
+    device_memory_gb: float = 0.0  # 0 = from the cluster preset / measured
+    intra_node_gbps: float = 0.0  # 0 = from the cluster preset
     inter_node_gbps: float = 0.0
-    intra_node_latency_us: float = 0.0    # one collective call's fixed cost (α); 0 = from the cluster preset
+    intra_node_latency_us: float = 0.0  # one collective call's fixed cost (α); 0 = from the cluster preset
     inter_node_latency_us: float = 0.0
     peak_tflops: float = 0.0
     hccl_connect_timeout: int = Field(120, ge=120, le=7200)  # s, CANN range [120, 7200]
@@ -52,7 +53,7 @@ class HardwareConfig(Section):
     # train.timeout_s above it (CANN 8.5 HCCL env-var docs, hcclug_000074; README "Ascend: thresholds").
     hccl_exec_timeout: int = Field(1836, ge=0, le=2147483647)
     probe_sizes_mb: list[float] = Field(default_factory=lambda: [1, 4, 16])
-    expected_bus_gbps: float = 0.0        # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
+    expected_bus_gbps: float = 0.0  # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
     # Clock offset to NTP, multi-node: warn above 10 ms (cross-node profile timelines stop lining up), fail above
     # 500 ms (HCCL link set-up times out across nodes) — the field guides' two numbers, README "Ascend: thresholds".
     warn_clock_offset_ms: float = 10.0
@@ -69,29 +70,29 @@ class HardwareConfig(Section):
     cann_log_max_mb: float = Field(50.0, ge=0.0, le=100_000.0)
     # Health DAG alarms (tasks/stages/health.py).
     max_device_temp_c: float = Field(85.0, ge=0.0, le=150.0)  # a chip at or above this temperature: an alarm
-    max_hbm_used_pct: float = Field(95.0, ge=1.0, le=100.0)   # HBM this full with no process on the chip = leaked
-    expected_devices: int = Field(0, ge=0, le=1024)           # chips per node; 0 = the most this host has shown
+    max_hbm_used_pct: float = Field(95.0, ge=1.0, le=100.0)  # HBM this full with no process on the chip = leaked
+    expected_devices: int = Field(0, ge=0, le=1024)  # chips per node; 0 = the most this host has shown
     # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s, requirements-k8s.txt).
     # Ranks bound to the cores nearest their device (npu-smi topo / sysfs on NPU, torchrun --numa-binding on CUDA,
     # an even split on CPU; tasks/parallel/binding.py). false = let the OS schedule them.
     bind_cpus: bool = True
     launcher: Literal["local", "kubernetes"] = "local"
     k8s_namespace: str = "llm"
-    k8s_image: str = ""                   # the training image (docker/Dockerfile.ascend); required for kubernetes
+    k8s_image: str = ""  # the training image (docker/Dockerfile.ascend); required for kubernetes
     # volcano gang-schedules multi-pod stages (PodGroup minMember)
     k8s_scheduler: Literal["default", "volcano"] = "default"
 
 
 class ModelConfig(Section):
-    preset: str = "demo"                  # tasks.model presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
-    hf_path: str = ""                     # initialise from a local HF directory instead of random weights
+    preset: str = "demo"  # tasks.model presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
+    hf_path: str = ""  # initialise from a local HF directory instead of random weights
     # Shape overrides (0 / "" = the preset's value).
     dim: int = 0
     n_layers: int = 0
     n_heads: int = 0
     n_kv_heads: int = 0
     ffn_dim: int = 0
-    vocab_size: int = 0                   # 0 = preset, or the tokenizer's size when the preset allows
+    vocab_size: int = 0  # 0 = preset, or the tokenizer's size when the preset allows
     rope_theta: float = 0.0
     max_seq_len: int = 0
     # Mixture of experts (MoE presets: moe-demo, qwen1.5-moe-a2.7b, qwen2-57b-a14b; tasks/model/moe.py)
@@ -115,14 +116,14 @@ class ParallelConfig(Section):
     recompute_every: int = Field(1, ge=1, le=1024)  # checkpoint every k-th layer (full)
     pp_schedule: Schedule = "1f1b"
     microbatches: int = Field(0, ge=0, le=1 << 16)  # 0 = global_batch / micro_batch per DP rank
-    virtual_stages: int = Field(2, ge=1, le=64)     # for interleaved1f1b
-    ep: int = Field(1, ge=1, le=1024)     # expert parallelism (MoE): experts split over ep of the dp ranks
+    virtual_stages: int = Field(2, ge=1, le=64)  # for interleaved1f1b
+    ep: int = Field(1, ge=1, le=1024)  # expert parallelism (MoE): experts split over ep of the dp ranks
 
 
 class TrainConfig(Section):
     steps: int = Field(60, ge=1)
-    global_batch: int = Field(8, ge=1)    # sequences per optimizer step, all ranks
-    micro_batch: int = Field(2, ge=1)     # sequences per forward on one rank
+    global_batch: int = Field(8, ge=1)  # sequences per optimizer step, all ranks
+    micro_batch: int = Field(2, ge=1)  # sequences per forward on one rank
     lr: float = Field(3e-3, ge=0.0)
     min_lr: float = 3e-4
     warmup_steps: int = Field(10, ge=0)
@@ -140,8 +141,8 @@ class TrainConfig(Section):
 class SmokeConfig(Section):
     steps: int = Field(20, ge=2, le=100_000)  # per precision (FP32 then BF16)
     lr: float = 3e-3
-    window: int = Field(5, ge=1, le=10_000)   # k: compare mean of the first k with the last k losses
-    min_drop: float = 0.05                # relative drop required
+    window: int = Field(5, ge=1, le=10_000)  # k: compare mean of the first k with the last k losses
+    min_drop: float = 0.05  # relative drop required
     bf16_tolerance: float = Field(0.05, ge=0.0, le=10.0)  # max relative gap between the FP32 and BF16 curves
     micro_batch: int = 4
     # "Accuracy worse than on GPU → compare operator by operator": one forward of the same weights and batch on the
@@ -158,9 +159,9 @@ class PlanConfig(Section):
     recompute: list[Recompute] = Field(default_factory=lambda: ["none", "selective", "full"], min_length=1)
     schedules: list[Schedule] = Field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"], min_length=1)
     efficiency: float = Field(0.4, ge=0.01, le=1.0)  # achieved fraction of peak FLOP/s
-    runtime_reserve_gb: float = 0.0       # 0 = backend default (CANN/HCCL ≈ 5 GB on NPU)
+    runtime_reserve_gb: float = 0.0  # 0 = backend default (CANN/HCCL ≈ 5 GB on NPU)
     top_k: int = 10
-    flash_attention: bool = True          # fused SDPA keeps no s×s scores (false: Korthikanti's 5as/h term)
+    flash_attention: bool = True  # fused SDPA keeps no s×s scores (false: Korthikanti's 5as/h term)
 
 
 class ProfileConfig(Section):
@@ -173,10 +174,18 @@ class ProfileConfig(Section):
     profile_memory: bool = True
     with_stack: bool = False
     npu_level: Literal["Level_none", "Level0", "Level1", "Level2"] = "Level1"
-    aic_metrics: Literal["PipeUtilization", "ArithmeticUtilization", "Memory", "MemoryL0", "MemoryUB",
-                         "ResourceConflictRatio", "L2Cache", "MemoryAccess",
-                         "AiCoreNone"] = "PipeUtilization"  # torch_npu AiCMetrics
-    use_msprof: bool = False              # wrap the run in `msprof --application` when msprof is on PATH
+    aic_metrics: Literal[
+        "PipeUtilization",
+        "ArithmeticUtilization",
+        "Memory",
+        "MemoryL0",
+        "MemoryUB",
+        "ResourceConflictRatio",
+        "L2Cache",
+        "MemoryAccess",
+        "AiCoreNone",
+    ] = "PipeUtilization"  # torch_npu AiCMetrics
+    use_msprof: bool = False  # wrap the run in `msprof --application` when msprof is on PATH
     # Step breakdown of Ascend data from msprof-analyze (PyPI msprof-analyze, matching the CANN version) or the
     # built-in readers; auto = msprof-analyze when on PATH, else built-in. Where both run they must agree within 1 %.
     analyzer: Literal["auto", "builtin", "msprof-analyze"] = "auto"
@@ -196,7 +205,7 @@ class QuantizeConfig(Section):
     amct_flow: Literal["llm", "ptq"] = "llm"  # llm (quantize/convert) | ptq (ONNX fake-quant + deploy)
     # the unquantized parts (fp32 not with AMCT: INT8 on fp16/bf16 only)
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
-    qat_on_fail: bool = True              # PTQ misses the gate → quantization-aware fine-tune, then gate again
+    qat_on_fail: bool = True  # PTQ misses the gate → quantization-aware fine-tune, then gate again
     qat_steps: int = Field(50, ge=1, le=1_000_000)  # QAT optimizer steps on the training shards (lr: train.min_lr)
 
 
@@ -215,21 +224,22 @@ class EvaluateConfig(Section):
 
 
 class TrackingConfig(Section):
-    uri: str = ""                         # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
+    uri: str = ""  # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
     experiment: str = "llm-pipeline"
-    artifact_root: str = ""               # "" = <repo>/var/mlartifacts (new experiments only)
-    ui_url: str = ""                      # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
+    artifact_root: str = ""  # "" = <repo>/var/mlartifacts (new experiments only)
+    ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
     enabled: bool = True
 
 
 class TimeoutConfig(Section):
     """Bounds on every wait, in seconds (tasks/bounds.py): each DAG task's execution_timeout, the torchrun and
     Kubernetes Job waits inside it, and the cross-node probe's rendezvous."""
+
     env_s: int = Field(900, ge=1)
     shard_s: int = Field(3600, ge=1)
     smoke_s: int = Field(1800, ge=1)
     plan_s: int = Field(600, ge=1)
-    train_s: int = Field(0, ge=0)         # 0 = steps × the planner's step estimate × train_margin + train_overhead_s
+    train_s: int = Field(0, ge=0)  # 0 = steps × the planner's step estimate × train_margin + train_overhead_s
     train_margin: float = Field(4.0, ge=1.0, le=1000.0)  # how much slower than the planner's estimate a step may be
     train_overhead_s: int = Field(900, ge=0)  # start-up, rendezvous, checkpoints, HF export
     profile_s: int = Field(1800, ge=1)
@@ -252,7 +262,7 @@ class PipelineConfig(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     timeouts: TimeoutConfig = Field(default_factory=TimeoutConfig)
-    preset: str = ""                      # which preset/file this came from (informational)
+    preset: str = ""  # which preset/file this came from (informational)
     # Not a field: not in to_dict()/digest(); copy.deepcopy keeps it.
     _explicit: set[str] = PrivateAttr(default_factory=set)
 
@@ -264,17 +274,32 @@ class PipelineConfig(Section):
     def _rules(self):
         """Rules across fields, checked once every field is valid."""
         t, hw = self.train, self.hardware
-        lines = [line for broken, line in (
-            (t.micro_batch > t.global_batch,
-             f"train.micro_batch: {t.micro_batch} exceeds train.global_batch {t.global_batch}"),
-            (t.min_lr > t.lr, f"train.min_lr: {t.min_lr} exceeds train.lr {t.lr}"),
-            (hw.node_rank >= hw.nnodes, f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}"),
-            (":" not in hw.rdzv_endpoint, f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port"),
-            (hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout,
-             f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout {hw.hccl_exec_timeout} so HCCL "
-             "reports the real error before torch's watchdog fires"),
-            (hw.warn_clock_offset_ms > hw.max_clock_offset_ms, f"hardware.warn_clock_offset_ms: "
-             f"{hw.warn_clock_offset_ms} exceeds hardware.max_clock_offset_ms {hw.max_clock_offset_ms}")) if broken]
+        lines = [
+            line
+            for broken, line in (
+                (
+                    t.micro_batch > t.global_batch,
+                    f"train.micro_batch: {t.micro_batch} exceeds train.global_batch {t.global_batch}",
+                ),
+                (t.min_lr > t.lr, f"train.min_lr: {t.min_lr} exceeds train.lr {t.lr}"),
+                (
+                    hw.node_rank >= hw.nnodes,
+                    f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}",
+                ),
+                (":" not in hw.rdzv_endpoint, f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port"),
+                (
+                    hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout,
+                    f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout {hw.hccl_exec_timeout} so "
+                    "HCCL reports the real error before torch's watchdog fires",
+                ),
+                (
+                    hw.warn_clock_offset_ms > hw.max_clock_offset_ms,
+                    f"hardware.warn_clock_offset_ms: "
+                    f"{hw.warn_clock_offset_ms} exceeds hardware.max_clock_offset_ms {hw.max_clock_offset_ms}",
+                ),
+            )
+            if broken
+        ]
         if lines:
             raise rule_error(lines)
         return self
@@ -289,9 +314,12 @@ class PipelineConfig(Section):
 
 SECTIONS = [k for k in PipelineConfig.model_fields if k != "preset"]
 # dotted key → its allowed values, read off the models' Literal types (the form's enums come from the same place)
-CHOICES = {f"{s}.{k}": list(typing.get_args(f.annotation)) for s in SECTIONS
-           for k, f in PipelineConfig.model_fields[s].annotation.model_fields.items()
-           if typing.get_origin(f.annotation) is Literal}
+CHOICES = {
+    f"{s}.{k}": list(typing.get_args(f.annotation))
+    for s in SECTIONS
+    for k, f in PipelineConfig.model_fields[s].annotation.model_fields.items()
+    if typing.get_origin(f.annotation) is Literal
+}
 
 
 def _flatten(overrides: dict, prefix: str = "") -> dict[str, Any]:
@@ -354,8 +382,10 @@ def resolve_preset(preset_or_path: str | None) -> Path:
         if not path.is_file():
             raise ConfigError(f"config file {name} does not exist")
         if path.suffix not in (".yaml", ".yml"):  # e.g. --config /etc/passwd: not a preset, whatever it parses to
-            raise ConfigError(f"--config {name}: not a YAML preset (a .yaml/.yml file or a preset name: "
-                              f"{', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))})")
+            raise ConfigError(
+                f"--config {name}: not a YAML preset (a .yaml/.yml file or a preset name: "
+                f"{', '.join(sorted(p.stem for p in CONFIG_DIR.glob('*.yaml')))})"
+            )
         return path
     candidate = CONFIG_DIR / f"{name}.yaml"
     if not candidate.is_file():
@@ -379,8 +409,9 @@ def load_yaml(path: Path) -> dict:
 def load_config(preset_or_path: str | None = None, overrides: dict | None = None, sets=()) -> PipelineConfig:
     path = resolve_preset(preset_or_path)
     explicit = {**_flatten(overrides or {}), **parse_sets(sets)}
-    cfg = _validated({**_flatten(load_yaml(path)), **explicit,
-                      "preset": str(path.stem if path.parent == CONFIG_DIR else path)})
+    cfg = _validated(
+        {**_flatten(load_yaml(path)), **explicit, "preset": str(path.stem if path.parent == CONFIG_DIR else path)}
+    )
     cfg.explicit.update(explicit)
     return cfg
 

@@ -4,6 +4,7 @@ torch_npu is imported lazily and its ImportError/RuntimeError become `BackendUna
 torch_npu installed but CANN missing, even `import torch` fails ("Failed to load the backend extension: torch_npu
 … libhccl.so"), so callers that must survive that (the environment stage) probe in a subprocess first.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,9 +22,9 @@ class BackendUnavailable(StageError):
 
 @dataclass(frozen=True)
 class Backend:
-    kind: str            # npu | cuda | cpu
-    dist_backend: str    # hccl | nccl | gloo
-    device_count: int    # accelerators visible; on CPU the usable core count
+    kind: str  # npu | cuda | cpu
+    dist_backend: str  # hccl | nccl | gloo
+    device_count: int  # accelerators visible; on CPU the usable core count
 
     @property
     def is_accelerator(self) -> bool:
@@ -43,11 +44,15 @@ def import_torch_npu():
     except (ImportError, RuntimeError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "libhccl" in msg or "libascend" in msg or "backend extension" in msg:
-            raise BackendUnavailable(f"torch_npu is installed but CANN is not loaded ({msg}); run "
-                                     "`source /usr/local/Ascend/ascend-toolkit/set_env.sh` (or cann/set_env.sh), "
-                                     "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to run on CPU") from None
-        raise BackendUnavailable(f"device npu requested but torch_npu is not importable ({msg}); install "
-                                 "requirements-npu.txt on an Ascend host with CANN") from None
+            raise BackendUnavailable(
+                f"torch_npu is installed but CANN is not loaded ({msg}); run "
+                "`source /usr/local/Ascend/ascend-toolkit/set_env.sh` (or cann/set_env.sh), "
+                "or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 to run on CPU"
+            ) from None
+        raise BackendUnavailable(
+            f"device npu requested but torch_npu is not importable ({msg}); install "
+            "requirements-npu.txt on an Ascend host with CANN"
+        ) from None
     _torch_npu = torch_npu
     return torch_npu
 
@@ -71,8 +76,9 @@ def detect(requested: str = "auto") -> Backend:
             if torch.npu.is_available() and torch.npu.device_count() > 0:
                 return Backend("npu", "hccl", torch.npu.device_count())
             if requested == "npu":
-                raise BackendUnavailable("device npu requested but torch_npu sees no NPU (check npu-smi info "
-                                         "and ASCEND_RT_VISIBLE_DEVICES)")
+                raise BackendUnavailable(
+                    "device npu requested but torch_npu sees no NPU (check npu-smi info and ASCEND_RT_VISIBLE_DEVICES)"
+                )
         except BackendUnavailable:
             if requested == "npu":
                 raise
@@ -126,8 +132,10 @@ def precision_problem(kind: str, precision: str) -> str | None:
     """One line when `precision` cannot run on this backend (checked before any step, never mid-run)."""
     if precision == "bf16" and kind != "cpu" and not bf16_supported(kind):
         what = "this Ascend SoC (910 A1 parts have no bf16; 910B/910C do)" if kind == "npu" else "this GPU"
-        return (f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
-                "(fp16 training needs a loss scaler, not implemented)")
+        return (
+            f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
+            "(fp16 training needs a loss scaler, not implemented)"
+        )
     if precision == "fp16":
         return "train.precision: fp16 training needs a loss scaler (not implemented); use bf16 or fp32"
     return None
@@ -203,19 +211,27 @@ def memory_stats(device) -> dict[str, int]:
     """allocated / reserved / peak bytes on the device; on CPU the process RSS and its peak (what torch can't say)."""
     mod = device_module(device.type)
     if mod is not None:
-        return {"allocated_bytes": int(mod.memory_allocated(device)),
-                "reserved_bytes": int(mod.memory_reserved(device)),
-                "peak_bytes": int(mod.max_memory_allocated(device)),
-                "peak_reserved_bytes": int(mod.max_memory_reserved(device))}
+        return {
+            "allocated_bytes": int(mod.memory_allocated(device)),
+            "reserved_bytes": int(mod.memory_reserved(device)),
+            "peak_bytes": int(mod.max_memory_allocated(device)),
+            "peak_reserved_bytes": int(mod.max_memory_reserved(device)),
+        }
     rss = _rss_bytes()
-    return {"allocated_bytes": rss, "reserved_bytes": rss, "peak_bytes": _peak_rss_bytes(),
-            "peak_reserved_bytes": _peak_rss_bytes()}
+    return {
+        "allocated_bytes": rss,
+        "reserved_bytes": rss,
+        "peak_bytes": _peak_rss_bytes(),
+        "peak_reserved_bytes": _peak_rss_bytes(),
+    }
 
 
 def hccl_env(hardware) -> dict[str, str]:
     """HCCL variables for NPU jobs, from the hardware config (existing values in the environment win)."""
-    env = {"HCCL_CONNECT_TIMEOUT": str(hardware.hccl_connect_timeout),
-           "HCCL_EXEC_TIMEOUT": str(hardware.hccl_exec_timeout)}
+    env = {
+        "HCCL_CONNECT_TIMEOUT": str(hardware.hccl_connect_timeout),
+        "HCCL_EXEC_TIMEOUT": str(hardware.hccl_exec_timeout),
+    }
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
@@ -225,10 +241,10 @@ def launch_env(backend: Backend, hardware) -> dict[str, str]:
     if backend.kind == "npu":
         env.update(hccl_env(hardware))
         from tasks.envcheck.cann_logs import log_env
+
         env.update(log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
         # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy.
-        env.setdefault("PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF",
-                                                                "expandable_segments:True"))
+        env.setdefault("PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True"))
         # Two-level task queue for operator dispatch (the guides' host-bound remedy); the user's value wins.
         env.setdefault("TASK_QUEUE_ENABLE", os.environ.get("TASK_QUEUE_ENABLE", "2"))
     return env

@@ -1,4 +1,5 @@
 """Atomic file output: a reader never sees a half-written file, and a killed writer leaves only a temp file."""
+
 from __future__ import annotations
 
 import json

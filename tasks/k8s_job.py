@@ -9,6 +9,7 @@ timeouts.k8s_pending_s. The Airflow side (dags/k8s_launch.py) submits them with 
 pods write `<stage>.json` into the run directory on the shared volume, where `collect_result()` reads it. Nothing
 here talks to a cluster or imports Airflow, so the rendering is tested on CPU.
 """
+
 from __future__ import annotations
 
 import copy
@@ -78,9 +79,12 @@ def deadline_s(stage: str, cfg: PipelineConfig, run_dir) -> int:
 def podgroup(name: str, namespace: str, labels: dict, min_member: int) -> dict:
     """A Volcano PodGroup: none of the stage's pods starts until all `min_member` can (gang scheduling)."""
     group, version, _ = PODGROUP_API
-    return {"apiVersion": f"{group}/{version}", "kind": "PodGroup",
-            "metadata": {"name": name, "namespace": namespace, "labels": labels},
-            "spec": {"minMember": min_member}}
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": "PodGroup",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"minMember": min_member},
+    }
 
 
 def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "train") -> list[dict]:
@@ -92,8 +96,10 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     if stage not in DEVICE_STAGES:
         raise ConfigError(f"stage {stage!r} runs on the Airflow worker, not as a Kubernetes Job")
     if not hw.k8s_image:
-        raise ConfigError("hardware.k8s_image: required with hardware.launcher=kubernetes (the image built from "
-                          "docker/Dockerfile.ascend, in a registry the cluster can pull from)")
+        raise ConfigError(
+            "hardware.k8s_image: required with hardware.launcher=kubernetes (the image built from "
+            "docker/Dockerfile.ascend, in a registry the cluster can pull from)"
+        )
     run_dir = Path(run_dir)
     config_file = run_dir / "k8s" / f"{name}.yaml"
     pod_cfg = copy.deepcopy(cfg)
@@ -126,7 +132,8 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     if n > 1:
         pod["subdomain"] = name
         pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"] = {
-            "matchLabels": {"job-name": name}}
+            "matchLabels": {"job-name": name}
+        }
         out.append(service)
     else:  # one pod: no rendezvous, no peers to spread from
         for key in ("subdomain", "affinity"):
@@ -143,17 +150,27 @@ def failure_cause(run_dir: str | Path, name: str, reason: str, stage: str = "tra
     """Node 0's own one-line cause (its <stage>.json on the shared volume) when it wrote one."""
     path = Path(run_dir) / f"{stage}.json"
     error = read_json(path).get("error") if path.is_file() else None
-    return f"{stage} job {name} failed ({reason}): {error}" if error else \
-        f"{stage} job {name} failed ({reason}); see `kubectl logs -l job-name={name}`"
+    return (
+        f"{stage} job {name} failed ({reason}): {error}"
+        if error
+        else f"{stage} job {name} failed ({reason}); see `kubectl logs -l job-name={name}`"
+    )
 
 
-def collect_result(run_dir: str | Path, name: str, parent_run_id: str | None = None,
-                   tracking_uri: str | None = None, stage: str = "train") -> dict:
+def collect_result(
+    run_dir: str | Path,
+    name: str,
+    parent_run_id: str | None = None,
+    tracking_uri: str | None = None,
+    stage: str = "train",
+) -> dict:
     """Node 0's result of the stage; its MLflow run is attached to the DAG run's parent run."""
     path = Path(run_dir) / f"{stage}.json"
     if not path.is_file():
-        raise StageError(f"{stage} job {name} completed but wrote no {path} (is the shared volume mounted at the "
-                         "same path in the pods and on the Airflow workers?)")
+        raise StageError(
+            f"{stage} job {name} completed but wrote no {path} (is the shared volume mounted at the "
+            "same path in the pods and on the Airflow workers?)"
+        )
     result = read_json(path)
     if result.get("status") == "failed":
         raise StageError(failure_cause(run_dir, name, "stage failed", stage), retryable=stage == "train")
@@ -165,8 +182,9 @@ def collect_result(run_dir: str | Path, name: str, parent_run_id: str | None = N
     return result
 
 
-def wait_for_job(status, name: str, timeout_s: float, poll_s: float = 30.0, describe=None,
-                 clock=time.monotonic, sleep=time.sleep) -> tuple[bool, str]:
+def wait_for_job(
+    status, name: str, timeout_s: float, poll_s: float = 30.0, describe=None, clock=time.monotonic, sleep=time.sleep
+) -> tuple[bool, str]:
     """Poll `status()` → (done, failure reason or "") until done or `timeout_s`; on expiry a StageError names the
     Job, the bound and what its pods were doing (`describe()`, e.g. "pod x-0 Pending: Unschedulable …")."""
     deadline = clock() + timeout_s
@@ -181,6 +199,8 @@ def wait_for_job(status, name: str, timeout_s: float, poll_s: float = 30.0, desc
                     state = describe()
                 except Exception as e:  # the cause of the expiry matters more than a failed description
                     state = f"pods not described: {e}"
-            raise StageError(f"job {name} did not finish within {timeout_s:g} s (the stage's bound + "
-                             f"timeouts.k8s_pending_s){': ' + state if state else ''}; it was deleted")
+            raise StageError(
+                f"job {name} did not finish within {timeout_s:g} s (the stage's bound + "
+                f"timeouts.k8s_pending_s){': ' + state if state else ''}; it was deleted"
+            )
         sleep(min(poll_s, max(0.0, deadline - clock())))

@@ -5,6 +5,7 @@ training image on the Ascend nodes; shard, plan and the summary stay on the Airf
 it submits the Job, waits within the stage's bound (tasks/bounds.py) and reads `<stage>.json` back from the run
 directory on the shared volume. Nothing here imports Airflow or talks to a cluster (dags/k8s_launch.py does).
 """
+
 from __future__ import annotations
 
 from tasks.config import PipelineConfig

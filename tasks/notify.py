@@ -3,6 +3,7 @@
 Each failure is appended to var/notifications.jsonl and logged; an operator wires it to mail/chat by replacing
 `deliver()` (or by an Airflow notifier reading the same line).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,13 @@ def failure_cause(dag_id: str, run_id: str, stage: str, exception=None) -> str:
 
 
 def record_failure(dag_id: str, run_id: str, stage: str, exception=None) -> dict:
-    note = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dag_id": dag_id, "run_id": run_id,
-            "stage": stage, "cause": failure_cause(dag_id, run_id, stage, exception)}
+    note = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "dag_id": dag_id,
+        "run_id": run_id,
+        "stage": stage,
+        "cause": failure_cause(dag_id, run_id, stage, exception),
+    }
     deliver(note)
     return note
 

@@ -3,13 +3,22 @@
 Only the driver's own tool is asked (NVML underneath): no CUDA context is created, so sampling never touches a GPU
 a training job is using (torch.cuda.mem_get_info would create a context on every device).
 """
+
 from __future__ import annotations
 
 import shutil
 import subprocess
 
-GPU_FIELDS = ("index", "uuid", "name", "temperature.gpu", "memory.used", "memory.total", "utilization.gpu",
-              "power.draw")
+GPU_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "temperature.gpu",
+    "memory.used",
+    "memory.total",
+    "utilization.gpu",
+    "power.draw",
+)
 APP_FIELDS = ("gpu_uuid", "pid", "used_memory")
 
 
@@ -25,8 +34,9 @@ def _query(args: list[str], timeout: float) -> str | None:
     if not exe:
         return None
     try:
-        proc = subprocess.run([exe, *args, "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [exe, *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=timeout
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout if proc.returncode == 0 else None
@@ -39,10 +49,18 @@ def parse(gpus_csv: str, apps_csv: str = "") -> dict:
         if len(cells) != len(GPU_FIELDS):
             continue
         row = dict(zip(GPU_FIELDS, cells))
-        gpus.append({"index": int(row["index"]), "uuid": row["uuid"], "name": row["name"],
-                     "temp_c": _num(row["temperature.gpu"]), "memory_used_mb": _num(row["memory.used"]),
-                     "memory_total_mb": _num(row["memory.total"]), "util_pct": _num(row["utilization.gpu"]),
-                     "power_w": _num(row["power.draw"])})
+        gpus.append(
+            {
+                "index": int(row["index"]),
+                "uuid": row["uuid"],
+                "name": row["name"],
+                "temp_c": _num(row["temperature.gpu"]),
+                "memory_used_mb": _num(row["memory.used"]),
+                "memory_total_mb": _num(row["memory.total"]),
+                "util_pct": _num(row["utilization.gpu"]),
+                "power_w": _num(row["power.draw"]),
+            }
+        )
     for line in apps_csv.splitlines():
         cells = [c.strip() for c in line.split(",")]
         if len(cells) == len(APP_FIELDS) and cells[1].isdigit():

@@ -4,6 +4,7 @@ The DAG turns PARAMS into `airflow.sdk.Param`s (each field's JSON schema — typ
 model's own, `field_schema()`, so the form refuses exactly what config validation refuses), and calls
 `run_for_dag_run()` from each task.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,33 +18,73 @@ from tasks.runner import default_run_dir, run_stage
 
 # (param name, config key, form section, title, description). The order is the form's order.
 PARAMS = [
-    ("preset", None, "Hardware", "Configuration preset",
-     "A YAML preset in configs/ (demo-cpu runs on a laptop). The fields below override it."),
+    (
+        "preset",
+        None,
+        "Hardware",
+        "Configuration preset",
+        "A YAML preset in configs/ (demo-cpu runs on a laptop). The fields below override it.",
+    ),
     ("device", "hardware.device", "Hardware", "Device", "auto picks npu, then cuda, then cpu."),
-    ("nproc_per_node", "hardware.nproc_per_node", "Hardware", "Processes per node",
-     "Training ranks per node: one per NPU/GPU; on CPU the number of gloo ranks."),
+    (
+        "nproc_per_node",
+        "hardware.nproc_per_node",
+        "Hardware",
+        "Processes per node",
+        "Training ranks per node: one per NPU/GPU; on CPU the number of gloo ranks.",
+    ),
     ("nnodes", "hardware.nnodes", "Hardware", "Nodes", "Nodes in the torchrun c10d rendezvous."),
-    ("launcher", "hardware.launcher", "Hardware", "Training launcher",
-     "local: torchrun on this host; kubernetes: a Job on the Ascend cluster (deploy/k8s)."),
-    ("data_inputs", "data.inputs", "Data", "Corpus inputs",
-     "Files, directories or globs (.txt, .jsonl, .parquet, gzip'd or not); 'stdlib' = Python's own sources."),
+    (
+        "launcher",
+        "hardware.launcher",
+        "Hardware",
+        "Training launcher",
+        "local: torchrun on this host; kubernetes: a Job on the Ascend cluster (deploy/k8s).",
+    ),
+    (
+        "data_inputs",
+        "data.inputs",
+        "Data",
+        "Corpus inputs",
+        "Files, directories or globs (.txt, .jsonl, .parquet, gzip'd or not); 'stdlib' = Python's own sources.",
+    ),
     ("max_documents", "data.max_documents", "Data", "Max documents", "0 = the whole corpus."),
-    ("tokenizer", "data.tokenizer", "Data", "Tokenizer",
-     "train = a byte-level BPE trained on the corpus; or a local tokenizer.json / model directory (e.g. the "
-     "checkpoint's own, with Start from HF checkpoint)."),
+    (
+        "tokenizer",
+        "data.tokenizer",
+        "Data",
+        "Tokenizer",
+        "train = a byte-level BPE trained on the corpus; or a local tokenizer.json / model directory (e.g. the "
+        "checkpoint's own, with Start from HF checkpoint).",
+    ),
     ("vocab_size", "data.vocab_size", "Data", "Tokenizer vocabulary", "Byte-level BPE trained on the corpus."),
     ("seq_len", "data.seq_len", "Data", "Sequence length", "Tokens per packed training window."),
-    ("model_preset", "model.preset", "Model", "Model preset",
-     "Shapes: debug, demo, qwen2-0.5b/1.5b/7b, llama3-8b/70b, llama-13b; mixture of experts: moe-demo, "
-     "qwen1.5-moe-a2.7b, qwen2-57b-a14b."),
-    ("hf_path", "model.hf_path", "Model", "Start from HF checkpoint",
-     "A local Hugging Face model directory (config.json + safetensors): its shape and weights start training; "
-     "shard with its own tokenizer (Tokenizer = the same directory)."),
+    (
+        "model_preset",
+        "model.preset",
+        "Model",
+        "Model preset",
+        "Shapes: debug, demo, qwen2-0.5b/1.5b/7b, llama3-8b/70b, llama-13b; mixture of experts: moe-demo, "
+        "qwen1.5-moe-a2.7b, qwen2-57b-a14b.",
+    ),
+    (
+        "hf_path",
+        "model.hf_path",
+        "Model",
+        "Start from HF checkpoint",
+        "A local Hugging Face model directory (config.json + safetensors): its shape and weights start training; "
+        "shard with its own tokenizer (Tokenizer = the same directory).",
+    ),
     ("dp", "parallel.dp", "Parallelism", "Data parallel (DP)", "0 = chosen by the planner."),
     ("tp", "parallel.tp", "Parallelism", "Tensor parallel (TP)", "Within a node; divides heads and KV heads."),
     ("pp", "parallel.pp", "Parallelism", "Pipeline parallel (PP)", "Across nodes; divides the layers."),
-    ("ep", "parallel.ep", "Parallelism", "Expert parallel (EP)",
-     "MoE models: experts split over EP of the DP ranks; divides DP and the expert count."),
+    (
+        "ep",
+        "parallel.ep",
+        "Parallelism",
+        "Expert parallel (EP)",
+        "MoE models: experts split over EP of the DP ranks; divides DP and the expert count.",
+    ),
     ("zero", "parallel.zero", "Parallelism", "ZeRO stage", "0 replicated, 1/2 sharded states, 3 FSDP."),
     ("recompute", "parallel.recompute", "Parallelism", "Activation recompute", "Trade compute for memory."),
     ("pp_schedule", "parallel.pp_schedule", "Parallelism", "Pipeline schedule", "Used when PP > 1."),
@@ -53,20 +94,41 @@ PARAMS = [
     ("lr", "train.lr", "Training", "Peak learning rate", "AdamW with warm-up and cosine decay."),
     ("precision", "train.precision", "Training", "Precision", "bf16 autocast on NPU/CPU; fp32 for debugging."),
     ("smoke_steps", "smoke.steps", "Training", "Smoke steps", "Per precision, on one device, before training."),
-    ("quant_method", "quantize.method", "Quantization", "INT8 method",
-     "Weight-only INT8, dynamic W8A8, or SmoothQuant (AMCT on Ascend)."),
-    ("max_drop_pct", "evaluate.max_drop_pct", "Quantization", "Max perplexity drop (%)",
-     "The gate: a larger INT8 perplexity rise refuses registration."),
-    ("registered_model", "evaluate.registered_model", "Quantization", "Registered model name",
-     "MLflow Model Registry name; versions get the alias candidate, and champion when better."),
+    (
+        "quant_method",
+        "quantize.method",
+        "Quantization",
+        "INT8 method",
+        "Weight-only INT8, dynamic W8A8, or SmoothQuant (AMCT on Ascend).",
+    ),
+    (
+        "max_drop_pct",
+        "evaluate.max_drop_pct",
+        "Quantization",
+        "Max perplexity drop (%)",
+        "The gate: a larger INT8 perplexity rise refuses registration.",
+    ),
+    (
+        "registered_model",
+        "evaluate.registered_model",
+        "Quantization",
+        "Registered model name",
+        "MLflow Model Registry name; versions get the alias candidate, and champion when better.",
+    ),
 ]
 
 LABELS = {  # readable labels for enum values in the trigger form
-    "parallel.zero": {0: "0 — replicated DP (gradient all-reduce)", 1: "1 — + AdamW states sharded",
-                      2: "2 — FSDP2, all shards; parameters gathered forward→backward",
-                      3: "3 — FSDP2, resharded after forward"},
-    "quantize.method": {"int8_weight_only": "INT8 weight-only", "int8_dynamic": "W8A8 dynamic",
-                        "smoothquant": "SmoothQuant W8A8 (AMCT)"},
+    "parallel.zero": {
+        0: "0 — replicated DP (gradient all-reduce)",
+        1: "1 — + AdamW states sharded",
+        2: "2 — FSDP2, all shards; parameters gathered forward→backward",
+        3: "3 — FSDP2, resharded after forward",
+    },
+    "quantize.method": {
+        "int8_weight_only": "INT8 weight-only",
+        "int8_dynamic": "W8A8 dynamic",
+        "smoothquant": "SmoothQuant W8A8 (AMCT)",
+    },
     "train.precision": {"fp32": "FP32", "bf16": "BF16 (autocast)", "fp16": "FP16 (autocast)"},
     "parallel.recompute": {"none": "none", "selective": "selective (attention)", "full": "full"},
 }
@@ -100,15 +162,26 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     for name, key, section, title, desc in PARAMS:
         if key is None:
             presets = sorted(p.stem for p in Path(CONFIG_DIR).glob("*.yaml"))
-            out[name] = dict(default=cfg.preset or "demo-cpu", type="string", enum=presets, title=title,
-                             description=desc, section=section)
+            out[name] = dict(
+                default=cfg.preset or "demo-cpu",
+                type="string",
+                enum=presets,
+                title=title,
+                description=desc,
+                section=section,
+            )
             continue
         model = field_schema(key)
         preset_value = get(cfg, key)
         shown = ", ".join(map(str, preset_value)) if isinstance(preset_value, list) else preset_value
         schema = {k: model[k] for k in FORM_KEYS if k in model}
-        schema.update(default=None, type=[model["type"], "null"], title=title, section=section,
-                      description=f"{desc} Empty = {FROM_PRESET} ({cfg.preset or 'demo-cpu'}: {shown}).")
+        schema.update(
+            default=None,
+            type=[model["type"], "null"],
+            title=title,
+            section=section,
+            description=f"{desc} Empty = {FROM_PRESET} ({cfg.preset or 'demo-cpu'}: {shown}).",
+        )
         if "enum" in model:
             schema["enum"] = [*model["enum"], None]
             labels = {json.dumps(k) if not isinstance(k, str) else k: v for k, v in LABELS.get(key, {}).items()}
@@ -127,8 +200,10 @@ def overrides_from_params(params: dict) -> tuple[str | None, dict]:
     keys = {name: key for name, key, *_ in PARAMS}
     unknown = sorted(n for n in params if n not in keys)
     if unknown:
-        raise ConfigError(f"unknown DAG Param{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
-                          f"(known: {', '.join(keys)})")
+        raise ConfigError(
+            f"unknown DAG Param{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+            f"(known: {', '.join(keys)})"
+        )
     preset = params.get("preset")
     overrides = {keys[n]: v for n, v in params.items() if keys.get(n) is not None and v is not None}
     return preset, overrides
@@ -150,10 +225,12 @@ def check_conf(text: str) -> PipelineConfig:
     try:
         conf = json.loads(text)
     except ValueError as e:
-        raise ConfigError(f"is not JSON ({e}); e.g. CONF='{{\"preset\": \"ci-tiny\"}}'") from None
+        raise ConfigError(f'is not JSON ({e}); e.g. CONF=\'{{"preset": "ci-tiny"}}\'') from None
     if not isinstance(conf, dict):
-        raise ConfigError(f"must be a JSON object of DAG Params, not {type(conf).__name__} {text.strip()[:60]}; "
-                          "e.g. CONF='{\"preset\": \"ci-tiny\", \"steps\": 20}'")
+        raise ConfigError(
+            f"must be a JSON object of DAG Params, not {type(conf).__name__} {text.strip()[:60]}; "
+            'e.g. CONF=\'{"preset": "ci-tiny", "steps": 20}\''
+        )
     return config_for_params(conf)
 
 
@@ -192,13 +269,19 @@ def stage_args(stage: str, published: dict | None = None):
     if stage == "shard" and published:
         from urllib.parse import unquote, urlparse
 
-        args = argparse.Namespace(**{**vars(args), "shard_dir": unquote(urlparse(published["uri"]).path),
-                                     "manifest_digest": published["manifest_digest"]})
+        args = argparse.Namespace(
+            **{
+                **vars(args),
+                "shard_dir": unquote(urlparse(published["uri"]).path),
+                "manifest_digest": published["manifest_digest"],
+            }
+        )
     return args
 
 
-def run_for_dag_run(stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1,
-                    published: dict | None = None) -> dict:
+def run_for_dag_run(
+    stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1, published: dict | None = None
+) -> dict:
     """One Airflow task: config from Params, the DAG run's MLflow parent run, the stage in the run's directory.
 
     `published` (tasks.pipeline.published_shard_set) is the asset event that triggered the run: the shard stage
@@ -217,8 +300,9 @@ def run_for_dag_run(stage: str, params: dict, dag_id: str, run_id: str, try_numb
     return result
 
 
-def finish_dag_run(params: dict, dag_id: str, run_id: str, success: bool, started_at=None, ended_at=None,
-                   reason: str = "") -> str | None:
+def finish_dag_run(
+    params: dict, dag_id: str, run_id: str, success: bool, started_at=None, ended_at=None, reason: str = ""
+) -> str | None:
     """End the DAG run's MLflow parent run with the run's outcome, duration and shard set (DAG callbacks)."""
     from tasks.fsutil import read_json
 
@@ -228,18 +312,33 @@ def finish_dag_run(params: dict, dag_id: str, run_id: str, success: bool, starte
         return None
     shard = run_dir / "shard.json"
     shard_result = read_json(shard) if shard.is_file() else {}
-    return tracking.finish_parent_run(cfg, dag_id, run_id, success, started_at=started_at, ended_at=ended_at,
-                                      reason=reason, shard_dir=shard_result.get("shard_dir"))
+    return tracking.finish_parent_run(
+        cfg,
+        dag_id,
+        run_id,
+        success,
+        started_at=started_at,
+        ended_at=ended_at,
+        reason=reason,
+        shard_dir=shard_result.get("shard_dir"),
+    )
 
 
 def end_parent_run(success: bool):
     """A DAG on_success/on_failure callback (Airflow passes the context dict) ending the run's MLflow parent run."""
+
     def callback(context) -> None:
         dag, dag_run = context["dag"], context.get("dag_run")
         params = dict(context.get("params") or {}) or {**dag.params.dump(), **(getattr(dag_run, "conf", None) or {})}
-        finish_dag_run(params, dag.dag_id, context["run_id"], success,
-                       started_at=getattr(dag_run, "start_date", None), ended_at=getattr(dag_run, "end_date", None),
-                       reason=str(context.get("reason") or ""))
+        finish_dag_run(
+            params,
+            dag.dag_id,
+            context["run_id"],
+            success,
+            started_at=getattr(dag_run, "start_date", None),
+            ended_at=getattr(dag_run, "end_date", None),
+            reason=str(context.get("reason") or ""),
+        )
 
     callback.__name__ = f"end_parent_run_{'success' if success else 'failure'}"
     return callback
@@ -258,6 +357,8 @@ def print_summary(params: dict, dag_id: str, run_id: str) -> str:
         exp = mlflow.MlflowClient(tracking.tracking_uri(cfg)).get_experiment_by_name(cfg.tracking.experiment)
         experiment_id = exp.experiment_id if exp else None
     print(render(run_dir, cfg, experiment_id))
-    print(f"\nRun directory: {run_dir}\nMLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri(cfg)} "
-          f"--host 127.0.0.1 --port 5000  (then open {tracking.ui_url(cfg)})")
+    print(
+        f"\nRun directory: {run_dir}\nMLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri(cfg)} "
+        f"--host 127.0.0.1 --port 5000  (then open {tracking.ui_url(cfg)})"
+    )
     return str(run_dir)

@@ -9,6 +9,7 @@
   once in one line naming the holder's pid, host and stage. The kernel drops the lock when the holder dies, so a
   killed run never leaves a stale lock.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,14 +41,22 @@ def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) ->
         os.kill(os.getpid(), sig)
 
 
-def run_in_group(argv: list[str], *, env: dict, cwd, stdout, grace_s: float = 30.0,
-                 timeout_s: float | None = None) -> int:
+def run_in_group(
+    argv: list[str], *, env: dict, cwd, stdout, grace_s: float = 30.0, timeout_s: float | None = None
+) -> int:
     """Run argv to completion in its own process group; returns its exit status. Never leaves the group running:
     on any exception here (KeyboardInterrupt, SIGTERM turned into one, timeout) the group gets SIGTERM, then
     SIGKILL after `grace_s`."""
     parent = os.getpid()
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT,
-                            start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent))
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        cwd=cwd,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent),
+    )
     try:
         return proc.wait(timeout=timeout_s)
     except BaseException:
@@ -83,13 +92,25 @@ class RunDirLock:
         except BlockingIOError:
             holder = _holder(fd)
             os.close(fd)
-            raise StageError(f"run directory {self.path.parent} is in use by pid {holder.get('pid', '?')} on "
-                             f"{holder.get('host', '?')} (stage {holder.get('stage', '?')}, since "
-                             f"{holder.get('since', '?')}); wait for it to finish, stop it, or use another "
-                             f"--run-dir") from None
+            raise StageError(
+                f"run directory {self.path.parent} is in use by pid {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')} (stage {holder.get('stage', '?')}, since "
+                f"{holder.get('since', '?')}); wait for it to finish, stop it, or use another "
+                f"--run-dir"
+            ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "stage": self.stage,
-                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        os.pwrite(
+            fd,
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "host": socket.gethostname(),
+                    "stage": self.stage,
+                    "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                }
+            ).encode(),
+            0,
+        )
         self.fd = fd
         return self
 

@@ -1,4 +1,5 @@
 """run_stage(): the one path from a config to a stage result, shared by the CLI and the Airflow tasks."""
+
 from __future__ import annotations
 
 import argparse
@@ -23,22 +24,29 @@ class StageContext:
     run_dir: Path
     stage: str
     args: argparse.Namespace = field(default_factory=argparse.Namespace)
-    inputs: dict = field(default_factory=dict)      # earlier stages' results, by stage name
+    inputs: dict = field(default_factory=dict)  # earlier stages' results, by stage name
     mlflow_run_id: str | None = None
     parent_run_id: str | None = None
 
 
 def stage_module(stage: str):
     if stage not in STAGES and stage not in OWN_SCHEDULE:
-        raise StageError(f"unknown stage {stage!r} (stages: {', '.join(STAGES)}); on its own schedule: "
-                         f"{', '.join(OWN_SCHEDULE)}")
+        raise StageError(
+            f"unknown stage {stage!r} (stages: {', '.join(STAGES)}); on its own schedule: {', '.join(OWN_SCHEDULE)}"
+        )
     return importlib.import_module({**STAGES, **OWN_SCHEDULE}[stage])
 
 
 def add_shard_dir_arg(parser: argparse.ArgumentParser, purpose: str = "to read") -> None:
     """--shard-dir (alias --shards): the same flag on every stage that reads the shard set."""
-    parser.add_argument("--shard-dir", "--shards", dest="shard_dir", default=None, metavar="DIR",
-                        help=f"shard set {purpose} (default: the shard stage's result in --run-dir)")
+    parser.add_argument(
+        "--shard-dir",
+        "--shards",
+        dest="shard_dir",
+        default=None,
+        metavar="DIR",
+        help=f"shard set {purpose} (default: the shard stage's result in --run-dir)",
+    )
 
 
 def shard_dir(ctx: "StageContext", fallback: str | None = None) -> Path:
@@ -46,8 +54,9 @@ def shard_dir(ctx: "StageContext", fallback: str | None = None) -> Path:
     `fallback`; it must hold a manifest.json."""
     given = getattr(ctx.args, "shard_dir", None) or ctx.inputs.get("shard", {}).get("shard_dir") or fallback
     if not given:
-        raise StageError(f"{ctx.stage}: no shard set: run `python -m tasks shard` with this --run-dir first, "
-                         "or pass --shard-dir DIR")
+        raise StageError(
+            f"{ctx.stage}: no shard set: run `python -m tasks shard` with this --run-dir first, or pass --shard-dir DIR"
+        )
     path = repo_path(given)
     if not (path / "manifest.json").is_file():
         raise StageError(f"{ctx.stage}: {path} is not a shard set (no manifest.json)")
@@ -79,8 +88,10 @@ def shard_set(cfg: PipelineConfig, ctx: "StageContext", fallback: str | None = N
         if mine == value:
             continue
         if dotted in cfg.explicit:
-            problems.append(f"{dotted}: {mine} differs from the shard set's {value} ({path}); leave it unset to "
-                            f"use the shard set's, or build a shard set with it")
+            problems.append(
+                f"{dotted}: {mine} differs from the shard set's {value} ({path}); leave it unset to "
+                f"use the shard set's, or build a shard set with it"
+            )
         else:
             setattr(getattr(cfg, section), key, value)
     if problems:
@@ -117,8 +128,14 @@ def load_inputs(run_dir) -> dict:
     return inputs
 
 
-def run_stage(stage: str, cfg: PipelineConfig, run_dir: str | Path, args: argparse.Namespace | None = None,
-              parent_run_id: str | None = None, tags: dict | None = None) -> dict:
+def run_stage(
+    stage: str,
+    cfg: PipelineConfig,
+    run_dir: str | Path,
+    args: argparse.Namespace | None = None,
+    parent_run_id: str | None = None,
+    tags: dict | None = None,
+) -> dict:
     """Run one stage; write `<run_dir>/<stage>.json`; return the result (raises StageError on failure).
 
     `tags` go on the stage's MLflow run (a DAG without a parent run passes its dag/run ids here). A stage module
@@ -171,17 +188,26 @@ def check_location(run_dir: Path) -> None:
     except OSError as e:
         raise StageError(f"cannot read {marker}: {os_error_cause(e)}") from None
     if recorded != here:
-        raise StageError(f"run directory {here} was copied or moved from {recorded}: its results point at files "
-                         f"there; use a new --run-dir (or move it back to {recorded})")
+        raise StageError(
+            f"run directory {here} was copied or moved from {recorded}: its results point at files "
+            f"there; use a new --run-dir (or move it back to {recorded})"
+        )
 
 
-def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started: float, result_path: Path,
-                tags: dict) -> dict:
+def _run_locked(
+    module, stage, cfg, run_dir: Path, args, parent_run_id, started: float, result_path: Path, tags: dict
+) -> dict:
     if cfg.tracking.enabled and (run_dir / tracking.PENDING).is_file():  # an earlier stage's MLflow outage
         tracking.flush_pending(run_dir)
     with tracking.stage_run(cfg, stage, parent_run_id, tags=tags) as run_id:
-        ctx = StageContext(run_dir=run_dir, stage=stage, args=args, inputs=load_inputs(run_dir),
-                           mlflow_run_id=run_id, parent_run_id=parent_run_id)
+        ctx = StageContext(
+            run_dir=run_dir,
+            stage=stage,
+            args=args,
+            inputs=load_inputs(run_dir),
+            mlflow_run_id=run_id,
+            parent_run_id=parent_run_id,
+        )
         try:
             result = module.run(cfg, ctx)
         except StageError as e:
@@ -213,8 +239,9 @@ def _run_locked(module, stage, cfg, run_dir: Path, args, parent_run_id, started:
     return result
 
 
-def _with_cann_logs(cfg, stage: str, run_dir: Path, cause: str, started: float, exc: BaseException,
-                    full: str = "") -> str:
+def _with_cann_logs(
+    cfg, stage: str, run_dir: Path, cause: str, started: float, exc: BaseException, full: str = ""
+) -> str:
     """CANN logs written during the stage → <run-dir>/<stage>/cann-logs/ (+ MLflow); a CANN/HCCL error code in the
     exception, the rank logs or those logs is named with its fix in the one-line cause."""
     from tasks.errors import ConfigError
@@ -226,7 +253,7 @@ def _with_cann_logs(cfg, stage: str, run_dir: Path, cause: str, started: float, 
 
         text = f"{cause}\n{full}" if full else cause
         explained, _ = cann_logs.on_failure(cfg, stage, run_dir, text, started)
-        return cause + explained[len(text):]
+        return cause + explained[len(text) :]
     except Exception as e:  # the diagnosis must never hide the failure itself
         return f"{cause} (CANN log collection failed: {type(e).__name__}: {e})"
 
@@ -235,9 +262,18 @@ def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, 
     """The failure record; when it cannot be written (the disk that failed the stage is full), say so on stderr
     and let the stage's own error propagate: the record's failure never hides the cause."""
     try:
-        atomic_write_json(path, {"stage": stage, "status": "failed", "summary": cause, "error": cause,
-                                 "mlflow_run_id": run_id, "seconds": round(time.time() - started, 2),
-                                 "traceback": trace})
+        atomic_write_json(
+            path,
+            {
+                "stage": stage,
+                "status": "failed",
+                "summary": cause,
+                "error": cause,
+                "mlflow_run_id": run_id,
+                "seconds": round(time.time() - started, 2),
+                "traceback": trace,
+            },
+        )
     except OSError as e:
         print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr, flush=True)
 

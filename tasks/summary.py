@@ -1,4 +1,5 @@
 """The one-screen end-of-run summary: stage, status, key figure, MLflow run link."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,10 @@ def render(run_dir, cfg=None, experiment_id: str | None = None) -> str:
         if r is None:
             lines.append(f"{TITLES[stage]:<28} {'-':<8} {'':>7}  (not run)")
             continue
-        lines.append(f"{TITLES[stage]:<28} {r.get('status', '?'):<8} {r.get('seconds', 0):>7.1f}  "
-                     f"{str(r.get('summary', ''))[:80]}")
+        lines.append(
+            f"{TITLES[stage]:<28} {r.get('status', '?'):<8} {r.get('seconds', 0):>7.1f}  "
+            f"{str(r.get('summary', ''))[:80]}"
+        )
         if r.get("mlflow_run_id"):
             lines.append(f"{'':<46}MLflow: {run_url(r['mlflow_run_id'], cfg, experiment_id)}")
     return "\n".join(lines)

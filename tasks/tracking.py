@@ -2,6 +2,7 @@
 
 mlflow is imported inside functions: DAG files import tasks lazily, and the parser must stay fast.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,8 +58,9 @@ def is_rank0() -> bool:
 
 def git_sha() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -67,8 +69,11 @@ def git_sha() -> str:
 # MLflow's HTTP client retries 7 times with exponential backoff and a 120 s timeout by default: minutes of hang per
 # call while a server is down. Tracking must never hold up the pipeline, so calls fail fast and what was not sent is
 # sent later (metrics from metrics.jsonl, see backfill_metrics / flush_pending).
-_BOUNDED_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+_BOUNDED_HTTP = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 PENDING = "tracking-pending.json"
 
 
@@ -84,7 +89,7 @@ def _configure(cfg: PipelineConfig):
     uri = tracking_uri(cfg)
     lock = contextlib.nullcontext()
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+        db = Path(uri[len("sqlite:///") :])
         db.parent.mkdir(parents=True, exist_ok=True)
         lock = _file_lock(db.with_name(db.name + ".init-lock"))
     mlflow.set_tracking_uri(uri)
@@ -101,8 +106,10 @@ def _configure(cfg: PipelineConfig):
         except Exception as e:  # created concurrently by another task: use theirs
             exp = client.get_experiment_by_name(cfg.tracking.experiment)
             if exp is None:
-                raise StageError(f"cannot create MLflow experiment {cfg.tracking.experiment!r} at {uri} "
-                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                raise StageError(
+                    f"cannot create MLflow experiment {cfg.tracking.experiment!r} at {uri} "
+                    f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                ) from None
             exp_id = exp.experiment_id
     else:
         exp_id = exp.experiment_id
@@ -133,14 +140,19 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        raise StageError(f"MLflow tracking server {uri} is unreachable ({reason}); start it (make ui) or set "
-                         f"MLFLOW_TRACKING_URI / tracking.uri") from None
+        raise StageError(
+            f"MLflow tracking server {uri} is unreachable ({reason}); start it (make ui) or set "
+            f"MLFLOW_TRACKING_URI / tracking.uri"
+        ) from None
 
 
 def _find_parent(client, exp_id: str, dag_id: str, run_id: str):
-    found = client.search_runs([exp_id], filter_string=f"tags.`airflow.dag_id` = '{dag_id}' and "
-                               f"tags.`airflow.run_id` = '{run_id}' and tags.`pipeline.kind` = 'parent'",
-                               max_results=1)
+    found = client.search_runs(
+        [exp_id],
+        filter_string=f"tags.`airflow.dag_id` = '{dag_id}' and "
+        f"tags.`airflow.run_id` = '{run_id}' and tags.`pipeline.kind` = 'parent'",
+        max_results=1,
+    )
     return found[0] if found else None
 
 
@@ -150,10 +162,19 @@ def parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 
     found = _find_parent(client, exp_id, dag_id, run_id)
     if found:
         return found.info.run_id
-    run = client.create_run(exp_id, run_name=f"{dag_id}/{run_id}", tags={
-        "airflow.dag_id": dag_id, "airflow.run_id": run_id, "airflow.try_number": str(try_number),
-        "pipeline.kind": "parent", "git.sha": git_sha(), "config.hash": cfg.digest(), "config.preset": cfg.preset,
-    })
+    run = client.create_run(
+        exp_id,
+        run_name=f"{dag_id}/{run_id}",
+        tags={
+            "airflow.dag_id": dag_id,
+            "airflow.run_id": run_id,
+            "airflow.try_number": str(try_number),
+            "pipeline.kind": "parent",
+            "git.sha": git_sha(),
+            "config.hash": cfg.digest(),
+            "config.preset": cfg.preset,
+        },
+    )
     client.log_text(run.info.run_id, json.dumps(cfg.to_dict(), indent=2), "config.json")
     return run.info.run_id
 
@@ -163,10 +184,15 @@ def record_asset_event(cfg: PipelineConfig, parent_run_id: str, event: dict) -> 
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri(cfg))
-    tags = {"trigger.kind": "asset", "trigger.asset_uri": event.get("uri"), "trigger.asset_name": event.get("name"),
-            "trigger.manifest_digest": event.get("manifest_digest"),
-            "trigger.source_dag_id": event.get("source_dag_id"),
-            "trigger.source_run_id": event.get("source_run_id"), "trigger.timestamp": event.get("timestamp")}
+    tags = {
+        "trigger.kind": "asset",
+        "trigger.asset_uri": event.get("uri"),
+        "trigger.asset_name": event.get("name"),
+        "trigger.manifest_digest": event.get("manifest_digest"),
+        "trigger.source_dag_id": event.get("source_dag_id"),
+        "trigger.source_run_id": event.get("source_run_id"),
+        "trigger.timestamp": event.get("timestamp"),
+    }
     for key, value in tags.items():
         if value:
             client.set_tag(parent_run_id, key, str(value)[:5000])
@@ -194,8 +220,16 @@ def shard_set_dataset(shard_dir: str | os.PathLike):
     return MetaDataset(source=source, name=m["version"], digest=sha[:32], schema=schema), sha
 
 
-def finish_parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, success: bool, started_at=None,
-                      ended_at=None, reason: str = "", shard_dir: str | None = None) -> str | None:
+def finish_parent_run(
+    cfg: PipelineConfig,
+    dag_id: str,
+    run_id: str,
+    success: bool,
+    started_at=None,
+    ended_at=None,
+    reason: str = "",
+    shard_dir: str | None = None,
+) -> str | None:
     """End a DAG run's parent run: FINISHED or FAILED as the DAG run ended, its duration (metric
     `pipeline.duration_s`, and the run's end time), and the shard set it used as the parent's dataset input."""
     import datetime as dt
@@ -220,8 +254,15 @@ def finish_parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, success: bo
         have = {d.dataset.digest for d in client.get_run(pid).inputs.dataset_inputs}
         dataset, sha = shard_set_dataset(shard_dir)
         if dataset.digest not in have:
-            client.log_inputs(pid, datasets=[DatasetInput(dataset._to_mlflow_entity(), tags=[
-                InputTag(MLFLOW_DATASET_CONTEXT, "training"), InputTag("manifest_sha256", sha)])])
+            client.log_inputs(
+                pid,
+                datasets=[
+                    DatasetInput(
+                        dataset._to_mlflow_entity(),
+                        tags=[InputTag(MLFLOW_DATASET_CONTEXT, "training"), InputTag("manifest_sha256", sha)],
+                    )
+                ],
+            )
     client.set_terminated(pid, status="FINISHED" if success else "FAILED", end_time=int(ended_at.timestamp() * 1000))
     return pid
 
@@ -233,8 +274,13 @@ def stage_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None,
         yield None  # one MLflow run per stage: node 0's
         return
     mlflow, client, exp_id = _configure(cfg)
-    all_tags = {"pipeline.stage": stage, "pipeline.kind": "stage", "git.sha": git_sha(),
-                "config.hash": cfg.digest(), **(tags or {})}
+    all_tags = {
+        "pipeline.stage": stage,
+        "pipeline.kind": "stage",
+        "git.sha": git_sha(),
+        "config.hash": cfg.digest(),
+        **(tags or {}),
+    }
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
         parent = client.get_run(parent_run_id)
@@ -283,8 +329,9 @@ def _metric_batches(records: list[dict], prefix: str, have: set[int], timestamp_
             continue
         for k, v in r.items():
             if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
-                batch.append(Metric(f"{prefix}{k}", float(v), int(r.get("time", 0) * 1000) or timestamp_ms,
-                                    int(r["step"])))
+                batch.append(
+                    Metric(f"{prefix}{k}", float(v), int(r.get("time", 0) * 1000) or timestamp_ms, int(r["step"]))
+                )
                 if len(batch) == 900:  # log_batch takes at most 1000 metrics
                     yield batch
                     batch = []
@@ -292,8 +339,9 @@ def _metric_batches(records: list[dict], prefix: str, have: set[int], timestamp_
         yield batch
 
 
-def backfill_metrics(uri: str, run_id: str, metrics_path: str | os.PathLike, prefix: str = "train.",
-                     key: str = "loss") -> int:
+def backfill_metrics(
+    uri: str, run_id: str, metrics_path: str | os.PathLike, prefix: str = "train.", key: str = "loss"
+) -> int:
     """Send every step of metrics.jsonl that MLflow lacks (by `<prefix><key>` history); returns how many steps
     were sent. Raises when the server is still unreachable (the caller keeps it pending)."""
     import time as _time
@@ -325,8 +373,10 @@ def settle_metrics(run_dir: Path, uri: str, run_id: str, metrics_path, prefix: s
         entry = {"uri": uri, "run_id": run_id, "metrics": str(metrics_path), "prefix": prefix}
         if entry not in pending:
             atomic_write_json(path, pending + [entry])
-        _warn(f"MLflow unreachable at the end of the stage ({_short(e)}); every step is in {metrics_path} and is "
-              f"sent by the next stage (or `python -m tasks.tracking flush --run-dir {run_dir}`)")
+        _warn(
+            f"MLflow unreachable at the end of the stage ({_short(e)}); every step is in {metrics_path} and is "
+            f"sent by the next stage (or `python -m tasks.tracking flush --run-dir {run_dir}`)"
+        )
 
 
 def flush_pending(run_dir: Path) -> int:
@@ -385,8 +435,11 @@ def log_metrics(metrics: dict, step: int | None = None) -> None:
         return
     import mlflow
 
-    clean = {sanitize_key(k): float(v) for k, v in _flatten(metrics).items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    clean = {
+        sanitize_key(k): float(v)
+        for k, v in _flatten(metrics).items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
     if clean:
         mlflow.log_metrics(clean, step=step)
 

@@ -1,4 +1,5 @@
 """Shared test set-up: every test talks to real MLflow/Airflow, but in temporary stores, never the repo's var/."""
+
 from __future__ import annotations
 
 import os
@@ -17,22 +18,32 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # except that the metadata DB, logs and passwords live in a temporary directory of this test session (set before
 # anything imports airflow, and inherited by the `airflow` subprocesses the tests start).
 AIRFLOW_TMP = Path(tempfile.mkdtemp(prefix="llm-pipeline-tests-airflow-"))
-for key, value in {"AIRFLOW_HOME": str(REPO), "AIRFLOW_CONFIG": str(REPO / "airflow.cfg"),
-                   "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
-                   "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins")}.items():
+for key, value in {
+    "AIRFLOW_HOME": str(REPO),
+    "AIRFLOW_CONFIG": str(REPO / "airflow.cfg"),
+    "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+    "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+}.items():
     os.environ.setdefault(key, value)
-os.environ.update({
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_TMP / 'airflow.db'}",
-    "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(AIRFLOW_TMP / "logs"),
-    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(AIRFLOW_TMP / "passwords.json.generated"),
-})
+os.environ.update(
+    {
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{AIRFLOW_TMP / 'airflow.db'}",
+        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(AIRFLOW_TMP / "logs"),
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(AIRFLOW_TMP / "passwords.json.generated"),
+    }
+)
 
 
 @pytest.fixture(scope="session")
 def airflow_db() -> Path:
     """The session's Airflow metadata DB, migrated once (what `airflow dags test` needs)."""
-    out = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return AIRFLOW_TMP / "airflow.db"
 

@@ -2,6 +2,7 @@
 
 Usage: torchrun --nproc-per-node 2 tests/loader_dist_check.py SHARD_DIR BATCH_SIZE OUT_JSON
 """
+
 import json
 import sys
 from pathlib import Path
@@ -33,8 +34,14 @@ def main(shard_dir: str, batch_size: int, out: str) -> None:
     stream.close()
     resumed = ShardLoader(shard_dir, **kw)
     resumed.load_state_dict(state)
-    mine = {"epochs": epochs, "resumed": keys(head) + keys(resumed), "len": len(loader), "shifted": shifted,
-            "state": state, "epoch_after": loader.epoch}
+    mine = {
+        "epochs": epochs,
+        "resumed": keys(head) + keys(resumed),
+        "len": len(loader),
+        "shifted": shifted,
+        "state": state,
+        "epoch_after": loader.epoch,
+    }
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:

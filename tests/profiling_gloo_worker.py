@@ -1,6 +1,7 @@
 """A small real 2-rank gloo job profiled with tasks.profiling.collect.make_profiler (started by torchrun in
 tests/test_profiling_gloo.py): each step loads a batch through a torch DataLoader, runs matmuls and all-reduces
 the result, like a data-parallel step. Usage: torchrun --nproc-per-node 2 tests/profiling_gloo_worker.py OUT_DIR"""
+
 from __future__ import annotations
 
 import os

@@ -3,24 +3,29 @@
 The model is the debug preset trained for a few dozen steps in-process on the shard set's train split (a trained
 model, unlike a random one, has the peaked distributions whose perplexity quantization can actually hurt).
 """
+
 from __future__ import annotations
 
 import json
 import random
 from pathlib import Path
 
-_WORDS = {"adj": ["quick", "lazy", "red", "small", "bright", "old", "silent", "brave"],
-          "noun": ["fox", "dog", "river", "model", "server", "tensor", "garden", "cat"],
-          "verb": ["jumps over", "watches", "feeds", "sorts", "copies", "follows", "builds", "finds"]}
+_WORDS = {
+    "adj": ["quick", "lazy", "red", "small", "bright", "old", "silent", "brave"],
+    "noun": ["fox", "dog", "river", "model", "server", "tensor", "garden", "cat"],
+    "verb": ["jumps over", "watches", "feeds", "sorts", "copies", "follows", "builds", "finds"],
+}
 
 
 def _corpus(path: Path, docs: int = 300) -> Path:
     rng = random.Random(0)
     with open(path, "w") as f:
         for _ in range(docs):
-            sentences = [f"the {rng.choice(_WORDS['adj'])} {rng.choice(_WORDS['noun'])} "
-                         f"{rng.choice(_WORDS['verb'])} the {rng.choice(_WORDS['noun'])}."
-                         for _ in range(rng.randint(3, 8))]
+            sentences = [
+                f"the {rng.choice(_WORDS['adj'])} {rng.choice(_WORDS['noun'])} "
+                f"{rng.choice(_WORDS['verb'])} the {rng.choice(_WORDS['noun'])}."
+                for _ in range(rng.randint(3, 8))
+            ]
             f.write(json.dumps({"text": " ".join(sentences)}) + "\n")
     return path
 
@@ -42,9 +47,18 @@ def tiny_trained(base: Path, steps: int = 40) -> dict:
     if (model_dir / "config.json").is_file():
         return {"shard_dir": Path((root / "shards").read_text()), "model_dir": model_dir}
     root.mkdir(parents=True, exist_ok=True)
-    shards = build_shard_set(ShardConfig(inputs=[str(_corpus(root / "corpus.jsonl"))], out_dir=str(root / "data"),
-                                         vocab_size=256, seq_len=64, val_fraction=0.2, shard_size_mb=0.05,
-                                         tokenize_processes=1, progress=False)).shard_dir
+    shards = build_shard_set(
+        ShardConfig(
+            inputs=[str(_corpus(root / "corpus.jsonl"))],
+            out_dir=str(root / "data"),
+            vocab_size=256,
+            seq_len=64,
+            val_fraction=0.2,
+            shard_size_mb=0.05,
+            tokenize_processes=1,
+            progress=False,
+        )
+    ).shard_dir
     tcfg = get_preset("debug")
     tcfg.vocab_size = json.loads((shards / "manifest.json").read_text())["vocab_size"]
     torch.manual_seed(0)

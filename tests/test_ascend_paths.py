@@ -1,5 +1,6 @@
 """The NPU code paths held to the real Ascend behaviour (issue 14's defects), on the CPU machine: each test names the
 upstream fact it encodes (ProcessGroupHCCL.cpp, PYTORCH_NPU_ALLOC_CONF.md, msprof-analyze, install-info formats)."""
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # --- 1. the env probe all-reduces only dtypes HCCL accepts ------------------------------------------------------
+
 
 def test_probe_all_reduces_only_hccl_dtypes(tmp_path, monkeypatch):
     """HCCL on A2 rejects float64 all_reduce ("HCCL AllReduce & Reduce: Unsupported data type"): every tensor the
@@ -45,9 +47,10 @@ def test_probe_all_reduces_only_hccl_dtypes(tmp_path, monkeypatch):
 
 # --- 2. HCCL timeouts: EVENT=0 is valid, EVENT <= EXEC warns, the PG timeout must exceed EXEC -----------------
 
+
 def test_hccl_event_timeout_zero_and_pg_timeout_pair():
     base = {"HCCL_CONNECT_TIMEOUT": "120", "HCCL_EXEC_TIMEOUT": "1836"}
-    assert system.check_hccl({**base, "HCCL_EVENT_TIMEOUT": "0"}, "npu", 1900)["status"] == "ok"   # 0 = never
+    assert system.check_hccl({**base, "HCCL_EVENT_TIMEOUT": "0"}, "npu", 1900)["status"] == "ok"  # 0 = never
     c = system.check_hccl({**base, "HCCL_EVENT_TIMEOUT": "1836"}, "npu", 1900)
     assert c["status"] == "warn" and "should exceed HCCL_EXEC_TIMEOUT=1836" in c["detail"]
     c = system.check_hccl(base, "npu", 1800)
@@ -67,6 +70,7 @@ def test_default_pg_timeout_exceeds_default_exec_timeout():
 
 
 # --- 3. bf16 asked of the device, refused before the run -------------------------------------------------------
+
 
 class _NoBf16Npu:
     """The one answer torch.npu gives on an Ascend 910 (A1) part (torch_npu/npu/utils.py is_bf16_supported)."""
@@ -89,6 +93,7 @@ def test_bf16_is_asked_of_the_npu_and_refused_before_training(monkeypatch):
 
 # --- 4. OOM advice valid for the allocator settings in force ---------------------------------------------------
 
+
 def test_oom_advice_matches_the_allocator_settings_in_force():
     from tasks.device import alloc_conf_in_force, parse_alloc_conf
     from tasks.parallel.diagnosis import oom_advice
@@ -104,12 +109,16 @@ def test_oom_advice_matches_the_allocator_settings_in_force():
     assert "PYTORCH_CUDA_ALLOC_CONF" in oom_advice(frag, "cuda", "")
     assert oom_advice({"allocated_bytes": 59 * gb, "reserved_bytes": 60 * gb}).startswith("memory is really in use")
     assert parse_alloc_conf("expandable_segments:True,max_split_size_mb:128") == {
-        "expandable_segments": "True", "max_split_size_mb": "128"}
-    assert alloc_conf_in_force("npu", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}) == \
-        "expandable_segments:True"
+        "expandable_segments": "True",
+        "max_split_size_mb": "128",
+    }
+    assert (
+        alloc_conf_in_force("npu", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}) == "expandable_segments:True"
+    )
 
 
 # --- 5. torch for torch_npu is the CPU build -------------------------------------------------------------------
+
 
 def _pins(path: Path) -> tuple[dict, list[str]]:
     lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
@@ -133,12 +142,13 @@ def test_npu_requirements_take_torch_from_the_cpu_index():
 
 # --- 7. msprof-analyze: the cluster subcommand, db-only msprof input, Total Op Info@group ------------------------
 
+
 def _fake_msprof_analyze(tmp_path: Path) -> Path:
     """A recording stand-in for the msprof-analyze console script (only its argv is under test)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     exe = bin_dir / "msprof-analyze"
-    exe.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'argv.txt'}\n")
+    exe.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "argv.txt"}\n')
     exe.chmod(0o755)
     return bin_dir
 
@@ -162,8 +172,9 @@ def test_total_op_info_at_group_is_not_an_op():
     from tasks.profiling.ascend import _comm_ops
 
     info = {"Communication Time Info": {"Elapse Time(ms)": 2.0, "Transit Time(ms)": 1.0, "Wait Time(ms)": 0.5}}
-    data = {"step1": {"collective": {"hcom_allReduce__123_0_1@987": info, "Total Op Info@987": info,
-                                     "Total Op Info": info}}}
+    data = {
+        "step1": {"collective": {"hcom_allReduce__123_0_1@987": info, "Total Op Info@987": info, "Total Op Info": info}}
+    }
     assert [op.name for op in _comm_ops(data)] == ["hcom_allReduce__123_0_1@987"]
 
 
@@ -172,14 +183,29 @@ def test_cluster_communication_total_at_group_skipped(tmp_path):
 
     info = {"Communication Time Info": {"Elapse Time(ms)": 2.0, "Transit Time(ms)": 1.0, "Wait Time(ms)": 0.5}}
     path = tmp_path / "cluster_communication.json"
-    path.write_text(json.dumps({"(0, 1)": {"step1": {"collective": {
-        "hcom_allReduce__1@g": {"0": info, "1": info}, "Total Op Info@(0, 1)": {"0": info, "1": info}}}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "(0, 1)": {
+                    "step1": {
+                        "collective": {
+                            "hcom_allReduce__1@g": {"0": info, "1": info},
+                            "Total Op Info@(0, 1)": {"0": info, "1": info},
+                        }
+                    }
+                }
+            }
+        )
+    )
     per_rank = _cluster_comm(path)
-    assert {r: [op.name for op in ops] for r, ops in per_rank.items()} == {0: ["hcom_allReduce__1@g"],
-                                                                            1: ["hcom_allReduce__1@g"]}
+    assert {r: [op.name for op in ops] for r, ops in per_rank.items()} == {
+        0: ["hcom_allReduce__1@g"],
+        1: ["hcom_allReduce__1@g"],
+    }
 
 
 # --- 11. evaluate loads an AMCT artifact without torchao ---------------------------------------------------------
+
 
 def test_amct_artifact_loads_and_registers_without_torchao(tmp_path):
     import torch
@@ -188,35 +214,52 @@ def test_amct_artifact_loads_and_registers_without_torchao(tmp_path):
 
     torch.save(torch.nn.Linear(4, 4), tmp_path / WEIGHTS)
     (tmp_path / META).write_text(json.dumps({"format": "torch_module", "backend": "amct", "model_dir": "x"}))
-    code = ("import sys; sys.modules['torchao'] = None\n"   # any `import torchao` now raises ImportError
-            "from tasks.quant.artifact import load_quantized, pip_requirements\n"
-            f"m = load_quantized({str(tmp_path)!r})\n"
-            "print(type(m).__name__, pip_requirements({'backend': 'amct'})[0].split('==')[0])\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys; sys.modules['torchao'] = None\n"  # any `import torchao` now raises ImportError
+        "from tasks.quant.artifact import load_quantized, pip_requirements\n"
+        f"m = load_quantized({str(tmp_path)!r})\n"
+        "print(type(m).__name__, pip_requirements({'backend': 'amct'})[0].split('==')[0])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["Linear", "torch"]
 
 
 # --- 12. version files: ranges and lists ------------------------------------------------------------------------
 
+
 def test_version_ranges_and_lists(tmp_path):
     assert versions.parse_ranges("[6.4.0,6.4.99],[7.0.0,8.9.9]") == [["6.4.0", "6.4.99"], ["7.0.0", "8.9.9"]]
     assert versions.parse_ranges("[V100R001C13,V100R001C19],[V100R001C30]") == [
-        ["V100R001C13", "V100R001C19"], ["V100R001C30", "V100R001C30"]]
+        ["V100R001C13", "V100R001C19"],
+        ["V100R001C30", "V100R001C30"],
+    ]
     drv = tmp_path / "driver"
     drv.mkdir()
-    (drv / "version.info").write_text("Version=25.2.0\nInnerversion=V100R001C17SPC001B220\n"
-                                      "compatible_version=[V100R001C30],[V100R001C13]\n"
-                                      "compatible_version_fw=[6.4.0,6.4.99],[7.0.0,8.9.9]\n")
+    (drv / "version.info").write_text(
+        "Version=25.2.0\nInnerversion=V100R001C17SPC001B220\n"
+        "compatible_version=[V100R001C30],[V100R001C13]\n"
+        "compatible_version_fw=[6.4.0,6.4.99],[7.0.0,8.9.9]\n"
+    )
     driver = versions.find_driver(tmp_path)
     # the firmware check must not disappear for a two-range driver
     c = compat.check_firmware(driver, {"version": "7.8.0.2.212"})
     assert c is not None and c["status"] == "ok"
     assert compat.check_firmware(driver, {"version": "6.5.0.1"})["status"] == "fail"
-    cann = {"version": "8.3.RC2", "compatible_version": versions.parse_ranges(
-        "compatible_version=[V100R001C13,V100R001C19],[V100R001C30]".split("=", 1)[1])}
-    assert compat.check_driver_cann(driver, cann)["status"] == "ok"   # C17 is inside [C13, C19]
+    cann = {
+        "version": "8.3.RC2",
+        "compatible_version": versions.parse_ranges(
+            "compatible_version=[V100R001C13,V100R001C19],[V100R001C30]".split("=", 1)[1]
+        ),
+    }
+    assert compat.check_driver_cann(driver, cann)["status"] == "ok"  # C17 is inside [C13, C19]
     driver["innerversion"] = "V100R001C23SPC001"
     assert compat.check_driver_cann(driver, cann)["status"] == "warn"
 
@@ -225,10 +268,13 @@ def test_entrypoint_sources_versioned_cann_dir(tmp_path):
     for v in ("8.5.0", "9.1.0"):
         (tmp_path / f"cann-{v}").mkdir()
         (tmp_path / f"cann-{v}" / "set_env.sh").write_text(f"export ASCEND_HOME_PATH=/opt/cann-{v}\n")
-    proc = subprocess.run(["bash", str(REPO / "docker" / "entrypoint-ascend.sh"), "bash", "-c",
-                           "echo $ASCEND_HOME_PATH"], capture_output=True, text=True, timeout=30,
-                          env={**os.environ, "ASCEND_INSTALL_ROOT": str(tmp_path), "ASCEND_HOME_PATH": "",
-                               "ASCEND_TOOLKIT_HOME": ""})
+    proc = subprocess.run(
+        ["bash", str(REPO / "docker" / "entrypoint-ascend.sh"), "bash", "-c", "echo $ASCEND_HOME_PATH"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "ASCEND_INSTALL_ROOT": str(tmp_path), "ASCEND_HOME_PATH": "", "ASCEND_TOOLKIT_HOME": ""},
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "/opt/cann-9.1.0", proc.stderr
 
 
@@ -244,14 +290,16 @@ def test_k8s_job_mounts_dcmi_for_npu_smi():
 
 # --- 13. the field guides' thresholds side by side ---------------------------------------------------------------
 
+
 def test_clock_offset_warns_above_10ms_and_fails_above_500ms_multi_node():
     clock = {"source": "chronyc", "offset_ms": 42.0, "synchronised": True}
     c = system.check_clock(clock, nnodes=2, max_offset_ms=500, warn_offset_ms=10)
     assert c["status"] == "warn" and "hardware.warn_clock_offset_ms 10" in c["detail"]
     assert system.check_clock({**clock, "offset_ms": 600.0}, 2, 500, 10)["status"] == "fail"
     assert system.check_clock({**clock, "offset_ms": 5.0}, 2, 500, 10)["status"] == "ok"
-    assert system.check_clock(clock, 1, 500, 10)["status"] == "ok"   # one node: no cross-node timeline
+    assert system.check_clock(clock, 1, 500, 10)["status"] == "ok"  # one node: no cross-node timeline
     from tasks.config import HardwareConfig
+
     assert (HardwareConfig().warn_clock_offset_ms, HardwareConfig().max_clock_offset_ms) == (10.0, 500.0)
 
 
@@ -259,9 +307,17 @@ def test_allreduce_rule_at_30_percent_and_25_percent_note():
     from tasks.profiling.advisor import THRESHOLDS, advise
 
     def report(share):
-        return {"step": {"shares": {"busy": 0.9, "comm_not_overlapped": 0.0, "bubble": 0.0}, "allreduce_share": share,
-                         "allreduce_us_per_step": share * 1000, "step_us": 1000, "free_us": 0},
-                "ai_cpu_ops": [], "slow_ranks": {}}
+        return {
+            "step": {
+                "shares": {"busy": 0.9, "comm_not_overlapped": 0.0, "bubble": 0.0},
+                "allreduce_share": share,
+                "allreduce_us_per_step": share * 1000,
+                "step_us": 1000,
+                "free_us": 0,
+            },
+            "ai_cpu_ops": [],
+            "slow_ranks": {},
+        }
 
     assert (THRESHOLDS["allreduce_max"], THRESHOLDS["allreduce_note"]) == (0.30, 0.25)
     assert [(f["rule"], f["severity"]) for f in advise(report(0.27))] == [("communication.allreduce_note", "low")]
@@ -279,6 +335,7 @@ def test_hccl_exec_timeout_help_names_the_long_checkpoint_advice():
 
 
 # --- 6. under msprof the trainer does not start torch_npu.profiler; msprof's PROF_* output is analysed -------------
+
 
 def test_under_msprof_npu_profiler_is_not_started(tmp_path, monkeypatch):
     from tasks.config import ProfileConfig
@@ -304,6 +361,7 @@ def test_msprof_run_is_analysed_from_its_prof_folder(tmp_path):
 
 # --- 8. profiler options valid for the installed version --------------------------------------------------------
 
+
 def test_profiler_options_checked_against_the_installed_release():
     from tasks.config import ProfileConfig
     from tasks.envcheck.compat import torchnpu_release
@@ -314,8 +372,10 @@ def test_profiler_options_checked_against_the_installed_release():
     errors, _ = npu_option_problems(ProfileConfig(npu_level="Level_none"), "26.1.0", {})
     assert errors and "no step breakdown" in errors[0]
     errors, _ = npu_option_problems(ProfileConfig(aic_metrics="MemoryAccess"), torchnpu_release("2.4.0.post2"), {})
-    assert errors == ["profile.aic_metrics MemoryAccess needs TorchNPU 7.0.0 or newer; the installed torch_npu is "
-                      "TorchNPU 6.0.0: choose another profile.aic_metrics"]
+    assert errors == [
+        "profile.aic_metrics MemoryAccess needs TorchNPU 7.0.0 or newer; the installed torch_npu is "
+        "TorchNPU 6.0.0: choose another profile.aic_metrics"
+    ]
     assert npu_option_problems(ProfileConfig(aic_metrics="MemoryAccess"), "7.0.0", {}) == ([], [])
     errors, _ = npu_option_problems(ProfileConfig(aic_metrics="AiCoreNone"), torchnpu_release("2.2.0"), {})
     assert errors and "TorchNPU 6.0.rc2" in errors[0]
@@ -325,24 +385,29 @@ def test_profiler_options_checked_against_the_installed_release():
 
 # --- 9. the AMCT flow chosen by what the package exposes, the supported pair named --------------------------------
 
+
 def test_amct_flow_by_what_the_package_exposes():
     import types
 
     from tasks.errors import StageError
     from tasks.quant.amct_backend import available_flows, require_flow
 
-    llm_only = types.ModuleType("amct_pytorch")            # hicann/amct 8.5.0's public names
+    llm_only = types.ModuleType("amct_pytorch")  # hicann/amct 8.5.0's public names
     llm_only.quantize = llm_only.convert = lambda *a, **k: None
     assert available_flows(llm_only) == {"llm": True, "ptq": False, "qat": False}
-    with pytest.raises(StageError, match=r"does not offer the ptq flow \(no amct_pytorch.create_quant_config\); "
-                                         r"it offers: llm"):
+    with pytest.raises(
+        StageError,
+        match=r"does not offer the ptq flow \(no amct_pytorch.create_quant_config\); "
+        r"it offers: llm",
+    ):
         require_flow(llm_only, "ptq")
 
-    lazy = types.ModuleType("amct_pytorch")                 # master: classic names behind a failing __getattr__
+    lazy = types.ModuleType("amct_pytorch")  # master: classic names behind a failing __getattr__
     lazy.quantize = lazy.convert = lambda *a, **k: None
 
     def missing_dep(name):
         raise ImportError("No module named 'onnx'")
+
     lazy.__getattr__ = missing_dep
     assert available_flows(lazy)["ptq"] is False
 
@@ -356,6 +421,7 @@ def test_env_stage_names_the_amct_pair():
 
 
 # --- 10. AMCT PTQ: one device, export-friendly attention, fp32 refused, int8_dynamic is per-token ------------------
+
 
 def _debug_model():
     import torch
@@ -385,7 +451,7 @@ def test_export_friendly_attention_matches_sdpa_and_exports_at_opset_11():
             assert all(type(b.attention) is MathAttention for b in m.layers.values())
             out = m(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert all(type(b.attention).__name__ == "Attention" for b in m.layers.values())   # restored
+    assert all(type(b.attention).__name__ == "Attention" for b in m.layers.values())  # restored
 
     def export():
         with warnings.catch_warnings():
@@ -397,7 +463,7 @@ def test_export_friendly_attention_matches_sdpa_and_exports_at_opset_11():
     with export_friendly(m):
         try:
             export()
-        except Exception as e:   # this venv has no `onnx` package: the graph converted, only serialising is left
+        except Exception as e:  # this venv has no `onnx` package: the graph converted, only serialising is left
             assert "onnx is not installed" in str(e), e
 
 
@@ -415,13 +481,22 @@ def test_ptq_keeps_sample_and_calibration_on_the_models_device(monkeypatch, tmp_
     seen = {}
     fake = types.ModuleType("amct_pytorch")
 
-    def create_quant_config(config_file, model, input_data, skip_layers=None, batch_num=1, activation_offset=True,
-                            config_defination=None):
+    def create_quant_config(
+        config_file, model, input_data, skip_layers=None, batch_num=1, activation_offset=True, config_defination=None
+    ):
         seen["attention"] = type(model.layers["0"].attention).__name__
         seen["sample"] = input_data[0].device.type
 
-    def quantize_model(config_file, modfied_onnx_file, record_file, model, input_data, input_names=None,
-                       output_names=None, dynamic_axes=None):
+    def quantize_model(
+        config_file,
+        modfied_onnx_file,
+        record_file,
+        model,
+        input_data,
+        input_names=None,
+        output_names=None,
+        dynamic_axes=None,
+    ):
         return model
 
     def save_model(modfied_onnx_file, record_file, save_path):

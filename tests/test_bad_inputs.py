@@ -6,6 +6,7 @@ run-directory cases; every file it held before a failure is byte-identical after
 CLI entry point in-process (`tasks.cli.main`, exactly what `python -m tasks` runs) — fast, no torchrun; the
 process-level ones (read-only disk, a lock held by another process, `make run`) start real processes.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -34,6 +35,7 @@ TRAIN = sets({**BASE, **DP2})
 
 # ---- shared fixtures ------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
     """A run directory holding one completed stage (plan), made by the real CLI."""
@@ -55,8 +57,11 @@ def _failure_record(p: Path) -> bool:
 
 def snapshot(run: Path) -> dict[str, str]:
     """sha256 of every completed file (an earlier case's failure record and the lock file are not completed work)."""
-    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock" and not _failure_record(p)}
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != ".lock" and not _failure_record(p)
+    }
 
 
 @pytest.fixture
@@ -119,8 +124,9 @@ def bad_data(tmp_path_factory, shards):  # noqa: F811
     out["empty-dir"] = base / "empty-dir"
     out["empty-dir"].mkdir()
     gz = base / "corpus.jsonl.gz"
-    raw = gzip.compress(b"".join(json.dumps({"text": f"document number {i} " * 20}).encode() + b"\n"
-                                 for i in range(400)))
+    raw = gzip.compress(
+        b"".join(json.dumps({"text": f"document number {i} " * 20}).encode() + b"\n" for i in range(400))
+    )
     gz.write_bytes(raw[: len(raw) * 2 // 3])
     out["truncated-gz"] = gz
     bad_yaml = base / "bad.yaml"
@@ -155,8 +161,10 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("argv, expected", CONFIG_CASES, ids=[" ".join(c[0]) for c in CONFIG_CASES])
 def test_cli_and_config(argv, expected, capsys, intact, bad_data):
     argv = [str(bad_data[a[1:]]) if a.startswith("@") else a for a in argv]
-    one_line(*run_cli(capsys, *argv, "--no-tracking", "--run-dir", intact) if argv[0] != "trian" else
-             run_cli(capsys, *argv), *expected)
+    one_line(
+        *run_cli(capsys, *argv, "--no-tracking", "--run-dir", intact) if argv[0] != "trian" else run_cli(capsys, *argv),
+        *expected,
+    )
 
 
 def test_yaml_exponent_is_a_number_not_a_string(tmp_path):
@@ -171,21 +179,29 @@ def test_yaml_exponent_is_a_number_not_a_string(tmp_path):
 
 # ---- the environment: run directories, disks, locks -----------------------------------------------------------------
 
+
 def test_run_dir_is_a_file(capsys, intact):
-    one_line(*run_cli(capsys, "plan", "--no-tracking", "--run-dir", intact / "plan.json"),
-             f"--run-dir {intact / 'plan.json'} is a file, not a directory")
+    one_line(
+        *run_cli(capsys, "plan", "--no-tracking", "--run-dir", intact / "plan.json"),
+        f"--run-dir {intact / 'plan.json'} is a file, not a directory",
+    )
 
 
 def test_run_dir_below_a_file(capsys, intact):
-    one_line(*run_cli(capsys, "plan", "--no-tracking", "--run-dir", intact / "plan.json" / "sub"),
-             "Not a directory (ENOTDIR)")
+    one_line(
+        *run_cli(capsys, "plan", "--no-tracking", "--run-dir", intact / "plan.json" / "sub"),
+        "Not a directory (ENOTDIR)",
+    )
 
 
 def test_copied_run_dir_is_refused(capsys, intact, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(intact, copy)
-    one_line(*run_cli(capsys, "plan", "--no-tracking", "--run-dir", copy),
-             f"run directory {copy} was copied or moved from {intact}", "use a new --run-dir")
+    one_line(
+        *run_cli(capsys, "plan", "--no-tracking", "--run-dir", copy),
+        f"run directory {copy} was copied or moved from {intact}",
+        "use a new --run-dir",
+    )
     assert snapshot(copy) == {k: v for k, v in snapshot(intact).items()}
 
 
@@ -209,14 +225,22 @@ def test_read_only_var_dir(tmp_path, monkeypatch, capsys):
 
 
 def test_run_dir_held_by_another_process(capsys, intact):
-    holder = subprocess.Popen([sys.executable, "-c", "import time; from tasks.procs import RunDirLock\n"
-                               f"with RunDirLock({str(intact)!r}, 'train'):\n print('held', flush=True); "
-                               "time.sleep(60)"], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time; from tasks.procs import RunDirLock\n"
+            f"with RunDirLock({str(intact)!r}, 'train'):\n print('held', flush=True); "
+            "time.sleep(60)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        one_line(*run_cli(capsys, "plan", "--no-tracking", "--run-dir", intact),
-                 f"is in use by pid {holder.pid}")
+        one_line(*run_cli(capsys, "plan", "--no-tracking", "--run-dir", intact), f"is in use by pid {holder.pid}")
     finally:
         holder.kill()
         holder.wait()
@@ -237,20 +261,46 @@ DATA_CASES = [
 
 @pytest.mark.parametrize("stage, data, expected", DATA_CASES, ids=[f"{c[0]}-{c[1]}" for c in DATA_CASES])
 def test_bad_shard_sets(stage, data, expected, capsys, intact, bad_data):
-    one_line(*run_cli(capsys, stage, "--no-tracking", "--run-dir", intact, "--shard-dir", bad_data[data], *TRAIN),
-             *expected)
+    one_line(
+        *run_cli(capsys, stage, "--no-tracking", "--run-dir", intact, "--shard-dir", bad_data[data], *TRAIN), *expected
+    )
 
 
 def test_altered_shard_bytes_with_verify_on(capsys, intact, bad_data):
     victim = sorted(bad_data["altered-shard"].glob("train-*.tar"))[0]
-    one_line(*run_cli(capsys, "train", "--no-tracking", "--run-dir", intact, "--shard-dir",
-                      bad_data["altered-shard"], *TRAIN, "--set", "data.verify_sha256=true"),
-             f"shard {victim} is corrupt: sha256 differs from the manifest")
+    one_line(
+        *run_cli(
+            capsys,
+            "train",
+            "--no-tracking",
+            "--run-dir",
+            intact,
+            "--shard-dir",
+            bad_data["altered-shard"],
+            *TRAIN,
+            "--set",
+            "data.verify_sha256=true",
+        ),
+        f"shard {victim} is corrupt: sha256 differs from the manifest",
+    )
 
 
 def test_seq_len_differs_from_the_shard_set(capsys, intact, shards):  # noqa: F811
-    one_line(*run_cli(capsys, "train", "--no-tracking", "--run-dir", intact, "--shard-dir", shards, *TRAIN,
-                      "--set", "data.seq_len=64"), "data.seq_len: 64 differs from the shard set's 32")
+    one_line(
+        *run_cli(
+            capsys,
+            "train",
+            "--no-tracking",
+            "--run-dir",
+            intact,
+            "--shard-dir",
+            shards,
+            *TRAIN,
+            "--set",
+            "data.seq_len=64",
+        ),
+        "data.seq_len: 64 differs from the shard set's 32",
+    )
 
 
 def test_truncated_jsonl_gz_is_refused_not_half_used(bad_data, tmp_path):
@@ -258,8 +308,15 @@ def test_truncated_jsonl_gz_is_refused_not_half_used(bad_data, tmp_path):
     from data_prep.config import ShardConfig
     from data_prep.errors import DataPrepError
 
-    cfg = ShardConfig(inputs=[str(bad_data["truncated-gz"])], out_dir=str(tmp_path / "data"), vocab_size=300,
-                      seq_len=32, tokenize_processes=1, progress=False, shard_multiple=1)
+    cfg = ShardConfig(
+        inputs=[str(bad_data["truncated-gz"])],
+        out_dir=str(tmp_path / "data"),
+        vocab_size=300,
+        seq_len=32,
+        tokenize_processes=1,
+        progress=False,
+        shard_multiple=1,
+    )
     with pytest.raises(DataPrepError) as e:
         build_shard_set(cfg)
     msg = str(e.value)
@@ -269,9 +326,21 @@ def test_truncated_jsonl_gz_is_refused_not_half_used(bad_data, tmp_path):
 
 
 def test_shard_stage_missing_input(capsys, intact, tmp_path):
-    one_line(*run_cli(capsys, "shard", "--no-tracking", "--run-dir", intact, "--set",
-                      f"data.inputs={tmp_path}/nowhere/*.txt", "--set", f"data.out_dir={tmp_path}/data"),
-             "shard: ", "nowhere")
+    one_line(
+        *run_cli(
+            capsys,
+            "shard",
+            "--no-tracking",
+            "--run-dir",
+            intact,
+            "--set",
+            f"data.inputs={tmp_path}/nowhere/*.txt",
+            "--set",
+            f"data.out_dir={tmp_path}/data",
+        ),
+        "shard: ",
+        "nowhere",
+    )
 
 
 # ---- training (all refused before a worker starts) -------------------------------------------------------------------
@@ -286,16 +355,20 @@ TRAIN_CASES = [
 
 @pytest.mark.parametrize("extra, expected", TRAIN_CASES, ids=[str(c[0]) for c in TRAIN_CASES])
 def test_bad_training_layouts(extra, expected, capsys, intact, shards):  # noqa: F811
-    one_line(*run_cli(capsys, "train", "--no-tracking", "--run-dir", intact, "--shard-dir", shards, *TRAIN,
-                      *sets(extra)), expected)
+    one_line(
+        *run_cli(capsys, "train", "--no-tracking", "--run-dir", intact, "--shard-dir", shards, *TRAIN, *sets(extra)),
+        expected,
+    )
     assert not (intact / "logs" / "torchrun.log").exists()  # no worker was started
 
 
 @pytest.mark.parametrize("fault", ["x", "1", "1:2:boom", "a:b", "1:2:3:4"])
 def test_malformed_fault_injection_is_refused(fault, capsys, intact, shards, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LLM_PIPELINE_FAULT", fault)
-    one_line(*run_cli(capsys, "train", "--no-tracking", "--run-dir", intact, "--shard-dir", shards, *TRAIN),
-             f"LLM_PIPELINE_FAULT={fault!r} is malformed: expected RANK:STEP")
+    one_line(
+        *run_cli(capsys, "train", "--no-tracking", "--run-dir", intact, "--shard-dir", shards, *TRAIN),
+        f"LLM_PIPELINE_FAULT={fault!r} is malformed: expected RANK:STEP",
+    )
 
 
 def test_checkpoint_of_another_model(capsys, tmp_path, shards):  # noqa: F811
@@ -303,17 +376,23 @@ def test_checkpoint_of_another_model(capsys, tmp_path, shards):  # noqa: F811
     step = run / "checkpoints" / "step-2"
     step.mkdir(parents=True)
     (step / "meta.json").write_text(json.dumps({"step": 2, "model": {"dim": 999}}))
-    one_line(*run_cli(capsys, "train", "--no-tracking", "--run-dir", run, "--shard-dir", shards, *TRAIN),
-             "written for another model shape", "use --fresh")
+    one_line(
+        *run_cli(capsys, "train", "--no-tracking", "--run-dir", run, "--shard-dir", shards, *TRAIN),
+        "written for another model shape",
+        "use --fresh",
+    )
     assert (step / "meta.json").is_file()  # the checkpoint is kept
 
 
 def test_evaluate_without_a_quantized_model(capsys, intact, shards):  # noqa: F811
-    one_line(*run_cli(capsys, "evaluate", "--no-tracking", "--run-dir", intact, "--shard-dir", shards),
-             "evaluate: no quantized model: run the quantize stage first")
+    one_line(
+        *run_cli(capsys, "evaluate", "--no-tracking", "--run-dir", intact, "--shard-dir", shards),
+        "evaluate: no quantized model: run the quantize stage first",
+    )
 
 
 # ---- tracking ------------------------------------------------------------------------------------------------------
+
 
 def test_unreachable_tracking_server(capsys, intact):
     import socket
@@ -321,8 +400,11 @@ def test_unreachable_tracking_server(capsys, intact):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    one_line(*run_cli(capsys, "plan", "--run-dir", intact, "--set", f"tracking.uri=http://127.0.0.1:{port}"),
-             f"MLflow tracking server http://127.0.0.1:{port} is unreachable", "tracking.uri")
+    one_line(
+        *run_cli(capsys, "plan", "--run-dir", intact, "--set", f"tracking.uri=http://127.0.0.1:{port}"),
+        f"MLflow tracking server http://127.0.0.1:{port} is unreachable",
+        "tracking.uri",
+    )
 
 
 # ---- DAG Params (the function every DAG task calls first) ------------------------------------------------------------
@@ -350,8 +432,12 @@ def test_bad_dag_params(params, expected):
 
 @pytest.mark.slow
 def test_unknown_conf_key_fails_the_real_dag_run(tmp_path, airflow_db):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+    }
     cmd = "source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{\"stpes\": 3}'"
     out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     text = out.stdout + out.stderr

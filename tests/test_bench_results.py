@@ -1,5 +1,6 @@
 """bench/run_all.py's merge: a partial run refreshes only its benches' figures; every other figure keeps the date
 and machine it was measured on."""
+
 import importlib.util
 from pathlib import Path
 
@@ -13,8 +14,11 @@ NEW = {"date": "2026-12-01", "machine": {"platform": "Linux-new", "processor": "
 
 
 def test_legacy_file_partial_run_keeps_old_provenance_and_drops_stale_figures():
-    legacy = {"figures": {"quant.latency_ratio_vs_fp32": 0.39, "quant.ppl_drop_pct": -0.01, "env.copy_gbps": 59.7},
-              "date": "2026-11-29", "machine": OLD_MACHINE}
+    legacy = {
+        "figures": {"quant.latency_ratio_vs_fp32": 0.39, "quant.ppl_drop_pct": -0.01, "env.copy_gbps": 59.7},
+        "date": "2026-11-29",
+        "machine": OLD_MACHINE,
+    }
     figures, prov = run_all.merge(legacy, {"quant": {"quant.decode_ratio_vs_bf16.b1": 1.1}}, NEW)
     # the quant bench was rerun: its renamed/dropped old figures go, its new one carries today's stamp
     assert "quant.latency_ratio_vs_fp32" not in figures and "quant.ppl_drop_pct" not in figures
@@ -26,15 +30,20 @@ def test_legacy_file_partial_run_keeps_old_provenance_and_drops_stale_figures():
 
 
 def test_rerun_replaces_only_that_benchs_figures_and_markdown_names_refreshed():
-    prev = {"figures": {"sharding.tokens_per_s": 1, "loader.samples_per_s": 2, "train_step.x": 3},
-            "provenance": {"sharding.tokens_per_s": {"date": "d0", "machine": OLD_MACHINE, "bench": "data"},
-                           "loader.samples_per_s": {"date": "d0", "machine": OLD_MACHINE, "bench": "data"},
-                           "train_step.x": {"date": "d0", "machine": OLD_MACHINE, "bench": "train_step"}}}
+    prev = {
+        "figures": {"sharding.tokens_per_s": 1, "loader.samples_per_s": 2, "train_step.x": 3},
+        "provenance": {
+            "sharding.tokens_per_s": {"date": "d0", "machine": OLD_MACHINE, "bench": "data"},
+            "loader.samples_per_s": {"date": "d0", "machine": OLD_MACHINE, "bench": "data"},
+            "train_step.x": {"date": "d0", "machine": OLD_MACHINE, "bench": "train_step"},
+        },
+    }
     figures, prov = run_all.merge(prev, {"data": {"sharding.tokens_per_s": 5}}, NEW)
     assert figures == {"sharding.tokens_per_s": 5, "train_step.x": 3}  # loader.* came from data: not reported now
     assert prov["train_step.x"]["date"] == "d0"
-    md = run_all.markdown({"figures": figures, "provenance": prov, "refreshed": ["data"], "errors": {},
-                           "date": NEW["date"]})
+    md = run_all.markdown(
+        {"figures": figures, "provenance": prov, "refreshed": ["data"], "errors": {}, "date": NEW["date"]}
+    )
     assert "refreshed: data." in md
     rows = {line.split("|")[1].strip(): line for line in md.splitlines() if line.startswith("| `")}
     assert "d0 M" in rows["`train_step.x`"] and "2026-12-01 M" in rows["`sharding.tokens_per_s`"]
@@ -47,15 +56,22 @@ def test_tree_memory_counts_worker_processes():
     import sys
     import time
 
-    spec = importlib.util.spec_from_file_location("bench_data", Path(__file__).resolve().parent.parent / "bench" /
-                                                  "bench_data.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_data", Path(__file__).resolve().parent.parent / "bench" / "bench_data.py"
+    )
     bench_data = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_data)
     with bench_data.TreeMemory() as alone:
         time.sleep(0.1)
-    child = subprocess.Popen([sys.executable, "-c", "import sys, time; x = bytearray(80_000_000); "
-                              "x[::4096] = b'1' * len(x[::4096]); print(flush=True); time.sleep(30)"],
-                             stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; x = bytearray(80_000_000); "
+            "x[::4096] = b'1' * len(x[::4096]); print(flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+    )
     try:
         child.stdout.readline()  # the child has touched its 80 MB
         with bench_data.TreeMemory() as tree:

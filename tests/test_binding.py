@@ -1,6 +1,7 @@
 """Host binding: topology parsed from npu-smi / nvidia-smi in their printed formats (tests/fixtures/env/topo, sources
 in its README), the per-rank plan, torchrun's own --numa-binding where the installed torch has it, the loader sized
 from the cores, and a real 2-rank gloo job whose ranks report the CPUs they were bound to."""
+
 from __future__ import annotations
 
 import json
@@ -36,15 +37,16 @@ def test_cpulist_round_trip_and_sysfs(tmp_path):
     dev = tmp_path / "0000:c1:00.0"
     dev.mkdir()
     (dev / "local_cpulist").write_text("144-167\n")
-    assert binding.sysfs_affinity({0: "0000:C1:00.0", 1: "0000:C2:00.0"}, root=str(tmp_path)) == \
-        {0: list(range(144, 168))}
+    assert binding.sysfs_affinity({0: "0000:C1:00.0", 1: "0000:C2:00.0"}, root=str(tmp_path)) == {
+        0: list(range(144, 168))
+    }
 
 
 def test_plan_splits_shared_affinity_and_follows_visible_devices():
     aff = binding.parse_topo((FIX / "npu-smi-topo-910b3.txt").read_text())
     allowed = list(range(192))
     p = binding.plan("npu", 8, allowed, aff, "npu-smi info -t topo")
-    assert p[0]["cpulist"] == "144-155" and p[1]["cpulist"] == "156-167"   # NPU0/1 share 144-167
+    assert p[0]["cpulist"] == "144-155" and p[1]["cpulist"] == "156-167"  # NPU0/1 share 144-167
     assert p[4]["cpulist"] == "0-11" and p[5]["cpulist"] == "12-23"
     assert all(e["source"] == "npu-smi info -t topo" for e in p)
     assert not set(p[0]["cpus"]) & set(p[1]["cpus"])
@@ -92,14 +94,34 @@ def test_ranks_run_with_the_cpus_of_their_plan(tmp_path):
     """A real torchrun job through the binding entry point; the 'worker' module prints the rank's CPU affinity."""
     cfg = load_config("ci-tiny")
     (tmp_path / "affinity_probe.py").write_text(
-        "import json, os\nprint('AFFINITY', os.environ['LOCAL_RANK'], json.dumps(sorted(os.sched_getaffinity(0))))\n")
+        "import json, os\nprint('AFFINITY', os.environ['LOCAL_RANK'], json.dumps(sorted(os.sched_getaffinity(0))))\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]))
     entries = binding.prepare(cfg, "cpu", 2, env)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          "-m", "tasks.parallel.binding", "--worker", "affinity_probe"],
-                         env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "tasks.parallel.binding",
+            "--worker",
+            "affinity_probe",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    seen = {int(ln.split()[1]): json.loads(ln.split(" ", 2)[2]) for ln in out.stdout.splitlines()
-            if ln.startswith("AFFINITY")}
+    seen = {
+        int(ln.split()[1]): json.loads(ln.split(" ", 2)[2])
+        for ln in out.stdout.splitlines()
+        if ln.startswith("AFFINITY")
+    }
     assert seen == {e["local_rank"]: e["cpus"] for e in entries}
     assert "[binding] local rank 0 → CPUs" in out.stderr

@@ -6,6 +6,7 @@ Chromium is Debian's (scripts/install-browser.sh), driven by Playwright. The ser
 ports with every piece of state in a temp dir; the DAG's Params default to the ci-tiny preset (LLM_PIPELINE_PRESET)
 so the run takes minutes, and cron scheduling is off so the manual run is the only one.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 # Root in a container with no outside network: no sandbox, no GPU, and none of Chromium's background connections.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 SECTIONS = ["Hardware", "Data", "Model", "Parallelism", "Training", "Quantization"]
 RUN_TIMEOUT_S = 600
 
@@ -42,17 +51,24 @@ def free_port() -> int:
 def ui(tmp_path_factory):
     var = tmp_path_factory.mktemp("ui") / "var"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW", "LLM_PIPELINE"))}
-    env.update(LLM_PIPELINE_VAR_DIR=str(var), AIRFLOW_PORT=str(free_port()), MLFLOW_PORT=str(free_port()),
-               LLM_PIPELINE_PRESET="ci-tiny", AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE="False", UI_WAIT_S="240")
-    started = subprocess.run(["bash", "scripts/ui.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                             timeout=300)
+    env.update(
+        LLM_PIPELINE_VAR_DIR=str(var),
+        AIRFLOW_PORT=str(free_port()),
+        MLFLOW_PORT=str(free_port()),
+        LLM_PIPELINE_PRESET="ci-tiny",
+        AIRFLOW__SCHEDULER__USE_JOB_SCHEDULE="False",
+        UI_WAIT_S="240",
+    )
+    started = subprocess.run(["bash", "scripts/ui.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     try:
         assert started.returncode == 0, started.stdout + started.stderr
-        yield {"var": var, "airflow": f"http://127.0.0.1:{env['AIRFLOW_PORT']}",
-               "mlflow": f"http://127.0.0.1:{env['MLFLOW_PORT']}",
-               "airflow_password": json.loads((var / "simple_auth_manager_passwords.json.generated").read_text())[
-                   "admin"],
-               "mlflow_password": (var / "mlflow_admin_password").read_text().strip()}
+        yield {
+            "var": var,
+            "airflow": f"http://127.0.0.1:{env['AIRFLOW_PORT']}",
+            "mlflow": f"http://127.0.0.1:{env['MLFLOW_PORT']}",
+            "airflow_password": json.loads((var / "simple_auth_manager_passwords.json.generated").read_text())["admin"],
+            "mlflow_password": (var / "mlflow_admin_password").read_text().strip(),
+        }
     finally:
         subprocess.run(["bash", "scripts/stop.sh"], cwd=REPO, env=env, capture_output=True, timeout=120)
 
@@ -76,8 +92,9 @@ def wait_for_run(ui, run_id: str) -> dict:
     while time.monotonic() < deadline:
         run = api(ui, f"/api/v2/dags/llm_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}", token)
         if run["state"] in ("success", "failed"):
-            tis = api(ui, f"/api/v2/dags/llm_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}"
-                          "/taskInstances", token)["task_instances"]
+            tis = api(
+                ui, f"/api/v2/dags/llm_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}/taskInstances", token
+            )["task_instances"]
             run["tasks"] = {t["task_id"]: t["state"] for t in tis}
             return run
         time.sleep(1)
@@ -94,8 +111,10 @@ def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             # MLflow's basic auth: sent only when a server asks (401), so Airflow never sees it.
-            context = browser.new_context(viewport={"width": 1400, "height": 1000}, http_credentials={
-                "username": "admin", "password": ui["mlflow_password"]})
+            context = browser.new_context(
+                viewport={"width": 1400, "height": 1000},
+                http_credentials={"username": "admin", "password": ui["mlflow_password"]},
+            )
             context.set_default_timeout(60_000)
             page = context.new_page()
             # Log in (SimpleAuthManager; the password is the one `make ui` points to).
@@ -125,12 +144,20 @@ def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
             assert run["conf"]["steps"] == 4, run["conf"]
             # Every task, not only the run: the summary task runs on all_done and is the run's only leaf.
             assert run["state"] == "success" and set(run["tasks"].values()) == {"success"}, run["tasks"]
-            train = json.loads((ui["var"] / "runs" / "llm_pipeline" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)
-                                .strip("_") / "train.json").read_text())
+            train = json.loads(
+                (
+                    ui["var"]
+                    / "runs"
+                    / "llm_pipeline"
+                    / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_")
+                    / "train.json"
+                ).read_text()
+            )
 
             # The train task's Details tab lists the plugin's "MLflow run" link to its stage run.
-            page.goto(f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}"
-                      "/tasks/train/details")
+            page.goto(
+                f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}/tasks/train/details"
+            )
             link = page.get_by_role("link", name="MLflow run")
             assert link.get_attribute("href") == f"{ui['mlflow']}/#/runs/{train['mlflow_run_id']}"
             page.screenshot(path=str(tmp_path / "airflow-task.png"))
@@ -150,9 +177,16 @@ def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
 def test_secrets_are_private_and_never_logged(ui):
     """Password/secret files and the server logs are 0600; neither password appears in any log of `make ui`."""
     var = ui["var"]
-    private = ["simple_auth_manager_passwords.json.generated", "mlflow_admin_password", "airflow_jwt_secret",
-               "airflow_fernet_key", "mlflow_flask_secret", "mlflow_basic_auth.ini",
-               "logs/airflow-standalone.log", "logs/mlflow-server.log"]
+    private = [
+        "simple_auth_manager_passwords.json.generated",
+        "mlflow_admin_password",
+        "airflow_jwt_secret",
+        "airflow_fernet_key",
+        "mlflow_flask_secret",
+        "mlflow_basic_auth.ini",
+        "logs/airflow-standalone.log",
+        "logs/mlflow-server.log",
+    ]
     for name in private:
         mode = (var / name).stat().st_mode & 0o777
         assert mode & 0o077 == 0, f"{name} is {oct(mode)}, readable by others"

@@ -1,5 +1,6 @@
 """CANN logs and error codes: collection into <run-dir>/<stage>/cann-logs/ (bounded), the error-code table, the
 stage's one-line cause naming the code and fix, and the log-level switches passed to ranks."""
+
 import os
 import time
 
@@ -11,11 +12,15 @@ from tasks.envcheck import cann_logs
 from tasks.errors import StageError
 
 # The exact text torch_npu/CANN print (sources in cann_error_codes.yaml).
-EI0006_LOG = ("[ERROR] 2025-07-01-00:40:04 (PID:176930, Device:0, RankID:-1) ERR01100 OPS call acl api failed.\n"
-              "EI0006: [PID: 176930] 2025-07-01-00:40:04.135.732 Getting socket times out. Reason: Remote Rank did "
-              "not send the data in time. Please check the reason for the rank being stuck\n")
-EL0004_LOG = ("[ERROR] RecentErrMsg: [PID: 1604822] 2026-03-24-12:13:53.809.770 Memory_Allocation_Failure(EL0004): "
-              "Failed to allocate memory.\n        Possible Cause: Available memory is insufficient.\n")
+EI0006_LOG = (
+    "[ERROR] 2025-07-01-00:40:04 (PID:176930, Device:0, RankID:-1) ERR01100 OPS call acl api failed.\n"
+    "EI0006: [PID: 176930] 2025-07-01-00:40:04.135.732 Getting socket times out. Reason: Remote Rank did "
+    "not send the data in time. Please check the reason for the rank being stuck\n"
+)
+EL0004_LOG = (
+    "[ERROR] RecentErrMsg: [PID: 1604822] 2026-03-24-12:13:53.809.770 Memory_Allocation_Failure(EL0004): "
+    "Failed to allocate memory.\n        Possible Cause: Available memory is insufficient.\n"
+)
 
 
 def test_table_is_complete_data():

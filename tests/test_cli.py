@@ -1,4 +1,5 @@
 """`python -m tasks …` as a user runs it: one-line errors with exit 2, help, the summary table."""
+
 import json
 import os
 import subprocess
@@ -12,15 +13,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 def cli(*args, cwd=REPO):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "tasks", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=180, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "tasks", *args], cwd=cwd, capture_output=True, text=True, timeout=180, env=env
+    )
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["nope"], "error: unknown stage 'nope' (stages: env, shard, smoke, plan, train, profile, quantize, evaluate)"),
-    (["plan", "--config", "nope"], "error: unknown preset 'nope'"),
-    (["plan", "--set", "train.steps=zero"], "error: train.steps: expected an integer, got 'zero'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["nope"], "error: unknown stage 'nope' (stages: env, shard, smoke, plan, train, profile, quantize, evaluate)"),
+        (["plan", "--config", "nope"], "error: unknown preset 'nope'"),
+        (["plan", "--set", "train.steps=zero"], "error: train.steps: expected an integer, got 'zero'"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     out = cli(*args)
     assert out.returncode == 2
@@ -40,16 +45,19 @@ def test_help_lists_stages():
 
 
 def test_summary_table(tmp_path):
-    (tmp_path / "env.json").write_text(json.dumps({"status": "ok", "summary": "cpu ×2", "seconds": 3.2,
-                                                   "mlflow_run_id": "abc"}))
-    (tmp_path / "shard.json").write_text(json.dumps({"status": "failed", "summary": "no matching files",
-                                                     "seconds": 0.4}))
+    (tmp_path / "env.json").write_text(
+        json.dumps({"status": "ok", "summary": "cpu ×2", "seconds": 3.2, "mlflow_run_id": "abc"})
+    )
+    (tmp_path / "shard.json").write_text(
+        json.dumps({"status": "failed", "summary": "no matching files", "seconds": 0.4})
+    )
     out = cli("summary", "--run-dir", str(tmp_path))
     assert out.returncode == 0
     lines = out.stdout.splitlines()
     assert any(line.startswith("Environment validation") and "ok" in line and "cpu ×2" in line for line in lines)
-    assert any(line.startswith("WebDataset sharding") and "failed" in line and "no matching files" in line
-               for line in lines)
+    assert any(
+        line.startswith("WebDataset sharding") and "failed" in line and "no matching files" in line for line in lines
+    )
     assert any("runs/abc" in line for line in lines) and any("(not run)" in line for line in lines)
 
 
@@ -58,19 +66,31 @@ def run_with_shards_64(tmp_path_factory):
     """A run directory whose shard stage built 64-token windows with a 300-token BPE (one --set, several pairs)."""
     tmp = tmp_path_factory.mktemp("cli-run")
     run = tmp / "run"
-    out = cli("shard", "--run-dir", str(run), "--no-tracking", "--set", "data.seq_len=64", "data.vocab_size=300",
-              "data.max_documents=80", "data.shard_size_mb=0.05", f"data.out_dir={tmp / 'data'}")
+    out = cli(
+        "shard",
+        "--run-dir",
+        str(run),
+        "--no-tracking",
+        "--set",
+        "data.seq_len=64",
+        "data.vocab_size=300",
+        "data.max_documents=80",
+        "data.shard_size_mb=0.05",
+        f"data.out_dir={tmp / 'data'}",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((run / "shard.json").read_text())["seq_len"] == 64
     return run
 
 
-@pytest.mark.parametrize("sets, needle", [
-    (["data.seq_len=128"], "error: data.seq_len: 128 differs from the shard set's 64"),
-    (["data.seq_len=32", "data.vocab_size=512"],
-     "error: data.seq_len: 32 differs from the shard set's 64 (" ),
-    (["data.vocab_size=512"], "error: data.vocab_size: 512 differs from the shard set's 300"),
-])
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["data.seq_len=128"], "error: data.seq_len: 128 differs from the shard set's 64"),
+        (["data.seq_len=32", "data.vocab_size=512"], "error: data.seq_len: 32 differs from the shard set's 64 ("),
+        (["data.vocab_size=512"], "error: data.vocab_size: 512 differs from the shard set's 300"),
+    ],
+)
 def test_an_explicit_value_that_differs_from_the_shard_set_fails_in_one_line(run_with_shards_64, sets, needle):
     out = cli("train", "--run-dir", str(run_with_shards_64), "--no-tracking", "--set", *sets)
     assert out.returncode == 2 and out.stderr.startswith(needle), out.stderr
@@ -82,10 +102,26 @@ def test_train_takes_seq_len_from_the_shard_set_and_launches_the_layouts_ranks(r
     """demo-cpu says seq_len 128 and nproc_per_node 2: the shard set's 64 wins (not set explicitly), and with
     nproc_per_node unpinned a dp1 layout launches one CPU rank instead of failing `1 ≠ world size 2`."""
     run = run_with_shards_64
-    out = cli("train", "--run-dir", str(run), "--no-tracking", "--no-export",
-              "--set", "model.preset=debug", "hardware.nproc_per_node=0", "parallel.dp=1", "parallel.tp=1",
-              "parallel.pp=1", "train.steps=2", "train.global_batch=4", "train.micro_batch=2",
-              "--set", "train.precision=fp32", "train.checkpoint_every=0", "data.loader_workers=0")
+    out = cli(
+        "train",
+        "--run-dir",
+        str(run),
+        "--no-tracking",
+        "--no-export",
+        "--set",
+        "model.preset=debug",
+        "hardware.nproc_per_node=0",
+        "parallel.dp=1",
+        "parallel.tp=1",
+        "parallel.pp=1",
+        "train.steps=2",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "--set",
+        "train.precision=fp32",
+        "train.checkpoint_every=0",
+        "data.loader_workers=0",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((run / "train.json").read_text())
     assert result["status"] == "ok" and result["layout"] == "single" and result["steps"] == 2
@@ -97,8 +133,19 @@ def test_train_takes_seq_len_from_the_shard_set_and_launches_the_layouts_ranks(r
 
 def test_plan_with_several_pairs_after_one_set_and_a_typed_list(tmp_path):
     """`--set a=1 b=2` works like repeated --set, and list items are coerced (zero_stages=0,1 are integers)."""
-    out = cli("plan", "--run-dir", str(tmp_path), "--no-tracking", "--json",
-              "--set", "plan.zero_stages=0,1", "parallel.dp=0", "parallel.tp=0", "parallel.pp=0", "data.seq_len=64")
+    out = cli(
+        "plan",
+        "--run-dir",
+        str(tmp_path),
+        "--no-tracking",
+        "--json",
+        "--set",
+        "plan.zero_stages=0,1",
+        "parallel.dp=0",
+        "parallel.tp=0",
+        "parallel.pp=0",
+        "data.seq_len=64",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["seq_len"] == 64 and {p["zero"] for p in plan["plans"]} == {0, 1}

@@ -1,4 +1,5 @@
 """Config: presets, layered overrides, and one clear line per problem."""
+
 import re
 
 import pytest
@@ -16,8 +17,11 @@ def test_demo_preset_is_the_default_and_valid():
 def test_layers_later_wins(tmp_path):
     f = tmp_path / "mine.yaml"
     f.write_text("train:\n  steps: 7\n  lr: 0.01\ndata:\n  seq_len: 64\n")
-    cfg = load_config(str(f), overrides={"train": {"steps": 9}, "data.vocab_size": 1024},
-                      sets=["train.lr=0.02", "parallel.recompute=full", "data.inputs=a.txt,b.jsonl"])
+    cfg = load_config(
+        str(f),
+        overrides={"train": {"steps": 9}, "data.vocab_size": 1024},
+        sets=["train.lr=0.02", "parallel.recompute=full", "data.inputs=a.txt,b.jsonl"],
+    )
     assert (cfg.train.steps, cfg.train.lr, cfg.data.seq_len, cfg.data.vocab_size) == (9, 0.02, 64, 1024)
     assert cfg.parallel.recompute == "full" and cfg.data.inputs == ["a.txt", "b.jsonl"]
     # What the caller set (overrides, --set) is explicit; the file's values are defaults for this run.
@@ -43,16 +47,19 @@ def test_digest_tracks_content():
     assert a.digest() == load_config().digest() and a.digest() != b.digest()
 
 
-@pytest.mark.parametrize("sets, needle", [
-    (["train.steps=0"], "train.steps: 0 must be >= 1"),
-    (["parallel.recompute=sometimes"], "parallel.recompute: 'sometimes' is not one of none, selective, full"),
-    (["data.seq_len=abc"], "data.seq_len: expected an integer, got 'abc'"),
-    (["data.nope=1"], "data.nope: unknown key"),
-    (["nosection.x=1"], "nosection.x: unknown section"),
-    (["train.micro_batch=16", "train.global_batch=8"], "train.micro_batch: 16 exceeds train.global_batch 8"),
-    (["hardware.hccl_connect_timeout=30"], "hardware.hccl_connect_timeout: 30 must be in [120, 7200]"),
-    (["plan.schedules=1f1b,zigzag"], "plan.schedules: ['1f1b', 'zigzag'] must be a non-empty list of gpipe"),
-])
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["train.steps=0"], "train.steps: 0 must be >= 1"),
+        (["parallel.recompute=sometimes"], "parallel.recompute: 'sometimes' is not one of none, selective, full"),
+        (["data.seq_len=abc"], "data.seq_len: expected an integer, got 'abc'"),
+        (["data.nope=1"], "data.nope: unknown key"),
+        (["nosection.x=1"], "nosection.x: unknown section"),
+        (["train.micro_batch=16", "train.global_batch=8"], "train.micro_batch: 16 exceeds train.global_batch 8"),
+        (["hardware.hccl_connect_timeout=30"], "hardware.hccl_connect_timeout: 30 must be in [120, 7200]"),
+        (["plan.schedules=1f1b,zigzag"], "plan.schedules: ['1f1b', 'zigzag'] must be a non-empty list of gpipe"),
+    ],
+)
 def test_each_problem_is_one_clear_line(sets, needle):
     with pytest.raises(ConfigError) as e:
         load_config(sets=sets)
@@ -98,8 +105,12 @@ def test_every_layer_goes_through_the_same_model(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_text("train:\n  steps: 0\n")
     lines = []
-    for kwargs in ({"preset_or_path": str(f)}, {"overrides": {"train": {"steps": 0}}},
-                   {"overrides": {"train.steps": 0}}, {"sets": ["train.steps=0"]}):
+    for kwargs in (
+        {"preset_or_path": str(f)},
+        {"overrides": {"train": {"steps": 0}}},
+        {"overrides": {"train.steps": 0}},
+        {"sets": ["train.steps=0"]},
+    ):
         with pytest.raises(ConfigError) as e:
             load_config(**kwargs)
         lines.append(e.value.problems)
@@ -119,16 +130,19 @@ def test_every_layer_goes_through_the_same_model(tmp_path):
     assert lines == [["train.steps: 0 must be >= 1"]] * len(lines)
 
 
-@pytest.mark.parametrize("sets, line", [
-    (["data.seq_le=64"], "data.seq_le: unknown key; did you mean data.seq_len? (known in data: inputs,"),
-    (["trian.steps=3"], "trian.steps: unknown section 'trian'; did you mean train? (known: hardware,"),
-    (["parallel.zero=x"], "parallel.zero: expected an integer, got 'x'"),
-    (["parallel.zero=4"], "parallel.zero: 4 is not one of 0, 1, 2, 3"),
-    (["hardware.bind_cpus=maybe"], "hardware.bind_cpus: expected true/false, got 'maybe'"),
-    (["train.lr=.nan"], "train.lr: expected a finite number, got nan"),
-    (["data.min_chars=100", "data.max_chars=10"], "data.min_chars: 100 exceeds max_chars 10"),
-    (["data.inputs=[]"], "data.inputs: must not be empty"),
-])
+@pytest.mark.parametrize(
+    "sets, line",
+    [
+        (["data.seq_le=64"], "data.seq_le: unknown key; did you mean data.seq_len? (known in data: inputs,"),
+        (["trian.steps=3"], "trian.steps: unknown section 'trian'; did you mean train? (known: hardware,"),
+        (["parallel.zero=x"], "parallel.zero: expected an integer, got 'x'"),
+        (["parallel.zero=4"], "parallel.zero: 4 is not one of 0, 1, 2, 3"),
+        (["hardware.bind_cpus=maybe"], "hardware.bind_cpus: expected true/false, got 'maybe'"),
+        (["train.lr=.nan"], "train.lr: expected a finite number, got nan"),
+        (["data.min_chars=100", "data.max_chars=10"], "data.min_chars: 100 exceeds max_chars 10"),
+        (["data.inputs=[]"], "data.inputs: must not be empty"),
+    ],
+)
 def test_pydantic_errors_read_as_the_projects_lines(sets, line):
     with pytest.raises(ConfigError) as e:
         load_config(sets=sets)
@@ -144,17 +158,33 @@ def test_one_data_model_for_the_pipeline_and_data_prep():
 
     assert PipelineConfig.model_fields["data"].annotation is DataConfig is ShardConfig
     assert (DataConfig().seq_len, DataConfig().val_fraction, DataConfig().shard_multiple) == (256, 0.05, 0)
-    for key, value, bound in (("seq_len", 4, "in [8, 1048576]"), ("val_fraction", 0.6, "in [0.0, 0.5]"),
-                              ("shard_multiple", -1, "in [0, 65536]")):
-        with pytest.raises(ConfigError, match=fr"data.{key}: {value} must be {re.escape(bound)}"):
+    for key, value, bound in (
+        ("seq_len", 4, "in [8, 1048576]"),
+        ("val_fraction", 0.6, "in [0.0, 0.5]"),
+        ("shard_multiple", -1, "in [0, 65536]"),
+    ):
+        with pytest.raises(ConfigError, match=rf"data.{key}: {value} must be {re.escape(bound)}"):
             load_config(overrides={f"data.{key}": value})
         with pytest.raises(DataPrepError, match=f"^{key}: {value} is out of range$"):
             ShardConfig.from_dict({key: value})
     assert ShardConfig.from_dict({"seq_len": "8", "inputs": "a.txt"}).inputs == ["a.txt"]  # text read as the type
     # The shard-set cache key is what it was: the loader's and the pipeline's fields stay out of it.
-    assert sorted(DataConfig().key_fields()) == sorted([
-        "text_field", "max_documents", "min_chars", "max_chars", "on_decode_error", "vocab_size", "eos_token",
-        "token_dtype", "seq_len", "val_fraction", "shard_size_mb", "shard_multiple"])
+    assert sorted(DataConfig().key_fields()) == sorted(
+        [
+            "text_field",
+            "max_documents",
+            "min_chars",
+            "max_chars",
+            "on_decode_error",
+            "vocab_size",
+            "eos_token",
+            "token_dtype",
+            "seq_len",
+            "val_fraction",
+            "shard_size_mb",
+            "shard_multiple",
+        ]
+    )
 
 
 def test_form_and_model_refuse_the_same_values():

@@ -1,4 +1,5 @@
 """The DAG files through real Airflow: import, structure, Params refusing bad values before a run starts."""
+
 import os
 import subprocess
 import sys
@@ -61,8 +62,11 @@ def test_every_param_schema_is_the_config_models_schema_of_its_field(dagbag):
             section, _, field = key.partition(".")
             ref = model["properties"][section]["$ref"].rsplit("/", 1)[-1]
             want = model["$defs"][ref]["properties"][field]
-            form = {k: v for k, v in pipeline_dag.params.get_param(name).schema.items()
-                    if k not in ("title", "description", "section", "values_display", "default")}
+            form = {
+                k: v
+                for k, v in pipeline_dag.params.get_param(name).schema.items()
+                if k not in ("title", "description", "section", "values_display", "default")
+            }
             expect = {k: v for k, v in want.items() if k not in ("title", "description", "default")}
             expect["type"] = [want["type"], "null"]
             if "enum" in want:
@@ -76,17 +80,29 @@ def test_every_param_schema_is_the_config_models_schema_of_its_field(dagbag):
 
 
 def test_dag_files_import_no_heavy_modules():
-    code = ("import sys; sys.path.insert(0, 'dags'); import llm_pipeline, llm_data, llm_health; "
-            "bad = [m for m in ('torch', 'mlflow', 'webdataset', 'torchao') if m in sys.modules]; print(bad)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import sys; sys.path.insert(0, 'dags'); import llm_pipeline, llm_data, llm_health; "
+        "bad = [m for m in ('torch', 'mlflow', 'webdataset', 'torchao') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_out_of_range_param_fails_before_the_run(tmp_path, airflow_db):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+    }
     cmd = "source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{\"steps\": 0}'"
     out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode != 0

@@ -1,4 +1,5 @@
 """npu-smi parsing over several chip generations, clock/HCCL/visible-device/host checks, probe judgement."""
+
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,9 @@ def test_910_two_chips_per_npu_with_phy_id():
     info = smi("910-two-chips.txt")
     ids = [(c["npu"], c["chip"], c["device_id"]) for c in info["chips"]]
     assert ids == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
-    assert info["chips"][1]["power_w"] is None                   # "-": second chip reports no power
+    assert info["chips"][1]["power_w"] is None  # "-": second chip reports no power
     assert info["chips"][3]["memory_used_mb"] == 10568
-    assert [p["pid"] for p in info["processes"]] == [990711]       # "No running processes found" skipped
+    assert [p["pid"] for p in info["processes"]] == [990711]  # "No running processes found" skipped
 
 
 def test_310p3_ddr_without_hbm_column():
@@ -65,7 +66,7 @@ def test_clock_parsers_and_check():
     assert drift["offset_ms"] == pytest.approx(742.318005) and drift["synchronised"] is False
     c = system.check_clock(drift, nnodes=2, max_offset_ms=500)
     assert c["status"] == "fail" and "+742.3 ms" in c["detail"]
-    assert system.check_clock(drift, nnodes=1, max_offset_ms=500)["status"] == "warn"   # single node: HCCL unaffected
+    assert system.check_clock(drift, nnodes=1, max_offset_ms=500)["status"] == "warn"  # single node: HCCL unaffected
     td = system.parse_timedatectl((ENV / "timedatectl-show.txt").read_text())
     assert td["synchronised"] is False and system.check_clock(td, 2, 500)["status"] == "fail"
     assert system.parse_timedatectl("System clock synchronized: yes")["synchronised"] is True
@@ -79,15 +80,16 @@ def test_hccl_timeouts():
     c = system.check_hccl({"HCCL_CONNECT_TIMEOUT": "60", "HCCL_EXEC_TIMEOUT": "abc"}, "npu")
     assert c["status"] == "fail" and "HCCL_CONNECT_TIMEOUT=60 outside [120, 7200]" in c["detail"]
     assert "HCCL_EXEC_TIMEOUT='abc' is not an integer" in c["detail"]
-    c = system.check_hccl({"HCCL_CONNECT_TIMEOUT": "120", "HCCL_EXEC_TIMEOUT": "1836", "HCCL_EVENT_TIMEOUT": "1800"},
-                          "npu")
-    assert c["status"] == "warn" and "should exceed" in c["detail"]   # torch_npu only warns (EVENT <= EXEC)
+    c = system.check_hccl(
+        {"HCCL_CONNECT_TIMEOUT": "120", "HCCL_EXEC_TIMEOUT": "1836", "HCCL_EVENT_TIMEOUT": "1800"}, "npu"
+    )
+    assert c["status"] == "warn" and "should exceed" in c["detail"]  # torch_npu only warns (EVENT <= EXEC)
     assert system.check_hccl({"HCCL_CONNECT_TIMEOUT": "60"}, "cpu")["status"] == "warn"
 
 
 def test_visible_devices():
     assert system.parse_visible("0,1,2,3") == ([0, 1, 2, 3], None)
-    ids, problem = system.parse_visible("1, 2,3")        # CANN stops at " 2": only device 1 is used
+    ids, problem = system.parse_visible("1, 2,3")  # CANN stops at " 2": only device 1 is used
     assert ids == [1] and "' 2'" in problem
     assert system.parse_visible("2,1")[0] == [2]
     var = "ASCEND_RT_VISIBLE_DEVICES"
@@ -114,8 +116,13 @@ def test_host_memory_and_disk(tmp_path):
 
 
 def _result(busbw, ok=True, world=8):
-    return {"world_size": world, "backend": "hccl", "allreduce_ok": ok, "allreduce_max_error": 0.0 if ok else 3.0,
-            "sizes": [{"size_mb": 256.0, "busbw_gbps": busbw, "algbw_gbps": busbw / 1.75, "seconds": 0.1}]}
+    return {
+        "world_size": world,
+        "backend": "hccl",
+        "allreduce_ok": ok,
+        "allreduce_max_error": 0.0 if ok else 3.0,
+        "sizes": [{"size_mb": 256.0, "busbw_gbps": busbw, "algbw_gbps": busbw / 1.75, "seconds": 0.1}],
+    }
 
 
 def test_probe_judgement():
@@ -123,7 +130,7 @@ def test_probe_judgement():
     slow = probe.judge(_result(20.0), "npu")[1]
     assert slow["status"] == "warn" and "below half the expected 50 GB/s" in slow["detail"]
     assert probe.judge(_result(20.0), "npu", expected_bus_gbps=30.0)[1]["status"] == "ok"
-    assert probe.judge(_result(1.0), "cpu")[1]["status"] == "ok"               # no expectation on CPU
+    assert probe.judge(_result(1.0), "cpu")[1]["status"] == "ok"  # no expectation on CPU
     assert probe.judge(_result(46.0, ok=False), "npu")[0]["status"] == "fail"
     assert probe.judge({"error": "collective probe failed (torchrun exit 1): x"}, "cpu")[0]["status"] == "fail"
     argv = probe.command("cpu", 2, [1.0, 16.0], Path("/tmp/p.json"))

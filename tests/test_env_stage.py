@@ -1,5 +1,6 @@
 """The env stage end to end: the real CLI with a real 2-rank gloo torchrun probe and MLflow, the npu error, and the
 stage over fixture files (Ascend install tree, npu-smi output from a stand-in npu-smi on PATH)."""
+
 import argparse
 import json
 import os
@@ -21,10 +22,27 @@ ENV = REPO / "tests" / "fixtures" / "env"
 def _cli(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     env.pop("ASCEND_HOME_PATH", None)
-    return subprocess.run([sys.executable, "-m", "tasks", "env", "--run-dir", str(tmp / "run"),
-                           "--set", f"tracking.uri=sqlite:///{tmp}/m.db",
-                           "--set", f"tracking.artifact_root={tmp}/art", "--json", *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tasks",
+            "env",
+            "--run-dir",
+            str(tmp / "run"),
+            "--set",
+            f"tracking.uri=sqlite:///{tmp}/m.db",
+            "--set",
+            f"tracking.artifact_root={tmp}/art",
+            "--json",
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +58,8 @@ def test_cli_result_is_small_and_complete(cli_run):
     tmp, result, stderr = cli_run
     assert result["status"] == "ok" and result["backend"] == "cpu" and result["device_count"] >= 1
     assert result["summary"].startswith("cpu ×2, torch 2.13.0, all_reduce ok ")
-    assert len(json.dumps(result)) < 1000                               # XCom-sized
-    assert read_json(tmp / "run" / "env.json")["summary"] == result["summary"]   # the runner's result file
+    assert len(json.dumps(result)) < 1000  # XCom-sized
+    assert read_json(tmp / "run" / "env.json")["summary"] == result["summary"]  # the runner's result file
     assert "env: OK — cpu ×2" in stderr and "[  ok] allreduce" in stderr
 
 
@@ -51,14 +69,25 @@ def test_cli_probe_really_ran_two_gloo_ranks(cli_run):
     p = report["probe"]
     assert (p["world_size"], p["backend"], p["allreduce_ok"], p["allreduce_max_error"]) == (2, "gloo", True, 0.0)
     expected = [float(s) for s in load_config("demo-cpu").hardware.probe_sizes_mb]
-    assert [s["size_mb"] for s in p["sizes"]] == expected              # hardware.probe_sizes_mb
+    assert [s["size_mb"] for s in p["sizes"]] == expected  # hardware.probe_sizes_mb
     assert all(s["busbw_gbps"] > 0 and s["seconds"] > 0 for s in p["sizes"])
     names = [c["name"] for c in report["checks"]]
-    for name in ("python-torch", "torch_npu-torch-cann", "import-torch", "backend", "clock", "hccl-timeouts",
-                 "visible-devices", "host-memory", "disk", "allreduce", "bus-bandwidth"):
+    for name in (
+        "python-torch",
+        "torch_npu-torch-cann",
+        "import-torch",
+        "backend",
+        "clock",
+        "hccl-timeouts",
+        "visible-devices",
+        "host-memory",
+        "disk",
+        "allreduce",
+        "bus-bandwidth",
+    ):
         assert name in names
     assert report["versions"]["torch"].startswith("2.13.0") and report["host"]["memory_total_gb"] > 0
-    assert report["import_torch"] == {"ok": True, "torch": report["versions"]["torch"]}   # the subprocess check
+    assert report["import_torch"] == {"ok": True, "torch": report["versions"]["torch"]}  # the subprocess check
 
 
 def test_cli_logged_to_mlflow(cli_run):
@@ -87,6 +116,7 @@ def test_cli_npu_without_torch_npu_is_one_line_exit_2(tmp_path):
 @pytest.fixture
 def fake_npu_smi(tmp_path, monkeypatch):
     """Put an `npu-smi` on PATH that prints a fixture (the real tool's exact text), like a host with NPUs."""
+
     def install(fixture: str):
         bin_dir = tmp_path / "bin"
         bin_dir.mkdir(exist_ok=True)
@@ -94,6 +124,7 @@ def fake_npu_smi(tmp_path, monkeypatch):
         exe.write_text(f"#!/bin/sh\ncat '{ENV / 'npu-smi' / fixture}'\n")
         exe.chmod(0o755)
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
     return install
 
@@ -121,9 +152,9 @@ def test_stage_failure_is_one_line_and_still_reported(cfg, tmp_path, fake_npu_sm
         run_stage("env", cfg, tmp_path / "run", args=args)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("driver-firmware: firmware 7.3.0.1.231 is outside")
-    assert "+1 more failed checks" in msg                                 # the 310B4 Alarm
+    assert "+1 more failed checks" in msg  # the 310B4 Alarm
     report = read_json(tmp_path / "run" / "env" / "env.json")
     assert report["status"] == "fail"
-    run_id = read_json(tmp_path / "run" / "env.json")["mlflow_run_id"]   # the failed run still holds the facts
+    run_id = read_json(tmp_path / "run" / "env.json")["mlflow_run_id"]  # the failed run still holds the facts
     assert mlflow.MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["env.checks_fail"] == 2
     assert {c["name"] for c in report["checks"] if c["status"] == "fail"} == {"driver-firmware", "npu-health"}

@@ -1,4 +1,5 @@
 """Versions from Ascend install-info files (both layouts) and the torch_npu ↔ torch ↔ CANN ↔ Python matrix."""
+
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ def test_legacy_toolkit_layout():
 def test_new_cann_layout_and_versioned_dir():
     cann = versions.find_cann(ENV / "ascend-cann")
     assert (cann["version"], cann["layout"], cann["arch"]) == ("9.1.0", "cann", "x86_64")
-    assert versions.find_cann(ENV / "ascend-versioned")["version"] == "8.5.0"   # /usr/local/Ascend/cann-8.5.0
+    assert versions.find_cann(ENV / "ascend-versioned")["version"] == "8.5.0"  # /usr/local/Ascend/cann-8.5.0
 
 
 def test_ascend_home_path_wins_over_root():
@@ -35,12 +36,17 @@ def test_nothing_installed(tmp_path):
 
 def test_driver_firmware_and_install_info_redirect(tmp_path):
     assert versions.find_driver(ENV / "ascend-legacy") == {
-        "version": "24.1.rc1", "innerversion": "V100R001C15SPC006B220", "compatible_firmware": [["7.0.0", "7.2.99"]]}
+        "version": "24.1.rc1",
+        "innerversion": "V100R001C15SPC006B220",
+        "compatible_firmware": [["7.0.0", "7.2.99"]],
+    }
     assert versions.find_firmware(ENV / "ascend-legacy")["version"] == "7.1.0.11.220"
     # The driver installer records its own path: the driver is found there even when the toolkit root differs.
     info = tmp_path / "ascend_install.info"
-    info.write_text(f"UserName=HwHiAiUser\nUserGroup=HwHiAiUser\nFirmware_Install_Type=full\n"
-                    f"Driver_Install_Type=full\nDriver_Install_Path_Param={ENV / 'ascend-cann'}\n")
+    info.write_text(
+        f"UserName=HwHiAiUser\nUserGroup=HwHiAiUser\nFirmware_Install_Type=full\n"
+        f"Driver_Install_Type=full\nDriver_Install_Path_Param={ENV / 'ascend-cann'}\n"
+    )
     facts = versions.collect(ENV / "ascend-versioned", install_info=info)
     assert facts["cann"]["version"] == "8.5.0" and facts["firmware"]["version"] == "7.3.0.1.231"
 
@@ -60,9 +66,15 @@ def test_import_failure_other_torch_npu_cause():
 M = compat.load_matrix()
 
 
-@pytest.mark.parametrize("torch_npu,torch,cann", [
-    ("2.12.0", "2.12.0", "9.1.0"), ("2.10.0.post4", "2.10.0+cpu", "9.1.0"), ("2.8.0", "2.8.0", "8.3.RC1"),
-    ("2.1.0.post10", "2.1.0", "8.0.0")])
+@pytest.mark.parametrize(
+    "torch_npu,torch,cann",
+    [
+        ("2.12.0", "2.12.0", "9.1.0"),
+        ("2.10.0.post4", "2.10.0+cpu", "9.1.0"),
+        ("2.8.0", "2.8.0", "8.3.RC1"),
+        ("2.1.0.post10", "2.1.0", "8.0.0"),
+    ],
+)
 def test_matrix_hits(torch_npu, torch, cann):
     c = compat.check_npu_stack(M, torch, torch_npu, cann)
     assert c["status"] == "ok", c
@@ -78,7 +90,7 @@ def test_matrix_torch_mismatch_names_the_pair():
 def test_matrix_cann_mismatch_names_the_pair_for_installed_cann():
     c = compat.check_npu_stack(M, "2.9.0", "2.9.0.post2", "8.5.0")
     assert c["status"] == "fail" and "requires CANN 9.0.0" in c["detail"]
-    assert "pip install torch==2.9.0 torch-npu==2.9.0 (CANN 8.5.0)" in c["detail"]   # same torch, right build
+    assert "pip install torch==2.9.0 torch-npu==2.9.0 (CANN 8.5.0)" in c["detail"]  # same torch, right build
 
 
 def test_matrix_same_cann_line_and_eol_warn():
@@ -90,7 +102,7 @@ def test_matrix_same_cann_line_and_eol_warn():
 def test_matrix_torch_npu_without_cann_and_unknown_builds():
     c = compat.check_npu_stack(M, "2.12.0", "2.12.0", None)
     assert c["status"] == "fail" and "needs CANN 9.1.0" in c["detail"]
-    assert compat.check_npu_stack(M, "2.13.0", "2.13.0", "9.1.0")["status"] == "warn"   # newer than the table
+    assert compat.check_npu_stack(M, "2.13.0", "2.13.0", "9.1.0")["status"] == "warn"  # newer than the table
     c = compat.check_npu_stack(M, "2.12.0", "2.13.0", "9.1.0")
     assert c["status"] == "fail" and "pip install torch==2.13.0" in c["detail"]
 

@@ -1,4 +1,5 @@
 """The gate's rules and the MLflow Model Registry aliases, against a real SQLite-backed MLflow."""
+
 from __future__ import annotations
 
 import pytest
@@ -50,22 +51,22 @@ def test_candidate_and_champion_aliases_read_back(mlflow_uri):
     name = "quant-registry-test"
     client = MlflowClient(mlflow_uri)
     with mlflow.start_run():
-        assert registry.current_champion(mlflow_uri, name) is None   # no model yet
+        assert registry.current_champion(mlflow_uri, name) is None  # no model yet
         v1 = _register(mlflow_uri, name, 10.0, "d1")
-        assert _gate(mlflow_uri, name, v1, 10.0, "d1").promote         # first version: champion
+        assert _gate(mlflow_uri, name, v1, 10.0, "d1").promote  # first version: champion
         assert client.get_model_version_by_alias(name, "candidate").version == int(v1)
         assert client.get_model_version_by_alias(name, "champion").version == int(v1)
-        v2 = _register(mlflow_uri, name, 10.5, "d1")                   # worse: candidate only
+        v2 = _register(mlflow_uri, name, 10.5, "d1")  # worse: candidate only
         assert not _gate(mlflow_uri, name, v2, 10.5, "d1").promote
         assert client.get_model_version_by_alias(name, "candidate").version == int(v2)
         assert client.get_model_version_by_alias(name, "champion").version == int(v1)
-        v3 = _register(mlflow_uri, name, 9.0, "d1")                    # better on the same data: champion
+        v3 = _register(mlflow_uri, name, 9.0, "d1")  # better on the same data: champion
         assert _gate(mlflow_uri, name, v3, 9.0, "d1").promote
         assert client.get_model_version_by_alias(name, "champion").version == int(v3)
-        v4 = _register(mlflow_uri, name, 5.0, "d2")                    # other data: not comparable, kept back
+        v4 = _register(mlflow_uri, name, 5.0, "d2")  # other data: not comparable, kept back
         assert not _gate(mlflow_uri, name, v4, 5.0, "d2").comparable
         assert registry.aliases(mlflow_uri, name) == {"candidate": v4, "champion": v3}
         mv = client.get_model_version(name, v3)
         assert mv.tags["airflow.run_id"] == "manual__1" and mv.tags[registry.DIGEST_TAG] == "d1"
         assert registry.find_version(mlflow_uri, name, registry.PPL_TAG, "9.0").version == int(v3)
-        assert mv.source.startswith("models:/")                       # registered from the LoggedModel
+        assert mv.source.startswith("models:/")  # registered from the LoggedModel

@@ -1,4 +1,5 @@
 """The evaluate stage end to end: real torchao model, real MLflow tracking and Model Registry, gate both ways."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,32 +35,44 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path):
     parent = tracking.parent_run(cfg, "llm_pipeline", "manual__eval_test")
     qdir = _quantize(cfg, tiny, tmp_path / "a", "int8_weight_only")
     r = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, qdir), parent_run_id=parent)
-    assert r["passed"] and r["status"] == "ok" and r["champion"]       # first version: champion
+    assert r["passed"] and r["status"] == "ok" and r["champion"]  # first version: champion
     assert abs(r["ppl_drop_pct"]) <= cfg.evaluate.max_drop_pct and r["size_ratio_vs_bf16"] < 1
     v1 = client.get_model_version_by_alias(cfg.evaluate.registered_model, "champion")
-    assert str(v1.version) == r["version"] == str(
-        client.get_model_version_by_alias(cfg.evaluate.registered_model, "candidate").version)
+    assert (
+        str(v1.version)
+        == r["version"]
+        == str(client.get_model_version_by_alias(cfg.evaluate.registered_model, "candidate").version)
+    )
     assert v1.tags["airflow.run_id"] == "manual__eval_test" and v1.tags["data.manifest_digest"] == r["data_digest"]
     assert v1.tags["train.run_id"] == "unknown" and v1.tags["eval.run_id"] == r["mlflow_run_id"]
     md = (tmp_path / "a" / "evaluate" / "comparison.md").read_text()
     assert "INT8 PTQ (int8_weight_only, torchao)" in md and "## Greedy generations" in md and "- INT8: `" in md
     assert {a.path for a in client.list_artifacts(r["mlflow_run_id"], "evaluate")} >= {
-        "evaluate/comparison.md", "evaluate/comparison.json", "evaluate/comparison.png"}
+        "evaluate/comparison.md",
+        "evaluate/comparison.json",
+        "evaluate/comparison.png",
+    }
     run = client.get_run(r["mlflow_run_id"]).data
     assert run.metrics["ppl_drop_pct"] == pytest.approx(r["ppl_drop_pct"], abs=1e-3)
     # the gate's metric, named, beside the others; the disjoint calibration/evaluation split is recorded
     assert r["gate_metric"] == "accuracy_drop_pct" and r["gate_value"] == r["accuracy_drop_pct"]
     assert run.params["evaluate.gate_metric"] == "accuracy_drop_pct" and "window index % 4" in run.params["split.rule"]
     assert run.params["split.calibration_keys_digest"] and run.params["split.evaluation_keys_digest"]
-    assert {"int8_accuracy", "ref_accuracy", "greedy_agreement", "decode_speed_vs_bf16", "prefill_speed_vs_fp32",
-            "ptq.accuracy_drop_pct"} <= set(run.metrics)
+    assert {
+        "int8_accuracy",
+        "ref_accuracy",
+        "greedy_agreement",
+        "decode_speed_vs_bf16",
+        "prefill_speed_vs_fp32",
+        "ptq.accuracy_drop_pct",
+    } <= set(run.metrics)
     assert v1.tags["quant.passed_by"] == "ptq" and v1.tags["eval.gate_metric"] == "accuracy_drop_pct"
     head = r["summary"][:80]  # what the run summary shows: gate figure, decode speed vs BF16 (and if slower), size
     assert head.startswith(f"v{r['version']} champion PTQ acc drop ") and "decode " in head and "x BF16" in head
     assert ("(INT8 slower)" in head) == (r["decode_speed_vs_bf16"] < 1)
     assert "| top1_accuracy | greedy_agreement |" in md and "window index % 4 == 0 → calibration" in md
 
-    again = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, qdir))    # rerun: same version, no new one
+    again = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, qdir))  # rerun: same version, no new one
     assert again["version"] == r["version"] and again["champion"]
 
     # A second candidate on the same data becomes champion exactly when its perplexity is lower.
@@ -68,7 +81,6 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path):
     assert r2["version"] != r["version"] and r2["aliases"]["candidate"] == r2["version"]
     assert r2["champion"] == (r2["int8_ppl"] < r["int8_ppl"])
     assert r2["aliases"]["champion"] == (r2["version"] if r2["champion"] else r["version"])
-
 
 
 def test_gate_missed_fails_with_advice_and_qat_handoff(cfg, tiny, tmp_path):
@@ -80,8 +92,11 @@ def test_gate_missed_fails_with_advice_and_qat_handoff(cfg, tiny, tmp_path):
     cfg.quantize.qat_on_fail = False
     args = argparse.Namespace(model_dir=str(hostile), shard_dir=str(tiny["shard_dir"]), quant_dir=None)
     run_stage("quantize", cfg, tmp_path, args=args)
-    with pytest.raises(StageError, match=r"INT8 relative next-token top-1 accuracy drop .*% exceeds "
-                                         r"evaluate.max_drop_pct 2.0% .*try SmoothQuant.*skip_layers.*QAT") as e:
+    with pytest.raises(
+        StageError,
+        match=r"INT8 relative next-token top-1 accuracy drop .*% exceeds "
+        r"evaluate.max_drop_pct 2.0% .*try SmoothQuant.*skip_layers.*QAT",
+    ) as e:
         run_stage("evaluate", cfg, tmp_path, args=args)
     assert "\n" not in str(e.value)
     qat = tmp_path / "evaluate" / "qat"
@@ -114,8 +129,11 @@ def test_qat_after_a_failed_ptq_gate(cfg, tiny, tmp_path):
     args = argparse.Namespace(model_dir=str(hostile), shard_dir=str(tiny["shard_dir"]), quant_dir=None)
     run_stage("quantize", cfg, tmp_path / "a", args=args)
     cfg.evaluate.max_drop_pct = 1.0
-    with pytest.raises(StageError, match=r"accuracy drop exceeds evaluate.max_drop_pct 1.0% after PTQ \((\d+\.\d+)%\) "
-                                         r"and after QAT \(50 steps: (\d+\.\d+)%\)") as e:
+    with pytest.raises(
+        StageError,
+        match=r"accuracy drop exceeds evaluate.max_drop_pct 1.0% after PTQ \((\d+\.\d+)%\) "
+        r"and after QAT \(50 steps: (\d+\.\d+)%\)",
+    ) as e:
         run_stage("evaluate", cfg, tmp_path / "a", args=args)
     import re
 

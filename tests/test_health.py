@@ -1,5 +1,6 @@
 """Health check: alarm rules on npu-smi / chronyc fixture output, a real sample of this host logged to MLflow,
 and the hourly DAG file parsing with real Airflow and without heavy imports."""
+
 import os
 import subprocess
 import sys
@@ -19,11 +20,14 @@ FIX = REPO / "tests" / "fixtures"
 def npu_sample(name: str, clock_fixture: str = "chronyc-tracking.txt") -> dict:
     """A sample as collect() builds it on an Ascend host, from fixture files in npu-smi/chronyc's own formats."""
     path = FIX / "health" / name if (FIX / "health" / name).is_file() else FIX / "env" / "npu-smi" / name
-    return {"host": {"memory_available_gb": 900.0, "memory_total_gb": 1024.0},
-            "npu_smi": npu_smi.parse(path.read_text()), "torch_devices": [],
-            "backend": {"kind": "npu", "device_count": 2},
-            "clock": system.parse_chronyc((FIX / "env" / clock_fixture).read_text()),
-            "disk_paths": {"var": str(REPO)}}
+    return {
+        "host": {"memory_available_gb": 900.0, "memory_total_gb": 1024.0},
+        "npu_smi": npu_smi.parse(path.read_text()),
+        "torch_devices": [],
+        "backend": {"kind": "npu", "device_count": 2},
+        "clock": system.parse_chronyc((FIX / "env" / clock_fixture).read_text()),
+        "disk_paths": {"var": str(REPO)},
+    }
 
 
 def by_name(checks):
@@ -32,8 +36,12 @@ def by_name(checks):
 
 def test_healthy_ascend_host_passes(cfg):
     checks = by_name(health.assess(npu_sample("910b2c.txt"), cfg, last_seen=2))
-    assert {n: c["status"] for n, c in checks.items() if n in ("temperature", "hbm", "devices", "npu-health")} == \
-        {"temperature": "ok", "hbm": "ok", "devices": "ok", "npu-health": "ok"}
+    assert {n: c["status"] for n, c in checks.items() if n in ("temperature", "hbm", "devices", "npu-health")} == {
+        "temperature": "ok",
+        "hbm": "ok",
+        "devices": "ok",
+        "npu-health": "ok",
+    }
     assert checks["temperature"]["detail"] == "max 51 C"
 
 
@@ -98,10 +106,12 @@ def test_real_sample_of_this_host_is_logged_to_mlflow(cfg, tmp_path, monkeypatch
 
 
 def test_health_dag_parses_light_and_hourly(tmp_path):
-    code = ("import sys; from airflow.dag_processing.dagbag import DagBag; "
-            "b = DagBag(dag_folder='dags/llm_health.py'); d = b.dags['llm_health']; "
-            "heavy = [m for m in ('torch', 'mlflow') if m in sys.modules]; "
-            "print(b.import_errors, d.catchup, \"'0 * * * *'\" in str(d.timetable), d.task_ids, heavy)")
+    code = (
+        "import sys; from airflow.dag_processing.dagbag import DagBag; "
+        "b = DagBag(dag_folder='dags/llm_health.py'); d = b.dags['llm_health']; "
+        "heavy = [m for m in ('torch', 'mlflow') if m in sys.modules]; "
+        "print(b.import_errors, d.catchup, \"'0 * * * *'\" in str(d.timetable), d.task_ids, heavy)"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(PYTHONPATH=str(REPO), AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
@@ -114,10 +124,12 @@ def fake_nvidia_smi(bin_dir: Path) -> Path:
     bin_dir.mkdir(parents=True, exist_ok=True)
     exe = bin_dir / "nvidia-smi"
     fix = FIX / "health" / "nvidia-smi"
-    exe.write_text("#!/bin/sh\ncase \"$1\" in\n"
-                   f"  --query-gpu=*) cat '{fix / 'query-gpu.csv'}';;\n"
-                   f"  --query-compute-apps=*) cat '{fix / 'query-compute-apps.csv'}';;\n"
-                   "  *) exit 2;;\nesac\n")
+    exe.write_text(
+        '#!/bin/sh\ncase "$1" in\n'
+        f"  --query-gpu=*) cat '{fix / 'query-gpu.csv'}';;\n"
+        f"  --query-compute-apps=*) cat '{fix / 'query-compute-apps.csv'}';;\n"
+        "  *) exit 2;;\nesac\n"
+    )
     exe.chmod(0o755)
     return bin_dir
 
@@ -126,12 +138,18 @@ def test_cuda_health_from_nvidia_smi_without_any_device_context(cfg, tmp_path):
     """collect() asks nvidia-smi only: it never imports torch (so it can create no CUDA/NPU context, nor call
     mem_get_info on a GPU a job is using); the alarms come from nvidia-smi's own figures."""
     bin_dir = fake_nvidia_smi(tmp_path / "bin")
-    code = ("import sys, json; from tasks.config import load_config; from tasks.stages import health; "
-            "cfg = load_config('demo-cpu'); cfg.hardware.device = 'cuda'; s = health.collect(cfg); "
-            "print(json.dumps({'torch': 'torch' in sys.modules, 'backend': s['backend'], "
-            "'checks': health.assess(s, cfg, last_seen=2), 'metrics': health.metrics(s)}))")
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(REPO),
-           "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
+    code = (
+        "import sys, json; from tasks.config import load_config; from tasks.stages import health; "
+        "cfg = load_config('demo-cpu'); cfg.hardware.device = 'cuda'; s = health.collect(cfg); "
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'backend': s['backend'], "
+        "'checks': health.assess(s, cfg, last_seen=2), 'metrics': health.metrics(s)}))"
+    )
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(REPO),
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+    }
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     import json
@@ -141,8 +159,11 @@ def test_cuda_health_from_nvidia_smi_without_any_device_context(cfg, tmp_path):
     assert got["backend"] == {"kind": "cuda", "device_count": 2}
     checks = {c["name"]: c for c in got["checks"]}
     assert checks["temperature"]["status"] == "fail" and "GPU 1 at 93 C" in checks["temperature"]["detail"]
-    assert checks["hbm"]["status"] == "fail" and "GPU 1 memory 80100/81559 MB with no process" in \
-        checks["hbm"]["detail"] and "GPU 0" not in checks["hbm"]["detail"]  # GPU 0 is full but busy
+    assert (
+        checks["hbm"]["status"] == "fail"
+        and "GPU 1 memory 80100/81559 MB with no process" in checks["hbm"]["detail"]
+        and "GPU 0" not in checks["hbm"]["detail"]
+    )  # GPU 0 is full but busy
     assert checks["devices"]["status"] == "ok" and "2 GPUs (nvidia-smi)" in checks["devices"]["detail"]
     assert got["metrics"]["gpu0.util_pct"] == 97 and "gpu1.power_w" not in got["metrics"]
 
@@ -187,9 +208,24 @@ def test_health_runs_through_the_runner(cfg, tmp_path, monkeypatch):
         health.run_health(cfg, tmp_path / "moved")
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
-    out = subprocess.run([sys.executable, "-m", "tasks", "health", "--no-tracking", "--run-dir", str(tmp_path / "cli"),
-                          "--set", "hardware.min_free_disk_gb=1e9"], cwd=REPO, capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tasks",
+            "health",
+            "--no-tracking",
+            "--run-dir",
+            str(tmp_path / "cli"),
+            "--set",
+            "hardware.min_free_disk_gb=1e9",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: health alarm: disk: "), out.stderr[-2000:]
     assert len(out.stderr.strip().splitlines()) == 1
     assert json.loads((tmp_path / "cli" / "health.json").read_text())["status"] == "failed"

@@ -1,4 +1,5 @@
 """Parity with transformers: HF → ours → HF, logits equal in fp32 (tiny random models saved locally)."""
+
 from __future__ import annotations
 
 import json
@@ -14,12 +15,24 @@ from tasks.errors import StageError  # noqa: E402
 from tasks.model import build_model, get_preset, materialize  # noqa: E402
 from tasks.model.hf_io import load_hf, save_hf  # noqa: E402
 
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=128,
-             max_position_embeddings=64, rms_norm_eps=1e-6)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=128,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
 CASES = {
-    "llama-gqa-untied": (transformers.LlamaConfig, dict(num_key_value_heads=2, tie_word_embeddings=False,
-                                                        rope_parameters={"rope_type": "default",
-                                                                         "rope_theta": 500000.0})),
+    "llama-gqa-untied": (
+        transformers.LlamaConfig,
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        ),
+    ),
     "llama-mha-tied": (transformers.LlamaConfig, dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen2-gqa-tied": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen2-gqa-untied": (transformers.Qwen2Config, dict(num_key_value_heads=1, tie_word_embeddings=False)),
@@ -84,8 +97,9 @@ def test_export_with_tokenizer_loads_in_transformers(tmp_path):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tok.train_from_iterator(["def f(x): return x + 1\n"] * 20,
-                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<eos>"]))
+    tok.train_from_iterator(
+        ["def f(x): return x + 1\n"] * 20, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<eos>"])
+    )
     (tmp_path / "tok").mkdir()
     tok.save(str(tmp_path / "tok" / "tokenizer.json"))
     tcfg = get_preset("debug")

@@ -1,6 +1,7 @@
 """hardware.launcher=kubernetes: every device stage renders as a Job on the training nodes, valid against the Kubernetes
 API schemas (and Volcano's PodGroup schema), and the DAG's tasks route to that launcher. The API server cannot run
 here: the schemas are the official client's models (tests/fixtures/k8s/generate_schema.py) and the PodGroup CRD's."""
+
 import json
 import os
 import subprocess
@@ -68,8 +69,10 @@ def test_every_device_stage_renders_as_a_valid_job_on_the_training_nodes(k8s_cfg
     pods = 2 if stage in MULTI_NODE_STAGES else 1
     assert job["kind"] == "Job" and job["spec"]["completions"] == job["spec"]["parallelism"] == pods
     assert [m["kind"] for m in manifests[:-1]] == (["Service"] if pods > 1 else [])
-    assert job["spec"]["activeDeadlineSeconds"] == \
-        stage_timeout_s(stage, k8s_cfg, tmp_path / "run") + k8s_cfg.timeouts.k8s_pending_s
+    assert (
+        job["spec"]["activeDeadlineSeconds"]
+        == stage_timeout_s(stage, k8s_cfg, tmp_path / "run") + k8s_cfg.timeouts.k8s_pending_s
+    )
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == k8s_cfg.hardware.k8s_image  # the same image for every stage
     args = container["args"][0]
@@ -117,14 +120,22 @@ def test_job_wait_is_bounded_and_names_what_the_pods_were_doing():
         return False, ""
 
     with pytest.raises(StageError) as err:
-        k8s_job.wait_for_job(status, "llm-abc", timeout_s=90, poll_s=30,
-                             describe=lambda: "llm-abc-0 Pending (Unschedulable: 0/4 nodes have huawei.com/Ascend910)",
-                             clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+        k8s_job.wait_for_job(
+            status,
+            "llm-abc",
+            timeout_s=90,
+            poll_s=30,
+            describe=lambda: "llm-abc-0 Pending (Unschedulable: 0/4 nodes have huawei.com/Ascend910)",
+            clock=lambda: now[0],
+            sleep=lambda s: now.__setitem__(0, now[0] + s),
+        )
     assert polls == [0, 30, 60, 90]
     assert "job llm-abc did not finish within 90 s" in str(err.value) and "Unschedulable" in str(err.value)
     done = iter([(False, ""), (True, "BackoffLimitExceeded")])
-    assert k8s_job.wait_for_job(lambda: next(done), "j", 60, 1, clock=lambda: 0.0, sleep=lambda s: None) == \
-        (True, "BackoffLimitExceeded")
+    assert k8s_job.wait_for_job(lambda: next(done), "j", 60, 1, clock=lambda: 0.0, sleep=lambda s: None) == (
+        True,
+        "BackoffLimitExceeded",
+    )
 
 
 def has_cncf_provider() -> bool:
@@ -141,8 +152,12 @@ def has_cncf_provider() -> bool:
 def test_the_smoke_task_goes_to_the_kubernetes_launcher(tmp_path, airflow_db):
     """Through Airflow: with launcher=kubernetes the smoke task (a device stage) does not run on the worker; it asks
     for the Kubernetes launcher (here: the provider is not installed, so the one-line cause says what to install)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+    }
     params = json.dumps({"preset": "ci-tiny", "launcher": "kubernetes"})
     cmd = f"source scripts/airflow-env.sh && airflow tasks test llm_pipeline smoke 2026-01-05 -t '{params}'"
     out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)

@@ -1,5 +1,6 @@
 """The layout shows the architecture: imports flow dags → tasks → data_prep with no cycle (function-level imports
 included), domain packages never reach into a stage module, and docs/ARCHITECTURE.md's map names every module."""
+
 from __future__ import annotations
 
 import ast
@@ -43,8 +44,9 @@ def _graph() -> dict[str, set[str]]:
                 if node.level:
                     up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
                     base = ".".join(up + ([base] if base else []))
-                edges |= {resolve(f"{base}.{a.name}") if f"{base}.{a.name}" in mods else resolve(base)
-                          for a in node.names}
+                edges |= {
+                    resolve(f"{base}.{a.name}") if f"{base}.{a.name}" in mods else resolve(base) for a in node.names
+                }
         graph[m] = {e for e in edges if e and e != m}
     return graph
 
@@ -90,24 +92,35 @@ def test_no_import_cycles_even_through_function_level_imports():
 
 def test_imports_flow_dags_to_tasks_to_data_prep_never_back():
     graph = _graph()
-    back = [(m, e) for m, edges in graph.items() for e in edges
-            if (m.startswith("data_prep") and e.split(".")[0] in ("tasks", "dags"))
-            or (m.startswith("tasks") and e.split(".")[0] == "dags")]
+    back = [
+        (m, e)
+        for m, edges in graph.items()
+        for e in edges
+        if (m.startswith("data_prep") and e.split(".")[0] in ("tasks", "dags"))
+        or (m.startswith("tasks") and e.split(".")[0] == "dags")
+    ]
     assert back == []
 
 
 def test_domain_packages_never_import_a_stage_module():
     graph = _graph()
-    bad = [(m, e) for m, edges in graph.items() if m.startswith(DOMAIN) for e in edges
-           if e == "tasks.stages" or e.startswith("tasks.stages.")]
+    bad = [
+        (m, e)
+        for m, edges in graph.items()
+        if m.startswith(DOMAIN)
+        for e in edges
+        if e == "tasks.stages" or e.startswith("tasks.stages.")
+    ]
     assert bad == []
 
 
 def test_architecture_map_names_every_tasks_module_and_package():
     text = (REPO / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     tree = re.search(r"```\n(dags/.*?)```", text, re.S).group(1)
-    names = {p.name for p in (REPO / "tasks").iterdir()
-             if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())}
-    missing = sorted(n for n in names if not re.search(rf"(?<![\w.]){re.escape(n.removesuffix('.py'))}(\.py|/)",
-                                                        tree))
+    names = {
+        p.name
+        for p in (REPO / "tasks").iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())
+    }
+    missing = sorted(n for n in names if not re.search(rf"(?<![\w.]){re.escape(n.removesuffix('.py'))}(\.py|/)", tree))
     assert missing == []

@@ -1,5 +1,6 @@
 """ShardLoader on real webdataset shards: one global order for every layout, exactly-once under torchrun (2 ranks ×
 2 workers), resume (also on another dp degree), corruption."""
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,17 @@ CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
 @pytest.fixture(scope="module")
 def shard_set(tmp_path_factory) -> Path:
     """~600 train windows of 9 tokens in 16 equal shards (a multiple of 2 ranks × 2 workers)."""
-    cfg = ShardConfig(inputs=[str(CORPUS)], out_dir=str(tmp_path_factory.mktemp("shards")), vocab_size=300,
-                      seq_len=8, val_fraction=0.2, shard_size_mb=0.04, shard_multiple=4, tokenize_processes=1,
-                      progress=False)
+    cfg = ShardConfig(
+        inputs=[str(CORPUS)],
+        out_dir=str(tmp_path_factory.mktemp("shards")),
+        vocab_size=300,
+        seq_len=8,
+        val_fraction=0.2,
+        shard_size_mb=0.04,
+        shard_multiple=4,
+        tokenize_processes=1,
+        progress=False,
+    )
     return build_shard_set(cfg).shard_dir
 
 
@@ -52,10 +61,26 @@ def keys(batches) -> list[str]:
 def test_exactly_once_across_2_ranks_x_2_workers_under_torchrun(shard_set, tmp_path):
     batch = math.gcd(per_shard(shard_set), 8)  # divides every worker's samples: nothing is left over
     out = tmp_path / "seen.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "tests" / "loader_dist_check.py"), str(shard_set), str(batch), str(out)]
-    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(REPO / "tests" / "loader_dist_check.py"),
+        str(shard_set),
+        str(batch),
+        str(out),
+    ]
+    r = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = json.loads(out.read_text())
     expected = sorted(all_keys(shard_set))
@@ -64,7 +89,7 @@ def test_exactly_once_across_2_ranks_x_2_workers_under_torchrun(shard_set, tmp_p
         seen = [k for rank in ranks for k in rank["epochs"][epoch]]
         assert sorted(seen) == expected  # every sample once: no duplicate, none missing
     assert all(rank["epochs"][0] != rank["epochs"][1] for rank in ranks)  # reshuffled per epoch
-    assert all(rank["resumed"] == rank["epochs"][0] for rank in ranks)    # resume continues exactly
+    assert all(rank["resumed"] == rank["epochs"][0] for rank in ranks)  # resume continues exactly
     # The position is global: 5 steps of 2 ranks × batch samples (it was per rank before the global order).
     assert all(rank["state"] == {**rank["state"], "epoch": 0, "samples": 5 * batch * 2} for rank in ranks)
     assert all(rank["epoch_after"] == 2 for rank in ranks)
@@ -77,7 +102,7 @@ def test_resume_position_mid_epoch_and_across_epochs(shard_set, workers):
     n = len(reference)
     full = keys(list(reference) + list(reference))  # two uninterrupted epochs
     # n + 3 with 2 workers: the next batch is worker 1's, so the resumed DataLoader must start there
-    for stop in ((1, n - 1, n, n + 2) if workers == 0 else (n + 3,)):
+    for stop in (1, n - 1, n, n + 2) if workers == 0 else (n + 3,):
         first = ShardLoader(shard_set, **kw)
         head = []
         for batch in first.batches():
@@ -97,8 +122,9 @@ def test_resume_position_mid_epoch_and_across_epochs(shard_set, workers):
 def test_uneven_split_keeps_ranks_equal_and_never_repeats(shard_set):
     """16 shards over 3 ranks × 2 workers: equal batch counts per rank, no sample twice, bounded leftovers."""
     batch = 4
-    loaders = [ShardLoader(shard_set, batch_size=batch, dp_rank=r, dp_world=3, num_workers=2, with_keys=True)
-               for r in range(3)]
+    loaders = [
+        ShardLoader(shard_set, batch_size=batch, dp_rank=r, dp_world=3, num_workers=2, with_keys=True) for r in range(3)
+    ]
     seen = [keys(list(loader)) for loader in loaders]
     assert len({len(s) for s in seen}) == 1 and len({len(loader) for loader in loaders}) == 1
     flat = [k for s in seen for k in s]
@@ -106,11 +132,22 @@ def test_uneven_split_keeps_ranks_equal_and_never_repeats(shard_set):
     assert len(all_keys(shard_set)) - len(flat) < 3 * 2 * batch + 3 * per_shard(shard_set)
 
 
-def global_steps(shard_set, dp_world: int, workers: int, global_batch: int = 12, steps: int | None = None,
-                 state: dict | None = None) -> list[list[str]]:
+def global_steps(
+    shard_set, dp_world: int, workers: int, global_batch: int = 12, steps: int | None = None, state: dict | None = None
+) -> list[list[str]]:
     """The keys of each step's global batch: the dp ranks' batches of that step, concatenated in rank order."""
-    loaders = [ShardLoader(shard_set, batch_size=global_batch // dp_world, dp_rank=r, dp_world=dp_world,
-                           num_workers=workers, seed=5, with_keys=True) for r in range(dp_world)]
+    loaders = [
+        ShardLoader(
+            shard_set,
+            batch_size=global_batch // dp_world,
+            dp_rank=r,
+            dp_world=dp_world,
+            num_workers=workers,
+            seed=5,
+            with_keys=True,
+        )
+        for r in range(dp_world)
+    ]
     for loader in loaders:
         if state:
             loader.load_state_dict(state)
@@ -189,7 +226,7 @@ def damaged(shard_set, tmp_path) -> Path:
 def test_corrupt_shard_fails_naming_it(damaged):
     victim = damaged / "train-000003.tar"
     data = bytearray(victim.read_bytes())
-    data[1024 * 3 + 100:1024 * 3 + 160] = b"\xff" * 60  # inside a tar header: its checksum no longer matches
+    data[1024 * 3 + 100 : 1024 * 3 + 160] = b"\xff" * 60  # inside a tar header: its checksum no longer matches
     victim.write_bytes(bytes(data))
     for workers in (0, 2):
         with pytest.raises(CorruptShardError, match=r"train-000003.tar is corrupt or truncated: only 3 of") as e:
@@ -249,8 +286,11 @@ def test_a_sample_that_is_not_a_token_row_fails_naming_it(shard_set):
     good = io.BytesIO()
     np.save(good, np.arange(9, dtype=stream.dtype))
     assert list(stream._decode({"tokens.npy": good.getvalue(), "__key__": "k", "__url__": "u"})[0]) == list(range(9))
-    for name, data in (("header", b"\x93NUMPY garbage"), ("dtype", np.arange(9, dtype=np.float32)),
-                       ("length", np.arange(5, dtype=stream.dtype))):
+    for name, data in (
+        ("header", b"\x93NUMPY garbage"),
+        ("dtype", np.arange(9, dtype=np.float32)),
+        ("length", np.arange(5, dtype=stream.dtype)),
+    ):
         if not isinstance(data, bytes):
             buf = io.BytesIO()
             np.save(buf, data)

@@ -1,5 +1,6 @@
 """`make run` (real make, real bash, the real Makefile): CONF is data, never shell or make syntax; a bad CONF is one
 line before Airflow starts; each invocation has its own log."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,11 @@ from conftest import REPO
 
 PAYLOADS = [  # each would create `pwned` in the temp dir if it reached a shell or make's expansion
     "x'; touch {d}/pwned; echo '",
-    "{{\"preset\": \"x'; touch {d}/pwned; echo '\"}}",
+    '{{"preset": "x\'; touch {d}/pwned; echo \'"}}',
     "$(shell touch {d}/pwned)",
     "`touch {d}/pwned`",
     "$$(touch {d}/pwned)",
-    "{{\"preset\": \"$(touch {d}/pwned)\"}}",
+    '{{"preset": "$(touch {d}/pwned)"}}',
 ]
 
 
@@ -26,8 +27,14 @@ def make_run(conf: str, tmp_path, timeout: int = 120) -> subprocess.CompletedPro
     env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
     for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a user's top-level make, even under make test
         env.pop(var, None)
-    return subprocess.run(["make", "-s", "-o", "db", "run", f"CONF={conf}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["make", "-s", "-o", "db", "run", f"CONF={conf}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
@@ -47,13 +54,25 @@ def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
     first (Airflow's metadata DB takes one `dags test` at a time) and says so."""
     import re
 
-    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    env = {
+        **os.environ,
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
     for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a user's top-level make, even under make test
         env.pop(var, None)
     conf = '{"preset": "ci-tiny", "device": "npu"}'
-    procs = [subprocess.Popen(["make", "-s", "-o", "db", "run", f"CONF={conf}"], cwd=REPO, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            ["make", "-s", "-o", "db", "run", f"CONF={conf}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     runs, logs = [], []
     for p, out in zip(procs, outs):

@@ -1,4 +1,5 @@
 """The model: presets, validation one-liners, parameter/FLOP counts, init determinism, pipeline/TP-shaped pieces."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,17 @@ import pytest
 import torch
 
 from tasks.errors import ConfigError
-from tasks.model import (PRESETS, TransformerConfig, build_model, flops_per_token, from_pipeline, get_preset,
-                         lm_loss, materialize, num_params)
+from tasks.model import (
+    PRESETS,
+    TransformerConfig,
+    build_model,
+    flops_per_token,
+    from_pipeline,
+    get_preset,
+    lm_loss,
+    materialize,
+    num_params,
+)
 
 
 def test_presets_count_published_sizes():
@@ -32,11 +42,14 @@ def test_flops_per_token_is_6n_plus_attention():
     assert flops_per_token(tcfg, 2048) == dense + attn
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(n_heads=7), "model.n_heads: 7 does not divide model.dim 128"),
-    (dict(n_heads=4, n_kv_heads=3), "model.n_heads: 4 is not divisible by model.n_kv_heads 3"),
-    (dict(family="gpt2"), "model.family: 'gpt2' is not one of llama, qwen2"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(n_heads=7), "model.n_heads: 7 does not divide model.dim 128"),
+        (dict(n_heads=4, n_kv_heads=3), "model.n_heads: 4 is not divisible by model.n_kv_heads 3"),
+        (dict(family="gpt2"), "model.family: 'gpt2' is not one of llama, qwen2"),
+    ],
+)
 def test_invalid_shapes_fail_in_one_line(change, message):
     with pytest.raises(ConfigError) as e:
         dataclasses.replace(get_preset("demo"), **change).validate()
@@ -51,7 +64,7 @@ def test_unknown_preset_names_known_ones(cfg):
 
 def test_from_pipeline_vocab_and_overrides(cfg):
     tcfg = from_pipeline(cfg, vocab_size=1999)
-    assert (tcfg.dim, tcfg.vocab_size) == (128, 1999)       # small preset: the tokenizer's vocabulary
+    assert (tcfg.dim, tcfg.vocab_size) == (128, 1999)  # small preset: the tokenizer's vocabulary
     cfg.model.preset, cfg.model.n_layers = "qwen2-0.5b", 2
     tcfg = from_pipeline(cfg, vocab_size=1999)
     assert (tcfg.vocab_size, tcfg.n_layers, tcfg.qkv_bias) == (151936, 2, True)  # published vocab kept
@@ -133,8 +146,12 @@ def test_random_init_of_any_box_is_that_box_of_the_full_tensor():
     full = torch.empty(rows, cols)
     init.fill("layers.0.feed_forward.w1.weight", full, (rows, cols), (0, 0))
     assert full.std().item() == pytest.approx(0.02, rel=0.05)
-    for (a, b), (c, d) in [((0, rows), (0, 128)), ((4097, 9000), (100, 256)), ((rows - 3, rows), (0, 256)),
-                           ((17, 18), (5, 6))]:
+    for (a, b), (c, d) in [
+        ((0, rows), (0, 128)),
+        ((4097, 9000), (100, 256)),
+        ((rows - 3, rows), (0, 256)),
+        ((17, 18), (5, 6)),
+    ]:
         box = torch.empty(b - a, d - c)
         init.fill("layers.0.feed_forward.w1.weight", box, (rows, cols), (a, c))
         assert torch.equal(box, full[a:b, c:d]), ((a, b), (c, d))
@@ -154,8 +171,16 @@ def test_tied_output_gradient_is_the_same_and_summed_in_place():
     from tasks.device import memory_stats, reset_peak
     from tasks.model.transformer import TiedOutput
 
-    tcfg = dataclasses.replace(get_preset("debug"), dim=512, n_heads=8, n_kv_heads=4, ffn_dim=64, n_layers=1,
-                               vocab_size=32768, tie_embeddings=True)
+    tcfg = dataclasses.replace(
+        get_preset("debug"),
+        dim=512,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=64,
+        n_layers=1,
+        vocab_size=32768,
+        tie_embeddings=True,
+    )
     model = materialize(build_model(tcfg, "meta"), "cpu", 0)
     assert type(model.output) is TiedOutput and model.output.weight is model.tok_embeddings.weight
     x = torch.randint(0, tcfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))

@@ -1,5 +1,6 @@
 """Mixture of experts (tasks/model/moe.py): parity with transformers' Qwen2MoeForCausalLM both ways (single file,
 sharded import, in-job DCP export), grouped vs loop expert computation, capacity, the load-balancing loss."""
+
 from __future__ import annotations
 
 import json
@@ -17,14 +18,26 @@ from tasks.model import build_model, get_preset, materialize, num_params  # noqa
 from tasks.model.hf_io import load_hf, save_hf  # noqa: E402
 from tasks.model.moe import MoE, collect_stats, set_aux_scale, summarise  # noqa: E402
 
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=128, max_position_embeddings=64, rms_norm_eps=1e-6, moe_intermediate_size=32,
-             shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2)
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+)
 CASES = {
     "norm-topk-all-sparse": dict(norm_topk_prob=True),
     "softmax-topk-dense-layer-1": dict(norm_topk_prob=False, mlp_only_layers=[1]),
-    "sparse-step-2-six-experts": dict(norm_topk_prob=False, decoder_sparse_step=2, num_experts=6,
-                                      num_experts_per_tok=3),
+    "sparse-step-2-six-experts": dict(
+        norm_topk_prob=False, decoder_sparse_step=2, num_experts=6, num_experts_per_tok=3
+    ),
 }
 TOKENS = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -236,8 +249,7 @@ def test_expert_imbalance_rule_and_all_to_all_is_communication(tmp_path):
         assert categorize(name) == "communication"
     path = tmp_path / "metrics.jsonl"
     even = {"0": [10, 10, 10, 10], "1": [12, 8, 10, 10]}
-    path.write_text("".join(json.dumps({"step": s, "loss": 1.0, "moe_tokens_per_expert": even}) + "\n"
-                            for s in (1, 2)))
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0, "moe_tokens_per_expert": even}) + "\n" for s in (1, 2)))
     assert expert_imbalance(path) == []
     skewed = {"0": [10, 10, 10, 10], "1": [31, 3, 3, 3]}
     with path.open("a") as f:
@@ -262,8 +274,9 @@ def test_int8_weight_only_quantizes_the_experts_and_reloads(tmp_path):
         want = model(TOKENS)
     layers = describe_layers(model)
     assert ("layers.0.moe.experts", "GroupedExperts", (8, 128, 128)) in [(x.name, x.type, x.shape) for x in layers]
-    names = select_layers(layers, "torchao", "llm", "int8_weight_only", ["output", "tok_embeddings", "router",
-                                                                         "shared_gate"])
+    names = select_layers(
+        layers, "torchao", "llm", "int8_weight_only", ["output", "tok_embeddings", "router", "shared_gate"]
+    )
     with pytest.raises(StageError, match="quantized INT8 weight-only only"):
         select_layers(layers, "torchao", "llm", "int8_dynamic", ["output", "tok_embeddings"])
     quantize(model, "int8_weight_only", names, [], "cpu")
@@ -288,8 +301,13 @@ def test_qat_fake_quantizes_and_converts_the_experts():
     from tasks.quant.torchao_backend import quantized_names
 
     model = _moe_model(n_layers=2)
-    names = select_layers(describe_layers(model), "torchao", "llm", "int8_weight_only",
-                          ["output", "tok_embeddings", "router", "shared_gate"])
+    names = select_layers(
+        describe_layers(model),
+        "torchao",
+        "llm",
+        "int8_weight_only",
+        ["output", "tok_embeddings", "router", "shared_gate"],
+    )
     before = model.layers["0"].moe.experts.w1.detach().clone()
     batches = iter([(TOKENS[:, :-1], TOKENS[:, 1:])] * 3)
     model, losses = torchao_qat(model, "int8_weight_only", names, 2, batches, 1e-3, 0.0, 1.0, torch.bfloat16, "cpu")
@@ -330,7 +348,9 @@ def test_router_statistics_count_once_under_full_recompute():
         stats = collect_stats([model])
         assert all(float(t.sum()) == TOKENS.numel() * 2 for t in stats["tokens"].values())
         assert stats["calls"] == 2
-        grads.append(model.layers["1"].moe.router.weight.grad
-                     if hasattr(model.layers["1"], "moe") else
-                     model.layers["1"]._checkpoint_wrapped_module.moe.router.weight.grad)
+        grads.append(
+            model.layers["1"].moe.router.weight.grad
+            if hasattr(model.layers["1"], "moe")
+            else model.layers["1"]._checkpoint_wrapped_module.moe.router.weight.grad
+        )
     torch.testing.assert_close(grads[0], grads[1])

@@ -2,14 +2,23 @@
 carved from dp, all-to-all dispatch) alone and composed with ZeRO 0/1, pipeline and tensor parallelism reproduce the
 single-process loss curve, load-balancing loss included; the router statistics reach metrics.jsonl; bad MoE layouts
 fail before launch in one line."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from train_fixture import (assert_same_curve, configure, context, losses, reference_losses, shards,  # noqa: F401
-                           torchrun, write_spec)
+from train_fixture import (
+    assert_same_curve,
+    configure,
+    context,
+    losses,
+    reference_losses,
+    shards,  # noqa: F401
+    torchrun,
+    write_spec,
+)
 
 MOE = {"model.preset": "moe-demo", "model.n_layers": 2}
 
@@ -19,8 +28,12 @@ def _run(cfg, tmp_path, shards, layouts: dict, nproc: int):
     for name, sets in layouts.items():
         c = configure(cfg, **{**MOE, "hardware.nproc_per_node": nproc, **sets})
         specs[name] = write_spec(c, tmp_path / name, shards)
-    rc, out = torchrun(configure(cfg, **{**MOE, "hardware.nproc_per_node": nproc}), nproc, list(specs.values()),
-                       tmp_path / "torchrun.log")
+    rc, out = torchrun(
+        configure(cfg, **{**MOE, "hardware.nproc_per_node": nproc}),
+        nproc,
+        list(specs.values()),
+        tmp_path / "torchrun.log",
+    )
     logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("*/logs/rank-*.log"))
     assert rc == 0, out[-3000:] + logs
     return {name: tmp_path / name for name in specs}
@@ -30,13 +43,19 @@ def _run(cfg, tmp_path, shards, layouts: dict, nproc: int):
 def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards):
     from tasks.config import load_config
 
-    runs = _run(cfg, tmp_path, shards, {
-        "dp2": {"parallel.dp": 2},
-        "dp2_zero1": {"parallel.dp": 2, "parallel.zero": 1},  # replicated parameters (tasks/parallel/dp.py)
-        "dp2_ep2": {"parallel.dp": 2, "parallel.ep": 2, "train.checkpoint_every": 5},
-        "dp2_ep2_zero0": {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 0},
-        "dp2_ep2_zero1": {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1},
-    }, 2)
+    runs = _run(
+        cfg,
+        tmp_path,
+        shards,
+        {
+            "dp2": {"parallel.dp": 2},
+            "dp2_zero1": {"parallel.dp": 2, "parallel.zero": 1},  # replicated parameters (tasks/parallel/dp.py)
+            "dp2_ep2": {"parallel.dp": 2, "parallel.ep": 2, "train.checkpoint_every": 5},
+            "dp2_ep2_zero0": {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 0},
+            "dp2_ep2_zero1": {"parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1},
+        },
+        2,
+    )
     want = reference_losses(configure(load_config("demo-cpu"), **MOE), shards, 5)
     for name, run_dir in runs.items():
         assert_same_curve(losses(run_dir), want, name)
@@ -51,10 +70,16 @@ def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards):
 def test_ep2_and_ep4_on_four_ranks_match_single_process(cfg, tmp_path, shards):
     from tasks.config import load_config
 
-    runs = _run(cfg, tmp_path, shards, {
-        "dp4_ep2": {"parallel.dp": 4, "parallel.ep": 2},
-        "dp4_ep4_zero2": {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 2},
-    }, 4)
+    runs = _run(
+        cfg,
+        tmp_path,
+        shards,
+        {
+            "dp4_ep2": {"parallel.dp": 4, "parallel.ep": 2},
+            "dp4_ep4_zero2": {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 2},
+        },
+        4,
+    )
     want = reference_losses(configure(load_config("demo-cpu"), **MOE), shards, 5)
     for name, run_dir in runs.items():
         assert_same_curve(losses(run_dir), want, name)
@@ -68,12 +93,23 @@ def test_ep_composes_with_pipeline_and_tensor_parallel(cfg, tmp_path, shards):
     router statistics count every assignment once (not once per pipeline stage or TP rank)."""
     from tasks.config import load_config
 
-    runs = _run(cfg, tmp_path, shards, {
-        "dp2_pp2_ep2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2},
-        "dp2_tp2_ep2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.ep": 2},
-        "dp2_tp2_ep2_zero1": {"parallel.dp": 2, "parallel.tp": 2, "parallel.ep": 2, "parallel.zero": 1,
-                              "parallel.sequence_parallel": False},
-    }, 4)
+    runs = _run(
+        cfg,
+        tmp_path,
+        shards,
+        {
+            "dp2_pp2_ep2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2},
+            "dp2_tp2_ep2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.ep": 2},
+            "dp2_tp2_ep2_zero1": {
+                "parallel.dp": 2,
+                "parallel.tp": 2,
+                "parallel.ep": 2,
+                "parallel.zero": 1,
+                "parallel.sequence_parallel": False,
+            },
+        },
+        4,
+    )
     want = reference_losses(configure(load_config("demo-cpu"), **MOE), shards, 5)
     for name, run_dir in runs.items():
         assert_same_curve(losses(run_dir), want, name)
@@ -83,12 +119,18 @@ def test_ep_composes_with_pipeline_and_tensor_parallel(cfg, tmp_path, shards):
     assert "layout dp2·tp2·ep2 coords" in (runs["dp2_tp2_ep2"] / "logs" / "rank-3.log").read_text()
 
 
-@pytest.mark.parametrize("sets, expected", [
-    ({"parallel.dp": 2, "parallel.ep": 3}, "parallel.ep: 3 does not divide parallel.dp 2"),
-    ({"parallel.dp": 2, "parallel.ep": 2, "model.preset": "debug"}, "parallel.ep: 2 needs a mixture-of-experts"),
-    ({"parallel.dp": 6, "parallel.ep": 3, "train.global_batch": 12}, "parallel.ep: 3 does not divide the model's 8"),
-    ({"parallel.dp": 1, "parallel.tp": 3}, "parallel.tp: 3 does not divide the model's 4 heads"),
-])
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        ({"parallel.dp": 2, "parallel.ep": 3}, "parallel.ep: 3 does not divide parallel.dp 2"),
+        ({"parallel.dp": 2, "parallel.ep": 2, "model.preset": "debug"}, "parallel.ep: 2 needs a mixture-of-experts"),
+        (
+            {"parallel.dp": 6, "parallel.ep": 3, "train.global_batch": 12},
+            "parallel.ep: 3 does not divide the model's 8",
+        ),
+        ({"parallel.dp": 1, "parallel.tp": 3}, "parallel.tp: 3 does not divide the model's 4 heads"),
+    ],
+)
 def test_bad_moe_layouts_fail_before_launch(cfg, tmp_path, shards, sets, expected):
     from tasks.stages import train
     from tasks.errors import ConfigError

@@ -6,6 +6,7 @@ requirements-npu-amct.txt) and of AMCT's public sources (hicann/amct 8.5.0 and m
 attribute it reaches in those packages and checks that the name and the keyword arguments exist in each supported
 version; a second test regenerates the snapshots from the wheels so a stale snapshot cannot hide a change.
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,14 +24,18 @@ npu_api = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(npu_api)
 
 # Project functions that hand back one of these packages (tasks/device.py, tasks/quant/amct_backend.py).
-SOURCES = {"import_torch_npu": "torch_npu", "_torch_npu": "torch_npu", "device_module": "torch.npu",
-           "_amct": "amct_pytorch"}
+SOURCES = {
+    "import_torch_npu": "torch_npu",
+    "_torch_npu": "torch_npu",
+    "device_module": "torch.npu",
+    "_amct": "amct_pytorch",
+}
 ROOTS = ("torch_npu", "torch.npu", "amct_pytorch")
 
 
 class Ref:
     def __init__(self, path, where, call=None):
-        self.path, self.where, self.call = path, where, call   # call: (n_positional, keywords, has_star)
+        self.path, self.where, self.call = path, where, call  # call: (n_positional, keywords, has_star)
 
     def __repr__(self):
         return f"{self.where}: {self.path}{'()' if self.call else ''}"
@@ -60,7 +65,7 @@ class _Walker(ast.NodeVisitor):
         if isinstance(node, ast.Attribute):
             base = self.resolve(node.value)
             return f"{base}.{node.attr}" if base else None
-        if isinstance(node, ast.IfExp):   # `mod = device_module(k) if … else None`
+        if isinstance(node, ast.IfExp):  # `mod = device_module(k) if … else None`
             return self.resolve(node.body) or self.resolve(node.orelse)
         if isinstance(node, ast.Call):
             f = node.func
@@ -78,7 +83,7 @@ class _Walker(ast.NodeVisitor):
         else:
             self.scopes[-1].pop(name, None)
             if any(name in s for s in self.scopes[:-1]):
-                self.scopes[-1][name] = None   # shadowed locally
+                self.scopes[-1][name] = None  # shadowed locally
 
     # -- binding statements
     def visit_Import(self, node):
@@ -156,8 +161,9 @@ def project_refs() -> list[Ref]:
 
 
 def snapshots(package: str) -> dict[str, "npu_api.Surface"]:
-    return {p.stem.split("-", 1)[1]: npu_api.Surface(npu_api.load(p))
-            for p in sorted(SNAPSHOTS.glob(f"{package}-*.json"))}
+    return {
+        p.stem.split("-", 1)[1]: npu_api.Surface(npu_api.load(p)) for p in sorted(SNAPSHOTS.glob(f"{package}-*.json"))
+    }
 
 
 def problems(refs: list[Ref], surfaces: dict) -> list[str]:
@@ -189,11 +195,20 @@ def test_snapshots_cover_every_pinned_torch_npu():
 
 def test_walker_finds_the_projects_npu_calls():
     found = {r.path for r in project_refs()}
-    for expected in ("torch_npu.profiler._ExperimentalConfig", "torch_npu.profiler.profile",
-                     "torch_npu.profiler.schedule", "torch_npu.profiler.tensorboard_trace_handler",
-                     "torch.npu.is_bf16_supported", "torch.npu.is_available", "amct_pytorch.quantize",
-                     "amct_pytorch.convert", "amct_pytorch.create_quant_config", "torch_npu.npu_rms_norm",
-                     "torch_npu.npu_rotary_mul", "torch_npu.npu_swiglu"):
+    for expected in (
+        "torch_npu.profiler._ExperimentalConfig",
+        "torch_npu.profiler.profile",
+        "torch_npu.profiler.schedule",
+        "torch_npu.profiler.tensorboard_trace_handler",
+        "torch.npu.is_bf16_supported",
+        "torch.npu.is_available",
+        "amct_pytorch.quantize",
+        "amct_pytorch.convert",
+        "amct_pytorch.create_quant_config",
+        "torch_npu.npu_rms_norm",
+        "torch_npu.npu_rotary_mul",
+        "torch_npu.npu_swiglu",
+    ):
         assert expected in found, (expected, sorted(found))
 
 
@@ -219,17 +234,21 @@ def test_every_amct_call_exists_where_its_flow_is_offered():
         name = ref.path.split(".")[1]
         if len(have) < len(surfaces) and name not in gated:
             missing = sorted(set(surfaces) - set(have))
-            bad.append(f"{ref.where}: {ref.path} is missing from AMCT {', '.join(missing)} and is not gated in "
-                       f"amct_backend.FLOW_API")
+            bad.append(
+                f"{ref.where}: {ref.path} is missing from AMCT {', '.join(missing)} and is not gated in "
+                f"amct_backend.FLOW_API"
+            )
         bad += problems([ref], have)
     assert not bad, "calls that do not match the real AMCT:\n" + "\n".join(bad)
 
 
 def test_a_misspelt_keyword_fails_with_the_call_site():
-    source = ("from tasks.device import import_torch_npu\n"
-              "def f():\n"
-              "    prof = import_torch_npu().profiler\n"
-              "    return prof._ExperimentalConfig(export_type=prof.ExportType.Text, profiler_levle=1)\n")
+    source = (
+        "from tasks.device import import_torch_npu\n"
+        "def f():\n"
+        "    prof = import_torch_npu().profiler\n"
+        "    return prof._ExperimentalConfig(export_type=prof.ExportType.Text, profiler_levle=1)\n"
+    )
     bad = problems(refs_in_source(source, "tasks/example.py"), snapshots("torch_npu"))
     assert bad and all(b.startswith("tasks/example.py:4: torch_npu ") for b in bad)
     assert "has no parameter 'profiler_levle'" in bad[0] and len(bad) == len(snapshots("torch_npu"))
@@ -266,8 +285,10 @@ def test_amct_snapshot_regenerates_from_its_sources():
 
     git_dir = os.environ.get("AMCT_GIT_DIR")
     if not git_dir or not Path(git_dir).exists():
-        pytest.skip("AMCT_GIT_DIR (a hicann/amct git directory) not set: AMCT is not on PyPI, its snapshots are "
-                    "refreshed by `make npu-api AMCT_GIT_DIR=...`")
+        pytest.skip(
+            "AMCT_GIT_DIR (a hicann/amct git directory) not set: AMCT is not on PyPI, its snapshots are "
+            "refreshed by `make npu-api AMCT_GIT_DIR=...`"
+        )
     for ref in npu_api.AMCT_REFS:
         committed = npu_api.load(npu_api.snapshot_path("amct_pytorch", ref))
         fresh = npu_api.amct_snapshot(Path(git_dir), committed["commit"])

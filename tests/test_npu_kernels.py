@@ -1,6 +1,7 @@
 """The NPU kernels converter (tasks/model/npu_kernels.py): identity on CPU/CUDA (proved here: same classes, same
 parameters, bit-identical outputs and gradients), the selective-recompute keep-set picks up npu_fusion_attention
 where the op is registered, and TASK_QUEUE_ENABLE=2 reaches NPU workers unless the user set it."""
+
 from __future__ import annotations
 
 import os
@@ -50,7 +51,7 @@ def test_converter_refuses_unknown_mode_and_npu_needs_torch_npu():
     _, model = _model()
     with pytest.raises(ValueError, match="model.npu_kernels: 'on' is not one of auto, off"):
         npu_kernels.convert(model, "cpu", "on")
-    with pytest.raises(BackendUnavailable):   # no torch_npu on this host: auto on an NPU device names the cause
+    with pytest.raises(BackendUnavailable):  # no torch_npu on this host: auto on an NPU device names the cause
         npu_kernels.convert(model, "npu", "auto")
 
 
@@ -70,13 +71,21 @@ def test_selective_recompute_keeps_npu_fusion_attention_where_registered():
     from tasks.parallel.ac import keep_ops
 
     assert not any("npu" in str(op) for op in keep_ops())
-    code = ("import torch\n"
-            "lib = torch.library.Library('npu', 'DEF')\n"   # what torch_npu registers: torch.ops.npu.<op>
-            "lib.define('npu_fusion_attention(Tensor q) -> Tensor')\n"
-            "from tasks.parallel.ac import keep_ops\n"
-            "print(sorted(str(op) for op in keep_ops() if 'npu' in str(op)))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "import torch\n"
+        "lib = torch.library.Library('npu', 'DEF')\n"  # what torch_npu registers: torch.ops.npu.<op>
+        "lib.define('npu_fusion_attention(Tensor q) -> Tensor')\n"
+        "from tasks.parallel.ac import keep_ops\n"
+        "print(sorted(str(op) for op in keep_ops() if 'npu' in str(op)))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "['npu.npu_fusion_attention.default']"
 

@@ -1,4 +1,5 @@
 """Each fact is defined once: a second copy coming back (a class, a formula, a table, a setting) fails here."""
+
 from __future__ import annotations
 
 import re
@@ -29,7 +30,8 @@ def test_one_flop_per_token_formula():
     """Defined in planner/memory.py; the planner's step time, the trainer's MFU and the benchmarks call it."""
     assert defined(r"^def flops_per_token\b") == ["tasks/planner/memory.py"]
     assert defined(r"\b6(\.0)?\s*\*\s*\(?\s*(matmul|[a-z_.]*n_params|[a-z_.]*num_params|L\s*\*)") == [
-        "tasks/planner/memory.py"]
+        "tasks/planner/memory.py"
+    ]
     from tasks.model import flops_per_token as model_flops
     from tasks.model.config import get_preset
     from tasks.planner.memory import flops_per_token, shape_of
@@ -100,5 +102,8 @@ def test_one_mlflow_ui_url_setting(monkeypatch):
 def test_docstrings_cite_public_sources_not_notes_outside_the_repository():
     stale = re.compile(r"ascend-reference\.md|platform-facts|seed guides?|upstream-apis\.md|/work/shared", re.I)
     files = CODE + list((REPO / "tests").rglob("*.py"))
-    assert [str(p.relative_to(REPO)) for p in files
-            if p.name != "test_one_source.py" and stale.search(p.read_text(encoding="utf-8"))] == []
+    assert [
+        str(p.relative_to(REPO))
+        for p in files
+        if p.name != "test_one_source.py" and stale.search(p.read_text(encoding="utf-8"))
+    ] == []

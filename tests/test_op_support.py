@@ -1,10 +1,13 @@
 """Unsupported / fallback operator report: torch_npu's fallback warnings (exact text from Ascend/pytorch issues),
 AI CPU operators from a profile, where the model code calls them; on CPU/CUDA an empty list with the reason."""
+
 from tasks.model import op_support
 
 # As torch_npu prints it (Ascend/pytorch#40, opendatalab/MinerU#1695).
-WARN_ISIN = ("CAUTION: The operator 'aten::isin.Tensor_Tensor_out' is not currently supported on the NPU backend and "
-             "will fall back to run on the CPU. This may have performance implications. (function npu_cpu_fallback)")
+WARN_ISIN = (
+    "CAUTION: The operator 'aten::isin.Tensor_Tensor_out' is not currently supported on the NPU backend and "
+    "will fall back to run on the CPU. This may have performance implications. (function npu_cpu_fallback)"
+)
 WARN_NMS = WARN_ISIN.replace("aten::isin.Tensor_Tensor_out", "torchvision::nms")
 
 
@@ -43,5 +46,6 @@ def _line_of(text: str) -> str:
 
 def test_the_project_model_calls_are_found():
     assert _line_of("F.scaled_dot_product_attention(") in op_support.where_called(
-        "aten::_scaled_dot_product_attention.default")
+        "aten::_scaled_dot_product_attention.default"
+    )
     assert _line_of("torch.rsqrt(") in op_support.where_called("aten::rsqrt.out")

@@ -1,5 +1,6 @@
 """Orchestration through real Airflow and MLflow: Params that mean what the user set, parent runs that end with the
 DAG run's outcome, bounded waits, and retraining on exactly the shard set an asset event published."""
+
 import json
 import os
 import subprocess
@@ -14,8 +15,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def dags_test(dag_id: str, conf: dict, tmp_path: Path, extra_env: dict | None = None, timeout: int = 600):
-    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}", **(extra_env or {})}
+    env = {
+        **os.environ,
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+        **(extra_env or {}),
+    }
     cmd = f"source scripts/airflow-env.sh && airflow dags test {dag_id} --conf '{json.dumps(conf)}'"
     return subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -23,12 +28,14 @@ def dags_test(dag_id: str, conf: dict, tmp_path: Path, extra_env: dict | None = 
 def parent_runs(tmp_path: Path, dag_id: str):
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     exp = client.get_experiment_by_name("llm-pipeline")
-    runs = client.search_runs([exp.experiment_id], f"tags.`pipeline.kind` = 'parent' and "
-                                                   f"tags.`airflow.dag_id` = '{dag_id}'")
+    runs = client.search_runs(
+        [exp.experiment_id], f"tags.`pipeline.kind` = 'parent' and tags.`airflow.dag_id` = '{dag_id}'"
+    )
     return client, runs
 
 
 # ---- 5. Params: null = "from the preset", any explicit value wins ---------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def pipeline_dag():
@@ -48,7 +55,7 @@ def test_form_json_explicit_values_win_even_when_equal_to_a_preset_default(pipel
     assert form["preset"] == "demo-cpu" and form["steps"] is None and form["precision"] is None
     for conf, expect in [
         ({"preset": "ci-tiny", "steps": demo.train.steps}, (demo.train.steps, tiny.data.seq_len)),  # = demo's default
-        ({"preset": "ci-tiny"}, (tiny.train.steps, tiny.data.seq_len)),                           # untouched
+        ({"preset": "ci-tiny"}, (tiny.train.steps, tiny.data.seq_len)),  # untouched
         ({"preset": "demo-cpu", "seq_len": tiny.data.seq_len}, (demo.train.steps, tiny.data.seq_len)),
         ({"preset": "ci-tiny", "steps": tiny.train.steps}, (tiny.train.steps, tiny.data.seq_len)),  # = its own
     ]:
@@ -75,6 +82,7 @@ def test_failed_dag_run_ends_its_parent_run_failed(tmp_path, airflow_db):
 
 
 # ---- 3. Bounded waits ----------------------------------------------------------------------------------------------
+
 
 def test_train_bound_from_steps_planner_estimate_and_margin(cfg, tmp_path):
     from tasks.bounds import GRACE_S, stage_timeout, task_timeout_s
@@ -112,8 +120,9 @@ def test_every_task_has_an_execution_timeout_set_again_from_the_runs_config(tmp_
     task = dag.get_task("train")
     params = {name: dag.params[name] for name in dag.params}
     # The task's pre_execute hook, as Airflow's task runner calls it before it reads execution_timeout.
-    task._pre_execute_hook({"task": task, "dag": dag, "run_id": "manual__1",
-                                        "params": {**params, "preset": "ci-tiny", "steps": 50}})
+    task._pre_execute_hook(
+        {"task": task, "dag": dag, "run_id": "manual__1", "params": {**params, "preset": "ci-tiny", "steps": 50}}
+    )
     tiny = load_config("ci-tiny")
     expect = 50 * 2.0 * tiny.timeouts.train_margin + tiny.timeouts.train_overhead_s
     assert task.execution_timeout.total_seconds() == int(expect) + 120
@@ -125,14 +134,23 @@ def test_torchrun_past_its_bound_is_killed_with_every_rank_and_the_cause(tmp_pat
     from tasks.errors import StageError
 
     script = tmp_path / "hang.py"
-    script.write_text("import os, pathlib, time\n"
-                      f"pathlib.Path(r'{tmp_path}', 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
-                      "time.sleep(600)\n")
+    script.write_text(
+        "import os, pathlib, time\n"
+        f"pathlib.Path(r'{tmp_path}', 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     started = time.monotonic()
     with pytest.raises(StageError) as err:
-        run_bounded(argv, env=dict(os.environ), cwd=tmp_path, log_path=tmp_path / "torchrun.log", timeout_s=20,
-                    what="torchrun", how="timeouts.train_s")
+        run_bounded(
+            argv,
+            env=dict(os.environ),
+            cwd=tmp_path,
+            log_path=tmp_path / "torchrun.log",
+            timeout_s=20,
+            what="torchrun",
+            how="timeouts.train_s",
+        )
     assert time.monotonic() - started < 60
     msg = str(err.value)
     assert "torchrun did not finish within 20 s (timeouts.train_s)" in msg and "torchrun.log" in msg
@@ -147,11 +165,22 @@ def test_torchrun_past_its_bound_is_killed_with_every_rank_and_the_cause(tmp_pat
 
 # ---- 4. Retraining on the published data ---------------------------------------------------------------------------
 
+
 def airflow_cli(args: str, tmp_path: Path, extra_env: dict, timeout: int = 600):
-    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}", **extra_env}
-    return subprocess.run(["bash", "-c", f"source scripts/airflow-env.sh && airflow {args}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    env = {
+        **os.environ,
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+        **extra_env,
+    }
+    return subprocess.run(
+        ["bash", "-c", f"source scripts/airflow-env.sh && airflow {args}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -197,10 +226,12 @@ def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path,
     with create_session() as session:  # what the scheduler loop does for asset-scheduled DAGs
         before = set(session.scalars(select(DagRun.run_id).where(DagRun.dag_id == "llm_pipeline")))
         SchedulerJobRunner(job=Job())._create_dag_runs_asset_triggered(
-            dag_models=[session.get(DagModel, "llm_pipeline")], session=session)
+            dag_models=[session.get(DagModel, "llm_pipeline")], session=session
+        )
         session.commit()
-        run = session.scalars(select(DagRun).where(DagRun.dag_id == "llm_pipeline",
-                                                   DagRun.run_type == DagRunType.ASSET_TRIGGERED)).all()
+        run = session.scalars(
+            select(DagRun).where(DagRun.dag_id == "llm_pipeline", DagRun.run_type == DagRunType.ASSET_TRIGGERED)
+        ).all()
         run = [r for r in run if r.run_id not in before]
         assert len(run) == 1
         run_id = run[0].run_id

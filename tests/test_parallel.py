@@ -1,14 +1,22 @@
 """Every dp/tp/pp layout trains exactly like one plain process (real torchrun, gloo) — the same samples per step for
 every dp degree — checkpoints reshard across layouts and continue the data stream on another dp degree, and a
 non-finite loss stops the run. Several layouts share one torchrun launch (each launch costs 5–25 s)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from train_fixture import (assert_same_curve, configure, losses, reference_losses, shards, torchrun,  # noqa: F401
-                           write_spec)
+from train_fixture import (
+    assert_same_curve,
+    configure,
+    losses,
+    reference_losses,
+    shards,  # noqa: F401
+    torchrun,
+    write_spec,
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +31,7 @@ def ref(shards):
         if key not in cache:
             cache[key] = reference_losses(configure(load_config("demo-cpu"), **sets), shards, 6)
         return cache[key]
+
     return curve
 
 
@@ -30,8 +39,12 @@ LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
     "dp4": (4, 1, 1, {"train.checkpoint_every": 3}),
     "dp2_tp2": (2, 2, 1, {"train.checkpoint_every": 3}),
     "dp2_pp2_1f1b": (2, 1, 2, {"parallel.pp_schedule": "1f1b"}),
-    "tp2_pp2_interleaved": (1, 2, 2, {"parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4,
-                                      "parallel.recompute": "selective"}),
+    "tp2_pp2_interleaved": (
+        1,
+        2,
+        2,
+        {"parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4, "parallel.recompute": "selective"},
+    ),
     "dp2_tp2_zero1": (2, 2, 1, {"parallel.zero": 1}),  # ZeRO-1 over TP DTensors
     "dp2_pp2_zero0": (2, 1, 2, {"parallel.zero": 0, "parallel.pp_schedule": "1f1b"}),
 }
@@ -52,8 +65,9 @@ LAYOUTS_2 = {
 def _specs(cfg, tmp_path, shards, layouts, nproc):
     specs = {}
     for name, (dp, tp, pp, extra) in layouts.items():
-        c = configure(cfg, **{"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp,
-                              "hardware.nproc_per_node": nproc, **extra})
+        c = configure(
+            cfg, **{"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp, "hardware.nproc_per_node": nproc, **extra}
+        )
         specs[name] = write_spec(c, tmp_path / name, shards)
     return specs
 
@@ -67,17 +81,29 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
     # The 4-rank dp2×tp2 checkpoint of step 3 continues on 2 ranks (dp2): FSDP+TP shards → FSDP shards, with the
     # optimizer state, LR schedule and data position; steps 4–5 must be the uninterrupted curve's.
     two = {"hardware.nproc_per_node": 2, "parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1}
-    resumed = write_spec(configure(cfg, **two), tmp_path / "resumed_on_2", shards,
-                         resume_from=str(tmp_path / "dp2_tp2" / "checkpoints" / "step-3"))
+    resumed = write_spec(
+        configure(cfg, **two),
+        tmp_path / "resumed_on_2",
+        shards,
+        resume_from=str(tmp_path / "dp2_tp2" / "checkpoints" / "step-3"),
+    )
     # The dp4 checkpoint of step 3 continues on dp2: the same global batches, so still the single-process curve.
-    dp4_on_2 = write_spec(configure(cfg, **two), tmp_path / "dp4_resumed_on_dp2", shards,
-                          resume_from=str(tmp_path / "dp4" / "checkpoints" / "step-3"))
+    dp4_on_2 = write_spec(
+        configure(cfg, **two),
+        tmp_path / "dp4_resumed_on_dp2",
+        shards,
+        resume_from=str(tmp_path / "dp4" / "checkpoints" / "step-3"),
+    )
     # A learning rate of 1e30 makes step 2's loss non-finite: the run must stop there with a diagnosis.
-    nan = write_spec(configure(cfg, **two, **{"train.lr": 1e30, "train.min_lr": 0.0, "train.warmup_steps": 0,
-                                              "train.checkpoint_every": 1}), tmp_path / "nan", shards)
+    nan = write_spec(
+        configure(
+            cfg, **two, **{"train.lr": 1e30, "train.min_lr": 0.0, "train.warmup_steps": 0, "train.checkpoint_every": 1}
+        ),
+        tmp_path / "nan",
+        shards,
+    )
     specs2 = _specs(cfg, tmp_path, shards, LAYOUTS_2, 2)
-    rc, out = torchrun(configure(cfg, **two), 2, [*specs2.values(), resumed, dp4_on_2, nan],
-                       tmp_path / "torchrun2.log")
+    rc, out = torchrun(configure(cfg, **two), 2, [*specs2.values(), resumed, dp4_on_2, nan], tmp_path / "torchrun2.log")
     assert rc != 0 and "exitcode  : 3" in out, out[-3000:]  # 3: the worker's code for a non-finite loss
     one = {"hardware.nproc_per_node": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1}
     dp1 = write_spec(configure(cfg, **one), tmp_path / "dp1", shards)
@@ -104,10 +130,9 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
     assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir()) == ["step-1"]
 
 
-
-
 def _check_zero_stages(tmp_path):
     """What each ZeRO stage shards, from each rank's record of its local tensors at the end of a step (dp 2)."""
+
     def ranks(name):
         return json.loads((tmp_path / name / "train" / "summary.json").read_text())["sharding_per_rank"]
 
@@ -129,8 +154,9 @@ def _check_zero_stages(tmp_path):
 
 @pytest.mark.slow
 def test_dp2_tp2_pp2_on_8_ranks(cfg, tmp_path, shards, ref):
-    c = configure(cfg, **{"hardware.nproc_per_node": 8, "parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2,
-                          "train.steps": 4})
+    c = configure(
+        cfg, **{"hardware.nproc_per_node": 8, "parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "train.steps": 4}
+    )
     spec = write_spec(c, tmp_path / "dp2_tp2_pp2", shards)
     rc, out = torchrun(c, 8, [spec], tmp_path / "torchrun8.log")
     assert rc == 0, out[-3000:]

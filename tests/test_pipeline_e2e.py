@@ -4,6 +4,7 @@ One full run is shared by two tests (a module fixture; each reads it only): ci-t
 Qwen2 saved by `transformers` with its own tokenizer (`tokenizer` and `hf_path` Params = that directory). The default
 path (a BPE trained on the corpus, random init) runs every task of the DAG in tests/test_browser.py (through the
 scheduler) and its shard and train tasks in tests/test_orchestration.py."""
+
 import hashlib
 import json
 import os
@@ -37,16 +38,28 @@ def tiny_checkpoint(path: Path, vocab: int = 384):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tok.train([str(stdlib / name) for name in ("textwrap.py", "string.py", "bisect.py")], trainer)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
     fast.save_pretrained(path)
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=len(fast), max_position_embeddings=128,
-                                   tie_word_embeddings=False, eos_token_id=fast.eos_token_id)
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(fast),
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=fast.eos_token_id,
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     model.save_pretrained(path)
     return model, fast
@@ -122,8 +135,15 @@ def test_dag_continues_training_a_checkpoint_with_its_own_tokenizer(checkpoint_r
 
     # Train: step 1's loss is the checkpoint's own loss on step 1's global batch (same weights, same tokens).
     tiny = load_config("ci-tiny")
-    loader = ShardLoader(shard_dir, "train", batch_size=tiny.train.global_batch, dp_rank=0, dp_world=1,
-                         num_workers=0, seed=tiny.train.seed)
+    loader = ShardLoader(
+        shard_dir,
+        "train",
+        batch_size=tiny.train.global_batch,
+        dp_rank=0,
+        dp_world=1,
+        num_workers=0,
+        seed=tiny.train.seed,
+    )
     first = next(iter(loader))
     step1 = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert step1["step"] == 1
@@ -233,9 +253,12 @@ def test_data_dag_publishes_only_new_shard_sets(tmp_path, airflow_db):
     from airflow.utils.session import create_session
     from sqlalchemy import select
 
-    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}"}
-    cmd = "source scripts/airflow-env.sh && airflow dags test llm_data --conf '{\"preset\": \"ci-tiny\"}'"
+    env = {
+        **os.environ,
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+    }
+    cmd = 'source scripts/airflow-env.sh && airflow dags test llm_data --conf \'{"preset": "ci-tiny"}\''
     results = []
     for _ in range(2):
         out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
@@ -245,5 +268,6 @@ def test_data_dag_publishes_only_new_shard_sets(tmp_path, airflow_db):
     assert [r["cache_hit"] for r in results] == [False, True]
     with create_session() as session:
         events = [e for e in session.scalars(select(AssetEvent)) if str(tmp_path) in e.asset.uri]
-        assert [(e.asset.uri, e.extra.get("manifest_digest")) for e in events] == \
-            [(results[0]["asset_uri"], results[0]["manifest_digest"])]
+        assert [(e.asset.uri, e.extra.get("manifest_digest")) for e in events] == [
+            (results[0]["asset_uri"], results[0]["manifest_digest"])
+        ]

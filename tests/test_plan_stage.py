@@ -1,4 +1,5 @@
 """The plan stage: config pins, what-if flags, MLflow artifacts, the CLI, and the estimator against real autograd."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,18 @@ def test_pinned_demo_plan_is_logged_to_mlflow(cfg, tmp_path):
 
     result = run_stage("plan", cfg, tmp_path)
     assert result["status"] == "ok" and result["pinned"] is True
-    assert result["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "recompute": "none", "pp_schedule": "1f1b",
-                                  "microbatches": 1, "micro_batch": 8, "virtual_stages": 1,
-                                  "sequence_parallel": False}
+    assert result["parallel"] == {
+        "dp": 2,
+        "tp": 1,
+        "pp": 1,
+        "zero": 3,
+        "recompute": "none",
+        "pp_schedule": "1f1b",
+        "microbatches": 1,
+        "micro_batch": 8,
+        "virtual_stages": 1,
+        "sequence_parallel": False,
+    }
     assert result["summary"].startswith("pinned dp2 tp1 pp1 zero3")
     saved = read_json(result["plan_json"])
     assert saved["pinned"] and saved["chosen"]["total_bytes"] == result["best"]["total_bytes"]
@@ -69,7 +79,8 @@ def test_unpinned_plan_chooses_the_layout(cfg, tmp_path):
     assert result["pinned"] is False and par["dp"] * par["tp"] * par["pp"] == 2  # 2 CPU processes
     best = saved["plans"][0]
     assert {k: best[k] for k in ("dp", "tp", "pp", "zero", "micro_batch")} == {
-        k: par[k] for k in ("dp", "tp", "pp", "zero", "micro_batch")}
+        k: par[k] for k in ("dp", "tp", "pp", "zero", "micro_batch")
+    }
     assert par["micro_batch"] * par["microbatches"] * par["dp"] == cfg.train.global_batch
 
 
@@ -85,10 +96,21 @@ def test_what_if_flags_ignore_the_config_pins(cfg, tmp_path):
 
 def test_hf_config_and_explicit_shape(cfg, tmp_path):
     cfg.tracking.enabled = False
-    hf = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
-          "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-          "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "hidden_act": "silu",
-          "tie_word_embeddings": True}
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+    }
     (tmp_path / "config.json").write_text(json.dumps(hf))
     result = run_stage("plan", cfg, tmp_path / "a", args=plan_args("--hf-config", str(tmp_path)))
     assert "(494.03M params" in read_json(result["plan_json"])["model"]  # Qwen2-0.5B's published 494,032,768
@@ -107,8 +129,9 @@ def test_a_partial_architecture_takes_the_family_rule_not_the_config_preset(cfg,
     args = plan_args("--hidden", "8192", "--layers", "80", "--heads", "64", *what_if)
     model = read_json(run_stage("plan", cfg, tmp_path / "a", args=args)["plan_json"])["model"]
     published = shape_of(PRESETS["llama3-70b"]).num_params  # the llama3 rule rebuilds Llama-3-70B exactly
-    assert model.startswith(f"custom ({published / 1e9:.2f}B params, h 8192, L 80, heads 64/8 kv, ffn 28672, "
-                            f"vocab 128256; llama3 rule")
+    assert model.startswith(
+        f"custom ({published / 1e9:.2f}B params, h 8192, L 80, heads 64/8 kv, ffn 28672, vocab 128256; llama3 rule"
+    )
     args = plan_args("--hidden", "5120", "--layers", "40", "--heads", "40", "--family", "llama2", *what_if)
     model = read_json(run_stage("plan", cfg, tmp_path / "b", args=args)["plan_json"])["model"]
     assert "heads 40/40 kv, ffn 13824, vocab 32000; llama2 rule" in model  # Llama-2-13B's published sizes
@@ -117,15 +140,22 @@ def test_a_partial_architecture_takes_the_family_rule_not_the_config_preset(cfg,
     assert model.startswith("custom (") and "L 40" in model and model.endswith("; from llama3-70b)")
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (("--hidden", "8192", "--layers", "80"), "--heads: a custom architecture needs --hidden, --layers and --heads"),
-    (("--hidden", "896", "--layers", "24", "--heads", "14", "--family", "qwen2"),
-     "--ffn, --kv-heads: a custom qwen2 model needs them"),
-    (("--hidden", "896", "--layers", "24", "--heads", "14"), "--heads 14: the llama3 rule's 8 KV heads"),
-    (("--model", "llama3-8b", "--family", "llama2"), "--family: only for a custom architecture"),
-    (("--params", "13e9", "--device-memory-gb", "64"),
-     "--device-memory-gb 64 without --cluster would keep the cpu-laptop preset's other facts (0.1 TFLOP/s"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (("--hidden", "8192", "--layers", "80"), "--heads: a custom architecture needs --hidden, --layers and --heads"),
+        (
+            ("--hidden", "896", "--layers", "24", "--heads", "14", "--family", "qwen2"),
+            "--ffn, --kv-heads: a custom qwen2 model needs them",
+        ),
+        (("--hidden", "896", "--layers", "24", "--heads", "14"), "--heads 14: the llama3 rule's 8 KV heads"),
+        (("--model", "llama3-8b", "--family", "llama2"), "--family: only for a custom architecture"),
+        (
+            ("--params", "13e9", "--device-memory-gb", "64"),
+            "--device-memory-gb 64 without --cluster would keep the cpu-laptop preset's other facts (0.1 TFLOP/s",
+        ),
+    ],
+)
 def test_underspecified_what_ifs_are_refused_in_one_line(cfg, tmp_path, argv, needle):
     cfg.tracking.enabled = False
     with pytest.raises(StageError) as err:
@@ -136,9 +166,9 @@ def test_underspecified_what_ifs_are_refused_in_one_line(cfg, tmp_path, argv, ne
 def test_llama_ffn_rule_gives_the_published_sizes():
     from tasks.planner.families import llama_ffn
 
-    assert [llama_ffn(h, 256) for h in (4096, 5120)] == [11008, 13824]              # Llama-2-7B, 13B
-    assert [llama_ffn(h, 1024, 1.3) for h in (4096, 8192)] == [14336, 28672]        # Llama-3-8B, 70B
-    assert llama_ffn(16384, 4096, 1.2) == 53248                                    # Llama-3.1-405B's own params
+    assert [llama_ffn(h, 256) for h in (4096, 5120)] == [11008, 13824]  # Llama-2-7B, 13B
+    assert [llama_ffn(h, 1024, 1.3) for h in (4096, 8192)] == [14336, 28672]  # Llama-3-8B, 70B
+    assert llama_ffn(16384, 4096, 1.2) == 53248  # Llama-3.1-405B's own params
 
 
 def test_device_memory_on_the_configs_own_explicit_cluster_is_a_what_if(tmp_path):
@@ -151,8 +181,9 @@ def test_device_memory_on_the_configs_own_explicit_cluster_is_a_what_if(tmp_path
 
 def test_infeasible_plan_fails_with_the_reason_and_keeps_the_table(cfg, tmp_path):
     cfg.tracking.enabled = False
-    args = plan_args("--params", "13e9", "--cluster", "910b", "--nodes", "1", "--devices-per-node", "1",
-                     "--device-memory-gb", "64")
+    args = plan_args(
+        "--params", "13e9", "--cluster", "910b", "--nodes", "1", "--devices-per-node", "1", "--device-memory-gb", "64"
+    )
     with pytest.raises(StageError, match=r"needs 239\.0 GB > 64 GB") as err:  # 234 GB of training states + 5 GB CANN
         run_stage("plan", cfg, tmp_path, args=args)
     assert "\n" not in str(err.value)
@@ -161,8 +192,26 @@ def test_infeasible_plan_fails_with_the_reason_and_keeps_the_table(cfg, tmp_path
 
 
 def test_cli_13b_on_one_card_subprocess(tmp_path):
-    cmd = [sys.executable, "-m", "tasks", "plan", "--no-tracking", "--run-dir", str(tmp_path), "--params", "13e9",
-           "--cluster", "910b", "--nodes", "1", "--devices-per-node", "1", "--device-memory-gb", "64", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tasks",
+        "plan",
+        "--no-tracking",
+        "--run-dir",
+        str(tmp_path),
+        "--params",
+        "13e9",
+        "--cluster",
+        "910b",
+        "--nodes",
+        "1",
+        "--devices-per-node",
+        "1",
+        "--device-memory-gb",
+        "64",
+        "--json",
+    ]
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
@@ -173,8 +222,29 @@ def test_cli_13b_on_one_card_subprocess(tmp_path):
 def test_cli_70b_json(tmp_path, capsys):
     from tasks.cli import main
 
-    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--model", "llama3-70b", "--cluster", "910b",
-               "--nodes", "8", "--seq-len", "4096", "--global-batch", "64", "--tp", "8", "--pp", "8", "--json"])
+    rc = main(
+        [
+            "plan",
+            "--no-tracking",
+            "--run-dir",
+            str(tmp_path),
+            "--model",
+            "llama3-70b",
+            "--cluster",
+            "910b",
+            "--nodes",
+            "8",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "64",
+            "--tp",
+            "8",
+            "--pp",
+            "8",
+            "--json",
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["parallel"]["tp"], result["parallel"]["pp"]) == (8, 8)

@@ -1,11 +1,18 @@
 """The memory estimator against the published figures (ZeRO Figure 1, Korthikanti Table 2, Transformer Math 101)."""
+
 from __future__ import annotations
 
 import pytest
 
 from tasks.parallel.layout import Layout
-from tasks.planner.memory import (ModelShape, estimate, in_flight, layer_activation_bytes, model_state_bytes,
-                                  state_bytes_per_param)
+from tasks.planner.memory import (
+    ModelShape,
+    estimate,
+    in_flight,
+    layer_activation_bytes,
+    model_state_bytes,
+    state_bytes_per_param,
+)
 
 
 @pytest.mark.parametrize("zero,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -31,8 +38,8 @@ def test_seed_13b_model_states_208_gb():
 def test_bytes_per_param_by_precision_and_optimizer():
     assert state_bytes_per_param("bf16", "adamw") == (2, 2, 12)  # fp32 master + m + v
     assert state_bytes_per_param("fp16", "adamw") == (2, 2, 12)
-    assert state_bytes_per_param("fp32", "adamw") == (4, 4, 8)   # the weights are the fp32 copy: m + v only
-    assert state_bytes_per_param("bf16", "sgd") == (2, 2, 8)     # fp32 copy + momentum
+    assert state_bytes_per_param("fp32", "adamw") == (4, 4, 8)  # the weights are the fp32 copy: m + v only
+    assert state_bytes_per_param("bf16", "sgd") == (2, 2, 8)  # fp32 copy + momentum
     assert state_bytes_per_param("fp32", "sgd") == (4, 4, 4)
 
 
@@ -62,8 +69,8 @@ def test_korthikanti_gpt3_point_by_hand():
     # s=2048, b=1, h=12288, a=96, t=8: sbh = 25,165,824 and 5as/h = 80.
     kw = dict(s=2048, b=1, h=12288, a=96)
     assert layer_activation_bytes(**kw) == 25_165_824 * 114
-    assert layer_activation_bytes(**kw, t=8) == 25_165_824 * 23                       # 10 + 3 + 10
-    assert layer_activation_bytes(**kw, t=8, sp=True) == 25_165_824 * 14.25           # 4.25 + 10
+    assert layer_activation_bytes(**kw, t=8) == 25_165_824 * 23  # 10 + 3 + 10
+    assert layer_activation_bytes(**kw, t=8, sp=True) == 25_165_824 * 14.25  # 4.25 + 10
     assert layer_activation_bytes(**kw, t=8, recompute="selective") == 25_165_824 * 13
     assert layer_activation_bytes(**kw, t=8, sp=True, recompute="selective") == 25_165_824 * 4.25
     assert layer_activation_bytes(**kw, t=8, recompute="full") == 25_165_824 * 2
@@ -91,7 +98,8 @@ def test_in_flight_micro_batches_per_schedule():
     # Interleaved, first stage: p(1 + (p-1)/(p·v)) stage-equivalents (Korthikanti §4.2.3).
     for p, v in ((4, 2), (8, 4), (2, 3)):
         assert in_flight("interleaved1f1b", pp=p, microbatches=64, stage=0, virtual=v) == pytest.approx(
-            p * (1 + (p - 1) / (p * v)))
+            p * (1 + (p - 1) / (p * v))
+        )
 
 
 def test_shape_parameter_count_matches_the_model_package():
@@ -110,8 +118,16 @@ def test_shape_parameter_count_matches_the_model_package():
 
 def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
     sh = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
-    lay = Layout(dp=1, tp=1, pp=4, pp_schedule="1f1b", micro_batch=1, microbatches=8, recompute="selective",
-                 flash_attention=False)
+    lay = Layout(
+        dp=1,
+        tp=1,
+        pp=4,
+        pp_schedule="1f1b",
+        micro_batch=1,
+        microbatches=8,
+        recompute="selective",
+        flash_attention=False,
+    )
     est = estimate(sh, 4096, lay, reserve_bytes=5e9)
     parts = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes", "reserve_bytes")
     assert est["total_bytes"] == pytest.approx(sum(est[k] for k in parts))
@@ -119,7 +135,8 @@ def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
     assert est["peak_stage"] == 0  # four micro-batches in flight beat the last stage's logits
     # Eight layers of params plus the embedding: fp32 params + grads + AdamW moments (16 B) + autocast's bf16 copy.
     assert est["params_bytes"] + est["grads_bytes"] + est["optimizer_bytes"] == pytest.approx(
-        18 * (8 * sh.layer_params + sh.embedding_params))
+        18 * (8 * sh.layer_params + sh.embedding_params)
+    )
     # ZeRO-3 over 8 ranks shards all model states (fp32) and adds the two-layer bf16 all-gather buffer.
     z3 = estimate(sh, 4096, Layout(dp=8, zero=3, micro_batch=1, recompute="full", flash_attention=False))
     assert z3["params_bytes"] == pytest.approx(4 * sh.num_params / 8)
@@ -136,15 +153,22 @@ def test_fused_attention_and_the_projects_selective_policy_by_hand():
     # outputs (2 B × (1 + 2·8/32 + 1 + 2·3.5)).
     assert layer_activation_bytes(**kw, recompute="selective") == pytest.approx(sbh * (6 + 2 * 9.5 + 1 / 32))
     assert layer_activation_bytes(**kw, recompute="selective", t=4, sp=True) == pytest.approx(
-        sbh * (4 + 2 / 4 + (19 + 1 / 32) / 4))
+        sbh * (4 + 2 / 4 + (19 + 1 / 32) / 4)
+    )
     # No recompute under torch SP: the all-gathered QKV and MLP inputs (2 × 2 B) stay whole; the rest is sharded.
     assert layer_activation_bytes(**kw, t=4, sp=True) == pytest.approx(sbh * (4 + (6 + 8 + 28 + 1 / 32) / 4))
 
 
 @pytest.mark.parametrize("flash", [True, False])
-@pytest.mark.parametrize("model, cluster, nodes, seq", [("llama3-70b", "910b", 8, 4096),
-                                                        ("qwen2-7b", "h100-80g", 2, 8192),
-                                                        ("demo", "910b", 8, 512), ("llama-13b", "910c", 1, 2048)])
+@pytest.mark.parametrize(
+    "model, cluster, nodes, seq",
+    [
+        ("llama3-70b", "910b", 8, 4096),
+        ("qwen2-7b", "h100-80g", 2, 8192),
+        ("demo", "910b", 8, 512),
+        ("llama-13b", "910c", 1, 2048),
+    ],
+)
 def test_recompute_never_increases_the_activation_estimate(model, cluster, nodes, seq, flash):
     """Property over the planner's whole search space: for every runnable layout (dp, tp, pp, SP, schedule,
     micro-batch, ZeRO), selective and full recompute keep no more activation bytes than none. (Before the fix the
@@ -158,8 +182,15 @@ def test_recompute_never_increases_the_activation_estimate(model, cluster, nodes
     from tasks.planner.search import Problem, candidates
 
     sh = shape_of(get_preset(model))
-    pb = Problem(cluster=get_cluster(cluster, nodes=nodes), shape=sh, n_params=sh.num_params, seq_len=seq,
-                 global_batch=512, recompute=["none"], flash_attention=flash)
+    pb = Problem(
+        cluster=get_cluster(cluster, nodes=nodes),
+        shape=sh,
+        n_params=sh.num_params,
+        seq_len=seq,
+        global_batch=512,
+        recompute=["none"],
+        flash_attention=flash,
+    )
     checked = 0
     for _, why, lay in candidates(pb):
         if lay is None:
@@ -184,7 +215,6 @@ def test_runtime_states_per_zero_stage_are_what_tasks_parallel_runs(precision):
     for zero, (p, g, o) in want.items():
         got = runtime_state_bytes(n, precision, "adamw", zero, dp)
         assert got == pytest.approx({"params_bytes": p * n, "grads_bytes": g * n, "optimizer_bytes": o * n}), zero
-
 
 
 def test_tied_embedding_adds_its_second_gradient():
@@ -238,7 +268,8 @@ def test_tp_embedding_backward_holds_the_whole_vocabulary_gradient_twice():
                 lay = Layout(dp=2, tp=tp, zero=zero, micro_batch=1)
                 got = stage_breakdown(sh, 128, lay, 0, "fp32")["buffers_bytes"]
                 layers = 2 * 4 * sh.layer_params / tp if zero == 3 else 0
-                root = (sh.embedding_params / tp) * (1 if tied else 2) * (4 + (4 if zero == 3 else 0)) \
-                    if zero >= 2 else 0
+                root = (
+                    (sh.embedding_params / tp) * (1 if tied else 2) * (4 + (4 if zero == 3 else 0)) if zero >= 2 else 0
+                )
                 want = sh.embedding_params * 4 / tp if tied else 2 * sh.embedding_params * 4
                 assert got - layers - root == pytest.approx(want), (tied, zero, tp)

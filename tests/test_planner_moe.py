@@ -1,5 +1,6 @@
 """MoE planner (tasks/planner/moe.py): published Qwen-MoE shapes sized on Atlas 800T A2 (910B) nodes, expert
 parallelism in the search space with its constraints, memory and all-to-all terms that move the right way."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,10 +22,13 @@ def test_qwen2_57b_a14b_on_four_910b_nodes_prefers_ep_inside_a_node():
     assert best["ep"] == 8 and best["ep_intra_node"]  # 64 experts, 8 NPUs per node: EP on the node's mesh
     assert best["total_bytes"] <= 64 * GB and 0 < best["all_to_all_share"] < 0.5
     # the same layout with EP across nodes pays the 25 GB/s RoCE link instead of the 56 GB/s HCCS mesh
-    cross = step_time(pb, MoeLayout(32, 32, best["zero"], best["recompute"], best["micro_batch"],
-                                    best["microbatches"]))
-    assert cross["all_to_all_s"] > step_time(pb, MoeLayout(32, 8, best["zero"], best["recompute"],
-                                                          best["micro_batch"], best["microbatches"]))["all_to_all_s"]
+    cross = step_time(pb, MoeLayout(32, 32, best["zero"], best["recompute"], best["micro_batch"], best["microbatches"]))
+    assert (
+        cross["all_to_all_s"]
+        > step_time(pb, MoeLayout(32, 8, best["zero"], best["recompute"], best["micro_batch"], best["microbatches"]))[
+            "all_to_all_s"
+        ]
+    )
     reasons = [r["reason"] for r in result["rejected"]]
     # ZeRO 1 under EP is a candidate (the trainer composes them) rejected by memory: the 16-bit states stay whole
     zero1_ep8 = [r for r in result["rejected"] if (r.get("ep"), r.get("zero")) == (8, 1)]
@@ -59,8 +63,9 @@ def test_all_to_all_time_is_alpha_beta_with_the_clusters_latency():
     assert t["all_to_all_latency_s"] == pytest.approx(sh.moe_layers * 2 * 5 * base.intra_latency_us * 1e-6)
     assert t["all_to_all_transfer_s"] == pytest.approx(sh.moe_layers * 2 * 4 * leaving / (base.intra_gbps * 1e9))
     assert t["all_to_all_s"] == pytest.approx(t["all_to_all_latency_s"] + t["all_to_all_transfer_s"])
-    slow = step_time(MoeProblem(replace(base, intra_latency_us=2 * base.intra_latency_us), sh, 128, 16,
-                                precision="fp32"), lay)
+    slow = step_time(
+        MoeProblem(replace(base, intra_latency_us=2 * base.intra_latency_us), sh, 128, 16, precision="fp32"), lay
+    )
     assert slow["all_to_all_s"] - t["all_to_all_s"] == pytest.approx(t["all_to_all_latency_s"])
     full = step_time(pb, MoeLayout(2, 2, 3, "full", 4, 2))
     assert full["all_to_all_calls"] == sh.moe_layers * 2 * 8
@@ -98,8 +103,25 @@ def test_plan_stage_sizes_a_moe_preset_and_hands_ep_to_training(tmp_path, capsys
     from tasks.cli import main
     from tasks.parallel.layout import resolve
 
-    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--model", "qwen1.5-moe-a2.7b", "--cluster",
-               "910b", "--nodes", "2", "--seq-len", "4096", "--global-batch", "64", "--json"])
+    rc = main(
+        [
+            "plan",
+            "--no-tracking",
+            "--run-dir",
+            str(tmp_path),
+            "--model",
+            "qwen1.5-moe-a2.7b",
+            "--cluster",
+            "910b",
+            "--nodes",
+            "2",
+            "--seq-len",
+            "4096",
+            "--global-batch",
+            "64",
+            "--json",
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["parallel"]["ep"] in (2, 4) and (result["parallel"]["tp"], result["parallel"]["pp"]) == (1, 1)
@@ -123,8 +145,16 @@ def test_dag_form_ep_reaches_the_moe_plan(tmp_path, capsys):
     assert param_schemas()["ep"]["section"] == "Parallelism"
     _, sets = overrides_from_params({"model_preset": "moe-demo", "ep": 2})
     assert sets == {"model.preset": "moe-demo", "parallel.ep": 2}
-    rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path), "--json",
-               *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]])
+    rc = main(
+        [
+            "plan",
+            "--no-tracking",
+            "--run-dir",
+            str(tmp_path),
+            "--json",
+            *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+        ]
+    )
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     assert result["parallel"]["ep"] == 2 and result["parallel"]["zero"] in (1, 2, 3)  # plan.zero_stages
@@ -137,9 +167,25 @@ def test_pinned_tp_and_pp_leave_the_dp_ep_part_to_the_moe_planner(tmp_path, caps
     from tasks.cli import main
 
     for axis in ("tp", "pp"):
-        rc = main(["plan", "--no-tracking", "--run-dir", str(tmp_path / axis), "--json",
-                   "--set", "model.preset=moe-demo", "--set", "hardware.nproc_per_node=4", "--set", "parallel.dp=2",
-                   "--set", f"parallel.{axis}=2", "--set", "parallel.ep=2"])
+        rc = main(
+            [
+                "plan",
+                "--no-tracking",
+                "--run-dir",
+                str(tmp_path / axis),
+                "--json",
+                "--set",
+                "model.preset=moe-demo",
+                "--set",
+                "hardware.nproc_per_node=4",
+                "--set",
+                "parallel.dp=2",
+                "--set",
+                f"parallel.{axis}=2",
+                "--set",
+                "parallel.ep=2",
+            ]
+        )
         assert rc == 0
         par = json.loads(capsys.readouterr().out)["parallel"]
         assert (par["dp"], par["ep"], par[axis]) == (2, 2, 2), par

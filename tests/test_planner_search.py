@@ -1,4 +1,5 @@
 """The planner's enumeration, verdicts, rejection reasons, step-time model and table."""
+
 from __future__ import annotations
 
 import pytest
@@ -112,8 +113,9 @@ def test_bubble_and_comm_terms():
     one = step_time(pb, Layout(dp=1, tp=8, pp=2, pp_schedule="1f1b", micro_batch=1, microbatches=64))
     assert one["bubble"] == pytest.approx(1 / 65)  # (p-1)/(m+p-1)
     assert one["step_s"] >= one["compute_s"] / (1 - one["bubble"])
-    inter = step_time(pb, Layout(dp=1, tp=8, pp=2, pp_schedule="interleaved1f1b", micro_batch=1, microbatches=64,
-                                 virtual_stages=2))
+    inter = step_time(
+        pb, Layout(dp=1, tp=8, pp=2, pp_schedule="interleaved1f1b", micro_batch=1, microbatches=64, virtual_stages=2)
+    )
     assert inter["bubble"] == pytest.approx(1 / 129)  # (p-1)/(v·m + p-1)
     # TP all-reduce: 4 per layer and micro-batch of s·b·h·2 bytes, ring 2(t-1)/t over HCCS 56 GB/s.
     assert one["tp_comm_s"] == pytest.approx(4 * 64 * 40 * 2 * 7 / 8 * 4096 * 8192 * 2 / 56e9)

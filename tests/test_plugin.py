@@ -6,6 +6,7 @@ a task returning a plain value), then asks the API server's route
 `GET /api/v2/dags/{dag}/dagRuns/{run}/taskInstances/{task}/links` through FastAPI's TestClient, exactly what the
 UI's task page calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,19 +65,22 @@ def run_probe(tmp_path: Path, ui_url: str | None) -> dict:
     (home / "dags").mkdir(parents=True)
     (home / "dags" / "link_probe.py").write_text(PROBE_DAG)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW_UI_URL"))}
-    env.update({
-        "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
-        # The links route requires an authenticated user; every request is an admin here.
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
-        "PYTHONPATH": str(REPO),
-    })
+    env.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
+            # The links route requires an authenticated user; every request is an admin here.
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
+            "PYTHONPATH": str(REPO),
+        }
+    )
     if ui_url:
         env["MLFLOW_UI_URL"] = ui_url
-    out = subprocess.run([sys.executable, __file__, str(home)], env=env, capture_output=True, text=True,
-                         timeout=180)
+    out = subprocess.run([sys.executable, __file__, str(home)], env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

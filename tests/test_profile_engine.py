@@ -2,6 +2,7 @@
 both producers (torch_npu ASCEND_PROFILER_OUTPUT and msprof-analyze's cluster_analysis_output, written by
 tests/fixtures/profiling/generate.py); the end-to-end run of the real msprof-analyze needs the PyPI package
 msprof-analyze on PATH in the test environment and is skipped without it."""
+
 from __future__ import annotations
 
 import shutil
@@ -20,9 +21,11 @@ HAS_TOOL = shutil.which("msprof-analyze") is not None
 
 def _cluster_output(fixture: str, folder: str = "cluster_analysis_output"):
     """The cluster_analysis_output msprof-analyze writes, taken from a fixture in its format."""
+
     def run(data_dir, out_dir, **_):  # msprof-analyze's inputs (fmt) are not needed by the stand-in output
         shutil.copytree(FIX / fixture / folder, Path(out_dir) / "cluster_analysis_output")
         return {"status": "ok", "output": str(out_dir)}
+
     return run
 
 
@@ -62,8 +65,9 @@ def test_msprof_analyze_breakdown_is_primary_and_agrees_within_one_percent(tmp_p
 
 def test_a_disagreement_is_a_finding(tmp_path):
     src = FIX / "ascend_pt_new_healthy"
-    r = engine.apply("auto", analyze(src), src, tmp_path, run=_cluster_output("cluster_old_unhealthy",
-                                                                                         "msprof_analyze_out"))
+    r = engine.apply(
+        "auto", analyze(src), src, tmp_path, run=_cluster_output("cluster_old_unhealthy", "msprof_analyze_out")
+    )
     f = next(f for f in r["findings"] if f["rule"] == "analysis.disagreement")
     assert f["severity"] == "medium" and not r["engine"]["agreement"]["within"]
 

@@ -1,6 +1,7 @@
 """Profile analysis on fixtures written in the exact Ascend / torch formats (tests/fixtures/profiling/generate.py):
 the right advisor findings fire on the unhealthy ones and none on the healthy ones, the numbers are read right from
 every header variant, and broken folders fail in one line naming the missing or broken file."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,18 @@ from tasks.profiling.report import build_report
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "profiling"
 EXPECTED = json.loads((FIX / "expected.json").read_text())
-FORMATS = {"ascend_pt": ["ascend_pt_new_healthy", "ascend_pt_new_unhealthy", "ascend_pt_old_healthy",
-                         "ascend_pt_old_unhealthy", "ascend_output_trace_only/ASCEND_PROFILER_OUTPUT"],
-           "msprof": ["msprof_new_healthy", "msprof_old_unhealthy"],
-           "cluster_analysis": ["cluster_new_healthy", "cluster_old_unhealthy"],
-           "torch_trace": ["torch_cuda_healthy", "torch_cuda_unhealthy"]}
+FORMATS = {
+    "ascend_pt": [
+        "ascend_pt_new_healthy",
+        "ascend_pt_new_unhealthy",
+        "ascend_pt_old_healthy",
+        "ascend_pt_old_unhealthy",
+        "ascend_output_trace_only/ASCEND_PROFILER_OUTPUT",
+    ],
+    "msprof": ["msprof_new_healthy", "msprof_old_unhealthy"],
+    "cluster_analysis": ["cluster_new_healthy", "cluster_old_unhealthy"],
+    "torch_trace": ["torch_cuda_healthy", "torch_cuda_unhealthy"],
+}
 
 
 def report_of(path) -> dict:
@@ -94,12 +102,21 @@ def test_csv_quirks():
     assert tables.num('"1736413971558972.912\t"') == pytest.approx(1736413971558972.912)
     assert tables.num("N/A") is None and tables.num("") is None and tables.num(" 12.5\t") == 12.5
     base = ["Name", "Type", "Accelerator Core", "Start Time(us)", "Duration(us)", "Wait Time(us)"]
-    assert tables.detect_kind(base + ["Block Dim"]) == tables.detect_kind(["Step Id", "Device_id"] + base +
-                                                                          ["Block Num"]) == "kernel_details"
+    assert (
+        tables.detect_kind(base + ["Block Dim"])
+        == tables.detect_kind(["Step Id", "Device_id"] + base + ["Block Num"])
+        == "kernel_details"
+    )
     op_summary = ["Op Name", "OP Type", "Task Type", "Task Start Time(us)", "Task Duration(us)", "Block Dim"]
     assert tables.detect_kind(op_summary) == "op_summary"
     assert set(tables.kernel_rows([dict.fromkeys(op_summary, "x")])[0]) == {
-        "Name", "Type", "Accelerator Core", "Start Time(us)", "Duration(us)", "Block Num"}
+        "Name",
+        "Type",
+        "Accelerator Core",
+        "Start Time(us)",
+        "Duration(us)",
+        "Block Num",
+    }
     step = ["Step", "Computing", "Communication(Not Overlapped)", "Overlapped", "Communication", "Free"]
     assert tables.detect_kind(step) == "step_trace" and tables.detect_kind(["Device_id"] + step) == "step_trace"
     assert tables.detect_kind(["Step", "Type", "Index"] + step[1:]) == "cluster_step_trace"
@@ -108,11 +125,15 @@ def test_csv_quirks():
 
 def test_string_ts_and_interval_arithmetic(tmp_path):
     path = tmp_path / "t.json"
-    path.write_text(json.dumps([{"ph": "X", "name": "ProfilerStep#4", "pid": 1, "tid": 1,
-                                 "ts": "1704161511422904.204", "dur": 10.5}]))
+    path.write_text(
+        json.dumps(
+            [{"ph": "X", "name": "ProfilerStep#4", "pid": 1, "tid": 1, "ts": "1704161511422904.204", "dur": 10.5}]
+        )
+    )
     _, events = timeline.load_trace(path)
-    assert timeline.step_windows(events) == [(4, pytest.approx(1704161511422904.204),
-                                              pytest.approx(1704161511422914.704))]
+    assert timeline.step_windows(events) == [
+        (4, pytest.approx(1704161511422904.204), pytest.approx(1704161511422914.704))
+    ]
     a = timeline.union([(0, 10), (5, 20), (30, 40)])
     assert a == [(0, 20), (30, 40)]
     assert timeline.subtract(a, [(2, 4), (15, 35)]) == [(0, 2), (4, 15), (35, 40)]
@@ -167,8 +188,14 @@ def test_broken_folders_name_the_missing_file(tmp_path):
 
     trace = tmp_path / "torch" / "rank0.pt.trace.json"
     trace.parent.mkdir()
-    trace.write_text(json.dumps({"schemaVersion": 1, "traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1,
-                                                                        "dur": 2, "pid": 1, "tid": 1}]}))
+    trace.write_text(
+        json.dumps(
+            {
+                "schemaVersion": 1,
+                "traceEvents": [{"ph": "X", "name": "aten::mm", "ts": 1, "dur": 2, "pid": 1, "tid": 1}],
+            }
+        )
+    )
     _one_line_error(trace.parent, "rank0.pt.trace.json", "ProfilerStep")
 
     twice = _copy("ascend_pt_old_healthy", tmp_path)
@@ -176,17 +203,25 @@ def test_broken_folders_name_the_missing_file(tmp_path):
     _one_line_error(twice, "rank 0 appears twice")
 
 
-@pytest.mark.parametrize("name,core,category", [
-    ("aclnnMatmul_MatMulCommon_MatMulV2", "AI_CORE", "cube/matmul"), ("aten::addmm", "CPU", "cube/matmul"),
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "CUDA", "cube/matmul"),
-    ("FlashAttentionScore", "MIX_AIC", "attention"), ("aten::_scaled_dot_product_flash_attention_for_cpu", "CPU",
-                                                      "attention"),
-    ("RmsNorm", "AI_VECTOR_CORE", "vector"), ("aten::broadcast_tensors", "CPU", "vector"),
-    ("IndexPut", "AI_CPU", "ai_cpu"), ("aclnnNonzero_NonZeroAiCpu_NonZero", "N/A", "ai_cpu"),
-    ("hcom_allReduce_", "COMMUNICATION", "communication"), ("hcom_receive__501_2_1", "HCCL", "communication"),
-    ("gloo:all_reduce", "CPU", "communication"), ("ncclDevKernel_Broadcast_RING_LL", "CUDA", "communication"),
-    ("FSDP::all_gather (layers.1)", "CPU", "communication"),
-])
+@pytest.mark.parametrize(
+    "name,core,category",
+    [
+        ("aclnnMatmul_MatMulCommon_MatMulV2", "AI_CORE", "cube/matmul"),
+        ("aten::addmm", "CPU", "cube/matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "CUDA", "cube/matmul"),
+        ("FlashAttentionScore", "MIX_AIC", "attention"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu", "CPU", "attention"),
+        ("RmsNorm", "AI_VECTOR_CORE", "vector"),
+        ("aten::broadcast_tensors", "CPU", "vector"),
+        ("IndexPut", "AI_CPU", "ai_cpu"),
+        ("aclnnNonzero_NonZeroAiCpu_NonZero", "N/A", "ai_cpu"),
+        ("hcom_allReduce_", "COMMUNICATION", "communication"),
+        ("hcom_receive__501_2_1", "HCCL", "communication"),
+        ("gloo:all_reduce", "CPU", "communication"),
+        ("ncclDevKernel_Broadcast_RING_LL", "CUDA", "communication"),
+        ("FSDP::all_gather (layers.1)", "CPU", "communication"),
+    ],
+)
 def test_operator_categories(name, core, category):
     from tasks.profiling.model import categorize
 

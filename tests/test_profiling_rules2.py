@@ -1,5 +1,6 @@
 """Second-wave profile rules (cube vs vector, communication headroom, retransmission, AI CPU by name) and a folder
 holding only kernel_details.csv (older CANN: no step trace) analysed for what it holds."""
+
 from __future__ import annotations
 
 import copy
@@ -30,8 +31,9 @@ def test_ai_cpu_ops_are_listed_by_name_as_info(healthy):
     assert names and all(n in info["operator.ai_cpu_list"]["title"] for n in names)
     assert "operator.ai_cpu_list" not in rules(healthy["findings"])  # info never counts as a finding
     assert healthy["op_support"]["ai_cpu"][0]["op"] == names[0]
-    assert "## Operator support" in render_markdown(healthy) and "[info] operator.ai_cpu_list" in \
-        render_markdown(healthy)
+    assert "## Operator support" in render_markdown(healthy) and "[info] operator.ai_cpu_list" in render_markdown(
+        healthy
+    )
 
 
 def _with(report, cube_us, vector_us, comm_share, world=2):
@@ -63,8 +65,17 @@ def test_communication_headroom_only_below_15_percent_and_with_ranks(healthy):
 
 def test_retransmission_absolute_threshold(healthy):
     r = copy.deepcopy(healthy)
-    r["communication"] = [{"op": "hcom_allReduce", "kind": "collective", "count": 2, "elapse_ms": 9000.0,
-                           "transit_ms": 8400.0, "wait_ms": 10.0, "wait_ratio": 0.0}]
+    r["communication"] = [
+        {
+            "op": "hcom_allReduce",
+            "kind": "collective",
+            "count": 2,
+            "elapse_ms": 9000.0,
+            "transit_ms": 8400.0,
+            "wait_ms": 10.0,
+            "wait_ratio": 0.0,
+        }
+    ]
     f = rules(guide_rules(r))["communication.retransmission"]
     assert f["severity"] == "high" and "4200 ms" in f["title"] and "nic-link" in f["advice"]
     r["communication"][0]["transit_ms"] = 7000.0

@@ -1,6 +1,7 @@
 """The profile stage end to end on fixtures, with a real MLflow store: outputs and artifacts, the baseline comparison
 (a regression is a finding, and fails the task when configured; a failed run is never a baseline), the CLI, and the
 collection entry points."""
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,10 @@ def test_baseline_regression_is_a_finding_and_can_fail_the_task(cfg, tmp_path):
     cfg.profile.fail_on_regression = True
     with pytest.raises(StageError, match=r"step time regressed \+30% against the baseline run"):
         run_stage("profile", cfg, tmp_path / "b", args=analyze_args(slower))
-    assert json.loads((tmp_path / "b" / "profile" / "report.json").read_text())["findings"][0]["rule"] == \
-        "baseline.regression"  # the report is written before the task fails
+    assert (
+        json.loads((tmp_path / "b" / "profile" / "report.json").read_text())["findings"][0]["rule"]
+        == "baseline.regression"
+    )  # the report is written before the task fails
 
     cfg.profile.fail_on_regression = False
     third = run_stage("profile", cfg, tmp_path / "c", args=analyze_args(slower))
@@ -90,16 +93,28 @@ def test_baseline_regression_is_a_finding_and_can_fail_the_task(cfg, tmp_path):
 
 def test_cli_analyze_json_and_one_line_error(tmp_path, capsys):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "tasks", "profile", "analyze", str(FIX / "cluster_old_unhealthy"), "--json",
-           "--no-tracking", "--run-dir", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tasks",
+        "profile",
+        "analyze",
+        str(FIX / "cluster_old_unhealthy"),
+        "--json",
+        "--no-tracking",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["format"] == "cluster_analysis" and result["findings"] == 3
     assert "high:cluster.slow_link" in result["rules"]
     (tmp_path / "empty").mkdir()
-    assert cli.main(["profile", "analyze", str(tmp_path / "empty"), "--no-tracking", "--run-dir",
-                     str(tmp_path / "run2")]) == 2
+    assert (
+        cli.main(["profile", "analyze", str(tmp_path / "empty"), "--no-tracking", "--run-dir", str(tmp_path / "run2")])
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "no profiling data found" in err
 
@@ -135,8 +150,10 @@ def test_msprof_tools_are_optional(tmp_path, monkeypatch):
     cmd = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "tasks.parallel.worker"]
     assert msprof_wrap(cmd, tmp_path / "m", None) == cmd
     assert msprof_wrap(cmd, tmp_path / "m", "/opt/msprof") == [
-        "/opt/msprof", "--application=python -m torch.distributed.run --nproc-per-node 8 -m tasks.parallel.worker",
-        f"--output={tmp_path / 'm'}"]
+        "/opt/msprof",
+        "--application=python -m torch.distributed.run --nproc-per-node 8 -m tasks.parallel.worker",
+        f"--output={tmp_path / 'm'}",
+    ]
 
 
 def test_baseline_of_another_key_is_no_baseline_never_a_regression(cfg, tmp_path):

@@ -1,6 +1,7 @@
 """The profile readers on real upstream output (tests/fixtures/profiling_upstream, from msprof-analyze's own test
 resources; see the README there): expected figures are computed from the files with the csv/json modules here,
 independently of tasks.profiling."""
+
 from __future__ import annotations
 
 import csv
@@ -21,7 +22,7 @@ def test_msprof_analyze_cluster_output_is_read_exactly():
     rows = [r for r in csv.DictReader(open(root / "cluster_step_trace_time.csv")) if r["Type"] == "rank"]
     report = analyze(root)
     assert report["source"]["format"] == "cluster_analysis" and report["world"] == len(rows) == 8
-    mean = lambda col: sum(float(r[col]) for r in rows) / len(rows)   # noqa: E731
+    mean = lambda col: sum(float(r[col]) for r in rows) / len(rows)  # noqa: E731
     step = report["step"]
     assert step["computing_us"] == pytest.approx(mean("Computing"))
     assert step["comm_not_overlapped_us"] == pytest.approx(mean("Communication(Not Overlapped)"))
@@ -48,7 +49,7 @@ def test_torch_npu_level1_kernel_details_are_read_exactly():
         expected[r["Type"]][0] += 1
         expected[r["Type"]][1] += float(r["Duration(us)"])
     ops = ascend.ops_from_kernels(rows)
-    assert list(ops) == [None]   # no Device_id column in this torch_npu release
+    assert list(ops) == [None]  # no Device_id column in this torch_npu release
     got = {op.name: [op.count, op.total_us] for op in ops[None]}
     assert got.keys() == expected.keys()
     for name, (count, total) in expected.items():

@@ -1,4 +1,5 @@
 """Evaluation metrics against hand computations on tiny cases."""
+
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ def greedy_generate(model, prompt_ids: list[int], max_new_tokens: int, max_seq_l
     for _ in range(max_new_tokens):
         ctx = torch.tensor([ids[-max_seq_len:]], device=device)
         ids.append(int(model(ctx)[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 class FixedLogits(torch.nn.Module):
@@ -88,7 +89,7 @@ def test_kv_cache_decoding_matches_full_forward():
     tokens = torch.randint(0, model.config.vocab_size, (2, 12))
     cache = {}
     head = forward_cached(model, tokens[:, :8], cache, 0)
-    tail = torch.cat([forward_cached(model, tokens[:, i:i + 1], cache, i) for i in range(8, 12)], dim=1)
+    tail = torch.cat([forward_cached(model, tokens[:, i : i + 1], cache, i) for i in range(8, 12)], dim=1)
     with torch.no_grad():
         full = model(tokens)
     assert torch.allclose(torch.cat([head, tail], dim=1), full, atol=1e-4)

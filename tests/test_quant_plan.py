@@ -1,4 +1,5 @@
 """The AMCT path's configuration and decision logic, on a machine without AMCT (pure functions, no torch)."""
+
 from __future__ import annotations
 
 import json
@@ -9,21 +10,33 @@ from tasks.errors import StageError
 from tasks.quant.amct_config import jsonable, llm_quant_config, qat_retrain_json, qat_simplified_cfg
 from tasks.quant.plan import Layer, choose_backend, gate_advice, hf_name, is_skipped, select_layers
 
-LLAMA = [Layer("tok_embeddings", "Embedding", (256, 64)), Layer("layers.0.attention_norm", "RMSNorm", (64,)),
-         Layer("layers.0.attention.wq", "Linear", (64, 64)), Layer("layers.0.feed_forward.w2", "Linear", (64, 128)),
-         Layer("norm", "RMSNorm", (64,)), Layer("output", "Linear", (256, 64))]
+LLAMA = [
+    Layer("tok_embeddings", "Embedding", (256, 64)),
+    Layer("layers.0.attention_norm", "RMSNorm", (64,)),
+    Layer("layers.0.attention.wq", "Linear", (64, 64)),
+    Layer("layers.0.feed_forward.w2", "Linear", (64, 128)),
+    Layer("norm", "RMSNorm", (64,)),
+    Layer("output", "Linear", (256, 64)),
+]
 
 
 def test_llm_configs_match_amct_predefined_shapes():
     # INT8_MINMAX_WEIGHT_QUANT_CFG and INT8_SMOOTHQUANT_CFG of amct_pytorch/common/config/config.py, key for key.
     assert llm_quant_config("int8_weight_only", {"lm_head"}) == {
-        "batch_num": 1, "quant_cfg": {"weights": {"type": "int8", "symmetric": True, "strategy": "channel"}},
-        "algorithm": {"minmax"}, "skip_layers": {"lm_head"}}
+        "batch_num": 1,
+        "quant_cfg": {"weights": {"type": "int8", "symmetric": True, "strategy": "channel"}},
+        "algorithm": {"minmax"},
+        "skip_layers": {"lm_head"},
+    }
     assert llm_quant_config("smoothquant", ["lm_head"]) == {
         "batch_num": 1,
-        "quant_cfg": {"weights": {"type": "int8", "symmetric": True, "strategy": "channel"},
-                      "inputs": {"type": "int8", "symmetric": True, "strategy": "tensor"}},
-        "algorithm": {"smoothquant": {"smooth_strength": 0.5}}, "skip_layers": {"lm_head"}}
+        "quant_cfg": {
+            "weights": {"type": "int8", "symmetric": True, "strategy": "channel"},
+            "inputs": {"type": "int8", "symmetric": True, "strategy": "tensor"},
+        },
+        "algorithm": {"smoothquant": {"smooth_strength": 0.5}},
+        "skip_layers": {"lm_head"},
+    }
     w8a8 = llm_quant_config("int8_dynamic", ["output", "tok_embeddings"], batch_num=4)
     assert w8a8["algorithm"] == {"minmax"} and "inputs" in w8a8["quant_cfg"] and w8a8["batch_num"] == 4
     assert json.loads(json.dumps(jsonable(w8a8)))["skip_layers"] == ["output", "tok_embeddings"]
@@ -34,8 +47,11 @@ def test_llm_configs_match_amct_predefined_shapes():
 def test_qat_handoff_formats():
     doc = qat_retrain_json([("layers.0.attention.wq", "Linear"), ("conv1", "Conv2d")], batch_num=2)
     assert doc["version"] == 1 and doc["batch_num"] == 2
-    assert doc["conv1"] == {"retrain_enable": True, "retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8"},
-                            "retrain_weight_config": {"algo": "arq_retrain", "channel_wise": True, "dst_type": "INT8"}}
+    assert doc["conv1"] == {
+        "retrain_enable": True,
+        "retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8"},
+        "retrain_weight_config": {"algo": "arq_retrain", "channel_wise": True, "dst_type": "INT8"},
+    }
     assert doc["layers.0.attention.wq"]["retrain_weight_config"]["channel_wise"] is False
     cfg = qat_simplified_cfg(["output", "tok_embeddings"], batch_num=2)
     assert "batch_num: 2" in cfg and 'skip_layers: "output"' in cfg and "arq_retrain: {" in cfg
@@ -49,13 +65,16 @@ def test_skip_patterns_match_our_and_hf_names():
     assert not is_skipped("layers.0.attention.wq", ["", "lm_head"])
 
 
-@pytest.mark.parametrize("requested,err,kind,flow,expected", [
-    ("auto", None, "npu", "llm", "amct"),            # Ascend host with AMCT
-    ("auto", "No module named 'amct_pytorch'", "npu", "llm", "torchao"),
-    ("auto", None, "cpu", "llm", "torchao"),          # AMCT without an NPU: torchao
-    ("amct", None, "cpu", "ptq", "amct"),             # classic ONNX PTQ runs on CPU
-    ("torchao", None, "npu", "llm", "torchao"),
-])
+@pytest.mark.parametrize(
+    "requested,err,kind,flow,expected",
+    [
+        ("auto", None, "npu", "llm", "amct"),  # Ascend host with AMCT
+        ("auto", "No module named 'amct_pytorch'", "npu", "llm", "torchao"),
+        ("auto", None, "cpu", "llm", "torchao"),  # AMCT without an NPU: torchao
+        ("amct", None, "cpu", "ptq", "amct"),  # classic ONNX PTQ runs on CPU
+        ("torchao", None, "npu", "llm", "torchao"),
+    ],
+)
 def test_backend_choice(requested, err, kind, flow, expected):
     assert choose_backend(requested, err, kind, flow) == expected
 
@@ -72,9 +91,11 @@ def test_without_amct_flows_fail_in_one_line_and_qat_files_are_still_written(tmp
     from tasks.quant.amct_backend import amct_import_error, quantize_llm, quantize_ptq, write_qat_handoff
 
     assert "amct_pytorch" in amct_import_error()
-    for call in (lambda: quantize_llm(None, "int8_weight_only", [], [], "cpu"),
-                 lambda: quantize_ptq(None, [], [], tmp_path),
-                 lambda: write_qat_handoff(tmp_path / "qat", [], [], 1, model=object(), sample=())):
+    for call in (
+        lambda: quantize_llm(None, "int8_weight_only", [], [], "cpu"),
+        lambda: quantize_ptq(None, [], [], tmp_path),
+        lambda: write_qat_handoff(tmp_path / "qat", [], [], 1, model=object(), sample=()),
+    ):
         with pytest.raises(StageError, match=r"^amct_pytorch is not importable \(No module named 'amct_pytorch'\)"):
             call()
     files = write_qat_handoff(tmp_path / "qat", [("layers.0.attention.wq", "Linear")], ["output"], 2)
@@ -84,9 +105,14 @@ def test_without_amct_flows_fail_in_one_line_and_qat_files_are_still_written(tmp
 
 def test_layer_selection_and_unsupported_layers():
     assert select_layers(LLAMA, "torchao", "llm", "int8_weight_only", ["lm_head", "embed"]) == [
-        "layers.0.attention.wq", "layers.0.feed_forward.w2"]
-    with pytest.raises(StageError, match=r"layer tok_embeddings \(Embedding\) is not supported by torchao "
-                                         r"int8_weight_only \(supports Linear\); add it to quantize.skip_layers"):
+        "layers.0.attention.wq",
+        "layers.0.feed_forward.w2",
+    ]
+    with pytest.raises(
+        StageError,
+        match=r"layer tok_embeddings \(Embedding\) is not supported by torchao "
+        r"int8_weight_only \(supports Linear\); add it to quantize.skip_layers",
+    ):
         select_layers(LLAMA, "torchao", "llm", "int8_weight_only", ["lm_head"])
     conv1d = LLAMA + [Layer("layers.0.mixer", "Conv1d", (64, 1, 4))]
     with pytest.raises(StageError, match=r"Conv1d\) is not supported by amct ptq"):

@@ -1,4 +1,5 @@
 """Calibration and evaluation draw disjoint tokens from the val split, by a recorded rule."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,10 +21,10 @@ def test_calibration_and_evaluation_are_disjoint(tiny):
     evals, e = inputs.val_part(tiny["shard_dir"], 1000, 4, "evaluation")
     assert c["rule"] == e["rule"] == inputs.SPLIT_RULE
     assert c["sequences"] > 0 and e["sequences"] > 0
-    assert not set(c["keys"]) & set(e["keys"])                            # no window in both parts
+    assert not set(c["keys"]) & set(e["keys"])  # no window in both parts
     assert all(k % inputs.SPLIT_EVERY == 0 for k in c["keys"]) and all(k % inputs.SPLIT_EVERY for k in e["keys"])
     rows = lambda batches: {tuple(row.tolist()) for x, _ in batches for row in x}  # noqa: E731
-    assert not rows(calib) & rows(evals)                                  # and no sequence of tokens either
+    assert not rows(calib) & rows(evals)  # and no sequence of tokens either
     assert sum(x.shape[0] for x, _ in calib) == c["sequences"] and e["tokens"] == sum(t.numel() for _, t in evals)
     # the same call gives the same tokens (file order, no shuffle): every model is measured on the same data
     again, e2 = inputs.val_part(tiny["shard_dir"], 1000, 4, "evaluation")
@@ -36,8 +37,7 @@ def test_calibration_and_evaluation_are_disjoint(tiny):
 def test_empty_part_fails_in_one_line(tmp_path):
     from data_prep.testing import tiny_shard_set
 
-    shards = tiny_shard_set(tmp_path / "d", seq_len=16, vocab_size=300, n_docs=4, val_fraction=0.0,
-                            shard_multiple=1)
+    shards = tiny_shard_set(tmp_path / "d", seq_len=16, vocab_size=300, n_docs=4, val_fraction=0.0, shard_multiple=1)
     with pytest.raises(StageError, match=r"^evaluation set is empty: .* reshard with a larger data.val_fraction"):
         inputs.val_part(shards, 2, 2, "evaluation")
 

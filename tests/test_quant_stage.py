@@ -1,4 +1,5 @@
 """The quantize stage with real torchao on a tiny trained model, and its bad inputs."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,16 +29,16 @@ def test_quantize_saves_a_smaller_reloadable_model(cfg, tiny, tmp_path, method):
     cfg.quantize.method = method
     r = run_stage("quantize", cfg, tmp_path, args=_args(tiny))
     assert r["status"] == "ok" and r["backend"] == "torchao" and not r["reused"]
-    assert r["quantized_layers"] == 2 * 7                       # debug preset: 2 blocks × (4 attention + 3 MLP)
+    assert r["quantized_layers"] == 2 * 7  # debug preset: 2 blocks × (4 attention + 3 MLP)
     assert r["int8_mb"] < r["bf16_mb"] < r["fp32_mb"] and r["size_ratio_vs_fp32"] < 0.5
-    sd = torch.load(f"{r['quant_dir']}/model_int8.pt", weights_only=True)   # no pickle needed
+    sd = torch.load(f"{r['quant_dir']}/model_int8.pt", weights_only=True)  # no pickle needed
     assert sd["layers.0.attention.wq.weight"].__class__.__name__ == "Int8Tensor"
-    assert sd["tok_embeddings.weight"].dtype == torch.bfloat16      # skipped: kept in quantize.dtype
+    assert sd["tok_embeddings.weight"].dtype == torch.bfloat16  # skipped: kept in quantize.dtype
     q, fp = load_quantized(r["quant_dir"]), load_hf(tiny["model_dir"]).eval()
     tokens = torch.randint(0, fp.config.vocab_size, (2, 16))
     with torch.no_grad():
         p, p_fp = q(tokens).float().softmax(-1), fp(tokens).softmax(-1)
-    assert (p - p_fp).abs().max() < 0.1                           # INT8 ≈ FP, token by token
+    assert (p - p_fp).abs().max() < 0.1  # INT8 ≈ FP, token by token
     again = run_stage("quantize", cfg, tmp_path, args=_args(tiny))  # idempotent: same inputs, same output reused
     assert again["reused"] and again["int8_mb"] == r["int8_mb"]
 
@@ -57,6 +58,8 @@ def test_bad_inputs_fail_in_one_line(cfg, tiny, tmp_path):
     cfg.quantize.backend = "amct"
     fails(r"quantize.backend amct: amct_pytorch is not importable \(No module named 'amct_pytorch'\)")
     cfg.quantize.backend = "torchao"
-    cfg.train.micro_batch = 10_000                                  # more than the val split holds
-    fails(r"calibration set is empty: the val split of .* has \d+ sequences, \d+ of them in the calibration part "
-          r"\(val split, file order: window index % 4 == 0 → calibration.*\), fewer than one batch of 10000")
+    cfg.train.micro_batch = 10_000  # more than the val split holds
+    fails(
+        r"calibration set is empty: the val split of .* has \d+ sequences, \d+ of them in the calibration part "
+        r"\(val split, file order: window index % 4 == 0 → calibration.*\), fewer than one batch of 10000"
+    )

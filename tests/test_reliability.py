@@ -1,6 +1,7 @@
 """Reliability classes of issue 13, each with real processes: the real cause of a rank failure (torchrun error
 files), checkpoint verification and fallback, and the other fault classes (see tests/test_bad_inputs.py for the
 broad list of bad inputs)."""
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ def _shrunk_vocab(shards, tmp_path, vocab: int = 64):
 def test_rank_python_exception_is_named_and_not_retried(cfg, tmp_path, shards):
     """Token ids ≥ the vocabulary: every rank raises IndexError in the embedding; the stage names it, no retry."""
     from tasks.stages import train
+
     c = configure(cfg, **DP2, **{"train.steps": 2})
     with pytest.raises(StageError) as err:
         train.run(c, context(tmp_path / "run", _shrunk_vocab(shards, tmp_path)))
@@ -47,26 +49,34 @@ def test_rank_cause_from_log_and_retry_policy(tmp_path):
 
     logs = tmp_path / "logs"
     logs.mkdir()
-    (logs / "rank-1.log").write_text("Traceback (most recent call last):\n  File \"x\", line 1\n"
-                                     "KeyError: 'stale, from an earlier launch'\n")
+    (logs / "rank-1.log").write_text(
+        "Traceback (most recent call last):\n  File \"x\", line 1\nKeyError: 'stale, from an earlier launch'\n"
+    )
     offsets = rank_errors.log_offsets(logs)
     with open(logs / "rank-1.log", "a") as f:
-        f.write("Traceback (most recent call last):\n  File \"w.py\", line 9, in setup\n    raise X\n"
-                "data_prep.errors.DataPrepError: 3 train shards cannot be split over 4 loader streams\n")
-    (logs / "rank-0.log").write_text("Traceback (most recent call last):\n  File \"y\"\n"
-                                     "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234\n")
-    report = ("Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 5)\n"
-              "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 6)\n")
+        f.write(
+            'Traceback (most recent call last):\n  File "w.py", line 9, in setup\n    raise X\n'
+            "data_prep.errors.DataPrepError: 3 train shards cannot be split over 4 loader streams\n"
+        )
+    (logs / "rank-0.log").write_text(
+        'Traceback (most recent call last):\n  File "y"\n'
+        "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234\n"
+    )
+    report = (
+        "Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 5)\n"
+        "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 6)\n"
+    )
     failures = rank_errors.collect(report, logs, 0, 2, offsets)
-    assert [(f.rank, f.exc_type) for f in failures] == [(1, "data_prep.errors.DataPrepError"),
-                                                        (0, "RuntimeError")]
+    assert [(f.rank, f.exc_type) for f in failures] == [(1, "data_prep.errors.DataPrepError"), (0, "RuntimeError")]
     assert failures[1].collective and not failures[1].python_exception
     e = explain(tmp_path / "train", 1, report, [], {}, "checkpoint step-2", failures=failures)
     assert not e.retryable and "rank 1 failed at step ?: data_prep.errors.DataPrepError: 3 train shards" in str(e)
 
     # A SIGKILLed rank (OOM killer, preemption) with a peer that lost its connection: retryable, names the kill.
-    killed = [rank_errors.RankFailure(0, 1, "RuntimeError", "Connection closed by peer", "log"),
-              rank_errors.RankFailure(1, -9)]
+    killed = [
+        rank_errors.RankFailure(0, 1, "RuntimeError", "Connection closed by peer", "log"),
+        rank_errors.RankFailure(1, -9),
+    ]
     e = explain(tmp_path / "train", 1, "", [], {}, "checkpoint step-2", failures=killed)
     assert e.retryable and str(e).startswith("rank 1 died (killed by SIGKILL)")
     # Only collective errors (a network fault): retryable.
@@ -97,8 +107,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, 
     assert f"warning: checkpoint step-4: {victim.name} is truncated or altered" in err, err
     assert "resuming from step-2" in err
     assert result["warnings"] and result["steps"] == 6
-    assert_same_curve(losses(run), reference_losses(c6, shards, 6), "step-4 corrupt, resumed from 2",
-                      steps=range(1, 7))
+    assert_same_curve(losses(run), reference_losses(c6, shards, 6), "step-4 corrupt, resumed from 2", steps=range(1, 7))
     assert ckpt.verify(run / "checkpoints" / "step-4") is None  # rewritten by the resumed run
 
     # The same run directory with another learning rate: the resume warns and names the change.
@@ -135,6 +144,7 @@ def test_pruning_never_deletes_the_checkpoint_just_saved(tmp_path):
 
 # ---- class 4: environment faults are one line at the top (real CLI processes) --------------------------------------
 
+
 def cli(*argv, env=None, timeout=180):
     """`python -m tasks …` as a real process; returns (exit status, stderr lines)."""
     import os
@@ -143,8 +153,14 @@ def cli(*argv, env=None, timeout=180):
 
     from conftest import REPO
 
-    out = subprocess.run([sys.executable, "-m", "tasks", *argv], cwd=REPO, capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "tasks", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+    )
     return out.returncode, out.stderr.strip().splitlines()
 
 
@@ -183,8 +199,9 @@ def test_os_faults_are_one_line_naming_path_and_errno(tmp_path, tiny_fs):
     ro = _read_only_dir(tmp_path, tiny_fs)
     rc, err = cli("plan", "--no-tracking", env={"LLM_PIPELINE_VAR_DIR": str(ro)})
     assert rc == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: cannot create the run directory: {ro}/runs: ") and \
-        ("(EROFS)" in err[0] or "(EACCES)" in err[0]), err
+    assert err[0].startswith(f"error: cannot create the run directory: {ro}/runs: ") and (
+        "(EROFS)" in err[0] or "(EACCES)" in err[0]
+    ), err
 
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
@@ -213,6 +230,7 @@ def test_disk_full_names_enospc_even_when_the_failure_record_cannot_be_written(t
 
 
 # ---- class 5: what is reused is verified ----------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
@@ -279,13 +297,14 @@ def test_swapped_outputs_survive_a_crash_between_the_renames(tmp_path):
     (new / "v").write_text("2")
     swap_dir(new, final)
     assert (final / "v").read_text() == "2" and not new.exists() and not (tmp_path / ".hf.old").exists()
-    final.rename(tmp_path / ".hf.old")           # a crash after "old aside", before "new in"
-    (tmp_path / ".hf.xyz").mkdir()               # and a killed writer's temp directory
+    final.rename(tmp_path / ".hf.old")  # a crash after "old aside", before "new in"
+    (tmp_path / ".hf.xyz").mkdir()  # and a killed writer's temp directory
     recover_dir(final)
     assert (final / "v").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 # ---- class 6: processes and concurrency ------------------------------------------------------------------------------
+
 
 def _procs_mentioning(text: str) -> list[tuple[int, str]]:
     import os
@@ -309,15 +328,27 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path):
 
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tasks.procs import RunDirLock\n"
-                               f"with RunDirLock({str(run)!r}, 'train'):\n print('held', flush=True); time.sleep(60)"],
-                              cwd=REPO, stdout=subprocess.PIPE, text=True, env={"PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from tasks.procs import RunDirLock\n"
+            f"with RunDirLock({str(run)!r}, 'train'):\n print('held', flush=True); time.sleep(60)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PYTHONPATH": str(REPO)},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         rc, err = cli("plan", "--no-tracking", "--run-dir", str(run))
         assert rc == 2 and len(err) == 1, err
-        assert err[0].startswith(f"error: run directory {run} is in use by pid {holder.pid} on ") and \
-            "(stage train, since " in err[0] and "use another --run-dir" in err[0], err
+        assert (
+            err[0].startswith(f"error: run directory {run} is in use by pid {holder.pid} on ")
+            and "(stage train, since " in err[0]
+            and "use another --run-dir" in err[0]
+        ), err
         assert not (run / "plan.json").exists()
     finally:
         holder.kill()
@@ -338,14 +369,30 @@ def test_kill_9_of_the_train_stage_leaves_no_orphans(tmp_path, shards):
 
     run = tmp_path / "run"
     sets = {**BASE, **DP2, "train.steps": 100000, "train.checkpoint_every": 0}
-    argv = [sys.executable, "-m", "tasks", "train", "--no-tracking", "--no-export", "--run-dir", str(run),
-            "--shard-dir", str(shards)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    parent = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    argv = [
+        sys.executable,
+        "-m",
+        "tasks",
+        "train",
+        "--no-tracking",
+        "--no-export",
+        "--run-dir",
+        str(run),
+        "--shard-dir",
+        str(shards),
+    ] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    parent = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and not ((run / "metrics.jsonl").is_file()
-                                               and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+        while time.time() < deadline and not (
+            (run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2
+        ):
             time.sleep(0.5)
         assert (run / "metrics.jsonl").is_file(), "training never started"
         assert len(_procs_mentioning(str(run / "train" / "launch.json"))) >= 3  # torchrun + 2 ranks
@@ -367,6 +414,7 @@ def test_kill_9_of_the_train_stage_leaves_no_orphans(tmp_path, shards):
 
 # ---- class 3: an MLflow outage never blocks training --------------------------------------------------------------
 
+
 def _free_port() -> int:
     import socket
 
@@ -383,10 +431,25 @@ def _mlflow_server(port: int, store, artifacts):
     from pathlib import Path
 
     mlflow_bin = Path(sys.executable).parent / "mlflow"
-    proc = subprocess.Popen([str(mlflow_bin), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                             "--backend-store-uri", f"sqlite:///{store}", "--default-artifact-root", str(artifacts)],
-                            stdout=open(Path(store).with_suffix(f".{port}.log"), "a"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(mlflow_bin),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{store}",
+            "--default-artifact-root",
+            str(artifacts),
+        ],
+        stdout=open(Path(store).with_suffix(f".{port}.log"), "a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -429,10 +492,25 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
     server = _mlflow_server(port, store, art)
     run = tmp_path / "run"
     steps = 40  # the server dies after step 3: 37 steps without it, then the backfill of every step
-    sets = {**BASE, **DP2, "train.steps": steps, "tracking.uri": uri, "tracking.experiment": "outage",
-            "tracking.artifact_root": str(art)}
-    argv = [sys.executable, "-m", "tasks", "train", "--no-export", "--run-dir", str(run), "--shard-dir",
-            str(shards)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    sets = {
+        **BASE,
+        **DP2,
+        "train.steps": steps,
+        "tracking.uri": uri,
+        "tracking.experiment": "outage",
+        "tracking.artifact_root": str(art),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "tasks",
+        "train",
+        "--no-export",
+        "--run-dir",
+        str(run),
+        "--shard-dir",
+        str(shards),
+    ] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     train = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -455,9 +533,15 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
 
     server = _mlflow_server(port, store, art)  # back, same store
     try:
-        plan = subprocess.run([sys.executable, "-m", "tasks", "plan", "--run-dir", str(run)]
-                              + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
-                              cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+        plan = subprocess.run(
+            [sys.executable, "-m", "tasks", "plan", "--run-dir", str(run)]
+            + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert plan.returncode == 0, plan.stderr[-2000:]
         run_id = json.loads((run / "train.json").read_text())["mlflow_run_id"]
         history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train.loss")

@@ -1,6 +1,7 @@
 """Real model shapes on 4 gloo ranks: Qwen2-0.5B (published shapes, random weights) trained from sharded meta init and
 from an HF checkpoint written by transformers, each exported to an HF directory that transformers loads with the
 trained model's logits. Each rank only ever holds its shards (checked against its measured peak)."""
+
 from __future__ import annotations
 
 import gc
@@ -15,9 +16,18 @@ import transformers  # noqa: E402
 
 from train_fixture import configure, shards, torchrun, write_spec  # noqa: E402,F401
 
-SCALE = {"model.preset": "qwen2-0.5b", "data.seq_len": 32, "train.steps": 1, "train.global_batch": 4,
-         "train.micro_batch": 1, "hardware.nproc_per_node": 4, "parallel.dp": 4, "parallel.tp": 1,
-         "parallel.pp": 1, "parallel.zero": 3}
+SCALE = {
+    "model.preset": "qwen2-0.5b",
+    "data.seq_len": 32,
+    "train.steps": 1,
+    "train.global_batch": 4,
+    "train.micro_batch": 1,
+    "hardware.nproc_per_node": 4,
+    "parallel.dp": 4,
+    "parallel.tp": 1,
+    "parallel.pp": 1,
+    "parallel.zero": 3,
+}
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -58,8 +68,9 @@ def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg
     tokens = _tokens(tcfg.vocab_size)
     # An HF checkpoint with the published shapes, random weights, written by transformers in 4 files.
     torch.manual_seed(0)
-    hf_cfg = transformers.Qwen2Config(**{k: v for k, v in to_hf_config(tcfg).items()
-                                         if k not in ("architectures", "dtype", "torch_dtype")})
+    hf_cfg = transformers.Qwen2Config(
+        **{k: v for k, v in to_hf_config(tcfg).items() if k not in ("architectures", "dtype", "torch_dtype")}
+    )
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
     hf.save_pretrained(tmp_path / "ckpt", max_shard_size="600MB")
     with torch.no_grad():
@@ -71,8 +82,16 @@ def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg
     export = {"tokenizer_dir": str(shards), "file_bytes": 700 * 2**20}  # several files, written by several ranks
     meta = configure(cfg, **SCALE)
     spec_meta = write_spec(meta, tmp_path / "meta", shards, export=export)
-    imported = configure(cfg, **{**SCALE, "model.hf_path": str(tmp_path / "ckpt"), "train.lr": 0.0,
-                                 "train.min_lr": 0.0, "train.warmup_steps": 0})
+    imported = configure(
+        cfg,
+        **{
+            **SCALE,
+            "model.hf_path": str(tmp_path / "ckpt"),
+            "train.lr": 0.0,
+            "train.min_lr": 0.0,
+            "train.warmup_steps": 0,
+        },
+    )
     spec_hf = write_spec(imported, tmp_path / "imported", shards, export=export)
     rc, out = torchrun(meta, 4, [spec_meta, spec_hf], tmp_path / "torchrun.log")
     assert rc == 0, out[-3000:]
@@ -123,9 +142,13 @@ def test_cpu_phase_peaks_are_each_phases_own():
 def test_memory_figures_compare_the_estimate_with_the_training_phase_over_the_base():
     from tasks.stages.train import memory_figures
 
-    summary = {"memory_per_rank": [{"peak_bytes": 3 * 2**30}, {"peak_bytes": 4 * 2**30}],
-               "memory_phases_per_rank": [{"init": 2**30, "train": 3 * 2**30, "base": 2**29},
-                                          {"init": 2**30, "train": 4 * 2**30, "base": 2**30}]}
+    summary = {
+        "memory_per_rank": [{"peak_bytes": 3 * 2**30}, {"peak_bytes": 4 * 2**30}],
+        "memory_phases_per_rank": [
+            {"init": 2**30, "train": 3 * 2**30, "base": 2**29},
+            {"init": 2**30, "train": 4 * 2**30, "base": 2**30},
+        ],
+    }
     export = {"per_rank": [{"export": 2**30, "base": 2**29, "written_bytes": 2**29}]}
     got = memory_figures(summary, export, estimate_bytes=6 * 2**30, backend="cpu")
     assert got["memory.estimate_over_measured"] == pytest.approx(6 / 3)  # worst rank: 4 GB − 1 GB base

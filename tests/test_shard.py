@@ -1,4 +1,5 @@
 """Sharding (data_prep): real tokenizers + real webdataset tars; determinism, cache, crash-safety, bad inputs."""
+
 from __future__ import annotations
 
 import gzip
@@ -27,8 +28,17 @@ CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
 
 
 def shard_cfg(out: Path, inputs=None, **kw) -> ShardConfig:
-    base = dict(inputs=[str(p) for p in (inputs or [CORPUS])], out_dir=str(out), vocab_size=300, seq_len=16,
-                val_fraction=0.2, shard_size_mb=0.02, shard_multiple=4, tokenize_processes=1, progress=False)
+    base = dict(
+        inputs=[str(p) for p in (inputs or [CORPUS])],
+        out_dir=str(out),
+        vocab_size=300,
+        seq_len=16,
+        val_fraction=0.2,
+        shard_size_mb=0.02,
+        shard_multiple=4,
+        tokenize_processes=1,
+        progress=False,
+    )
     return ShardConfig(**{**base, **kw})
 
 
@@ -113,11 +123,19 @@ def test_gzip_jsonl_and_parquet_inputs(tmp_path):
 def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
     out = tmp_path / "out"
     # Enough documents that writing outlasts the poll below by far: the kill must land mid-write.
-    sets = ["max_documents=300", "vocab_size=512", "seq_len=16", "shard_size_mb=0.1", "shard_multiple=2",
-            "tokenize_processes=2", "progress=false"]
+    sets = [
+        "max_documents=300",
+        "vocab_size=512",
+        "seq_len=16",
+        "shard_size_mb=0.1",
+        "shard_multiple=2",
+        "tokenize_processes=2",
+        "progress=false",
+    ]
     cmd = [sys.executable, "-m", "data_prep", "shard", "--input", "stdlib", "--out", str(out)]
-    proc = subprocess.Popen(cmd + [a for s in sets for a in ("--set", s)], cwd=REPO, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd + [a for s in sets for a in ("--set", s)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.time() + 90
     while time.time() < deadline and proc.poll() is None and not list(out.glob(".tmp-*/train-*.tar")):
         time.sleep(0.005)
@@ -130,8 +148,15 @@ def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
     assert [p.name for p in out.iterdir() if not p.name.startswith(".tmp-")] == []  # nothing half-written visible
     leftovers = list(out.glob(".tmp-*"))
     assert leftovers
-    cfg = ShardConfig.from_dict({"inputs": ["stdlib"], "out_dir": str(out), **dict(
-        (k, json.loads(v) if v[0].isdigit() or v == "false" else v) for k, v in (s.split("=") for s in sets))})
+    cfg = ShardConfig.from_dict(
+        {
+            "inputs": ["stdlib"],
+            "out_dir": str(out),
+            **dict(
+                (k, json.loads(v) if v[0].isdigit() or v == "false" else v) for k, v in (s.split("=") for s in sets)
+            ),
+        }
+    )
     result = build_shard_set(cfg)
     assert not result.cache_hit and not any(p.exists() for p in leftovers)
     assert [p.name for p in out.iterdir()] == [result.shard_dir.name]
@@ -142,6 +167,7 @@ def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
 
 
 # --- bad inputs: each a one-line error or a counted skip ------------------------------------------------------
+
 
 def one_line_error(cfg: ShardConfig) -> str:
     with pytest.raises(DataPrepError) as e:
@@ -154,7 +180,8 @@ def test_empty_corpus_and_no_matching_files(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "short.txt").write_text("hi\n")
     assert one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "empty.txt", tmp_path / "short.txt"])).startswith(
-        "empty corpus: no document kept from 2 input file(s)")
+        "empty corpus: no document kept from 2 input file(s)"
+    )
     assert "no input files matched" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "nothing-*.txt"]))
     assert "does not exist" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "missing.txt"]))
     (tmp_path / "d").mkdir()
@@ -171,12 +198,19 @@ def test_binary_file_is_a_counted_skip(tmp_path):
 
 def test_invalid_utf8_replace_or_skip(tmp_path):
     latin = [CORPUS / "latin1.txt", CORPUS / "alpha.txt"]
-    texts = list(dict((t, s) for s, t in clean_documents(resolve_inputs([str(p) for p in latin]),
-                                                        shard_cfg(tmp_path, val_fraction=0.0), CorpusStats())))
+    texts = list(
+        dict(
+            (t, s)
+            for s, t in clean_documents(
+                resolve_inputs([str(p) for p in latin]), shard_cfg(tmp_path, val_fraction=0.0), CorpusStats()
+            )
+        )
+    )
     assert len(texts) == 2 and any("\ufffd" in t for t in texts)  # both kept (replace mode), one repaired
     stats = CorpusStats()
-    skipped = list(clean_documents(resolve_inputs([str(p) for p in latin]),
-                                   shard_cfg(tmp_path, on_decode_error="skip"), stats))
+    skipped = list(
+        clean_documents(resolve_inputs([str(p) for p in latin]), shard_cfg(tmp_path, on_decode_error="skip"), stats)
+    )
     assert len(skipped) == 1 and stats.undecodable == 1
 
 
@@ -190,12 +224,19 @@ def test_200mb_single_line_files_stream_in_bounded_memory(tmp_path):
             jsonl.write(chunk)
         jsonl.write(b'"}\n' + json.dumps({"text": "a normal record after it"}).encode() + b"\n")
     # VmHWM, not ru_maxrss: a forked child's ru_maxrss starts at its parent's peak.
-    code = ("import re, sys\nfrom pathlib import Path\nfrom data_prep.corpus import CorpusStats, iter_documents\n"
-            "s = CorpusStats()\ndocs = list(iter_documents([Path(p) for p in sys.argv[1:]], stats=s))\n"
-            "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
-            "print(len(docs), s.too_long, int(hwm) // 1024)")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "big.txt"), str(tmp_path / "big.jsonl")],
-                         cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    code = (
+        "import re, sys\nfrom pathlib import Path\nfrom data_prep.corpus import CorpusStats, iter_documents\n"
+        "s = CorpusStats()\ndocs = list(iter_documents([Path(p) for p in sys.argv[1:]], stats=s))\n"
+        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+        "print(len(docs), s.too_long, int(hwm) // 1024)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "big.txt"), str(tmp_path / "big.jsonl")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     docs, too_long, peak_mb = map(int, out)
     assert docs == 1 and too_long == 2 and peak_mb < 100, out
 
@@ -225,17 +266,39 @@ def test_unwritable_output_dir(tmp_path):
 
 
 def test_cli_error_is_one_line_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "data_prep", "shard", "--input", str(tmp_path / "none*.txt"),
-                        "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "data_prep", "shard", "--input", str(tmp_path / "none*.txt"), "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.startswith("error: no input files matched") and r.stderr.count("\n") == 1
 
 
 def test_cli_takes_several_pairs_after_one_set(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "data_prep", "shard", "--input", "stdlib", "--out", str(tmp_path),
-                        "--set", "seq_len=1", "vocab_size=100", "--set", "max_documents=5"], cwd=REPO,
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip() == ("error: seq_len: 1 is out of range; vocab_size: 100 is out "
-                                                      "of range")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "data_prep",
+            "shard",
+            "--input",
+            "stdlib",
+            "--out",
+            str(tmp_path),
+            "--set",
+            "seq_len=1",
+            "vocab_size=100",
+            "--set",
+            "max_documents=5",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: seq_len: 1 is out of range; vocab_size: 100 is out of range"
+    )
 
 
 def test_model_directory_tokenizer_uses_its_eos(tmp_path):

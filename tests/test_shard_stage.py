@@ -1,4 +1,5 @@
 """The shard stage through the real runner: MLflow metrics, artifacts and dataset input; cache hit; one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,10 @@ def test_shard_stage_logs_to_mlflow_and_caches(shard_cfg, tmp_path):
     assert dataset.dataset.name == manifest["version"] and dataset.dataset.digest == first["manifest_digest"][:32]
     assert json.loads(dataset.dataset.source)["uri"] == first["asset_uri"]
     assert {t.key: t.value for t in dataset.tags}["manifest_sha256"] == first["manifest_digest"]
-    assert {a.path for a in client.list_artifacts(run.info.run_id, "shards")} == {"shards/manifest.json",
-                                                                                    "shards/tokenizer.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "shards")} == {
+        "shards/manifest.json",
+        "shards/tokenizer.json",
+    }
     again = run_stage("shard", shard_cfg, tmp_path / "run2")
     assert again["cache_hit"] and again["manifest_digest"] == first["manifest_digest"]
     assert "cache hit" in again["summary"]

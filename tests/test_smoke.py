@@ -1,4 +1,5 @@
 """Smoke stage on a real webdataset shard set, real MLflow: passes on the demo model, fails naming the bad layer."""
+
 from __future__ import annotations
 
 import argparse
@@ -70,7 +71,7 @@ def test_huge_learning_rate_fails_naming_first_bad_layer(smoke_cfg, tmp_path, sh
     assert named.startswith("layers.") and first["layer"].startswith(named)
     assert f"first non-finite layer {named} " in str(e.value) and "learning rate" in str(e.value)
     assert report["step"] > 0 and report["likely_causes"][0] == "learning_rate"
-    assert all(r["nan"] == r["inf"] == 0 for r in report["layers"][:report["layers"].index(first)])
+    assert all(r["nan"] == r["inf"] == 0 for r in report["layers"][: report["layers"].index(first)])
     run_id = json.loads((tmp_path / "run" / "smoke.json").read_text())["mlflow_run_id"]
     names = [f.path for f in _mlflow(smoke_cfg).list_artifacts(run_id, "smoke")]
     assert "smoke/layer_report.json" in names
@@ -87,8 +88,20 @@ def test_poisoned_checkpoint_names_the_poisoned_layer(tmp_path, capsys, shards):
     with torch.no_grad():
         model.layers["1"].feed_forward.w2.weight[3, 5] = float("inf")
     save_hf(model, tmp_path / "poisoned")
-    code = cli_main(["smoke", "--shard-dir", str(shards), "--run-dir", str(tmp_path / "run"), "--no-tracking",
-                     "--set", f"model.hf_path={tmp_path / 'poisoned'}", "--set", "smoke.steps=4"])
+    code = cli_main(
+        [
+            "smoke",
+            "--shard-dir",
+            str(shards),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--no-tracking",
+            "--set",
+            f"model.hf_path={tmp_path / 'poisoned'}",
+            "--set",
+            "smoke.steps=4",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "FP32 loss nan at step 0; first non-finite layer layers.1.feed_forward.w2 (output of" in err

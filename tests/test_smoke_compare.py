@@ -1,5 +1,6 @@
 """smoke.compare_with_cpu: one forward on the device (here the CPU in BF16) against FP32 on the CPU from the same
 weights and batch, the first layer beyond tolerance named, the per-layer table in smoke_report.json and MLflow."""
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,8 @@ def test_bf16_names_the_first_rounded_layer_and_stays_within_default_tolerance(t
     tcfg, state, tokens = tiny
     strict = cmp.compare_with_cpu(tcfg, state, tokens, torch.device("cpu"), "bf16", 0.0)
     rows = {r["layer"]: r for r in strict["layers"]}
-    assert rows["tok_embeddings"]["max_abs"] == 0.0            # a lookup: no rounding under autocast
-    assert strict["first_beyond"].startswith("layers.0.")       # the first matmul is the first BF16 op
+    assert rows["tok_embeddings"]["max_abs"] == 0.0  # a lookup: no rounding under autocast
+    assert strict["first_beyond"].startswith("layers.0.")  # the first matmul is the first BF16 op
     assert 0 < strict["logits_max_rel"] < 0.05
     default = cmp.compare_with_cpu(tcfg, state, tokens, torch.device("cpu"), "bf16", 0.05)
     assert default["first_beyond"] is None, cmp.summary(default)

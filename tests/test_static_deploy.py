@@ -1,5 +1,6 @@
 """Static checks of the deployment files: Dockerfiles, compose file and Kubernetes manifests parse, name files that
 exist, pin torch/torch_npu as a published pair, take secrets only from the environment and bind to 127.0.0.1."""
+
 import importlib.util
 import re
 import shlex
@@ -55,8 +56,11 @@ def test_ascend_image_is_cann_based_sources_set_env_and_pins_a_published_pair():
     entry = (DOCKER / "entrypoint-ascend.sh").read_text()
     assert "set_env.sh" in entry and "source" in entry
     assert ("ENTRYPOINT", '["/usr/local/bin/entrypoint-ascend.sh"]') in steps
-    pins = dict(line.split("==") for line in (REPO / "requirements-npu.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (REPO / "requirements-npu.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
     assert pins["torch"] == pins["torch-npu"].split(".post")[0]
     matrix = yaml.safe_load((REPO / "tasks" / "envcheck" / "compat_matrix.yaml").read_text())["pairs"]
     row = next(r for r in matrix if str(r["torch_npu"]) == pins["torch-npu"])  # the env stage's own matrix
@@ -69,8 +73,14 @@ def compose() -> dict:
 
 def test_compose_services_files_and_ports():
     services = compose()["services"]
-    assert {"postgres", "mlflow", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-            "airflow-triggerer"} <= set(services)
+    assert {
+        "postgres",
+        "mlflow",
+        "airflow-apiserver",
+        "airflow-scheduler",
+        "airflow-dag-processor",
+        "airflow-triggerer",
+    } <= set(services)
     for name, svc in services.items():
         build = svc.get("build")
         if build:
@@ -101,8 +111,14 @@ def test_compose_takes_every_secret_from_the_environment():
         if ":" in userinfo:
             assert ENV_REF.search(userinfo), f"credential in URL {url}"
     required = set(re.findall(r"\$\{([A-Z_]+):\?", text))
-    assert {"POSTGRES_PASSWORD", "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_JWT_SECRET", "MLFLOW_ADMIN_PASSWORD",
-            "MLFLOW_FLASK_SECRET", "AIRFLOW_FERNET_KEY"} <= required
+    assert {
+        "POSTGRES_PASSWORD",
+        "AIRFLOW_ADMIN_PASSWORD",
+        "AIRFLOW_JWT_SECRET",
+        "MLFLOW_ADMIN_PASSWORD",
+        "MLFLOW_FLASK_SECRET",
+        "AIRFLOW_FERNET_KEY",
+    } <= required
 
 
 def test_no_secrets_committed_in_deploy_files():
@@ -164,8 +180,10 @@ def test_render_for_a_dag_run(cfg, tmp_path):
     from tasks.config import apply_overrides
 
     apply_overrides(cfg, {"data.seq_len": 64})  # set explicitly: the pods must still see it as explicit
-    assert "--set data.seq_len=64" in k8s_job.render(cfg, tmp_path / "run", name)[1]["spec"]["template"]["spec"][
-        "containers"][0]["args"][0]
+    assert (
+        "--set data.seq_len=64"
+        in k8s_job.render(cfg, tmp_path / "run", name)[1]["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    )
     written = yaml.safe_load((tmp_path / "run" / "k8s" / f"{name}.yaml").read_text())
     assert written["hardware"]["nnodes"] == 4 and written["tracking"]["uri"] == ""
     cfg.hardware.k8s_image = ""

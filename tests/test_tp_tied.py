@@ -1,6 +1,7 @@
 """Tensor parallelism with tied embeddings (Qwen2-0.5B/1.5B tie lm_head to the embedding): the embedding and the
 output projection share one hidden-sharded DTensor parameter, so tp2 and dp2×tp2 (ZeRO 3 and 0) reproduce the
 single-process curve, and the export is a tied HF model that transformers loads with the trained logits."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,15 @@ import transformers  # noqa: E402
 
 from test_scale import _logits_of_checkpoint  # noqa: E402
 from test_train_hf_init import tiny_qwen2  # noqa: E402
-from train_fixture import (assert_same_curve, configure, losses, reference_losses, shards, torchrun,  # noqa: E402,F401
-                           write_spec)
+from train_fixture import (
+    assert_same_curve,
+    configure,
+    losses,
+    reference_losses,
+    shards,  # noqa: F401
+    torchrun,  # noqa: E402,F401
+    write_spec,
+)
 
 LAYOUTS = {  # name: (ranks, dp, tp, zero)
     "dp2_tp2": (4, 2, 2, 3),
@@ -34,8 +42,17 @@ def test_tied_embeddings_train_under_tp_like_one_process_and_export_tied(cfg, tm
     export = {"tokenizer_dir": str(shards)}
     specs: dict[int, list] = {}
     for name, (ranks, dp, tp, zero) in LAYOUTS.items():
-        c = configure(cfg, **tied, **{"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": 1, "parallel.zero": zero,
-                                      "hardware.nproc_per_node": ranks})
+        c = configure(
+            cfg,
+            **tied,
+            **{
+                "parallel.dp": dp,
+                "parallel.tp": tp,
+                "parallel.pp": 1,
+                "parallel.zero": zero,
+                "hardware.nproc_per_node": ranks,
+            },
+        )
         specs.setdefault(ranks, []).append(write_spec(c, tmp_path / name, shards, export=export))
     for ranks, paths in specs.items():
         c = configure(cfg, **tied, **{"hardware.nproc_per_node": ranks})

@@ -1,4 +1,5 @@
 """MLflow hierarchy read back from a real SQLite store; runner results and failures; unreachable servers."""
+
 import json
 import sys
 import types

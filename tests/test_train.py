@@ -1,5 +1,6 @@
 """The training stage end to end: kill -9 of a rank and automatic resume, two torchrun agents (--nnodes 2), bad
 configs rejected before any worker starts, failure diagnosis, and the schedule/split arithmetic."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,15 @@ import threading
 import pytest
 
 from tasks.errors import ConfigError, StageError
-from train_fixture import (assert_same_curve, configure, context, losses, reference_losses, shards,  # noqa: F401
-                           write_spec)
+from train_fixture import (
+    assert_same_curve,
+    configure,
+    context,
+    losses,
+    reference_losses,
+    shards,  # noqa: F401
+    write_spec,
+)
 
 
 @pytest.mark.slow
@@ -20,8 +28,17 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 
     from tasks.runner import run_stage
 
-    c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2,
-                          "train.steps": 6, "train.checkpoint_every": 2})
+    c = configure(
+        cfg,
+        **{
+            "parallel.dp": 2,
+            "parallel.tp": 1,
+            "parallel.pp": 1,
+            "hardware.nproc_per_node": 2,
+            "train.steps": 6,
+            "train.checkpoint_every": 2,
+        },
+    )
     c.tracking.enabled = True
     run_dir = tmp_path / "run"
     args = context(run_dir, shards, no_export=False).args
@@ -35,8 +52,7 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 
     monkeypatch.delenv("LLM_PIPELINE_FAULT")
     result = run_stage("train", c, run_dir, args=args)  # what Airflow's retry does
-    assert_same_curve(losses(run_dir), reference_losses(c, shards, 6), "killed at 4, resumed from 2",
-                      steps=range(1, 7))
+    assert_same_curve(losses(run_dir), reference_losses(c, shards, 6), "killed at 4, resumed from 2", steps=range(1, 7))
     assert result["summary"].startswith("6 steps, loss ") and result["summary"].endswith("dp2")
     assert (run_dir / "hf" / "config.json").is_file() and result["checkpoint"].endswith("step-6")
     assert "resumed from" in (run_dir / "logs" / "rank-1.log").read_text()
@@ -57,11 +73,19 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 @pytest.mark.slow
 def test_two_torchrun_agents_with_nnodes_2_train_together(cfg, tmp_path, shards):
     from tasks.stages import train
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    sets = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 1,
-            "hardware.nnodes": 2, "hardware.rdzv_endpoint": f"127.0.0.1:{port}", "train.steps": 3}
+    sets = {
+        "parallel.dp": 2,
+        "parallel.tp": 1,
+        "parallel.pp": 1,
+        "hardware.nproc_per_node": 1,
+        "hardware.nnodes": 2,
+        "hardware.rdzv_endpoint": f"127.0.0.1:{port}",
+        "train.steps": 3,
+    }
     results, errors = {}, []
 
     def node(rank):
@@ -82,15 +106,29 @@ def test_two_torchrun_agents_with_nnodes_2_train_together(cfg, tmp_path, shards)
     assert results[1]["summary"] == "node 1: trained dp2"
     ref = reference_losses(configure(cfg, **sets), shards, 3)
     assert_same_curve(losses(tmp_path / "run"), ref, "2 nodes × 1 process", steps=range(1, 4))
-    assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} >= {"rank-0.log", "rank-1.log",
-                                                                       "torchrun-node0.log", "torchrun-node1.log"}
+    assert {p.name for p in (tmp_path / "run" / "logs").iterdir()} >= {
+        "rank-0.log",
+        "rank-1.log",
+        "torchrun-node0.log",
+        "torchrun-node1.log",
+    }
 
 
 @pytest.mark.slow
 def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, shards, monkeypatch):
     from tasks.stages import train
-    c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2,
-                          "train.steps": 4, "train.timeout_s": 10})
+
+    c = configure(
+        cfg,
+        **{
+            "parallel.dp": 2,
+            "parallel.tp": 1,
+            "parallel.pp": 1,
+            "hardware.nproc_per_node": 2,
+            "train.steps": 4,
+            "train.timeout_s": 10,
+        },
+    )
     monkeypatch.setenv("LLM_PIPELINE_FAULT", "1:3:hang")  # rank 1 stops responding at the start of step 3
     with pytest.raises(StageError) as err:
         train.run(c, context(tmp_path, shards))
@@ -99,19 +137,31 @@ def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, sh
     assert json.loads((tmp_path / "train" / "failures" / "timeout-rank-0.json").read_text())["step"] == 3
 
 
-@pytest.mark.parametrize("sets, expected", [
-    ({"parallel.tp": 3, "hardware.nproc_per_node": 3, "parallel.dp": 1},
-     "parallel.tp: 3 does not divide the model's 4 heads"),
-    ({"parallel.tp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1},
-     "parallel.tp: 4 does not divide the model's 2 KV heads"),
-    ({"parallel.pp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1},
-     "parallel.pp: 4 pipeline stages exceed the model's 2 layers"),
-    ({"parallel.dp": 2, "parallel.tp": 2, "hardware.nproc_per_node": 2}, "dp 2 × tp 2 × pp 1 = 4 ≠ world size 2"),
-    ({"parallel.pp": 2, "parallel.dp": 1, "train.global_batch": 2, "hardware.nproc_per_node": 2},
-     "1 micro-batches per step are fewer than the 2 pipeline stages"),
-])
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (
+            {"parallel.tp": 3, "hardware.nproc_per_node": 3, "parallel.dp": 1},
+            "parallel.tp: 3 does not divide the model's 4 heads",
+        ),
+        (
+            {"parallel.tp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1},
+            "parallel.tp: 4 does not divide the model's 2 KV heads",
+        ),
+        (
+            {"parallel.pp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1},
+            "parallel.pp: 4 pipeline stages exceed the model's 2 layers",
+        ),
+        ({"parallel.dp": 2, "parallel.tp": 2, "hardware.nproc_per_node": 2}, "dp 2 × tp 2 × pp 1 = 4 ≠ world size 2"),
+        (
+            {"parallel.pp": 2, "parallel.dp": 1, "train.global_batch": 2, "hardware.nproc_per_node": 2},
+            "1 micro-batches per step are fewer than the 2 pipeline stages",
+        ),
+    ],
+)
 def test_bad_layouts_fail_before_launch_one_line_each(cfg, tmp_path, shards, sets, expected):
     from tasks.stages import train
+
     c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, **sets})
     with pytest.raises(ConfigError) as err:
         train.run(c, context(tmp_path, shards))
@@ -122,6 +172,7 @@ def test_bad_layouts_fail_before_launch_one_line_each(cfg, tmp_path, shards, set
 
 def test_missing_shard_and_foreign_checkpoint_fail_before_launch(cfg, tmp_path, shards):
     from tasks.stages import train
+
     c = configure(cfg, **{"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2})
     broken = tmp_path / "broken"
     shutil.copytree(shards, broken)
@@ -145,8 +196,10 @@ def test_failure_evidence_becomes_one_line_causes(tmp_path):
     from tasks.parallel.metrics import Heartbeat
 
     layout = {"dp": 2, "tp": 1, "pp": 1, "zero": 3, "recompute": "none", "micro_batch": 4}
-    torchrun_log = ("Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
-                    "  rank      : 3 (local_rank: 1)\n  exitcode  : -9 (pid: 7)\n")
+    torchrun_log = (
+        "Root Cause (first observed failure):\n[0]:\n  time      : x\n  host      : h\n"
+        "  rank      : 3 (local_rank: 1)\n  exitcode  : -9 (pid: 7)\n"
+    )
     for r, step in ((0, 5), (1, 5), (2, 5), (3, 4)):
         Heartbeat(tmp_path / "heartbeat", r).beat(step, "compute")
     e = explain(tmp_path, 1, torchrun_log, [], layout, "checkpoint step-4")
@@ -158,16 +211,24 @@ def test_failure_evidence_becomes_one_line_causes(tmp_path):
     assert e.retryable and "ranks [3] did not arrive (stuck at step 4 compute" in str(e)
     assert "python -m tasks env" in str(e)
 
-    gb = 10 ** 9  # printed memory is decimal GB (tasks/units.py)
-    (tmp_path / "failures" / "oom-rank-1.json").write_text(json.dumps({
-        "rank": 1, "step": 2, "estimate_bytes": 50 * gb,
-        "memory": {"allocated_bytes": 40 * gb, "reserved_bytes": 60 * gb}}))
+    gb = 10**9  # printed memory is decimal GB (tasks/units.py)
+    (tmp_path / "failures" / "oom-rank-1.json").write_text(
+        json.dumps(
+            {
+                "rank": 1,
+                "step": 2,
+                "estimate_bytes": 50 * gb,
+                "memory": {"allocated_bytes": 40 * gb, "reserved_bytes": 60 * gb},
+            }
+        )
+    )
     plans = [dict(layout), {**layout, "zero": 3, "recompute": "full", "micro_batch": 2}]
     e = explain(tmp_path, 1, "", plans, layout, "checkpoint step-0")
     assert not e.retryable and "\n" not in str(e)
     assert "planner estimated 50.0 GB/device; allocated 40.0 GB, reserved 60.0 GB" in str(e)
-    assert "expandable_segments:True" in str(e) and "next feasible plan: dp=2, tp=1, pp=1, zero=3, " \
-                                                      "recompute=full, micro_batch=2" in str(e)
+    assert "expandable_segments:True" in str(
+        e
+    ) and "next feasible plan: dp=2, tp=1, pp=1, zero=3, recompute=full, micro_batch=2" in str(e)
 
 
 def test_lr_schedule_and_pipeline_split():
@@ -185,8 +246,20 @@ def test_unpinned_degrees_come_from_the_plan(cfg):
     from tasks.parallel.layout import resolve
 
     c = configure(cfg, **{"parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
-    plan = {"parallel": {"dp": 1, "tp": 2, "pp": 2, "zero": 2, "recompute": "full", "pp_schedule": "gpipe",
-                         "microbatches": 4, "micro_batch": 2, "virtual_stages": 1, "sequence_parallel": False}}
+    plan = {
+        "parallel": {
+            "dp": 1,
+            "tp": 2,
+            "pp": 2,
+            "zero": 2,
+            "recompute": "full",
+            "pp_schedule": "gpipe",
+            "microbatches": 4,
+            "micro_batch": 2,
+            "virtual_stages": 1,
+            "sequence_parallel": False,
+        }
+    }
     lay = resolve(c, plan, 4)
     assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.recompute, lay.pp_schedule) == (1, 2, 2, 2, "full", "gpipe")
     assert not lay.sequence_parallel and lay.n_microbatches == 4
@@ -200,11 +273,13 @@ def test_cpu_world_size_comes_from_the_layout_unless_nproc_is_pinned(cfg):
 
     plan = {"parallel": {"dp": 2, "tp": 2, "pp": 1}}
     c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
-    assert _world(c, None)[1:] == (1, 1)                       # pinned dp1: one rank, not 2
+    assert _world(c, None)[1:] == (1, 1)  # pinned dp1: one rank, not 2
     c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
     assert _world(c, plan)[1:] == (4, 4) and _world(c, None)[1:] == (2, 2)  # the plan's 2×2; no plan: 2
-    c = configure(cfg, **{"hardware.nproc_per_node": 0, "hardware.nnodes": 2, "parallel.dp": 4, "parallel.tp": 1,
-                          "parallel.pp": 1})
-    assert _world(c, None)[1:] == (2, 4)                       # 4 ranks over 2 nodes
+    c = configure(
+        cfg,
+        **{"hardware.nproc_per_node": 0, "hardware.nnodes": 2, "parallel.dp": 4, "parallel.tp": 1, "parallel.pp": 1},
+    )
+    assert _world(c, None)[1:] == (2, 4)  # 4 ranks over 2 nodes
     c = configure(cfg, **{"hardware.nproc_per_node": 2, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
-    assert _world(c, None)[1:] == (2, 2)                       # pinned: kept, and the check explains
+    assert _world(c, None)[1:] == (2, 2)  # pinned: kept, and the check explains

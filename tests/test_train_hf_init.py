@@ -1,5 +1,6 @@
 """Training starts from the weights of model.hf_path (not from the project's random init): a tiny Qwen2 written by
 transformers, trained one step at learning rate 0 through the CLI on 2 gloo ranks and exported, comes back equal."""
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,21 @@ from train_fixture import shards  # noqa: E402,F401
 def tiny_qwen2(path, vocab: int, seed: int = 0, **shape):
     """A small random Qwen2 saved by transformers (biases made non-zero, so the q/k/v bias mapping is tested)."""
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(**{**dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
-                                             max_position_embeddings=128, tie_word_embeddings=False), **shape})
+    cfg = transformers.Qwen2Config(
+        **{
+            **dict(
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=vocab,
+                max_position_embeddings=128,
+                tie_word_embeddings=False,
+            ),
+            **shape,
+        }
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -38,12 +51,34 @@ def test_train_starts_from_hf_path_weights(tmp_path, shards):  # noqa: F811
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
     hf = tiny_qwen2(tmp_path / "ckpt", vocab)
     run_dir = tmp_path / "run"
-    sets = {"model.hf_path": tmp_path / "ckpt", "data.seq_len": 32, "data.loader_workers": 0, "train.steps": 1,
-            "train.global_batch": 4, "train.micro_batch": 2, "train.precision": "fp32", "train.lr": 0.0,
-            "train.min_lr": 0.0, "train.warmup_steps": 0, "hardware.device": "cpu", "hardware.nproc_per_node": 2,
-            "parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1}
-    cmd = [sys.executable, "-m", "tasks", "train", "--no-tracking", "--run-dir", str(run_dir), "--shard-dir",
-           str(shards)]
+    sets = {
+        "model.hf_path": tmp_path / "ckpt",
+        "data.seq_len": 32,
+        "data.loader_workers": 0,
+        "train.steps": 1,
+        "train.global_batch": 4,
+        "train.micro_batch": 2,
+        "train.precision": "fp32",
+        "train.lr": 0.0,
+        "train.min_lr": 0.0,
+        "train.warmup_steps": 0,
+        "hardware.device": "cpu",
+        "hardware.nproc_per_node": 2,
+        "parallel.dp": 2,
+        "parallel.tp": 1,
+        "parallel.pp": 1,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "tasks",
+        "train",
+        "--no-tracking",
+        "--run-dir",
+        str(run_dir),
+        "--shard-dir",
+        str(shards),
+    ]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -68,8 +103,15 @@ def test_shape_override_that_cannot_load_hf_path_is_refused(cfg, tmp_path, shard
 
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
     tiny_qwen2(tmp_path / "ckpt", vocab)
-    c = configure(cfg, **{"model.hf_path": str(tmp_path / "ckpt"), "model.preset": "demo", "model.ffn_dim": 128,
-                          "hardware.nproc_per_node": 2})
+    c = configure(
+        cfg,
+        **{
+            "model.hf_path": str(tmp_path / "ckpt"),
+            "model.preset": "demo",
+            "model.ffn_dim": 128,
+            "hardware.nproc_per_node": 2,
+        },
+    )
     with pytest.raises(ConfigError, match="model.ffn_dim: 128 differs from 96 in model.hf_path's config.json"):
         train.prepare(c, context(tmp_path / "run", shards))
 
@@ -91,8 +133,11 @@ def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_pa
     c = configure(cfg, **{"model.hf_path": str(tmp_path / "ckpt"), "hardware.nproc_per_node": 2})
     other = train_bpe(iter(["def f(x):\n    return x + 1\n"] * 4), 300)
     other.save(str(tmp_path / "ckpt" / "tokenizer.json"))
-    with pytest.raises(ConfigError, match=r"model.hf_path: its tokenizer \(\d+ tokens, .*ckpt/tokenizer.json\) is "
-                                          r"not the shard set's \(512 tokens, .*\); shard with data.tokenizer="):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.hf_path: its tokenizer \(\d+ tokens, .*ckpt/tokenizer.json\) is "
+        r"not the shard set's \(512 tokens, .*\); shard with data.tokenizer=",
+    ):
         train.prepare(c, context(tmp_path / "run", shards))
     Tokenizer.from_file(str(shards / "tokenizer.json")).save(str(tmp_path / "ckpt" / "tokenizer.json"), pretty=False)
     assert (tmp_path / "ckpt" / "tokenizer.json").read_bytes() != (shards / "tokenizer.json").read_bytes()
@@ -102,7 +147,10 @@ def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_pa
     # A checkpoint (without a tokenizer of its own) whose embedding is smaller than the shard set's vocabulary.
     tiny_qwen2(tmp_path / "small", 256)
     c = configure(cfg, **{"model.hf_path": str(tmp_path / "small"), "hardware.nproc_per_node": 2})
-    with pytest.raises(ConfigError, match=r"model.hf_path: the shard set's tokenizer has 512 tokens but the "
-                                          r"checkpoint's embedding only 256; shard with the checkpoint's own "
-                                          r"tokenizer \(data.tokenizer=.*small\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.hf_path: the shard set's tokenizer has 512 tokens but the "
+        r"checkpoint's embedding only 256; shard with the checkpoint's own "
+        r"tokenizer \(data.tokenizer=.*small\)$",
+    ):
         train.prepare(c, context(tmp_path / "run", shards))

@@ -1,4 +1,5 @@
 """Helpers shared by the training tests: a tiny real shard set, launch specs, and the single-process reference."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,23 @@ from pathlib import Path
 import pytest
 
 # The debug model on 32-token windows, fp32 (parity), 5 steps of 8 sequences.
-BASE = {"model.preset": "debug", "data.seq_len": 32, "data.loader_workers": 0, "train.steps": 5,
-        "train.global_batch": 8, "train.micro_batch": 2, "train.precision": "fp32", "train.lr": 3e-3,
-        "train.min_lr": 3e-4, "train.warmup_steps": 2, "train.grad_clip": 0.5, "train.checkpoint_every": 0,
-        "hardware.device": "cpu", "parallel.zero": 3, "parallel.recompute": "none"}
+BASE = {
+    "model.preset": "debug",
+    "data.seq_len": 32,
+    "data.loader_workers": 0,
+    "train.steps": 5,
+    "train.global_batch": 8,
+    "train.micro_batch": 2,
+    "train.precision": "fp32",
+    "train.lr": 3e-3,
+    "train.min_lr": 3e-4,
+    "train.warmup_steps": 2,
+    "train.grad_clip": 0.5,
+    "train.checkpoint_every": 0,
+    "hardware.device": "cpu",
+    "parallel.zero": 3,
+    "parallel.recompute": "none",
+}
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +68,7 @@ def write_spec(cfg, run_dir: Path, shards: Path, **extra) -> Path:
 def torchrun(cfg, nproc: int, specs: list[Path], log: Path, env_extra: dict | None = None):
     """One real torchrun launch of the worker over several specs; returns (rc, torchrun output)."""
     from tasks.stages import train
+
     argv = train.torchrun_argv(cfg, nproc, specs, rdzv_id="test")
     env = train.launch_env(cfg, "cpu", nproc, None)
     env.update(env_extra or {})
@@ -94,8 +109,7 @@ def reference_losses(cfg, shards: Path, steps: int) -> dict[int, float]:
     return out
 
 
-def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, rel: float = 1e-4,
-                      steps=None) -> None:
+def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, rel: float = 1e-4, steps=None) -> None:
     """Every step the run should have logged (default 1..BASE's train.steps) equals the reference curve."""
     steps = list(steps) if steps is not None else list(range(1, BASE["train.steps"] + 1))
     assert sorted(got) == steps, f"{what}: logged steps {sorted(got)} != {steps}"

@@ -2,6 +2,7 @@
 
 Every check is a small dict {"name", "status": ok|warn|fail, "detail"}; a fail stops the pipeline, a warn doesn't.
 """
+
 from __future__ import annotations
 
 STATUSES = ("ok", "warn", "fail")

@@ -6,6 +6,7 @@ Where CANN writes (CANN log reference): $ASCEND_PROCESS_LOG_PATH if set, else ~/
 stage started are taken, newest first, each capped to its last `per_file` bytes, `max_bytes` in all.
 The codes live in cann_error_codes.yaml (data).
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,13 +65,17 @@ def recent_logs(since: float, env: dict | None = None) -> list[Path]:
     return sorted(found, key=lambda p: -p.stat().st_mtime)
 
 
-def collect(dest: Path, since: float, max_bytes: int, env: dict | None = None,
-            per_file: int = PER_FILE_BYTES) -> dict:
+def collect(dest: Path, since: float, max_bytes: int, env: dict | None = None, per_file: int = PER_FILE_BYTES) -> dict:
     """Copy the logs written since `since` into dest (tails of big files), at most max_bytes in all; returns the
     manifest (also written as dest/manifest.json). Nothing is created when there is nothing to copy."""
     logs = recent_logs(since, env)
-    manifest = {"roots": [str(r) for r in log_roots(env)], "since": since, "max_bytes": max_bytes,
-                "copied": [], "skipped": []}
+    manifest = {
+        "roots": [str(r) for r in log_roots(env)],
+        "since": since,
+        "max_bytes": max_bytes,
+        "copied": [],
+        "skipped": [],
+    }
     if not logs:
         return manifest
     dest.mkdir(parents=True, exist_ok=True)
@@ -116,13 +121,23 @@ def on_failure(cfg, stage: str, run_dir: Path, cause: str, started: float, env: 
     dest = run_dir / stage / "cann-logs"
     max_bytes = int(getattr(cfg.hardware, "cann_log_max_mb", 50) * 1024 * 1024)
     manifest = collect(dest, started - 1.0, max_bytes, env)
-    rank_logs = [p for pattern in ("logs/*.log", f"{stage}/logs/*.log", f"{stage}/**/rank-*.log")
-                 for p in run_dir.glob(pattern) if p.is_file() and p.stat().st_mtime >= started - 1.0]
-    copied = [dest / Path(c["path"]).relative_to(next(r for r in log_roots(env) if c["path"].startswith(str(r))))
-              for c in manifest["copied"]]
+    rank_logs = [
+        p
+        for pattern in ("logs/*.log", f"{stage}/logs/*.log", f"{stage}/**/rank-*.log")
+        for p in run_dir.glob(pattern)
+        if p.is_file() and p.stat().st_mtime >= started - 1.0
+    ]
+    copied = [
+        dest / Path(c["path"]).relative_to(next(r for r in log_roots(env) if c["path"].startswith(str(r))))
+        for c in manifest["copied"]
+    ]
     codes = find_codes(_texts(cause, sorted(set(rank_logs)) + copied))
-    facts = {"cann_logs": str(dest) if manifest["copied"] else None, "copied": len(manifest["copied"]),
-             "bytes": manifest.get("bytes", 0), "codes": codes}
+    facts = {
+        "cann_logs": str(dest) if manifest["copied"] else None,
+        "copied": len(manifest["copied"]),
+        "bytes": manifest.get("bytes", 0),
+        "codes": codes,
+    }
     if manifest["copied"]:
         from tasks import tracking
 
@@ -144,4 +159,3 @@ def log_env(hardware) -> dict[str, str]:
     if getattr(hardware, "ascend_log_stdout", False):
         env["ASCEND_SLOG_PRINT_TO_STDOUT"] = "1"
     return {k: os.environ.get(k, v) for k, v in env.items()}
-

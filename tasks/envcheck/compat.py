@@ -2,6 +2,7 @@
 
 The table is data (compat_matrix.yaml); a mismatch names the exact pair to install.
 """
+
 from __future__ import annotations
 
 import re
@@ -38,7 +39,7 @@ def _norm_cann(v: str) -> str:
 
 
 def _family(cann: str) -> str:
-    return ".".join(_norm_cann(cann).split(".")[:2])   # 8.3.RC1 → 8.3
+    return ".".join(_norm_cann(cann).split(".")[:2])  # 8.3.RC1 → 8.3
 
 
 def best_pair(matrix: dict, cann: str, torch: str | None = None) -> dict | None:
@@ -73,8 +74,12 @@ def check_python(matrix: dict, python: str, torch: str | None) -> dict:
     if supported is None:
         return check("python-torch", "warn", f"torch {tv} is not in the published Python table; Python {pv} unverified")
     if pv not in supported:
-        return check("python-torch", "fail", f"Python {pv} is not supported by torch {tv} (supported: "
-                                             f"{', '.join(supported)}): use one of those Python versions")
+        return check(
+            "python-torch",
+            "fail",
+            f"Python {pv} is not supported by torch {tv} (supported: "
+            f"{', '.join(supported)}): use one of those Python versions",
+        )
     return check("python-torch", "ok", f"Python {pv} is supported by torch {tv}")
 
 
@@ -90,31 +95,55 @@ def check_npu_stack(matrix: dict, torch: str | None, torch_npu: str | None, cann
     row = next((r for r in matrix["pairs"] if r["torch_npu"] == torch_npu.split("+")[0]), None)
     if row is None:  # newer than the table: torch_npu X.Y.Z still pairs with torch X.Y.Z
         if torch and base_version(torch_npu) != base_version(torch):
-            return check(name, "fail", f"torch_npu {torch_npu} is built for torch {base_version(torch_npu)} but "
-                                       f"torch is {torch}: pip install torch=={base_version(torch_npu)}")
-        return check(name, "warn", f"torch_npu {torch_npu} is not in the published table; its CANN "
-                                   f"({cann or 'none found'}) is unverified")
+            return check(
+                name,
+                "fail",
+                f"torch_npu {torch_npu} is built for torch {base_version(torch_npu)} but "
+                f"torch is {torch}: pip install torch=={base_version(torch_npu)}",
+            )
+        return check(
+            name,
+            "warn",
+            f"torch_npu {torch_npu} is not in the published table; its CANN ({cann or 'none found'}) is unverified",
+        )
     if not cann:
-        return check(name, "fail", f"torch_npu {torch_npu} needs CANN {row['cann']} but no CANN toolkit was found: "
-                                   f"install CANN {row['cann']} and source its set_env.sh")
+        return check(
+            name,
+            "fail",
+            f"torch_npu {torch_npu} needs CANN {row['cann']} but no CANN toolkit was found: "
+            f"install CANN {row['cann']} and source its set_env.sh",
+        )
     if torch and base_version(torch) != row["torch"]:
         pair = best_pair(matrix, cann, torch)
         alt = f"{_install(pair)}" if pair else f"pip install torch=={row['torch']}"
-        return check(name, "fail", f"torch_npu {torch_npu} requires torch {row['torch']} but torch {torch} is "
-                                   f"installed: {alt}")
+        return check(
+            name, "fail", f"torch_npu {torch_npu} requires torch {row['torch']} but torch {torch} is installed: {alt}"
+        )
     if _norm_cann(cann) != _norm_cann(row["cann"]):
         if _family(cann) == _family(row["cann"]):
-            return check(name, "warn", f"torch_npu {torch_npu} was published for CANN {row['cann']}; "
-                                       f"CANN {cann} is the same release line")
+            return check(
+                name,
+                "warn",
+                f"torch_npu {torch_npu} was published for CANN {row['cann']}; CANN {cann} is the same release line",
+            )
         pair = best_pair(matrix, cann, torch)
         alt = f"{_install(pair)}, or " if pair else ""
-        return check(name, "fail", f"torch_npu {torch_npu} (torch {row['torch']}) requires CANN {row['cann']} but "
-                                   f"CANN {cann} is installed: {alt}install CANN {row['cann']}")
+        return check(
+            name,
+            "fail",
+            f"torch_npu {torch_npu} (torch {row['torch']}) requires CANN {row['cann']} but "
+            f"CANN {cann} is installed: {alt}install CANN {row['cann']}",
+        )
     if row.get("eol"):
-        return check(name, "warn", f"torch_npu {torch_npu} + torch {row['torch']} + CANN {row['cann']} is a "
-                                   f"published but end-of-life pair (branch {row['branch']})")
-    return check(name, "ok", f"torch_npu {torch_npu} + torch {row['torch']} + CANN {row['cann']} "
-                             f"(branch {row['branch']})")
+        return check(
+            name,
+            "warn",
+            f"torch_npu {torch_npu} + torch {row['torch']} + CANN {row['cann']} is a "
+            f"published but end-of-life pair (branch {row['branch']})",
+        )
+    return check(
+        name, "ok", f"torch_npu {torch_npu} + torch {row['torch']} + CANN {row['cann']} (branch {row['branch']})"
+    )
 
 
 def _in_ranges(version: str, ranges: list[list[str]]) -> bool:
@@ -137,8 +166,12 @@ def check_firmware(driver: dict | None, firmware: dict | None) -> dict | None:
     ranges, fw = driver["compatible_firmware"], firmware["version"]
     if not _in_ranges(fw, ranges):
         what = "the range" if len(ranges) == 1 else "the ranges"
-        return check("driver-firmware", "fail", f"firmware {fw} is outside {what} {_show(ranges)} that driver "
-                                                f"{driver['version']} supports: install a firmware in that range")
+        return check(
+            "driver-firmware",
+            "fail",
+            f"firmware {fw} is outside {what} {_show(ranges)} that driver "
+            f"{driver['version']} supports: install a firmware in that range",
+        )
     return check("driver-firmware", "ok", f"firmware {fw} within driver {driver['version']}'s range {_show(ranges)}")
 
 
@@ -149,8 +182,12 @@ def check_driver_cann(driver: dict | None, cann: dict | None) -> dict | None:
         return None
     release = re.match(r"V\d+R\d+C\d+", driver["innerversion"])
     if release and not _in_ranges(release.group(0), cann["compatible_version"]):
-        return check("driver-cann", "warn", f"driver {driver['version']} ({release.group(0)}) is not in CANN "
-                                            f"{cann['version']}'s compatible list {_show(cann['compatible_version'])}")
+        return check(
+            "driver-cann",
+            "warn",
+            f"driver {driver['version']} ({release.group(0)}) is not in CANN "
+            f"{cann['version']}'s compatible list {_show(cann['compatible_version'])}",
+        )
     return check("driver-cann", "ok", f"driver {driver['version']} is in CANN {cann['version']}'s compatible list")
 
 
@@ -171,8 +208,12 @@ def check_amct(amct: str | None, torch: str | None, torch_npu: str | None, cann:
     if not cann or _key(_norm_cann(cann))[:3] < _key(AMCT_MIN_CANN):
         problems.append(f"CANN {cann or 'missing'}")
     if problems:
-        return check("amct", "warn", f"AMCT {amct} installed with {', '.join(problems)}: {AMCT_PAIR} "
-                                     "(requirements-npu-amct.txt); quantize.backend=amct will not work")
+        return check(
+            "amct",
+            "warn",
+            f"AMCT {amct} installed with {', '.join(problems)}: {AMCT_PAIR} "
+            "(requirements-npu-amct.txt); quantize.backend=amct will not work",
+        )
     return check("amct", "ok", f"AMCT {amct} on torch {torch} + torch_npu {torch_npu} + CANN {cann}")
 
 
@@ -180,9 +221,11 @@ def version_checks(v: dict, matrix: dict | None = None) -> list[dict]:
     """All version checks over `versions.collect()` output."""
     matrix = matrix or load_matrix()
     cann = (v.get("cann") or {}).get("version")
-    out = [check_python(matrix, v["python"], v.get("torch")),
-           check_npu_stack(matrix, v.get("torch"), v.get("torch_npu"), cann),
-           check_firmware(v.get("driver"), v.get("firmware")),
-           check_driver_cann(v.get("driver"), v.get("cann")),
-           check_amct(v.get("amct"), v.get("torch"), v.get("torch_npu"), cann)]
+    out = [
+        check_python(matrix, v["python"], v.get("torch")),
+        check_npu_stack(matrix, v.get("torch"), v.get("torch_npu"), cann),
+        check_firmware(v.get("driver"), v.get("firmware")),
+        check_driver_cann(v.get("driver"), v.get("cann")),
+        check_amct(v.get("amct"), v.get("torch"), v.get("torch_npu"), cann),
+    ]
     return [c for c in out if c]

@@ -5,6 +5,7 @@ clock offset against node 0 (NTP-style ping-pong over the same link, the sample 
 Per rank: a short local matmul (a throttled or faulty chip shows up as a slow rank). Over all ranks: all_reduce
 correctness and bus bandwidth. Rank 0 assembles the report; each node's local rank 0 writes it to its --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,7 +38,7 @@ def _clock_and_link(dev, rank: int, leaders: list[int], size_mb: float, samples:
     """Rank 0 against each other node's leader, one at a time: clock offset (ms) and link bandwidth (GB/s)."""
     out = {}
     stamp = torch.zeros(1, dtype=torch.float64, device=dev)
-    numel = max(1, int(size_mb * 2 ** 20) // 4)
+    numel = max(1, int(size_mb * 2**20) // 4)
     buf = torch.ones(numel, dtype=torch.float32, device=dev)
     for peer in leaders:
         if peer == 0:
@@ -59,8 +60,11 @@ def _clock_and_link(dev, rank: int, leaders: list[int], size_mb: float, samples:
             dist.recv(buf, peer)
             devlayer.synchronize(dev)
             seconds = (time.perf_counter() - start) / 2
-            out[peer] = {"rtt_ms": best[0] * 1e3, "clock_offset_ms": best[1] * 1e3,
-                         "link_gbps": numel * 4 / seconds / 1e9}
+            out[peer] = {
+                "rtt_ms": best[0] * 1e3,
+                "clock_offset_ms": best[1] * 1e3,
+                "link_gbps": numel * 4 / seconds / 1e9,
+            }
         elif rank == peer:
             for _ in range(samples):
                 dist.recv(stamp, 0)
@@ -88,14 +92,23 @@ def main() -> None:
     dist.init_process_group(devlayer.DIST_BACKEND[args.kind], timeout=datetime.timedelta(seconds=args.timeout_s))
     # The configured node rank (hardware.node_rank), not torchrun's arrival order: what the operator calls the node.
     node = int(os.environ.get("LLM_NODE_RANK", os.environ["GROUP_RANK"]))
-    me = {"rank": rank, "local_rank": local_rank, "node": node,
-          "host": socket.gethostname(), "matmul_ms": _matmul_ms(dev)}
+    me = {
+        "rank": rank,
+        "local_rank": local_rank,
+        "node": node,
+        "host": socket.gethostname(),
+        "matmul_ms": _matmul_ms(dev),
+    }
     ranks: list = [None] * world
     dist.all_gather_object(ranks, me)
     leaders = sorted({r["node"]: r["rank"] for r in sorted(ranks, key=lambda r: -r["rank"])}.values())
     links = _clock_and_link(dev, rank, leaders, args.link_mb)
-    result = {"world_size": world, "backend": dist.get_backend(), **_correctness(dev, world, rank),
-              "sizes": [_bandwidth(dev, world, s, args.iters) for s in args.sizes_mb]}
+    result = {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        **_correctness(dev, world, rank),
+        "sizes": [_bandwidth(dev, world, s, args.iters) for s in args.sizes_mb],
+    }
     if rank == 0:
         nodes = {}
         for r in ranks:

@@ -11,6 +11,7 @@ hccn_tool output formats (documented, fixtures in tests/fixtures/env/hccn_tool/ 
 RoCE matters between nodes (inside an A2 server the cards talk over HCCS), so on one node a bad NIC only warns.
 A command that is not on this host is reported as info ("not available on this host"), never as a failure.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -87,11 +88,13 @@ def find_hccn_tool() -> str | None:
 def run_hccn(tool: str) -> Callable[[int, str], str | None]:
     def run(device: int, query: str) -> str | None:
         try:
-            proc = subprocess.run([tool, "-i", str(device), f"-{query}", "-g"], capture_output=True, text=True,
-                                  timeout=20)
+            proc = subprocess.run(
+                [tool, "-i", str(device), f"-{query}", "-g"], capture_output=True, text=True, timeout=20
+            )
         except (OSError, subprocess.TimeoutExpired):
             return None
         return (proc.stdout or "") + (proc.stderr or "") if proc.returncode == 0 else None
+
     return run
 
 
@@ -126,9 +129,13 @@ def nic_checks(nics: dict[int, dict], nnodes: int) -> list[dict]:
 def _link(name, nics, bad, scope) -> dict:
     down = [d for d, n in nics.items() if n["link"] != "UP"]
     if down:
-        return check(name, bad, f"RoCE link not UP on device(s) {down} "
-                                f"({', '.join(str(nics[d]['link']) for d in down)}){scope}; fix: check "
-                                "cable/optical module (hccn_tool -i N -optical -g) and the switch port")
+        return check(
+            name,
+            bad,
+            f"RoCE link not UP on device(s) {down} "
+            f"({', '.join(str(nics[d]['link']) for d in down)}){scope}; fix: check "
+            "cable/optical module (hccn_tool -i N -optical -g) and the switch port",
+        )
     return check(name, "ok", f"link UP on {len(nics)} device(s)")
 
 
@@ -145,11 +152,19 @@ def _ip(name, nics, bad, scope) -> dict:
     masks = {v.get("netmask") for v in ips.values() if v.get("netmask")}
     if missing or dup:
         what = "; ".join(([f"no IP on device(s) {missing}"] if missing else []) + [f"duplicate IP {x}" for x in dup])
-        return check(name, bad, f"{what}{scope}; fix: hccn_tool -i N -ip -s address A.B.C.D netmask M "
-                                "(one address per card, /etc/hccn.conf)")
+        return check(
+            name,
+            bad,
+            f"{what}{scope}; fix: hccn_tool -i N -ip -s address A.B.C.D netmask M "
+            "(one address per card, /etc/hccn.conf)",
+        )
     if len(masks) > 1:
-        return check(name, "warn", f"devices use different netmasks {sorted(masks)}: cards in one plane normally "
-                                   "share a subnet; fix: hccn_tool -i N -ip -s … netmask M")
+        return check(
+            name,
+            "warn",
+            f"devices use different netmasks {sorted(masks)}: cards in one plane normally "
+            "share a subnet; fix: hccn_tool -i N -ip -s … netmask M",
+        )
     return check(name, "ok", ", ".join(f"{d}:{v['ipaddr']}" for d, v in ips.items()))
 
 
@@ -158,11 +173,16 @@ def _health(name, nics, bad, scope) -> dict:
     if not unhealthy:
         return check(name, "ok", f"net health Success on {len(nics)} device(s)")
     only_init = all(v == "Init" for v in unhealthy.values())
-    fix = ("no detect IP is configured: hccn_tool -i N -netdetect -s address <gateway or peer IP>"
-           if only_init else "check link, IP and the peer (hccn_tool -i N -ping -g address <peer IP>)")
-    return check(name, "warn" if only_init else bad,
-                 f"net health not Success on {', '.join(f'{d}: {v}' for d, v in unhealthy.items())}{scope}; "
-                 f"fix: {fix}")
+    fix = (
+        "no detect IP is configured: hccn_tool -i N -netdetect -s address <gateway or peer IP>"
+        if only_init
+        else "check link, IP and the peer (hccn_tool -i N -ping -g address <peer IP>)"
+    )
+    return check(
+        name,
+        "warn" if only_init else bad,
+        f"net health not Success on {', '.join(f'{d}: {v}' for d, v in unhealthy.items())}{scope}; fix: {fix}",
+    )
 
 
 def _pfc(name, nics, bad, scope) -> dict:
@@ -170,22 +190,34 @@ def _pfc(name, nics, bad, scope) -> dict:
     variants = {tuple(v) for v in pfc.values()}
     if len(variants) > 1:
         seen = ", ".join(f"{d}:{v}" for d, v in pfc.items())
-        return check(name, bad, f"PFC priorities differ across devices: {seen}"
-                     + "; fix: the same PFC priority on every card and on the switch (hccn_tool -i N -pfc -s bitmap …; "
-                       "the HCCL guide recommends queue 4)")
+        return check(
+            name,
+            bad,
+            f"PFC priorities differ across devices: {seen}"
+            + "; fix: the same PFC priority on every card and on the switch (hccn_tool -i N -pfc -s bitmap …; "
+            "the HCCL guide recommends queue 4)",
+        )
     if not variants or not next(iter(variants)):
-        return check(name, "warn", "PFC disabled on every priority (or unreadable): RoCE without PFC drops under "
-                                   "congestion; fix: enable the switch's lossless priority (queue 4)")
+        return check(
+            name,
+            "warn",
+            "PFC disabled on every priority (or unreadable): RoCE without PFC drops under "
+            "congestion; fix: enable the switch's lossless priority (queue 4)",
+        )
     return check(name, "ok", f"PFC on priority {list(next(iter(variants)))} on every device (must match the switch)")
 
 
 def _tls(name, nics, bad, scope) -> dict:
     tls = {d: n["tls"] for d, n in nics.items() if n["tls"] is not None}
     if len(set(tls.values())) > 1:
-        return check(name, bad, f"TLS switch differs across devices (enabled on {[d for d, v in tls.items() if v]}, "
-                                f"disabled on {[d for d, v in tls.items() if not v]}): cards with and without TLS "
-                                f"cannot link{scope}; fix: hccn_tool -i N -tls -s enable 0 (or 1) on every card of "
-                                "every node")
+        return check(
+            name,
+            bad,
+            f"TLS switch differs across devices (enabled on {[d for d, v in tls.items() if v]}, "
+            f"disabled on {[d for d, v in tls.items() if not v]}): cards with and without TLS "
+            f"cannot link{scope}; fix: hccn_tool -i N -tls -s enable 0 (or 1) on every card of "
+            "every node",
+        )
     if not tls:
         return check(name, "warn", "TLS switch unreadable on every device (hccn_tool -i N -tls -g)")
     return check(name, "ok", f"TLS switch {next(iter(tls.values()))} on every device")
@@ -229,8 +261,14 @@ def socket_env_checks(env: dict[str, str], interfaces: dict[str, dict[str, list[
     out = []
     family = (env.get("HCCL_SOCKET_FAMILY") or "").strip()
     if family and family not in ("AF_INET", "AF_INET6"):
-        out.append(check("hccl-socket-family", bad, f"HCCL_SOCKET_FAMILY={family!r} must be AF_INET or AF_INET6"
-                                                    f"{unused}; fix: export HCCL_SOCKET_FAMILY=AF_INET"))
+        out.append(
+            check(
+                "hccl-socket-family",
+                bad,
+                f"HCCL_SOCKET_FAMILY={family!r} must be AF_INET or AF_INET6"
+                f"{unused}; fix: export HCCL_SOCKET_FAMILY=AF_INET",
+            )
+        )
     elif family:
         out.append(check("hccl-socket-family", "ok", f"HCCL_SOCKET_FAMILY={family}"))
     ip = (env.get("HCCL_IF_IP") or "").strip()
@@ -239,20 +277,42 @@ def socket_env_checks(env: dict[str, str], interfaces: dict[str, dict[str, list[
         try:
             parsed = ipaddress.ip_address(ip)
         except ValueError:
-            out.append(check("hccl-if-ip", bad, f"HCCL_IF_IP={ip!r} is not an IP address{unused}; fix: set it to "
-                                                "this host's address on the inter-node network"))
+            out.append(
+                check(
+                    "hccl-if-ip",
+                    bad,
+                    f"HCCL_IF_IP={ip!r} is not an IP address{unused}; fix: set it to "
+                    "this host's address on the inter-node network",
+                )
+            )
         else:
             if ip not in all_addrs:
-                out.append(check("hccl-if-ip", bad, f"HCCL_IF_IP={ip} is not an address of this host (has "
-                                                    f"{', '.join(sorted(a for a in all_addrs if ':' not in a))})"
-                                                    f"{unused}; fix: export HCCL_IF_IP=<this node's IP>"))
+                out.append(
+                    check(
+                        "hccl-if-ip",
+                        bad,
+                        f"HCCL_IF_IP={ip} is not an address of this host (has "
+                        f"{', '.join(sorted(a for a in all_addrs if ':' not in a))})"
+                        f"{unused}; fix: export HCCL_IF_IP=<this node's IP>",
+                    )
+                )
             elif family and (parsed.version == 6) != (family == "AF_INET6"):
-                out.append(check("hccl-if-ip", bad, f"HCCL_IF_IP={ip} is IPv{parsed.version} but HCCL_SOCKET_FAMILY="
-                                                    f"{family}; fix: make them agree"))
+                out.append(
+                    check(
+                        "hccl-if-ip",
+                        bad,
+                        f"HCCL_IF_IP={ip} is IPv{parsed.version} but HCCL_SOCKET_FAMILY={family}; fix: make them agree",
+                    )
+                )
             else:
-                out.append(check("hccl-if-ip", "ok", f"HCCL_IF_IP={ip} on {all_addrs[ip]}"
-                                 + ("; it takes precedence over HCCL_SOCKET_IFNAME"
-                                    if env.get("HCCL_SOCKET_IFNAME") else "")))
+                out.append(
+                    check(
+                        "hccl-if-ip",
+                        "ok",
+                        f"HCCL_IF_IP={ip} on {all_addrs[ip]}"
+                        + ("; it takes precedence over HCCL_SOCKET_IFNAME" if env.get("HCCL_SOCKET_IFNAME") else ""),
+                    )
+                )
     spec = (env.get("HCCL_SOCKET_IFNAME") or "").strip()
     if spec:
         fam = family or "AF_INET"
@@ -261,9 +321,14 @@ def socket_env_checks(env: dict[str, str], interfaces: dict[str, dict[str, list[
         looks_like_ip = bool(re.fullmatch(r"[\d.]+|[0-9a-fA-F:]+:[0-9a-fA-F:]*", spec))
         if not usable:
             why = " (it looks like an IP address: that belongs in HCCL_IF_IP)" if looks_like_ip else ""
-            out.append(check("hccl-socket-ifname", bad,
-                             f"HCCL_SOCKET_IFNAME={spec!r} selects no interface with an {fam} address{why}; this "
-                             f"host has {', '.join(sorted(interfaces))}{unused}; fix: export HCCL_SOCKET_IFNAME=<nic>"))
+            out.append(
+                check(
+                    "hccl-socket-ifname",
+                    bad,
+                    f"HCCL_SOCKET_IFNAME={spec!r} selects no interface with an {fam} address{why}; this "
+                    f"host has {', '.join(sorted(interfaces))}{unused}; fix: export HCCL_SOCKET_IFNAME=<nic>",
+                )
+            )
         else:
             out.append(check("hccl-socket-ifname", "ok", f"HCCL_SOCKET_IFNAME={spec} → {', '.join(usable)}"))
     return out
@@ -289,29 +354,58 @@ def algo_checks(env: dict[str, str], kind: str) -> list[dict]:
                 elif m.group(1) == "0" and m.group(2) != "NA":
                     problems.append(f"level0:{m.group(2)} (inside a server only NA is supported)")
                 elif m.group(1) == "1" and m.group(2) not in LEVEL1_ALGOS:
-                    doubts.append(f"level1 algorithm {m.group(2)!r} is not in the documented set "
-                                  f"{sorted(LEVEL1_ALGOS)}")
+                    doubts.append(
+                        f"level1 algorithm {m.group(2)!r} is not in the documented set {sorted(LEVEL1_ALGOS)}"
+                    )
                 elif m.group(2) == "pairwise" and op and op != "alltoall":
                     doubts.append(f"pairwise is for the AlltoAll family, not {op}")
         if problems:
-            out.append(check("hccl-algo", bad, f"HCCL_ALGO={algo!r}: {'; '.join(problems)}; fix: unset HCCL_ALGO "
-                                               "(HCCL picks per topology) or write e.g. level0:NA;level1:H-D_R"))
+            out.append(
+                check(
+                    "hccl-algo",
+                    bad,
+                    f"HCCL_ALGO={algo!r}: {'; '.join(problems)}; fix: unset HCCL_ALGO "
+                    "(HCCL picks per topology) or write e.g. level0:NA;level1:H-D_R",
+                )
+            )
         elif doubts:
-            out.append(check("hccl-algo", "warn", f"HCCL_ALGO={algo}: {'; '.join(doubts)}; check the CANN version's "
-                                                  "HCCL_ALGO page"))
+            out.append(
+                check(
+                    "hccl-algo",
+                    "warn",
+                    f"HCCL_ALGO={algo}: {'; '.join(doubts)}; check the CANN version's HCCL_ALGO page",
+                )
+            )
         else:
-            out.append(info("hccl-algo", f"HCCL_ALGO={algo} (it turns off HCCL's adaptive choice; the msprof-analyze "
-                                         "advisor: leave unset unless measured faster)"))
+            out.append(
+                info(
+                    "hccl-algo",
+                    f"HCCL_ALGO={algo} (it turns off HCCL's adaptive choice; the msprof-analyze "
+                    "advisor: leave unset unless measured faster)",
+                )
+            )
     size = (env.get("HCCL_BUFFSIZE") or "").strip()
     if size:
         if not re.fullmatch(r"\d+", size) or int(size) < 1:
-            out.append(check("hccl-buffsize", bad, f"HCCL_BUFFSIZE={size!r} must be an integer number of MB >= 1 "
-                                                   f"(default {HCCL_BUFFSIZE_DEFAULT_MB}); fix: export "
-                                                   f"HCCL_BUFFSIZE={HCCL_BUFFSIZE_DEFAULT_MB}"))
+            out.append(
+                check(
+                    "hccl-buffsize",
+                    bad,
+                    f"HCCL_BUFFSIZE={size!r} must be an integer number of MB >= 1 "
+                    f"(default {HCCL_BUFFSIZE_DEFAULT_MB}); fix: export "
+                    f"HCCL_BUFFSIZE={HCCL_BUFFSIZE_DEFAULT_MB}",
+                )
+            )
         else:
-            out.append(check("hccl-buffsize", "ok", f"HCCL_BUFFSIZE={size} MB per communicator, twice that in "
-                                                    f"device memory (send + receive; default "
-                                                    f"{HCCL_BUFFSIZE_DEFAULT_MB})"))
+            out.append(
+                check(
+                    "hccl-buffsize",
+                    "ok",
+                    f"HCCL_BUFFSIZE={size} MB per communicator, twice that in "
+                    f"device memory (send + receive; default "
+                    f"{HCCL_BUFFSIZE_DEFAULT_MB})",
+                )
+            )
     return out
 
 
@@ -319,15 +413,20 @@ def rendezvous_check(endpoint: str, node_rank: int, nnodes: int) -> dict:
     """Node 0 must be able to listen on the rendezvous port; other nodes must resolve its host. Reaching it across
     nodes is the cross-node probe's job."""
     if nnodes == 1:
-        return info("rendezvous", "single node: torchrun --standalone picks a free port itself; "
-                                  "hardware.rdzv_endpoint is not used")
+        return info(
+            "rendezvous",
+            "single node: torchrun --standalone picks a free port itself; hardware.rdzv_endpoint is not used",
+        )
     host, _, port_s = endpoint.rpartition(":")
     try:
         port = int(port_s)
         infos = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)
     except (ValueError, socket.gaierror) as e:
-        return check("rendezvous", "fail", f"hardware.rdzv_endpoint {endpoint!r}: {e}; fix: host:port of node 0, "
-                                           "resolvable on every node")
+        return check(
+            "rendezvous",
+            "fail",
+            f"hardware.rdzv_endpoint {endpoint!r}: {e}; fix: host:port of node 0, resolvable on every node",
+        )
     if node_rank != 0:
         return check("rendezvous", "ok", f"{endpoint} resolves to {infos[0][4][0]} (node 0 listens there)")
     local = {a for fams in host_interfaces().values() for lst in fams.values() for a in lst}
@@ -339,16 +438,24 @@ def rendezvous_check(endpoint: str, node_rank: int, nnodes: int) -> dict:
             s.bind((bind_to, port))
             s.listen(1)
         except OSError as e:
-            return check("rendezvous", "fail", f"cannot listen on {bind_to}:{port} for hardware.rdzv_endpoint "
-                                               f"({e.strerror or e}); fix: free the port (ss -ltnp 'sport = :{port}') "
-                                               "or choose another in hardware.rdzv_endpoint")
+            return check(
+                "rendezvous",
+                "fail",
+                f"cannot listen on {bind_to}:{port} for hardware.rdzv_endpoint "
+                f"({e.strerror or e}); fix: free the port (ss -ltnp 'sport = :{port}') "
+                "or choose another in hardware.rdzv_endpoint",
+            )
     where = "" if bind_to != "0.0.0.0" else f" ({addr} is not an address of this host: check node 0 is this one)"
-    return check("rendezvous", "warn" if where else "ok",
-                 f"port {port} is free to listen on {bind_to}{where}")
+    return check("rendezvous", "warn" if where else "ok", f"port {port} is free to listen on {bind_to}{where}")
 
 
-def preflight(kind: str, hardware, env: dict[str, str] | None = None, devices: list[int] | None = None,
-              run: Callable[[int, str], str | None] | None = None) -> tuple[dict, list[dict]]:
+def preflight(
+    kind: str,
+    hardware,
+    env: dict[str, str] | None = None,
+    devices: list[int] | None = None,
+    run: Callable[[int, str], str | None] | None = None,
+) -> tuple[dict, list[dict]]:
     """(facts, checks) of the whole network pre-flight. `run(device, query)` returns hccn_tool's text (tests feed
     fixtures through it); by default the installed hccn_tool, or an info check when there is none."""
     env = dict(os.environ if env is None else env)
@@ -359,9 +466,13 @@ def preflight(kind: str, hardware, env: dict[str, str] | None = None, devices: l
         tool = find_hccn_tool()
         run = run_hccn(tool) if tool else None
     if run is None:
-        checks.append(info("nic", f"hccn_tool {NOT_AVAILABLE}: RoCE NIC checks skipped"
-                                  + (" (expected on NPU hosts: install the Ascend driver tools)" if kind == "npu"
-                                     else "")))
+        checks.append(
+            info(
+                "nic",
+                f"hccn_tool {NOT_AVAILABLE}: RoCE NIC checks skipped"
+                + (" (expected on NPU hosts: install the Ascend driver tools)" if kind == "npu" else ""),
+            )
+        )
     elif devices:
         facts["nics"] = collect_nics(devices, run)
         facts["hccn_tool"] = tool or "given"
@@ -370,8 +481,11 @@ def preflight(kind: str, hardware, env: dict[str, str] | None = None, devices: l
         checks.append(info("nic", "no NPU devices listed: RoCE NIC checks skipped"))
     interfaces = host_interfaces()
     facts["interfaces"] = {n: f["AF_INET"] + f["AF_INET6"] for n, f in interfaces.items()}
-    facts["hccl_socket_env"] = {k: env[k] for k in ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_SOCKET_FAMILY",
-                                                    "HCCL_ALGO", "HCCL_BUFFSIZE") if env.get(k)}
+    facts["hccl_socket_env"] = {
+        k: env[k]
+        for k in ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "HCCL_SOCKET_FAMILY", "HCCL_ALGO", "HCCL_BUFFSIZE")
+        if env.get(k)
+    }
     checks.extend(socket_env_checks(env, interfaces, kind))
     checks.extend(algo_checks(env, kind))
     checks.append(rendezvous_check(hardware.rdzv_endpoint, hardware.node_rank, hardware.nnodes))

@@ -3,6 +3,7 @@
 The table has two rows per chip and its columns vary by chip generation: 910B/910C show HBM-Usage, 310P/310B
 only Memory-Usage; older 910 cards list two chips per NPU ("Chip Phy-ID"), 310B a "Chip Device" column.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ def _num(token: str, cast=float):
     try:
         return cast(token)
     except (TypeError, ValueError):
-        return None          # "NA", "-": not reported by this chip
+        return None  # "NA", "-": not reported by this chip
 
 
 def _cells(line: str) -> list[str]:
@@ -43,24 +44,42 @@ def parse(text: str) -> dict:
         tokens = cells[0].split()
         if section == "processes":
             if len(cells) == 4 and len(tokens) == 2 and all(t.isdigit() for t in tokens):
-                processes.append({"npu": int(tokens[0]), "chip": int(tokens[1]), "pid": _num(cells[1], int),
-                                  "name": cells[2], "memory_mb": _num(cells[3], int)})
+                processes.append(
+                    {
+                        "npu": int(tokens[0]),
+                        "chip": int(tokens[1]),
+                        "pid": _num(cells[1], int),
+                        "name": cells[2],
+                        "memory_mb": _num(cells[3], int),
+                    }
+                )
             continue
         if len(cells) != 3 or not tokens or not tokens[0].isdigit():
             continue  # header rows
         stats = cells[2].split()
-        if len(tokens) == 2 and not tokens[1].isdigit():      # first row: NPU id, name | health | power, temp
-            pending = {"npu": int(tokens[0]), "name": tokens[1], "health": cells[1],
-                       "power_w": _num(stats[0]) if stats else None,
-                       "temp_c": _num(stats[1], int) if len(stats) > 1 else None}
-        elif pending is not None:                              # second row: chip [id] | bus id | aicore, memory
+        if len(tokens) == 2 and not tokens[1].isdigit():  # first row: NPU id, name | health | power, temp
+            pending = {
+                "npu": int(tokens[0]),
+                "name": tokens[1],
+                "health": cells[1],
+                "power_w": _num(stats[0]) if stats else None,
+                "temp_c": _num(stats[1], int) if len(stats) > 1 else None,
+            }
+        elif pending is not None:  # second row: chip [id] | bus id | aicore, memory
             pairs = [(int(a), int(b)) for a, b in _PAIR.findall(cells[2])]
             used, total = pairs[1] if has_hbm and len(pairs) > 1 else (pairs[0] if pairs else (None, None))
-            chips.append({**pending, "chip": int(tokens[0]),
-                          "device_id": int(tokens[1]) if len(tokens) > 1 else None,
-                          "bus_id": cells[1], "aicore_pct": _num(stats[0], int) if stats else None,
-                          "memory_kind": "HBM" if has_hbm and len(pairs) > 1 else "DDR",
-                          "memory_used_mb": used, "memory_total_mb": total})
+            chips.append(
+                {
+                    **pending,
+                    "chip": int(tokens[0]),
+                    "device_id": int(tokens[1]) if len(tokens) > 1 else None,
+                    "bus_id": cells[1],
+                    "aicore_pct": _num(stats[0], int) if stats else None,
+                    "memory_kind": "HBM" if has_hbm and len(pairs) > 1 else "DDR",
+                    "memory_used_mb": used,
+                    "memory_total_mb": total,
+                }
+            )
             pending = None
     return {"version": version.group(2) if version else None, "chips": chips, "processes": processes}
 
@@ -79,6 +98,7 @@ def run(timeout: float = 30.0) -> str | None:
 
 def checks(info: dict) -> list[dict]:
     """Chip health (Warning → warn, anything but OK/Warning → fail) and chips already busy with processes."""
+
     def label(c: dict) -> str:
         return f"NPU {c['npu']} chip {c['chip']} ({c['name']}) is {c['health']}"
 
@@ -86,15 +106,22 @@ def checks(info: dict) -> list[dict]:
     bad = [c for c in info["chips"] if c["health"] not in ("OK", "Warning")]
     warned = [c for c in info["chips"] if c["health"] == "Warning"]
     if bad:
-        out.append(check("npu-health", "fail", "; ".join(map(label, bad)) + ": see `npu-smi info` and the "
-                                               "device logs before training"))
+        out.append(
+            check(
+                "npu-health",
+                "fail",
+                "; ".join(map(label, bad)) + ": see `npu-smi info` and the device logs before training",
+            )
+        )
     elif warned:
         out.append(check("npu-health", "warn", "; ".join(map(label, warned))))
     else:
         out.append(check("npu-health", "ok", f"{len(info['chips'])} chip(s) OK"))
     if info["processes"]:
-        busy = ", ".join(f"NPU {p['npu']} chip {p['chip']}: pid {p['pid']} {p['name']} {p['memory_mb']} MB"
-                         for p in info["processes"])
+        busy = ", ".join(
+            f"NPU {p['npu']} chip {p['chip']}: pid {p['pid']} {p['name']} {p['memory_mb']} MB"
+            for p in info["processes"]
+        )
         out.append(check("npu-idle", "warn", f"processes already hold NPU memory ({busy})"))
     return out
 

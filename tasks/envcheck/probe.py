@@ -3,6 +3,7 @@
 On NPU the bus bandwidth is compared with the intra-node HCCS figure (~50 GB/s on 910B) and flagged below half:
 a slow ring usually means a bad topology, a wrong ASCEND_RT_VISIBLE_DEVICES split or a degraded link.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,14 +16,29 @@ from tasks.config import REPO_ROOT
 from tasks.envcheck import check
 from tasks.fsutil import read_json
 
-DEFAULT_EXPECTED_BUS_GBPS = {"npu": 50.0}   # HCCS intra-node, 910B; CUDA/CPU: no default expectation
+DEFAULT_EXPECTED_BUS_GBPS = {"npu": 50.0}  # HCCS intra-node, 910B; CUDA/CPU: no default expectation
 
 
 def command(kind: str, nproc: int, sizes_mb: list[float], out: Path, timeout_s: int = 120) -> list[str]:
     """The torchrun argv (torch.distributed.run of this interpreter, so the venv's torch is the one probed)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc-per-node={nproc}", "-m", "tasks.envcheck.probe_worker", "--kind", kind,
-            "--sizes-mb", *[f"{s:g}" for s in sizes_mb], "--timeout-s", str(timeout_s), "--out", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "tasks.envcheck.probe_worker",
+        "--kind",
+        kind,
+        "--sizes-mb",
+        *[f"{s:g}" for s in sizes_mb],
+        "--timeout-s",
+        str(timeout_s),
+        "--out",
+        str(out),
+    ]
 
 
 def _last_error(text: str) -> str:
@@ -31,24 +47,33 @@ def _last_error(text: str) -> str:
     return (errors or lines or ["no output"])[-1][:300]
 
 
-def run(kind: str, nproc: int, sizes_mb: list[float], out: Path, env_extra: dict | None = None,
-        timeout_s: int = 300) -> dict:
+def run(
+    kind: str, nproc: int, sizes_mb: list[float], out: Path, env_extra: dict | None = None, timeout_s: int = 300
+) -> dict:
     """Launch the probe and return its result, or {"error": one line} when it fails or hangs."""
     out = Path(out)
     out.unlink(missing_ok=True)
     env = {**os.environ, **(env_extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # Own session: on a hang the whole torchrun tree (agent and ranks) is killed, not just the agent.
-    proc = subprocess.Popen(command(kind, nproc, sizes_mb, out, timeout_s=min(timeout_s, 600)), cwd=REPO_ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command(kind, nproc, sizes_mb, out, timeout_s=min(timeout_s, 600)),
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return {"error": f"collective probe did not finish in {timeout_s} s (hung collective: check HCCL/NCCL "
-                         f"connectivity and the visible devices)"}
+        return {
+            "error": f"collective probe did not finish in {timeout_s} s (hung collective: check HCCL/NCCL "
+            f"connectivity and the visible devices)"
+        }
     if proc.returncode != 0 or not out.is_file():
         return {"error": f"collective probe failed (torchrun exit {proc.returncode}): {_last_error(stderr + stdout)}"}
     return read_json(out)
@@ -60,8 +85,14 @@ def judge(result: dict, kind: str, expected_bus_gbps: float = 0.0) -> list[dict]
         return [check("allreduce", "fail", result["error"])]
     n = result["world_size"]
     if not result["allreduce_ok"]:
-        return [check("allreduce", "fail", f"all_reduce over {n} {result['backend']} ranks returned wrong sums "
-                                           f"(max error {result['allreduce_max_error']:g})")]
+        return [
+            check(
+                "allreduce",
+                "fail",
+                f"all_reduce over {n} {result['backend']} ranks returned wrong sums "
+                f"(max error {result['allreduce_max_error']:g})",
+            )
+        ]
     out = [check("allreduce", "ok", f"all_reduce correct on {n} {result['backend']} ranks")]
     if n < 2 or not result["sizes"]:
         return out  # one rank: no link to measure
@@ -69,10 +100,16 @@ def judge(result: dict, kind: str, expected_bus_gbps: float = 0.0) -> list[dict]
     figure = f"bus bandwidth {best['busbw_gbps']:.2f} GB/s at {best['size_mb']:g} MB"
     expected = expected_bus_gbps or DEFAULT_EXPECTED_BUS_GBPS.get(kind, 0.0)
     if expected and best["busbw_gbps"] < expected / 2:
-        out.append(check("bus-bandwidth", "warn", f"{figure} is below half the expected {expected:g} GB/s: check "
-                                                  "the device topology (npu-smi info -t topo), the visible devices "
-                                                  "and link health; larger hardware.probe_sizes_mb measure closer "
-                                                  "to peak"))
+        out.append(
+            check(
+                "bus-bandwidth",
+                "warn",
+                f"{figure} is below half the expected {expected:g} GB/s: check "
+                "the device topology (npu-smi info -t topo), the visible devices "
+                "and link health; larger hardware.probe_sizes_mb measure closer "
+                "to peak",
+            )
+        )
     else:
         out.append(check("bus-bandwidth", "ok", figure + (f" (expected ~{expected:g} GB/s)" if expected else "")))
     return out

@@ -2,6 +2,7 @@
 
 Run by tasks.envcheck.probe (one rank per device, 2 on CPU); rank 0 writes the result JSON to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,9 @@ from tasks.fsutil import atomic_write_json
 # What HCCL's all_reduce accepts (Ascend/pytorch ProcessGroupHCCL.cpp, checkSupportedDataTypeOfAllReduce): no fp64,
 # no uint8/bool — "HCCL AllReduce & Reduce: Unsupported data type" otherwise. The probe only uses these, on every
 # backend, so what passes on gloo/NCCL also passes on HCCL.
-HCCL_ALLREDUCE_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-                                   torch.bfloat16})
+HCCL_ALLREDUCE_DTYPES = frozenset(
+    {torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.bfloat16}
+)
 
 
 def _correctness(dev, world: int, rank: int) -> dict:
@@ -35,7 +37,7 @@ def _correctness(dev, world: int, rank: int) -> dict:
 
 def _bandwidth(dev, world: int, size_mb: float, iters: int) -> dict:
     """Bus bandwidth as nccl-tests defines it: algbw·2(n-1)/n, from the slowest rank's mean time."""
-    numel = max(1, int(size_mb * 2 ** 20) // 4)
+    numel = max(1, int(size_mb * 2**20) // 4)
     t = torch.ones(numel, dtype=torch.float32, device=dev)
     for _ in range(2):  # warm-up: connection set-up and allocator
         dist.all_reduce(t)
@@ -64,8 +66,12 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = devlayer.torch_device(args.kind, int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(devlayer.DIST_BACKEND[args.kind], timeout=datetime.timedelta(seconds=args.timeout_s))
-    result = {"world_size": world, "backend": dist.get_backend(), **_correctness(dev, world, rank),
-              "sizes": [_bandwidth(dev, world, s, args.iters) for s in args.sizes_mb]}
+    result = {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        **_correctness(dev, world, rank),
+        "sizes": [_bandwidth(dev, world, s, args.iters) for s in args.sizes_mb],
+    }
     if rank == 0:
         atomic_write_json(args.out, result)
     dist.barrier()

@@ -1,4 +1,5 @@
 """Host checks: clock offset (HCCL needs nodes within ~500 ms), HCCL timeouts, visible devices, memory, disk."""
+
 from __future__ import annotations
 
 import os
@@ -20,19 +21,26 @@ def _bounds(field: str) -> tuple[int, int]:
 
 
 # CANN 8.x documentation, A2/A3 (910B/910C); the two the config sets come from its fields.
-HCCL_RANGES = {"HCCL_CONNECT_TIMEOUT": _bounds("hccl_connect_timeout"),
-               "HCCL_EXEC_TIMEOUT": _bounds("hccl_exec_timeout"), "HCCL_EVENT_TIMEOUT": (0, 2147483647)}
+HCCL_RANGES = {
+    "HCCL_CONNECT_TIMEOUT": _bounds("hccl_connect_timeout"),
+    "HCCL_EXEC_TIMEOUT": _bounds("hccl_exec_timeout"),
+    "HCCL_EVENT_TIMEOUT": (0, 2147483647),
+}
 
 
 # --- clock ----------------------------------------------------------------------------------------------------
+
 
 def parse_chronyc(text: str) -> dict:
     """`chronyc tracking`: 'System time : 0.000001622 seconds slow of NTP time' → offset_ms -0.001622."""
     m = re.search(r"System time\s*:\s*([\d.]+)\s+seconds\s+(fast|slow)", text)
     leap = re.search(r"Leap status\s*:\s*(.+)", text)
     offset = float(m.group(1)) * 1000 * (1 if m.group(2) == "fast" else -1) if m else None
-    return {"source": "chronyc", "offset_ms": offset,
-            "synchronised": None if not leap else leap.group(1).strip() != "Not synchronised"}
+    return {
+        "source": "chronyc",
+        "offset_ms": offset,
+        "synchronised": None if not leap else leap.group(1).strip() != "Not synchronised",
+    }
 
 
 def parse_timedatectl(text: str) -> dict:
@@ -69,24 +77,37 @@ def check_clock(clock: dict, nnodes: int, max_offset_ms: float, warn_offset_ms: 
     bad = "fail" if nnodes > 1 else "warn"
     off = clock.get("offset_ms")
     if off is not None and abs(off) > max_offset_ms:
-        return check("clock", bad, f"clock is {off:+.1f} ms off NTP ({clock['source']}), above "
-                                   f"hardware.max_clock_offset_ms {max_offset_ms:g}: fix NTP (chronyc makestep)")
+        return check(
+            "clock",
+            bad,
+            f"clock is {off:+.1f} ms off NTP ({clock['source']}), above "
+            f"hardware.max_clock_offset_ms {max_offset_ms:g}: fix NTP (chronyc makestep)",
+        )
     if clock.get("synchronised") is False:
-        return check("clock", bad, f"clock is not NTP-synchronised ({clock['source']}): enable chrony/NTP on "
-                                   "every node")
+        return check(
+            "clock", bad, f"clock is not NTP-synchronised ({clock['source']}): enable chrony/NTP on every node"
+        )
     if off is not None and abs(off) > warn_offset_ms and nnodes > 1:
-        return check("clock", "warn", f"clock is {off:+.1f} ms off NTP ({clock['source']}), above "
-                                      f"hardware.warn_clock_offset_ms {warn_offset_ms:g} (fails above "
-                                      f"{max_offset_ms:g}): cross-node profiles will not line up; tighten NTP")
+        return check(
+            "clock",
+            "warn",
+            f"clock is {off:+.1f} ms off NTP ({clock['source']}), above "
+            f"hardware.warn_clock_offset_ms {warn_offset_ms:g} (fails above "
+            f"{max_offset_ms:g}): cross-node profiles will not line up; tighten NTP",
+        )
     if off is None and clock.get("synchronised") is None:
-        return check("clock", "warn" if nnodes > 1 else "ok",
-                     "clock offset unknown (no chronyc or timedatectl answer)"
-                     + ("; check NTP on every node" if nnodes > 1 else "; single node, not needed"))
+        return check(
+            "clock",
+            "warn" if nnodes > 1 else "ok",
+            "clock offset unknown (no chronyc or timedatectl answer)"
+            + ("; check NTP on every node" if nnodes > 1 else "; single node, not needed"),
+        )
     what = f"{off:+.3f} ms" if off is not None else "synchronised"
     return check("clock", "ok", f"clock {what} ({clock['source']})")
 
 
 # --- HCCL timeouts and visible devices --------------------------------------------------------------------------
+
 
 def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = None) -> dict:
     """HCCL_*_TIMEOUT must be integers in CANN's ranges (a failure on NPU, a warning elsewhere).
@@ -109,15 +130,21 @@ def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = Non
             problems.append(f"{var}={parsed[var]} outside [{lo}, {hi}]")
     ev, ex = parsed.get("HCCL_EVENT_TIMEOUT"), parsed.get("HCCL_EXEC_TIMEOUT")
     if ev and ex and ev <= ex:  # 0 = never: nothing to compare
-        warnings.append(f"HCCL_EVENT_TIMEOUT={ev} should exceed HCCL_EXEC_TIMEOUT={ex} (torch_npu warns; the event "
-                        f"wait may end first and hide the execution error)")
+        warnings.append(
+            f"HCCL_EVENT_TIMEOUT={ev} should exceed HCCL_EXEC_TIMEOUT={ex} (torch_npu warns; the event "
+            f"wait may end first and hide the execution error)"
+        )
     if pg_timeout_s is not None and ex is not None:
         if ex == 0:
-            warnings.append(f"HCCL_EXEC_TIMEOUT=0 never times out, so train.timeout_s {pg_timeout_s} s (torch's "
-                            f"watchdog) is the only limit and HCCL never names the failing collective")
+            warnings.append(
+                f"HCCL_EXEC_TIMEOUT=0 never times out, so train.timeout_s {pg_timeout_s} s (torch's "
+                f"watchdog) is the only limit and HCCL never names the failing collective"
+            )
         elif pg_timeout_s <= ex:
-            problems.append(f"train.timeout_s {pg_timeout_s} must exceed HCCL_EXEC_TIMEOUT={ex} so HCCL reports the "
-                            f"real error before torch's watchdog fires: set train.timeout_s to {ex + 64} or more")
+            problems.append(
+                f"train.timeout_s {pg_timeout_s} must exceed HCCL_EXEC_TIMEOUT={ex} so HCCL reports the "
+                f"real error before torch's watchdog fires: set train.timeout_s to {ex + 64} or more"
+            )
     if problems:
         return check("hccl-timeouts", "fail" if kind == "npu" else "warn", "; ".join(problems + warnings))
     if warnings and kind == "npu":
@@ -140,8 +167,9 @@ def parse_visible(value: str) -> tuple[list[int], str | None]:
     return ids, None
 
 
-def check_visible(kind: str, var: str, value: str | None, device_count: int, nproc_per_node: int,
-                  physical_count: int | None = None) -> dict:
+def check_visible(
+    kind: str, var: str, value: str | None, device_count: int, nproc_per_node: int, physical_count: int | None = None
+) -> dict:
     """The visible-devices variable, the devices torch sees and nproc_per_node must agree."""
     if kind == "cpu":
         ranks = nproc_per_node or 2
@@ -150,23 +178,38 @@ def check_visible(kind: str, var: str, value: str | None, device_count: int, npr
     if value is not None and value.strip():
         ids, problem = parse_visible(value.strip())
         if problem:
-            return check("visible-devices", "fail", f"{var}={value!r}: {problem}; write ascending ids without "
-                                                    f"spaces, e.g. 0,1,2,3")
+            return check(
+                "visible-devices",
+                "fail",
+                f"{var}={value!r}: {problem}; write ascending ids without spaces, e.g. 0,1,2,3",
+            )
         if physical_count is not None and ids and ids[-1] >= physical_count:
-            return check("visible-devices", "fail", f"{var}={value} names device {ids[-1]} but the host has "
-                                                    f"{physical_count} {label} (npu-smi)")
+            return check(
+                "visible-devices",
+                "fail",
+                f"{var}={value} names device {ids[-1]} but the host has {physical_count} {label} (npu-smi)",
+            )
         if len(ids) != device_count:
-            return check("visible-devices", "warn", f"{var}={value} lists {len(ids)} devices but torch sees "
-                                                    f"{device_count}")
+            return check(
+                "visible-devices", "warn", f"{var}={value} lists {len(ids)} devices but torch sees {device_count}"
+            )
     ranks = nproc_per_node or device_count
     if ranks > device_count:
-        return check("visible-devices", "fail", f"hardware.nproc_per_node {ranks} exceeds the {device_count} visible "
-                                                f"{label}{f' ({var}={value})' if value else ''}")
-    return check("visible-devices", "ok", f"{ranks} ranks on {device_count} visible {label}"
-                                          + (f" ({var}={value})" if value else ""))
+        return check(
+            "visible-devices",
+            "fail",
+            f"hardware.nproc_per_node {ranks} exceeds the {device_count} visible "
+            f"{label}{f' ({var}={value})' if value else ''}",
+        )
+    return check(
+        "visible-devices",
+        "ok",
+        f"{ranks} ranks on {device_count} visible {label}" + (f" ({var}={value})" if value else ""),
+    )
 
 
 # --- host memory and disk ---------------------------------------------------------------------------------------
+
 
 def host_facts() -> dict:
     import psutil
@@ -174,20 +217,36 @@ def host_facts() -> dict:
     vm = psutil.virtual_memory()
     model = ""
     try:
-        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                      if ln.startswith("model name")), "")
+        model = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")
+            ),
+            "",
+        )
     except OSError:
         pass
-    return {"hostname": platform.node(), "machine": platform.machine(), "cpu_model": model or platform.processor(),
-            "cores_logical": psutil.cpu_count(), "cores_physical": psutil.cpu_count(logical=False),
-            "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count(),
-            "memory_total_gb": round(vm.total / GB, 2), "memory_available_gb": round(vm.available / GB, 2)}
+    return {
+        "hostname": platform.node(),
+        "machine": platform.machine(),
+        "cpu_model": model or platform.processor(),
+        "cores_logical": psutil.cpu_count(),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else psutil.cpu_count(),
+        "memory_total_gb": round(vm.total / GB, 2),
+        "memory_available_gb": round(vm.available / GB, 2),
+    }
 
 
 def check_host_memory(available_gb: float, total_gb: float, min_gb: float) -> dict:
     if available_gb < min_gb:
-        return check("host-memory", "fail", f"only {available_gb:.1f} GB of {total_gb:.1f} GB host memory available, "
-                                            f"below hardware.min_host_memory_gb {min_gb:g}")
+        return check(
+            "host-memory",
+            "fail",
+            f"only {available_gb:.1f} GB of {total_gb:.1f} GB host memory available, "
+            f"below hardware.min_host_memory_gb {min_gb:g}",
+        )
     return check("host-memory", "ok", f"{available_gb:.1f} GB of {total_gb:.1f} GB available")
 
 

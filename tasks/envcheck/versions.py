@@ -4,6 +4,7 @@ Nothing here imports torch: with torch_npu installed but CANN not loaded even `i
 versions come from distribution metadata, Ascend versions from the install-info files, and the import itself is
 tried in a subprocess (`import_torch_status`).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_ASCEND_ROOT = "/usr/local/Ascend"
-INSTALL_INFO = "/etc/ascend_install.info"   # written by the driver installer: where the driver went
+INSTALL_INFO = "/etc/ascend_install.info"  # written by the driver installer: where the driver went
 
 
 def read_kv(path: Path) -> dict[str, str]:
@@ -70,10 +71,14 @@ def find_cann(root: str | os.PathLike = DEFAULT_ASCEND_ROOT, home: str | None = 
             if kv.get("version"):
                 if layout == "ASCEND_HOME_PATH":
                     layout = "ascend-toolkit" if "ascend-toolkit" in info.parts else "cann"
-                return {"version": kv["version"], "layout": layout, "info_file": str(info),
-                        "arch": kv.get("arch", info.parent.name.split("-")[0]),
-                        "innerversion": kv.get("innerversion", ""),
-                        "compatible_version": parse_ranges(kv.get("compatible_version", ""))}
+                return {
+                    "version": kv["version"],
+                    "layout": layout,
+                    "info_file": str(info),
+                    "arch": kv.get("arch", info.parent.name.split("-")[0]),
+                    "innerversion": kv.get("innerversion", ""),
+                    "compatible_version": parse_ranges(kv.get("compatible_version", "")),
+                }
     return None
 
 
@@ -87,8 +92,11 @@ def find_driver(root: str | os.PathLike) -> dict | None:
     kv = read_kv(Path(root) / "driver" / "version.info")
     if not kv.get("Version"):
         return None
-    return {"version": kv["Version"], "innerversion": kv.get("Innerversion", ""),
-            "compatible_firmware": parse_ranges(kv.get("compatible_version_fw", ""))}
+    return {
+        "version": kv["Version"],
+        "innerversion": kv.get("Innerversion", ""),
+        "compatible_firmware": parse_ranges(kv.get("compatible_version_fw", "")),
+    }
 
 
 def find_firmware(root: str | os.PathLike) -> dict | None:
@@ -96,14 +104,23 @@ def find_firmware(root: str | os.PathLike) -> dict | None:
     return {"version": kv["Version"], "package_version": kv.get("package_version", "")} if kv.get("Version") else None
 
 
-def collect(ascend_root: str | os.PathLike = DEFAULT_ASCEND_ROOT, home: str | None = None,
-            install_info: str | os.PathLike = INSTALL_INFO) -> dict:
+def collect(
+    ascend_root: str | os.PathLike = DEFAULT_ASCEND_ROOT,
+    home: str | None = None,
+    install_info: str | os.PathLike = INSTALL_INFO,
+) -> dict:
     """Every version the stage reports; absent components are None."""
     droot = driver_root(ascend_root, install_info)
-    return {"python": platform.python_version(), "python_executable": sys.executable,
-            "torch": package_version("torch"), "torch_npu": package_version("torch-npu"),
-            "amct": package_version("amct_pytorch"),
-            "cann": find_cann(ascend_root, home), "driver": find_driver(droot), "firmware": find_firmware(droot)}
+    return {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "torch": package_version("torch"),
+        "torch_npu": package_version("torch-npu"),
+        "amct": package_version("amct_pytorch"),
+        "cann": find_cann(ascend_root, home),
+        "driver": find_driver(droot),
+        "firmware": find_firmware(droot),
+    }
 
 
 # --- "torch_npu installed but CANN missing" -------------------------------------------------------------------
@@ -117,24 +134,32 @@ def diagnose_import_failure(stderr: str) -> dict | None:
         return None
     missing = _MISSING_LIB.search(stderr)
     if missing:
-        return {"cause": f"torch_npu is installed but CANN is not loaded ({missing.group(1)} not found), so "
-                         "`import torch` itself fails",
-                "fix": "source the CANN set_env.sh (/usr/local/Ascend/ascend-toolkit/set_env.sh, or "
-                       "/usr/local/Ascend/cann/set_env.sh) before running, or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 "
-                       "to run on CPU"}
+        return {
+            "cause": f"torch_npu is installed but CANN is not loaded ({missing.group(1)} not found), so "
+            "`import torch` itself fails",
+            "fix": "source the CANN set_env.sh (/usr/local/Ascend/ascend-toolkit/set_env.sh, or "
+            "/usr/local/Ascend/cann/set_env.sh) before running, or set TORCH_DEVICE_BACKEND_AUTOLOAD=0 "
+            "to run on CPU",
+        }
     # Another root cause (e.g. a torch_npu built for a different torch): name the innermost error.
     errors = [ln.strip() for ln in stderr.splitlines() if re.match(r"^\w*(Error|Exception)\b", ln.strip())]
     root = next((e for e in errors if "backend extension" not in e), "unknown error")
-    return {"cause": f"torch_npu fails to load ({root}), so `import torch` itself fails",
-            "fix": "install the torch/torch_npu pair for this CANN (see the compatibility check), or set "
-                   "TORCH_DEVICE_BACKEND_AUTOLOAD=0 to run on CPU"}
+    return {
+        "cause": f"torch_npu fails to load ({root}), so `import torch` itself fails",
+        "fix": "install the torch/torch_npu pair for this CANN (see the compatibility check), or set "
+        "TORCH_DEVICE_BACKEND_AUTOLOAD=0 to run on CPU",
+    }
 
 
 def import_torch_status(timeout: float = 120.0) -> dict:
     """Try `import torch` in a fresh interpreter with this environment: {"ok", "torch", "cause", "fix"}."""
     try:
-        proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return {"ok": False, "cause": f"`import torch` did not finish in {timeout:.0f} s", "fix": ""}
     if proc.returncode == 0:

@@ -5,6 +5,7 @@ captured by forward hooks in compute order, and the first layer whose output dep
 Errors per layer: max_abs = max |device − cpu|; max_rel = max_abs / max |cpu| (relative to the layer's own scale,
 which stays meaningful where single elements are near zero); mean_abs. A layer "departs" when max_rel > tolerance.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,6 +24,7 @@ def capture(model: torch.nn.Module, tokens: torch.Tensor, autocast) -> list[tupl
             out = output[0] if isinstance(output, (tuple, list)) else output
             if torch.is_tensor(out) and out.is_floating_point():
                 outs.append((name, out.detach().float().cpu()))
+
         return record
 
     for name, module in model.named_modules():
@@ -38,8 +40,9 @@ def capture(model: torch.nn.Module, tokens: torch.Tensor, autocast) -> list[tupl
     return outs
 
 
-def compare(reference: list[tuple[str, torch.Tensor]], candidate: list[tuple[str, torch.Tensor]],
-            tolerance: float) -> dict:
+def compare(
+    reference: list[tuple[str, torch.Tensor]], candidate: list[tuple[str, torch.Tensor]], tolerance: float
+) -> dict:
     """Per-layer error table of candidate against reference (matched by name, in reference order)."""
     cand = dict(candidate)
     rows = []
@@ -52,15 +55,28 @@ def compare(reference: list[tuple[str, torch.Tensor]], candidate: list[tuple[str
         scale = ref.abs().max().item()
         max_abs = diff.max().item() if diff.numel() else 0.0
         rel = max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else float("inf"))
-        rows.append({"layer": name, "shape": list(ref.shape), "max_abs": max_abs, "max_rel": rel,
-                     "mean_abs": diff.mean().item() if diff.numel() else 0.0, "ref_max_abs": scale,
-                     "non_finite": int((~torch.isfinite(got)).sum()), "beyond": rel > tolerance})
+        rows.append(
+            {
+                "layer": name,
+                "shape": list(ref.shape),
+                "max_abs": max_abs,
+                "max_rel": rel,
+                "mean_abs": diff.mean().item() if diff.numel() else 0.0,
+                "ref_max_abs": scale,
+                "non_finite": int((~torch.isfinite(got)).sum()),
+                "beyond": rel > tolerance,
+            }
+        )
     first = next((r for r in rows if r.get("beyond") or r.get("non_finite")), None)
     final = next((r for r in reversed(rows) if "max_rel" in r), None)
-    return {"tolerance": tolerance, "layers": rows, "first_beyond": first["layer"] if first else None,
-            "first_beyond_rel": first.get("max_rel") if first else None,
-            "logits_max_rel": final["max_rel"] if final else None,
-            "max_rel": max((r["max_rel"] for r in rows if "max_rel" in r), default=0.0)}
+    return {
+        "tolerance": tolerance,
+        "layers": rows,
+        "first_beyond": first["layer"] if first else None,
+        "first_beyond_rel": first.get("max_rel") if first else None,
+        "logits_max_rel": final["max_rel"] if final else None,
+        "max_rel": max((r["max_rel"] for r in rows if "max_rel" in r), default=0.0),
+    }
 
 
 def _model(tcfg, state: dict, dev):
@@ -76,8 +92,9 @@ def _model(tcfg, state: dict, dev):
 def compare_with_cpu(tcfg, state: dict, tokens: torch.Tensor, dev, precision: str, tolerance: float) -> dict:
     """One forward on `dev` in `precision` (fp32 | bf16 | fp16 autocast) against FP32 on the CPU, same weights and
     tokens. On a CPU-only host `dev` is the CPU itself, so this compares CPU BF16 with CPU FP32."""
-    reference = capture(_model(tcfg, state, torch.device("cpu")), tokens.cpu(), devices.autocast(
-        torch.device("cpu"), "fp32"))
+    reference = capture(
+        _model(tcfg, state, torch.device("cpu")), tokens.cpu(), devices.autocast(torch.device("cpu"), "fp32")
+    )
     model = _model(tcfg, state, dev)
     candidate = capture(model, tokens.to(dev), devices.autocast(dev, precision))
     del model
@@ -87,8 +104,13 @@ def compare_with_cpu(tcfg, state: dict, tokens: torch.Tensor, dev, precision: st
 
 
 def summary(result: dict) -> str:
-    where = (f"first layer beyond {result['tolerance']:.0%}: {result['first_beyond']} "
-             f"(max rel {result['first_beyond_rel']:.2%})" if result["first_beyond"] else
-             f"every layer within {result['tolerance']:.0%}")
-    return (f"{result['device']} {result['precision'].upper()} vs CPU FP32: {where}; logits max rel "
-            f"{result['logits_max_rel']:.2%}")
+    where = (
+        f"first layer beyond {result['tolerance']:.0%}: {result['first_beyond']} "
+        f"(max rel {result['first_beyond_rel']:.2%})"
+        if result["first_beyond"]
+        else f"every layer within {result['tolerance']:.0%}"
+    )
+    return (
+        f"{result['device']} {result['precision'].upper()} vs CPU FP32: {where}; logits max rel "
+        f"{result['logits_max_rel']:.2%}"
+    )

@@ -3,6 +3,7 @@ AMCT-quantized Linear is what runs): a prefill over the prompt, then one token p
 
 Used by evaluation (greedy continuations) and the quantization benchmark (prefill and decode latency).
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,7 @@ def _attend(attn, x, rope, cache, layer: int):
 @torch.no_grad()
 def forward_cached(model, tokens: torch.Tensor, cache: dict, start: int) -> torch.Tensor:
     """Logits of `tokens` [b, s] at positions start..start+s-1, reading and extending `cache` (layer → (k, v))."""
-    rope = model.rope_cache[start:start + tokens.size(1)]
+    rope = model.rope_cache[start : start + tokens.size(1)]
     h = model.tok_embeddings(tokens)
     for i, block in enumerate(model.layers.values()):
         h = h + _attend(block.attention, block.attention_norm(h), rope, cache, i)
@@ -43,8 +44,9 @@ def forward_cached(model, tokens: torch.Tensor, cache: dict, start: int) -> torc
 def greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """[b, new_tokens] argmax continuation of `prompt` [b, s] (prompt + new tokens must fit max_seq_len)."""
     if prompt.size(1) + new_tokens > model.config.max_seq_len:
-        raise ValueError(f"prompt {prompt.size(1)} + {new_tokens} new tokens exceed max_seq_len "
-                         f"{model.config.max_seq_len}")
+        raise ValueError(
+            f"prompt {prompt.size(1)} + {new_tokens} new tokens exceed max_seq_len {model.config.max_seq_len}"
+        )
     cache: dict = {}
     logits = forward_cached(model, prompt, cache, 0)
     out = [logits[:, -1].argmax(-1, keepdim=True)]

@@ -1,5 +1,6 @@
 """Hugging Face names and config.json: our parameter names ↔ HF's (Llama / Qwen2 / Qwen2-MoE) and
 TransformerConfig ↔ config.json. Torch-free: tensors are read and written by tasks.model.init / hf_io / hf_export."""
+
 from __future__ import annotations
 
 import json
@@ -14,20 +15,31 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen
 _FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 # HF name (layer part after "model.layers.{i}.") → ours (after "layers.{i}.")
 _LAYER_NAMES = {
-    "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
-    "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.down_proj": "feed_forward.w2",
+    "mlp.up_proj": "feed_forward.w3",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
     # Qwen2-MoE sparse layers (tasks/model/moe.py)
-    "mlp.gate": "moe.router", "mlp.shared_expert.gate_proj": "moe.shared.w1",
-    "mlp.shared_expert.down_proj": "moe.shared.w2", "mlp.shared_expert.up_proj": "moe.shared.w3",
+    "mlp.gate": "moe.router",
+    "mlp.shared_expert.gate_proj": "moe.shared.w1",
+    "mlp.shared_expert.down_proj": "moe.shared.w2",
+    "mlp.shared_expert.up_proj": "moe.shared.w3",
     "mlp.shared_expert_gate": "moe.shared_gate",
 }
 # Routed experts: HF stores one tensor per expert, we stack them ([E, ...] per projection).
 _EXPERT_PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|down_proj|up_proj)\.weight$")
 _OUR_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(w[123])$")
-_TOP_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-              "lm_head.weight": "output.weight"}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _OUR_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -73,8 +85,9 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     """TransformerConfig from a config.json dict; anything this model cannot represent fails in one line."""
     arch = (hf.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
-        raise StageError(f"unsupported architecture {arch or hf.get('model_type')!r} "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
+        raise StageError(
+            f"unsupported architecture {arch or hf.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)})"
+        )
     family = ARCHITECTURES[arch]
     moe = _moe_from_hf(hf) if family == "qwen2_moe" else {}
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -92,12 +105,20 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     if bad:
         raise StageError(f"{arch}: unsupported setting {', '.join(bad)}")
     return TransformerConfig(
-        family=family, dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), max_seq_len=hf.get("max_position_embeddings", 2048),
+        family=family,
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_seq_len=hf.get("max_position_embeddings", 2048),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **moe)
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **moe,
+    )
 
 
 def _moe_from_hf(hf: dict) -> dict:
@@ -106,13 +127,16 @@ def _moe_from_hf(hf: dict) -> dict:
     if not hf.get("shared_expert_intermediate_size", 5632):
         raise StageError("Qwen2MoeForCausalLM: shared_expert_intermediate_size 0 is not supported")
     # Defaults are Qwen2MoeConfig's own (transformers), used when a key is absent.
-    return dict(n_experts=hf.get("num_experts", 60), top_k=hf.get("num_experts_per_tok", 4),
-                moe_ffn_dim=hf.get("moe_intermediate_size", 1408),
-                shared_ffn_dim=hf.get("shared_expert_intermediate_size", 5632),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-                mlp_only_layers=list(hf.get("mlp_only_layers") or []),
-                aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    return dict(
+        n_experts=hf.get("num_experts", 60),
+        top_k=hf.get("num_experts_per_tok", 4),
+        moe_ffn_dim=hf.get("moe_intermediate_size", 1408),
+        shared_ffn_dim=hf.get("shared_expert_intermediate_size", 5632),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=list(hf.get("mlp_only_layers") or []),
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+    )
 
 
 def to_hf_config(tcfg: TransformerConfig, dtype="float32") -> dict:
@@ -125,25 +149,43 @@ def to_hf_config(tcfg: TransformerConfig, dtype="float32") -> dict:
         raise StageError("save_hf: Qwen2 always has q/k/v bias; set qkv_bias or use family llama")
     dtype_name = str(dtype).removeprefix("torch.")
     cfg = {
-        "architectures": [_FAMILY_ARCH[tcfg.family]], "model_type": tcfg.family,
-        "hidden_size": tcfg.dim, "intermediate_size": tcfg.ffn_dim, "num_hidden_layers": tcfg.n_layers,
-        "num_attention_heads": tcfg.n_heads, "num_key_value_heads": tcfg.n_kv_heads, "head_dim": tcfg.head_dim,
-        "vocab_size": tcfg.vocab_size, "max_position_embeddings": tcfg.max_seq_len, "rms_norm_eps": tcfg.norm_eps,
-        "hidden_act": "silu", "tie_word_embeddings": tcfg.tie_embeddings,
+        "architectures": [_FAMILY_ARCH[tcfg.family]],
+        "model_type": tcfg.family,
+        "hidden_size": tcfg.dim,
+        "intermediate_size": tcfg.ffn_dim,
+        "num_hidden_layers": tcfg.n_layers,
+        "num_attention_heads": tcfg.n_heads,
+        "num_key_value_heads": tcfg.n_kv_heads,
+        "head_dim": tcfg.head_dim,
+        "vocab_size": tcfg.vocab_size,
+        "max_position_embeddings": tcfg.max_seq_len,
+        "rms_norm_eps": tcfg.norm_eps,
+        "hidden_act": "silu",
+        "tie_word_embeddings": tcfg.tie_embeddings,
         # Both spellings: transformers 5 reads rope_parameters, older readers (4.x, vLLM) rope_theta.
-        "rope_theta": tcfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": tcfg.rope_theta},
-        "dtype": dtype_name, "torch_dtype": dtype_name, "use_cache": True,
+        "rope_theta": tcfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": tcfg.rope_theta},
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+        "use_cache": True,
     }
     if tcfg.family == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
     else:
         cfg.update(use_sliding_window=False)
     if tcfg.family == "qwen2_moe":
-        cfg.update(qkv_bias=tcfg.qkv_bias, num_experts=tcfg.n_experts, num_experts_per_tok=tcfg.top_k,
-                   moe_intermediate_size=tcfg.moe_ffn_dim, shared_expert_intermediate_size=tcfg.shared_ffn_dim,
-                   norm_topk_prob=tcfg.norm_topk_prob, decoder_sparse_step=tcfg.decoder_sparse_step,
-                   mlp_only_layers=list(tcfg.mlp_only_layers), router_aux_loss_coef=tcfg.aux_loss_coef,
-                   output_router_logits=False)
+        cfg.update(
+            qkv_bias=tcfg.qkv_bias,
+            num_experts=tcfg.n_experts,
+            num_experts_per_tok=tcfg.top_k,
+            moe_intermediate_size=tcfg.moe_ffn_dim,
+            shared_expert_intermediate_size=tcfg.shared_ffn_dim,
+            norm_topk_prob=tcfg.norm_topk_prob,
+            decoder_sparse_step=tcfg.decoder_sparse_step,
+            mlp_only_layers=list(tcfg.mlp_only_layers),
+            router_aux_loss_coef=tcfg.aux_loss_coef,
+            output_router_logits=False,
+        )
     return cfg
 
 

@@ -7,6 +7,7 @@ process therefore holds at most one full tensor at a time, never the model. Rank
 the tokenizer, then swaps the finished directory in (tasks.fsutil.swap_dir: a crash leaves the old export or a `.tmp`
 directory, never neither; the next export cleans up).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,18 @@ import torch
 
 from tasks.model.config import TransformerConfig
 
-FILE_BYTES = 2 * 1024 ** 3  # per output file (transformers' own default shard size is 5 GB; smaller spreads ranks)
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-              torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+FILE_BYTES = 2 * 1024**3  # per output file (transformers' own default shard size is 5 GB; smaller spreads ranks)
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def checkpoint_tensors(ckpt: Path, tcfg: TransformerConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -161,10 +171,18 @@ def write_streaming(path: Path, entries: list[tuple], read) -> int:
     return offset
 
 
-def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out: str | os.PathLike,
-                           tokenizer_dir: str | os.PathLike | None = None, rank: int = 0, world: int = 1,
-                           barrier=None, dtype: torch.dtype | None = None, file_bytes: int | None = None,
-                           stats: dict | None = None) -> Path:
+def export_from_checkpoint(
+    ckpt: str | os.PathLike,
+    tcfg: TransformerConfig,
+    out: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    rank: int = 0,
+    world: int = 1,
+    barrier=None,
+    dtype: torch.dtype | None = None,
+    file_bytes: int | None = None,
+    stats: dict | None = None,
+) -> Path:
     """Write the HF directory `out` from the DCP checkpoint `ckpt`; with world > 1 every rank calls it (with a
     `barrier` callable) and writes its share of the files (`file_bytes` None: about 1/world of the model per file,
     at most FILE_BYTES, so every rank takes part). `stats` receives this rank's written_bytes and
@@ -194,8 +212,10 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
         written += write_streaming(tmp / names[i], entries, lambda k, src=src: reader(*src[k]))
         reader.held = (None, None)
         # an expert stack is read whole (the largest tensor held), its experts written one by one
-        largest = max([largest] + [_numel(reader.shapes[n[0]] if isinstance(n, tuple) else shape) * dt.itemsize
-                                   for n, shape, dt in src])
+        largest = max(
+            [largest]
+            + [_numel(reader.shapes[n[0]] if isinstance(n, tuple) else shape) * dt.itemsize for n, shape, dt in src]
+        )
     if stats is not None:
         stats.update(written_bytes=written, largest_tensor_bytes=largest)
     barrier()
@@ -206,7 +226,8 @@ def export_from_checkpoint(ckpt: str | os.PathLike, tcfg: TransformerConfig, out
             weight_map = {_hf_name(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
             total = sum(_numel(s) * (dtype or d).itemsize for f in files for _, s, d in f)
             (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+            )
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
         swap_dir(tmp, out)  # the old export stays until the new one is complete

@@ -3,6 +3,7 @@
 Our RoPE uses HF's half-split (rotate_half) layout, so q/k weights map one to one, with no permutation.
 Nothing here touches the hub: paths are local directories.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,32 @@ import torch
 from tasks.errors import StageError
 from tasks.fsutil import recover_dir, swap_dir
 from tasks.model.hf_config import (  # noqa: F401 (re-exported: the HF-facing API of the model package)
-    ARCHITECTURES, config_from_hf, expert_hf_name, hf_expert, hf_to_ours, is_expert_stack, ours_to_hf,
-    read_hf_config, to_hf_config)
+    ARCHITECTURES,
+    config_from_hf,
+    expert_hf_name,
+    hf_expert,
+    hf_to_ours,
+    is_expert_stack,
+    ours_to_hf,
+    read_hf_config,
+    to_hf_config,
+)
 from tasks.model.init import HFWeights
 from tasks.model.transformer import Transformer, build_model, materialize
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-MAX_SHARD_BYTES = 5 * 1024 ** 3
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+MAX_SHARD_BYTES = 5 * 1024**3
+
 
 def hf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """Our parameter → [(HF name, tensor)]: one, or one per expert for a stacked expert weight."""
@@ -42,8 +61,12 @@ def load_hf(path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.fl
     return materialize(model, device, source=source)
 
 
-def save_hf(model: Transformer, path: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
-            dtype: torch.dtype | None = None) -> Path:
+def save_hf(
+    model: Transformer,
+    path: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """Write config.json + safetensors (sharded above 5 GB) + tokenizer files; replaces `path` atomically."""
     from safetensors.torch import save_file
 
@@ -106,8 +129,10 @@ def tokenizer_problem(hf_dir: str | os.PathLike, shard_dir: str | os.PathLike) -
     a, b = Tokenizer.from_file(str(own)), Tokenizer.from_file(str(theirs))
     if a.to_str() == b.to_str():  # the same tokenizer, serialised differently
         return None
-    return (f"model.hf_path: its tokenizer ({a.get_vocab_size()} tokens, {own}) is not the shard set's "
-            f"({b.get_vocab_size()} tokens, {theirs}); shard with data.tokenizer={hf_dir} (the checkpoint's own)")
+    return (
+        f"model.hf_path: its tokenizer ({a.get_vocab_size()} tokens, {own}) is not the shard set's "
+        f"({b.get_vocab_size()} tokens, {theirs}); shard with data.tokenizer={hf_dir} (the checkpoint's own)"
+    )
 
 
 def _copy_tokenizer(src: Path, out: Path) -> None:

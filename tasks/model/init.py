@@ -13,6 +13,7 @@ layout (and one process) gets bit-identical weights, with memory bounded by one 
 The HF source reads each box's rows straight from the safetensors file (header offsets, plain reads in bounded
 chunks, no mmap): only those bytes leave the file, and nothing stays mapped.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,15 @@ from pathlib import Path
 import torch
 
 from tasks.errors import StageError
-from tasks.model.hf_config import (_FAMILY_ARCH, expert_hf_name, hf_expert, hf_to_ours, is_expert_stack, ours_to_hf,
-                                    read_hf_config)
+from tasks.model.hf_config import (
+    _FAMILY_ARCH,
+    expert_hf_name,
+    hf_expert,
+    hf_to_ours,
+    is_expert_stack,
+    ours_to_hf,
+    read_hf_config,
+)
 
 CHUNK_ELEMS = 1 << 20  # elements per generator chunk (fixed by the full shape only: layout-free)
 STD = 0.02
@@ -84,7 +92,7 @@ class RandomInit:
             block = torch.randn((hi - lo, *full_shape[1:]), generator=g)
             a, b = max(r0, lo), min(r1, hi)
             piece = block[(slice(a - lo, b - lo), *rest)]
-            dest[a - r0:b - r0].copy_(piece * scale)
+            dest[a - r0 : b - r0].copy_(piece * scale)
 
 
 class HFWeights:
@@ -140,8 +148,7 @@ class HFWeights:
 
     def check(self, names) -> None:
         """Every parameter the model needs is in the checkpoint (one line naming the first missing one)."""
-        have = set(self.where) | {n for n, by_j in self.experts.items()
-                                  if len(by_j) == self.tcfg.n_experts}
+        have = set(self.where) | {n for n, by_j in self.experts.items() if len(by_j) == self.tcfg.n_experts}
         missing = sorted(set(names) - have)
         if missing:
             first = missing[0]
@@ -170,8 +177,10 @@ class HFWeights:
         entry = header[hf_name]
         shape = tuple(entry["shape"])
         if shape != tuple(full_shape):
-            raise StageError(f"{self.path}: tensors do not match config.json (size mismatch for {name}: "
-                             f"checkpoint {list(shape)}, model {list(full_shape)})")
+            raise StageError(
+                f"{self.path}: tensors do not match config.json (size mismatch for {name}: "
+                f"checkpoint {list(shape)}, model {list(full_shape)})"
+            )
         dtype = _ST_DTYPES[entry["dtype"]]
         start = header["__data_start__"] + entry["data_offsets"][0]
         if not shape:
@@ -187,13 +196,25 @@ class HFWeights:
                 buf = bytearray((b - a) * row_bytes)
                 f.seek(start + a * row_bytes)
                 f.readinto(buf)
-                rows = torch.frombuffer(buf, dtype=dtype).view(b - a, *shape[1:]) if buf else \
-                    torch.empty((0, *shape[1:]), dtype=dtype)
-                dest[a - r0:b - r0].copy_(rows[(slice(None), *rest)])
+                rows = (
+                    torch.frombuffer(buf, dtype=dtype).view(b - a, *shape[1:])
+                    if buf
+                    else torch.empty((0, *shape[1:]), dtype=dtype)
+                )
+                dest[a - r0 : b - r0].copy_(rows[(slice(None), *rest)])
 
 
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_ST_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @torch.no_grad()

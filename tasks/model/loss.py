@@ -1,4 +1,5 @@
 """The language-model loss, shared by smoke, training and evaluation."""
+
 from __future__ import annotations
 
 import torch

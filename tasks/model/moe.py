@@ -19,6 +19,7 @@ not). Its gradient is attached to the layer's output (Megatron's aux-loss scaler
 it; `set_aux_scale` matches it to the micro-batch division of the LM loss. Router statistics (tokens per expert,
 the aux value, dropped assignments) accumulate in each layer for the trainer to log (`collect_stats`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,8 +56,7 @@ def grouped_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     if any(type(w.data if isinstance(w, nn.Parameter) else w) is not torch.Tensor for w in weights):
         return False  # a tensor subclass (torchao INT8, DTensor shards are made local before): the loop
     align = 16 // x.element_size()
-    return all(w.dtype == x.dtype for w in weights) and all(s % align == 0 for w in (x, *weights)
-                                                            for s in w.shape[-1:])
+    return all(w.dtype == x.dtype for w in weights) and all(s % align == 0 for w in (x, *weights) for s in w.shape[-1:])
 
 
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: bool) -> torch.Tensor:
@@ -66,7 +66,7 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: list[int], grouped: 
         return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
     outs, start = [], 0
     for e, n in enumerate(counts):
-        outs.append(F.linear(x[start:start + n], w[e]))  # F.linear: also for INT8 weight tensors (torchao)
+        outs.append(F.linear(x[start : start + n], w[e]))  # F.linear: also for INT8 weight tensors (torchao)
         start += n
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[1])
 
@@ -116,7 +116,7 @@ class GroupedExperts(nn.Module):
     down_proj = w2[j])."""
 
     use_grouped_mm = True  # False: the loop (tests compare the two)
-    grad_scale = 1.0       # expert parallelism: 1 / ep (tasks/parallel/ep.py)
+    grad_scale = 1.0  # expert parallelism: 1 / ep (tasks/parallel/ep.py)
 
     def __init__(self, dim: int, ffn_dim: int, n_experts: int):
         super().__init__()
@@ -143,8 +143,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(c.dim, c.moe_ffn_dim, c.n_experts)
         self.shared = FeedForward(c.dim, c.shared_ffn_dim) if c.shared_ffn_dim else None
         self.shared_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_ffn_dim else None
-        self.aux_scale = 1.0     # set_aux_scale: 1 / micro-batches per step
-        self.dispatcher = None   # tasks.parallel.ep.AllToAllDispatcher under expert parallelism
+        self.aux_scale = 1.0  # set_aux_scale: 1 / micro-batches per step
+        self.dispatcher = None  # tasks.parallel.ep.AllToAllDispatcher under expert parallelism
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -163,7 +163,7 @@ class MoE(nn.Module):
         """E · Σ_e f_e · P_e per sequence, mean over the b sequences (fp32)."""
         probs = probs.view(b, -1, self.n_experts)
         assigned = F.one_hot(top_i.view(b, -1, self.top_k), self.n_experts).sum(2).float()  # [b, s, E]
-        f = assigned.mean(1)                     # per sequence: assignments per token to each expert
+        f = assigned.mean(1)  # per sequence: assignments per token to each expert
         p = probs.mean(1)
         return (self.n_experts * (f * p).sum(-1)).mean()
 
@@ -185,8 +185,8 @@ class MoE(nn.Module):
 
     def routed(self, flat: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         n_tok, k, n_exp = flat.shape[0], self.top_k, self.n_experts
-        expert_of = top_i.reshape(-1)                               # [T·k] assignment → expert
-        order = torch.argsort(expert_of, stable=True)               # assignments grouped by expert, token order kept
+        expert_of = top_i.reshape(-1)  # [T·k] assignment → expert
+        order = torch.argsort(expert_of, stable=True)  # assignments grouped by expert, token order kept
         counts = torch.bincount(expert_of, minlength=n_exp)
         if _counting():
             self.stat_tokens += counts.detach().to("cpu", torch.float64)
@@ -239,6 +239,8 @@ def summarise(tokens: dict, aux_sum: float, calls: int, dropped: int) -> dict:
         return {}
     ratios = [float(t.max() / t.mean()) for t in tokens.values() if float(t.sum()) > 0]
     total = sum(float(t.sum()) for t in tokens.values())
-    return {"moe_aux_loss": aux_sum / calls if calls else 0.0,
-            "moe_load_max_over_mean": max(ratios) if ratios else 0.0,
-            "moe_dropped_frac": dropped / total if total else 0.0}
+    return {
+        "moe_aux_loss": aux_sum / calls if calls else 0.0,
+        "moe_load_max_over_mean": max(ratios) if ratios else 0.0,
+        "moe_dropped_frac": dropped / total if total else 0.0,
+    }

@@ -11,6 +11,7 @@ parts (910A/910 ProB) there is no fused attention, and the planner's `plan.flash
 `__class__` changes), so checkpoints are interchangeable. `model.npu_kernels: auto|off`; auto = on when the device
 is an NPU and the op exists in the installed torch_npu. On CPU/CUDA the converter is the identity.
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,11 @@ class NpuFeedForward(FeedForward):
         return self.w2(_torch_npu().npu_swiglu(torch.cat([self.w1(x), self.w3(x)], dim=-1), dim=-1))
 
 
-_SWAPS = {"rms_norm": (RMSNorm, NpuRMSNorm), "rope": (Attention, NpuRopeAttention),
-          "swiglu": (FeedForward, NpuFeedForward)}
+_SWAPS = {
+    "rms_norm": (RMSNorm, NpuRMSNorm),
+    "rope": (Attention, NpuRopeAttention),
+    "swiglu": (FeedForward, NpuFeedForward),
+}
 
 
 def available(device_type: str, mode: str = "auto") -> list[str]:

@@ -8,13 +8,16 @@ torch_npu prints, once per operator (its npu_cpu_fallback kernel; seen e.g. in A
 which reaches Python as a warning; the smoke stage records warnings while it runs. AI CPU operators come from the
 profile (kernel_details / op_summary rows with Accelerator Core / Task Type AI_CPU).
 """
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-FALLBACK_RE = re.compile(r"The operator '([^']+)' is not currently supported on the NPU backend and will fall back "
-                         r"to run on the CPU")
+FALLBACK_RE = re.compile(
+    r"The operator '([^']+)' is not currently supported on the NPU backend and will fall back "
+    r"to run on the CPU"
+)
 MODEL_DIR = Path(__file__).resolve().parent
 ADVICE = [
     "replace the call with an equivalent the NPU supports (often another dtype: int64/double → int32/float, "
@@ -25,9 +28,9 @@ ADVICE = [
 ]
 WHY_EMPTY = {
     "cpu": "cpu: every operator runs natively on the host CPU; AI CPU kernels and NPU→CPU fallback exist only on "
-           "Ascend, so there is nothing to list",
+    "Ascend, so there is nothing to list",
     "cuda": "cuda: PyTorch's CUDA backend has no AI CPU and no silent CPU fallback (an unsupported operator raises "
-            "NotImplementedError), so there is nothing to list",
+    "NotImplementedError), so there is nothing to list",
 }
 
 
@@ -56,14 +59,25 @@ def where_called(op: str, sources: list[Path] | None = None) -> list[str]:
 def report(kind: str, warnings_text=(), ai_cpu: list[dict] | None = None, sources: list[Path] | None = None) -> dict:
     """{"device", "fallback": [{op, called_at}], "ai_cpu": [{op, max_us, count}], "note", "advice"}."""
     if kind != "npu":
-        return {"device": kind, "fallback": [], "ai_cpu": [], "note": WHY_EMPTY.get(kind, WHY_EMPTY["cpu"]),
-                "advice": []}
+        return {
+            "device": kind,
+            "fallback": [],
+            "ai_cpu": [],
+            "note": WHY_EMPTY.get(kind, WHY_EMPTY["cpu"]),
+            "advice": [],
+        }
     fb = [{"op": op, "called_at": where_called(op, sources)} for op in fallback_ops(warnings_text)]
     ac = [{"op": o["name"], "max_us": o.get("max_us"), "count": o.get("count")} for o in (ai_cpu or [])]
-    note = (f"{len(fb)} operator(s) fell back to the CPU, {len(ac)} ran on AI CPU" if fb or ac else
-            "every operator ran on the AI Core / Vector units (no fallback warning"
-            + (", no AI CPU kernel in the profile)" if ai_cpu is not None else
-               "; AI CPU operators need per-rank kernel data: kernel_details.csv or op_summary)"))
+    note = (
+        f"{len(fb)} operator(s) fell back to the CPU, {len(ac)} ran on AI CPU"
+        if fb or ac
+        else "every operator ran on the AI Core / Vector units (no fallback warning"
+        + (
+            ", no AI CPU kernel in the profile)"
+            if ai_cpu is not None
+            else "; AI CPU operators need per-rank kernel data: kernel_details.csv or op_summary)"
+        )
+    )
     return {"device": kind, "fallback": fb, "ai_cpu": ac, "note": note, "advice": ADVICE if fb or ac else []}
 
 

@@ -3,6 +3,7 @@
 Forward hooks fire as each module finishes, so the record order is computation order: the first non-finite record is
 where NaN/Inf entered, and everything after it merely inherited them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,10 +13,17 @@ def tensor_stats(name: str, t: torch.Tensor) -> dict:
     f = t.detach().float()
     finite = torch.isfinite(f)
     vals = f[finite]
-    return {"layer": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-            "min": vals.min().item() if vals.numel() else None, "max": vals.max().item() if vals.numel() else None,
-            "mean": vals.mean().item() if vals.numel() else None, "nan": int(torch.isnan(f).sum()),
-            "inf": int(torch.isinf(f).sum()), "numel": f.numel()}
+    return {
+        "layer": name,
+        "shape": list(t.shape),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "min": vals.min().item() if vals.numel() else None,
+        "max": vals.max().item() if vals.numel() else None,
+        "mean": vals.mean().item() if vals.numel() else None,
+        "nan": int(torch.isnan(f).sum()),
+        "inf": int(torch.isinf(f).sum()),
+        "numel": f.numel(),
+    }
 
 
 class LayerProbe:
@@ -42,9 +50,13 @@ class LayerProbe:
             out = output[0] if isinstance(output, (tuple, list)) else output
             if torch.is_tensor(out) and out.is_floating_point():
                 rec = tensor_stats(name, out)
-                rec["input_nan_inf"] = sum(int((~torch.isfinite(t.detach())).sum()) for t in inputs
-                                           if torch.is_tensor(t) and t.is_floating_point())
+                rec["input_nan_inf"] = sum(
+                    int((~torch.isfinite(t.detach())).sum())
+                    for t in inputs
+                    if torch.is_tensor(t) and t.is_floating_point()
+                )
                 self.records.append(rec)
+
         return record
 
     def first_non_finite(self) -> dict | None:

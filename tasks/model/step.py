@@ -3,6 +3,7 @@
 A non-finite loss or gradient norm skips the update, so the weights (and gradients) that produced it stay in place
 for diagnosis.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -4,6 +4,7 @@ RMSNorm → attention (GQA, RoPE in HF's half-split layout, optional q/k/v bias)
 `nn.ModuleDict` keyed "0".."L-1" so a pipeline stage can delete the ones it does not own. Heads are counted from the
 weight shapes at run time, so tensor-parallel sharding of wq/wk/wv needs no model change.
 """
+
 from __future__ import annotations
 
 
@@ -40,7 +41,7 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> to
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """x [b, s, h, d]; rotate pairs (i, i + d/2) — HF's rotate_half layout, so HF weights need no permutation."""
-    cos, sin = rope[:, 0].unsqueeze(1), rope[:, 1].unsqueeze(1)   # [s, 1, d/2]
+    cos, sin = rope[:, 0].unsqueeze(1), rope[:, 1].unsqueeze(1)  # [s, 1, d/2]
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
@@ -132,8 +133,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(tcfg.dim, tcfg.norm_eps)
         self.output = (TiedOutput if tcfg.tie_embeddings else nn.Linear)(tcfg.dim, tcfg.vocab_size, bias=False)
         self.tie_weights()
-        self.register_buffer("rope_cache", rope_table(tcfg.head_dim, tcfg.max_seq_len, tcfg.rope_theta),
-                             persistent=False)
+        self.register_buffer(
+            "rope_cache", rope_table(tcfg.head_dim, tcfg.max_seq_len, tcfg.rope_theta), persistent=False
+        )
 
     def tie_weights(self) -> None:
         """Share the embedding with the output projection (again after to_empty, which allocates them apart)."""

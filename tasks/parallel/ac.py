@@ -4,12 +4,13 @@ attention outputs, recompute the cheap element-wise ops), on every k-th block.
 The block's `forward` is wrapped in place instead of wrapping the module (checkpoint_wrapper), so parameter names —
 and with them the seeded initialisation and DCP checkpoint keys — are the same with and without recompute.
 """
+
 from __future__ import annotations
 
 import functools
 
 
-NPU_ATTENTION_OPS = ("npu_fusion_attention", "npu_fusion_attention_v3")   # torch.ops.npu.*, where torch_npu has them
+NPU_ATTENTION_OPS = ("npu_fusion_attention", "npu_fusion_attention_v3")  # torch.ops.npu.*, where torch_npu has them
 
 
 def keep_ops() -> set:
@@ -18,15 +19,19 @@ def keep_ops() -> set:
     import torch
 
     aten = torch.ops.aten
-    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default,
-            aten._scaled_dot_product_flash_attention.default,
-            aten._scaled_dot_product_efficient_attention.default,
-            aten._scaled_dot_product_flash_attention_for_cpu.default}
+    keep = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
     for name in NPU_ATTENTION_OPS:
         try:
             keep.add(getattr(torch.ops.npu, name).default)
         except (AttributeError, RuntimeError):
-            pass   # no torch_npu, or a release without this op
+            pass  # no torch_npu, or a release without this op
     return keep
 
 
@@ -49,8 +54,10 @@ def _checkpointed(forward, selective: bool):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         # No dropout in the model, so the RNG state need not be replayed (saves a copy per block).
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn,
-                          **kwargs)
+        return checkpoint(
+            forward, *args, use_reentrant=False, preserve_rng_state=False, context_fn=context_fn, **kwargs
+        )
+
     return run
 
 

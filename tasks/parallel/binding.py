@@ -13,6 +13,7 @@ Ranks sharing an affinity set split it evenly. Applied per rank by this module a
 `hardware.bind_cpus=false` turns it off. The plan travels in $LLM_PIPELINE_CPU_BINDING (JSON, one entry per local
 rank) and is reported per rank (train result, MLflow train/binding.json, each rank's log).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ENV = "LLM_PIPELINE_CPU_BINDING"          # the plan the entry shim applies
+ENV = "LLM_PIPELINE_CPU_BINDING"  # the plan the entry shim applies
 PLAN_ENV = "LLM_PIPELINE_CPU_BINDING_PLAN"  # the plan for the report (also when torchrun binds itself)
 WORKER = "tasks.parallel.worker"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m|\[\d+m")
@@ -120,8 +121,14 @@ def device_affinity(kind: str) -> tuple[dict[int, list[int]], str]:
     return {}, "even split"
 
 
-def plan(kind: str, nproc: int, allowed: list[int], affinity: dict[int, list[int]], source: str,
-         visible: list[int] | None = None) -> list[dict]:
+def plan(
+    kind: str,
+    nproc: int,
+    allowed: list[int],
+    affinity: dict[int, list[int]],
+    source: str,
+    visible: list[int] | None = None,
+) -> list[dict]:
     """One entry per local rank: {"local_rank", "device", "cpus" (list), "cpulist", "source"}.
 
     Local rank r uses device visible[r] (physical index, from *_VISIBLE_DEVICES) or r. Ranks whose devices share an
@@ -136,11 +143,19 @@ def plan(kind: str, nproc: int, allowed: list[int], affinity: dict[int, list[int
     for cores, ranks in groups.items():
         share = max(1, len(cores) // len(ranks))
         for i, r in enumerate(ranks):
-            mine = list(cores[i * share:(i + 1) * share]) if len(cores) >= len(ranks) else [cores[i % len(cores)]]
-            src = source if affinity.get(devices[r]) and cores != tuple(allowed) else (
-                "even split" if not affinity else f"even split ({source} gave no usable cores)")
-            out[r] = {"local_rank": r, "device": devices[r] if kind != "cpu" else None, "cpus": mine,
-                      "cpulist": format_cpulist(mine), "source": src}
+            mine = list(cores[i * share : (i + 1) * share]) if len(cores) >= len(ranks) else [cores[i % len(cores)]]
+            src = (
+                source
+                if affinity.get(devices[r]) and cores != tuple(allowed)
+                else ("even split" if not affinity else f"even split ({source} gave no usable cores)")
+            )
+            out[r] = {
+                "local_rank": r,
+                "device": devices[r] if kind != "cpu" else None,
+                "cpus": mine,
+                "cpulist": format_cpulist(mine),
+                "source": src,
+            }
     return out
 
 
@@ -193,8 +208,11 @@ def loader_options(cfg, device) -> dict:
     the configured prefetch factor."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     workers = loader_workers(cfg, cores)
-    return {"num_workers": workers, "pin_memory": device.type != "cpu",
-            "prefetch_factor": cfg.data.prefetch_factor if workers > 0 else None}
+    return {
+        "num_workers": workers,
+        "pin_memory": device.type != "cpu",
+        "prefetch_factor": cfg.data.prefetch_factor if workers > 0 else None,
+    }
 
 
 def loader_workers(cfg, cores_per_rank: int) -> int:
@@ -210,13 +228,28 @@ def apply(entry: dict, argv: list[str], worker: str = WORKER) -> None:
     if os.environ.get("LLM_PIPELINE_BOUND"):  # already under numactl (this module exec'd itself)
         return
     cpus = entry.get("cpus") or []
-    print(f"[binding] local rank {entry.get('local_rank')} → CPUs {entry.get('cpulist')} ({entry.get('source')})",
-          file=sys.stderr, flush=True)
+    print(
+        f"[binding] local rank {entry.get('local_rank')} → CPUs {entry.get('cpulist')} ({entry.get('source')})",
+        file=sys.stderr,
+        flush=True,
+    )
     numactl = shutil.which("numactl")
     if cpus and numactl:
         os.environ["LLM_PIPELINE_BOUND"] = "1"
-        os.execv(numactl, [numactl, f"--physcpubind={entry['cpulist']}", "--localalloc", sys.executable, "-m",
-                           __name__, "--worker", worker, *argv])
+        os.execv(
+            numactl,
+            [
+                numactl,
+                f"--physcpubind={entry['cpulist']}",
+                "--localalloc",
+                sys.executable,
+                "-m",
+                __name__,
+                "--worker",
+                worker,
+                *argv,
+            ],
+        )
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
 

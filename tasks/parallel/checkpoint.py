@@ -13,6 +13,7 @@ that decision to every rank (one broadcast: no rank looks at the directory while
 Pruning keeps the newest `keep` checkpoints and always the one just saved (hashed at save), so the last verified
 checkpoint is never deleted.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,18 +76,24 @@ def config_changes(path: Path, config: dict) -> list[str]:
     if saved is None:
         return []
     now = shaping_config(config)
-    return [f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-            if saved.get(k) != now.get(k)]
+    return [
+        f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
+    ]
 
 
 def file_table(path: Path, rank: int = 0, world: int = 1) -> dict[str, dict]:
     """{relative name: {bytes, sha256}} of every file of a checkpoint directory except meta.json; with world > 1,
     rank's share of them (largest first, dealt round-robin: the ranks hash the model's shards side by side)."""
     path = Path(path)
-    files = sorted((p for p in path.rglob("*") if p.is_file() and p.name != "meta.json"),
-                   key=lambda p: (-p.stat().st_size, str(p)))
-    return dict(sorted((str(p.relative_to(path)), {"bytes": p.stat().st_size, "sha256": sha256_file(p)})
-                       for p in files[rank::world]))
+    files = sorted(
+        (p for p in path.rglob("*") if p.is_file() and p.name != "meta.json"), key=lambda p: (-p.stat().st_size, str(p))
+    )
+    return dict(
+        sorted(
+            (str(p.relative_to(path)), {"bytes": p.stat().st_size, "sha256": sha256_file(p)})
+            for p in files[rank::world]
+        )
+    )
 
 
 def verify(path: Path) -> str | None:
@@ -137,8 +144,7 @@ def cleanup_partial(ckpt_dir: Path) -> None:
 
 
 def _app_state(parts, optimizers):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(flatten_optimizer_state_dict=True)
     model_sd, optim_sd = {}, {}
@@ -175,9 +181,18 @@ class CheckpointManager:
         if self.rank == 0:
             sched = optimizers[0][1].state_dict()
             files = dict(sorted((k, v) for share in shares for k, v in share.items()))
-            atomic_write_json(tmp / "meta.json", {**meta, "step": step, "dp": self.dp, "world": self.world,
-                                                   "lr_scheduler": sched, "saved_at": time.time(),
-                                                   "files": files})
+            atomic_write_json(
+                tmp / "meta.json",
+                {
+                    **meta,
+                    "step": step,
+                    "dp": self.dp,
+                    "world": self.world,
+                    "lr_scheduler": sched,
+                    "saved_at": time.time(),
+                    "files": files,
+                },
+            )
             old = self.dir / f"step-{step}.old"
             if final.exists():  # a rerun reached the same step again: the new one replaces it, and a crash
                 final.rename(old)  # in between still leaves a complete checkpoint (step-N.old is found on resume)
@@ -191,7 +206,7 @@ class CheckpointManager:
     def _prune(self, saved: int) -> None:
         """Keep the newest `keep`, and always the one just saved (hashed at save: the last verified checkpoint),
         even when newer ones left by an earlier attempt (unverified, maybe corrupt) outnumber it."""
-        for step, path in complete_checkpoints(self.dir)[:-self.keep]:
+        for step, path in complete_checkpoints(self.dir)[: -self.keep]:
             if step != saved:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -199,8 +214,11 @@ class CheckpointManager:
         """Restore everything; returns (step, notes about state that could not be restored for this layout)."""
         import torch
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         path = Path(path)
         meta = read_meta(path)

@@ -4,6 +4,7 @@ Workers leave evidence in `<run-dir>/train/`: `diagnosis.json` (non-finite loss/
 `failures/oom-rank-K.json` and `failures/timeout-rank-K.json` (written by the rank that hit it) and heartbeats.
 The launcher turns that evidence, torchrun's exit report and the planner's result into a StageError.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,11 @@ def oom_advice(stats: dict, kind: str = "npu", alloc_conf: str = "") -> str:
     conf = parse_alloc_conf(alloc_conf)
     frag = f"{(reserved - alloc) / GB:.1f} GB reserved but unallocated (fragmentation)"
     if conf.get("expandable_segments", "False").lower() == "true":
-        return (f"{frag} although {var}={alloc_conf} already uses expandable segments: {plan_advice}; or switch to "
-                f"{var}=expandable_segments:False,max_split_size_mb:128,garbage_collection_threshold:0.6 "
-                "(max_split_size_mb and garbage_collection_threshold are ignored with expandable_segments:True)")
+        return (
+            f"{frag} although {var}={alloc_conf} already uses expandable segments: {plan_advice}; or switch to "
+            f"{var}=expandable_segments:False,max_split_size_mb:128,garbage_collection_threshold:0.6 "
+            "(max_split_size_mb and garbage_collection_threshold are ignored with expandable_segments:True)"
+        )
     shown = f" (now {var}={alloc_conf})" if alloc_conf else ""
     return f"{frag}{shown}: set {var}=expandable_segments:True, or keep it False and add max_split_size_mb:128"
 
@@ -76,56 +79,88 @@ def _exit_text(code: int) -> str:
     return f"exit code {code}"
 
 
-def explain(train_dir: Path, rc: int, torchrun_log: str, plans: list[dict], layout: dict,
-            resume_from: str, failures: list | None = None, kind: str = "npu", alloc_conf: str = "") -> StageError:
+def explain(
+    train_dir: Path,
+    rc: int,
+    torchrun_log: str,
+    plans: list[dict],
+    layout: dict,
+    resume_from: str,
+    failures: list | None = None,
+    kind: str = "npu",
+    alloc_conf: str = "",
+) -> StageError:
     """`failures`: rank_errors.collect() of this launch (each failed rank with the exception it left, if any);
     `kind`/`alloc_conf`: the backend and the allocator settings in force (OOM advice valid for them)."""
     train_dir = Path(train_dir)
     diag = train_dir / "diagnosis.json"
     if diag.is_file():
         d = json.loads(diag.read_text())
-        return StageError(f"{d['what']} at step {d['step']} (loss {d['loss']}, grad norm {d['grad_norm']}); "
-                          f"stopped before the update, last good checkpoint {d['last_good_checkpoint'] or 'none'}; "
-                          f"see {diag}", retryable=False)
+        return StageError(
+            f"{d['what']} at step {d['step']} (loss {d['loss']}, grad norm {d['grad_norm']}); "
+            f"stopped before the update, last good checkpoint {d['last_good_checkpoint'] or 'none'}; "
+            f"see {diag}",
+            retryable=False,
+        )
     ooms = sorted((train_dir / "failures").glob("oom-rank-*.json"))
     if ooms:
         o = json.loads(ooms[0].read_text())
         s = o["memory"]
         est = f"planner estimated {o['estimate_bytes'] / GB:.1f} GB/device; " if o.get("estimate_bytes") else ""
         nxt = next_feasible_plan(plans, layout)
-        return StageError(f"out of memory on rank {o['rank']} at step {o['step']}: {est}allocated "
-                          f"{s['allocated_bytes'] / GB:.1f} GB, reserved {s['reserved_bytes'] / GB:.1f} GB; "
-                          f"{oom_advice(s, kind, alloc_conf)}" + (f"; next feasible plan: {nxt}" if nxt else ""),
-                          retryable=False)
+        return StageError(
+            f"out of memory on rank {o['rank']} at step {o['step']}: {est}allocated "
+            f"{s['allocated_bytes'] / GB:.1f} GB, reserved {s['reserved_bytes'] / GB:.1f} GB; "
+            f"{oom_advice(s, kind, alloc_conf)}" + (f"; next feasible plan: {nxt}" if nxt else ""),
+            retryable=False,
+        )
     beats = read_heartbeats(train_dir / "heartbeat")
     root = rank_errors.root_cause(failures or [])
     if root is not None and root.python_exception:  # the rank's own error: a retry would fail the same way
         step = beats.get(root.rank, {}).get("step", "?")
-        return StageError(f"rank {root.rank} failed at step {step}: {root.exc_type}: {root.message} "
-                          f"(from the {root.source}); not retried: fix the cause, then rerun (it resumes from "
-                          f"{resume_from})", retryable=False)
+        return StageError(
+            f"rank {root.rank} failed at step {step}: {root.exc_type}: {root.message} "
+            f"(from the {root.source}); not retried: fix the cause, then rerun (it resumes from "
+            f"{resume_from})",
+            retryable=False,
+        )
     timeouts = sorted((train_dir / "failures").glob("timeout-rank-*.json"))
     if timeouts:
         progress = {r: (b["step"], PHASES.index(b["phase"]) if b["phase"] in PHASES else 0) for r, b in beats.items()}
         front = max(progress.values(), default=(0, 0))
         behind = sorted(r for r, p in progress.items() if p < front)
-        who = (f"ranks {behind} did not arrive (stuck at {', '.join(_where(beats[r]) for r in behind[:4])}; the "
-               f"others reached {front[0]} {PHASES[front[1]]})") if behind else \
-            "no rank fell behind by heartbeat (a network or clock problem between nodes)"
-        return StageError(f"collective timed out: {who}; run `python -m tasks env` to check clock offsets and "
-                          f"link bandwidth between nodes; a retry resumes from {resume_from}", retryable=True)
+        who = (
+            (
+                f"ranks {behind} did not arrive (stuck at {', '.join(_where(beats[r]) for r in behind[:4])}; the "
+                f"others reached {front[0]} {PHASES[front[1]]})"
+            )
+            if behind
+            else "no rank fell behind by heartbeat (a network or clock problem between nodes)"
+        )
+        return StageError(
+            f"collective timed out: {who}; run `python -m tasks env` to check clock offsets and "
+            f"link bandwidth between nodes; a retry resumes from {resume_from}",
+            retryable=True,
+        )
     if root is not None:
         rank, code = root.rank, root.exitcode
         step = beats.get(rank, {}).get("step", "?")
         what = f"{root.exc_type}: {root.message}" if root.exc_type else _exit_text(code)
-        return StageError(f"rank {rank} died ({what}) at step {step}; see logs/rank-{rank}.log; "
-                          f"a retry resumes from {resume_from}", retryable=True)
+        return StageError(
+            f"rank {rank} died ({what}) at step {step}; see logs/rank-{rank}.log; a retry resumes from {resume_from}",
+            retryable=True,
+        )
     failures = _torchrun_failures(torchrun_log)
     if failures:
         rank, code = failures[0]
         step = beats.get(rank, {}).get("step", "?")
-        return StageError(f"rank {rank} died ({_exit_text(code)}) at step {step}; see logs/rank-{rank}.log; "
-                          f"a retry resumes from {resume_from}", retryable=True)
+        return StageError(
+            f"rank {rank} died ({_exit_text(code)}) at step {step}; see logs/rank-{rank}.log; "
+            f"a retry resumes from {resume_from}",
+            retryable=True,
+        )
     tail = " | ".join(torchrun_log.strip().splitlines()[-3:])
-    return StageError(f"torchrun exited with code {rc}: {tail}; see logs/torchrun.log; "
-                      f"a retry resumes from {resume_from}", retryable=True)
+    return StageError(
+        f"torchrun exited with code {rc}: {tail}; see logs/torchrun.log; a retry resumes from {resume_from}",
+        retryable=True,
+    )

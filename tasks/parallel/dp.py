@@ -6,6 +6,7 @@ Stage 1 (ZeRO-1, optimizer state partitioning): the same, but each dp rank owns 
 by size, the same split on every rank) and its AdamW holds state for those only; after the update each owner
 broadcasts its parameters to the other dp ranks. Parameters may be TP DTensors: only their local tensors travel.
 """
+
 from __future__ import annotations
 
 BUCKET_ELEMS = 1 << 22  # 16 MB of fp32 per all-reduce

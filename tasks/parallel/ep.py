@@ -22,6 +22,7 @@ and under TP every TP coordinate has its own EP groups: the attention and the sh
 routed experts are whole on every TP rank (replicated over tp, as torchtitan without expert-tensor parallelism),
 each TP rank dispatches the same tokens within its EP group (tasks/parallel/tp.py).
 """
+
 from __future__ import annotations
 
 import time
@@ -79,14 +80,22 @@ class AllToAllDispatcher:
         counts_in = torch.empty_like(counts)
         _timed_all_to_all(counts_in, counts.contiguous(), None, None, self.group)  # [ep · local]: per source rank
         send = counts.view(ep, local).sum(1).tolist()
-        recv_by = counts_in.view(ep, local)                                       # [source rank, local expert]
+        recv_by = counts_in.view(ep, local)  # [source rank, local expert]
         recv = all_to_all(xs, recv_by.sum(1).tolist(), send, self.group)
         # Arrived grouped by (source, expert): regroup by (expert, source) for one grouped matmul per expert.
         sizes = recv_by.flatten().tolist()
         starts = torch.tensor([0] + sizes[:-1]).cumsum(0).view(ep, local)
-        perm = torch.cat([torch.arange(int(starts[s, e]), int(starts[s, e]) + int(recv_by[s, e]))
-                          for e in range(local) for s in range(ep)]) if recv.shape[0] else \
-            torch.zeros(0, dtype=torch.long)
+        perm = (
+            torch.cat(
+                [
+                    torch.arange(int(starts[s, e]), int(starts[s, e]) + int(recv_by[s, e]))
+                    for e in range(local)
+                    for s in range(ep)
+                ]
+            )
+            if recv.shape[0]
+            else torch.zeros(0, dtype=torch.long)
+        )
         perm = perm.to(recv.device)
         ys = experts(recv[perm], recv_by.sum(0).tolist())
         back = torch.empty_like(ys).index_copy(0, perm, ys)

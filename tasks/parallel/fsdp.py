@@ -6,6 +6,7 @@ resharded after its forward and gathered again for backward; ZeRO-2: kept gather
 (replicated parameters) are tasks/parallel/dp.py.
 Mixed precision: compute in bf16/fp16, gradients reduced in fp32, master weights and optimizer states fp32.
 """
+
 from __future__ import annotations
 
 PARAM_DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
@@ -19,8 +20,9 @@ def apply_fsdp(model, dp_mesh, precision: str, zero: int, dp_rep_mesh=None) -> N
 
     name = PARAM_DTYPES[precision]
     # cast_forward_inputs=False: the RoPE table passed to each block must stay fp32.
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, name) if name else None, reduce_dtype=torch.float32,
-                              cast_forward_inputs=False)
+    mp = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, name) if name else None, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     reshard = zero == 3
     if dp_rep_mesh is not None:
         from tasks.parallel.ep import shard_experts

@@ -1,6 +1,7 @@
 """The parallel layout: one `Layout` type for the planner's candidates (tasks.planner) and the training run
 (resolved from the config when pinned, else from the plan, and checked before any worker starts — every problem
 one line). Its field names are the `parallel.*` config keys; no torch here (the planner imports it)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,17 +15,17 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    zero: int = 0                # 0 plain DP, 1/2/3 ZeRO stage
-    recompute: str = "none"      # none | selective | full
+    zero: int = 0  # 0 plain DP, 1/2/3 ZeRO stage
+    recompute: str = "none"  # none | selective | full
     recompute_every: int = 1
     sequence_parallel: bool = True  # only meaningful with tp > 1
-    pp_schedule: str = "1f1b"    # gpipe | 1f1b | interleaved1f1b; ignored when pp == 1
-    microbatches: int = 0        # per data-parallel rank and optimizer step (0 = local batch / micro_batch)
-    virtual_stages: int = 2      # per rank, for interleaved1f1b only
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved1f1b; ignored when pp == 1
+    microbatches: int = 0  # per data-parallel rank and optimizer step (0 = local batch / micro_batch)
+    virtual_stages: int = 2  # per rank, for interleaved1f1b only
     micro_batch: int = 1
     global_batch: int = 1
     flash_attention: bool = True  # fused attention: no s×s activations (planner.memory.layer_activation_bytes)
-    ep: int = 1                  # expert parallelism: experts split over ep ranks of the dp axis (tasks/parallel/ep.py)
+    ep: int = 1  # expert parallelism: experts split over ep ranks of the dp axis (tasks/parallel/ep.py)
 
     @property
     def local_batch(self) -> int:
@@ -46,17 +47,36 @@ def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
     """Pinned degrees (cfg.parallel.dp/tp/pp > 0) win; unpinned ones come from the planner's choice, else
     tp = pp = 1 and dp fills the world. With a plan, its zero/recompute/schedule/micro-batch apply too."""
     par, train = cfg.parallel, cfg.train
-    lay = Layout(dp=par.dp, tp=par.tp, pp=par.pp, zero=par.zero, recompute=par.recompute,
-                 recompute_every=par.recompute_every, sequence_parallel=par.sequence_parallel,
-                 pp_schedule=par.pp_schedule, microbatches=par.microbatches, virtual_stages=par.virtual_stages,
-                 micro_batch=train.micro_batch, global_batch=train.global_batch, ep=getattr(par, "ep", 1) or 1)
+    lay = Layout(
+        dp=par.dp,
+        tp=par.tp,
+        pp=par.pp,
+        zero=par.zero,
+        recompute=par.recompute,
+        recompute_every=par.recompute_every,
+        sequence_parallel=par.sequence_parallel,
+        pp_schedule=par.pp_schedule,
+        microbatches=par.microbatches,
+        virtual_stages=par.virtual_stages,
+        micro_batch=train.micro_batch,
+        global_batch=train.global_batch,
+        ep=getattr(par, "ep", 1) or 1,
+    )
     chosen = (plan_result or {}).get("parallel") or {}
     if 0 in (par.dp, par.tp, par.pp) and chosen:
         for key in ("dp", "tp", "pp"):
             if getattr(lay, key) == 0 and chosen.get(key):
                 setattr(lay, key, int(chosen[key]))
-        for key in ("zero", "recompute", "pp_schedule", "microbatches", "micro_batch", "virtual_stages",
-                    "sequence_parallel", "ep"):
+        for key in (
+            "zero",
+            "recompute",
+            "pp_schedule",
+            "microbatches",
+            "micro_batch",
+            "virtual_stages",
+            "sequence_parallel",
+            "ep",
+        ):
             if chosen.get(key) not in (None, ""):
                 setattr(lay, key, type(getattr(lay, key))(chosen[key]))
     lay.tp = lay.tp or 1
@@ -77,8 +97,9 @@ def known_world(cfg, plan_result: dict | None) -> int | None:
 def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[str]:
     problems = []
     if lay.world != world:
-        problems.append(f"parallel: dp {lay.dp} × tp {lay.tp} × pp {lay.pp} = {lay.world} ≠ world size {world} "
-                        f"({world_text})")
+        problems.append(
+            f"parallel: dp {lay.dp} × tp {lay.tp} × pp {lay.pp} = {lay.world} ≠ world size {world} ({world_text})"
+        )
     for what, n in (("heads", tcfg.n_heads), ("KV heads", tcfg.n_kv_heads)):
         if n % lay.tp:
             problems.append(f"parallel.tp: {lay.tp} does not divide the model's {n} {what}")
@@ -91,18 +112,24 @@ def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[
     if lay.pp_schedule == "interleaved1f1b" and lay.pp < 2:
         problems.append("parallel.pp_schedule: interleaved1f1b needs parallel.pp >= 2")
     if tcfg.tie_embeddings and lay.pp > 1:
-        problems.append(f"parallel.pp: {lay.pp} splits the model's tied embeddings (model.tie_embeddings: the first "
-                        f"and last stage would each hold a copy) — set parallel.pp 1 (dp/tp/zero all train it)")
+        problems.append(
+            f"parallel.pp: {lay.pp} splits the model's tied embeddings (model.tie_embeddings: the first "
+            f"and last stage would each hold a copy) — set parallel.pp 1 (dp/tp/zero all train it)"
+        )
     problems += moe_problems(lay, tcfg)
     if lay.global_batch % lay.dp:
         problems.append(f"train.global_batch: {lay.global_batch} is not divisible by parallel.dp {lay.dp}")
     elif lay.local_batch % lay.n_microbatches:
-        problems.append(f"train.global_batch: {lay.local_batch} sequences per dp rank do not split into "
-                        f"{lay.n_microbatches} equal micro-batches (train.micro_batch {lay.micro_batch})")
+        problems.append(
+            f"train.global_batch: {lay.local_batch} sequences per dp rank do not split into "
+            f"{lay.n_microbatches} equal micro-batches (train.micro_batch {lay.micro_batch})"
+        )
     if lay.pp > 1 and lay.pp_schedule != "gpipe" and lay.n_microbatches < lay.pp:
-        problems.append(f"parallel.microbatches: {lay.n_microbatches} micro-batches per step are fewer than the "
-                        f"{lay.pp} pipeline stages ({lay.pp_schedule} needs >= pp; lower train.micro_batch or "
-                        f"raise train.global_batch)")
+        problems.append(
+            f"parallel.microbatches: {lay.n_microbatches} micro-batches per step are fewer than the "
+            f"{lay.pp} pipeline stages ({lay.pp_schedule} needs >= pp; lower train.micro_batch or "
+            f"raise train.global_batch)"
+        )
     return problems
 
 
@@ -113,15 +140,19 @@ def moe_problems(lay: Layout, tcfg) -> list[str]:
     problems = []
     n_exp = getattr(tcfg, "n_experts", 0)
     if lay.ep > 1 and not n_exp:
-        problems.append(f"parallel.ep: {lay.ep} needs a mixture-of-experts model (e.g. model.preset moe-demo); "
-                        f"set parallel.ep 1")
+        problems.append(
+            f"parallel.ep: {lay.ep} needs a mixture-of-experts model (e.g. model.preset moe-demo); set parallel.ep 1"
+        )
     if lay.ep > 1 and lay.dp % lay.ep:
-        problems.append(f"parallel.ep: {lay.ep} does not divide parallel.dp {lay.dp} (expert parallelism is "
-                        f"carved from the data-parallel ranks)")
+        problems.append(
+            f"parallel.ep: {lay.ep} does not divide parallel.dp {lay.dp} (expert parallelism is "
+            f"carved from the data-parallel ranks)"
+        )
     if lay.ep > 1 and n_exp and n_exp % lay.ep:
         problems.append(f"parallel.ep: {lay.ep} does not divide the model's {n_exp} experts")
     shared = getattr(tcfg, "shared_ffn_dim", 0)
     if n_exp and lay.tp > 1 and shared and shared % lay.tp:
-        problems.append(f"parallel.tp: {lay.tp} does not divide the shared expert's width {shared} "
-                        f"(model.shared_ffn_dim)")
+        problems.append(
+            f"parallel.tp: {lay.tp} does not divide the shared expert's width {shared} (model.shared_ffn_dim)"
+        )
     return problems

@@ -1,4 +1,5 @@
 """The one DeviceMesh: pp outermost, tp innermost, so a TP group is consecutive ranks (one node, fast links)."""
+
 from __future__ import annotations
 
 DIMS = ("pp", "dp", "tp")
@@ -16,6 +17,6 @@ def coords(mesh) -> dict[str, int]:
 
 
 def layout_name(dp: int, tp: int, pp: int) -> str:
-    """"dp2·tp2·pp2" (degree-1 axes left out; "single" when all are 1)."""
+    """ "dp2·tp2·pp2" (degree-1 axes left out; "single" when all are 1)."""
     parts = [f"{k}{v}" for k, v in (("dp", dp), ("tp", tp), ("pp", pp)) if v > 1]
     return "·".join(parts) or "single"

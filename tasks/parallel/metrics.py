@@ -1,5 +1,6 @@
 """Per-step metrics: `<run-dir>/metrics.jsonl` (one JSON object per optimizer step) and the stage's MLflow run,
 both written by rank 0 only; per-rank heartbeats that let the launcher name ranks that fell behind."""
+
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from tasks.fsutil import atomic_write_text
 from tasks.fsutil import read_jsonl as read_metrics  # noqa: F401 (metrics.jsonl: one record per line)
+
 
 def peak_flops(device, configured_tflops: float) -> float | None:
     """Dense 16-bit peak FLOP/s of one device for MFU: hardware.peak_tflops when set, else the planner's device
@@ -28,8 +30,7 @@ def truncate_after(path: Path, step: int) -> None:
     """On resume: drop lines of steps the previous attempt ran past its last checkpoint (they are redone)."""
     if not path.is_file():
         return
-    kept = [ln for ln in path.read_text(encoding="utf-8").splitlines()
-            if ln.strip() and json.loads(ln)["step"] <= step]
+    kept = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
     atomic_write_text(path, "".join(ln + "\n" for ln in kept))
 
 
@@ -99,9 +100,14 @@ class MlflowSender:
             if time.time() < down_until:
                 self.failed += 1
                 continue
-            metrics = [Metric(f"train.{k}", float(v), int(record["time"] * 1000), int(record["step"]))
-                       for k, v in record.items() if k not in ("step", "time") and isinstance(v, (int, float))
-                       and not isinstance(v, bool) and v is not None]
+            metrics = [
+                Metric(f"train.{k}", float(v), int(record["time"] * 1000), int(record["step"]))
+                for k, v in record.items()
+                if k not in ("step", "time")
+                and isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and v is not None
+            ]
             for attempt in range(self.attempts):
                 try:
                     client.log_batch(self.run_id, metrics=metrics, synchronous=True)
@@ -132,8 +138,9 @@ class Heartbeat:
         self.rank = rank
 
     def beat(self, step: int, phase: str) -> None:
-        self.path.write_text(json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step, "phase": phase,
-                                         "time": time.time()}))
+        self.path.write_text(
+            json.dumps({"rank": self.rank, "pid": os.getpid(), "step": step, "phase": phase, "time": time.time()})
+        )
 
 
 def read_heartbeats(directory: Path) -> dict[int, dict]:

@@ -3,6 +3,7 @@
 One optimizer (and scheduler) per model part: pipeline ranks with interleaved stages hold several parts, and
 DCP's flattened optimizer state dict then merges them by parameter name.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,10 +31,12 @@ def build_optimizers(parts, train_cfg, owned: set[str] | None = None):
         meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
         # foreach kernels reject a mix of plain tensors and DTensors (or DTensors on different meshes).
         foreach = len(meshes) == 1
-        opt = torch.optim.AdamW(params, lr=train_cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                                weight_decay=train_cfg.weight_decay, foreach=foreach)
+        opt = torch.optim.AdamW(
+            params, lr=train_cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=train_cfg.weight_decay, foreach=foreach
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_factor(s, train_cfg.warmup_steps, train_cfg.steps, train_cfg.lr, train_cfg.min_lr))
+            opt, lambda s: lr_factor(s, train_cfg.warmup_steps, train_cfg.steps, train_cfg.lr, train_cfg.min_lr)
+        )
         out.append((opt, sched))
     return out
 
@@ -57,8 +60,7 @@ def grad_norm_and_clip(params, max_norm: float, pp_group=None):
             continue
         if isinstance(g, DTensor):
             # Shard and FSDP's _StridedShard (for which is_shard() is False) both split the tensor.
-            groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements)
-                           if not pl.is_replicate())
+            groups = tuple(g.device_mesh.get_group(i) for i, pl in enumerate(g.placements) if not pl.is_replicate())
             g = g.to_local()
         else:
             groups = ()

@@ -4,6 +4,7 @@ layers it does not own deleted — names stay global ("layers.5"), so checkpoint
 Stages are placed loop-style: with pp ranks and v stages per rank (interleaved 1F1B), rank r owns stages
 r, r + pp, r + 2·pp, …
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,8 +51,7 @@ def split_model(model, pp_rank: int, pp: int, per_rank: int) -> list[tuple[int, 
 
 def build_schedule(schedule: str, parts, n_stages: int, device, pp_group, n_microbatches: int, loss_fn):
     """The pipeline schedule over this rank's stage modules (already parallelised and materialised)."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     stages = [PipelineStage(module, index, n_stages, device, group=pp_group) for index, module in parts]
     for stage in stages:

@@ -9,6 +9,7 @@ Classification: a rank that raised a Python exception of its own (bad data, a bu
 at run time) fails the stage at once — a retry would fail the same way. A rank killed by a signal, a lost peer or a
 collective timeout is retryable: the retry resumes from the last verified checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,20 +19,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # The last line of a Python traceback: "pkg.mod.SomeError: message" (or a bare "SomeError").
-_EXC_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?"  # an optional "[rank]:" prefix
-                       r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$")
+_EXC_LINE = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*)?"  # an optional "[rank]:" prefix
+    r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt))(?::\s*(.*))?$"
+)
 # Errors a rank gets because a *peer* died or the network failed: secondary, and a retry can fix them.
-_COLLECTIVE = re.compile(r"connection (closed|reset)|closed by peer|broken pipe|timed out|timeout|"
-                         r"watchdog|nccl|hccl|gloo|socket|connection refused|rendezvous|store", re.I)
+_COLLECTIVE = re.compile(
+    r"connection (closed|reset)|closed by peer|broken pipe|timed out|timeout|"
+    r"watchdog|nccl|hccl|gloo|socket|connection refused|rendezvous|store",
+    re.I,
+)
 
 
 @dataclass
 class RankFailure:
     rank: int
     exitcode: int
-    exc_type: str = ""       # "" when the rank left no Python exception
+    exc_type: str = ""  # "" when the rank left no Python exception
     message: str = ""
-    source: str = ""         # where the cause was read (error file or rank log)
+    source: str = ""  # where the cause was read (error file or rank log)
 
     @property
     def signal(self) -> str:
@@ -45,10 +51,10 @@ class RankFailure:
     @property
     def collective(self) -> bool:
         """A communication failure: usually the consequence of another rank dying, or the network."""
-        return bool(self.exc_type) and (self.exc_type.split(".")[-1] in ("DistBackendError", "DistNetworkError",
-                                                                          "DistStoreError")
-                                        or (self.exc_type.split(".")[-1] == "RuntimeError"
-                                            and bool(_COLLECTIVE.search(self.message))))
+        return bool(self.exc_type) and (
+            self.exc_type.split(".")[-1] in ("DistBackendError", "DistNetworkError", "DistStoreError")
+            or (self.exc_type.split(".")[-1] == "RuntimeError" and bool(_COLLECTIVE.search(self.message)))
+        )
 
     @property
     def python_exception(self) -> bool:
@@ -62,8 +68,8 @@ def torchrun_report(log_text: str) -> list[tuple[int, int | None, int]]:
     """[(global rank, local rank or None, exitcode)] of every failed rank in torchrun's end-of-run report, the root
     cause first."""
     if "Root Cause" in log_text:
-        root = log_text[log_text.rfind("Root Cause"):]
-        rest = log_text[log_text.rfind("Failures:"):log_text.rfind("Root Cause")] if "Failures:" in log_text else ""
+        root = log_text[log_text.rfind("Root Cause") :]
+        rest = log_text[log_text.rfind("Failures:") : log_text.rfind("Root Cause")] if "Failures:" in log_text else ""
     else:
         root, rest = log_text, ""
     out, seen = [], set()
@@ -106,7 +112,7 @@ def log_cause(rank_log: Path, offset: int = 0) -> tuple[str, str] | None:
     lines = text.splitlines()
     for i in range(len(lines) - 1, -1, -1):
         if lines[i].startswith("Traceback (most recent call last)"):
-            for line in lines[i + 1:]:  # the first unindented line after the frames
+            for line in lines[i + 1 :]:  # the first unindented line after the frames
                 if line and not line[0].isspace():
                     parsed = _split(line)
                     if parsed:
@@ -121,8 +127,9 @@ def _split(line: str) -> tuple[str, str] | None:
     return m.group(1), " ".join((m.group(2) or "").split())[:400]
 
 
-def collect(torchrun_log: str, logs_dir: Path, node_rank: int, nproc: int,
-            offsets: dict[str, int] | None = None) -> list[RankFailure]:
+def collect(
+    torchrun_log: str, logs_dir: Path, node_rank: int, nproc: int, offsets: dict[str, int] | None = None
+) -> list[RankFailure]:
     """Every failed rank of this launch with its cause where one was left (error file first, then rank log)."""
     logs_dir = Path(logs_dir)
     out = []
@@ -151,9 +158,11 @@ def log_offsets(logs_dir: Path) -> dict[str, int]:
 def root_cause(failures: list[RankFailure]) -> RankFailure | None:
     """The failure to report: a rank's own Python exception, else a rank killed by a signal other than the
     SIGTERM torchrun sends to the survivors, else a collective error, else the first failure reported."""
-    for pick in (lambda f: f.python_exception,
-                 lambda f: f.exitcode < 0 and f.signal != "SIGTERM",
-                 lambda f: f.collective):
+    for pick in (
+        lambda f: f.python_exception,
+        lambda f: f.exitcode < 0 and f.signal != "SIGTERM",
+        lambda f: f.collective,
+    ):
         for f in failures:
             if pick(f):
                 return f

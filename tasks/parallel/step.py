@@ -1,4 +1,5 @@
 """One optimizer step's forward and backward: gradient accumulation over micro-batches, or a pipeline schedule."""
+
 from __future__ import annotations
 
 import contextlib

@@ -25,34 +25,44 @@ uses' gradients accumulate into, as on one process. (materialize re-ties after t
 part before that: without this re-tie its root unit would also manage the stale second copy — one more sharded
 tensor gathered and reduce-scattered every step.)
 """
+
 from __future__ import annotations
 
 
 def apply_tp(model, tp_mesh, sequence_parallel: bool) -> None:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
-                                                   RowwiseParallel, SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     seq = Shard(1) if sequence_parallel else Replicate()
     tied = model.config.tie_embeddings
     top = {}
     if model.tok_embeddings is not None:
         # Tied: hidden-sharded (ColwiseParallel on nn.Embedding: weight Shard(1)), see the module docstring.
-        top["tok_embeddings"] = (ColwiseParallel if tied else RowwiseParallel)(input_layouts=Replicate(),
-                                                                               output_layouts=seq)
+        top["tok_embeddings"] = (ColwiseParallel if tied else RowwiseParallel)(
+            input_layouts=Replicate(), output_layouts=seq
+        )
     if model.norm is not None and sequence_parallel:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = (RowwiseParallel if tied else ColwiseParallel)(input_layouts=seq, output_layouts=Replicate(),
-                                                                      use_local_output=True)
+        top["output"] = (RowwiseParallel if tied else ColwiseParallel)(
+            input_layouts=seq, output_layouts=Replicate(), use_local_output=True
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
         model.tie_weights()  # a no-op unless the model ties its embeddings (and this part holds both ends)
     for block in model.layers.values():
         plan = {
             # The rope table (second input) stays a plain tensor: every rank needs all of it.
-            "attention": PrepareModuleInput(input_layouts=(seq, None), desired_input_layouts=(Replicate(), None),
-                                            use_local_output=True),
+            "attention": PrepareModuleInput(
+                input_layouts=(seq, None), desired_input_layouts=(Replicate(), None), use_local_output=True
+            ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -60,19 +70,32 @@ def apply_tp(model, tp_mesh, sequence_parallel: bool) -> None:
         }
         if "moe" in block._modules:
             plan["moe"] = PrepareModuleInputOutput(
-                input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(seq,), use_local_output=True)
+                input_layouts=(seq,),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(seq,),
+                use_local_output=True,
+            )
             if block.moe.shared is not None:
-                plan.update({"moe.shared.w1": ColwiseParallel(), "moe.shared.w3": ColwiseParallel(),
-                             "moe.shared.w2": RowwiseParallel(output_layouts=Replicate())})
+                plan.update(
+                    {
+                        "moe.shared.w1": ColwiseParallel(),
+                        "moe.shared.w3": ColwiseParallel(),
+                        "moe.shared.w2": RowwiseParallel(output_layouts=Replicate()),
+                    }
+                )
         else:
-            plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),),
-                                                   use_local_output=True),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-                "feed_forward.w3": ColwiseParallel(),
-            })
+            plan.update(
+                {
+                    "feed_forward": PrepareModuleInput(
+                        input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+                    ),
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+                    "feed_forward.w3": ColwiseParallel(),
+                }
+            )
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()

@@ -4,6 +4,7 @@ The spec (written by tasks/stages/train.py) holds the resolved config, model sha
 one after another in the same process group (the tests use this to check many layouts per torchrun launch).
 Exit codes: 0 done, 3 non-finite loss/gradient, 4 out of memory, 5 collective timeout, 1 anything else.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,10 +46,15 @@ def parse_fault(text: str) -> tuple[int, int, str] | None:
     if not text.strip():
         return None
     parts = text.strip().split(":")
-    if len(parts) not in (2, 3) or not all(p.isdigit() for p in parts[:2]) or \
-            (len(parts) == 3 and parts[2] not in ("kill", "hang")):
-        raise ValueError(f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang "
-                         f"(e.g. 1:4); unset it for a normal run")
+    if (
+        len(parts) not in (2, 3)
+        or not all(p.isdigit() for p in parts[:2])
+        or (len(parts) == 3 and parts[2] not in ("kill", "hang"))
+    ):
+        raise ValueError(
+            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang "
+            f"(e.g. 1:4); unset it for a normal run"
+        )
     return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "kill"
 
 
@@ -64,8 +70,9 @@ def _load_spec(path: str) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def build_parts(tcfg, lay, mesh, c, device, precision: str, seed: int, init_from: str | None = None,
-                npu_kernels: str = "auto"):
+def build_parts(
+    tcfg, lay, mesh, c, device, precision: str, seed: int, init_from: str | None = None, npu_kernels: str = "auto"
+):
     """Model parts of this rank: NPU kernels → split for PP → TP → activation checkpointing → FSDP → materialise
     (each rank allocates and writes only its local shards: seeded random init, or the slices of the HF checkpoint
     `init_from` that it owns)."""
@@ -132,8 +139,9 @@ def setup(spec: dict, device) -> SimpleNamespace:
     else:
         mesh = build_mesh(device.type, lay.pp, lay.dp, lay.tp)
     c = coords(mesh)
-    _log(f"layout {layout_name(lay.dp, lay.tp, lay.pp)}{f'·ep{lay.ep}' if lay.ep > 1 else ''} coords {c} "
-         f"device {device}")
+    _log(
+        f"layout {layout_name(lay.dp, lay.tp, lay.pp)}{f'·ep{lay.ep}' if lay.ep > 1 else ''} coords {c} device {device}"
+    )
     torch.manual_seed(cfg.train.seed)
     ckpt = CheckpointManager(run_dir / "checkpoints", cfg.train.keep_checkpoints, rank, c, lay.dp, world)
     # Rank 0 decides what to resume from and tells everyone (no rank reads the directory while rank 0 may be
@@ -154,8 +162,9 @@ def setup(spec: dict, device) -> SimpleNamespace:
     init_from = None if source else spec.get("init_from")
     if init_from:
         _log(f"initialising from {init_from}")
-    indexed, n_stages = build_parts(tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed, init_from,
-                                    cfg.model.npu_kernels)
+    indexed, n_stages = build_parts(
+        tcfg, lay, mesh, c, device, cfg.train.precision, cfg.train.seed, init_from, cfg.model.npu_kernels
+    )
     parts = [p for _, p in indexed]
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
     # Replicated data parallelism (ZeRO 0/1): gradients averaged, ZeRO-1 owners chosen, per group of replicas —
@@ -165,26 +174,43 @@ def setup(spec: dict, device) -> SimpleNamespace:
     if lay.zero == 1:
         for group in replicas:
             owner.update({k: (v, group) for k, v in owners(group["named"], group["size"]).items()})
-    optimizers = build_optimizers(parts, cfg.train, owned=None if not owner else
-                                  {n for n, _ in named if n not in owner or owner[n][0] == owner[n][1]["rank"]})
+    optimizers = build_optimizers(
+        parts,
+        cfg.train,
+        owned=None if not owner else {n for n, _ in named if n not in owner or owner[n][0] == owner[n][1]["rank"]},
+    )
     # ZeRO 0/1 keep fp32 parameters: bf16 compute comes from autocast (FSDP's MixedPrecisionPolicy does it for 2/3).
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) \
-        if lay.zero < 2 and cfg.train.precision == "bf16" else None
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
+        if lay.zero < 2 and cfg.train.precision == "bf16"
+        else None
+    )
     if lay.pp > 1:
-        sched = build_schedule(lay.pp_schedule, indexed, n_stages, device, mesh["pp"].get_group(),
-                               lay.n_microbatches, lm_loss)
+        sched = build_schedule(
+            lay.pp_schedule, indexed, n_stages, device, mesh["pp"].get_group(), lay.n_microbatches, lm_loss
+        )
         step_fn = PipelineStep(sched, [i for i, _ in indexed], n_stages, autocast)
     else:
         step_fn = PlainStep(parts[0], lay.n_microbatches, autocast)
     probe = {}
     if lay.pp == 1:  # how much of one layer this rank holds between forward and backward (ZeRO 2 vs 3)
         block = next(iter(parts[0].layers.values()))
-        parts[0].register_forward_hook(lambda *_: probe.__setitem__(
-            "layer_elems_after_forward", sum(_local(p).numel() for p in block.parameters())))
+        parts[0].register_forward_hook(
+            lambda *_: probe.__setitem__(
+                "layer_elems_after_forward", sum(_local(p).numel() for p in block.parameters())
+            )
+        )
         probe["block"] = block
-    loader = ShardLoader(spec["shard_dir"], "train", batch_size=lay.local_batch, dp_rank=c["dp"],
-                         dp_world=lay.dp, **loader_options(cfg, device), seed=cfg.train.seed,
-                         verify_sha256=cfg.data.verify_sha256 and not spec.get("shards_verified"))
+    loader = ShardLoader(
+        spec["shard_dir"],
+        "train",
+        batch_size=lay.local_batch,
+        dp_rank=c["dp"],
+        dp_world=lay.dp,
+        **loader_options(cfg, device),
+        seed=cfg.train.seed,
+        verify_sha256=cfg.data.verify_sha256 and not spec.get("shards_verified"),
+    )
     start, last_good = 0, None
     if source:
         try:
@@ -196,17 +222,38 @@ def setup(spec: dict, device) -> SimpleNamespace:
     dist.barrier()
     phases.enter("train")
     return SimpleNamespace(
-        phases=phases, cfg=cfg, lay=lay, spec=spec, run_dir=run_dir, train_dir=run_dir / "train", rank=rank,
+        phases=phases,
+        cfg=cfg,
+        lay=lay,
+        spec=spec,
+        run_dir=run_dir,
+        train_dir=run_dir / "train",
+        rank=rank,
         world=world,
-        parts=parts, params=[p for part in parts for p in part.parameters()], optimizers=optimizers,
-        named=named, owner=owner or None, replicas=replicas, probe=probe, sharding=None,
+        parts=parts,
+        params=[p for part in parts for p in part.parameters()],
+        optimizers=optimizers,
+        named=named,
+        owner=owner or None,
+        replicas=replicas,
+        probe=probe,
+        sharding=None,
         moe_layers=([f"layers.{i}.moe" for i in range(tcfg.n_layers) if tcfg.is_moe_layer(i)], tcfg.n_experts),
         dp_group=mesh["dp"].get_group() if lay.dp > 1 else None,
-        step_fn=step_fn, loader=loader, batches=loader.batches(), ckpt=ckpt, start=start, last_good=last_good,
-        device=device, pp_group=mesh["pp"].get_group() if lay.pp > 1 else None, fault=_fault(rank),
+        step_fn=step_fn,
+        loader=loader,
+        batches=loader.batches(),
+        ckpt=ckpt,
+        start=start,
+        last_good=last_good,
+        device=device,
+        pp_group=mesh["pp"].get_group() if lay.pp > 1 else None,
+        fault=_fault(rank),
         metrics=MetricsLog(run_dir / "metrics.jsonl", start, cfg.tracking.enabled) if rank == 0 else None,
         beat=Heartbeat(run_dir / "train" / "heartbeat", rank),
-        flops_tok=flops_per_token(tcfg, cfg.data.seq_len), peak=peak_flops(device, cfg.hardware.peak_tflops))
+        flops_tok=flops_per_token(tcfg, cfg.data.seq_len),
+        peak=peak_flops(device, cfg.hardware.peak_tflops),
+    )
 
 
 def train(spec: dict, device, profile_dir: str | None = None) -> int:
@@ -242,11 +289,18 @@ def train(spec: dict, device, profile_dir: str | None = None) -> int:
     dist.all_gather_object(by_phase, phases)
     if s.rank == 0:
         s.metrics.close()
-        atomic_write_json(s.train_dir / "summary.json", {"final_step": step, "start_step": s.start,
-                                                          "checkpoint": s.last_good, "memory_per_rank": peaks,
-                                                          "sharding_per_rank": sharding,
-                                                          "memory_phases_per_rank": by_phase,
-                                                          "layout": spec["layout"]})
+        atomic_write_json(
+            s.train_dir / "summary.json",
+            {
+                "final_step": step,
+                "start_step": s.start,
+                "checkpoint": s.last_good,
+                "memory_per_rank": peaks,
+                "sharding_per_rank": sharding,
+                "memory_phases_per_rank": by_phase,
+                "layout": spec["layout"],
+            },
+        )
     _log(f"done at step {step}")
     return 0
 
@@ -277,10 +331,17 @@ def export(spec: dict) -> None:
     if found is None:
         raise RuntimeError(f"export: no complete checkpoint in {run_dir / 'checkpoints'}")
     _log(f"exporting {found[1]} to {run_dir / 'hf'}")
-    export_from_checkpoint(found[1], TransformerConfig(**spec["model"]), run_dir / "hf",
-                           tokenizer_dir=spec["export"].get("tokenizer_dir"), rank=dist.get_rank(),
-                           world=dist.get_world_size(), barrier=dist.barrier,
-                           file_bytes=spec["export"].get("file_bytes"), stats=stats)
+    export_from_checkpoint(
+        found[1],
+        TransformerConfig(**spec["model"]),
+        run_dir / "hf",
+        tokenizer_dir=spec["export"].get("tokenizer_dir"),
+        rank=dist.get_rank(),
+        world=dist.get_world_size(),
+        barrier=dist.barrier,
+        file_bytes=spec["export"].get("file_bytes"),
+        stats=stats,
+    )
     by_rank = [None] * dist.get_world_size()
     dist.all_gather_object(by_rank, {**phases.result(), **stats})
     if dist.get_rank() == 0:
@@ -343,15 +404,29 @@ def train_step(s: SimpleNamespace, step: int) -> bool:
     moe = moe_metrics(s.parts, *s.moe_layers, lay.tp)
     if s.rank == 0:
         tps = lay.global_batch * cfg.data.seq_len / dt
-        s.metrics.log({**moe, "step": step, "loss": loss.item(), "lr": lr, "grad_norm": norm.item(),
-                       "tokens_per_s": tps, "step_time_s": dt, "data_wait_s": t_data,
-                       "mfu": s.flops_tok * tps / (s.peak * s.world) if s.peak else None,
-                       "peak_mem_gb": memory_stats(device)["peak_bytes"] / GB})
+        s.metrics.log(
+            {
+                **moe,
+                "step": step,
+                "loss": loss.item(),
+                "lr": lr,
+                "grad_norm": norm.item(),
+                "tokens_per_s": tps,
+                "step_time_s": dt,
+                "data_wait_s": t_data,
+                "mfu": s.flops_tok * tps / (s.peak * s.world) if s.peak else None,
+                "peak_mem_gb": memory_stats(device)["peak_bytes"] / GB,
+            }
+        )
     if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == cfg.train.steps:
         s.beat.beat(step, "checkpoint")
         s.phases.enter("checkpoint")
-        meta = {"model": s.spec["model"], "layout": s.spec["layout"], "config_hash": s.spec.get("config_hash", ""),
-                "shaping": shaping_config(s.spec["config"])}
+        meta = {
+            "model": s.spec["model"],
+            "layout": s.spec["layout"],
+            "config_hash": s.spec.get("config_hash", ""),
+            "shaping": shaping_config(s.spec["config"]),
+        }
         s.last_good = str(s.ckpt.save(step, s.parts, s.optimizers, s.loader, meta))
         s.phases.enter("train")
     return True
@@ -374,15 +449,16 @@ def moe_metrics(parts, layer_names: list[str], n_exp: int, tp: int = 1) -> dict:
     flat = torch.zeros(len(layer_names) * n_exp + 3, dtype=torch.float64)
     for i, name in enumerate(layer_names):
         if name in st["tokens"]:
-            flat[i * n_exp:(i + 1) * n_exp] = st["tokens"][name]
+            flat[i * n_exp : (i + 1) * n_exp] = st["tokens"][name]
     flat[-3:] = torch.tensor([st["aux_sum"], st["calls"], st["dropped"]], dtype=torch.float64)
     dist.all_reduce(flat)
     flat /= tp
-    tokens = {n: flat[i * n_exp:(i + 1) * n_exp] for i, n in enumerate(layer_names)}
+    tokens = {n: flat[i * n_exp : (i + 1) * n_exp] for i, n in enumerate(layer_names)}
     aux, calls, dropped = flat[-3:].tolist()
     out = summarise(tokens, aux, round(calls), round(dropped))
-    out["moe_tokens_per_expert"] = {n.removeprefix("layers.").removesuffix(".moe"): t.tolist()
-                                    for n, t in tokens.items()}
+    out["moe_tokens_per_expert"] = {
+        n.removeprefix("layers.").removesuffix(".moe"): t.tolist() for n, t in tokens.items()
+    }
     return out
 
 
@@ -397,8 +473,14 @@ def dp_replica_groups(named, mesh, lay) -> list[dict]:
     rest = [(n, p) for n, p in named if not (lay.ep > 1 and is_expert_param(n))]
     out = [{"named": rest, "group": mesh["dp"].get_group(), "size": lay.dp, "rank": mesh["dp"].get_local_rank()}]
     if experts and lay.dp // lay.ep > 1:  # (one replica of each expert: nothing to average, no one to tell)
-        out.append({"named": experts, "group": mesh["dp_rep"].get_group(), "size": lay.dp // lay.ep,
-                    "rank": mesh["dp_rep"].get_local_rank()})
+        out.append(
+            {
+                "named": experts,
+                "group": mesh["dp_rep"].get_group(),
+                "size": lay.dp // lay.ep,
+                "rank": mesh["dp_rep"].get_local_rank(),
+            }
+        )
     return out
 
 
@@ -406,15 +488,24 @@ def _sharding(s: SimpleNamespace) -> dict:
     """What this rank holds (elements of its local tensors) at the end of a step: evidence of the ZeRO stage."""
     from torch.distributed.tensor import DTensor
 
-    opt_elems = sum(_local(t).numel() for opt, _ in s.optimizers for st in opt.state.values()
-                    for t in st.values() if hasattr(t, "numel") and t.dim() > 0)
-    return {"param_elems": sum(_local(p).numel() for p in s.params),
-            "grad_elems": sum(_local(p.grad).numel() for p in s.params if p.grad is not None),
-            "optim_elems": opt_elems, "full_elems": sum(p.numel() for p in s.params),
-            "layer_elems_after_forward": s.probe.get("layer_elems_after_forward"),
-            "layer_elems_at_rest": sum(_local(p).numel() for p in s.probe["block"].parameters())
-            if "block" in s.probe else None,
-            "dtensor_params": sum(isinstance(p, DTensor) for p in s.params)}
+    opt_elems = sum(
+        _local(t).numel()
+        for opt, _ in s.optimizers
+        for st in opt.state.values()
+        for t in st.values()
+        if hasattr(t, "numel") and t.dim() > 0
+    )
+    return {
+        "param_elems": sum(_local(p).numel() for p in s.params),
+        "grad_elems": sum(_local(p.grad).numel() for p in s.params if p.grad is not None),
+        "optim_elems": opt_elems,
+        "full_elems": sum(p.numel() for p in s.params),
+        "layer_elems_after_forward": s.probe.get("layer_elems_after_forward"),
+        "layer_elems_at_rest": sum(_local(p).numel() for p in s.probe["block"].parameters())
+        if "block" in s.probe
+        else None,
+        "dtensor_params": sum(isinstance(p, DTensor) for p in s.params),
+    }
 
 
 def _write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, last_good) -> None:
@@ -424,19 +515,33 @@ def _write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, l
 
     from tasks.fsutil import atomic_write_json
 
-    bad = [n for part in parts for n, p in part.named_parameters()  # this rank's shard of each gradient
-           if p.grad is not None and not torch.isfinite(_local(p.grad)).all()][:10]
+    bad = [
+        n
+        for part in parts
+        for n, p in part.named_parameters()  # this rank's shard of each gradient
+        if p.grad is not None and not torch.isfinite(_local(p.grad)).all()
+    ][:10]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, bad)
     if rank == 0:
         what = "loss became non-finite" if not torch.isfinite(loss) else "gradient norm became non-finite"
-        atomic_write_json(train_dir / "diagnosis.json", {
-            "what": what, "step": step, "loss": float(loss), "grad_norm": float(norm),
-            "last_good_checkpoint": last_good,
-            "nonfinite_grads_by_rank": {str(r): names for r, names in enumerate(everyone) if names},
-            "advice": ["lower train.lr or lengthen train.warmup_steps", "keep train.grad_clip > 0",
-                       "bf16 overflow: check the first parameter listed; try train.precision fp32 to compare",
-                       "bad data: inspect the batch of this step (loader position in the last checkpoint)"]})
+        atomic_write_json(
+            train_dir / "diagnosis.json",
+            {
+                "what": what,
+                "step": step,
+                "loss": float(loss),
+                "grad_norm": float(norm),
+                "last_good_checkpoint": last_good,
+                "nonfinite_grads_by_rank": {str(r): names for r, names in enumerate(everyone) if names},
+                "advice": [
+                    "lower train.lr or lengthen train.warmup_steps",
+                    "keep train.grad_clip > 0",
+                    "bf16 overflow: check the first parameter listed; try train.precision fp32 to compare",
+                    "bad data: inspect the batch of this step (loader position in the last checkpoint)",
+                ],
+            },
+        )
     _log(f"stopping: non-finite loss/gradient at step {step}")
 
 
@@ -449,9 +554,16 @@ def _local(t):
 def _write_failure(train_dir: Path, kind: str, rank: int, step: int, mem: dict, estimate, error: str) -> None:
     from tasks.fsutil import atomic_write_json
 
-    atomic_write_json(train_dir / "failures" / f"{kind}-rank-{rank}.json",
-                      {"rank": rank, "step": step, "memory": mem, "estimate_bytes": estimate,
-                       "error": error.splitlines()[0][:500] if error else ""})
+    atomic_write_json(
+        train_dir / "failures" / f"{kind}-rank-{rank}.json",
+        {
+            "rank": rank,
+            "step": step,
+            "memory": mem,
+            "estimate_bytes": estimate,
+            "error": error.splitlines()[0][:500] if error else "",
+        },
+    )
 
 
 def main(argv=None) -> int:
@@ -477,8 +589,7 @@ def _main(argv=None) -> int:
     hw = specs[0]["config"]["hardware"]
     backend = detect(hw["device"])
     device = torch_device(backend.kind, int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend.dist_backend,
-                            timeout=timedelta(seconds=specs[0]["config"]["train"]["timeout_s"]))
+    dist.init_process_group(backend.dist_backend, timeout=timedelta(seconds=specs[0]["config"]["train"]["timeout_s"]))
     code = 0
     for spec in specs:
         code = train(spec, device, args.profile_dir)

@@ -5,6 +5,7 @@ cluster.py  cluster presets (910b, 910c, a100-80g, h100-80g, cpu-laptop) and the
 search.py   enumeration of (dp, tp, pp, zero, recompute, micro-batch, schedule), step-time model, ranking
 table.py    the ranked table with rejection reasons
 """
+
 from tasks.parallel.layout import Layout
 from tasks.planner import moe
 from tasks.planner.memory import ModelShape, dense_estimate_for_run, estimate, shape_of

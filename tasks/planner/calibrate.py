@@ -3,6 +3,7 @@
 Peak-memory counters need an accelerator (on CPU the process RSS is dominated by the libraries), but the tensors
 autograd saves are visible everywhere through `torch.autograd.graph.saved_tensors_hooks`.
 """
+
 from __future__ import annotations
 
 
@@ -22,8 +23,11 @@ def saved_activation_bytes(model, tokens, loss_fn, autocast_dtype=None) -> int:
             storages[ptr] = t.untyped_storage().nbytes()
         return t
 
-    cast = (torch.autocast(tokens.device.type, dtype=autocast_dtype) if autocast_dtype is not None
-            else contextlib.nullcontext())
+    cast = (
+        torch.autocast(tokens.device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), cast:
         loss_fn(model(tokens), tokens)
     return sum(storages.values())

@@ -36,6 +36,7 @@ training step's runtime (autograd and gloo threads' malloc arenas, kernel caches
 figures never include the reserve; on CPU the RSS does, so the trainer adds it to the estimate it compares
 (tasks/stages/train.py _estimate).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -48,13 +49,13 @@ RESERVE_GB = {"npu": 5.0, "cuda": 1.0, "cpu": 0.12}
 @dataclass(frozen=True)
 class Cluster:
     name: str
-    kind: str                 # npu | cuda | cpu
+    kind: str  # npu | cuda | cpu
     nodes: int
     devices_per_node: int
     memory_gb: float
-    intra_gbps: float         # GB/s per device inside a node
-    inter_gbps: float         # GB/s per device between nodes
-    peak_tflops: float        # dense 16-bit (fp32 runs at a fraction: see search.FP32_PEAK_FRACTION)
+    intra_gbps: float  # GB/s per device inside a node
+    inter_gbps: float  # GB/s per device between nodes
+    peak_tflops: float  # dense 16-bit (fp32 runs at a fraction: see search.FP32_PEAK_FRACTION)
     reserve_gb: float
     intra_latency_us: float = 20.0  # one collective call's fixed cost inside a node (α)
     inter_latency_us: float = 30.0  # … across nodes
@@ -64,16 +65,19 @@ class Cluster:
         return self.nodes * self.devices_per_node
 
     def describe(self) -> str:
-        return (f"{self.name}: {self.nodes} × {self.devices_per_node} devices, {self.memory_gb:g} GB each, "
-                f"{self.intra_gbps:g}/{self.inter_gbps:g} GB/s intra/inter, {self.peak_tflops:g} TFLOP/s")
+        return (
+            f"{self.name}: {self.nodes} × {self.devices_per_node} devices, {self.memory_gb:g} GB each, "
+            f"{self.intra_gbps:g}/{self.inter_gbps:g} GB/s intra/inter, {self.peak_tflops:g} TFLOP/s"
+        )
 
 
 @dataclass(frozen=True)
 class Device:
     """One accelerator's nominal figures: the rows both the cluster presets and the trainer's MFU read."""
-    match: tuple[str, ...]    # substrings of the runtime device name (torch.cuda / torch_npu get_device_name)
-    memory_gb: float          # per device, decimal GB
-    peak_tflops: float        # dense 16-bit
+
+    match: tuple[str, ...]  # substrings of the runtime device name (torch.cuda / torch_npu get_device_name)
+    memory_gb: float  # per device, decimal GB
+    peak_tflops: float  # dense 16-bit
 
 
 # The one table of device peaks and memory (sources in the module docstring). torch_npu names a 910C die
@@ -83,7 +87,7 @@ DEVICES = {
     "910c": Device(("910C", "910_93"), 64.0, 376.0),
     "a100-80g": Device(("A100",), 80.0, 312.0),
     "h100-80g": Device(("H100",), 80.0, 989.0),
-    "h200": Device(("H200",), 141.0, 989.0),   # H200 datasheet: H100's compute, 141 GB HBM3e
+    "h200": Device(("H200",), 141.0, 989.0),  # H200 datasheet: H100's compute, 141 GB HBM3e
     "cpu-laptop": Device((), 8.0, 0.1),
 }
 
@@ -93,11 +97,29 @@ def device_peak_tflops(device_name: str) -> float | None:
     return next((d.peak_tflops for d in DEVICES.values() if any(m in device_name for m in d.match)), None)
 
 
-def _preset(name: str, kind: str, devices_per_node: int, intra_gbps: float, inter_gbps: float,
-            intra_latency_us: float = 20.0, inter_latency_us: float = 30.0) -> Cluster:
+def _preset(
+    name: str,
+    kind: str,
+    devices_per_node: int,
+    intra_gbps: float,
+    inter_gbps: float,
+    intra_latency_us: float = 20.0,
+    inter_latency_us: float = 30.0,
+) -> Cluster:
     d = DEVICES[name]
-    return Cluster(name, kind, 1, devices_per_node, d.memory_gb, intra_gbps, inter_gbps, d.peak_tflops,
-                   RESERVE_GB[kind], intra_latency_us, inter_latency_us)
+    return Cluster(
+        name,
+        kind,
+        1,
+        devices_per_node,
+        d.memory_gb,
+        intra_gbps,
+        inter_gbps,
+        d.peak_tflops,
+        RESERVE_GB[kind],
+        intra_latency_us,
+        inter_latency_us,
+    )
 
 
 PRESETS = {
@@ -109,16 +131,32 @@ PRESETS = {
 }
 
 
-def get_cluster(name: str, nodes: int = 0, devices_per_node: int = 0, memory_gb: float = 0.0,
-                intra_gbps: float = 0.0, inter_gbps: float = 0.0, peak_tflops: float = 0.0,
-                reserve_gb: float = 0.0, intra_latency_us: float = 0.0, inter_latency_us: float = 0.0) -> Cluster:
+def get_cluster(
+    name: str,
+    nodes: int = 0,
+    devices_per_node: int = 0,
+    memory_gb: float = 0.0,
+    intra_gbps: float = 0.0,
+    inter_gbps: float = 0.0,
+    peak_tflops: float = 0.0,
+    reserve_gb: float = 0.0,
+    intra_latency_us: float = 0.0,
+    inter_latency_us: float = 0.0,
+) -> Cluster:
     """A preset with every non-zero override applied."""
     if name not in PRESETS:
         raise ConfigError(f"hardware.cluster: unknown cluster {name!r} (known: {', '.join(PRESETS)})")
-    overrides = {"nodes": nodes, "devices_per_node": devices_per_node, "memory_gb": memory_gb,
-                 "intra_gbps": intra_gbps, "inter_gbps": inter_gbps, "peak_tflops": peak_tflops,
-                 "reserve_gb": reserve_gb, "intra_latency_us": intra_latency_us,
-                 "inter_latency_us": inter_latency_us}
+    overrides = {
+        "nodes": nodes,
+        "devices_per_node": devices_per_node,
+        "memory_gb": memory_gb,
+        "intra_gbps": intra_gbps,
+        "inter_gbps": inter_gbps,
+        "peak_tflops": peak_tflops,
+        "reserve_gb": reserve_gb,
+        "intra_latency_us": intra_latency_us,
+        "inter_latency_us": inter_latency_us,
+    }
     bad = [f"{k}: {v} must be >= 0" for k, v in overrides.items() if v < 0]
     if bad:
         raise ConfigError(bad)

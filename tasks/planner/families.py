@@ -11,6 +11,7 @@
   72B 29568 = 3.61h) and no rule that gives it from the hidden size, so a custom Qwen2 needs --ffn (and
   --kv-heads); vocabulary 151,936 (the 0.5B/1.5B configs), q/k/v bias, untied output layer (as 7B/72B).
 """
+
 from __future__ import annotations
 
 from tasks.errors import ConfigError
@@ -34,21 +35,38 @@ def custom_fields(family: str, hidden: int, heads: int, given: dict) -> tuple[di
         raise ConfigError(f"--family: {family!r} is not one of {', '.join(FAMILIES)}")
     derived: dict = {}
     if family == "llama3":
-        derived = dict(family="llama", n_kv_heads=8, vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5,
-                       max_seq_len=8192, ffn_dim=llama_ffn(hidden, 1024, 1.3))
+        derived = dict(
+            family="llama",
+            n_kv_heads=8,
+            vocab_size=128256,
+            rope_theta=500000.0,
+            norm_eps=1e-5,
+            max_seq_len=8192,
+            ffn_dim=llama_ffn(hidden, 1024, 1.3),
+        )
         rule = "llama3 rule: ffn 1024⌈1.3·⌊8h/3⌋/1024⌉, 8 KV heads, vocab 128256"
         if "n_kv_heads" not in given and heads % 8:
             raise ConfigError(f"--heads {heads}: the llama3 rule's 8 KV heads do not divide it; pass --kv-heads")
     elif family == "llama2":
-        derived = dict(family="llama", n_kv_heads=heads, vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5,
-                       max_seq_len=4096, ffn_dim=llama_ffn(hidden, 256))
+        derived = dict(
+            family="llama",
+            n_kv_heads=heads,
+            vocab_size=32000,
+            rope_theta=10000.0,
+            norm_eps=1e-5,
+            max_seq_len=4096,
+            ffn_dim=llama_ffn(hidden, 256),
+        )
         rule = "llama2 rule: ffn 256⌈⌊8h/3⌋/256⌉, KV heads = heads, vocab 32000"
     else:
         missing = [flag for flag, key in (("--ffn", "ffn_dim"), ("--kv-heads", "n_kv_heads")) if key not in given]
         if missing:
-            raise ConfigError(f"{', '.join(missing)}: a custom qwen2 model needs them (Qwen2 publishes "
-                              "intermediate_size and KV heads per model, no rule from the hidden size)")
-        derived = dict(family="qwen2", vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=32768,
-                       qkv_bias=True)
+            raise ConfigError(
+                f"{', '.join(missing)}: a custom qwen2 model needs them (Qwen2 publishes "
+                "intermediate_size and KV heads per model, no rule from the hidden size)"
+            )
+        derived = dict(
+            family="qwen2", vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=32768, qkv_bias=True
+        )
         rule = "qwen2: vocab 151936, q/k/v bias"
     return {k: v for k, v in derived.items() if k not in given}, rule

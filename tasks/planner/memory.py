@@ -21,6 +21,7 @@ that count but let the MLP width be `ffn` and, for gated (SwiGLU) MLPs, store th
 PyTorch autograd keeps (gate and up projections, silu(gate), and the down projection's input) instead of GeLU's two.
 With ffn = 4h and a GeLU MLP the formulas are exactly Table 2.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,9 +43,9 @@ class ModelShape:
     kv_heads: int
     ffn: int
     vocab: int
-    tied: bool = False        # output projection shares the embedding
+    tied: bool = False  # output projection shares the embedding
     qkv_bias: bool = False
-    gated: bool = True        # SwiGLU MLP (Llama, Qwen2); False = the paper's GeLU MLP
+    gated: bool = True  # SwiGLU MLP (Llama, Qwen2); False = the paper's GeLU MLP
 
     @property
     def layer_params(self) -> int:
@@ -65,8 +66,16 @@ class ModelShape:
 
 def shape_of(tcfg) -> ModelShape:
     """ModelShape of a tasks.model TransformerConfig (duck-typed, so this module imports nothing heavy)."""
-    return ModelShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
-                      ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, tied=tcfg.tie_embeddings, qkv_bias=tcfg.qkv_bias)
+    return ModelShape(
+        hidden=tcfg.dim,
+        layers=tcfg.n_layers,
+        heads=tcfg.n_heads,
+        kv_heads=tcfg.n_kv_heads,
+        ffn=tcfg.ffn_dim,
+        vocab=tcfg.vocab_size,
+        tied=tcfg.tie_embeddings,
+        qkv_bias=tcfg.qkv_bias,
+    )
 
 
 def flops_per_token(shape, seq_len: int, n_params: float = 0.0, causal: bool = False) -> float:
@@ -122,17 +131,21 @@ def state_bytes_per_param(precision: str, optimizer: str) -> tuple[int, int, int
     return p, p, (pure if precision == "fp32" else mixed)
 
 
-def model_state_bytes(n_params: float, precision: str = "bf16", optimizer: str = "adamw", zero: int = 0,
-                      dp: int = 1) -> dict[str, float]:
+def model_state_bytes(
+    n_params: float, precision: str = "bf16", optimizer: str = "adamw", zero: int = 0, dp: int = 1
+) -> dict[str, float]:
     """ZeRO §3.1: per-device params/grads/optimizer bytes for `n_params` replicated over `dp` ranks."""
     bp, bg, bo = state_bytes_per_param(precision, optimizer)
-    return {"params_bytes": n_params * bp / (dp if zero >= 3 else 1),
-            "grads_bytes": n_params * bg / (dp if zero >= 2 else 1),
-            "optimizer_bytes": n_params * bo / (dp if zero >= 1 else 1)}
+    return {
+        "params_bytes": n_params * bp / (dp if zero >= 3 else 1),
+        "grads_bytes": n_params * bg / (dp if zero >= 2 else 1),
+        "optimizer_bytes": n_params * bo / (dp if zero >= 1 else 1),
+    }
 
 
-def runtime_state_bytes(n_params: float, precision: str = "bf16", optimizer: str = "adamw", zero: int = 0,
-                        dp: int = 1) -> dict[str, float]:
+def runtime_state_bytes(
+    n_params: float, precision: str = "bf16", optimizer: str = "adamw", zero: int = 0, dp: int = 1
+) -> dict[str, float]:
     """Per-device model-state bytes of what the training stage runs (tasks/parallel), not the paper's scheme.
 
     Parameters and gradients are fp32 (the parameters are the master copy); the optimizer adds its fp32 moments
@@ -151,13 +164,27 @@ def runtime_state_bytes(n_params: float, precision: str = "bf16", optimizer: str
         compute = A * n_params
     elif zero == 2 and (d > 1 or A < 4):
         compute = A * n_params
-    return {"params_bytes": 4 * n_params / sharded + compute, "grads_bytes": 4 * n_params / sharded,
-            "optimizer_bytes": moments * n_params / (d if zero >= 1 else 1)}
+    return {
+        "params_bytes": 4 * n_params / sharded + compute,
+        "grads_bytes": 4 * n_params / sharded,
+        "optimizer_bytes": moments * n_params / (d if zero >= 1 else 1),
+    }
 
 
-def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                           recompute: str = "none", ffn: int | None = None, gated: bool = False,
-                           act_bytes: int = 2, flash: bool = False, kv: int | None = None) -> float:
+def layer_activation_bytes(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    t: int = 1,
+    sp: bool = False,
+    recompute: str = "none",
+    ffn: int | None = None,
+    gated: bool = False,
+    act_bytes: int = 2,
+    flash: bool = False,
+    kv: int | None = None,
+) -> float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, Table 2 / §4.1).
 
     `flash`: a fused attention kernel (FlashAttention; torch SDPA on CUDA/CPU, npu_fusion_attention on Ascend) keeps
@@ -212,8 +239,9 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
     return chunks / virtual
 
 
-def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, precision: str = "bf16",
-                    optimizer: str = "adamw") -> dict[str, float]:
+def stage_breakdown(
+    shape: ModelShape, seq_len: int, lay: Layout, stage: int, precision: str = "bf16", optimizer: str = "adamw"
+) -> dict[str, float]:
     """Bytes on one device of pipeline stage `stage` (0 = holds the embedding, pp-1 = holds the output layer)."""
     t, p, A = lay.tp, lay.pp, PRECISION_BYTES[precision]
     first, last = stage == 0, stage == p - 1
@@ -229,17 +257,44 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
 
     s, b = seq_len, lay.micro_batch
     flight = in_flight(lay.pp_schedule, p, lay.n_microbatches, stage, lay.virtual_stages)
-    per_layer = layer_activation_bytes(s, b, h, shape.heads, t, lay.sequence_parallel, lay.recompute, shape.ffn,
-                                       shape.gated, A, lay.flash_attention, shape.kv_heads)
+    per_layer = layer_activation_bytes(
+        s,
+        b,
+        h,
+        shape.heads,
+        t,
+        lay.sequence_parallel,
+        lay.recompute,
+        shape.ffn,
+        shape.gated,
+        A,
+        lay.flash_attention,
+        shape.kv_heads,
+    )
     act = per_layer * layers * flight
     if lay.recompute == "full":  # backward of one layer re-creates all of that layer's activations; its kept input
         # is one of them (the attention norm's input), so it is not counted twice
-        act += layer_activation_bytes(s, b, h, shape.heads, t, lay.sequence_parallel, "none", shape.ffn, shape.gated,
-                                      A, lay.flash_attention, shape.kv_heads) - per_layer
+        act += (
+            layer_activation_bytes(
+                s,
+                b,
+                h,
+                shape.heads,
+                t,
+                lay.sequence_parallel,
+                "none",
+                shape.ffn,
+                shape.gated,
+                A,
+                lay.flash_attention,
+                shape.kv_heads,
+            )
+            - per_layer
+        )
     sp = lay.sequence_parallel and t > 1
     if first:  # Korthikanti §4.3: int64 input ids (8sb) and the embedding dropout mask (sbh, split under SP)
         act += (8 * s * b + s * b * h / (t if sp else 1)) * flight
-    if last:   # final-norm and output-layer inputs (4sbh) + fp32 logits for the loss (4sbv, vocab-parallel)
+    if last:  # final-norm and output-layer inputs (4sbh) + fp32 logits for the loss (4sbv, vocab-parallel)
         act += (4 * s * b * h / (t if sp else 1) + 4 * s * b * v / t) * flight
     # ZeRO-3 all-gathers each layer's full parameters before use: the current and the prefetched layer.
     gather = 2 * (shape.layer_params / t) * A if lay.zero >= 3 and lay.dp > 1 else 0.0
@@ -247,8 +302,7 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
         # FSDP2's root unit (embedding, output projection) stays gathered from forward through backward
         # (tasks/parallel/fsdp.py; under ZeRO 2 already in params_bytes), and its fp32 gradient is whole until the
         # reduce-scatter at the end of backward.
-        root = (shape.embedding_params / t) * ((1 if first else 0) + (1 if last and not (shape.tied and p == 1)
-                                                                      else 0))
+        root = (shape.embedding_params / t) * ((1 if first else 0) + (1 if last and not (shape.tied and p == 1) else 0))
         gather += root * (4 + (A if lay.zero >= 3 else 0))
     g = A if lay.zero >= 2 else 4  # gradient bytes: FSDP2's compute dtype (ZeRO 2/3), the fp32 parameter's (0/1)
     if first and t > 1 and not shape.tied:
@@ -269,8 +323,15 @@ def stage_breakdown(shape: ModelShape, seq_len: int, lay: Layout, stage: int, pr
     return {**states, "activations_bytes": act, "buffers_bytes": gather}
 
 
-def estimate(shape: ModelShape | None, seq_len: int, lay: Layout, precision: str = "bf16",
-             optimizer: str = "adamw", n_params: float | None = None, reserve_bytes: float = 0.0) -> dict:
+def estimate(
+    shape: ModelShape | None,
+    seq_len: int,
+    lay: Layout,
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+    n_params: float | None = None,
+    reserve_bytes: float = 0.0,
+) -> dict:
     """Per-device peak bytes: the worse of the first and the last pipeline stage, plus the runtime reserve.
 
     With `shape` None only the model states of `n_params` parameters are known (split evenly over tp·pp).
@@ -290,14 +351,37 @@ def estimate(shape: ModelShape | None, seq_len: int, lay: Layout, precision: str
     return out
 
 
-def dense_estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, tp: int = 1, pp: int = 1, zero: int = 0,
-                     recompute: str = "none", precision: str = "bf16", optimizer: str = "adamw",
-                     schedule: str = "1f1b", microbatches: int = 1, virtual: int = 1,
-                     sequence_parallel: bool = True, flash_attention: bool = True) -> int:
+def dense_estimate_for_run(
+    tcfg,
+    seq_len: int,
+    micro_batch: int,
+    dp: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    zero: int = 0,
+    recompute: str = "none",
+    precision: str = "bf16",
+    optimizer: str = "adamw",
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    virtual: int = 1,
+    sequence_parallel: bool = True,
+    flash_attention: bool = True,
+) -> int:
     """Estimated peak bytes the framework allocates on one device for a run (no runtime reserve): what the smoke
     and training stages divide by the measured peak to log `memory.estimate_over_measured` (a dense model;
     tasks.planner.estimate_for_run sends a mixture-of-experts model to tasks.planner.moe)."""
-    lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=recompute, pp_schedule=schedule, micro_batch=micro_batch,
-                 microbatches=microbatches, virtual_stages=virtual, sequence_parallel=sequence_parallel,
-                 flash_attention=flash_attention)
+    lay = Layout(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        zero=zero,
+        recompute=recompute,
+        pp_schedule=schedule,
+        micro_batch=micro_batch,
+        microbatches=microbatches,
+        virtual_stages=virtual,
+        sequence_parallel=sequence_parallel,
+        flash_attention=flash_attention,
+    )
     return int(estimate(shape_of(tcfg), seq_len, lay, precision, optimizer)["total_bytes"])

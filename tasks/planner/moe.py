@@ -24,6 +24,7 @@ leaves the device, over the intra-node link while ep fits in a node and the inte
 node preferred); DP = reduce-scatter + all-gather (ZeRO 1/2) or the
 ZeRO-3 gathers of the non-expert states over dp and of the expert states over dp/ep, ring cost as in search.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,7 +42,7 @@ class MoeShape:
     layers: int
     heads: int
     kv_heads: int
-    ffn: int                 # dense layers' SwiGLU width
+    ffn: int  # dense layers' SwiGLU width
     vocab: int
     n_experts: int
     top_k: int
@@ -63,11 +64,22 @@ class MoeShape:
 
 
 def moe_shape_of(tcfg) -> MoeShape:
-    return MoeShape(hidden=tcfg.dim, layers=tcfg.n_layers, heads=tcfg.n_heads, kv_heads=tcfg.n_kv_heads,
-                    ffn=tcfg.ffn_dim, vocab=tcfg.vocab_size, n_experts=tcfg.n_experts, top_k=tcfg.top_k,
-                    moe_ffn=tcfg.moe_ffn_dim, shared_ffn=tcfg.shared_ffn_dim, moe_layers=tcfg.n_moe_layers,
-                    total_params=num_params(tcfg), active_params=num_params(tcfg, active=True),
-                    tied=tcfg.tie_embeddings)
+    return MoeShape(
+        hidden=tcfg.dim,
+        layers=tcfg.n_layers,
+        heads=tcfg.n_heads,
+        kv_heads=tcfg.n_kv_heads,
+        ffn=tcfg.ffn_dim,
+        vocab=tcfg.vocab_size,
+        n_experts=tcfg.n_experts,
+        top_k=tcfg.top_k,
+        moe_ffn=tcfg.moe_ffn_dim,
+        shared_ffn=tcfg.shared_ffn_dim,
+        moe_layers=tcfg.n_moe_layers,
+        total_params=num_params(tcfg),
+        active_params=num_params(tcfg, active=True),
+        tied=tcfg.tie_embeddings,
+    )
 
 
 @dataclass(frozen=True)
@@ -88,14 +100,14 @@ class MoeProblem:
     global_batch: int
     precision: str = "bf16"
     optimizer: str = "adamw"
-    capacity_factor: float = 0.0      # 0 = dropless
+    capacity_factor: float = 0.0  # 0 = dropless
     zero_stages: list = field(default_factory=lambda: [1, 2, 3])
     recompute: list = field(default_factory=lambda: ["none", "full"])
     micro_batches: list = field(default_factory=list)
     flash_attention: bool = True
     efficiency: float = 0.4
-    pins: dict = field(default_factory=dict)   # {"dp"|"ep": n}
-    tp: int = 1   # pinned by the config: dp/ep are planned over world / (tp · pp) ranks
+    pins: dict = field(default_factory=dict)  # {"dp"|"ep": n}
+    tp: int = 1  # pinned by the config: dp/ep are planned over world / (tp · pp) ranks
     pp: int = 1
 
 
@@ -108,34 +120,61 @@ def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
     cap = pb.capacity_factor or 1.0
     assignments = s * b * sh.top_k * cap
     routed = 0.0 if lay.recompute == "full" else assignments * A * (2 * h + 4 * sh.moe_ffn) + s * b * 8 * sh.n_experts
-    moe_layer = layer_activation_bytes(s, b, h, sh.heads, 1, False, lay.recompute, sh.shared_ffn, True, A,
-                                       pb.flash_attention, sh.kv_heads) + routed
-    dense_layer = layer_activation_bytes(s, b, h, sh.heads, 1, False, lay.recompute, sh.ffn, True, A,
-                                         pb.flash_attention, sh.kv_heads)
+    moe_layer = (
+        layer_activation_bytes(
+            s, b, h, sh.heads, 1, False, lay.recompute, sh.shared_ffn, True, A, pb.flash_attention, sh.kv_heads
+        )
+        + routed
+    )
+    dense_layer = layer_activation_bytes(
+        s, b, h, sh.heads, 1, False, lay.recompute, sh.ffn, True, A, pb.flash_attention, sh.kv_heads
+    )
     act = sh.moe_layers * moe_layer + (sh.layers - sh.moe_layers) * dense_layer
     if lay.recompute == "full":  # one layer's activations re-created in backward
-        act += layer_activation_bytes(s, b, h, sh.heads, 1, False, "none", sh.shared_ffn, True, A,
-                                      pb.flash_attention, sh.kv_heads) + assignments * A * (2 * h + 4 * sh.moe_ffn)
+        act += layer_activation_bytes(
+            s, b, h, sh.heads, 1, False, "none", sh.shared_ffn, True, A, pb.flash_attention, sh.kv_heads
+        ) + assignments * A * (2 * h + 4 * sh.moe_ffn)
     act += 8 * s * b + s * b * h + 4 * s * b * h + 4 * s * b * sh.vocab  # ids, embedding out, final norm, fp32 logits
     a2a = 2 * assignments * h * A if lay.ep > 1 else 0.0
-    layer_params = (sh.dense_params - sh.vocab * h * (1 if sh.tied else 2)) / sh.layers + \
-        sh.expert_params / max(1, sh.moe_layers) / lay.ep
+    layer_params = (sh.dense_params - sh.vocab * h * (1 if sh.tied else 2)) / sh.layers + sh.expert_params / max(
+        1, sh.moe_layers
+    ) / lay.ep
     gather = 2 * layer_params * A if lay.zero >= 3 and lay.dp > 1 else 0.0
-    out = {**states, "activations_bytes": act, "all_to_all_bytes": a2a, "buffers_bytes": gather,
-           "reserve_bytes": pb.cluster.reserve_gb * GB}
+    out = {
+        **states,
+        "activations_bytes": act,
+        "all_to_all_bytes": a2a,
+        "buffers_bytes": gather,
+        "reserve_bytes": pb.cluster.reserve_gb * GB,
+    }
     out["total_bytes"] = sum(out.values())
     return out
 
 
-def estimate_for_run(tcfg, seq_len: int, micro_batch: int, dp: int = 1, ep: int = 1, zero: int = 0,
-                     recompute: str = "none", precision: str = "bf16", microbatches: int = 1) -> int:
+def estimate_for_run(
+    tcfg,
+    seq_len: int,
+    micro_batch: int,
+    dp: int = 1,
+    ep: int = 1,
+    zero: int = 0,
+    recompute: str = "none",
+    precision: str = "bf16",
+    microbatches: int = 1,
+) -> int:
     """Estimated peak bytes the framework allocates on one device for a MoE run with tp = pp = 1 (no runtime
     reserve): memory() above for that layout, what smoke and train compare with the measured peak."""
     from tasks.planner.cluster import get_cluster
 
     cluster = replace(get_cluster("cpu-laptop"), reserve_gb=0.0)  # only the reserve is read from the cluster
-    pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, micro_batch * microbatches * dp, precision=precision,
-                    capacity_factor=tcfg.capacity_factor)
+    pb = MoeProblem(
+        cluster,
+        moe_shape_of(tcfg),
+        seq_len,
+        micro_batch * microbatches * dp,
+        precision=precision,
+        capacity_factor=tcfg.capacity_factor,
+    )
     return int(memory(pb, MoeLayout(dp, ep, zero, recompute, micro_batch, microbatches))["total_bytes"])
 
 
@@ -177,10 +216,18 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
         gather = _ring(n_params * A, n, bw, 1.0)
         dp_s += grads + (gather if lay.zero < 3 else 2 * lay.microbatches * gather)
     total = compute + a2a + dp_s
-    return {"step_s": total, "compute_s": compute, "all_to_all_s": a2a, "all_to_all_latency_s": a2a_lat,
-            "all_to_all_transfer_s": a2a_bw_s, "all_to_all_calls": sh.moe_layers * lay.microbatches * calls
-            if lay.ep > 1 else 0, "dp_comm_s": dp_s,
-            "all_to_all_share": a2a / total if total else 0.0, "ep_intra_node": inside, "tokens_per_s": tokens / total}
+    return {
+        "step_s": total,
+        "compute_s": compute,
+        "all_to_all_s": a2a,
+        "all_to_all_latency_s": a2a_lat,
+        "all_to_all_transfer_s": a2a_bw_s,
+        "all_to_all_calls": sh.moe_layers * lay.microbatches * calls if lay.ep > 1 else 0,
+        "dp_comm_s": dp_s,
+        "all_to_all_share": a2a / total if total else 0.0,
+        "ep_intra_node": inside,
+        "tokens_per_s": tokens / total,
+    }
 
 
 def layout_problem(pb: MoeProblem, dp: int, ep: int) -> str | None:
@@ -199,8 +246,14 @@ def layout_problem(pb: MoeProblem, dp: int, ep: int) -> str | None:
 def candidates(pb: MoeProblem):
     dp = pb.cluster.world // (pb.tp * pb.pp)
     if pb.pins.get("dp") and pb.pins["dp"] != dp:
-        yield {"dp": pb.pins["dp"]}, (f"pinned dp {pb.pins['dp']} ≠ world {pb.cluster.world} devices / tp {pb.tp} / "
-                                      f"pp {pb.pp} = {dp} (dp × tp × pp fills the world)"), None
+        yield (
+            {"dp": pb.pins["dp"]},
+            (
+                f"pinned dp {pb.pins['dp']} ≠ world {pb.cluster.world} devices / tp {pb.tp} / "
+                f"pp {pb.pp} = {dp} (dp × tp × pp fills the world)"
+            ),
+            None,
+        )
         return
     for ep in [d for d in range(1, dp + 1) if dp % d == 0]:
         if pb.pins.get("ep") and pb.pins["ep"] != ep:
@@ -233,9 +286,11 @@ def search(pb: MoeProblem) -> dict:
 
 
 def _line(p: dict) -> str:
-    return (f"dp{p['dp']}·ep{p['ep']} zero{p['zero']} {p['recompute']:<9} mb{p['micro_batch']}×{p['microbatches']}"
-            f"  {p['total_bytes'] / GB:8.2f} GB  step {p['step_s']:.3g} s  all-to-all {p['all_to_all_share']:.0%}"
-            f"{'' if p['ep_intra_node'] else ' (EP across nodes)'}")
+    return (
+        f"dp{p['dp']}·ep{p['ep']} zero{p['zero']} {p['recompute']:<9} mb{p['micro_batch']}×{p['microbatches']}"
+        f"  {p['total_bytes'] / GB:8.2f} GB  step {p['step_s']:.3g} s  all-to-all {p['all_to_all_share']:.0%}"
+        f"{'' if p['ep_intra_node'] else ' (EP across nodes)'}"
+    )
 
 
 def render(result: dict, header: str, top_k: int = 10) -> str:
@@ -257,8 +312,9 @@ def render(result: dict, header: str, top_k: int = 10) -> str:
     return "\n".join(lines)
 
 
-def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str,
-          config_pins: bool = True) -> dict:
+def stage(
+    cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str, config_pins: bool = True
+) -> dict:
     """The plan stage for a mixture-of-experts model (called by tasks/stages/plan.py): search, plan.json + table, the
     chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp/pp as pinned, else 1)."""
     from tasks import tracking
@@ -266,41 +322,89 @@ def stage(cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: s
     from tasks.fsutil import atomic_write_json, atomic_write_text
 
     par = cfg.parallel
-    pins = {k: getattr(par, k) for k in ("dp", "ep")
-            if config_pins and getattr(par, k) and getattr(par, k) > (k == "ep")}
+    pins = {
+        k: getattr(par, k) for k in ("dp", "ep") if config_pins and getattr(par, k) and getattr(par, k) > (k == "ep")
+    }
     if getattr(ctx.args, "dp", None):
         pins["dp"] = ctx.args.dp
     mp = {k: getattr(par, k) for k in ("tp", "pp") if config_pins and getattr(par, k, 0) > 1}
-    pb = MoeProblem(cluster, moe_shape_of(tcfg), seq_len, global_batch, precision=precision,
-                    capacity_factor=tcfg.capacity_factor, zero_stages=list(cfg.plan.zero_stages) or [3],
-                    recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
-                    efficiency=cfg.plan.efficiency, pins=pins, **mp)
+    pb = MoeProblem(
+        cluster,
+        moe_shape_of(tcfg),
+        seq_len,
+        global_batch,
+        precision=precision,
+        capacity_factor=tcfg.capacity_factor,
+        zero_stages=list(cfg.plan.zero_stages) or [3],
+        recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
+        efficiency=cfg.plan.efficiency,
+        pins=pins,
+        **mp,
+    )
     result = search(pb)
     out = ctx.run_dir / "plan"
-    desc = (f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
-            f"{pb.shape.total_params / 1e9:.3g}B params, {pb.shape.active_params / 1e9:.3g}B active)")
+    desc = (
+        f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
+        f"{pb.shape.total_params / 1e9:.3g}B params, {pb.shape.active_params / 1e9:.3g}B active)"
+    )
     header = f"model: {desc}\ncluster: {cluster.describe()}\ntraining: seq {seq_len}, global batch {global_batch}"
-    plan_path = atomic_write_json(out / "plan.json", {"model": desc, "moe": True, "pins": pins,
-                                                      "chosen": (result["plans"] or [None])[0], **result})
+    plan_path = atomic_write_json(
+        out / "plan.json",
+        {"model": desc, "moe": True, "pins": pins, "chosen": (result["plans"] or [None])[0], **result},
+    )
     table_path = atomic_write_text(out / "plan_table.txt", render(result, header, cfg.plan.top_k) + "\n")
     tracking.log_artifact(plan_path)
     tracking.log_artifact(table_path)
     if not result["plans"]:
         closest = result["rejected"][0]["reason"] if result["rejected"] else "none tried"
-        raise StageError(f"no feasible plan for {desc.split(' (')[0]} on {cluster.nodes}×{cluster.devices_per_node} "
-                         f"{cluster.name} devices of {cluster.memory_gb:g} GB: closest {closest} (see {plan_path})")
+        raise StageError(
+            f"no feasible plan for {desc.split(' (')[0]} on {cluster.nodes}×{cluster.devices_per_node} "
+            f"{cluster.name} devices of {cluster.memory_gb:g} GB: closest {closest} (see {plan_path})"
+        )
     best = result["plans"][0]
     if not getattr(ctx.args, "json", False):
         print(table_path.read_text())
-    tracking.log_metrics({"plan.total_gb": best["total_bytes"] / GB, "plan.step_s": best["step_s"],
-                          "plan.all_to_all_share": best["all_to_all_share"], "plan.feasible": len(result["plans"])})
-    parallel = {"dp": best["dp"], "tp": pb.tp, "pp": pb.pp, "ep": best["ep"], "zero": best["zero"],
-                "recompute": best["recompute"], "micro_batch": best["micro_batch"],
-                "microbatches": best["microbatches"]}
-    return {"status": "ok", "summary": f"{_line(best)} ({len(result['plans'])} feasible, "
-                                       f"{len(result['rejected'])} rejected)",
-            "plan_json": str(plan_path), "table": str(table_path), "parallel": parallel, "pinned": False,
-            "feasible": len(result["plans"]), "rejected": len(result["rejected"]),
-            "best": {k: best[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                                          "all_to_all_bytes", "buffers_bytes", "reserve_bytes", "total_bytes",
-                                          "step_s", "tokens_per_s", "all_to_all_share")}}
+    tracking.log_metrics(
+        {
+            "plan.total_gb": best["total_bytes"] / GB,
+            "plan.step_s": best["step_s"],
+            "plan.all_to_all_share": best["all_to_all_share"],
+            "plan.feasible": len(result["plans"]),
+        }
+    )
+    parallel = {
+        "dp": best["dp"],
+        "tp": pb.tp,
+        "pp": pb.pp,
+        "ep": best["ep"],
+        "zero": best["zero"],
+        "recompute": best["recompute"],
+        "micro_batch": best["micro_batch"],
+        "microbatches": best["microbatches"],
+    }
+    return {
+        "status": "ok",
+        "summary": f"{_line(best)} ({len(result['plans'])} feasible, {len(result['rejected'])} rejected)",
+        "plan_json": str(plan_path),
+        "table": str(table_path),
+        "parallel": parallel,
+        "pinned": False,
+        "feasible": len(result["plans"]),
+        "rejected": len(result["rejected"]),
+        "best": {
+            k: best[k]
+            for k in (
+                "params_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "activations_bytes",
+                "all_to_all_bytes",
+                "buffers_bytes",
+                "reserve_bytes",
+                "total_bytes",
+                "step_s",
+                "tokens_per_s",
+                "all_to_all_share",
+            )
+        },
+    }

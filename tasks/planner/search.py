@@ -17,6 +17,7 @@ Step time (no overlap of communication with compute, so it is an upper estimate;
   ZeRO-1/2 reduce-scatter them and all-gather the updated 16-bit parameters; ZeRO-3 all-gathers the parameters
   for every micro-batch's forward and backward (ZeRO paper §7: 1.5× the all-reduce volume with one micro-batch).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,27 +29,27 @@ from tasks.planner.memory import PRECISION_BYTES, ModelShape, estimate, flops_pe
 from tasks.units import GB
 
 FP32_PEAK_FRACTION = 0.5  # fp32 matmuls run as TF32/HF32 at about half the 16-bit peak on A100/H100/910B
-GRAD_REDUCE_BYTES = 4     # gradients are reduced in fp32 (Megatron's bf16 default; FSDP2 reduce_dtype here)
+GRAD_REDUCE_BYTES = 4  # gradients are reduced in fp32 (Megatron's bf16 default; FSDP2 reduce_dtype here)
 
 
 @dataclass
 class Problem:
     cluster: Cluster
-    shape: ModelShape | None            # None: only `n_params` is known (model-state sums)
+    shape: ModelShape | None  # None: only `n_params` is known (model-state sums)
     seq_len: int
     global_batch: int
     n_params: float = 0.0
     precision: str = "bf16"
     optimizer: str = "adamw"
-    micro_batches: list = field(default_factory=list)   # empty: powers of two that divide the per-rank batch
+    micro_batches: list = field(default_factory=list)  # empty: powers of two that divide the per-rank batch
     zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: list = field(default_factory=lambda: ["none", "selective", "full"])
     schedules: list = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"])
     virtual: int = 2
     sequence_parallel: bool = True
-    flash_attention: bool = True                        # the model's SDPA is a fused kernel on every backend
+    flash_attention: bool = True  # the model's SDPA is a fused kernel on every backend
     efficiency: float = 0.4
-    pins: dict = field(default_factory=dict)            # {"dp"|"tp"|"pp": n} fixes that degree
+    pins: dict = field(default_factory=dict)  # {"dp"|"tp"|"pp": n} fixes that degree
 
 
 def _divisors(n: int) -> list[int]:
@@ -86,8 +87,7 @@ def schedule_problem(pb: Problem, lay: Layout) -> str | None:
         return f"1f1b needs >= {p} micro-batches per rank, got {m}"
     if lay.pp_schedule == "interleaved1f1b":
         if pb.shape is not None and pb.shape.layers % (p * lay.virtual_stages):
-            return (f"interleaved: pp {p} × {lay.virtual_stages} virtual stages does not divide "
-                    f"{pb.shape.layers} layers")
+            return f"interleaved: pp {p} × {lay.virtual_stages} virtual stages does not divide {pb.shape.layers} layers"
         rounds = max(1, m // p)  # ScheduleInterleaved1F1B's own check
         if m % rounds:
             return f"interleaved: {m} micro-batches is not a multiple of {rounds} rounds"
@@ -113,8 +113,7 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
         # Recompute: full repeats the forward; selective the attention core (paper) or, with fused attention, only
         # element-wise ops (the project's policy keeps matmul and attention outputs), whose FLOPs we neglect.
         selective = 0.0 if lay.flash_attention else attention_fwd
-        per_token += {"full": 2.0 * L * sh.layer_params + attention_fwd, "selective": selective}.get(
-            lay.recompute, 0.0)
+        per_token += {"full": 2.0 * L * sh.layer_params + attention_fwd, "selective": selective}.get(lay.recompute, 0.0)
         layer_params = sh.layer_params
     compute = tokens * per_token / (c.world * peak)
     p, m = lay.pp, lay.n_microbatches
@@ -137,12 +136,19 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     shard = (sh.layers / p * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     grads = _ring(shard * GRAD_REDUCE_BYTES, lay.dp, dp_bw, 1.0)  # one reduce-scatter
-    gather = _ring(shard * A, lay.dp, dp_bw, 1.0)                  # one all-gather of the parameters
+    gather = _ring(shard * A, lay.dp, dp_bw, 1.0)  # one all-gather of the parameters
     # 0: all-reduce; 1: all-reduce + owners' parameter broadcasts; 2: reduce-scatter + one all-gather; 3: per use.
     dp_s = {0: 2 * grads, 1: 2 * grads + gather, 2: grads + gather}.get(lay.zero, grads + 2 * m * gather)
     total = pipeline + tp_s + pp_s + dp_s
-    return {"step_s": total, "compute_s": compute, "bubble": bubble, "tp_comm_s": tp_s, "pp_comm_s": pp_s,
-            "dp_comm_s": dp_s, "tokens_per_s": tokens / total}
+    return {
+        "step_s": total,
+        "compute_s": compute,
+        "bubble": bubble,
+        "tp_comm_s": tp_s,
+        "pp_comm_s": pp_s,
+        "dp_comm_s": dp_s,
+        "tokens_per_s": tokens / total,
+    }
 
 
 def _micro_batches(pb: Problem, per_rank: int) -> list[int]:
@@ -178,17 +184,29 @@ def candidates(pb: Problem):
             per_rank = pb.global_batch // dp
             for mb in _micro_batches(pb, per_rank):
                 if per_rank % mb:
-                    yield {**base, "micro_batch": mb}, (f"micro-batch {mb} does not divide the {per_rank} "
-                                                        f"sequences per dp rank"), None
+                    yield (
+                        {**base, "micro_batch": mb},
+                        (f"micro-batch {mb} does not divide the {per_rank} sequences per dp rank"),
+                        None,
+                    )
                     continue
-                for sched in (pb.schedules if pp > 1 else ["1f1b"]):
+                for sched in pb.schedules if pp > 1 else ["1f1b"]:
                     for zero in zeros:
                         for rc in recomputes:
-                            lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, recompute=rc, pp_schedule=sched,
-                                         micro_batch=mb, microbatches=per_rank // mb,
-                                         virtual_stages=pb.virtual if sched == "interleaved1f1b" else 1,
-                                         sequence_parallel=pb.sequence_parallel and tp > 1,
-                                         global_batch=pb.global_batch, flash_attention=pb.flash_attention)
+                            lay = Layout(
+                                dp=dp,
+                                tp=tp,
+                                pp=pp,
+                                zero=zero,
+                                recompute=rc,
+                                pp_schedule=sched,
+                                micro_batch=mb,
+                                microbatches=per_rank // mb,
+                                virtual_stages=pb.virtual if sched == "interleaved1f1b" else 1,
+                                sequence_parallel=pb.sequence_parallel and tp > 1,
+                                global_batch=pb.global_batch,
+                                flash_attention=pb.flash_attention,
+                            )
                             yield _row(lay), schedule_problem(pb, lay), lay
 
 
@@ -198,8 +216,7 @@ def _row(lay: Layout) -> dict:
 
 def evaluate(pb: Problem, lay: Layout) -> dict:
     """The plan row of one runnable layout: the layout, its memory breakdown and step time."""
-    mem = estimate(pb.shape, pb.seq_len, lay, pb.precision, pb.optimizer, pb.n_params,
-                   pb.cluster.reserve_gb * GB)
+    mem = estimate(pb.shape, pb.seq_len, lay, pb.precision, pb.optimizer, pb.n_params, pb.cluster.reserve_gb * GB)
     return {**_row(lay), **mem, **step_time(pb, lay)}
 
 
@@ -209,8 +226,12 @@ _RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
 def rank_key(plan: dict):
     # Faster first; ties (within rounding) go to the larger micro-batch — bigger GEMMs run nearer peak, which the
     # model does not see — then to less recompute (its element-wise share is not costed), then the smaller footprint.
-    return (float(f"{plan['step_s']:.3g}"), -plan["micro_batch"], _RECOMPUTE_ORDER[plan["recompute"]],
-            plan["total_bytes"])
+    return (
+        float(f"{plan['step_s']:.3g}"),
+        -plan["micro_batch"],
+        _RECOMPUTE_ORDER[plan["recompute"]],
+        plan["total_bytes"],
+    )
 
 
 def feasible(pb, rows, evaluate_fn) -> tuple[list[dict], list[dict]]:
@@ -224,8 +245,9 @@ def feasible(pb, rows, evaluate_fn) -> tuple[list[dict], list[dict]]:
             continue
         plan = evaluate_fn(pb, lay)
         if plan["total_bytes"] > limit:
-            rejected.append({**plan, "reason": f"needs {plan['total_bytes'] / GB:.1f} GB > "
-                                               f"{pb.cluster.memory_gb:g} GB"})
+            rejected.append(
+                {**plan, "reason": f"needs {plan['total_bytes'] / GB:.1f} GB > {pb.cluster.memory_gb:g} GB"}
+            )
         else:
             plans.append(plan)
     return plans, rejected
@@ -240,4 +262,3 @@ def search(pb: Problem) -> dict:
         plans.sort(key=rank_key)
     rejected.sort(key=lambda r: r.get("total_bytes", float("inf")))
     return {"plans": plans, "rejected": rejected}
-

@@ -1,26 +1,39 @@
 """The ranked plan table (what `python -m tasks plan` prints and the stage logs as plan_table.txt)."""
+
 from __future__ import annotations
 
 from tasks.units import GB, MB
 
-_HEAD = (f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'recompute':<9} {'schedule':<15} {'mb×m':>7} "
-         f"{'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'other':>6} {'total':>7} {'step s':>9} "
-         f"{'tok/s':>9} {'bubble':>6}")
+_HEAD = (
+    f"{'#':>3} {'dp':>4} {'tp':>3} {'pp':>3} {'zero':>4} {'recompute':<9} {'schedule':<15} {'mb×m':>7} "
+    f"{'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'other':>6} {'total':>7} {'step s':>9} "
+    f"{'tok/s':>9} {'bubble':>6}"
+)
 
 
 def plan_line(i, p: dict, unit: float = GB) -> str:
     other = p["buffers_bytes"] + p["reserve_bytes"]
-    mem = " ".join(f"{x / unit:7.2f}" for x in (p["params_bytes"], p["grads_bytes"], p["optimizer_bytes"],
-                                                  p["activations_bytes"]))
-    return (f"{i:>3} {p['dp']:>4} {p['tp']:>3} {p['pp']:>3} {p['zero']:>4} {p['recompute']:<9} "
-            f"{p['pp_schedule']:<15} {str(p['micro_batch']) + '×' + str(p['microbatches']):>7} "
-            f"{mem} {other / unit:6.2f} {p['total_bytes'] / unit:7.2f} {p['step_s']:9.3g} "
-            f"{p['tokens_per_s']:9.3g} {p['bubble']:6.1%}")
+    mem = " ".join(
+        f"{x / unit:7.2f}" for x in (p["params_bytes"], p["grads_bytes"], p["optimizer_bytes"], p["activations_bytes"])
+    )
+    return (
+        f"{i:>3} {p['dp']:>4} {p['tp']:>3} {p['pp']:>3} {p['zero']:>4} {p['recompute']:<9} "
+        f"{p['pp_schedule']:<15} {str(p['micro_batch']) + '×' + str(p['microbatches']):>7} "
+        f"{mem} {other / unit:6.2f} {p['total_bytes'] / unit:7.2f} {p['step_s']:9.3g} "
+        f"{p['tokens_per_s']:9.3g} {p['bubble']:6.1%}"
+    )
 
 
 def _layout_name(r: dict) -> str:
-    keys = [("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("zero", "zero"), ("recompute", "recompute "),
-            ("pp_schedule", ""), ("micro_batch", "mb ")]
+    keys = [
+        ("dp", "dp"),
+        ("tp", "tp"),
+        ("pp", "pp"),
+        ("zero", "zero"),
+        ("recompute", "recompute "),
+        ("pp_schedule", ""),
+        ("micro_batch", "mb "),
+    ]
     return " ".join(f"{label}{r[k]}" for k, label in keys if k in r and r[k] != "none")
 
 
@@ -34,12 +47,17 @@ def render(result: dict, header: str, top_k: int = 10, rejected_k: int = 10, pin
     lines = [header, ""]
     if pinned is not None:
         mine = (pinned["plans"] or pinned["rejected"] or [None])[0]
-        lines += ["pinned by the config (parallel.dp/tp/pp): " + ("no layout" if mine is None else
-                                                                     mine.get("reason", "fits")), _HEAD]
+        lines += [
+            "pinned by the config (parallel.dp/tp/pp): "
+            + ("no layout" if mine is None else mine.get("reason", "fits")),
+            _HEAD,
+        ]
         lines += [plan_line("pin", mine, unit)] if mine and "total_bytes" in mine else []
         lines += ["", "alternatives:"]
-    lines += [f"feasible plans: {len(plans)} (memory in {name} = 1e{6 if small else 9} bytes per device; "
-              f"'other' = ZeRO-3 gather buffers + runtime reserve; step s assumes no compute/communication overlap)"]
+    lines += [
+        f"feasible plans: {len(plans)} (memory in {name} = 1e{6 if small else 9} bytes per device; "
+        f"'other' = ZeRO-3 gather buffers + runtime reserve; step s assumes no compute/communication overlap)"
+    ]
     lines += [_HEAD] if plans else []
     lines += [plan_line(i, p, unit) for i, p in enumerate(plans[:top_k], 1)]
     if len(plans) > top_k:

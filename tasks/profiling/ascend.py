@@ -4,6 +4,7 @@ msprof-analyze `cluster_analysis_output`. Formats as documented by their produce
 `docs/en/user_guide/profile_data_file_references.md`, Ascend/msprof-analyze's cluster_analyse README — and as their
 test fixtures show; files recognised by header.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,12 @@ from tasks.profiling.torch_trace import data_wait_per_step
 OUTPUT_DIR = "ASCEND_PROFILER_OUTPUT"
 _INFO_RE = re.compile(r"^profiler_info_(\d+)\.json$")
 _NPU_RE = re.compile(r"NPU\s*(\d+)")
-_OVERLAP_THREADS = {"Computing": "computing", "Communication": "communication",
-                    "Communication(Not Overlapped)": "comm_not_overlapped", "Free": "free"}
+_OVERLAP_THREADS = {
+    "Computing": "computing",
+    "Communication": "communication",
+    "Communication(Not Overlapped)": "comm_not_overlapped",
+    "Free": "free",
+}
 
 
 class Files:
@@ -63,8 +68,11 @@ def _stem(name: str) -> str:
 
 def _files_under(root: Path) -> list[Path]:
     # Raw binary collections live in data/ folders; only parsed text output is read.
-    return [p for p in root.rglob("*") if p.is_file() and p.suffix in (".csv", ".json")
-            and "data" not in p.relative_to(root).parts[:-1]]
+    return [
+        p
+        for p in root.rglob("*")
+        if p.is_file() and p.suffix in (".csv", ".json") and "data" not in p.relative_to(root).parts[:-1]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- step breakdown
@@ -75,19 +83,29 @@ def steps_from_step_trace(rows: list[dict]) -> dict[int | None, list[Step]]:
     out = defaultdict(list)
     for r in rows:
         step = tables.num(r.get("Step"))
-        out[_int(r.get("Device_id"))].append(Step(
-            step=int(step) if step is not None else None, computing=_f(r, "Computing"),
-            comm_not_overlapped=_f(r, "Communication(Not Overlapped)"), overlapped=_f(r, "Overlapped"),
-            communication=_f(r, "Communication"), free=_f(r, "Free"), bubble=_f(r, "Bubble"),
-            preparing=_f(r, "Preparing")))
+        out[_int(r.get("Device_id"))].append(
+            Step(
+                step=int(step) if step is not None else None,
+                computing=_f(r, "Computing"),
+                comm_not_overlapped=_f(r, "Communication(Not Overlapped)"),
+                overlapped=_f(r, "Overlapped"),
+                communication=_f(r, "Communication"),
+                free=_f(r, "Free"),
+                bubble=_f(r, "Bubble"),
+                preparing=_f(r, "Preparing"),
+            )
+        )
     return dict(out)
 
 
 def steps_from_trace(events: list[dict]) -> dict[int | None, list[Step]]:
     """The "Overlap Analysis" process of trace_view.json / msprof_*.json, cut at ProfilerStep#N when present."""
     procs, threads = tl.names(events)
-    labels = {e.get("pid"): str((e.get("args") or {}).get("labels", "")) for e in events
-              if e.get("ph") == "M" and e.get("name") == "process_labels"}
+    labels = {
+        e.get("pid"): str((e.get("args") or {}).get("labels", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_labels"
+    }
     xs = tl.spans(events)
     windows = tl.step_windows(xs)
     out = {}
@@ -100,10 +118,12 @@ def steps_from_trace(events: list[dict]) -> dict[int | None, list[Step]]:
         if not parts:
             continue
         merged = {k: tl.union(v) for k, v in parts.items()}
-        bubble = tl.union((e["ts"], e["ts"] + e["dur"]) for e in xs if str(e.get("name", "")).startswith(
-            "hcom_receive"))
-        wins = windows or [(None, min(s for v in merged.values() for s, _ in v),
-                            max(e for v in merged.values() for _, e in v))]
+        bubble = tl.union(
+            (e["ts"], e["ts"] + e["dur"]) for e in xs if str(e.get("name", "")).startswith("hcom_receive")
+        )
+        wins = windows or [
+            (None, min(s for v in merged.values() for s, _ in v), max(e for v in merged.values() for _, e in v))
+        ]
         m = _NPU_RE.search(labels.get(pid, ""))
         out[int(m.group(1)) if m else None] = [_window_step(n, lo, hi, merged, bubble) for n, lo, hi in wins]
     return out
@@ -112,8 +132,15 @@ def steps_from_trace(events: list[dict]) -> dict[int | None, list[Step]]:
 def _window_step(n, lo, hi, merged, bubble) -> Step:
     part = {k: tl.length(tl.clip(v, lo, hi)) for k, v in merged.items()}
     comm, not_ov = part.get("communication", 0.0), part.get("comm_not_overlapped", 0.0)
-    return Step(step=n, computing=part.get("computing", 0.0), comm_not_overlapped=not_ov, overlapped=comm - not_ov,
-                communication=comm, free=part.get("free", 0.0), bubble=tl.length(tl.clip(bubble, lo, hi)))
+    return Step(
+        step=n,
+        computing=part.get("computing", 0.0),
+        comm_not_overlapped=not_ov,
+        overlapped=comm - not_ov,
+        communication=comm,
+        free=part.get("free", 0.0),
+        bubble=tl.length(tl.clip(bubble, lo, hi)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- operators
@@ -139,9 +166,15 @@ def ops_from_kernels(rows: list[dict]) -> dict[int | None, list[Op]]:
 def ops_from_statistic(rows: list[dict]) -> dict[int | None, list[Op]]:
     out = defaultdict(list)
     for r in rows:
-        out[_int(r.get("Device_id"))].append(Op(
-            tables.text(r.get("OP Type")), tables.text(r.get("Core Type")), int(_f(r, "Count")),
-            _f(r, "Total Time(us)"), tables.num(r.get("Max Time(us)")) or _f(r, "Avg Time(us)")))
+        out[_int(r.get("Device_id"))].append(
+            Op(
+                tables.text(r.get("OP Type")),
+                tables.text(r.get("Core Type")),
+                int(_f(r, "Count")),
+                _f(r, "Total Time(us)"),
+                tables.num(r.get("Max Time(us)")) or _f(r, "Avg Time(us)"),
+            )
+        )
     return dict(out)
 
 
@@ -151,7 +184,7 @@ def ops_from_statistic(rows: list[dict]) -> dict[int | None, list[Op]]:
 def _comm_ops(data) -> list[CommOp]:
     """communication.json: {step: {"collective"|"p2p": {op@group: {"Communication Time Info": …}}}}; older files
     without the step level are accepted too. "Total Op Info" — and msprof-analyze's per-group "Total Op Info@{group}"
-(cluster_analyse/analysis/communication_analysis.py) — is the producer's own sum and is skipped."""
+    (cluster_analyse/analysis/communication_analysis.py) — is the producer's own sum and is skipped."""
     if not isinstance(data, dict):
         return []
     steps = [data] if {"collective", "p2p"} & set(data) else [v for v in data.values() if isinstance(v, dict)]
@@ -165,7 +198,7 @@ def _comm_ops(data) -> list[CommOp]:
     return out
 
 
-TOTAL_OP_INFO = "Total Op Info"   # msprof-analyze prof_common/constant.py TOTAL_OP_INFO
+TOTAL_OP_INFO = "Total Op Info"  # msprof-analyze prof_common/constant.py TOTAL_OP_INFO
 
 
 def is_total(name) -> bool:
@@ -179,8 +212,14 @@ def comm_op(name: str, kind: str, info: dict) -> CommOp:
     for transport, b in (info.get("Communication Bandwidth Info") or {}).items():
         if isinstance(b, dict) and (tables.num(b.get("Transit Size(MB)")) or 0) > 0:
             bw[transport] = (tables.num(b.get("Transit Size(MB)")) or 0.0, tables.num(b.get("Transit Time(ms)")) or 0.0)
-    return CommOp(name, kind, tables.num(t.get("Elapse Time(ms)")) or 0.0, tables.num(t.get("Transit Time(ms)")) or 0.0,
-                  tables.num(t.get("Wait Time(ms)")) or 0.0, bw)
+    return CommOp(
+        name,
+        kind,
+        tables.num(t.get("Elapse Time(ms)")) or 0.0,
+        tables.num(t.get("Transit Time(ms)")) or 0.0,
+        tables.num(t.get("Wait Time(ms)")) or 0.0,
+        bw,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -206,8 +245,10 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
     devices in one PROF_ folder) and the header variants seen."""
     out_dir = root / OUTPUT_DIR if (root / OUTPUT_DIR).is_dir() else root
     if root.name.endswith("_ascend_pt") and out_dir is root:
-        raise StageError(f"{root}: {OUTPUT_DIR}/ missing — the raw data was never parsed; run "
-                         f"`python -c \"from torch_npu.profiler.profiler import analyse; analyse('{root}')\"`")
+        raise StageError(
+            f"{root}: {OUTPUT_DIR}/ missing — the raw data was never parsed; run "
+            f"`python -c \"from torch_npu.profiler.profiler import analyse; analyse('{root}')\"`"
+        )
     files = Files(_files_under(out_dir) if not root.name.startswith("PROF_") else _files_under(root))
     steps = steps_from_step_trace(files.rows("step_trace"))
     if not steps:
@@ -220,10 +261,16 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
         steps, note = steps_from_kernels(kernels)
         files.variants.append(note)
     if not steps:
-        want = "mindstudio_profiler_output/msprof_*.json" if root.name.startswith("PROF_") else \
-            f"{OUTPUT_DIR}/step_trace_time.csv (or trace_view.json)"
-        hint = ("only the db export is there: collect with export_type=Text (as tasks.profiling.collect does)"
-                if any(out_dir.glob("*.db")) else "profile at level 1 or re-run the parser")
+        want = (
+            "mindstudio_profiler_output/msprof_*.json"
+            if root.name.startswith("PROF_")
+            else f"{OUTPUT_DIR}/step_trace_time.csv (or trace_view.json)"
+        )
+        hint = (
+            "only the db export is there: collect with export_type=Text (as tasks.profiling.collect does)"
+            if any(out_dir.glob("*.db"))
+            else "profile at level 1 or re-run the parser"
+        )
         raise StageError(f"{root}: {want} missing — no step breakdown; {hint}")
     ops = ops_from_kernels(kernels) if kernels else ops_from_statistic(files.rows("op_statistic"))
     comm = [op for _, data in files.comm for op in _comm_ops(data)]
@@ -235,9 +282,17 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
     for i, (dev, dev_steps) in enumerate(sorted(steps.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))):
         rank = base if len(steps) == 1 else (dev if dev is not None else base + i)
         dev_ops = ops.get(dev) if len(steps) > 1 else [o for v in ops.values() for o in v]
-        ranks.append(RankData(rank=rank, origin=str(root), steps=dev_steps, ops=dev_ops or [],
-                              comm_ops=comm if len(steps) == 1 else [],
-                              data_wait_us=next((w for w in waits if w), []), memory_peak_mb=mem))
+        ranks.append(
+            RankData(
+                rank=rank,
+                origin=str(root),
+                steps=dev_steps,
+                ops=dev_ops or [],
+                comm_ops=comm if len(steps) == 1 else [],
+                data_wait_us=next((w for w in waits if w), []),
+                memory_peak_mb=mem,
+            )
+        )
     return ranks, files.variants
 
 
@@ -256,8 +311,10 @@ def read_cluster(root: Path) -> tuple[list[RankData], list[str]]:
     files = Files([p for p in root.iterdir() if p.is_file() and p.suffix == ".csv"])
     rows = [r for r in files.rows("cluster_step_trace") if tables.text(r.get("Type")).lower() == "rank"]
     if not rows:
-        raise StageError(f"{root}: cluster_step_trace_time.csv missing or without rank rows — run "
-                         "`msprof-analyze -m all -d <profiling dir>` again")
+        raise StageError(
+            f"{root}: cluster_step_trace_time.csv missing or without rank rows — run "
+            "`msprof-analyze -m all -d <profiling dir>` again"
+        )
     by_rank = defaultdict(list)
     for r in rows:
         by_rank[int(_f(r, "Index"))].extend(steps_from_step_trace([r])[None])

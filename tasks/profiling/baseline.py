@@ -5,6 +5,7 @@ profile has the same key: model shape, layout (dp/tp/pp/zero), world size, devic
 micro-batch and precision. A profile of anything else is not slower or faster, just different: with no run of the
 same key the report says "no baseline yet" (and what differs from the newest profile), never a regression.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,9 +27,19 @@ def profile_key(cfg: PipelineConfig, report: dict, device_kind: str | None = Non
     fmt = report["source"]["format"]
     model = {k: v for k, v in cfg.to_dict()["model"].items() if k != "hf_path"}
     p = cfg.parallel
-    return {"model": model, "dp": p.dp, "tp": p.tp, "pp": p.pp, "zero": p.zero, "world": report["world"],
-            "device": device_kind or ("npu" if fmt in NPU_FORMATS else cfg.hardware.device), "format": fmt,
-            "seq_len": cfg.data.seq_len, "micro_batch": cfg.train.micro_batch, "precision": cfg.train.precision}
+    return {
+        "model": model,
+        "dp": p.dp,
+        "tp": p.tp,
+        "pp": p.pp,
+        "zero": p.zero,
+        "world": report["world"],
+        "device": device_kind or ("npu" if fmt in NPU_FORMATS else cfg.hardware.device),
+        "format": fmt,
+        "seq_len": cfg.data.seq_len,
+        "micro_batch": cfg.train.micro_batch,
+        "precision": cfg.train.precision,
+    }
 
 
 def key_digest(key: dict) -> str:
@@ -45,15 +56,23 @@ def _differences(old: dict, new: dict) -> str:
     a, b = flat(old), flat(new)
     diffs = [f"{k} {a.get(k)!r}→{b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     return ", ".join(diffs[:6]) + (" …" if len(diffs) > 6 else "")
-MIN_COMM_DELTA = 0.01   # a share moving by less than one point is noise, whatever its relative change
+
+
+MIN_COMM_DELTA = 0.01  # a share moving by less than one point is noise, whatever its relative change
 
 
 def report_metrics(report: dict) -> dict[str, float]:
     s = report["step"]
-    return {STEP_KEY: s["step_us"] / 1000, COMM_KEY: s["shares"]["comm_not_overlapped"],
-            "profile.computing_share": s["shares"]["computing"], "profile.free_share": s["shares"]["free"],
-            "profile.bubble_share": s["shares"]["bubble"], "profile.allreduce_share": s["allreduce_share"],
-            "profile.all_to_all_share": s.get("all_to_all_share", 0.0), "profile.world": report["world"]}
+    return {
+        STEP_KEY: s["step_us"] / 1000,
+        COMM_KEY: s["shares"]["comm_not_overlapped"],
+        "profile.computing_share": s["shares"]["computing"],
+        "profile.free_share": s["shares"]["free"],
+        "profile.bubble_share": s["shares"]["bubble"],
+        "profile.allreduce_share": s["allreduce_share"],
+        "profile.all_to_all_share": s.get("all_to_all_share", 0.0),
+        "profile.world": report["world"],
+    }
 
 
 def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) -> tuple[dict | None, str]:
@@ -67,8 +86,12 @@ def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) ->
     exp = client.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         return None, "no baseline yet: first profile of this experiment"
-    runs = client.search_runs([exp.experiment_id], "tags.`pipeline.stage` = 'profile' and attributes.status = "
-                              "'FINISHED'", order_by=["attributes.start_time DESC"], max_results=200)
+    runs = client.search_runs(
+        [exp.experiment_id],
+        "tags.`pipeline.stage` = 'profile' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=200,
+    )
     digest, other = key_digest(key), None
     for run in runs:
         tags, metrics = run.data.tags, run.data.metrics
@@ -77,9 +100,11 @@ def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) ->
         if STEP_KEY not in metrics or COMM_KEY not in metrics:
             continue
         if tags.get(KEY_TAG) == digest:
-            return ({"run_id": run.info.run_id, "metrics": {STEP_KEY: metrics[STEP_KEY], COMM_KEY: metrics[COMM_KEY]}},
-                    f"baseline: run {run.info.run_id} (same model shape, layout, world, device, seq_len, "
-                    "micro-batch, precision)")
+            return (
+                {"run_id": run.info.run_id, "metrics": {STEP_KEY: metrics[STEP_KEY], COMM_KEY: metrics[COMM_KEY]}},
+                f"baseline: run {run.info.run_id} (same model shape, layout, world, device, seq_len, "
+                "micro-batch, precision)",
+            )
         other = other or run
     if other is None:
         return None, "no baseline yet: first profile of this experiment"
@@ -88,8 +113,10 @@ def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) ->
         why = _differences(old_key, key)
     except ValueError:
         why = "it predates profile keys"
-    return None, (f"no baseline yet for this configuration: the newest profile (run {other.info.run_id[:8]}) "
-                  f"differs ({why}); profiles are compared only with the same key")
+    return None, (
+        f"no baseline yet for this configuration: the newest profile (run {other.info.run_id[:8]}) "
+        f"differs ({why}); profiles are compared only with the same key"
+    )
 
 
 def compare(report: dict, baseline: dict | None, threshold: float) -> tuple[dict | None, list[dict]]:
@@ -104,11 +131,21 @@ def compare(report: dict, baseline: dict | None, threshold: float) -> tuple[dict
         rows[key] = {"baseline": old, "current": new, "change": change}
         regressed = change > threshold and (key != COMM_KEY or new - old >= MIN_COMM_DELTA)
         if regressed:
-            findings.append({
-                "rule": "baseline.regression", "severity": "high",
-                "title": f"{label} regressed {change:+.0%} against the baseline run {baseline['run_id'][:8]}",
-                "evidence": {"metric": key, "baseline": old, "current": new, "change": change,
-                             "threshold": threshold, "baseline_run_id": baseline["run_id"]},
-                "advice": "Compare the two reports' top operators and step breakdown; revert or re-plan the change "
-                          "since the baseline (parallel plan, micro-batch, code)."})
+            findings.append(
+                {
+                    "rule": "baseline.regression",
+                    "severity": "high",
+                    "title": f"{label} regressed {change:+.0%} against the baseline run {baseline['run_id'][:8]}",
+                    "evidence": {
+                        "metric": key,
+                        "baseline": old,
+                        "current": new,
+                        "change": change,
+                        "threshold": threshold,
+                        "baseline_run_id": baseline["run_id"],
+                    },
+                    "advice": "Compare the two reports' top operators and step breakdown; revert or re-plan the change "
+                    "since the baseline (parallel plan, micro-batch, code).",
+                }
+            )
     return {"run_id": baseline["run_id"], "threshold": threshold, "metrics": rows}, findings

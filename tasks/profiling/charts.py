@@ -1,14 +1,23 @@
 """PNG charts of a report (matplotlib Agg, no display): step-time breakdown per rank, top operators."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 from tasks.fsutil import atomic_save_figure
 
-_PARTS = [("computing", "Computing", "#4C72B0"), ("comm_not_overlapped", "Communication (not overlapped)", "#DD8452"),
-          ("free", "Free", "#BBBBBB")]
-_CAT_COLORS = {"cube/matmul": "#4C72B0", "attention": "#8172B3", "vector": "#55A868", "ai_cpu": "#C44E52",
-               "communication": "#DD8452"}
+_PARTS = [
+    ("computing", "Computing", "#4C72B0"),
+    ("comm_not_overlapped", "Communication (not overlapped)", "#DD8452"),
+    ("free", "Free", "#BBBBBB"),
+]
+_CAT_COLORS = {
+    "cube/matmul": "#4C72B0",
+    "attention": "#8172B3",
+    "vector": "#55A868",
+    "ai_cpu": "#C44E52",
+    "communication": "#DD8452",
+}
 
 
 def _save(fig, path: Path) -> Path:

@@ -15,6 +15,7 @@ The schedule comes from cfg.profile: skip_first, wait, warmup, active, one cycle
 docs/en/developer_notes/ascend_pytorch_profiler_user_guide.md
 recommends for cluster analysis).
 """
+
 from __future__ import annotations
 
 import os
@@ -46,7 +47,7 @@ class _Off:
         pass
 
 
-MSPROF_ENV = "PROFILER_SAMPLECONFIG"   # set by `msprof --application` in the processes it profiles
+MSPROF_ENV = "PROFILER_SAMPLECONFIG"  # set by `msprof --application` in the processes it profiles
 
 
 def under_msprof(env=None) -> bool:
@@ -72,16 +73,22 @@ def npu_option_problems(pcfg: ProfileConfig, torchnpu_release: str | None, env=N
     env = env if env is not None else os.environ
     errors, warnings = [], []
     if pcfg.npu_level == "Level_none":
-        errors.append("profile.npu_level Level_none collects no step breakdown (no step_trace_time.csv, no "
-                      "kernels) to analyse: use Level0 (lightest with a breakdown) or Level1")
+        errors.append(
+            "profile.npu_level Level_none collects no step breakdown (no step_trace_time.csv, no "
+            "kernels) to analyse: use Level0 (lightest with a breakdown) or Level1"
+        )
     if pcfg.npu_level in ("Level1", "Level2") and torchnpu_release:
         since = OPTION_SINCE.get(("aic_metrics", pcfg.aic_metrics))
         if since and release_key(torchnpu_release) < release_key(since):
-            errors.append(f"profile.aic_metrics {pcfg.aic_metrics} needs TorchNPU {since} or newer; the installed "
-                          f"torch_npu is TorchNPU {torchnpu_release}: choose another profile.aic_metrics")
+            errors.append(
+                f"profile.aic_metrics {pcfg.aic_metrics} needs TorchNPU {since} or newer; the installed "
+                f"torch_npu is TorchNPU {torchnpu_release}: choose another profile.aic_metrics"
+            )
     if env.get("ASCEND_RT_VISIBLE_DEVICES"):
-        warnings.append("ASCEND_RT_VISIBLE_DEVICES is set: CANN does not support it together with profiling "
-                        "(CANN env-var docs); prefer selecting devices with hardware.nproc_per_node")
+        warnings.append(
+            "ASCEND_RT_VISIBLE_DEVICES is set: CANN does not support it together with profiling "
+            "(CANN env-var docs); prefer selecting devices with hardware.nproc_per_node"
+        )
     return errors, warnings
 
 
@@ -91,7 +98,7 @@ def make_profiler(pcfg: ProfileConfig, backend_kind: str, out_dir: str | os.Path
     if out_dir is None:
         return _Off()
     if backend_kind == "npu" and under_msprof():
-        return _Off()   # msprof collects; torch_npu.profiler would be disabled by it anyway
+        return _Off()  # msprof collects; torch_npu.profiler would be disabled by it anyway
     if backend_kind == "npu":
         return _npu_profiler(pcfg, Path(out_dir), rank)
     return _torch_profiler(pcfg, backend_kind, Path(out_dir), rank)
@@ -112,10 +119,14 @@ def _torch_profiler(pcfg: ProfileConfig, backend_kind: str, out: Path, rank: int
 
     return tp.profile(
         activities=activities,
-        schedule=tp.schedule(skip_first=pcfg.skip_first, wait=pcfg.wait, warmup=pcfg.warmup, active=pcfg.active,
-                             repeat=1),
-        on_trace_ready=write_trace, record_shapes=pcfg.record_shapes, profile_memory=pcfg.profile_memory,
-        with_stack=pcfg.with_stack)
+        schedule=tp.schedule(
+            skip_first=pcfg.skip_first, wait=pcfg.wait, warmup=pcfg.warmup, active=pcfg.active, repeat=1
+        ),
+        on_trace_ready=write_trace,
+        record_shapes=pcfg.record_shapes,
+        profile_memory=pcfg.profile_memory,
+        with_stack=pcfg.with_stack,
+    )
 
 
 def _npu_profiler(pcfg: ProfileConfig, out: Path, rank: int):
@@ -133,18 +144,26 @@ def _npu_profiler(pcfg: ProfileConfig, out: Path, rank: int):
         from tasks.device import BackendUnavailable
 
         what = f"ProfilerLevel.{pcfg.npu_level}" if level is None else f"AiCMetrics.{metrics}"
-        raise BackendUnavailable(f"the installed torch_npu has no torch_npu.profiler.{what}: choose another "
-                                 "profile.npu_level / profile.aic_metrics or upgrade torch_npu")
+        raise BackendUnavailable(
+            f"the installed torch_npu has no torch_npu.profiler.{what}: choose another "
+            "profile.npu_level / profile.aic_metrics or upgrade torch_npu"
+        )
     if aic is None:
         experimental = npu_prof._ExperimentalConfig(
-            export_type=npu_prof.ExportType.Text, profiler_level=level, data_simplification=True)
+            export_type=npu_prof.ExportType.Text, profiler_level=level, data_simplification=True
+        )
     else:
         experimental = npu_prof._ExperimentalConfig(
-            export_type=npu_prof.ExportType.Text, profiler_level=level, aic_metrics=aic, data_simplification=True)
+            export_type=npu_prof.ExportType.Text, profiler_level=level, aic_metrics=aic, data_simplification=True
+        )
     return npu_prof.profile(
         activities=[npu_prof.ProfilerActivity.CPU, npu_prof.ProfilerActivity.NPU],
-        schedule=npu_prof.schedule(skip_first=pcfg.skip_first, wait=pcfg.wait, warmup=pcfg.warmup,
-                                   active=pcfg.active, repeat=1),
+        schedule=npu_prof.schedule(
+            skip_first=pcfg.skip_first, wait=pcfg.wait, warmup=pcfg.warmup, active=pcfg.active, repeat=1
+        ),
         on_trace_ready=npu_prof.tensorboard_trace_handler(str(out), worker_name=f"rank{rank}"),
-        record_shapes=pcfg.record_shapes, profile_memory=pcfg.profile_memory, with_stack=pcfg.with_stack,
-        experimental_config=experimental)
+        record_shapes=pcfg.record_shapes,
+        profile_memory=pcfg.profile_memory,
+        with_stack=pcfg.with_stack,
+        experimental_config=experimental,
+    )

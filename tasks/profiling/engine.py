@@ -10,6 +10,7 @@ overlapped, free, bubble) must agree within 1 % of the step, else a medium findi
 part. Operators, communication ops and memory always come from the built-in per-rank readers (msprof-analyze's
 cluster output has no operator table).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,13 @@ def compare_breakdowns(builtin: dict, primary: dict) -> dict:
     step = primary["step_us"] or 1.0
     diffs = {p.removesuffix("_us"): abs(builtin.get(p, 0.0) - primary.get(p, 0.0)) / step for p in PARTS}
     worst = max(diffs, key=diffs.get)
-    return {"by_part": diffs, "worst_part": worst, "worst": diffs[worst], "within": diffs[worst] <= AGREEMENT,
-            "step_us": {"builtin": builtin["step_us"], "msprof_analyze": primary["step_us"]}}
+    return {
+        "by_part": diffs,
+        "worst_part": worst,
+        "worst": diffs[worst],
+        "within": diffs[worst] <= AGREEMENT,
+        "step_us": {"builtin": builtin["step_us"], "msprof_analyze": primary["step_us"]},
+    }
 
 
 def apply(analyzer: str, report: dict, source: Path, out_dir: Path, run=run_msprof_analyze) -> dict:
@@ -44,8 +50,10 @@ def apply(analyzer: str, report: dict, source: Path, out_dir: Path, run=run_mspr
         return report
     if fmt not in ASCEND_FORMATS:
         if analyzer == "msprof-analyze":
-            raise StageError(f"profile.analyzer is msprof-analyze but {source} is {fmt} data, which msprof-analyze "
-                             "does not read; use profile.analyzer=auto or builtin")
+            raise StageError(
+                f"profile.analyzer is msprof-analyze but {source} is {fmt} data, which msprof-analyze "
+                "does not read; use profile.analyzer=auto or builtin"
+            )
         eng["reason"] = f"{fmt} data: msprof-analyze reads Ascend profiles only"
         return report
     result = run(source, out_dir, fmt=fmt)
@@ -54,8 +62,10 @@ def apply(analyzer: str, report: dict, source: Path, out_dir: Path, run=run_mspr
     if result["status"] != "ok" or not cluster.is_dir():
         why = result.get("reason") or f"msprof-analyze {result['status']} (see {out_dir})"
         if analyzer == "msprof-analyze":
-            raise StageError(f"profile.analyzer is msprof-analyze but it did not run: {why}; fix: {INSTALL}, or "
-                             "set profile.analyzer=auto to fall back to the built-in readers")
+            raise StageError(
+                f"profile.analyzer is msprof-analyze but it did not run: {why}; fix: {INSTALL}, or "
+                "set profile.analyzer=auto to fall back to the built-in readers"
+            )
         eng["reason"] = f"{why}; built-in readers used"
         report["source"]["notes"].append(f"msprof-analyze not used: {why}")
         return report
@@ -64,11 +74,15 @@ def apply(analyzer: str, report: dict, source: Path, out_dir: Path, run=run_mspr
     eng.update(used="msprof-analyze", agreement=agreement, builtin_step=report["step"])
     report["step"] = {**report["step"], **{k: primary["step"][k] for k in ("step_us", *PARTS, "shares")}}
     if not agreement["within"]:
-        report["findings"].append({
-            "rule": "analysis.disagreement", "severity": "medium",
-            "title": f"msprof-analyze and the built-in readers differ by {agreement['worst']:.1%} of the step in "
-                     f"{agreement['worst_part']}",
-            "evidence": {k: round(v, 4) for k, v in agreement["by_part"].items()},
-            "advice": "Check the msprof-analyze version against the CANN that collected the data, and that text "
-                      "and db exports do not coexist in the folder (msprof-analyze reads one format)."})
+        report["findings"].append(
+            {
+                "rule": "analysis.disagreement",
+                "severity": "medium",
+                "title": f"msprof-analyze and the built-in readers differ by {agreement['worst']:.1%} of the step in "
+                f"{agreement['worst_part']}",
+                "evidence": {k: round(v, 4) for k, v in agreement["by_part"].items()},
+                "advice": "Check the msprof-analyze version against the CANN that collected the data, and that text "
+                "and db exports do not coexist in the folder (msprof-analyze reads one format).",
+            }
+        )
     return report

@@ -6,6 +6,7 @@ communication = union of the HCCL kernels (hcom_*, Accelerator Core COMMUNICATIO
 intersection, free = the window minus both. Windows are the `Step Id` groups when the column is there (Level1/2),
 else the whole capture. The report says that this breakdown is derived, not Ascend's own step trace.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -14,8 +15,10 @@ from tasks.profiling import tables
 from tasks.profiling import timeline as tl
 from tasks.profiling.model import Step, categorize
 
-NOTE = ("note: no step_trace_time.csv / trace_view.json: the step breakdown is derived from kernel_details timings "
-        "(device busy time; host gaps, data wait and pipeline bubble are not visible) — {windows}")
+NOTE = (
+    "note: no step_trace_time.csv / trace_view.json: the step breakdown is derived from kernel_details timings "
+    "(device busy time; host gaps, data wait and pipeline bubble are not visible) — {windows}"
+)
 
 
 def steps_from_kernels(rows: list[dict]) -> tuple[dict[int | None, list[Step]], str]:
@@ -40,8 +43,15 @@ def steps_from_kernels(rows: list[dict]) -> tuple[dict[int | None, list[Step]], 
             both = tl.union(comp + comm)
             lo, hi = both[0][0], both[-1][1]
             overlapped = tl.length(c) + tl.length(m) - tl.length(both)
-            out[dev].append(Step(step=step, computing=tl.length(c), comm_not_overlapped=tl.length(m) - overlapped,
-                                 overlapped=overlapped, communication=tl.length(m),
-                                 free=(hi - lo) - tl.length(both)))
+            out[dev].append(
+                Step(
+                    step=step,
+                    computing=tl.length(c),
+                    comm_not_overlapped=tl.length(m) - overlapped,
+                    overlapped=overlapped,
+                    communication=tl.length(m),
+                    free=(hi - lo) - tl.length(both),
+                )
+            )
     windows = "one window per Step Id" if per_step else "one window over the whole capture (no Step Id column)"
     return out, NOTE.format(windows=windows)

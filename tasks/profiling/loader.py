@@ -5,6 +5,7 @@ msprof-analyze `cluster_analysis_output` (or a folder holding one), torch.profil
 folder holds several kinds, per-rank Ascend data wins over the cluster summary (it has operators too), which wins
 over traces.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,10 @@ from tasks.profiling.model import Profile
 from tasks.profiling.torch_trace import read_torch_trace
 
 CLUSTER_DIR = "cluster_analysis_output"
-EXPECTED = ("*_ascend_pt/ or ASCEND_PROFILER_OUTPUT/, PROF_*/mindstudio_profiler_output/, cluster_analysis_output/, "
-            "or torch.profiler *.json traces")
+EXPECTED = (
+    "*_ascend_pt/ or ASCEND_PROFILER_OUTPUT/, PROF_*/mindstudio_profiler_output/, cluster_analysis_output/, "
+    "or torch.profiler *.json traces"
+)
 
 
 def _is_rank_unit(p: Path) -> bool:
@@ -80,8 +83,15 @@ def load_profile(path: str | os.PathLike) -> Profile:
             variants += v
         fmt = "msprof" if all(u.name.startswith("PROF_") for u in units) else "ascend_pt"
         notes = sorted({v for v in variants if v.startswith("note: ")})  # e.g. kernel_details only
-        return _checked(Profile(str(root), fmt, ranks, variants=sorted(set(variants) - set(notes)),
-                                notes=[n.removeprefix("note: ") for n in notes]))
+        return _checked(
+            Profile(
+                str(root),
+                fmt,
+                ranks,
+                variants=sorted(set(variants) - set(notes)),
+                notes=[n.removeprefix("note: ") for n in notes],
+            )
+        )
     if clusters:
         ranks, variants = ascend.read_cluster(clusters[0])
         return _checked(Profile(str(root), "cluster_analysis", ranks, variants=variants))
@@ -95,8 +105,10 @@ def _checked(profile: Profile) -> Profile:
     seen = {}
     for r in profile.ranks:
         if r.rank in seen:
-            raise StageError(f"{profile.path}: rank {r.rank} appears twice ({seen[r.rank]} and {r.origin}); "
-                             "analyse one profiling session at a time")
+            raise StageError(
+                f"{profile.path}: rank {r.rank} appears twice ({seen[r.rank]} and {r.origin}); "
+                "analyse one profiling session at a time"
+            )
         seen[r.rank] = r.origin
     profile.ranks.sort(key=lambda r: r.rank)
     return profile

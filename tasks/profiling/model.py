@@ -2,6 +2,7 @@
 
 Times are microseconds (the unit of every Ascend CSV and of Chrome traces) unless a name says otherwise.
 """
+
 from __future__ import annotations
 
 import re
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Step:
     """One step of one rank, split the way Ascend's overlap analysis splits it (step_trace_time.csv)."""
+
     step: int | None
     computing: float
     comm_not_overlapped: float
@@ -29,8 +31,9 @@ class Step:
 @dataclass
 class Op:
     """One operator type on one rank, aggregated over the profiled steps."""
+
     name: str
-    core: str            # Accelerator Core / Core Type on Ascend (AI_CORE, AI_CPU, …); "CPU" / "CUDA" for torch
+    core: str  # Accelerator Core / Core Type on Ascend (AI_CORE, AI_CPU, …); "CPU" / "CUDA" for torch
     count: int
     total_us: float
     max_us: float
@@ -43,29 +46,30 @@ class Op:
 @dataclass
 class CommOp:
     """One collective or P2P op from communication.json (ms, as Ascend writes them)."""
+
     name: str
-    kind: str            # collective | p2p
+    kind: str  # collective | p2p
     elapse_ms: float
     transit_ms: float
     wait_ms: float
-    bandwidth: dict = field(default_factory=dict)   # transport (RDMA, HCCS, SDMA, …) → (size MB, time ms)
+    bandwidth: dict = field(default_factory=dict)  # transport (RDMA, HCCS, SDMA, …) → (size MB, time ms)
 
 
 @dataclass
 class RankData:
     rank: int
-    origin: str                                     # the folder or file it came from
+    origin: str  # the folder or file it came from
     steps: list[Step] = field(default_factory=list)
     ops: list[Op] = field(default_factory=list)
     comm_ops: list[CommOp] = field(default_factory=list)
-    data_wait_us: list[float] = field(default_factory=list)             # per step, when the trace shows it
-    memory_peak_mb: dict = field(default_factory=dict)                   # allocated / reserved
+    data_wait_us: list[float] = field(default_factory=list)  # per step, when the trace shows it
+    memory_peak_mb: dict = field(default_factory=dict)  # allocated / reserved
 
 
 @dataclass
 class Profile:
     path: str
-    fmt: str                                        # ascend_pt | msprof | cluster_analysis | torch_trace
+    fmt: str  # ascend_pt | msprof | cluster_analysis | torch_trace
     ranks: list[RankData]
     variants: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -75,11 +79,17 @@ CATEGORIES = ("cube/matmul", "attention", "vector", "ai_cpu", "communication")
 
 # Collectives by their producers' names (HCCL hcom_*, NCCL kernels, gloo/c10d ops, functional collectives); a
 # bare "broadcast" is not one (aten::broadcast_tensors is a view).
-_COMM = re.compile(r"^hcom_|hccl|nccl|^gloo:|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
-                   r"all_?to_?all|batch_?send_?recv|^(send|recv|receive)$", re.I)
+_COMM = re.compile(
+    r"^hcom_|hccl|nccl|^gloo:|c10d|record_param_comms|all_?reduce|all_?gather|reduce_?scatter|"
+    r"all_?to_?all|batch_?send_?recv|^(send|recv|receive)$",
+    re.I,
+)
 _ATTENTION = re.compile(r"attention|flash|sdpa|scaled_dot_product|softmax_?v?2?.*attn", re.I)
-_CUBE = re.compile(r"matmul|gemm|\bmm\b|aten::(mm|bmm|addmm|linear|matmul|baddbmm|conv\w*)$|conv\d?d|batchmatmul|"
-                   r"quantbatchmatmul|groupedmatmul", re.I)
+_CUBE = re.compile(
+    r"matmul|gemm|\bmm\b|aten::(mm|bmm|addmm|linear|matmul|baddbmm|conv\w*)$|conv\d?d|batchmatmul|"
+    r"quantbatchmatmul|groupedmatmul",
+    re.I,
+)
 
 
 def categorize(name: str, core: str = "") -> str:

@@ -7,6 +7,7 @@ wait). Fires when the busiest expert's tokens over the mean exceed `max_over_mea
 factor commonly used to bound dropping, e.g. GShard / Switch Transformer's 1.25–2.0 range) in any layer, averaged
 over the logged steps. All-to-all itself is counted as communication by tasks.profiling.model.categorize.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,14 @@ def expert_load(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) 
                 acc[i] += t
     ratios = {layer: max(t) / (sum(t) / len(t)) for layer, t in by_layer.items() if sum(t) > 0}
     worst = max(ratios, key=ratios.get) if ratios else None
-    return {"steps": len(records), "threshold": max_over_mean, "by_layer_max_over_mean": ratios,
-            "worst_layer": worst, "max_over_mean": ratios[worst] if worst else 0.0,
-            "tokens_per_expert": by_layer}
+    return {
+        "steps": len(records),
+        "threshold": max_over_mean,
+        "by_layer_max_over_mean": ratios,
+        "worst_layer": worst,
+        "max_over_mean": ratios[worst] if worst else 0.0,
+        "tokens_per_expert": by_layer,
+    }
 
 
 def expert_imbalance(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) -> list[dict]:
@@ -45,13 +51,22 @@ def expert_imbalance(metrics_path: str | Path, max_over_mean: float = MAX_OVER_M
     worst, ratio = load["worst_layer"], load["max_over_mean"]
     tokens = load["tokens_per_expert"][worst]
     busiest = max(range(len(tokens)), key=tokens.__getitem__)
-    return [{
-        "rule": "moe.expert_imbalance", "severity": "high" if ratio >= 2 * max_over_mean else "medium",
-        "title": f"expert {busiest} of layer {worst} gets {ratio:.2f}× the mean tokens "
-                 f"(threshold {max_over_mean:g}×)",
-        "evidence": {"layer": worst, "expert": busiest, "max_over_mean": ratio, "steps": load["steps"],
-                     "by_layer_max_over_mean": load["by_layer_max_over_mean"], "tokens_per_expert": tokens},
-        "advice": "Raise model.aux_loss_coef (load-balancing loss), or cap the busiest experts with "
-                  "model.capacity_factor; with expert parallelism the rank owning that expert sets the pace of the "
-                  "all-to-all.",
-    }]
+    return [
+        {
+            "rule": "moe.expert_imbalance",
+            "severity": "high" if ratio >= 2 * max_over_mean else "medium",
+            "title": f"expert {busiest} of layer {worst} gets {ratio:.2f}× the mean tokens "
+            f"(threshold {max_over_mean:g}×)",
+            "evidence": {
+                "layer": worst,
+                "expert": busiest,
+                "max_over_mean": ratio,
+                "steps": load["steps"],
+                "by_layer_max_over_mean": load["by_layer_max_over_mean"],
+                "tokens_per_expert": tokens,
+            },
+            "advice": "Raise model.aux_loss_coef (load-balancing loss), or cap the busiest experts with "
+            "model.capacity_factor; with expert parallelism the rank owning that expert sets the pace of the "
+            "all-to-all.",
+        }
+    ]

@@ -1,5 +1,6 @@
 """The CANN command-line tools, used only when they are on PATH: `msprof` to wrap a whole run, `msprof-analyze` to
 cross-check Ascend data (its cluster_analysis_output is attached to the report)."""
+
 from __future__ import annotations
 
 import re
@@ -20,7 +21,7 @@ def find_msprof() -> str | None:
     return shutil.which("msprof")
 
 
-_MSPROF_DB = re.compile(r"^msprof_\d{14}\.db$")   # msprof-analyze ProfDataAllocate.DB_PATTERNS[MSPROF]
+_MSPROF_DB = re.compile(r"^msprof_\d{14}\.db$")  # msprof-analyze ProfDataAllocate.DB_PATTERNS[MSPROF]
 
 
 def analyze_command(exe: str, data_dir: Path, out_dir: Path) -> list[str]:
@@ -42,12 +43,18 @@ def run_msprof_analyze(data_dir: Path, out_dir: Path, timeout_s: int = 900, fmt:
     """
     exe = shutil.which("msprof-analyze")
     if exe is None:
-        return {"status": "skipped", "reason": "msprof-analyze not on PATH (pip install msprof-analyze matching "
-                                               "the CANN version to cross-check)"}
+        return {
+            "status": "skipped",
+            "reason": "msprof-analyze not on PATH (pip install msprof-analyze matching "
+            "the CANN version to cross-check)",
+        }
     if fmt == "msprof" and not msprof_db_files(data_dir):
-        return {"status": "skipped", "reason": "msprof-analyze reads msprof (PROF_*) data only in db format and "
-                                               f"{data_dir} has no msprof_<timestamp>.db: collect with "
-                                               "`msprof --type=db` to cross-check"}
+        return {
+            "status": "skipped",
+            "reason": "msprof-analyze reads msprof (PROF_*) data only in db format and "
+            f"{data_dir} has no msprof_<timestamp>.db: collect with "
+            "`msprof --type=db` to cross-check",
+        }
     cmd = analyze_command(exe, data_dir, out_dir)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -64,8 +71,11 @@ def run_msprof_analyze(data_dir: Path, out_dir: Path, timeout_s: int = 900, fmt:
 
 
 _REFUSALS = (
-    ("contains both DB and other files", "msprof-analyze refuses folders holding both db and text exports: profile "
-                                         "with one export_type (the project collects ExportType.Text)"),
+    (
+        "contains both DB and other files",
+        "msprof-analyze refuses folders holding both db and text exports: profile "
+        "with one export_type (the project collects ExportType.Text)",
+    ),
     ("only supports DB as input data", "this msprof-analyze mode reads db exports only"),
     ("Can not get rank info or profiling data", "msprof-analyze found no rank data it can read in this folder"),
 )

@@ -4,6 +4,7 @@ Per rank and overall: mean step time and its split (computing, communication not
 bubble) with shares of the step; top operators by total time and by category; slow ranks; data-loader wait;
 memory peak; communication ops and link bandwidth.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,8 +15,8 @@ from statistics import mean
 from tasks.profiling.model import CATEGORIES, Profile, RankData, is_all_to_all, is_allreduce
 
 PARTS = ("computing", "comm_not_overlapped", "overlapped", "communication", "free", "bubble", "preparing")
-SPREAD_DIMS = ("step", "computing", "communication", "free")   # msprof-analyze's slow-rank dimensions + the step
-_GROUP_RE = re.compile(r"(__\d+(_\d+)*)?(@.*)?$")            # hcom_allReduce__501_0@hash → hcom_allReduce
+SPREAD_DIMS = ("step", "computing", "communication", "free")  # msprof-analyze's slow-rank dimensions + the step
+_GROUP_RE = re.compile(r"(__\d+(_\d+)*)?(@.*)?$")  # hcom_allReduce__501_0@hash → hcom_allReduce
 
 
 def _rank_summary(r: RankData) -> dict:
@@ -37,9 +38,15 @@ def _rank_summary(r: RankData) -> dict:
             bandwidth[transport][0] += size_mb
             bandwidth[transport][1] += time_ms
     return {
-        "rank": r.rank, "origin": r.origin, "steps": [asdict(s) | {"total": s.total} for s in r.steps],
-        "mean": avg, "shares": shares, "allreduce_us_per_step": allreduce, "allreduce_share": allreduce / step,
-        "all_to_all_us_per_step": all_to_all, "all_to_all_share": all_to_all / step,  # MoE expert parallelism
+        "rank": r.rank,
+        "origin": r.origin,
+        "steps": [asdict(s) | {"total": s.total} for s in r.steps],
+        "mean": avg,
+        "shares": shares,
+        "allreduce_us_per_step": allreduce,
+        "allreduce_share": allreduce / step,
+        "all_to_all_us_per_step": all_to_all,
+        "all_to_all_share": all_to_all / step,  # MoE expert parallelism
         "data_wait_us_per_step": mean(r.data_wait_us) if r.data_wait_us else None,
         "memory_peak_mb": r.memory_peak_mb or None,
         # GB/s = MB/ms, the unit communication.json uses.
@@ -68,8 +75,11 @@ def slow_ranks(ranks: list[dict]) -> dict:
     for r in ranks:
         for transport, gbps in r["bandwidth_gbps"].items():
             links[transport][r["rank"]] = gbps
-    return {"dims": dims, "slowest_rank": slowest,
-            "links": {t: {"spread": _spread(v), "by_rank_gbps": v} for t, v in links.items() if len(v) > 1}}
+    return {
+        "dims": dims,
+        "slowest_rank": slowest,
+        "links": {t: {"spread": _spread(v), "by_rank_gbps": v} for t, v in links.items() if len(v) > 1},
+    }
 
 
 def _ops(profile: Profile, top_n: int) -> dict:
@@ -81,11 +91,27 @@ def _ops(profile: Profile, top_n: int) -> dict:
             m["total_us"] += o.total_us
             m["max_us"] = max(m["max_us"], o.max_us)
     grand = sum(m["total_us"] for m in merged.values()) or 1.0
-    rows = sorted(({"name": n, "core": c, "category": cat, **m, "avg_us": m["total_us"] / max(m["count"], 1),
-                    "share": m["total_us"] / grand} for (n, c, cat), m in merged.items()),
-                  key=lambda row: -row["total_us"])
-    by_cat = {cat: {"total_us": sum(x["total_us"] for x in rows if x["category"] == cat),
-                    "top": [x["name"] for x in rows if x["category"] == cat][:5]} for cat in CATEGORIES}
+    rows = sorted(
+        (
+            {
+                "name": n,
+                "core": c,
+                "category": cat,
+                **m,
+                "avg_us": m["total_us"] / max(m["count"], 1),
+                "share": m["total_us"] / grand,
+            }
+            for (n, c, cat), m in merged.items()
+        ),
+        key=lambda row: -row["total_us"],
+    )
+    by_cat = {
+        cat: {
+            "total_us": sum(x["total_us"] for x in rows if x["category"] == cat),
+            "top": [x["name"] for x in rows if x["category"] == cat][:5],
+        }
+        for cat in CATEGORIES
+    }
     for v in by_cat.values():
         v["share"] = v["total_us"] / grand
     ai_cpu = [x for x in rows if x["category"] == "ai_cpu"]
@@ -101,9 +127,20 @@ def _communication(profile: Profile) -> list[dict]:
             a["elapse_ms"] += c.elapse_ms
             a["transit_ms"] += c.transit_ms
             a["wait_ms"] += c.wait_ms
-    return sorted(({"op": op, "kind": kind, **a, "wait_ratio": a["wait_ms"] / (a["wait_ms"] + a["transit_ms"])
-                    if a["wait_ms"] + a["transit_ms"] > 0 else 0.0} for (op, kind), a in acc.items()),
-                  key=lambda row: -row["elapse_ms"])
+    return sorted(
+        (
+            {
+                "op": op,
+                "kind": kind,
+                **a,
+                "wait_ratio": a["wait_ms"] / (a["wait_ms"] + a["transit_ms"])
+                if a["wait_ms"] + a["transit_ms"] > 0
+                else 0.0,
+            }
+            for (op, kind), a in acc.items()
+        ),
+        key=lambda row: -row["elapse_ms"],
+    )
 
 
 def build_report(profile: Profile, top_n: int = 15) -> dict:
@@ -119,18 +156,25 @@ def build_report(profile: Profile, top_n: int = 15) -> dict:
         "ranks": ranks,
         "world": len(ranks),
         "steps_per_rank": max(len(r["steps"]) for r in ranks),
-        "step": {**overall, "shares": shares,
-                 "allreduce_us_per_step": max(r["allreduce_us_per_step"] for r in ranks),
-                 "allreduce_share": max(r["allreduce_share"] for r in ranks),
-                 "all_to_all_us_per_step": max(r["all_to_all_us_per_step"] for r in ranks),
-                 "all_to_all_share": max(r["all_to_all_share"] for r in ranks)},
+        "step": {
+            **overall,
+            "shares": shares,
+            "allreduce_us_per_step": max(r["allreduce_us_per_step"] for r in ranks),
+            "allreduce_share": max(r["allreduce_share"] for r in ranks),
+            "all_to_all_us_per_step": max(r["all_to_all_us_per_step"] for r in ranks),
+            "all_to_all_share": max(r["all_to_all_share"] for r in ranks),
+        },
         "slow_ranks": slow_ranks(ranks),
         **_ops(profile, top_n),
         "communication": _communication(profile),
         "data_wait": {"max_us_per_step": max(waits.values()), "by_rank_us_per_step": waits} if waits else None,
-        "memory": {"peak_allocated_mb": max(m.get("allocated", 0.0) for m in mems.values()),
-                   "peak_reserved_mb": max(m.get("reserved", 0.0) for m in mems.values()),
-                   "by_rank": mems} if mems else None,
+        "memory": {
+            "peak_allocated_mb": max(m.get("allocated", 0.0) for m in mems.values()),
+            "peak_reserved_mb": max(m.get("reserved", 0.0) for m in mems.values()),
+            "by_rank": mems,
+        }
+        if mems
+        else None,
         "findings": [],
         "baseline": None,
     }
@@ -139,5 +183,7 @@ def build_report(profile: Profile, top_n: int = 15) -> dict:
 def headline(report: dict) -> str:
     s = report["step"]
     n = len(report["findings"])
-    return (f"step {s['step_us'] / 1000:.1f} ms, computing {s['shares']['computing']:.0%}, comm not overlapped "
-            f"{s['shares']['comm_not_overlapped']:.0%}, {report['world']} rank(s), {n} finding{'s' * (n != 1)}")
+    return (
+        f"step {s['step_us'] / 1000:.1f} ms, computing {s['shares']['computing']:.0%}, comm not overlapped "
+        f"{s['shares']['comm_not_overlapped']:.0%}, {report['world']} rank(s), {n} finding{'s' * (n != 1)}"
+    )

@@ -6,6 +6,7 @@ teams rename both. Quirks handled (seen in those tools' own test fixtures and do
 time values, `N/A` placeholders, triple-quoted shapes, an optional `Device_id` / `Step Id` / `Preparing` column,
 `Block Dim` (CANN < 9) vs `Block Num`, a UTF-8 BOM.
 """
+
 from __future__ import annotations
 
 import csv
@@ -22,16 +23,27 @@ SIGNATURES = {
     "kernel_details": ["Name", "Type", "Accelerator Core", "Start Time(us)", "Duration(us)"],
     "op_summary": ["Op Name", "OP Type", "Task Type", "Task Start Time(us)", "Task Duration(us)"],
     "op_statistic": ["OP Type", "Core Type", "Count", "Total Time(us)"],
-    "memory_record": ["Component", "Timestamp(us)", ("Total Allocated(MB)", "Total Allocated(KB)"),
-                      ("Total Reserved(MB)", "Total Reserved(KB)")],
+    "memory_record": [
+        "Component",
+        "Timestamp(us)",
+        ("Total Allocated(MB)", "Total Allocated(KB)"),
+        ("Total Reserved(MB)", "Total Reserved(KB)"),
+    ],
 }
 # Checked in this order: the cluster file is a superset of step_trace's columns.
 _ORDER = ["cluster_step_trace", "step_trace", "kernel_details", "op_summary", "op_statistic", "memory_record"]
 
 # msprof's op_summary names → torch_npu's kernel_details names (torch_npu renames them when it copies the file).
-KERNEL_RENAMES = {"Op Name": "Name", "OP Type": "Type", "Task Type": "Accelerator Core",
-                  "Task Start Time(us)": "Start Time(us)", "Task Duration(us)": "Duration(us)",
-                  "Task Wait Time(us)": "Wait Time(us)", "Block Dim": "Block Num", "Mix Block Dim": "Mix Block Num"}
+KERNEL_RENAMES = {
+    "Op Name": "Name",
+    "OP Type": "Type",
+    "Task Type": "Accelerator Core",
+    "Task Start Time(us)": "Start Time(us)",
+    "Task Duration(us)": "Duration(us)",
+    "Task Wait Time(us)": "Wait Time(us)",
+    "Block Dim": "Block Num",
+    "Mix Block Dim": "Mix Block Num",
+}
 
 
 def num(value) -> float | None:
@@ -96,8 +108,13 @@ def variant(kind: str, header: list[str]) -> str:
         tags.append("Preparing" if "Preparing" in cols else "no Preparing (torch_npu ≤ 2.1.0-5.0.0)")
     if kind in ("kernel_details", "op_summary"):
         tags.append("Step Id" if "Step Id" in cols else "")
-        tags.append("Block Num (CANN ≥ 9)" if "Block Num" in cols else "Block Dim (CANN < 9)"
-                    if "Block Dim" in cols else "no block column")
+        tags.append(
+            "Block Num (CANN ≥ 9)"
+            if "Block Num" in cols
+            else "Block Dim (CANN < 9)"
+            if "Block Dim" in cols
+            else "no block column"
+        )
         if any(c.startswith(("aic_", "aiv_", "aicore_time")) for c in cols):
             tags.append("AI Core metrics")
     return f"{kind}: " + ", ".join(t for t in tags if t)

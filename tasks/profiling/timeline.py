@@ -3,6 +3,7 @@
 Ascend writes `ts` as strings ("1704161511422904.204") and the file as a bare array; torch writes numbers inside
 `{"traceEvents": [...]}`. Both are µs.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,9 @@ def load_trace(path: Path) -> tuple[dict, list[dict]]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
-        raise StageError(f"{path}: not valid JSON (line {e.lineno}: {e.msg}); the trace was cut short or is "
-                         "still being written") from None
+        raise StageError(
+            f"{path}: not valid JSON (line {e.lineno}: {e.msg}); the trace was cut short or is still being written"
+        ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise StageError(f"{path}: unreadable ({e})") from None
     meta, events = ({}, data) if isinstance(data, list) else (data, data.get("traceEvents"))
@@ -59,8 +61,11 @@ def names(events: list[dict]) -> tuple[dict, dict]:
 
 def spans(events: list[dict]) -> list[dict]:
     """Complete events with a usable start and duration."""
-    return [e for e in events if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float))
-            and isinstance(e.get("dur"), (int, float))]
+    return [
+        e
+        for e in events
+        if e.get("ph") == "X" and isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float))
+    ]
 
 
 def step_windows(events: list[dict]) -> list[tuple[int, float, float]]:

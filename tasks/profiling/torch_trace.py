@@ -7,6 +7,7 @@ communication outside computing, free = the rest of the window.
 - CPU traces: cpu ops; gloo runs collectives on its own threads ("gloo:all_reduce"), so the main thread waiting in
   `work.wait()` shows as not computing while the gloo thread communicates — not-overlapped communication.
 """
+
 from __future__ import annotations
 
 import re
@@ -78,15 +79,23 @@ def read_torch_trace(path: Path, fallback_rank: int = 0) -> RankData:
         compute = tl.union((e["ts"], e["ts"] + e["dur"]) for e in comp_ev)
         ops = _aggregate(((e, e["dur"]) for e in device), "CUDA")
     else:
-        cpu = [e for e in xs if inside(e) and (e.get("cat") == "cpu_op" or
-                                                (e.get("cat") == "user_annotation" and _is_comm(e)))]
+        cpu = [
+            e
+            for e in xs
+            if inside(e) and (e.get("cat") == "cpu_op" or (e.get("cat") == "user_annotation" and _is_comm(e)))
+        ]
         comm_ev = [e for e in cpu if _is_comm(e)]
         compute = _cpu_compute(cpu)
         ops = _aggregate(_self_times(cpu), "CPU")
     comm = tl.union((e["ts"], e["ts"] + e["dur"]) for e in comm_ev)
     steps = [_breakdown(n, lo, hi, compute, comm) for n, lo, hi in windows]
-    rank = RankData(rank=_rank_of(meta, path, fallback_rank), origin=str(path), steps=steps, ops=ops,
-                    data_wait_us=data_wait_per_step(xs, windows))
+    rank = RankData(
+        rank=_rank_of(meta, path, fallback_rank),
+        origin=str(path),
+        steps=steps,
+        ops=ops,
+        data_wait_us=data_wait_per_step(xs, windows),
+    )
     rank.memory_peak_mb = _memory_peak(events)
     return rank
 
@@ -117,9 +126,14 @@ def _breakdown(step: int, lo: float, hi: float, compute, comm) -> Step:
     computing, communication = tl.length(c), tl.length(m)
     busy = tl.length(tl.union(c + m))
     not_overlapped = busy - computing
-    return Step(step=step, computing=computing, comm_not_overlapped=not_overlapped,
-                overlapped=communication - not_overlapped, communication=communication,
-                free=max(hi - lo - busy, 0.0))
+    return Step(
+        step=step,
+        computing=computing,
+        comm_not_overlapped=not_overlapped,
+        overlapped=communication - not_overlapped,
+        communication=communication,
+        free=max(hi - lo - busy, 0.0),
+    )
 
 
 def _memory_peak(events: list[dict]) -> dict:

@@ -11,6 +11,7 @@ every function it needs (`available_flows`), else it is refused in one line nami
   `<prefix>_fake_quant_model.onnx` (ONNX Runtime accuracy check) and `<prefix>_deploy_model.onnx` (for ATC → .om).
 - QAT hand-off when PTQ misses the gate: `retrain.cfg` + `create_quant_retrain_config` JSON.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,9 +22,11 @@ from tasks.quant.amct_config import llm_quant_config, qat_retrain_json, qat_simp
 
 
 # The functions each flow calls (tests/test_npu_api.py checks these names against AMCT's real sources).
-FLOW_API = {"llm": ("quantize", "convert"),
-            "ptq": ("create_quant_config", "quantize_model", "save_model"),
-            "qat": ("create_quant_retrain_config", "create_quant_retrain_model", "save_quant_retrain_model")}
+FLOW_API = {
+    "llm": ("quantize", "convert"),
+    "ptq": ("create_quant_config", "quantize_model", "save_model"),
+    "qat": ("create_quant_retrain_config", "create_quant_retrain_model", "save_quant_retrain_model"),
+}
 # AMCT's own requirement (hicann/amct README, requirements.txt): CANN >= 8.5.0, a CPU build of torch 2.1.0 or 2.7.1
 # with the matching torch_npu.
 AMCT_TORCH = ("2.1.0", "2.7.1")
@@ -48,9 +51,11 @@ def require_flow(module, flow: str) -> None:
     if missing:
         offered = [f for f, ok in available_flows(module).items() if ok]
         version = getattr(module, "__version__", "") or "installed"
-        raise StageError(f"AMCT ({version}) does not offer the {flow} flow (no amct_pytorch.{missing[0]}); "
-                         f"it offers: {', '.join(offered) or 'none'} — set quantize.amct_flow accordingly "
-                         f"(8.5.0 has only llm; ptq/qat need AMCT from hicann/amct master)")
+        raise StageError(
+            f"AMCT ({version}) does not offer the {flow} flow (no amct_pytorch.{missing[0]}); "
+            f"it offers: {', '.join(offered) or 'none'} — set quantize.amct_flow accordingly "
+            f"(8.5.0 has only llm; ptq/qat need AMCT from hicann/amct master)"
+        )
 
 
 def amct_import_error() -> str | None:
@@ -66,8 +71,9 @@ def amct_import_error() -> str | None:
 def _amct(flow: str | None = None):
     err = amct_import_error()
     if err is not None:
-        raise StageError(f"amct_pytorch is not importable ({err}); install AMCT from CANN on the Ascend host "
-                         f"({AMCT_PAIR})")
+        raise StageError(
+            f"amct_pytorch is not importable ({err}); install AMCT from CANN on the Ascend host ({AMCT_PAIR})"
+        )
     import amct_pytorch as amct
 
     if flow is not None:
@@ -103,11 +109,24 @@ def quantize_ptq(model, skip_names, calib_batches, out_dir: Path, device=None) -
     modified_onnx = out_dir / "modified_model.onnx"
     sample = (calib_batches[0][0].to(device),)
     with export_friendly(model):
-        amct.create_quant_config(str(config_file), model, sample, skip_layers=list(skip_names),
-                                 batch_num=len(calib_batches), activation_offset=True)
-        calibration_model = amct.quantize_model(str(config_file), str(modified_onnx), str(record_file), model,
-                                                sample, input_names=["tokens"], output_names=["logits"],
-                                                dynamic_axes={"tokens": {0: "batch", 1: "seq"}})
+        amct.create_quant_config(
+            str(config_file),
+            model,
+            sample,
+            skip_layers=list(skip_names),
+            batch_num=len(calib_batches),
+            activation_offset=True,
+        )
+        calibration_model = amct.quantize_model(
+            str(config_file),
+            str(modified_onnx),
+            str(record_file),
+            model,
+            sample,
+            input_names=["tokens"],
+            output_names=["logits"],
+            dynamic_axes={"tokens": {0: "batch", 1: "seq"}},
+        )
         with torch.no_grad():
             for inputs, _ in calib_batches:
                 calibration_model(inputs.to(device))
@@ -120,8 +139,9 @@ def quantize_ptq(model, skip_names, calib_batches, out_dir: Path, device=None) -
     return outputs
 
 
-def write_qat_handoff(out_dir: Path, layers: list[tuple[str, str]], skip_names, batch_num: int,
-                      model=None, sample=None) -> dict[str, str]:
+def write_qat_handoff(
+    out_dir: Path, layers: list[tuple[str, str]], skip_names, batch_num: int, model=None, sample=None
+) -> dict[str, str]:
     """Files for the QAT follow-up: the simplified `retrain.cfg`, and the per-layer JSON — written by AMCT's own
     `create_quant_retrain_config` when given the FP model (the AMCT backend), else in its format by us."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +151,7 @@ def write_qat_handoff(out_dir: Path, layers: list[tuple[str, str]], skip_names, 
         from tasks.quant.export import export_friendly
 
         amct = _amct("qat")
-        with export_friendly(model):   # AMCT traces the model to ONNX (opset 11: no SDPA symbolic)
+        with export_friendly(model):  # AMCT traces the model to ONNX (opset 11: no SDPA symbolic)
             amct.create_quant_retrain_config(str(json_path), model, sample, config_defination=str(cfg_path))
     else:
         atomic_write_json(json_path, qat_retrain_json(layers, batch_num), sort_keys=False)
@@ -153,9 +173,16 @@ def quantize_retrain(model, skip_names, sample, out_dir: Path, train_fn):
     losses = train_fn(model)
     model.eval()
     prefix = out_dir / "model"
-    amct.save_quant_retrain_model(str(config_file), model, str(record_file), str(prefix), sample,
-                                  input_names=["tokens"], output_names=["logits"],
-                                  dynamic_axes={"tokens": {0: "batch", 1: "seq"}})
+    amct.save_quant_retrain_model(
+        str(config_file),
+        model,
+        str(record_file),
+        str(prefix),
+        sample,
+        input_names=["tokens"],
+        output_names=["logits"],
+        dynamic_axes={"tokens": {0: "batch", 1: "seq"}},
+    )
     outputs = {"fake_quant_onnx": f"{prefix}_fake_quant_model.onnx", "deploy_onnx": f"{prefix}_deploy_model.onnx"}
     missing = [p for p in outputs.values() if not Path(p).is_file()]
     if missing:

@@ -5,6 +5,7 @@
 - QAT hand-off: the simplified `retrain.cfg` (retrain_config_pytorch.proto text) and the per-layer JSON that
   `create_quant_retrain_config` writes (docs/zh/api/create_quant_retrain_config.md).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,7 @@ def llm_quant_config(method: str, skip_layers, batch_num: int = 1, smooth_streng
     elif method == "smoothquant":
         quant_cfg["inputs"] = dict(_A_INT8_TENSOR)
     algorithm = {"smoothquant": {"smooth_strength": smooth_strength}} if method == "smoothquant" else {"minmax"}
-    return {"batch_num": batch_num, "quant_cfg": quant_cfg, "algorithm": algorithm,
-            "skip_layers": set(skip_layers)}
+    return {"batch_num": batch_num, "quant_cfg": quant_cfg, "algorithm": algorithm, "skip_layers": set(skip_layers)}
 
 
 def jsonable(cfg):
@@ -49,22 +49,33 @@ def qat_retrain_json(layers: list[tuple[str, str]], batch_num: int = 1) -> dict:
     channel-wise weights except for Linear (as AMCT's own example has `fc` with channel_wise false)."""
     out = {"version": 1, "batch_num": batch_num}
     for name, type_name in layers:
-        out[name] = {"retrain_enable": True,
-                     "retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8"},
-                     "retrain_weight_config": {"algo": "arq_retrain", "channel_wise": type_name != "Linear",
-                                               "dst_type": "INT8"}}
+        out[name] = {
+            "retrain_enable": True,
+            "retrain_data_config": {"algo": "ulq_quantize", "dst_type": "INT8"},
+            "retrain_weight_config": {"algo": "arq_retrain", "channel_wise": type_name != "Linear", "dst_type": "INT8"},
+        }
     return out
 
 
 def qat_simplified_cfg(skip_layers, batch_num: int = 1) -> str:
     """The simplified QAT config (`config_defination` of create_quant_retrain_config), protobuf text format."""
-    lines = ["# AMCT QAT hand-off, written because INT8 PTQ missed the accuracy gate.",
-             "# On the Ascend host: amct.create_quant_retrain_config(config_file, model, input_data,",
-             "#     config_defination='retrain.cfg'); then create_quant_retrain_model, fine-tune,",
-             "#     save_quant_retrain_model",
-             f"batch_num: {batch_num}",
-             "retrain_data_quant_config: {", "    ulq_quantize: {", "        dst_type: INT8", "    }", "}",
-             "retrain_weight_quant_config: {", "    arq_retrain: {", "        channel_wise: true",
-             "        dst_type: INT8", "    }", "}"]
+    lines = [
+        "# AMCT QAT hand-off, written because INT8 PTQ missed the accuracy gate.",
+        "# On the Ascend host: amct.create_quant_retrain_config(config_file, model, input_data,",
+        "#     config_defination='retrain.cfg'); then create_quant_retrain_model, fine-tune,",
+        "#     save_quant_retrain_model",
+        f"batch_num: {batch_num}",
+        "retrain_data_quant_config: {",
+        "    ulq_quantize: {",
+        "        dst_type: INT8",
+        "    }",
+        "}",
+        "retrain_weight_quant_config: {",
+        "    arq_retrain: {",
+        "        channel_wise: true",
+        "        dst_type: INT8",
+        "    }",
+        "}",
+    ]
     lines += [f"skip_layers: {json.dumps(name)}" for name in skip_layers]
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """The quantized model on disk: `model_int8.pt` (a plain state dict of int8 tensors + scales; it loads with
 `torch.load(weights_only=True)` once torchao is imported, which registers its tensor classes as safe) beside
 `quant_meta.json` (method, backend, layers, sizes, and the HF directory whose config rebuilds the skeleton)."""
+
 from __future__ import annotations
 
 import pickle
@@ -26,9 +27,15 @@ def describe_layers(model: torch.nn.Module) -> list[Layer]:
     weights = [getattr(m, "weight", getattr(m, "w1", None)) for _, m in leaves]
     holders = Counter(id(w) for w in weights if isinstance(w, torch.Tensor))
     # A tied model's output projection is an nn.Linear whose training backward copies its gradient: a Linear here.
-    return [Layer(n, "Linear" if isinstance(m, TiedOutput) else type(m).__name__,
-                  tuple(w.shape) if isinstance(w, torch.Tensor) else (),
-                  isinstance(w, torch.Tensor) and holders[id(w)] > 1) for (n, m), w in zip(leaves, weights)]
+    return [
+        Layer(
+            n,
+            "Linear" if isinstance(m, TiedOutput) else type(m).__name__,
+            tuple(w.shape) if isinstance(w, torch.Tensor) else (),
+            isinstance(w, torch.Tensor) and holders[id(w)] > 1,
+        )
+        for (n, m), w in zip(leaves, weights)
+    ]
 
 
 def save_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
@@ -84,8 +91,10 @@ def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
         raise StageError(f"{quant_dir}: no quantized model ({META}); run the quantize stage first")
     meta = read_json(quant_dir / META)
     if meta["format"] == "onnx":
-        raise StageError(f"{quant_dir}: AMCT PTQ wrote ONNX models ({meta['deploy_onnx']}); evaluate the fake-quant "
-                         "ONNX with onnxruntime or the deploy model after ATC on the Ascend host")
+        raise StageError(
+            f"{quant_dir}: AMCT PTQ wrote ONNX models ({meta['deploy_onnx']}); evaluate the fake-quant "
+            "ONNX with onnxruntime or the deploy model after ATC on the Ascend host"
+        )
     problem = verify_output(quant_dir) if (quant_dir / WEIGHTS).is_file() else f"{quant_dir / WEIGHTS} is missing"
     if problem:
         raise StageError(f"{problem}; rerun the quantize stage (it rebuilds it)")
@@ -97,8 +106,10 @@ def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
 
         state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # truncated/corrupt, no checksum
-        raise StageError(f"{quant_dir / WEIGHTS} is unreadable ({str(e).splitlines()[0][:200]}); rerun the quantize "
-                         "stage (it rebuilds it)") from None
+        raise StageError(
+            f"{quant_dir / WEIGHTS} is unreadable ({str(e).splitlines()[0][:200]}); rerun the quantize "
+            "stage (it rebuilds it)"
+        ) from None
     tcfg = read_hf_config(meta["model_dir"])
     model = build_model(tcfg, device="meta")  # no memory: every tensor is assigned from the file
     model.load_state_dict(state, assign=True)

@@ -5,6 +5,7 @@ AMCT's `quantize_model` / `create_quant_retrain_config` export the model to ONNX
 active every Attention block computes the same causal softmax(QKᵀ/√d)·V with plain matmul/softmax ops that opset 11
 exports; the numerics match SDPA (tests/test_ascend_paths.py compares them).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,6 @@
 """Where quantize/evaluate find their inputs (earlier stages' results, or CLI flags for a standalone run) and the
 validation batches both stages draw from the shard set's val split."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +15,10 @@ def model_dir(ctx, fallback: str | None = None) -> Path:
         raise StageError(f"{ctx.stage}: no trained model: run the train stage first or pass --model-dir")
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise StageError(f"{ctx.stage}: model checkpoint {path} is missing (no config.json there); "
-                         "rerun train or pass --model-dir to an HF export")
+        raise StageError(
+            f"{ctx.stage}: model checkpoint {path} is missing (no config.json there); "
+            "rerun train or pass --model-dir to an HF export"
+        )
     return path
 
 
@@ -36,8 +39,10 @@ def manifest_digest(shard_dir: Path) -> str:
 # Calibration and evaluation never share a token: the val split's windows are cut by this recorded rule on each
 # window's index in the packed token stream (windows do not overlap), logged to MLflow with the counts.
 SPLIT_EVERY = 4
-SPLIT_RULE = (f"val split, file order: window index % {SPLIT_EVERY} == 0 → calibration, otherwise → evaluation "
-              "(windows are disjoint slices of the packed token stream)")
+SPLIT_RULE = (
+    f"val split, file order: window index % {SPLIT_EVERY} == 0 → calibration, otherwise → evaluation "
+    "(windows are disjoint slices of the packed token stream)"
+)
 PARTS = ("calibration", "evaluation")
 
 
@@ -63,23 +68,36 @@ def val_part(shard_dir: Path, n: int, batch_size: int, part: str) -> tuple[list,
         raise ValueError(f"part {part!r} is not one of {PARTS}")
     try:
         samples = load_manifest(shard_dir)["splits"].get("val", {}).get("samples", 0)
-        loader = ShardLoader(shard_dir, split="val", batch_size=1, num_workers=0, shuffle=False,
-                             with_keys=True) if samples else None
+        loader = (
+            ShardLoader(shard_dir, split="val", batch_size=1, num_workers=0, shuffle=False, with_keys=True)
+            if samples
+            else None
+        )
     except DataPrepError as e:
         raise StageError(f"{part} data: {e}") from None
     rows, keys = [], []
-    for inputs, targets, batch_keys in (loader or ()):
+    for inputs, targets, batch_keys in loader or ():
         if in_part(batch_keys[0], part):
             rows.append((inputs, targets))
             keys.append(int(batch_keys[0]))
             if len(rows) >= n * batch_size:
                 break
     if len(rows) < batch_size:
-        raise StageError(f"{part} set is empty: the val split of {shard_dir} has {samples} sequences, {len(rows)} of "
-                         f"them in the {part} part ({SPLIT_RULE}), fewer than one batch of {batch_size}; reshard "
-                         "with a larger data.val_fraction or corpus")
-    batches = [(torch.cat([r[0] for r in rows[i:i + batch_size]]), torch.cat([r[1] for r in rows[i:i + batch_size]]))
-               for i in range(0, len(rows), batch_size)]
-    info = {"rule": SPLIT_RULE, "part": part, "sequences": len(keys), "tokens": sum(t.numel() for _, t in batches),
-            "keys": keys, "keys_digest": hashlib.sha256(repr(keys).encode()).hexdigest()[:16]}
+        raise StageError(
+            f"{part} set is empty: the val split of {shard_dir} has {samples} sequences, {len(rows)} of "
+            f"them in the {part} part ({SPLIT_RULE}), fewer than one batch of {batch_size}; reshard "
+            "with a larger data.val_fraction or corpus"
+        )
+    batches = [
+        (torch.cat([r[0] for r in rows[i : i + batch_size]]), torch.cat([r[1] for r in rows[i : i + batch_size]]))
+        for i in range(0, len(rows), batch_size)
+    ]
+    info = {
+        "rule": SPLIT_RULE,
+        "part": part,
+        "sequences": len(keys),
+        "tokens": sum(t.numel() for _, t in batches),
+        "keys": keys,
+        "keys_digest": hashlib.sha256(repr(keys).encode()).hexdigest()[:16],
+    }
     return batches, info

@@ -1,5 +1,6 @@
 """What evaluation measures: perplexity and next-token top-1 accuracy over fixed tokens, size on disk, per-token
 forward latency, prefill and KV-cache decode speed, greedy text and the agreement of two models' continuations."""
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ def perplexity(model, batches, device) -> dict:
         logits = model(inputs.to(device))
         targets = targets.to(device)
         nll += F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum").item()
-        correct += int((logits.argmax(-1) == targets).sum())   # next-token top-1: what greedy decoding would emit
+        correct += int((logits.argmax(-1) == targets).sum())  # next-token top-1: what greedy decoding would emit
         tokens += targets.numel()
     if tokens == 0:
         raise ValueError("perplexity over zero tokens")
@@ -54,8 +55,7 @@ class _ByteCounter(io.RawIOBase):
 def state_dict_bytes(model, dtype: torch.dtype | None = None) -> int:
     """Bytes `torch.save(state_dict)` writes, floating tensors cast to `dtype`: the FP32/BF16 references go through
     the same serializer as the INT8 file, so the ratio compares weights, not formats."""
-    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
-          for k, v in model.state_dict().items()}
+    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in model.state_dict().items()}
     counter = _ByteCounter()
     torch.save(sd, counter)
     return counter.written
@@ -70,8 +70,9 @@ def agreement(a: list, b: list) -> float:
 
 
 @torch.no_grad()
-def generation_speed(models: dict, prompt: torch.Tensor, new_tokens: int, device, repeats: int = 3,
-                     warmup: int = 1) -> dict:
+def generation_speed(
+    models: dict, prompt: torch.Tensor, new_tokens: int, device, repeats: int = 3, warmup: int = 1
+) -> dict:
     """{name: {"prefill_s", "decode_tokens_per_s"}}: the prompt [b, s] through a prefill that fills the KV cache,
     then `new_tokens` - 1 cached single-token steps for the whole batch (tokens/s counts b × steps). Rounds
     alternate between the models; the median round counts."""
@@ -95,5 +96,7 @@ def generation_speed(models: dict, prompt: torch.Tensor, new_tokens: int, device
             if i >= warmup:
                 prefill[name].append(t1 - t0)
                 decode[name].append(prompt.size(0) * (new_tokens - 1) / (t2 - t1))
-    return {name: {"prefill_s": statistics.median(prefill[name]),
-                   "decode_tokens_per_s": statistics.median(decode[name])} for name in models}
+    return {
+        name: {"prefill_s": statistics.median(prefill[name]), "decode_tokens_per_s": statistics.median(decode[name])}
+        for name in models
+    }

@@ -3,6 +3,7 @@
 No torch, no AMCT: the stage describes the model as (name, type, weight shape) rows and these functions decide, so
 the Ascend path's logic is tested on a machine without AMCT.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,17 +21,29 @@ SUPPORTED = {
 # MoE routed experts (tasks/model/moe.py): torchao INT8 weight-only over the stacked expert weights.
 EXPERTS = "GroupedExperts"
 # Our modules use torchtitan names; users write skip_layers in HF terms ("lm_head", "embed_tokens") as for AMCT.
-HF_ALIASES = {"output": "lm_head", "tok_embeddings": "embed_tokens", "attention.": "self_attn.",
-              "feed_forward.": "mlp.", "wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
-              "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj", "moe.": "mlp.", "router": "gate"}
+HF_ALIASES = {
+    "output": "lm_head",
+    "tok_embeddings": "embed_tokens",
+    "attention.": "self_attn.",
+    "feed_forward.": "mlp.",
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w1": "gate_proj",
+    "w2": "down_proj",
+    "w3": "up_proj",
+    "moe.": "mlp.",
+    "router": "gate",
+}
 
 
 @dataclass(frozen=True)
 class Layer:
-    name: str                 # module path, e.g. "layers.0.attention.wq"
-    type: str                 # class name, e.g. "Linear"
-    shape: tuple = ()         # weight shape (out, in) — empty for weightless layers
-    shared: bool = False      # weight shared with another module (tied embeddings)
+    name: str  # module path, e.g. "layers.0.attention.wq"
+    type: str  # class name, e.g. "Linear"
+    shape: tuple = ()  # weight shape (out, in) — empty for weightless layers
+    shared: bool = False  # weight shared with another module (tied embeddings)
 
 
 def hf_name(name: str) -> str:
@@ -54,15 +67,21 @@ def choose_backend(requested: str, amct_error: str | None, device_kind: str, flo
         requested = "amct" if amct_error is None and device_kind == "npu" else "torchao"
     if requested == "amct":
         if amct_error is not None:
-            raise StageError(f"quantize.backend amct: amct_pytorch is not importable ({amct_error}); install the "
-                             "AMCT package from CANN (or build hicann/amct) on the Ascend host, or use "
-                             "quantize.backend=torchao")
+            raise StageError(
+                f"quantize.backend amct: amct_pytorch is not importable ({amct_error}); install the "
+                "AMCT package from CANN (or build hicann/amct) on the Ascend host, or use "
+                "quantize.backend=torchao"
+            )
         if flow == "llm" and device_kind != "npu":
-            raise StageError(f"quantize.amct_flow llm: amct.quantize/convert run on Ascend A2/A3 NPUs only, this "
-                             f"host is {device_kind}; use quantize.amct_flow=ptq (ONNX) or quantize.backend=torchao")
+            raise StageError(
+                f"quantize.amct_flow llm: amct.quantize/convert run on Ascend A2/A3 NPUs only, this "
+                f"host is {device_kind}; use quantize.amct_flow=ptq (ONNX) or quantize.backend=torchao"
+            )
         if dtype == "fp32":
-            raise StageError("quantize.dtype fp32: AMCT's INT8 quantization supports fp16/bf16 models only "
-                             "(hicann/amct quantize docs); set quantize.dtype=bf16 or fp16")
+            raise StageError(
+                "quantize.dtype fp32: AMCT's INT8 quantization supports fp16/bf16 models only "
+                "(hicann/amct quantize docs); set quantize.dtype=bf16 or fp16"
+            )
     return requested
 
 
@@ -78,18 +97,24 @@ def select_layers(layers: list[Layer], backend: str, flow: str, method: str, ski
         experts = layer.type == EXPERTS and backend == "torchao"
         if layer.type not in supported and not experts:
             if len(layer.shape) >= 2:
-                raise StageError(f"quantize: layer {layer.name} ({layer.type}) is not supported by {label} "
-                                 f"(supports {', '.join(supported)}); add it to quantize.skip_layers")
+                raise StageError(
+                    f"quantize: layer {layer.name} ({layer.type}) is not supported by {label} "
+                    f"(supports {', '.join(supported)}); add it to quantize.skip_layers"
+                )
             continue
         if backend == "amct":
             _check_amct_layer(layer, flow, method)
         if experts and method != "int8_weight_only":
-            raise StageError(f"quantize: MoE experts {layer.name} are quantized INT8 weight-only only (torchao), not "
-                             f"{method}; use quantize.method=int8_weight_only or add it to quantize.skip_layers")
+            raise StageError(
+                f"quantize: MoE experts {layer.name} are quantized INT8 weight-only only (torchao), not "
+                f"{method}; use quantize.method=int8_weight_only or add it to quantize.skip_layers"
+            )
         chosen.append(layer.name)
     if not chosen:
-        raise StageError(f"quantize: no layer left to quantize with {label} (quantize.skip_layers="
-                         f"{list(skip_layers)} skips them all)")
+        raise StageError(
+            f"quantize: no layer left to quantize with {label} (quantize.skip_layers="
+            f"{list(skip_layers)} skips them all)"
+        )
     return chosen
 
 
@@ -97,17 +122,23 @@ def _check_amct_layer(layer: Layer, flow: str, method: str) -> None:
     """AMCT's documented constraints: shared weights are never quantized; the LLM flow's INT8 kernels need
     32-aligned K and N for weight-only, and K % 16 == 0, N % 8 == 0 for W8A8."""
     if layer.shared:
-        raise StageError(f"quantize: layer {layer.name} shares its weight (tied embeddings), which AMCT does not "
-                         "quantize; add it to quantize.skip_layers")
+        raise StageError(
+            f"quantize: layer {layer.name} shares its weight (tied embeddings), which AMCT does not "
+            "quantize; add it to quantize.skip_layers"
+        )
     if flow != "llm" or len(layer.shape) != 2:
         return
     n, k = layer.shape
     if method == "int8_weight_only" and (k % 32 or n % 32):
-        raise StageError(f"quantize: layer {layer.name} weight {n}x{k} is not 32-aligned, which AMCT INT8 "
-                         "weight-only requires; add it to quantize.skip_layers")
+        raise StageError(
+            f"quantize: layer {layer.name} weight {n}x{k} is not 32-aligned, which AMCT INT8 "
+            "weight-only requires; add it to quantize.skip_layers"
+        )
     if method in ("int8_dynamic", "smoothquant") and (k % 16 or n % 8):
-        raise StageError(f"quantize: layer {layer.name} weight {n}x{k} needs K % 16 == 0 and N % 8 == 0 for AMCT "
-                         "W8A8; add it to quantize.skip_layers")
+        raise StageError(
+            f"quantize: layer {layer.name} weight {n}x{k} needs K % 16 == 0 and N % 8 == 0 for AMCT "
+            "W8A8; add it to quantize.skip_layers"
+        )
 
 
 def gate_advice(method: str, backend: str) -> str:
@@ -116,7 +147,10 @@ def gate_advice(method: str, backend: str) -> str:
     if method != "smoothquant":
         tips.append("SmoothQuant W8A8 (quantize.method=smoothquant) to move activation outliers into the weights")
     tips.append("skip the most sensitive layers (add e.g. 'layers.0.' or 'down_proj' to quantize.skip_layers)")
-    tips.append("quantization-aware training from the QAT hand-off config (qat/retrain.cfg, "
-                "amct.create_quant_retrain_model on Ascend)" if backend == "amct" else
-                "quantization-aware training (QAT) from the hand-off config in qat/")
+    tips.append(
+        "quantization-aware training from the QAT hand-off config (qat/retrain.cfg, "
+        "amct.create_quant_retrain_model on Ascend)"
+        if backend == "amct"
+        else "quantization-aware training (QAT) from the hand-off config in qat/"
+    )
     return "; ".join(tips)

@@ -15,6 +15,7 @@ then convert to the same INT8 format as PTQ.
 - AMCT (Ascend): `amct_backend.quantize_retrain` (create_quant_retrain_config → create_quant_retrain_model → train →
   save_quant_retrain_model), where the installed AMCT has those functions.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -58,8 +59,9 @@ def finetune(model, steps: int, batches, lr: float, weight_decay: float, grad_cl
     for _, (inputs, targets) in zip(range(steps), batches):
         loss = lm_loss(model(inputs.to(device)), targets.to(device))
         if not torch.isfinite(loss):
-            raise StageError(f"QAT: loss became {loss.item()} at step {len(losses)}; lower train.min_lr or "
-                             "quantize.qat_steps")
+            raise StageError(
+                f"QAT: loss became {loss.item()} at step {len(losses)}; lower train.min_lr or quantize.qat_steps"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if grad_clip > 0:
@@ -69,8 +71,18 @@ def finetune(model, steps: int, batches, lr: float, weight_decay: float, grad_cl
     return losses
 
 
-def torchao_qat(model, method: str, names, steps: int, batches, lr: float, weight_decay: float, grad_clip: float,
-                dtype: torch.dtype, device) -> tuple[torch.nn.Module, list[float]]:
+def torchao_qat(
+    model,
+    method: str,
+    names,
+    steps: int,
+    batches,
+    lr: float,
+    weight_decay: float,
+    grad_clip: float,
+    dtype: torch.dtype,
+    device,
+) -> tuple[torch.nn.Module, list[float]]:
     """Prepare (fake quant) → fine-tune in fp32 → cast to `dtype` → convert to torchao INT8; in place."""
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
@@ -81,8 +93,11 @@ def torchao_qat(model, method: str, names, steps: int, batches, lr: float, weigh
 
     wanted = set(names)
     act, weight = _fake_quant_configs(method)
-    quantize_(model, QATConfig(activation_config=act, weight_config=weight, step="prepare"),
-              filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear))
+    quantize_(
+        model,
+        QATConfig(activation_config=act, weight_config=weight, step="prepare"),
+        filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear),
+    )
     experts = _fake_quantize_experts(model, wanted)
     losses = finetune(model, steps, batches, lr, weight_decay, grad_clip, device)
     for module in experts:  # the fine-tuned full-precision weights stay; the fake quantizer goes
@@ -92,8 +107,11 @@ def torchao_qat(model, method: str, names, steps: int, batches, lr: float, weigh
     model.init_rope()
     # After prepare the chosen layers are FakeQuantizedLinear (a Linear subclass): convert swaps them back to Linear
     # and applies the PTQ config, exactly what PTQ applied to the same names; the experts as PTQ quantizes them.
-    quantize_(model, QATConfig(_configs(method), step="convert"),
-              filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear))
+    quantize_(
+        model,
+        QATConfig(_configs(method), step="convert"),
+        filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear),
+    )
     _quantize_experts(model, method, wanted)
     return model, losses
 
@@ -136,14 +154,27 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
     ctx_dir.mkdir(parents=True, exist_ok=True)
     recover_dir(ctx_dir / QAT_DIR)  # an earlier crash between swap_dir's renames undone; stale temp dirs removed
     tmp = Path(tempfile.mkdtemp(prefix=".quantize_qat.", dir=ctx_dir))
-    meta = {k: v for k, v in ptq_meta.items() if k not in ("int8_bytes", "deploy_onnx", "fake_quant_onnx",
-                                                          "amct_config", "weights_sha256")}
+    meta = {
+        k: v
+        for k, v in ptq_meta.items()
+        if k not in ("int8_bytes", "deploy_onnx", "fake_quant_onnx", "amct_config", "weights_sha256")
+    }
     meta.update(stage="qat", qat_steps=q.qat_steps, qat_lr=t.min_lr)
     out = {}
     try:
         if ptq_meta["backend"] == "torchao":
-            model, losses = torchao_qat(model, ptq_meta["method"], names, q.qat_steps, batches, t.min_lr,
-                                        t.weight_decay, t.grad_clip, DTYPES[q.dtype], device)
+            model, losses = torchao_qat(
+                model,
+                ptq_meta["method"],
+                names,
+                q.qat_steps,
+                batches,
+                t.min_lr,
+                t.weight_decay,
+                t.grad_clip,
+                DTYPES[q.dtype],
+                device,
+            )
             meta["format"] = "torch_state_dict"
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
@@ -153,8 +184,12 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
 
             sample = (next(iter(train_batches(shard_dir, 1, t.seed)))[0].to(device),)
             retrained, losses, paths = quantize_retrain(
-                model, ptq_meta["skipped_layers"], sample, tmp / "amct",
-                lambda m: finetune(m, q.qat_steps, batches, t.min_lr, t.weight_decay, t.grad_clip, device))
+                model,
+                ptq_meta["skipped_layers"],
+                sample,
+                tmp / "amct",
+                lambda m: finetune(m, q.qat_steps, batches, t.min_lr, t.weight_decay, t.grad_clip, device),
+            )
             meta.update(paths, format="onnx", int8_bytes=metrics.size_on_disk(paths["deploy_onnx"]))
             out["model"] = retrained.eval()
         meta["qat_final_loss"] = losses[-1] if losses else None

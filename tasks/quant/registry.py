@@ -5,6 +5,7 @@ Champion rule: perplexities are compared only when both were measured on the sam
 digest): other validation tokens, maybe another tokenizer, make perplexities incomparable, so a candidate from new
 data is not promoted automatically — the result says so and how to promote by hand.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,12 @@ PPL_TAG, DIGEST_TAG = "eval.int8_ppl", "data.manifest_digest"
 
 
 def check_threshold(max_drop_pct) -> float:
-    if isinstance(max_drop_pct, bool) or not isinstance(max_drop_pct, (int, float)) or not math.isfinite(
-            max_drop_pct) or not 0 <= max_drop_pct <= 100:
+    if (
+        isinstance(max_drop_pct, bool)
+        or not isinstance(max_drop_pct, (int, float))
+        or not math.isfinite(max_drop_pct)
+        or not 0 <= max_drop_pct <= 100
+    ):
         raise ConfigError(f"evaluate.max_drop_pct: {max_drop_pct!r} must be a number in [0, 100] (percent)")
     return float(max_drop_pct)
 
@@ -32,7 +37,7 @@ def drop_pct(fp_ppl: float, int8_ppl: float) -> float:
 class Promotion:
     promote: bool
     reason: str
-    comparable: bool = True   # False: the champion was measured on other data, a human has to decide
+    comparable: bool = True  # False: the champion was measured on other data, a human has to decide
 
 
 def champion_decision(candidate_ppl: float, candidate_digest: str, champion: dict | None) -> Promotion:
@@ -41,9 +46,12 @@ def champion_decision(candidate_ppl: float, candidate_digest: str, champion: dic
         return Promotion(True, "no champion yet")
     v = champion["version"]
     if champion.get("digest") != candidate_digest or champion.get("ppl") is None:
-        return Promotion(False, f"champion v{v} was evaluated on data {champion.get('digest') or '?'}, this model on "
-                                f"{candidate_digest}: perplexities are not comparable; promote by hand after review",
-                         comparable=False)
+        return Promotion(
+            False,
+            f"champion v{v} was evaluated on data {champion.get('digest') or '?'}, this model on "
+            f"{candidate_digest}: perplexities are not comparable; promote by hand after review",
+            comparable=False,
+        )
     if candidate_ppl < champion["ppl"]:
         return Promotion(True, f"beats champion v{v} ({candidate_ppl:.4f} < {champion['ppl']:.4f})")
     return Promotion(False, f"does not beat champion v{v} ({candidate_ppl:.4f} >= {champion['ppl']:.4f})")
@@ -90,8 +98,9 @@ def register(uri: str, name: str, model, tags: dict, pip_requirements: list[str]
     # pt2 would freeze the example's shapes into a GraphModule. The signature is declared, not inferred from an
     # input example: inference runs the model and cannot represent BF16 logits in numpy.
     signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.int64), (-1, -1), "tokens")]))
-    info = mlflow.pytorch.log_model(model, name="int8_model", serialization_format="pickle", signature=signature,
-                                    pip_requirements=pip_requirements)
+    info = mlflow.pytorch.log_model(
+        model, name="int8_model", serialization_format="pickle", signature=signature, pip_requirements=pip_requirements
+    )
     mv = mlflow.register_model(info.model_uri, name, tags={k: str(v) for k, v in tags.items()})
     return str(mv.version)
 

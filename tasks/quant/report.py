@@ -1,6 +1,7 @@
 """The FP-vs-INT8 comparison as a table (JSON rows + markdown) and a figure, for MLflow and for a human.
 
 `stages` is [PTQ metrics] or [PTQ metrics, QAT metrics] (evaluate's metric dicts): QAT sits beside PTQ."""
+
 from __future__ import annotations
 
 COLORS = {"FP32": "#4c72b0", "BF16": "#8c8c8c", "INT8 PTQ": "#dd8452", "INT8 QAT": "#55a868"}
@@ -14,19 +15,40 @@ def comparison_rows(stages: list[dict]) -> list[dict]:
     m = stages[0]
     ref_is_bf16 = m["reference"] == "bf16"
     rows = [
-        {"model": "FP32", "perplexity": m["fp_ppl"], "top1_accuracy": m["fp_accuracy"], "greedy_agreement": None,
-         "size_mb": m["fp32_mb"], "prefill_tok_s": m["fp32_prefill_tokens_per_s"],
-         "decode_tok_s": m["fp32_decode_tokens_per_s"], "gate_value_pct": None},
-        {"model": "BF16 (reference)" if ref_is_bf16 else "BF16", "perplexity": m["ref_ppl"] if ref_is_bf16 else None,
-         "top1_accuracy": m["ref_accuracy"] if ref_is_bf16 else None, "greedy_agreement": 1.0 if ref_is_bf16 else None,
-         "size_mb": m["bf16_mb"], "prefill_tok_s": m["bf16_prefill_tokens_per_s"],
-         "decode_tok_s": m["bf16_decode_tokens_per_s"], "gate_value_pct": None},
+        {
+            "model": "FP32",
+            "perplexity": m["fp_ppl"],
+            "top1_accuracy": m["fp_accuracy"],
+            "greedy_agreement": None,
+            "size_mb": m["fp32_mb"],
+            "prefill_tok_s": m["fp32_prefill_tokens_per_s"],
+            "decode_tok_s": m["fp32_decode_tokens_per_s"],
+            "gate_value_pct": None,
+        },
+        {
+            "model": "BF16 (reference)" if ref_is_bf16 else "BF16",
+            "perplexity": m["ref_ppl"] if ref_is_bf16 else None,
+            "top1_accuracy": m["ref_accuracy"] if ref_is_bf16 else None,
+            "greedy_agreement": 1.0 if ref_is_bf16 else None,
+            "size_mb": m["bf16_mb"],
+            "prefill_tok_s": m["bf16_prefill_tokens_per_s"],
+            "decode_tok_s": m["bf16_decode_tokens_per_s"],
+            "gate_value_pct": None,
+        },
     ]
     for s in stages:
-        rows.append({"model": _label(s), "perplexity": s["int8_ppl"], "top1_accuracy": s["int8_accuracy"],
-                     "greedy_agreement": s.get("greedy_agreement"), "size_mb": s["int8_mb"],
-                     "prefill_tok_s": s["int8_prefill_tokens_per_s"], "decode_tok_s": s["int8_decode_tokens_per_s"],
-                     "gate_value_pct": s["gate_value"]})
+        rows.append(
+            {
+                "model": _label(s),
+                "perplexity": s["int8_ppl"],
+                "top1_accuracy": s["int8_accuracy"],
+                "greedy_agreement": s.get("greedy_agreement"),
+                "size_mb": s["int8_mb"],
+                "prefill_tok_s": s["int8_prefill_tokens_per_s"],
+                "decode_tok_s": s["int8_decode_tokens_per_s"],
+                "gate_value_pct": s["gate_value"],
+            }
+        )
     return rows
 
 
@@ -38,25 +60,40 @@ def markdown(rows: list[dict], stages: list[dict], generations: list[dict], spli
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
     m = stages[0]
-    lines += ["", f"Gate: `{m['gate_metric']}` ≤ {m['max_drop_pct']}%, INT8 against the unquantized model in "
-                  f"{m['reference'].upper()}."]
+    lines += [
+        "",
+        f"Gate: `{m['gate_metric']}` ≤ {m['max_drop_pct']}%, INT8 against the unquantized model in "
+        f"{m['reference'].upper()}.",
+    ]
     for s in stages:
         verdict = "passed" if s["passed"] else "missed"
         agree = f", greedy disagreement {s['greedy_disagreement_pct']:.2f}%" if "greedy_disagreement_pct" in s else ""
-        lines.append(f"- {s['stage'].upper()}: {verdict} — accuracy drop {s['accuracy_drop_pct']:.3f}%, perplexity "
-                     f"rise {s['ppl_drop_pct']:.3f}%{agree}.")
-    lines += ["", f"Evaluation data: {m['eval_tokens']} tokens in {split['sequences']} sequences; {split['rule']}.",
-              f"Speed on {m['device']}: batch 1, prompt {m['latency_prompt_tokens']} tokens, "
-              f"{m['latency_new_tokens']} new tokens with a KV cache."]
+        lines.append(
+            f"- {s['stage'].upper()}: {verdict} — accuracy drop {s['accuracy_drop_pct']:.3f}%, perplexity "
+            f"rise {s['ppl_drop_pct']:.3f}%{agree}."
+        )
+    lines += [
+        "",
+        f"Evaluation data: {m['eval_tokens']} tokens in {split['sequences']} sequences; {split['rule']}.",
+        f"Speed on {m['device']}: batch 1, prompt {m['latency_prompt_tokens']} tokens, "
+        f"{m['latency_new_tokens']} new tokens with a KV cache.",
+    ]
     for what in ("decode", "prefill"):
         r = stages[-1][f"{what}_speed_vs_bf16"]
-        lines.append(f"- {what}: INT8 {r:.2f}x BF16 speed, {stages[-1][f'{what}_speed_vs_fp32']:.2f}x FP32"
-                     + (" — INT8 is slower than BF16 here" if r < 1 else ""))
+        lines.append(
+            f"- {what}: INT8 {r:.2f}x BF16 speed, {stages[-1][f'{what}_speed_vs_fp32']:.2f}x FP32"
+            + (" — INT8 is slower than BF16 here" if r < 1 else "")
+        )
     if generations:
         lines += ["", "## Greedy generations", ""]
         for g in generations:
-            lines += [f"**prompt** `{g['prompt']!r}`", "", f"- {m['reference'].upper()}: `{g['fp']!r}`",
-                      f"- INT8: `{g['int8']!r}`", ""]
+            lines += [
+                f"**prompt** `{g['prompt']!r}`",
+                "",
+                f"- {m['reference'].upper()}: `{g['fp']!r}`",
+                f"- INT8: `{g['int8']!r}`",
+                "",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -67,20 +104,29 @@ def figure(stages: list[dict]):
     ints = [f"INT8 {s['stage'].upper()}" for s in stages]
     fig = Figure(figsize=(14, 3.2))
     axes = fig.subplots(1, 4)
-    panels = [("top-1 accuracy", ["FP32", "BF16"] + ints, [m["fp_accuracy"], m["ref_accuracy"]] +
-               [s["int8_accuracy"] for s in stages]),
-              ("perplexity", ["FP32", "BF16"] + ints, [m["fp_ppl"], m["ref_ppl"]] + [s["int8_ppl"] for s in stages]),
-              ("size on disk (MB)", ["FP32", "BF16"] + ints, [m["fp32_mb"], m["bf16_mb"]] +
-               [s["int8_mb"] for s in stages]),
-              (f"decode tokens/s, batch 1 ({m['device']})", ["FP32", "BF16"] + ints,
-               [m["fp32_decode_tokens_per_s"], m["bf16_decode_tokens_per_s"]] +
-               [s["int8_decode_tokens_per_s"] for s in stages])]
+    panels = [
+        (
+            "top-1 accuracy",
+            ["FP32", "BF16"] + ints,
+            [m["fp_accuracy"], m["ref_accuracy"]] + [s["int8_accuracy"] for s in stages],
+        ),
+        ("perplexity", ["FP32", "BF16"] + ints, [m["fp_ppl"], m["ref_ppl"]] + [s["int8_ppl"] for s in stages]),
+        ("size on disk (MB)", ["FP32", "BF16"] + ints, [m["fp32_mb"], m["bf16_mb"]] + [s["int8_mb"] for s in stages]),
+        (
+            f"decode tokens/s, batch 1 ({m['device']})",
+            ["FP32", "BF16"] + ints,
+            [m["fp32_decode_tokens_per_s"], m["bf16_decode_tokens_per_s"]]
+            + [s["int8_decode_tokens_per_s"] for s in stages],
+        ),
+    ]
     for ax, (title, labels, values) in zip(axes, panels):
         bars = ax.bar(labels, values, color=[COLORS[label] for label in labels])
         ax.bar_label(bars, fmt="%.3g")
         ax.set_title(title)
     s = stages[-1]
-    fig.suptitle(f"INT8 {s['method']} ({s['backend']}) vs {m['reference'].upper()}: {s['gate_metric']} "
-                 f"{s['gate_value']:.2f}% ({'passed' if s['passed'] else 'missed'} by {s['stage'].upper()})")
+    fig.suptitle(
+        f"INT8 {s['method']} ({s['backend']}) vs {m['reference'].upper()}: {s['gate_metric']} "
+        f"{s['gate_value']:.2f}% ({'passed' if s['passed'] else 'missed'} by {s['stage'].upper()})"
+    )
     fig.tight_layout()
     return fig

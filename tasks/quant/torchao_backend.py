@@ -1,5 +1,6 @@
 """torchao INT8 on any device: weight-only, dynamic W8A8, and SmoothQuant W8A8 (calibrated), restricted to the
 layers the plan chose (filter_fn), which is how skip_layers reaches torchao."""
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,12 @@ def _quantize_experts(model: torch.nn.Module, method: str, wanted: set) -> None:
 
     from tasks.model.moe import GroupedExperts
 
-    params = [f"{n}.{w}" for n, m in model.named_modules() if n in wanted and isinstance(m, GroupedExperts)
-              for w in ("w1", "w2", "w3")]
+    params = [
+        f"{n}.{w}"
+        for n, m in model.named_modules()
+        if n in wanted and isinstance(m, GroupedExperts)
+        for w in ("w1", "w2", "w3")
+    ]
     if not params:
         return
     if method != "int8_weight_only":

@@ -5,6 +5,7 @@ runner's <run-dir>/env.json is the small result), prints a short summary to stde
 env.json to the stage's MLflow run. Any failed check fails the stage with the first failure as its one-line cause;
 warnings don't fail.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,12 @@ from tasks.fsutil import atomic_write_json
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-probe", action="store_true", help="skip the torchrun collective probe")
-    parser.add_argument("--ascend-root", default=None,
-                        help=f"Ascend install root holding driver/, firmware/ and the CANN toolkit "
-                             f"(default {versions.DEFAULT_ASCEND_ROOT}; $ASCEND_HOME_PATH is searched first)")
+    parser.add_argument(
+        "--ascend-root",
+        default=None,
+        help=f"Ascend install root holding driver/, firmware/ and the CANN toolkit "
+        f"(default {versions.DEFAULT_ASCEND_ROOT}; $ASCEND_HOME_PATH is searched first)",
+    )
 
 
 def _device_facts(backend: device.Backend) -> list[dict]:
@@ -30,9 +34,14 @@ def _device_facts(backend: device.Backend) -> list[dict]:
     mod = device.device_module(backend.kind)
     if mod is None:
         return []
-    return [{"index": i, "name": mod.get_device_name(i),
-             "memory_gb": round(mod.get_device_properties(i).total_memory / system.GB, 2)}
-            for i in range(backend.device_count)]
+    return [
+        {
+            "index": i,
+            "name": mod.get_device_name(i),
+            "memory_gb": round(mod.get_device_properties(i).total_memory / system.GB, 2),
+        }
+        for i in range(backend.device_count)
+    ]
 
 
 def _backend_checks(cfg: PipelineConfig, facts: dict, checks: list) -> device.Backend | None:
@@ -41,8 +50,11 @@ def _backend_checks(cfg: PipelineConfig, facts: dict, checks: list) -> device.Ba
     except device.BackendUnavailable as e:
         checks.append(check("backend", "fail", str(e)))
         return None
-    facts["backend"] = {"kind": backend.kind, "dist_backend": backend.dist_backend,
-                        "device_count": backend.device_count}
+    facts["backend"] = {
+        "kind": backend.kind,
+        "dist_backend": backend.dist_backend,
+        "device_count": backend.device_count,
+    }
     facts["devices"] = _device_facts(backend)
     chips = (facts.get("npu_smi") or {}).get("chips", [])
     installed = facts["versions"].get("torch_npu")
@@ -52,11 +64,18 @@ def _backend_checks(cfg: PipelineConfig, facts: dict, checks: list) -> device.Ba
             why = "torch_npu imports but sees no NPU"
         except device.BackendUnavailable as e:
             why = str(e)
-        checks.append(check("backend", "warn", f"torch_npu {installed} is installed but the backend is "
-                                               f"{backend.kind}: {why}"))
+        checks.append(
+            check("backend", "warn", f"torch_npu {installed} is installed but the backend is {backend.kind}: {why}")
+        )
     elif chips and backend.kind != "npu":
-        checks.append(check("backend", "warn", f"npu-smi lists {len(chips)} NPU chips but the backend is "
-                                               f"{backend.kind}: torch_npu is missing or hardware.device excludes it"))
+        checks.append(
+            check(
+                "backend",
+                "warn",
+                f"npu-smi lists {len(chips)} NPU chips but the backend is "
+                f"{backend.kind}: torch_npu is missing or hardware.device excludes it",
+            )
+        )
     else:
         unit = "cores" if backend.kind == "cpu" else "devices"
         checks.append(check("backend", "ok", f"{backend.kind} ({backend.dist_backend}), {backend.device_count} {unit}"))
@@ -78,12 +97,20 @@ def _system_checks(cfg: PipelineConfig, ctx, backend: device.Backend | None, fac
     if backend:
         var = device.visible_devices_env(kind)
         chips = (facts.get("npu_smi") or {}).get("chips")
-        checks.append(system.check_visible(kind, var, os.environ.get(var) if var else None, backend.device_count,
-                                           hw.nproc_per_node, len(chips) if chips and kind == "npu" else None))
-    checks.append(system.check_host_memory(host["memory_available_gb"], host["memory_total_gb"],
-                                           hw.min_host_memory_gb))
+        checks.append(
+            system.check_visible(
+                kind,
+                var,
+                os.environ.get(var) if var else None,
+                backend.device_count,
+                hw.nproc_per_node,
+                len(chips) if chips and kind == "npu" else None,
+            )
+        )
+    checks.append(system.check_host_memory(host["memory_available_gb"], host["memory_total_gb"], hw.min_host_memory_gb))
     disk_check, facts["free_disk_gb"] = system.check_disk(
-        {"shards": repo_path(cfg.data.out_dir), "checkpoints": ctx.run_dir}, hw.min_free_disk_gb)
+        {"shards": repo_path(cfg.data.out_dir), "checkpoints": ctx.run_dir}, hw.min_free_disk_gb
+    )
     checks.append(disk_check)
     _network_checks(cfg, kind, facts, checks)
 
@@ -97,8 +124,9 @@ def _network_checks(cfg: PipelineConfig, kind: str, facts: dict, checks: list) -
     facts["network"]["checks"] = net_checks
     checks.extend(net_checks)
     tracking.log_json_artifact(facts["network"], "env/network.json")
-    tracking.log_metrics({f"env.network.checks_{s}": sum(c["status"] == s for c in net_checks)
-                          for s in ("ok", "warn", "fail")})
+    tracking.log_metrics(
+        {f"env.network.checks_{s}": sum(c["status"] == s for c in net_checks) for s in ("ok", "warn", "fail")}
+    )
 
 
 def probe_sizes(cfg: PipelineConfig) -> list[float]:
@@ -123,16 +151,28 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
     if cfg.hardware.nnodes > 1:  # every node, through the rendezvous training will use (tasks/envcheck/crossnode.py)
         from tasks.envcheck import crossnode
 
-        result = crossnode.run(backend.kind, nproc, cfg.hardware, probe_sizes(cfg), ctx.run_dir,
-                               rdzv_id=f"{ctx.run_dir.name}-env", join_timeout_s=cfg.timeouts.rendezvous_s,
-                               env_extra=device.launch_env(backend, cfg.hardware))
+        result = crossnode.run(
+            backend.kind,
+            nproc,
+            cfg.hardware,
+            probe_sizes(cfg),
+            ctx.run_dir,
+            rdzv_id=f"{ctx.run_dir.name}-env",
+            join_timeout_s=cfg.timeouts.rendezvous_s,
+            env_extra=device.launch_env(backend, cfg.hardware),
+        )
         facts["probe"] = result
         if "error" not in result:
             checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
         checks.extend(crossnode.judge(result, cfg.hardware))
         return
-    result = probe.run(backend.kind, nproc, probe_sizes(cfg),
-                       ctx.run_dir / "env" / "probe.json", env_extra=device.launch_env(backend, cfg.hardware))
+    result = probe.run(
+        backend.kind,
+        nproc,
+        probe_sizes(cfg),
+        ctx.run_dir / "env" / "probe.json",
+        env_extra=device.launch_env(backend, cfg.hardware),
+    )
     facts["probe"] = result
     checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
 
@@ -140,8 +180,10 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
 def _summary(facts: dict) -> str:
     """One line: '<kind> ×<ranks>, torch X, all_reduce ok 1.4 GB/s' (the end-of-run table's key figure)."""
     v, b, p = facts["versions"], facts.get("backend"), facts.get("probe") or {}
-    parts = [f"{b['kind']} ×{p.get('world_size', b['device_count'])}" if b else "no backend",
-             f"torch {compat.base_version(v.get('torch') or '?')}"]
+    parts = [
+        f"{b['kind']} ×{p.get('world_size', b['device_count'])}" if b else "no backend",
+        f"torch {compat.base_version(v.get('torch') or '?')}",
+    ]
     if v.get("torch_npu"):
         parts.append(f"torch_npu {v['torch_npu']}, CANN {(v.get('cann') or {}).get('version', '?')}")
     if p.get("sizes"):
@@ -153,11 +195,18 @@ def _summary(facts: dict) -> str:
 def _log(facts: dict, checks: list[dict], path) -> None:
     v = facts["versions"]
     b = facts.get("backend") or {}
-    tracking.log_params({"env.python": v["python"], "env.torch": v.get("torch"), "env.torch_npu": v.get("torch_npu"),
-                         "env.cann": (v.get("cann") or {}).get("version"),
-                         "env.driver": (v.get("driver") or {}).get("version"),
-                         "env.firmware": (v.get("firmware") or {}).get("version"),
-                         "env.backend": b.get("kind"), "env.device_count": b.get("device_count")})
+    tracking.log_params(
+        {
+            "env.python": v["python"],
+            "env.torch": v.get("torch"),
+            "env.torch_npu": v.get("torch_npu"),
+            "env.cann": (v.get("cann") or {}).get("version"),
+            "env.driver": (v.get("driver") or {}).get("version"),
+            "env.firmware": (v.get("firmware") or {}).get("version"),
+            "env.backend": b.get("kind"),
+            "env.device_count": b.get("device_count"),
+        }
+    )
     metrics = {f"env.checks_{s}": sum(c["status"] == s for c in checks) for s in ("ok", "warn", "fail")}
     for s in (facts.get("probe") or {}).get("sizes", []):
         metrics[f"env.busbw_gbps.{s['size_mb']:g}mb"] = s["busbw_gbps"]
@@ -177,8 +226,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     facts: dict = {"versions": versions.collect(root, os.environ.get("ASCEND_HOME_PATH"))}
     checks = compat.version_checks(facts["versions"])
     imp = facts["import_torch"] = versions.import_torch_status()
-    checks.append(check("import-torch", "ok", f"torch {imp['torch']} imports") if imp["ok"] else
-                  check("import-torch", "fail", f"{imp['cause']}; fix: {imp['fix']}" if imp["fix"] else imp["cause"]))
+    checks.append(
+        check("import-torch", "ok", f"torch {imp['torch']} imports")
+        if imp["ok"]
+        else check("import-torch", "fail", f"{imp['cause']}; fix: {imp['fix']}" if imp["fix"] else imp["cause"])
+    )
     text = npu_smi.run()
     if text:
         facts["npu_smi"] = npu_smi.parse(text)
@@ -202,6 +254,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         more = f" (+{len(failed) - 1} more failed checks in {path})" if len(failed) > 1 else ""
         raise StageError(f"{failed[0]['name']}: {failed[0]['detail']}{more}")
     b = facts["backend"]
-    return {"status": status, "summary": summary, "env_json": str(path), "backend": b["kind"],
-            "device_count": b["device_count"],
-            "warnings": [c["name"] for c in checks if c["status"] == "warn"]}
+    return {
+        "status": status,
+        "summary": summary,
+        "env_json": str(path),
+        "backend": b["kind"],
+        "device_count": b["device_count"],
+        "warnings": [c["name"] for c in checks if c["status"] == "warn"],
+    }

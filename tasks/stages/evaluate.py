@@ -10,6 +10,7 @@ quantize.qat_on_fail → quantization-aware training (tasks.quant.qat) and the s
 registered version says whether PTQ or QAT passed. Missing it for good → the stage fails with both figures and the
 advice (and an AMCT QAT hand-off config).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,11 @@ from tasks.quant import inputs, registry, report
 from tasks.quant.artifact import META
 from tasks.quant.plan import gate_advice
 
-GATE_METRICS = {"accuracy_drop_pct": "relative next-token top-1 accuracy drop",
-                "ppl_drop_pct": "relative perplexity rise",
-                "greedy_disagreement_pct": "greedy-continuation token disagreement"}
+GATE_METRICS = {
+    "accuracy_drop_pct": "relative next-token top-1 accuracy drop",
+    "ppl_drop_pct": "relative perplexity rise",
+    "greedy_disagreement_pct": "greedy-continuation token disagreement",
+}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +48,10 @@ def _quant_dir(ctx) -> Path:
 
 @dataclass
 class EvalData:
-    batches: list                       # evaluation part of the val split
-    split: dict                         # its record (rule, count, window indices)
-    windows: object = None              # [k, prompt_len] prompts cut from the first evaluation windows
-    prompts: list = field(default_factory=list)   # token ids of evaluate.prompts
+    batches: list  # evaluation part of the val split
+    split: dict  # its record (rule, count, window indices)
+    windows: object = None  # [k, prompt_len] prompts cut from the first evaluation windows
+    prompts: list = field(default_factory=list)  # token ids of evaluate.prompts
     prompt_texts: list = field(default_factory=list)
     new_tokens: int = 0
 
@@ -61,11 +64,11 @@ def eval_data(cfg: PipelineConfig, shard_dir: Path, max_seq_len: int) -> EvalDat
     batches, split = inputs.val_part(shard_dir, e.eval_batches, cfg.train.micro_batch, "evaluation")
     data = EvalData(batches, split, new_tokens=max(1, min(e.max_new_tokens, max_seq_len // 2)))
     if e.agreement_windows:
-        rows = torch.cat([b[0] for b in batches])[:e.agreement_windows]
-        data.windows = rows[:, :min(rows.size(1) // 2, max_seq_len - data.new_tokens)]
+        rows = torch.cat([b[0] for b in batches])[: e.agreement_windows]
+        data.windows = rows[:, : min(rows.size(1) // 2, max_seq_len - data.new_tokens)]
     tok = Tokenizer.from_file(str(shard_dir / "tokenizer.json"))
     for text in e.prompts:
-        ids = tok.encode(text).ids[-(max_seq_len - data.new_tokens):]
+        ids = tok.encode(text).ids[-(max_seq_len - data.new_tokens) :]
         if ids:
             data.prompts.append(ids)
             data.prompt_texts.append(text)
@@ -91,12 +94,17 @@ def gate_figures(ref: dict, q: dict) -> dict:
     """The INT8 model's drops against the reference, in percent (positive: INT8 is worse)."""
     from tasks.quant import metrics
 
-    out = {"ppl_drop_pct": registry.drop_pct(ref["ppl"], q["ppl"]),
-           "accuracy_drop_pct": (ref["accuracy"] - q["accuracy"]) / ref["accuracy"] * 100 if ref["accuracy"] else 0.0}
+    out = {
+        "ppl_drop_pct": registry.drop_pct(ref["ppl"], q["ppl"]),
+        "accuracy_drop_pct": (ref["accuracy"] - q["accuracy"]) / ref["accuracy"] * 100 if ref["accuracy"] else 0.0,
+    }
     if ref["continuations"]:
         agree = metrics.agreement(ref["continuations"], q["continuations"])
-        out.update(greedy_agreement=agree, greedy_disagreement_pct=(1 - agree) * 100,
-                   agreement_tokens=sum(len(c) for c in ref["continuations"]))
+        out.update(
+            greedy_agreement=agree,
+            greedy_disagreement_pct=(1 - agree) * 100,
+            agreement_tokens=sum(len(c) for c in ref["continuations"]),
+        )
     return out
 
 
@@ -104,7 +112,7 @@ def speed(models: dict, data: EvalData, cfg: PipelineConfig, device) -> dict:
     """Prefill and KV-cache decode at batch 1: a prompt of evaluate.latency_tokens, new tokens as for agreement."""
     from tasks.quant import metrics
 
-    prompt = data.batches[0][0][:1, :cfg.evaluate.latency_tokens]
+    prompt = data.batches[0][0][:1, : cfg.evaluate.latency_tokens]
     s = metrics.generation_speed(models, prompt, data.new_tokens, device)
     out = {"latency_prompt_tokens": prompt.numel(), "latency_new_tokens": data.new_tokens}
     for name, v in s.items():
@@ -146,21 +154,38 @@ class Measurer:
     def measure(self, model, meta: dict, stage: str) -> tuple[dict, dict]:
         """→ (metrics, the INT8 model's quality incl. continuations)."""
         q = quality(model, self.data, self.device)
-        mb = 1024 ** 2
+        mb = 1024**2
         e = self.cfg.evaluate
-        m = {"stage": stage, "reference": self.ref_name, "fp_ppl": self.fp_q["ppl"], "ref_ppl": self.ref_q["ppl"],
-             "int8_ppl": q["ppl"], "fp_nll": self.fp_q["nll"], "int8_nll": q["nll"],
-             "fp_accuracy": self.fp_q["accuracy"], "ref_accuracy": self.ref_q["accuracy"],
-             "int8_accuracy": q["accuracy"], "eval_tokens": q["tokens"], **gate_figures(self.ref_q, q),
-             "int8_mb": meta["int8_bytes"] / mb, "bf16_mb": meta["bf16_bytes"] / mb, "fp32_mb": meta["fp32_bytes"] / mb,
-             "size_ratio_vs_bf16": meta["int8_bytes"] / meta["bf16_bytes"],
-             "size_ratio_vs_fp32": meta["int8_bytes"] / meta["fp32_bytes"],
-             "device": self.kind, "method": meta["method"], "backend": meta["backend"],
-             "gate_metric": e.gate_metric, "max_drop_pct": e.max_drop_pct}
+        m = {
+            "stage": stage,
+            "reference": self.ref_name,
+            "fp_ppl": self.fp_q["ppl"],
+            "ref_ppl": self.ref_q["ppl"],
+            "int8_ppl": q["ppl"],
+            "fp_nll": self.fp_q["nll"],
+            "int8_nll": q["nll"],
+            "fp_accuracy": self.fp_q["accuracy"],
+            "ref_accuracy": self.ref_q["accuracy"],
+            "int8_accuracy": q["accuracy"],
+            "eval_tokens": q["tokens"],
+            **gate_figures(self.ref_q, q),
+            "int8_mb": meta["int8_bytes"] / mb,
+            "bf16_mb": meta["bf16_bytes"] / mb,
+            "fp32_mb": meta["fp32_bytes"] / mb,
+            "size_ratio_vs_bf16": meta["int8_bytes"] / meta["bf16_bytes"],
+            "size_ratio_vs_fp32": meta["int8_bytes"] / meta["fp32_bytes"],
+            "device": self.kind,
+            "method": meta["method"],
+            "backend": meta["backend"],
+            "gate_metric": e.gate_metric,
+            "max_drop_pct": e.max_drop_pct,
+        }
         m.update(speed({"fp32": self.fp32, "bf16": self.bf16, "int8": model}, self.data, self.cfg, self.device))
         if e.gate_metric not in m:
-            raise StageError(f"evaluate.gate_metric {e.gate_metric}: nothing to measure it on (evaluate.prompts is "
-                             "empty and evaluate.agreement_windows is 0); set one, or gate on accuracy_drop_pct")
+            raise StageError(
+                f"evaluate.gate_metric {e.gate_metric}: nothing to measure it on (evaluate.prompts is "
+                "empty and evaluate.agreement_windows is 0); set one, or gate on accuracy_drop_pct"
+            )
         m["gate_value"] = m[e.gate_metric]
         m["passed"] = m["gate_value"] <= e.max_drop_pct
         return m, q
@@ -170,18 +195,29 @@ class Measurer:
         if not n:
             return []
         ref, int8 = self.ref_q["continuations"][-n:], q["continuations"][-n:]
-        return [{"prompt": text, "fp": tok.decode(a), "int8": tok.decode(b)}
-                for text, a, b in zip(self.data.prompt_texts, ref, int8)]
+        return [
+            {"prompt": text, "fp": tok.decode(a), "int8": tok.decode(b)}
+            for text, a, b in zip(self.data.prompt_texts, ref, int8)
+        ]
 
 
 def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict | None) -> dict:
     """Lineage on every version: the DAG run, the training run, the data, this evaluation, and which flow passed."""
-    tags = {"train.run_id": ctx.inputs.get("train", {}).get("mlflow_run_id") or "unknown",
-            registry.DIGEST_TAG: digest, registry.PPL_TAG: f"{m['int8_ppl']:.6f}", "eval.fp_ppl": f"{m['fp_ppl']:.6f}",
-            "eval.ppl_drop_pct": f"{m['ppl_drop_pct']:.4f}", "eval.accuracy_drop_pct": f"{m['accuracy_drop_pct']:.4f}",
-            "eval.gate_metric": m["gate_metric"], "eval.gate_value": f"{m['gate_value']:.4f}",
-            "eval.run_id": ctx.mlflow_run_id or "", "quant.method": meta["method"], "quant.backend": meta["backend"],
-            "quant.key": key, "quant.passed_by": m["stage"]}
+    tags = {
+        "train.run_id": ctx.inputs.get("train", {}).get("mlflow_run_id") or "unknown",
+        registry.DIGEST_TAG: digest,
+        registry.PPL_TAG: f"{m['int8_ppl']:.6f}",
+        "eval.fp_ppl": f"{m['fp_ppl']:.6f}",
+        "eval.ppl_drop_pct": f"{m['ppl_drop_pct']:.4f}",
+        "eval.accuracy_drop_pct": f"{m['accuracy_drop_pct']:.4f}",
+        "eval.gate_metric": m["gate_metric"],
+        "eval.gate_value": f"{m['gate_value']:.4f}",
+        "eval.run_id": ctx.mlflow_run_id or "",
+        "quant.method": meta["method"],
+        "quant.backend": meta["backend"],
+        "quant.key": key,
+        "quant.passed_by": m["stage"],
+    }
     if ptq is not None:
         tags["eval.ptq_gate_value"] = f"{ptq['gate_value']:.4f}"
     if ctx.mlflow_run_id:
@@ -192,8 +228,9 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict |
     return tags
 
 
-def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_dir: Path, model,
-              ptq: dict | None) -> dict:
+def _register(
+    cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_dir: Path, model, ptq: dict | None
+) -> dict:
     from tasks.quant.artifact import pip_requirements
 
     uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
@@ -204,8 +241,9 @@ def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_
     if existing is not None:
         version = str(existing.version)
     else:
-        version = registry.register(uri, name, model, _tags(uri, ctx, meta, m, digest, key, ptq),
-                                    pip_requirements(meta))
+        version = registry.register(
+            uri, name, model, _tags(uri, ctx, meta, m, digest, key, ptq), pip_requirements(meta)
+        )
     registry.set_alias(uri, name, registry.CANDIDATE, version)
     if champion is not None and champion["version"] == version:
         decision = registry.Promotion(True, f"v{version} is already the champion")
@@ -213,15 +251,22 @@ def _register(cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_
         decision = registry.champion_decision(m["int8_ppl"], digest, champion)
     if decision.promote:
         registry.set_alias(uri, name, registry.CHAMPION, version)
-    return {"registered_model": name, "version": version, "champion": decision.promote,
-            "champion_reason": decision.reason, "comparable": decision.comparable,
-            "aliases": registry.aliases(uri, name)}
+    return {
+        "registered_model": name,
+        "version": version,
+        "champion": decision.promote,
+        "champion_reason": decision.reason,
+        "comparable": decision.comparable,
+        "aliases": registry.aliases(uri, name),
+    }
 
 
 def _figures(m: dict) -> str:
-    return (f"{m['gate_metric']} {m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']}%); top-1 "
-            f"{m['ref_accuracy']:.3f} → {m['int8_accuracy']:.3f}, ppl {m['ref_ppl']:.3f} → {m['int8_ppl']:.3f}"
-            + (f", greedy agreement {m['greedy_agreement']:.0%}" if "greedy_agreement" in m else ""))
+    return (
+        f"{m['gate_metric']} {m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']}%); top-1 "
+        f"{m['ref_accuracy']:.3f} → {m['int8_accuracy']:.3f}, ppl {m['ref_ppl']:.3f} → {m['int8_ppl']:.3f}"
+        + (f", greedy agreement {m['greedy_agreement']:.0%}" if "greedy_agreement" in m else "")
+    )
 
 
 SHORT = {"accuracy_drop_pct": "acc drop", "ppl_drop_pct": "ppl rise", "greedy_disagreement_pct": "greedy diff"}
@@ -231,8 +276,10 @@ def _headline(m: dict) -> str:
     """The summary's first 80 characters: gate metric and verdict's figure, decode speed vs BF16 (saying when INT8
     is slower), size."""
     d = m["decode_speed_vs_bf16"]
-    return (f"{m['stage'].upper()} {SHORT[m['gate_metric']]} {m['gate_value']:+.2f}% (≤{m['max_drop_pct']:g}%), "
-            f"decode {d:.2f}x BF16{' (INT8 slower)' if d < 1 else ''}, {m['size_ratio_vs_bf16']:.2f}x size")
+    return (
+        f"{m['stage'].upper()} {SHORT[m['gate_metric']]} {m['gate_value']:+.2f}% (≤{m['max_drop_pct']:g}%), "
+        f"decode {d:.2f}x BF16{' (INT8 slower)' if d < 1 else ''}, {m['size_ratio_vs_bf16']:.2f}x size"
+    )
 
 
 def _speed_note(m: dict) -> str:
@@ -266,11 +313,17 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     ptq_model = load_quantized(quant_dir, device=measurer.device)
     m, q = measurer.measure(ptq_model, meta, "ptq")
     split = measurer.data.split
-    tracking.log_params({"evaluate.max_drop_pct": max_drop, "evaluate.gate_metric": cfg.evaluate.gate_metric,
-                         "evaluate.data_digest": digest, "split.rule": split["rule"],
-                         "split.evaluation_sequences": split["sequences"],
-                         "split.evaluation_keys_digest": split["keys_digest"],
-                         "split.calibration_keys_digest": meta.get("calibration_split", {}).get("keys_digest", "")})
+    tracking.log_params(
+        {
+            "evaluate.max_drop_pct": max_drop,
+            "evaluate.gate_metric": cfg.evaluate.gate_metric,
+            "evaluate.data_digest": digest,
+            "split.rule": split["rule"],
+            "split.evaluation_sequences": split["sequences"],
+            "split.evaluation_keys_digest": split["keys_digest"],
+            "split.calibration_keys_digest": meta.get("calibration_split", {}).get("keys_digest", ""),
+        }
+    )
     _log_stage(m, "ptq.")
     ptq, final, final_dir, final_meta, final_model, qat = None, m, quant_dir, meta, ptq_model, None
     if not m["passed"] and cfg.quantize.qat_on_fail:
@@ -289,9 +342,18 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     out = ctx.run_dir / "evaluate"
     stages = [m] + ([final] if ptq is not None else [])
     rows = report.comparison_rows(stages)
-    atomic_write_json(out / "comparison.json", {"metrics": final, "ptq": m, "qat": final if ptq else None,
-                                                "rows": rows, "generations": gens, "split": split,
-                                                "calibration_split": meta.get("calibration_split")})
+    atomic_write_json(
+        out / "comparison.json",
+        {
+            "metrics": final,
+            "ptq": m,
+            "qat": final if ptq else None,
+            "rows": rows,
+            "generations": gens,
+            "split": split,
+            "calibration_split": meta.get("calibration_split"),
+        },
+    )
     atomic_write_text(out / "comparison.md", report.markdown(rows, stages, gens, split))
     atomic_save_figure(report.figure(stages), out / "comparison.png")
     tracking.log_metrics({k: v for k, v in final.items() if isinstance(v, (int, float))})
@@ -303,18 +365,31 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     figures = f"{_headline(final)}; {_figures(final)}; {_speed_note(final)}"
     if ptq is not None:
         figures = f"{figures}; QAT {final['qat_steps']} steps after PTQ {_figures(ptq)}"
-    result = {"passed": passed, "passed_by": final["stage"] if passed else None, "gate_metric": final["gate_metric"],
-              "gate_value": round(final["gate_value"], 4), "ppl_drop_pct": round(final["ppl_drop_pct"], 4),
-              "accuracy_drop_pct": round(final["accuracy_drop_pct"], 4), "fp_ppl": round(final["fp_ppl"], 4),
-              "ref_ppl": round(final["ref_ppl"], 4), "int8_ppl": round(final["int8_ppl"], 4),
-              "int8_accuracy": round(final["int8_accuracy"], 4), "ref_accuracy": round(final["ref_accuracy"], 4),
-              "greedy_agreement": round(final["greedy_agreement"], 4) if "greedy_agreement" in final else None,
-              "size_ratio_vs_bf16": round(final["size_ratio_vs_bf16"], 4),
-              **{f"{w}_speed_vs_{b}": round(final[f"{w}_speed_vs_{b}"], 4)
-                 for w in ("prefill", "decode") for b in ("bf16", "fp32")},
-              "ptq": {k: ptq[k] for k in ("gate_value", "ppl_drop_pct", "accuracy_drop_pct")} if ptq else None,
-              "quant_dir": str(final_dir), "model_dir": str(model_dir), "data_digest": digest,
-              "comparison": str(out / "comparison.md")}
+    result = {
+        "passed": passed,
+        "passed_by": final["stage"] if passed else None,
+        "gate_metric": final["gate_metric"],
+        "gate_value": round(final["gate_value"], 4),
+        "ppl_drop_pct": round(final["ppl_drop_pct"], 4),
+        "accuracy_drop_pct": round(final["accuracy_drop_pct"], 4),
+        "fp_ppl": round(final["fp_ppl"], 4),
+        "ref_ppl": round(final["ref_ppl"], 4),
+        "int8_ppl": round(final["int8_ppl"], 4),
+        "int8_accuracy": round(final["int8_accuracy"], 4),
+        "ref_accuracy": round(final["ref_accuracy"], 4),
+        "greedy_agreement": round(final["greedy_agreement"], 4) if "greedy_agreement" in final else None,
+        "size_ratio_vs_bf16": round(final["size_ratio_vs_bf16"], 4),
+        **{
+            f"{w}_speed_vs_{b}": round(final[f"{w}_speed_vs_{b}"], 4)
+            for w in ("prefill", "decode")
+            for b in ("bf16", "fp32")
+        },
+        "ptq": {k: ptq[k] for k in ("gate_value", "ppl_drop_pct", "accuracy_drop_pct")} if ptq else None,
+        "quant_dir": str(final_dir),
+        "model_dir": str(model_dir),
+        "data_digest": digest,
+        "comparison": str(out / "comparison.md"),
+    }
     if not passed:
         from tasks.quant.amct_backend import write_qat_handoff
 
@@ -324,17 +399,27 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 
             model = load_hf(model_dir)
             sample = (inputs.val_batches(shard_dir, 1, cfg.train.micro_batch, "calibration")[0][0],)
-        handoff = write_qat_handoff(out / "qat", list(meta["layer_types"].items()), meta["skipped_layers"],
-                                    meta["calibration_batches"], model, sample)
+        handoff = write_qat_handoff(
+            out / "qat",
+            list(meta["layer_types"].items()),
+            meta["skipped_layers"],
+            meta["calibration_batches"],
+            model,
+            sample,
+        )
         tracking.log_artifact(out / "qat", "evaluate/qat")
         what = GATE_METRICS[final["gate_metric"]]
         if ptq is not None:
-            reason = (f"INT8 {what} exceeds evaluate.max_drop_pct {max_drop}% after PTQ ({ptq['gate_value']:.2f}%) "
-                      f"and after QAT ({final['qat_steps']} steps: {final['gate_value']:.2f}%); try more "
-                      f"quantize.qat_steps, or {gate_advice(meta['method'], meta['backend'])}")
+            reason = (
+                f"INT8 {what} exceeds evaluate.max_drop_pct {max_drop}% after PTQ ({ptq['gate_value']:.2f}%) "
+                f"and after QAT ({final['qat_steps']} steps: {final['gate_value']:.2f}%); try more "
+                f"quantize.qat_steps, or {gate_advice(meta['method'], meta['backend'])}"
+            )
         else:
-            reason = (f"INT8 {what} {final['gate_value']:.2f}% exceeds evaluate.max_drop_pct {max_drop}% "
-                      f"({_figures(final)}); try {gate_advice(meta['method'], meta['backend'])}")
+            reason = (
+                f"INT8 {what} {final['gate_value']:.2f}% exceeds evaluate.max_drop_pct {max_drop}% "
+                f"({_figures(final)}); try {gate_advice(meta['method'], meta['backend'])}"
+            )
         if cfg.evaluate.fail_on_gate:
             raise StageError(reason)
         return dict(result, status="warn", summary=f"gate missed: {figures}", qat=handoff, reason=reason)
@@ -344,5 +429,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     tracking.set_tags({"registry.version": reg["version"], "registry.champion": reg["champion"]})
     status = "ok" if reg.pop("comparable") else "warn"
     role = "champion" if reg["champion"] else "candidate"
-    return dict(result, **reg, status=status,
-                summary=f"v{reg['version']} {role} {figures}; {reg['registered_model']}: {reg['champion_reason']}")
+    return dict(
+        result,
+        **reg,
+        status=status,
+        summary=f"v{reg['version']} {role} {figures}; {reg['registered_model']}: {reg['champion_reason']}",
+    )

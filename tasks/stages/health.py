@@ -13,6 +13,7 @@ It is a stage like the pipeline's (tasks.stages.OWN_SCHEDULE) and runs through `
 file `<run-dir>/health.json` (the failure record with the one-line cause on an alarm), its own MLflow run with
 `pipeline.error`, the run-directory lock. `python -m tasks health` runs it from the CLI.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ from tasks.envcheck import check, npu_smi, system, versions, worst
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
 
-EXPERIMENT_SUFFIX = "-health"             # runner: health runs go to their own experiment, <tracking.experiment>-health
+EXPERIMENT_SUFFIX = "-health"  # runner: health runs go to their own experiment, <tracking.experiment>-health
 RUN_TAGS = {"pipeline.kind": "health"}
 
 
@@ -39,12 +40,19 @@ def collect(cfg: PipelineConfig) -> dict:
     """One sample of this host: versions, devices (npu-smi / nvidia-smi only), host memory, disk, clock."""
     from tasks import nvidia_smi
 
-    sample = {"time": time.time(), "host": system.host_facts(),
-              "versions": {"torch": versions.package_version("torch"),
-                           "torch_npu": versions.package_version("torch-npu"),
-                           "cann": (versions.find_cann() or {}).get("version")},
-              "clock": system.clock_status(), "npu_smi": None, "nvidia_smi": None,
-              "disk_paths": {"var": str(var_dir()), "data": str(repo_path(cfg.data.out_dir))}}
+    sample = {
+        "time": time.time(),
+        "host": system.host_facts(),
+        "versions": {
+            "torch": versions.package_version("torch"),
+            "torch_npu": versions.package_version("torch-npu"),
+            "cann": (versions.find_cann() or {}).get("version"),
+        },
+        "clock": system.clock_status(),
+        "npu_smi": None,
+        "nvidia_smi": None,
+        "disk_paths": {"var": str(var_dir()), "data": str(repo_path(cfg.data.out_dir))},
+    }
     text = npu_smi.run()
     if text:
         sample["npu_smi"] = npu_smi.parse(text)
@@ -53,8 +61,10 @@ def collect(cfg: PipelineConfig) -> dict:
     sample["backend"] = {"kind": kind, "device_count": device_count(sample)}
     if cfg.hardware.device in ("npu", "cuda") and kind != cfg.hardware.device:  # the configured devices are gone
         tool = "npu-smi" if cfg.hardware.device == "npu" else "nvidia-smi"
-        sample["backend"]["error"] = (f"hardware.device is {cfg.hardware.device} but {tool} lists no device "
-                                      "(driver not loaded, tool missing or not mounted)")
+        sample["backend"]["error"] = (
+            f"hardware.device is {cfg.hardware.device} but {tool} lists no device "
+            "(driver not loaded, tool missing or not mounted)"
+        )
     return sample
 
 
@@ -72,25 +82,51 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
     if info:
         out += [c for c in npu_smi.checks(info) if c["name"] == "npu-health"]  # busy chips are normal here
         temps = [c["temp_c"] for c in info["chips"] if c["temp_c"] is not None]
-        hot = [f"{_chip_label(c)} at {c['temp_c']} C" for c in info["chips"]
-               if c["temp_c"] is not None and c["temp_c"] >= hw.max_device_temp_c]
+        hot = [
+            f"{_chip_label(c)} at {c['temp_c']} C"
+            for c in info["chips"]
+            if c["temp_c"] is not None and c["temp_c"] >= hw.max_device_temp_c
+        ]
         if hot:
-            out.append(check("temperature", "fail", "; ".join(hot) + " (alarm at hardware.max_device_temp_c "
-                                                                     f"{hw.max_device_temp_c:g} C)"))
+            out.append(
+                check(
+                    "temperature",
+                    "fail",
+                    "; ".join(hot) + f" (alarm at hardware.max_device_temp_c {hw.max_device_temp_c:g} C)",
+                )
+            )
         else:
             out.append(check("temperature", "ok", f"max {max(temps)} C" if temps else "not reported"))
         busy = {(p["npu"], p["chip"]) for p in info["processes"]}
-        full = [c for c in info["chips"] if c["memory_kind"] == "HBM" and c["memory_total_mb"] and
-                100 * c["memory_used_mb"] / c["memory_total_mb"] >= hw.max_hbm_used_pct]
+        full = [
+            c
+            for c in info["chips"]
+            if c["memory_kind"] == "HBM"
+            and c["memory_total_mb"]
+            and 100 * c["memory_used_mb"] / c["memory_total_mb"] >= hw.max_hbm_used_pct
+        ]
         leaked = [c for c in full if (c["npu"], c["chip"]) not in busy]
         if leaked:
-            out.append(check("hbm", "fail", "; ".join(f"{_chip_label(c)} HBM {c['memory_used_mb']}/"
-                                                      f"{c['memory_total_mb']} MB with no process on it"
-                                                      for c in leaked)
-                             + ": memory left by a dead job; reset the chip (npu-smi set -t reset) or reboot"))
+            out.append(
+                check(
+                    "hbm",
+                    "fail",
+                    "; ".join(
+                        f"{_chip_label(c)} HBM {c['memory_used_mb']}/{c['memory_total_mb']} MB with no process on it"
+                        for c in leaked
+                    )
+                    + ": memory left by a dead job; reset the chip (npu-smi set -t reset) or reboot",
+                )
+            )
         elif full:
-            out.append(check("hbm", "warn", ", ".join(_chip_label(c) for c in full) + " HBM ≥ "
-                                                      f"{hw.max_hbm_used_pct:g}% (in use by a running process)"))
+            out.append(
+                check(
+                    "hbm",
+                    "warn",
+                    ", ".join(_chip_label(c) for c in full) + " HBM ≥ "
+                    f"{hw.max_hbm_used_pct:g}% (in use by a running process)",
+                )
+            )
         else:
             out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every chip"))
         count = len({c["npu"] for c in info["chips"]})
@@ -98,24 +134,53 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
     elif sample.get("nvidia_smi"):
         gpus = sample["nvidia_smi"]["gpus"]
         count, kind = len(gpus), "GPUs (nvidia-smi)"
-        hot = [f"GPU {g['index']} at {g['temp_c']:g} C" for g in gpus
-               if g["temp_c"] is not None and g["temp_c"] >= hw.max_device_temp_c]
+        hot = [
+            f"GPU {g['index']} at {g['temp_c']:g} C"
+            for g in gpus
+            if g["temp_c"] is not None and g["temp_c"] >= hw.max_device_temp_c
+        ]
         temps = [g["temp_c"] for g in gpus if g["temp_c"] is not None]
-        out.append(check("temperature", "fail", "; ".join(hot) + " (alarm at hardware.max_device_temp_c "
-                                                                 f"{hw.max_device_temp_c:g} C)") if hot else
-                   check("temperature", "ok", f"max {max(temps):g} C" if temps else "not reported"))
+        out.append(
+            check(
+                "temperature",
+                "fail",
+                "; ".join(hot) + f" (alarm at hardware.max_device_temp_c {hw.max_device_temp_c:g} C)",
+            )
+            if hot
+            else check("temperature", "ok", f"max {max(temps):g} C" if temps else "not reported")
+        )
         busy = {p["gpu_uuid"] for p in sample["nvidia_smi"]["processes"]}
-        full = [g for g in gpus if g["memory_total_mb"] and g["memory_used_mb"] is not None and
-                100 * g["memory_used_mb"] / g["memory_total_mb"] >= hw.max_hbm_used_pct]
+        full = [
+            g
+            for g in gpus
+            if g["memory_total_mb"]
+            and g["memory_used_mb"] is not None
+            and 100 * g["memory_used_mb"] / g["memory_total_mb"] >= hw.max_hbm_used_pct
+        ]
         leaked = [g for g in full if g["uuid"] not in busy]
         if leaked:
-            out.append(check("hbm", "fail", "; ".join(f"GPU {g['index']} memory {g['memory_used_mb']:g}/"
-                                                      f"{g['memory_total_mb']:g} MB with no process on it"
-                                                      for g in leaked) + ": memory left by a dead job; reset the "
-                                                                         "GPU (nvidia-smi -r) or reboot"))
+            out.append(
+                check(
+                    "hbm",
+                    "fail",
+                    "; ".join(
+                        f"GPU {g['index']} memory {g['memory_used_mb']:g}/"
+                        f"{g['memory_total_mb']:g} MB with no process on it"
+                        for g in leaked
+                    )
+                    + ": memory left by a dead job; reset the "
+                    "GPU (nvidia-smi -r) or reboot",
+                )
+            )
         elif full:
-            out.append(check("hbm", "warn", ", ".join(f"GPU {g['index']}" for g in full) +
-                             f" memory ≥ {hw.max_hbm_used_pct:g}% (in use by a running process)"))
+            out.append(
+                check(
+                    "hbm",
+                    "warn",
+                    ", ".join(f"GPU {g['index']}" for g in full)
+                    + f" memory ≥ {hw.max_hbm_used_pct:g}% (in use by a running process)",
+                )
+            )
         else:
             out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every GPU"))
     else:
@@ -123,9 +188,15 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
     expected = hw.expected_devices or last_seen
     source = "hardware.expected_devices" if hw.expected_devices else "seen on this host before"
     if expected and count < expected:
-        out.append(check("devices", "fail", f"dropped card: {count} {kind} visible, {expected} expected ({source}); "
-                                            "check `npu-smi info -l` / `nvidia-smi -L` and dmesg, then reseat or "
-                                            "replace"))
+        out.append(
+            check(
+                "devices",
+                "fail",
+                f"dropped card: {count} {kind} visible, {expected} expected ({source}); "
+                "check `npu-smi info -l` / `nvidia-smi -L` and dmesg, then reseat or "
+                "replace",
+            )
+        )
     else:
         out.append(check("devices", "ok", f"{count} {kind}"))
     return out
@@ -137,8 +208,7 @@ def assess(sample: dict, cfg: PipelineConfig, last_seen: int = 0) -> list[dict]:
     host = sample["host"]
     checks = device_checks(sample, hw, last_seen)
     checks.append(system.check_clock(sample["clock"], hw.nnodes, hw.max_clock_offset_ms))
-    checks.append(system.check_host_memory(host["memory_available_gb"], host["memory_total_gb"],
-                                           hw.min_host_memory_gb))
+    checks.append(system.check_host_memory(host["memory_available_gb"], host["memory_total_gb"], hw.min_host_memory_gb))
     disk, free = system.check_disk(sample["disk_paths"], hw.min_free_disk_gb)
     sample["disk_free_gb"] = free
     checks.append(disk)
@@ -192,9 +262,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         raise StageError("health alarm: " + " | ".join(failed))
     warned = [c["name"] for c in checks if c["status"] == "warn"]
     backend = sample.get("backend", {}).get("kind", "?")
-    return {"status": "warn" if warned else "ok", "checks": checks,
-            "summary": f"{backend}: {len(checks)} checks, "
-                       + (f"warnings: {', '.join(warned)}" if warned else "all ok")}
+    return {
+        "status": "warn" if warned else "ok",
+        "checks": checks,
+        "summary": f"{backend}: {len(checks)} checks, " + (f"warnings: {', '.join(warned)}" if warned else "all ok"),
+    }
 
 
 def run_health(cfg: PipelineConfig, run_dir: str | Path, tags: dict | None = None) -> dict:

@@ -6,6 +6,7 @@ A custom architecture (`--hidden --layers --heads`, without --model/--hf-config)
 model preset: the fields it leaves out come from the `--family` rule (tasks/planner/families.py: Meta's Llama FFN
 rounding; Qwen2 has none, so it needs --ffn), and the plan calls it `custom`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,14 @@ from tasks.planner.search import Problem, search
 from tasks.planner.table import render
 from tasks.units import GB
 
-_SHAPE_FLAGS = {"hidden": "dim", "layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads",
-                "vocab": "vocab_size", "ffn": "ffn_dim"}
+_SHAPE_FLAGS = {
+    "hidden": "dim",
+    "layers": "n_layers",
+    "heads": "n_heads",
+    "kv_heads": "n_kv_heads",
+    "vocab": "vocab_size",
+    "ffn": "ffn_dim",
+}
 _MODEL_FLAGS = ("model", "hf_config", "params", "family", *_SHAPE_FLAGS)
 _REQUIRED_SHAPE = (("hidden", "dim"), ("layers", "n_layers"), ("heads", "n_heads"))
 _CLUSTER_FLAGS = ("cluster", "nodes", "devices_per_node", "device_memory_gb")
@@ -35,6 +42,7 @@ _CLUSTER_FLAGS = ("cluster", "nodes", "devices_per_node", "device_memory_gb")
 
 def _positive(kind):
     """argparse type: a number > 0; integers may be written 13e9."""
+
     def parse(text: str):
         try:
             value = float(text)
@@ -43,6 +51,7 @@ def _positive(kind):
         if not (0 < value < float("inf")) or (kind is int and value != int(value)):
             raise argparse.ArgumentTypeError(f"{text} must be a {'whole ' if kind is int else ''}number > 0")
         return kind(value)
+
     return parse
 
 
@@ -50,13 +59,26 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model (default: the config's model.*)")
     g.add_argument("--model", default=None, help="tasks.model preset, e.g. llama3-70b")
     g.add_argument("--hf-config", default=None, metavar="PATH", help="an HF config.json (or its directory)")
-    g.add_argument("--params", type=_positive(float), default=None, metavar="N",
-                   help="bare parameter count (13e9): model states only")
+    g.add_argument(
+        "--params",
+        type=_positive(float),
+        default=None,
+        metavar="N",
+        help="bare parameter count (13e9): model states only",
+    )
     for flag in _SHAPE_FLAGS:
-        g.add_argument(f"--{flag.replace('_', '-')}", type=_positive(int), default=None,
-                       help="a shape number (with --model/--hf-config: overrides it; alone: a custom model)")
-    g.add_argument("--family", choices=FAMILIES, default=None,
-                   help="rule for what a custom --hidden/--layers/--heads model leaves out (default llama3)")
+        g.add_argument(
+            f"--{flag.replace('_', '-')}",
+            type=_positive(int),
+            default=None,
+            help="a shape number (with --model/--hf-config: overrides it; alone: a custom model)",
+        )
+    g.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default=None,
+        help="rule for what a custom --hidden/--layers/--heads model leaves out (default llama3)",
+    )
     g = parser.add_argument_group("cluster (default: the config's hardware.*)")
     g.add_argument("--cluster", default=None, choices=sorted(CLUSTERS), help="cluster preset")
     g.add_argument("--nodes", type=_positive(int), default=None)
@@ -90,8 +112,9 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
     shape = {field: _arg(ctx, flag) for flag, field in _SHAPE_FLAGS.items() if _arg(ctx, flag) is not None}
     family = _arg(ctx, "family")
     if family and (not shape or _arg(ctx, "model") or _arg(ctx, "hf_config")):
-        raise StageError("--family: only for a custom architecture (--hidden, --layers, --heads without --model "
-                         "or --hf-config)")
+        raise StageError(
+            "--family: only for a custom architecture (--hidden, --layers, --heads without --model or --hf-config)"
+        )
     rule = ""
     if _arg(ctx, "hf_config"):
         tcfg, name = _hf_config(Path(_arg(ctx, "hf_config"))), _arg(ctx, "hf_config")
@@ -100,9 +123,11 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
     elif shape:  # a custom architecture: nothing comes from the config's model preset
         missing = [f"--{flag}" for flag, field in _REQUIRED_SHAPE if field not in shape]
         if missing:
-            raise StageError(f"{', '.join(missing)}: a custom architecture needs --hidden, --layers and --heads "
-                             f"(the rest from --family {family or 'llama3'} or its own flags), or --model PRESET "
-                             "to change a preset")
+            raise StageError(
+                f"{', '.join(missing)}: a custom architecture needs --hidden, --layers and --heads "
+                f"(the rest from --family {family or 'llama3'} or its own flags), or --model PRESET "
+                "to change a preset"
+            )
         derived, rule = custom_fields(family or "llama3", shape["dim"], shape["n_heads"], shape)
         tcfg, name = TransformerConfig(**derived, **shape), "custom"
     else:
@@ -118,9 +143,15 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
         rule, name = f"from {name}", "custom"
     tcfg = dataclasses.replace(tcfg, **shape).validate()
     sh = shape_of(tcfg)
-    return sh, sh.num_params, (f"{name} ({_count(sh.num_params)} params, h {sh.hidden}, L {sh.layers}, "
-                               f"heads {sh.heads}/{sh.kv_heads} kv, ffn {sh.ffn}, vocab {sh.vocab}"
-                               f"{'; ' + rule if rule else ''})")
+    return (
+        sh,
+        sh.num_params,
+        (
+            f"{name} ({_count(sh.num_params)} params, h {sh.hidden}, L {sh.layers}, "
+            f"heads {sh.heads}/{sh.kv_heads} kv, ffn {sh.ffn}, vocab {sh.vocab}"
+            f"{'; ' + rule if rule else ''})"
+        ),
+    )
 
 
 def _count(n: float) -> str:
@@ -146,20 +177,32 @@ def _cluster(cfg: PipelineConfig, ctx):
     name = _arg(ctx, "cluster") or hw.cluster
     own = name == hw.cluster  # the config's hardware.* figures describe its own cluster, not another preset
     memory = _arg(ctx, "device_memory_gb")
-    if memory and not _arg(ctx, "cluster") and name in CLUSTERS and CLUSTERS[name].kind == "cpu" \
-            and "hardware.cluster" not in cfg.explicit:
+    if (
+        memory
+        and not _arg(ctx, "cluster")
+        and name in CLUSTERS
+        and CLUSTERS[name].kind == "cpu"
+        and "hardware.cluster" not in cfg.explicit
+    ):
         c = CLUSTERS[name]
-        raise StageError(f"--device-memory-gb {memory:g} without --cluster would keep the {name} preset's other "
-                         f"facts ({c.peak_tflops:g} TFLOP/s, {c.intra_gbps:g}/{c.inter_gbps:g} GB/s links): add "
-                         f"--cluster ({', '.join(k for k, v in CLUSTERS.items() if v.kind != 'cpu')}), or set "
-                         f"hardware.cluster explicitly")
-    return get_cluster(name, nodes=_arg(ctx, "nodes") or (hw.nnodes if own else 0),
-                       devices_per_node=_arg(ctx, "devices_per_node") or (hw.nproc_per_node if own else 0),
-                       memory_gb=_arg(ctx, "device_memory_gb") or (hw.device_memory_gb if own else 0),
-                       intra_gbps=hw.intra_node_gbps if own else 0, inter_gbps=hw.inter_node_gbps if own else 0,
-                       intra_latency_us=hw.intra_node_latency_us if own else 0,
-                       inter_latency_us=hw.inter_node_latency_us if own else 0,
-                       peak_tflops=hw.peak_tflops if own else 0, reserve_gb=cfg.plan.runtime_reserve_gb)
+        raise StageError(
+            f"--device-memory-gb {memory:g} without --cluster would keep the {name} preset's other "
+            f"facts ({c.peak_tflops:g} TFLOP/s, {c.intra_gbps:g}/{c.inter_gbps:g} GB/s links): add "
+            f"--cluster ({', '.join(k for k, v in CLUSTERS.items() if v.kind != 'cpu')}), or set "
+            f"hardware.cluster explicitly"
+        )
+    return get_cluster(
+        name,
+        nodes=_arg(ctx, "nodes") or (hw.nnodes if own else 0),
+        devices_per_node=_arg(ctx, "devices_per_node") or (hw.nproc_per_node if own else 0),
+        memory_gb=_arg(ctx, "device_memory_gb") or (hw.device_memory_gb if own else 0),
+        intra_gbps=hw.intra_node_gbps if own else 0,
+        inter_gbps=hw.inter_node_gbps if own else 0,
+        intra_latency_us=hw.intra_node_latency_us if own else 0,
+        inter_latency_us=hw.inter_node_latency_us if own else 0,
+        peak_tflops=hw.peak_tflops if own else 0,
+        reserve_gb=cfg.plan.runtime_reserve_gb,
+    )
 
 
 def _fused_attention(cfg: PipelineConfig) -> bool:
@@ -183,16 +226,23 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
     mb = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if pinned else None)
     zero, rc = _arg(ctx, "zero"), _arg(ctx, "recompute")
     pb = Problem(
-        cluster=_cluster(cfg, ctx), shape=shape, n_params=n_params, seq_len=seq_len,
+        cluster=_cluster(cfg, ctx),
+        shape=shape,
+        n_params=n_params,
+        seq_len=seq_len,
         global_batch=_arg(ctx, "global_batch") or cfg.train.global_batch,
-        precision=_arg(ctx, "precision") or cfg.train.precision, optimizer=_arg(ctx, "optimizer") or "adamw",
+        precision=_arg(ctx, "precision") or cfg.train.precision,
+        optimizer=_arg(ctx, "optimizer") or "adamw",
         micro_batches=[mb] if mb else [],
         zero_stages=[zero] if zero is not None else ([par.zero] if pinned else list(cfg.plan.zero_stages)),
         recompute=[rc] if rc else ([par.recompute] if pinned else list(cfg.plan.recompute)),
         schedules=[par.pp_schedule] if pinned else list(cfg.plan.schedules),
-        virtual=par.virtual_stages, sequence_parallel=par.sequence_parallel,
-        flash_attention=cfg.plan.flash_attention and _fused_attention(cfg), efficiency=cfg.plan.efficiency,
-        pins=pins)
+        virtual=par.virtual_stages,
+        sequence_parallel=par.sequence_parallel,
+        flash_attention=cfg.plan.flash_attention and _fused_attention(cfg),
+        efficiency=cfg.plan.efficiency,
+        pins=pins,
+    )
     return pb, model_desc, pinned
 
 
@@ -206,9 +256,11 @@ def _choose(result: dict, pinned: bool, pb: Problem, model_desc: str, plan_path:
     if pinned and closest and "total_bytes" in closest:
         return closest, "warn"
     c = pb.cluster
-    raise StageError(f"no feasible plan for {model_desc.split(' (')[0]} on {c.nodes}×{c.devices_per_node} {c.name} "
-                     f"devices of {c.memory_gb:g} GB: closest {closest['reason'] if closest else 'none tried'} "
-                     f"(see {plan_path})")
+    raise StageError(
+        f"no feasible plan for {model_desc.split(' (')[0]} on {c.nodes}×{c.devices_per_node} {c.name} "
+        f"devices of {c.memory_gb:g} GB: closest {closest['reason'] if closest else 'none tried'} "
+        f"(see {plan_path})"
+    )
 
 
 def _moe_model(cfg: PipelineConfig, ctx):
@@ -227,10 +279,14 @@ def _moe_model(cfg: PipelineConfig, ctx):
         c = copy.deepcopy(cfg)
         c.model.max_seq_len = max(c.model.max_seq_len, c.data.seq_len)
         shard = ctx.inputs.get("shard") or {}
-        tcfg = from_pipeline(c, vocab_size=shard.get("vocab_size") or (
-            cfg.data.vocab_size if cfg.data.tokenizer == "train" else None))
-    return (tcfg, _arg(ctx, "hf_config") or _arg(ctx, "model") or cfg.model.hf_path or cfg.model.preset) \
-        if tcfg.n_experts else None
+        tcfg = from_pipeline(
+            c, vocab_size=shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
+        )
+    return (
+        (tcfg, _arg(ctx, "hf_config") or _arg(ctx, "model") or cfg.model.hf_path or cfg.model.preset)
+        if tcfg.n_experts
+        else None
+    )
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
@@ -239,9 +295,17 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         from tasks.planner import moe as moe_planner
 
         what_if = any(_arg(ctx, f) is not None for f in _MODEL_FLAGS + _CLUSTER_FLAGS)
-        return moe_planner.stage(cfg, ctx, moe[0], _cluster(cfg, ctx), _arg(ctx, "seq_len") or cfg.data.seq_len,
-                                 _arg(ctx, "global_batch") or cfg.train.global_batch,
-                                 _arg(ctx, "precision") or cfg.train.precision, moe[1], config_pins=not what_if)
+        return moe_planner.stage(
+            cfg,
+            ctx,
+            moe[0],
+            _cluster(cfg, ctx),
+            _arg(ctx, "seq_len") or cfg.data.seq_len,
+            _arg(ctx, "global_batch") or cfg.train.global_batch,
+            _arg(ctx, "precision") or cfg.train.precision,
+            moe[1],
+            config_pins=not what_if,
+        )
     pb, model_desc, pinned = problem(cfg, ctx)
     result = search(pb)
     # A pinned layout is only verified; the table (and train's out-of-memory advice) still ranks the alternatives.
@@ -249,44 +313,95 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     c = pb.cluster
     out = ctx.run_dir / "plan"  # <run-dir>/plan.json is the runner's result file: keep ours beside it
     plan_path = out / "plan.json"
-    header = (f"model: {model_desc}\ncluster: {c.describe()}, reserve {c.reserve_gb:g} GB\n"
-              f"training: seq {pb.seq_len}, global batch {pb.global_batch}, {pb.precision}, {pb.optimizer}"
-              f"{', pinned ' + str(pb.pins) if pb.pins else ''}")
+    header = (
+        f"model: {model_desc}\ncluster: {c.describe()}, reserve {c.reserve_gb:g} GB\n"
+        f"training: seq {pb.seq_len}, global batch {pb.global_batch}, {pb.precision}, {pb.optimizer}"
+        f"{', pinned ' + str(pb.pins) if pb.pins else ''}"
+    )
     table = render(ranked, header, top_k=cfg.plan.top_k, pinned=result if pinned else None)
-    atomic_write_json(plan_path, {"model": model_desc, "cluster": dataclasses.asdict(c), "seq_len": pb.seq_len,
-                                  "global_batch": pb.global_batch, "precision": pb.precision,
-                                  "optimizer": pb.optimizer, "pins": pb.pins, "pinned": pinned,
-                                  "chosen": (result["plans"] or result["rejected"] or [None])[0], **ranked})
+    atomic_write_json(
+        plan_path,
+        {
+            "model": model_desc,
+            "cluster": dataclasses.asdict(c),
+            "seq_len": pb.seq_len,
+            "global_batch": pb.global_batch,
+            "precision": pb.precision,
+            "optimizer": pb.optimizer,
+            "pins": pb.pins,
+            "pinned": pinned,
+            "chosen": (result["plans"] or result["rejected"] or [None])[0],
+            **ranked,
+        },
+    )
     table_path = atomic_write_text(out / "plan_table.txt", table + "\n")
     tracking.log_artifact(plan_path)
     tracking.log_artifact(table_path)
     chosen, status = _choose(result, pinned, pb, model_desc, plan_path)
 
-    tracking.log_params({f"plan.{k}": chosen[k] for k in ("dp", "tp", "pp", "zero", "recompute", "pp_schedule",
-                                                            "micro_batch", "microbatches")})
-    tracking.log_metrics({"plan.total_gb": chosen["total_bytes"] / GB, "plan.step_s": chosen["step_s"],
-                          "plan.tokens_per_s": chosen["tokens_per_s"], "plan.feasible": len(ranked["plans"]),
-                          "plan.rejected": len(ranked["rejected"])})
+    tracking.log_params(
+        {
+            f"plan.{k}": chosen[k]
+            for k in ("dp", "tp", "pp", "zero", "recompute", "pp_schedule", "micro_batch", "microbatches")
+        }
+    )
+    tracking.log_metrics(
+        {
+            "plan.total_gb": chosen["total_bytes"] / GB,
+            "plan.step_s": chosen["step_s"],
+            "plan.tokens_per_s": chosen["tokens_per_s"],
+            "plan.feasible": len(ranked["plans"]),
+            "plan.rejected": len(ranked["rejected"]),
+        }
+    )
     parallel = {k: chosen[k] for k in ("dp", "tp", "pp", "zero", "recompute", "microbatches", "micro_batch")}
     parallel["pp_schedule"] = chosen["pp_schedule"] if chosen["pp"] > 1 else cfg.parallel.pp_schedule
     parallel["virtual_stages"] = chosen["virtual_stages"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
     parallel["sequence_parallel"] = chosen["sequence_parallel"]
-    layout = (f"dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} zero{chosen['zero']} {chosen['recompute']} "
-              f"mb{chosen['micro_batch']}×{chosen['microbatches']}")
-    summary = (f"{'pinned ' if pinned else ''}{layout}: {chosen['total_bytes'] / GB:.2f} GB of {c.memory_gb:g} GB"
-               f"/device, est. step {chosen['step_s']:.3g} s ({len(ranked['plans'])} feasible, "
-               f"{len(ranked['rejected'])} rejected)")
+    layout = (
+        f"dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} zero{chosen['zero']} {chosen['recompute']} "
+        f"mb{chosen['micro_batch']}×{chosen['microbatches']}"
+    )
+    summary = (
+        f"{'pinned ' if pinned else ''}{layout}: {chosen['total_bytes'] / GB:.2f} GB of {c.memory_gb:g} GB"
+        f"/device, est. step {chosen['step_s']:.3g} s ({len(ranked['plans'])} feasible, "
+        f"{len(ranked['rejected'])} rejected)"
+    )
     if status == "warn":
         summary = f"pinned {layout} {chosen['reason']} (estimate); training may run out of memory"
     device = cfg.hardware.device
     if device in ("npu", "cuda") and c.kind != device and not _arg(ctx, "cluster"):
-        status, summary = "warn", (f"hardware.device is {device} but hardware.cluster {c.name} describes {c.kind} "
-                                   f"devices: set hardware.cluster; {summary}")
+        status, summary = (
+            "warn",
+            (
+                f"hardware.device is {device} but hardware.cluster {c.name} describes {c.kind} "
+                f"devices: set hardware.cluster; {summary}"
+            ),
+        )
     if not getattr(ctx.args, "json", False):  # --json keeps stdout machine-readable
         print(table)
-    return {"status": status, "summary": summary, "plan_json": str(plan_path), "table": str(table_path),
-            "parallel": parallel, "pinned": pinned, "feasible": len(ranked["plans"]),
-            "rejected": len(ranked["rejected"]),
-            "best": {k: chosen[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes",
-                                            "buffers_bytes", "reserve_bytes", "total_bytes", "step_s",
-                                            "tokens_per_s", "bubble")}}
+    return {
+        "status": status,
+        "summary": summary,
+        "plan_json": str(plan_path),
+        "table": str(table_path),
+        "parallel": parallel,
+        "pinned": pinned,
+        "feasible": len(ranked["plans"]),
+        "rejected": len(ranked["rejected"]),
+        "best": {
+            k: chosen[k]
+            for k in (
+                "params_bytes",
+                "grads_bytes",
+                "optimizer_bytes",
+                "activations_bytes",
+                "buffers_bytes",
+                "reserve_bytes",
+                "total_bytes",
+                "step_s",
+                "tokens_per_s",
+                "bubble",
+            )
+        },
+    }

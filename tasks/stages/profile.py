@@ -6,6 +6,7 @@ msprof) and analyses; `python -m tasks profile analyze PATH [--json]` analyses a
 `*_ascend_pt`/`ASCEND_PROFILER_OUTPUT`, msprof `PROF_*`, msprof-analyze `cluster_analysis_output`, torch.profiler
 traces — in pure Python on any machine. Writes <run-dir>/profile/{report.json, report.md, *.png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,22 @@ from tasks.profiling.msprof import find_msprof, msprof_wrap
 from tasks.profiling.render import render_markdown
 from tasks.profiling.report import build_report, headline
 
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", nargs="?", choices=("collect", "analyze"), default="collect",
-                        help="collect: profile a short training run, then analyse (default); analyze: analyse PATH")
-    parser.add_argument("path", nargs="?", default=None,
-                        help="analyze: a profiling folder (*_ascend_pt, ASCEND_PROFILER_OUTPUT, PROF_*, "
-                             "cluster_analysis_output, a folder of them) or torch.profiler trace(s)")
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=("collect", "analyze"),
+        default="collect",
+        help="collect: profile a short training run, then analyse (default); analyze: analyse PATH",
+    )
+    parser.add_argument(
+        "path",
+        nargs="?",
+        default=None,
+        help="analyze: a profiling folder (*_ascend_pt, ASCEND_PROFILER_OUTPUT, PROF_*, "
+        "cluster_analysis_output, a folder of them) or torch.profiler trace(s)",
+    )
     runner.add_shard_dir_arg(parser, "for collect's training run")
 
 
@@ -45,8 +56,7 @@ def analyze(path: str | Path) -> dict:
     report["findings"] = advise(report) + [f for f in more if f["severity"] != "info"]
     report["info"] = [f for f in more if f["severity"] == "info"]
     fmt = report["source"]["format"]
-    kind = "npu" if fmt != "torch_trace" else ("cuda" if any(o["core"] == "CUDA" for o in report["top_ops"])
-                                               else "cpu")
+    kind = "npu" if fmt != "torch_trace" else ("cuda" if any(o["core"] == "CUDA" for o in report["top_ops"]) else "cpu")
     per_rank_ops = fmt in ("ascend_pt", "msprof")  # msprof-analyze's cluster output has no operator table
     report["op_support"] = op_support.report(kind, ai_cpu=report["ai_cpu_ops"] if per_rank_ops else None)
     return report
@@ -54,8 +64,10 @@ def analyze(path: str | Path) -> dict:
 
 def write_outputs(report: dict, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"breakdown_png": charts.step_breakdown(report, out_dir / "step_breakdown.png"),
-             "top_ops_png": charts.top_ops(report, out_dir / "top_ops.png")}
+    paths = {
+        "breakdown_png": charts.step_breakdown(report, out_dir / "step_breakdown.png"),
+        "top_ops_png": charts.top_ops(report, out_dir / "top_ops.png"),
+    }
     paths = {k: v for k, v in paths.items() if v}
     md = render_markdown(report, {k.removesuffix("_png"): p.name for k, p in paths.items()})
     paths["report_json"] = atomic_write_json(out_dir / "report.json", report)
@@ -67,8 +79,10 @@ def msprof_source(msprof_dir: Path) -> Path:
     """The folder to analyse after an msprof-wrapped run: msprof's PROF_* output (torch_npu.profiler is not started
     under msprof: torch_npu >= 2.10 disables it there, so the traces folder stays empty)."""
     if not any(Path(msprof_dir).rglob("PROF_*")):
-        raise StageError(f"msprof wrapped the run but wrote no PROF_* folder under {msprof_dir}: check msprof's "
-                         "output above and that the CANN toolkit's msprof matches the driver")
+        raise StageError(
+            f"msprof wrapped the run but wrote no PROF_* folder under {msprof_dir}: check msprof's "
+            "output above and that the CANN toolkit's msprof matches the driver"
+        )
     return Path(msprof_dir)
 
 
@@ -92,6 +106,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     its checkpoints and metrics go under <run-dir>/profile/run so the training run is untouched.
     """
     from tasks.stages import train
+
     runner.shard_set(cfg, ctx)  # before the digest below: data.seq_len follows the shard set (as train.prepare)
     traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
     if marker.is_file() and read_json(marker).get("config_hash") == cfg.digest():
@@ -109,44 +124,72 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     argv += ["--profile-dir", str(traces)]
     msprof = find_msprof() if cfg.profile.use_msprof and spec["backend"] == "npu" else None
     if cfg.profile.use_msprof:
-        notes.append(f"msprof wrapped the run (torch_npu.profiler not started under it): {out_dir / 'msprof'}"
-                     if msprof else "profile.use_msprof is set but msprof is not on PATH: collected with "
-                                    "torch_npu.profiler only")
+        notes.append(
+            f"msprof wrapped the run (torch_npu.profiler not started under it): {out_dir / 'msprof'}"
+            if msprof
+            else "profile.use_msprof is set but msprof is not on PATH: collected with torch_npu.profiler only"
+        )
     shutil.rmtree(out_dir / "msprof", ignore_errors=True)
     log_path = out_dir / "logs" / "torchrun.log"
-    rc, log = train.launch(msprof_wrap(argv, out_dir / "msprof", msprof),
-                           train.launch_env(cfg, spec["backend"], spec["nproc"], None), log_path,
-                           timeout=stage_timeout("profile", cfg, ctx.run_dir))
+    rc, log = train.launch(
+        msprof_wrap(argv, out_dir / "msprof", msprof),
+        train.launch_env(cfg, spec["backend"], spec["nproc"], None),
+        log_path,
+        timeout=stage_timeout("profile", cfg, ctx.run_dir),
+    )
     if rc != 0:
         if "unrecognized arguments: --profile-dir" in log:
-            raise StageError("the training worker does not accept --profile-dir (tasks/parallel/worker.py must call "
-                             "tasks.profiling.collect.make_profiler); analyse existing traces with "
-                             "`python -m tasks profile analyze PATH`")
-        raise StageError(f"profiled training run failed (exit {rc}); see {log_path} and {work}/logs/rank-*.log",
-                         retryable=True)
+            raise StageError(
+                "the training worker does not accept --profile-dir (tasks/parallel/worker.py must call "
+                "tasks.profiling.collect.make_profiler); analyse existing traces with "
+                "`python -m tasks profile analyze PATH`"
+            )
+        raise StageError(
+            f"profiled training run failed (exit {rc}); see {log_path} and {work}/logs/rank-*.log", retryable=True
+        )
     if msprof:
         source = msprof_source(out_dir / "msprof")
     elif not traces.is_dir() or not any(traces.iterdir()):
-        raise StageError(f"the profiled run wrote no traces to {traces}: with {steps_needed(cfg.profile)} steps the "
-                         "schedule (profile.skip_first/wait/warmup/active) never reached an active step")
+        raise StageError(
+            f"the profiled run wrote no traces to {traces}: with {steps_needed(cfg.profile)} steps the "
+            "schedule (profile.skip_first/wait/warmup/active) never reached an active step"
+        )
     else:
         source = traces
-    atomic_write_json(marker, {"config_hash": cfg.digest(), "steps": steps_needed(cfg.profile),
-                               "backend": spec["backend"], "world": spec["world"], "source": str(source)})
+    atomic_write_json(
+        marker,
+        {
+            "config_hash": cfg.digest(),
+            "steps": steps_needed(cfg.profile),
+            "backend": spec["backend"],
+            "world": spec["world"],
+            "source": str(source),
+        },
+    )
     return source, notes
 
 
 def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None, key: dict) -> None:
     n_high = sum(f["severity"] == "high" for f in report["findings"])
-    tracking.log_metrics({**baseline.report_metrics(report), "profile.findings": len(report["findings"]),
-                          "profile.findings_high": n_high})
-    tracking.set_tags({baseline.FORMAT_TAG: report["source"]["format"], "profile.source": report["source"]["path"],
-                       "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]})),
-                       baseline.KEY_TAG: baseline.key_digest(key),
-                       baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True),
-                       "profile.info": " | ".join(f["title"] for f in report.get("info", []))[:5000],
-                       "profile.op_support": report["op_support"]["note"][:5000],
-                       "profile.analyzer": report.get("engine", {}).get("used", "builtin")})
+    tracking.log_metrics(
+        {
+            **baseline.report_metrics(report),
+            "profile.findings": len(report["findings"]),
+            "profile.findings_high": n_high,
+        }
+    )
+    tracking.set_tags(
+        {
+            baseline.FORMAT_TAG: report["source"]["format"],
+            "profile.source": report["source"]["path"],
+            "profile.rules": ",".join(sorted({f["rule"] for f in report["findings"]})),
+            baseline.KEY_TAG: baseline.key_digest(key),
+            baseline.KEY_JSON_TAG: json.dumps(key, sort_keys=True),
+            "profile.info": " | ".join(f["title"] for f in report.get("info", []))[:5000],
+            "profile.op_support": report["op_support"]["note"][:5000],
+            "profile.analyzer": report.get("engine", {}).get("used", "builtin"),
+        }
+    )
     agreement = report.get("engine", {}).get("agreement")
     if agreement:
         tracking.log_metrics({"profile.analyzer_agreement_worst": agreement["worst"]})
@@ -196,15 +239,21 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     findings = report["findings"]
     return {
         "status": "warn" if regressions or any(f["severity"] == "high" for f in findings) else "ok",
-        "summary": summary, "report": str(paths["report_json"]), "report_md": str(paths["report_md"]),
-        "findings": len(findings), "rules": [f"{f['severity']}:{f['rule']}" for f in findings],
+        "summary": summary,
+        "report": str(paths["report_json"]),
+        "report_md": str(paths["report_md"]),
+        "findings": len(findings),
+        "rules": [f"{f['severity']}:{f['rule']}" for f in findings],
         "info": [f["title"] for f in report.get("info", [])],
         "op_support": report["op_support"]["note"],
         "step_ms": round(report["step"]["step_us"] / 1000, 3),
         "comm_not_overlapped_share": round(report["step"]["shares"]["comm_not_overlapped"], 4),
         "all_to_all_share": round(report["step"]["all_to_all_share"], 4),
         "moe_load_max_over_mean": round(report["moe"]["max_over_mean"], 3) if report.get("moe") else None,
-        "format": fmt, "source": str(source), "world": report["world"],
+        "format": fmt,
+        "source": str(source),
+        "world": report["world"],
         "analyzer": report["engine"]["used"],
-        "baseline_run_id": comparison["run_id"] if comparison else None, "baseline_note": note,
+        "baseline_run_id": comparison["run_id"] if comparison else None,
+        "baseline_note": note,
     }

@@ -1,6 +1,7 @@
 """INT8 post-training quantization of the trained model: AMCT on an Ascend host where `amct_pytorch` imports,
 torchao elsewhere; layers in quantize.skip_layers stay in quantize.dtype. Writes <run-dir>/quantize/ and reports
 its size on disk against the same weights saved in BF16 and FP32."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,10 +27,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def _settings(cfg: PipelineConfig, model_dir: Path, backend: str) -> dict:
     q = cfg.quantize
-    return {"model_dir": str(model_dir), "model_fingerprint": inputs.fingerprint(model_dir), "backend": backend,
-            "method": q.method, "skip_layers": list(q.skip_layers), "dtype": q.dtype,
-            "amct_flow": q.amct_flow if backend == "amct" else None, "calibration_batches": q.calibration_batches,
-            "calibration_rule": inputs.SPLIT_RULE}  # an artifact calibrated on other tokens is not reused
+    return {
+        "model_dir": str(model_dir),
+        "model_fingerprint": inputs.fingerprint(model_dir),
+        "backend": backend,
+        "method": q.method,
+        "skip_layers": list(q.skip_layers),
+        "dtype": q.dtype,
+        "amct_flow": q.amct_flow if backend == "amct" else None,
+        "calibration_batches": q.calibration_batches,
+        "calibration_rule": inputs.SPLIT_RULE,
+    }  # an artifact calibrated on other tokens is not reused
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
@@ -74,10 +82,17 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".quantize.", dir=ctx.run_dir))
-    meta = dict(settings, shard_dir=str(shard_dir), data_digest=inputs.manifest_digest(shard_dir),
-                calibration_split=calib_split, quantized_layers=names, skipped_layers=skipped,
-                layer_types={layer.name: layer.type for layer in layers if layer.name in names},
-                fp32_bytes=fp32_bytes, bf16_bytes=bf16_bytes)
+    meta = dict(
+        settings,
+        shard_dir=str(shard_dir),
+        data_digest=inputs.manifest_digest(shard_dir),
+        calibration_split=calib_split,
+        quantized_layers=names,
+        skipped_layers=skipped,
+        layer_types={layer.name: layer.type for layer in layers if layer.name in names},
+        fp32_bytes=fp32_bytes,
+        bf16_bytes=bf16_bytes,
+    )
     try:
         if backend == "torchao":
             from tasks.quant import torchao_backend
@@ -108,25 +123,45 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         raise
     swap_dir(tmp, out)  # an older result is replaced only by a complete new one, never a moment with neither
     result = _result(meta, out, reused=False)
-    tracking.log_params({"quantize": {k: v for k, v in settings.items() if k != "model_dir"},
-                         "split": {"rule": calib_split["rule"], "calibration_sequences": calib_split["sequences"],
-                                   "calibration_keys_digest": calib_split["keys_digest"]}})
-    tracking.log_metrics({k: result[k] for k in ("int8_mb", "bf16_mb", "fp32_mb", "size_ratio_vs_bf16",
-                                                 "size_ratio_vs_fp32", "quantized_layers")})
+    tracking.log_params(
+        {
+            "quantize": {k: v for k, v in settings.items() if k != "model_dir"},
+            "split": {
+                "rule": calib_split["rule"],
+                "calibration_sequences": calib_split["sequences"],
+                "calibration_keys_digest": calib_split["keys_digest"],
+            },
+        }
+    )
+    tracking.log_metrics(
+        {
+            k: result[k]
+            for k in ("int8_mb", "bf16_mb", "fp32_mb", "size_ratio_vs_bf16", "size_ratio_vs_fp32", "quantized_layers")
+        }
+    )
     tracking.log_json_artifact(meta, "quantize/quant_meta.json")
     return result
 
 
 def _result(meta: dict, out: Path, reused: bool) -> dict:
-    mb = 1024 ** 2
-    r = {"quant_dir": str(out), "model_dir": meta["model_dir"], "backend": meta["backend"], "method": meta["method"],
-         "format": meta["format"],
-         "int8_mb": round(meta["int8_bytes"] / mb, 3), "bf16_mb": round(meta["bf16_bytes"] / mb, 3),
-         "fp32_mb": round(meta["fp32_bytes"] / mb, 3),
-         "size_ratio_vs_bf16": round(meta["int8_bytes"] / meta["bf16_bytes"], 4),
-         "size_ratio_vs_fp32": round(meta["int8_bytes"] / meta["fp32_bytes"], 4),
-         "quantized_layers": len(meta["quantized_layers"]), "reused": reused}
-    r["summary"] = (f"{meta['backend']} {meta['method']}: {r['int8_mb']:.2f} MB = {r['size_ratio_vs_bf16']:.2f}x "
-                    f"BF16, {r['size_ratio_vs_fp32']:.2f}x FP32 ({r['quantized_layers']} layers INT8)")
+    mb = 1024**2
+    r = {
+        "quant_dir": str(out),
+        "model_dir": meta["model_dir"],
+        "backend": meta["backend"],
+        "method": meta["method"],
+        "format": meta["format"],
+        "int8_mb": round(meta["int8_bytes"] / mb, 3),
+        "bf16_mb": round(meta["bf16_bytes"] / mb, 3),
+        "fp32_mb": round(meta["fp32_bytes"] / mb, 3),
+        "size_ratio_vs_bf16": round(meta["int8_bytes"] / meta["bf16_bytes"], 4),
+        "size_ratio_vs_fp32": round(meta["int8_bytes"] / meta["fp32_bytes"], 4),
+        "quantized_layers": len(meta["quantized_layers"]),
+        "reused": reused,
+    }
+    r["summary"] = (
+        f"{meta['backend']} {meta['method']}: {r['int8_mb']:.2f} MB = {r['size_ratio_vs_bf16']:.2f}x "
+        f"BF16, {r['size_ratio_vs_fp32']:.2f}x FP32 ({r['quantized_layers']} layers INT8)"
+    )
     r["status"] = "ok"
     return r

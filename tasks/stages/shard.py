@@ -4,6 +4,7 @@ The work is data_prep.build_shard_set (also `python -m data_prep shard`); this m
 onto it, logs to MLflow (counters, the manifest and tokenizer as artifacts, the shard set as a dataset input with
 the manifest digest) and returns the shard set's path and `asset_uri`, which the DAG emits as an Airflow Asset.
 """
+
 from __future__ import annotations
 
 from tasks import tracking
@@ -32,16 +33,26 @@ def shard_config(cfg: PipelineConfig):
     """cfg.data as data_prep builds it (the same model): paths resolved, the shard multiple decided."""
     d = cfg.data
     tokenizer = d.tokenizer if d.tokenizer == "train" else str(repo_path(d.tokenizer))
-    return d.model_copy(update={"inputs": _inputs(d.inputs), "out_dir": str(repo_path(d.out_dir)),
-                                "tokenizer": tokenizer, "shard_multiple": shard_multiple(cfg)})
+    return d.model_copy(
+        update={
+            "inputs": _inputs(d.inputs),
+            "out_dir": str(repo_path(d.out_dir)),
+            "tokenizer": tokenizer,
+            "shard_multiple": shard_multiple(cfg),
+        }
+    )
 
 
 def add_cli_args(parser) -> None:
     from tasks.runner import add_shard_dir_arg
 
     add_shard_dir_arg(parser, "to adopt as it is, instead of sharding (a published set, e.g. an asset event's)")
-    parser.add_argument("--manifest-digest", default=None, metavar="SHA256",
-                        help="with --shard-dir: the manifest.json sha256 the set must have (refused otherwise)")
+    parser.add_argument(
+        "--manifest-digest",
+        default=None,
+        metavar="SHA256",
+        help="with --shard-dir: the manifest.json sha256 the set must have (refused otherwise)",
+    )
 
 
 def _log_dataset(shard_dir, tags: dict | None = None) -> None:
@@ -69,21 +80,35 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
     except (DataPrepError, OSError) as e:
         raise StageError(f"shard: published shard set {shard_dir} is unusable ({e}); re-run llm_data") from None
     if want and sha != want:
-        raise StageError(f"shard: published shard set {shard_dir} changed since it was published (manifest "
-                         f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it "
-                         "again")
+        raise StageError(
+            f"shard: published shard set {shard_dir} changed since it was published (manifest "
+            f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it "
+            "again"
+        )
     splits = m["splits"]
     tracking.log_params({"shard.version": m["version"], "shard.manifest_sha256": sha, "shard.published": True})
     tracking.log_artifact(shard_dir / "manifest.json", "shards")
     _log_dataset(shard_dir, {"published": "true"})
     n_shards = sum(len(v["shards"]) for v in splits.values())
-    return {"status": "ok", "warnings": m.get("warnings", []),
-            "summary": f"published set {m['version']} (sha256 {sha[:12]}…): {splits['train']['samples']} train + "
-                       f"{splits['val']['samples']} val sequences of {m['seq_len']}, not re-sharded",
-            "shard_dir": str(shard_dir), "manifest": str(shard_dir / "manifest.json"), "manifest_digest": sha,
-            "asset_uri": shard_dir.as_uri(), "version": m["version"], "cache_hit": True, "published": True,
-            "seq_len": m["seq_len"], "vocab_size": m["vocab_size"], "tokenizer": str(shard_dir / "tokenizer.json"),
-            "shards": n_shards, "train_samples": splits["train"]["samples"], "val_samples": splits["val"]["samples"]}
+    return {
+        "status": "ok",
+        "warnings": m.get("warnings", []),
+        "summary": f"published set {m['version']} (sha256 {sha[:12]}…): {splits['train']['samples']} train + "
+        f"{splits['val']['samples']} val sequences of {m['seq_len']}, not re-sharded",
+        "shard_dir": str(shard_dir),
+        "manifest": str(shard_dir / "manifest.json"),
+        "manifest_digest": sha,
+        "asset_uri": shard_dir.as_uri(),
+        "version": m["version"],
+        "cache_hit": True,
+        "published": True,
+        "seq_len": m["seq_len"],
+        "vocab_size": m["vocab_size"],
+        "tokenizer": str(shard_dir / "tokenizer.json"),
+        "shards": n_shards,
+        "train_samples": splits["train"]["samples"],
+        "val_samples": splits["val"]["samples"],
+    }
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
@@ -101,12 +126,25 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     splits = m["splits"]
     n_shards = sum(len(s["shards"]) for s in splits.values())
     n_bytes = sum(e["bytes"] for s in splits.values() for e in s["shards"])
-    tracking.log_params({"shard.version": m["version"], "shard.manifest_sha256": result.digest,
-                         "shard.dtype": m["dtype"], "shard.vocab_size": m["vocab_size"],
-                         "shard.shard_multiple": m["shard_multiple"], "shard.inputs": ",".join(scfg.inputs)})
-    metrics = {**{f"shard.{k}": v for k, v in stats.items()}, "shard.tokens": result.tokens,
-               "shard.shards": n_shards, "shard.bytes": n_bytes, "shard.cache_hit": int(result.cache_hit),
-               "shard.seconds": result.seconds, **{f"shard.{s}_samples": v["samples"] for s, v in splits.items()}}
+    tracking.log_params(
+        {
+            "shard.version": m["version"],
+            "shard.manifest_sha256": result.digest,
+            "shard.dtype": m["dtype"],
+            "shard.vocab_size": m["vocab_size"],
+            "shard.shard_multiple": m["shard_multiple"],
+            "shard.inputs": ",".join(scfg.inputs),
+        }
+    )
+    metrics = {
+        **{f"shard.{k}": v for k, v in stats.items()},
+        "shard.tokens": result.tokens,
+        "shard.shards": n_shards,
+        "shard.bytes": n_bytes,
+        "shard.cache_hit": int(result.cache_hit),
+        "shard.seconds": result.seconds,
+        **{f"shard.{s}_samples": v["samples"] for s, v in splits.items()},
+    }
     if not result.cache_hit:
         metrics.update({"shard.tokens_per_s": result.tokens_per_s, "shard.tokenizer_seconds": result.tokenizer_seconds})
     tracking.log_metrics(metrics)
@@ -114,11 +152,25 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     tracking.log_artifact(result.shard_dir / "tokenizer.json", "shards")
     _log_dataset(result.shard_dir)
     how = "cache hit" if result.cache_hit else f"{result.tokens_per_s:,.0f} tokens/s"
-    summary = (f"{splits['train']['samples']} train + {splits['val']['samples']} val sequences of {m['seq_len']} "
-               f"in {n_shards} shards, {result.tokens / 1e6:.2f}M tokens, vocab {m['vocab_size']} ({how})")
-    return {"status": "warn" if m["warnings"] else "ok", "summary": summary, "warnings": m["warnings"],
-            "shard_dir": str(result.shard_dir), "manifest": str(result.shard_dir / "manifest.json"),
-            "manifest_digest": result.digest, "asset_uri": result.shard_dir.as_uri(), "version": m["version"],
-            "cache_hit": result.cache_hit, "seq_len": m["seq_len"], "vocab_size": m["vocab_size"],
-            "tokenizer": str(result.shard_dir / "tokenizer.json"), "tokens": result.tokens, "shards": n_shards,
-            "train_samples": splits["train"]["samples"], "val_samples": splits["val"]["samples"]}
+    summary = (
+        f"{splits['train']['samples']} train + {splits['val']['samples']} val sequences of {m['seq_len']} "
+        f"in {n_shards} shards, {result.tokens / 1e6:.2f}M tokens, vocab {m['vocab_size']} ({how})"
+    )
+    return {
+        "status": "warn" if m["warnings"] else "ok",
+        "summary": summary,
+        "warnings": m["warnings"],
+        "shard_dir": str(result.shard_dir),
+        "manifest": str(result.shard_dir / "manifest.json"),
+        "manifest_digest": result.digest,
+        "asset_uri": result.shard_dir.as_uri(),
+        "version": m["version"],
+        "cache_hit": result.cache_hit,
+        "seq_len": m["seq_len"],
+        "vocab_size": m["vocab_size"],
+        "tokenizer": str(result.shard_dir / "tokenizer.json"),
+        "tokens": result.tokens,
+        "shards": n_shards,
+        "train_samples": splits["train"]["samples"],
+        "val_samples": splits["val"]["samples"],
+    }

@@ -3,6 +3,7 @@
 Passes when every loss is finite, the loss falls and the two curves agree; otherwise it names the first layer that
 went non-finite, with likely causes, and raises a non-retryable StageError so training never starts on a broken set-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,11 @@ def initial_model(cfg, vocab: int):
     from tasks.model.hf_io import load_hf
 
     tcfg = from_pipeline(cfg, vocab_size=vocab)
-    model = load_hf(repo_path(cfg.model.hf_path)) if cfg.model.hf_path else materialize(build_model(tcfg), "cpu",
-                                                                             cfg.train.seed)
+    model = (
+        load_hf(repo_path(cfg.model.hf_path))
+        if cfg.model.hf_path
+        else materialize(build_model(tcfg), "cpu", cfg.train.seed)
+    )
     return model.config, model.state_dict()
 
 
@@ -86,7 +90,7 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
     from tasks.model.step import train_step
 
     model = build_model(tcfg).to_empty(device=dev)
-    convert_npu_kernels(model, dev.type, cfg.model.npu_kernels)   # the kernels training uses; identity off the NPU
+    convert_npu_kernels(model, dev.type, cfg.model.npu_kernels)  # the kernels training uses; identity off the NPU
     model.tie_weights()
     model.load_state_dict(state)
     model.init_rope()
@@ -123,9 +127,11 @@ def verdict(curves: dict, cfg) -> tuple[list[str], dict]:
         drop = (first - last) / abs(first)
         figures[f"{name}.loss_drop"] = drop
         if drop < cfg.smoke.min_drop:
-            problems.append(f"{name.upper()} loss did not fall: mean of first {k} {first:.4f} → last {k} "
-                            f"{last:.4f} ({drop:.1%} < smoke.min_drop {cfg.smoke.min_drop:.0%}); check smoke.lr "
-                            f"and the data")
+            problems.append(
+                f"{name.upper()} loss did not fall: mean of first {k} {first:.4f} → last {k} "
+                f"{last:.4f} ({drop:.1%} < smoke.min_drop {cfg.smoke.min_drop:.0%}); check smoke.lr "
+                f"and the data"
+            )
     if "bf16" in curves:
         # Compare rolling means over the window: single-batch losses are noisy, and tiny weight differences shift
         # which batch looks hard; a real precision problem moves the whole curve.
@@ -134,14 +140,16 @@ def verdict(curves: dict, cfg) -> tuple[list[str], dict]:
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         figures["bf16.max_rel_gap"] = gaps[worst]
         if gaps[worst] > cfg.smoke.bf16_tolerance:
-            problems.append(f"BF16 curve departs from FP32 by {gaps[worst]:.1%} over steps {worst}-{worst + k - 1} "
-                            f"(smoke.bf16_tolerance {cfg.smoke.bf16_tolerance:.0%}); BF16 range: keep norms/loss in "
-                            f"FP32, clip gradients")
+            problems.append(
+                f"BF16 curve departs from FP32 by {gaps[worst]:.1%} over steps {worst}-{worst + k - 1} "
+                f"(smoke.bf16_tolerance {cfg.smoke.bf16_tolerance:.0%}); BF16 range: keep norms/loss in "
+                f"FP32, clip gradients"
+            )
     return problems, figures
 
 
 def _rolling(values: list, k: int) -> list:
-    return [sum(values[i:i + k]) / k for i in range(len(values) - k + 1)]
+    return [sum(values[i : i + k]) / k for i in range(len(values) - k + 1)]
 
 
 def plot_curves(curves: dict, path: Path) -> None:
@@ -183,15 +191,17 @@ def compare_precision(cfg, tcfg, state: dict, tokens, dev) -> dict:
 def log_compare(result: dict) -> None:
     from tasks.model import compare as cmp
 
-    tracking.log_metrics({"smoke.compare.max_rel": result["max_rel"],
-                          "smoke.compare.logits_max_rel": result["logits_max_rel"] or 0.0})
+    tracking.log_metrics(
+        {"smoke.compare.max_rel": result["max_rel"], "smoke.compare.logits_max_rel": result["logits_max_rel"] or 0.0}
+    )
     # The series over the model's top-level parts (embedding, each block, norm, logits): the full table is the JSON.
     top = [r for r in result["layers"] if "max_rel" in r and re.fullmatch(r"[^.]+|layers\.\d+", r["layer"])]
     for i, row in enumerate(top):
         tracking.log_metrics({"smoke.compare.layer_max_rel": row["max_rel"]}, step=i)
     tracking.log_json_artifact(result, "smoke/compare.json")
-    tracking.set_tags({"smoke.compare.first_beyond": result["first_beyond"] or "none",
-                       "smoke.compare.summary": cmp.summary(result)})
+    tracking.set_tags(
+        {"smoke.compare.first_beyond": result["first_beyond"] or "none", "smoke.compare.summary": cmp.summary(result)}
+    )
 
 
 def _run_curves(precisions, tcfg, state, batches, dev, cfg) -> dict:
@@ -205,9 +215,11 @@ def _run_curves(precisions, tcfg, state, batches, dev, cfg) -> dict:
         except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a RuntimeError naming it on NPU
             if "out of memory" not in str(e).lower():
                 raise
-            raise StageError(f"smoke: {num_params(tcfg) / 1e9:.2f}B-parameter model does not fit one {dev} with "
-                             f"micro_batch {cfg.smoke.micro_batch} (AdamW, FP32); smoke is single-device: lower "
-                             f"smoke.micro_batch or use a smaller model.preset") from None
+            raise StageError(
+                f"smoke: {num_params(tcfg) / 1e9:.2f}B-parameter model does not fit one {dev} with "
+                f"micro_batch {cfg.smoke.micro_batch} (AdamW, FP32); smoke is single-device: lower "
+                f"smoke.micro_batch or use a smaller model.preset"
+            ) from None
         if curve.failure:
             break
     return curves
@@ -238,8 +250,14 @@ def run(cfg, ctx) -> dict:
     check_batches(batches, tcfg)
     backend = devices.detect(cfg.hardware.device)
     dev = devices.torch_device(backend.kind, 0)
-    tracking.log_params({"smoke.device": str(dev), "smoke.params": num_params(tcfg), "smoke.family": tcfg.family,
-                         "smoke.shard_dir": str(shard_dir)})
+    tracking.log_params(
+        {
+            "smoke.device": str(dev),
+            "smoke.params": num_params(tcfg),
+            "smoke.family": tcfg.family,
+            "smoke.shard_dir": str(shard_dir),
+        }
+    )
     precisions = ["fp32"] + (["bf16"] if devices.bf16_supported(backend.kind) else [])
     (ctx.run_dir / "smoke_report.json").unlink(missing_ok=True)  # a rerun must not show an old failure
     recorder = warnings.catch_warnings(record=True) if backend.kind == "npu" else contextlib.nullcontext([])
@@ -257,8 +275,13 @@ def run(cfg, ctx) -> dict:
         log_compare(compared)
     peak = max(c.peak_bytes for c in curves.values())
     tokens_per_s = {name: round(c.tokens_per_s, 1) for name, c in curves.items()}
-    tracking.log_metrics({**{f"smoke.{k}": v for k, v in figures.items()}, "smoke.peak_memory_mb": peak / MB,
-                          **{f"smoke.{k}.tokens_per_s": v for k, v in tokens_per_s.items()}})
+    tracking.log_metrics(
+        {
+            **{f"smoke.{k}": v for k, v in figures.items()},
+            "smoke.peak_memory_mb": peak / MB,
+            **{f"smoke.{k}.tokens_per_s": v for k, v in tokens_per_s.items()},
+        }
+    )
     if failure or problems:
         report = failure or {"cause": "; ".join(problems), "layers": []}
         report["losses"] = {name: c.losses for name, c in curves.items()}
@@ -277,20 +300,37 @@ def run(cfg, ctx) -> dict:
         from tasks.model.compare import summary as compare_summary
 
         atomic_write_json(ctx.run_dir / "smoke_report.json", {"compare": compared})
-        extra["compare"] = {k: compared[k] for k in ("first_beyond", "first_beyond_rel", "logits_max_rel",
-                                                      "max_rel", "tolerance", "precision", "device")}
+        extra["compare"] = {
+            k: compared[k]
+            for k in (
+                "first_beyond",
+                "first_beyond_rel",
+                "logits_max_rel",
+                "max_rel",
+                "tolerance",
+                "precision",
+                "device",
+            )
+        }
         extra["compare"]["summary"] = compare_summary(compared)
         extra["compare"]["report"] = str(ctx.run_dir / "smoke_report.json")
     return {
         "status": "ok" if "bf16" in curves and not (compared and compared["first_beyond"]) else "warn",
-        "summary": (f"FP32 loss {fp32[0]:.3f}→{fp32[-1]:.3f}"
-                    + (f", BF16 within {gap:.1%}" if gap is not None else ", BF16 unsupported: skipped")
-                    + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}"
-                    + (f"; compare: {extra['compare']['summary']}" if compared else "")),
+        "summary": (
+            f"FP32 loss {fp32[0]:.3f}→{fp32[-1]:.3f}"
+            + (f", BF16 within {gap:.1%}" if gap is not None else ", BF16 unsupported: skipped")
+            + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}"
+            + (f"; compare: {extra['compare']['summary']}" if compared else "")
+        ),
         "op_support": op_report,
         **extra,
-        "device": str(dev), "shard_dir": str(shard_dir), "params": num_params(tcfg),
+        "device": str(dev),
+        "shard_dir": str(shard_dir),
+        "params": num_params(tcfg),
         "losses": {name: [round(v, 5) for v in c.losses] for name, c in curves.items()},
-        "figures": figures, "tokens_per_s": tokens_per_s, "peak_memory_bytes": peak,
-        "memory_estimate_over_measured": ratio, "plot": str(ctx.run_dir / "smoke_loss.png"),
+        "figures": figures,
+        "tokens_per_s": tokens_per_s,
+        "peak_memory_bytes": peak,
+        "memory_estimate_over_measured": ratio,
+        "plot": str(ctx.run_dir / "smoke_loss.png"),
     }

@@ -6,6 +6,7 @@ tasks.parallel.worker; DCP checkpoints under <run-dir>/checkpoints, resumed auto
 Multi-node: run the same command on every node with hardware.nnodes, hardware.node_rank and
 hardware.rdzv_endpoint (the first node's host:port) set; the nodes meet through torchrun's c10d rendezvous.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ from tasks.units import GB
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     runner.add_shard_dir_arg(parser)
-    parser.add_argument("--fresh", action="store_true",
-                        help="delete this run's checkpoints and metrics and start from step 0")
+    parser.add_argument(
+        "--fresh", action="store_true", help="delete this run's checkpoints and metrics and start from step 0"
+    )
     parser.add_argument("--no-export", action="store_true", help="skip the HF export to <run-dir>/hf")
 
 
@@ -67,10 +69,14 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     backend, nproc, world = _world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
     hw = cfg.hardware
-    hint = ("; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks"
-            if hw.nproc_per_node and not backend.is_accelerator else "")
-    problems = layouts.check(lay, tcfg, cfg.data.seq_len, world,
-                             f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}")
+    hint = (
+        "; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks"
+        if hw.nproc_per_node and not backend.is_accelerator
+        else ""
+    )
+    problems = layouts.check(
+        lay, tcfg, cfg.data.seq_len, world, f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}"
+    )
     try:
         parse_fault(os.environ.get(FAULT_ENV, ""))
     except ValueError as e:
@@ -89,14 +95,18 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     if last:
         changes = ckpt.config_changes(last[1], cfg.to_dict())
         if changes:
-            warnings_.append(f"resuming from {last[1].name} with training-shaping config changed since it was "
-                             f"saved: {'; '.join(changes)} (the curve will differ from an uninterrupted run; use "
-                             f"--fresh to start over)")
+            warnings_.append(
+                f"resuming from {last[1].name} with training-shaping config changed since it was "
+                f"saved: {'; '.join(changes)} (the curve will differ from an uninterrupted run; use "
+                f"--fresh to start over)"
+            )
         saved = ckpt.read_meta(last[1])["model"]
         diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
         if diff:
-            problems.append(f"checkpoint {last[1]}: written for another model shape ({', '.join(diff[:3])}); "
-                            f"use --fresh or another --run-dir")
+            problems.append(
+                f"checkpoint {last[1]}: written for another model shape ({', '.join(diff[:3])}); "
+                f"use --fresh or another --run-dir"
+            )
     init_from = _init_from(cfg, tcfg, problems)
     if init_from:
         from tasks.model.hf_io import tokenizer_problem
@@ -106,16 +116,37 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         raise ConfigError(problems)
     for w in warnings_:
         print(f"warning: {w}", file=sys.stderr, flush=True)
-    return {"config": cfg.to_dict(), "init_from": init_from, "config_hash": cfg.digest(), "model": model,
-            "layout": lay.to_dict(), "shard_dir": str(shard_dir), "run_dir": str(ctx.run_dir), "resume": True,
-            **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
-            "warnings": warnings_, "shards_verified": cfg.data.verify_sha256,
-            "estimate_bytes": _estimate(cfg, tcfg, lay, backend.kind), "backend": backend.kind, "nproc": nproc,
-            "world": world}
+    return {
+        "config": cfg.to_dict(),
+        "init_from": init_from,
+        "config_hash": cfg.digest(),
+        "model": model,
+        "layout": lay.to_dict(),
+        "shard_dir": str(shard_dir),
+        "run_dir": str(ctx.run_dir),
+        "resume": True,
+        **({"resume_from": str(last[1]) if last else None} if cfg.hardware.node_rank == 0 else {}),
+        "warnings": warnings_,
+        "shards_verified": cfg.data.verify_sha256,
+        "estimate_bytes": _estimate(cfg, tcfg, lay, backend.kind),
+        "backend": backend.kind,
+        "nproc": nproc,
+        "world": world,
+    }
 
 
-_WEIGHT_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "qkv_bias", "tie_embeddings",
-                 "n_experts", "moe_ffn_dim")
+_WEIGHT_SHAPE = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "qkv_bias",
+    "tie_embeddings",
+    "n_experts",
+    "moe_ffn_dim",
+)
 
 
 def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
@@ -130,8 +161,10 @@ def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
     hf = read_hf_config(path)
     for key in _WEIGHT_SHAPE:
         if getattr(hf, key) != getattr(tcfg, key):
-            problems.append(f"model.{key}: {getattr(tcfg, key)} differs from {getattr(hf, key)} in model.hf_path's "
-                            f"config.json, whose weights training starts from; unset model.{key}")
+            problems.append(
+                f"model.{key}: {getattr(tcfg, key)} differs from {getattr(hf, key)} in model.hf_path's "
+                f"config.json, whose weights training starts from; unset model.{key}"
+            )
     return str(path)
 
 
@@ -142,8 +175,10 @@ def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path]
         return ckpt.latest(ckpt_dir), []
     ckpt.cleanup_partial(ckpt_dir)
     found, skipped = ckpt.latest_verified(ckpt_dir)
-    warnings_ = [f"checkpoint {s} — skipped, resuming from "
-                 f"{found[1].name if found else 'step 0 (no checkpoint verifies)'}" for s in skipped]
+    warnings_ = [
+        f"checkpoint {s} — skipped, resuming from {found[1].name if found else 'step 0 (no checkpoint verifies)'}"
+        for s in skipped
+    ]
     return found, warnings_
 
 
@@ -160,16 +195,33 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> i
     if tcfg.n_experts:
         from tasks.planner import moe
 
-        return int(moe.estimate_for_run(tcfg, cfg.data.seq_len, lay.local_batch // m, lay.dp, lay.ep, lay.zero,
-                                        lay.recompute, cfg.train.precision, m) + reserve) \
-            if lay.tp == lay.pp == 1 else None
+        return (
+            int(
+                moe.estimate_for_run(
+                    tcfg,
+                    cfg.data.seq_len,
+                    lay.local_batch // m,
+                    lay.dp,
+                    lay.ep,
+                    lay.zero,
+                    lay.recompute,
+                    cfg.train.precision,
+                    m,
+                )
+                + reserve
+            )
+            if lay.tp == lay.pp == 1
+            else None
+        )
     run = dataclasses.replace(lay, micro_batch=lay.local_batch // m, microbatches=m)
-    return int(estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision,
-                        reserve_bytes=reserve)["total_bytes"])
+    return int(
+        estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision, reserve_bytes=reserve)["total_bytes"]
+    )
 
 
-def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str,
-                  log_dir: Path | None = None) -> list[str]:
+def torchrun_argv(
+    cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str, log_dir: Path | None = None
+) -> list[str]:
     """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes. `log_dir` keeps the ranks'
     @record error files (tasks.parallel.rank_errors reads them)."""
     hw = cfg.hardware
@@ -179,8 +231,18 @@ def torchrun_argv(cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_
     if hw.nnodes == 1:
         argv.append("--standalone")
     else:
-        argv += ["--nnodes", str(hw.nnodes), "--node-rank", str(hw.node_rank), "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", hw.rdzv_endpoint, "--rdzv-id", rdzv_id]
+        argv += [
+            "--nnodes",
+            str(hw.nnodes),
+            "--node-rank",
+            str(hw.node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            hw.rdzv_endpoint,
+            "--rdzv-id",
+            rdzv_id,
+        ]
     from tasks.parallel import binding  # ranks on the cores nearest their device (hardware.bind_cpus)
 
     argv += binding.launch_args(cfg) + ["-m", binding.entry_module(cfg)]
@@ -232,8 +294,14 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     if last and last[0] >= cfg.train.steps and (not export or (run_dir / "hf" / "config.json").is_file()):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
     ep = f"·ep{lay.ep}" if lay.ep > 1 else ""
-    tracking.log_params({"train.layout": layout_name(lay.dp, lay.tp, lay.pp) + ep, **{f"parallel.{k}": v for k, v in
-                         spec["layout"].items()}, "train.world": spec["world"], "train.shards": spec["shard_dir"]})
+    tracking.log_params(
+        {
+            "train.layout": layout_name(lay.dp, lay.tp, lay.pp) + ep,
+            **{f"parallel.{k}": v for k, v in spec["layout"].items()},
+            "train.world": spec["world"],
+            "train.shards": spec["shard_dir"],
+        }
+    )
     tracking.log_json_artifact(spec, "train/launch.json")
     if cfg.hardware.node_rank == 0:  # evidence of an earlier attempt (other nodes wait for node 0 to rendezvous)
         for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json", "export_memory.json"):
@@ -261,13 +329,22 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         resume = ckpt.latest(run_dir / "checkpoints")
         plans = _plans(ctx.inputs.get("plan"))
         failures = rank_errors.collect(log_text, logs, node, spec["nproc"], offsets)
-        raise diagnosis.explain(train_dir, rc, log_text, plans, spec["layout"],
-                                f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)",
-                                failures=failures, kind=spec["backend"],
-                                alloc_conf=alloc_conf_in_force(spec["backend"], env))
+        raise diagnosis.explain(
+            train_dir,
+            rc,
+            log_text,
+            plans,
+            spec["layout"],
+            f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)",
+            failures=failures,
+            kind=spec["backend"],
+            alloc_conf=alloc_conf_in_force(spec["backend"], env),
+        )
     if export and not (run_dir / "hf" / "config.json").is_file():
-        raise StageError(f"training finished but the HF export {run_dir / 'hf'} is missing; see "
-                         f"{run_dir / 'logs'}/rank-0.log, rerun to export again")
+        raise StageError(
+            f"training finished but the HF export {run_dir / 'hf'} is missing; see "
+            f"{run_dir / 'logs'}/rank-0.log, rerun to export again"
+        )
     return _result(cfg, ctx, spec, reused=False)
 
 
@@ -304,17 +381,28 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
     summary = read_json(summary_path) if summary_path.is_file() else {}
     peaks = [m["peak_bytes"] for m in summary.get("memory_per_rank", []) if m]
     result = {
-        "status": "ok", "layout": name, "steps": records[-1]["step"], "first_loss": records[0]["loss"],
-        "final_loss": records[-1]["loss"], "tokens_per_s": round(tps, 1), "mfu": records[-1].get("mfu"),
-        "peak_mem_gb": round(max(peaks) / GB, 3) if peaks else None, "reused": reused,
-        "metrics": str(run_dir / "metrics.jsonl"), "checkpoint_dir": str(run_dir / "checkpoints"),
-        "checkpoint": str(last[1]) if last else None, "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
+        "status": "ok",
+        "layout": name,
+        "steps": records[-1]["step"],
+        "first_loss": records[0]["loss"],
+        "final_loss": records[-1]["loss"],
+        "tokens_per_s": round(tps, 1),
+        "mfu": records[-1].get("mfu"),
+        "peak_mem_gb": round(max(peaks) / GB, 3) if peaks else None,
+        "reused": reused,
+        "metrics": str(run_dir / "metrics.jsonl"),
+        "checkpoint_dir": str(run_dir / "checkpoints"),
+        "checkpoint": str(last[1]) if last else None,
+        "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
         "warnings": spec.get("warnings", []),
-        "binding": [f"local rank {e['local_rank']}: CPUs {e['cpulist']} ({e['source']})"
-                    for e in (read_json(run_dir / "train" / "binding.json")
-                              if (run_dir / "train" / "binding.json").is_file() else [])],
+        "binding": [
+            f"local rank {e['local_rank']}: CPUs {e['cpulist']} ({e['source']})"
+            for e in (
+                read_json(run_dir / "train" / "binding.json") if (run_dir / "train" / "binding.json").is_file() else []
+            )
+        ],
         "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
-                   f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
+        f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
     }
     if not reused:
         _log_run(cfg, ctx, spec, records, result, summary)
@@ -355,19 +443,23 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
     send (an MLflow outage mid-training) is backfilled from metrics.jsonl now, or left pending for the next stage.
     Nothing here can fail the stage: the training is done."""
     if ctx.mlflow_run_id:
-        tracking.settle_metrics(ctx.run_dir, tracking.tracking_uri(cfg), ctx.mlflow_run_id,
-                                result["metrics"])
+        tracking.settle_metrics(ctx.run_dir, tracking.tracking_uri(cfg), ctx.mlflow_run_id, result["metrics"])
     final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
     export_path = ctx.run_dir / "train" / "export_memory.json"
-    final.update(memory_figures(summary, read_json(export_path) if export_path.is_file() else None,
-                                spec.get("estimate_bytes"), spec["backend"]))
+    final.update(
+        memory_figures(
+            summary,
+            read_json(export_path) if export_path.is_file() else None,
+            spec.get("estimate_bytes"),
+            spec["backend"],
+        )
+    )
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
     with tracking.best_effort("final training metrics, tags and artifacts"):
         tracking.log_metrics(final)
         tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
         tracking.log_artifact(result["metrics"])
         tracking.log_artifact(plot, "train")
-
 
 
 def _loss_plot(records: list[dict], path: Path) -> Path:
