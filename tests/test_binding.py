@@ -94,7 +94,10 @@ def test_ranks_run_with_the_cpus_of_their_plan(tmp_path):
     """A real torchrun job through the binding entry point; the 'worker' module prints the rank's CPU affinity."""
     cfg = load_config("ci-tiny")
     (tmp_path / "affinity_probe.py").write_text(
-        "import json, os\nprint('AFFINITY', os.environ['LOCAL_RANK'], json.dumps(sorted(os.sched_getaffinity(0))))\n"
+        # One write(2) per line: both ranks share the pipe, and print() writes the text and its newline separately.
+        "import json, os\n"
+        "cpus = json.dumps(sorted(os.sched_getaffinity(0)))\n"
+        "os.write(1, f\"AFFINITY {os.environ['LOCAL_RANK']} {cpus}\\n\".encode())\n"
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path)]))
     entries = binding.prepare(cfg, "cpu", 2, env)
