@@ -75,28 +75,19 @@ class Section(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _read_text(cls, data):
-        fields = cls.model_fields
-        return (
-            {k: from_text(v, fields[k].annotation) if k in fields else v for k, v in data.items()}
-            if isinstance(data, dict)
-            else data
-        )
+        if not isinstance(data, dict):
+            return data
+        return {
+            k: from_text(v, cls.model_fields[k].annotation) if k in cls.model_fields else v for k, v in data.items()
+        }
 
 
 def _model(annotation):
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
 
-_EXPECTED = {
-    "int": "an integer",
-    "float": "a finite number",
-    "finite": "a finite number",
-    "bool": "true/false",
-    "string": "a string",
-    "list": "a list",
-    "model": "a mapping of keys",
-    "dict": "a mapping of keys",
-}
+_EXPECTED = {"int": "an integer", "float": "a finite number", "finite": "a finite number", "bool": "true/false"}
+_EXPECTED.update(string="a string", list="a list", model="a mapping of keys", dict="a mapping of keys")
 
 
 def _unknown(owner, names: list[str], value) -> list[str]:
@@ -156,16 +147,9 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
 
 # Fields that do not change the bytes written, so they stay out of the cache key: where things are, how fast they
 # are built, and the loader's own settings.
-_NOT_IN_KEY = {
-    "inputs",
-    "out_dir",
-    "tokenizer",
-    "tokenize_processes",
-    "progress",
-    "loader_workers",
-    "prefetch_factor",
-    "verify_sha256",
-}
+_NOT_IN_KEY = set(
+    "inputs out_dir tokenizer tokenize_processes progress loader_workers prefetch_factor verify_sha256".split()
+)
 
 
 class DataConfig(Section):

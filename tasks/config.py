@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -249,6 +248,14 @@ class TimeoutConfig(Section):
     k8s_pending_s: int = Field(900, ge=1)  # a Job's pods may wait this long to be scheduled, on top of the stage's
 
 
+# (a, b): a may not exceed b
+_ORDERED = [
+    ("train.micro_batch", "train.global_batch"),
+    ("train.min_lr", "train.lr"),
+    ("hardware.warn_clock_offset_ms", "hardware.max_clock_offset_ms"),
+]
+
+
 class PipelineConfig(Section):
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -274,32 +281,16 @@ class PipelineConfig(Section):
     def _rules(self):
         """Rules across fields, checked once every field is valid."""
         t, hw = self.train, self.hardware
-        lines = [
-            line
-            for broken, line in (
-                (
-                    t.micro_batch > t.global_batch,
-                    f"train.micro_batch: {t.micro_batch} exceeds train.global_batch {t.global_batch}",
-                ),
-                (t.min_lr > t.lr, f"train.min_lr: {t.min_lr} exceeds train.lr {t.lr}"),
-                (
-                    hw.node_rank >= hw.nnodes,
-                    f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}",
-                ),
-                (":" not in hw.rdzv_endpoint, f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port"),
-                (
-                    hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout,
-                    f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout {hw.hccl_exec_timeout} so "
-                    "HCCL reports the real error before torch's watchdog fires",
-                ),
-                (
-                    hw.warn_clock_offset_ms > hw.max_clock_offset_ms,
-                    f"hardware.warn_clock_offset_ms: "
-                    f"{hw.warn_clock_offset_ms} exceeds hardware.max_clock_offset_ms {hw.max_clock_offset_ms}",
-                ),
+        lines = [f"{a}: {get(self, a)} exceeds {b} {get(self, b)}" for a, b in _ORDERED if get(self, a) > get(self, b)]
+        if hw.node_rank >= hw.nnodes:
+            lines.append(f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}")
+        if ":" not in hw.rdzv_endpoint:
+            lines.append(f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port")
+        if hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout:
+            lines.append(
+                f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout {hw.hccl_exec_timeout} so "
+                "HCCL reports the real error before torch's watchdog fires"
             )
-            if broken
-        ]
         if lines:
             raise rule_error(lines)
         return self
@@ -313,13 +304,6 @@ class PipelineConfig(Section):
 
 
 SECTIONS = [k for k in PipelineConfig.model_fields if k != "preset"]
-# dotted key → its allowed values, read off the models' Literal types (the form's enums come from the same place)
-CHOICES = {
-    f"{s}.{k}": list(typing.get_args(f.annotation))
-    for s in SECTIONS
-    for k, f in PipelineConfig.model_fields[s].annotation.model_fields.items()
-    if typing.get_origin(f.annotation) is Literal
-}
 
 
 def _flatten(overrides: dict, prefix: str = "") -> dict[str, Any]:
