@@ -193,7 +193,8 @@ def run() -> dict:
     from tasks.model import TransformerConfig, num_params
     from tasks.model.moe import GroupedExperts
     from tasks.planner.cluster import get_cluster
-    from tasks.planner.moe import MoeLayout, MoeProblem, moe_shape_of, step_time
+    from tasks.parallel.layout import Layout
+    from tasks.planner.moe import MoeProblem, moe_shape_of, step_time
 
     moe, dense = TransformerConfig(**MOE), _dense()
     # equal but for the router and the shared-expert gate (dim · (E + 1) per layer, < 0.5 %)
@@ -205,7 +206,7 @@ def run() -> dict:
     finally:
         GroupedExperts.use_grouped_mm = True
     pb = MoeProblem(get_cluster("cpu-laptop"), moe_shape_of(moe), SEQ, BATCH, precision="fp32")
-    predicted = step_time(pb, MoeLayout(2, 2, 3, "none", BATCH // 2, 1))
+    predicted = step_time(pb, Layout(dp=2, ep=2, zero=3, recompute="none", micro_batch=BATCH // 2, microbatches=1))
     ep = _ep_share()
     return {
         "moe.tokens_per_s_ratio_vs_dense_same_active_params": round(moe_tps / dense_tps, 3),

@@ -8,7 +8,8 @@ import pytest
 from tasks.model import get_preset
 from tasks.planner.cluster import get_cluster
 from tasks.units import GB
-from tasks.planner.moe import MoeLayout, MoeProblem, memory, moe_shape_of, search, step_time
+from tasks.parallel.layout import Layout
+from tasks.planner.moe import MoeProblem, memory, moe_shape_of, search, step_time
 
 
 def _pb(preset, nodes, batch=64, **kw):
@@ -22,12 +23,30 @@ def test_qwen2_57b_a14b_on_four_910b_nodes_prefers_ep_inside_a_node():
     assert best["ep"] == 8 and best["ep_intra_node"]  # 64 experts, 8 NPUs per node: EP on the node's mesh
     assert best["total_bytes"] <= 64 * GB and 0 < best["all_to_all_share"] < 0.5
     # the same layout with EP across nodes pays the 25 GB/s RoCE link instead of the 56 GB/s HCCS mesh
-    cross = step_time(pb, MoeLayout(32, 32, best["zero"], best["recompute"], best["micro_batch"], best["microbatches"]))
+    cross = step_time(
+        pb,
+        Layout(
+            dp=32,
+            ep=32,
+            zero=best["zero"],
+            recompute=best["recompute"],
+            micro_batch=best["micro_batch"],
+            microbatches=best["microbatches"],
+        ),
+    )
     assert (
         cross["all_to_all_s"]
-        > step_time(pb, MoeLayout(32, 8, best["zero"], best["recompute"], best["micro_batch"], best["microbatches"]))[
-            "all_to_all_s"
-        ]
+        > step_time(
+            pb,
+            Layout(
+                dp=32,
+                ep=8,
+                zero=best["zero"],
+                recompute=best["recompute"],
+                micro_batch=best["micro_batch"],
+                microbatches=best["microbatches"],
+            ),
+        )["all_to_all_s"]
     )
     reasons = [r["reason"] for r in result["rejected"]]
     # ZeRO 1 under EP is a candidate (the trainer composes them) rejected by memory: the 16-bit states stay whole
@@ -55,7 +74,7 @@ def test_all_to_all_time_is_alpha_beta_with_the_clusters_latency():
 
     sh = moe_shape_of(get_preset("moe-demo"))
     base = get_cluster("cpu-laptop")
-    lay = MoeLayout(2, 2, 3, "none", 4, 2)
+    lay = Layout(dp=2, ep=2, zero=3, recompute="none", micro_batch=4, microbatches=2)
     pb = MoeProblem(base, sh, 128, 16, precision="fp32")
     t = step_time(pb, lay)
     leaving = 4 * 128 * sh.top_k * sh.hidden * 4 / 2  # one transfer of one micro-batch, half leaving the rank
@@ -67,23 +86,31 @@ def test_all_to_all_time_is_alpha_beta_with_the_clusters_latency():
         MoeProblem(replace(base, intra_latency_us=2 * base.intra_latency_us), sh, 128, 16, precision="fp32"), lay
     )
     assert slow["all_to_all_s"] - t["all_to_all_s"] == pytest.approx(t["all_to_all_latency_s"])
-    full = step_time(pb, MoeLayout(2, 2, 3, "full", 4, 2))
+    full = step_time(pb, Layout(dp=2, ep=2, zero=3, recompute="full", micro_batch=4, microbatches=2))
     assert full["all_to_all_calls"] == sh.moe_layers * 2 * 8
     assert full["all_to_all_transfer_s"] == pytest.approx(t["all_to_all_transfer_s"] * 6 / 4)
-    assert step_time(pb, MoeLayout(2, 1, 3, "none", 4, 2))["all_to_all_s"] == 0.0
+    assert (
+        step_time(pb, Layout(dp=2, ep=1, zero=3, recompute="none", micro_batch=4, microbatches=2))["all_to_all_s"]
+        == 0.0
+    )
     assert get_cluster("cpu-laptop", intra_latency_us=7.0).intra_latency_us == 7.0
 
 
 def test_memory_terms():
     pb = _pb("qwen2-57b-a14b", 4)
     sh = pb.shape
-    one, eight = (memory(pb, MoeLayout(32, ep, 1, "none", 1, 4)) for ep in (1, 8))  # the formula at ZeRO-1
+    one, eight = (
+        memory(pb, Layout(dp=32, ep=ep, zero=1, recompute="none", micro_batch=1, microbatches=4)) for ep in (1, 8)
+    )  # the formula at ZeRO-1
     # expert optimizer states split over ep (ZeRO-1 shards them over dp / ep replicas): 12 B × experts / 32
     assert eight["optimizer_bytes"] == sh.dense_params * 12 / 32 + sh.expert_params * 12 / 8 / 4
     assert one["params_bytes"] - eight["params_bytes"] == sh.expert_params * 2 * (1 - 1 / 8)
     assert one["all_to_all_bytes"] == 0 < eight["all_to_all_bytes"]
     # tokens × top-k × capacity: a capacity factor of 2 doubles the routed activations and buffers
-    roomy = memory(MoeProblem(pb.cluster, sh, 4096, 64, capacity_factor=2.0), MoeLayout(32, 8, 1, "none", 1, 4))
+    roomy = memory(
+        MoeProblem(pb.cluster, sh, 4096, 64, capacity_factor=2.0),
+        Layout(dp=32, ep=8, zero=1, recompute="none", micro_batch=1, microbatches=4),
+    )
     assert roomy["all_to_all_bytes"] == 2 * eight["all_to_all_bytes"]
     assert roomy["activations_bytes"] > eight["activations_bytes"]
     assert 56e9 < sh.total_params < 58e9 and 13.5e9 < sh.active_params < 14.5e9

@@ -30,10 +30,18 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from tasks.parallel.layout import Layout
 from tasks.planner.cluster import Cluster
-from tasks.planner.memory import PRECISION_BYTES, layer_activation_bytes, model_state_bytes, num_params, token_flops
+from tasks.planner.memory import (
+    PRECISION_BYTES,
+    layer_activation_bytes,
+    model_state_bytes,
+    num_params,
+    shape_of,
+    token_flops,
+)
+from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring, _row, feasible
 from tasks.units import GB
-from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring, feasible
 
 
 @dataclass(frozen=True)
@@ -64,13 +72,9 @@ class MoeShape:
 
 
 def moe_shape_of(tcfg) -> MoeShape:
+    dense = {k: v for k, v in asdict(shape_of(tcfg)).items() if k in MoeShape.__dataclass_fields__}
     return MoeShape(
-        hidden=tcfg.dim,
-        layers=tcfg.n_layers,
-        heads=tcfg.n_heads,
-        kv_heads=tcfg.n_kv_heads,
-        ffn=tcfg.ffn_dim,
-        vocab=tcfg.vocab_size,
+        **dense,
         n_experts=tcfg.n_experts,
         top_k=tcfg.top_k,
         moe_ffn=tcfg.moe_ffn_dim,
@@ -78,18 +82,7 @@ def moe_shape_of(tcfg) -> MoeShape:
         moe_layers=tcfg.n_moe_layers,
         total_params=num_params(tcfg),
         active_params=num_params(tcfg, active=True),
-        tied=tcfg.tie_embeddings,
     )
-
-
-@dataclass(frozen=True)
-class MoeLayout:
-    dp: int
-    ep: int = 1
-    zero: int = 3
-    recompute: str = "none"
-    micro_batch: int = 1
-    microbatches: int = 1
 
 
 @dataclass
@@ -109,9 +102,13 @@ class MoeProblem:
     pins: dict = field(default_factory=dict)  # {"dp"|"ep": n}
     tp: int = 1  # pinned by the config: dp/ep are planned over world / (tp · pp) ranks
     pp: int = 1
+    # the config's own, handed to training unchanged (this planner does not choose them)
+    sequence_parallel: bool = True
+    pp_schedule: str = "1f1b"
+    virtual_stages: int = 2
 
 
-def memory(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
+def memory(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     sh, A = pb.shape, PRECISION_BYTES[pb.precision]
     dense = model_state_bytes(sh.dense_params, pb.precision, pb.optimizer, lay.zero, lay.dp)
     experts = model_state_bytes(sh.expert_params / lay.ep, pb.precision, pb.optimizer, lay.zero, lay.dp // lay.ep)
@@ -175,7 +172,8 @@ def estimate_for_run(
         precision=precision,
         capacity_factor=tcfg.capacity_factor,
     )
-    return int(memory(pb, MoeLayout(dp, ep, zero, recompute, micro_batch, microbatches))["total_bytes"])
+    lay = Layout(dp=dp, ep=ep, zero=zero, recompute=recompute, micro_batch=micro_batch, microbatches=microbatches)
+    return int(memory(pb, lay)["total_bytes"])
 
 
 def a2a_per_layer(recompute: str) -> tuple[int, int]:
@@ -188,7 +186,7 @@ def a2a_per_layer(recompute: str) -> tuple[int, int]:
     return calls, transfers
 
 
-def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
+def step_time(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     c, sh, s = pb.cluster, pb.shape, pb.seq_len
     A = PRECISION_BYTES[pb.precision]
     tokens = pb.global_batch * s
@@ -204,8 +202,8 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
         a2a_bw = c.intra_gbps if inside else c.inter_gbps
         alpha = (c.intra_latency_us if inside else c.inter_latency_us) * 1e-6
         per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
-        a2a_lat = sh.moe_layers * lay.microbatches * calls * alpha
-        a2a_bw_s = sh.moe_layers * lay.microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+        a2a_lat = sh.moe_layers * lay.n_microbatches * calls * alpha
+        a2a_bw_s = sh.moe_layers * lay.n_microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
     a2a = a2a_lat + a2a_bw_s
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     rep = lay.dp // lay.ep
@@ -214,7 +212,7 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
     for n_params, n, bw in ((sh.dense_params, lay.dp, dp_bw), (sh.expert_params / lay.ep, rep, rep_bw)):
         grads = _ring(n_params * GRAD_REDUCE_BYTES, n, bw, 1.0)
         gather = _ring(n_params * A, n, bw, 1.0)
-        dp_s += grads + (gather if lay.zero < 3 else 2 * lay.microbatches * gather)
+        dp_s += grads + (gather if lay.zero < 3 else 2 * lay.n_microbatches * gather)
     total = compute + a2a + dp_s
     return {
         "step_s": total,
@@ -222,7 +220,7 @@ def step_time(pb: MoeProblem, lay: MoeLayout) -> dict[str, float]:
         "all_to_all_s": a2a,
         "all_to_all_latency_s": a2a_lat,
         "all_to_all_transfer_s": a2a_bw_s,
-        "all_to_all_calls": sh.moe_layers * lay.microbatches * calls if lay.ep > 1 else 0,
+        "all_to_all_calls": sh.moe_layers * lay.n_microbatches * calls if lay.ep > 1 else 0,
         "dp_comm_s": dp_s,
         "all_to_all_share": a2a / total if total else 0.0,
         "ep_intra_node": inside,
@@ -269,11 +267,30 @@ def candidates(pb: MoeProblem):
                 continue
             for zero in pb.zero_stages:
                 for rc in pb.recompute:
-                    yield None, None, MoeLayout(dp, ep, zero, rc, mb, per_rank // mb)
+                    yield None, None, layout(pb, dp=dp, ep=ep, zero=zero, recompute=rc, micro_batch=mb)
 
 
-def evaluate(pb: MoeProblem, lay: MoeLayout) -> dict:
-    return {**asdict(lay), "tp": pb.tp, "pp": pb.pp, **memory(pb, lay), **step_time(pb, lay)}
+def layout(pb: MoeProblem, dp: int, ep: int, zero: int, recompute: str, micro_batch: int) -> Layout:
+    """The training layout of one candidate: the planned dp/ep/zero/recompute/micro-batch, the rest as pinned."""
+    return Layout(
+        dp=dp,
+        tp=pb.tp,
+        pp=pb.pp,
+        ep=ep,
+        zero=zero,
+        recompute=recompute,
+        micro_batch=micro_batch,
+        microbatches=pb.global_batch // dp // micro_batch,
+        global_batch=pb.global_batch,
+        sequence_parallel=pb.sequence_parallel and pb.tp > 1,
+        pp_schedule=pb.pp_schedule,
+        virtual_stages=pb.virtual_stages if pb.pp_schedule == "interleaved1f1b" else 1,
+        flash_attention=pb.flash_attention,
+    )
+
+
+def evaluate(pb: MoeProblem, lay: Layout) -> dict:
+    return {**_row(lay), **memory(pb, lay), **step_time(pb, lay)}
 
 
 def search(pb: MoeProblem) -> dict:
@@ -310,101 +327,3 @@ def render(result: dict, header: str, top_k: int = 10) -> str:
         if len(lines) > 40:
             break
     return "\n".join(lines)
-
-
-def stage(
-    cfg, ctx, tcfg, cluster, seq_len: int, global_batch: int, precision: str, name: str, config_pins: bool = True
-) -> dict:
-    """The plan stage for a mixture-of-experts model (called by tasks/stages/plan.py): search, plan.json + table, the
-    chosen layout for training (parallel.dp/ep/zero/recompute/micro-batch; tp/pp as pinned, else 1)."""
-    from tasks import tracking
-    from tasks.errors import StageError
-    from tasks.fsutil import atomic_write_json, atomic_write_text
-
-    par = cfg.parallel
-    pins = {
-        k: getattr(par, k) for k in ("dp", "ep") if config_pins and getattr(par, k) and getattr(par, k) > (k == "ep")
-    }
-    if getattr(ctx.args, "dp", None):
-        pins["dp"] = ctx.args.dp
-    mp = {k: getattr(par, k) for k in ("tp", "pp") if config_pins and getattr(par, k, 0) > 1}
-    pb = MoeProblem(
-        cluster,
-        moe_shape_of(tcfg),
-        seq_len,
-        global_batch,
-        precision=precision,
-        capacity_factor=tcfg.capacity_factor,
-        zero_stages=list(cfg.plan.zero_stages) or [3],
-        recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
-        efficiency=cfg.plan.efficiency,
-        pins=pins,
-        **mp,
-    )
-    result = search(pb)
-    out = ctx.run_dir / "plan"
-    desc = (
-        f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
-        f"{pb.shape.total_params / 1e9:.3g}B params, {pb.shape.active_params / 1e9:.3g}B active)"
-    )
-    header = f"model: {desc}\ncluster: {cluster.describe()}\ntraining: seq {seq_len}, global batch {global_batch}"
-    plan_path = atomic_write_json(
-        out / "plan.json",
-        {"model": desc, "moe": True, "pins": pins, "chosen": (result["plans"] or [None])[0], **result},
-    )
-    table_path = atomic_write_text(out / "plan_table.txt", render(result, header, cfg.plan.top_k) + "\n")
-    tracking.log_artifact(plan_path)
-    tracking.log_artifact(table_path)
-    if not result["plans"]:
-        closest = result["rejected"][0]["reason"] if result["rejected"] else "none tried"
-        raise StageError(
-            f"no feasible plan for {desc.split(' (')[0]} on {cluster.nodes}×{cluster.devices_per_node} "
-            f"{cluster.name} devices of {cluster.memory_gb:g} GB: closest {closest} (see {plan_path})"
-        )
-    best = result["plans"][0]
-    if not getattr(ctx.args, "json", False):
-        print(table_path.read_text())
-    tracking.log_metrics(
-        {
-            "plan.total_gb": best["total_bytes"] / GB,
-            "plan.step_s": best["step_s"],
-            "plan.all_to_all_share": best["all_to_all_share"],
-            "plan.feasible": len(result["plans"]),
-        }
-    )
-    parallel = {
-        "dp": best["dp"],
-        "tp": pb.tp,
-        "pp": pb.pp,
-        "ep": best["ep"],
-        "zero": best["zero"],
-        "recompute": best["recompute"],
-        "micro_batch": best["micro_batch"],
-        "microbatches": best["microbatches"],
-    }
-    return {
-        "status": "ok",
-        "summary": f"{_line(best)} ({len(result['plans'])} feasible, {len(result['rejected'])} rejected)",
-        "plan_json": str(plan_path),
-        "table": str(table_path),
-        "parallel": parallel,
-        "pinned": False,
-        "feasible": len(result["plans"]),
-        "rejected": len(result["rejected"]),
-        "best": {
-            k: best[k]
-            for k in (
-                "params_bytes",
-                "grads_bytes",
-                "optimizer_bytes",
-                "activations_bytes",
-                "all_to_all_bytes",
-                "buffers_bytes",
-                "reserve_bytes",
-                "total_bytes",
-                "step_s",
-                "tokens_per_s",
-                "all_to_all_share",
-            )
-        },
-    }

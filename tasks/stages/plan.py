@@ -289,41 +289,79 @@ def _moe_model(cfg: PipelineConfig, ctx):
     )
 
 
+_PARALLEL = ("dp", "tp", "pp", "zero", "recompute", "microbatches", "micro_batch")
+_BEST = (
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "activations_bytes",
+    "buffers_bytes",
+    "reserve_bytes",
+    "total_bytes",
+    "step_s",
+    "tokens_per_s",
+)
+
+
+def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
+    """A mixture-of-experts model's plan (tasks/planner/moe.py: dp/ep/zero/recompute/micro-batch; tp/pp as the
+    config pins them, else 1): what run() needs to finish the stage as for a dense model."""
+    from tasks.planner import moe
+
+    what_if = any(_arg(ctx, f) is not None for f in _MODEL_FLAGS + _CLUSTER_FLAGS)
+    par, pins = cfg.parallel, {}
+    if not what_if:  # the config's pins describe its own model and cluster
+        pins = {k: getattr(par, k) for k in ("dp", "ep") if getattr(par, k) > (k == "ep")}
+    if _arg(ctx, "dp"):
+        pins["dp"] = _arg(ctx, "dp")
+    seq_len = _arg(ctx, "seq_len") or cfg.data.seq_len
+    global_batch = _arg(ctx, "global_batch") or cfg.train.global_batch
+    pb = moe.MoeProblem(
+        _cluster(cfg, ctx),
+        moe.moe_shape_of(tcfg),
+        seq_len,
+        global_batch,
+        precision=_arg(ctx, "precision") or cfg.train.precision,
+        capacity_factor=tcfg.capacity_factor,
+        zero_stages=list(cfg.plan.zero_stages) or [3],
+        recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
+        efficiency=cfg.plan.efficiency,
+        pins=pins,
+        sequence_parallel=par.sequence_parallel,
+        pp_schedule=par.pp_schedule,
+        virtual_stages=par.virtual_stages,
+        **{k: getattr(par, k) for k in ("tp", "pp") if not what_if and getattr(par, k) > 1},
+    )
+    result = moe.search(pb)
+    desc = (
+        f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
+        f"{pb.shape.total_params / 1e9:.3g}B params, {pb.shape.active_params / 1e9:.3g}B active)"
+    )
+    header = f"model: {desc}\ncluster: {pb.cluster.describe()}\ntraining: seq {seq_len}, global batch {global_batch}"
+    doc = {"model": desc, "moe": True, "pins": pins, "chosen": (result["plans"] or [None])[0], **result}
+    return pb, desc, doc, moe.render(result, header, cfg.plan.top_k), result
+
+
 def run(cfg: PipelineConfig, ctx) -> dict:
     moe = _moe_model(cfg, ctx)
+    pinned = False
     if moe is not None:
-        from tasks.planner import moe as moe_planner
-
-        what_if = any(_arg(ctx, f) is not None for f in _MODEL_FLAGS + _CLUSTER_FLAGS)
-        return moe_planner.stage(
-            cfg,
-            ctx,
-            moe[0],
-            _cluster(cfg, ctx),
-            _arg(ctx, "seq_len") or cfg.data.seq_len,
-            _arg(ctx, "global_batch") or cfg.train.global_batch,
-            _arg(ctx, "precision") or cfg.train.precision,
-            moe[1],
-            config_pins=not what_if,
+        pb, model_desc, doc, table, result = _moe_plan(cfg, ctx, *moe)
+        ranked = result
+    else:
+        pb, model_desc, pinned = problem(cfg, ctx)
+        result = search(pb)
+        # A pinned layout is only verified; the table (and train's out-of-memory advice) still ranks the alternatives.
+        ranked = search(problem(cfg, ctx, config_pins=False)[0]) if pinned else result
+        header = (
+            f"model: {model_desc}\ncluster: {pb.cluster.describe()}, reserve {pb.cluster.reserve_gb:g} GB\n"
+            f"training: seq {pb.seq_len}, global batch {pb.global_batch}, {pb.precision}, {pb.optimizer}"
+            f"{', pinned ' + str(pb.pins) if pb.pins else ''}"
         )
-    pb, model_desc, pinned = problem(cfg, ctx)
-    result = search(pb)
-    # A pinned layout is only verified; the table (and train's out-of-memory advice) still ranks the alternatives.
-    ranked = search(problem(cfg, ctx, config_pins=False)[0]) if pinned else result
-    c = pb.cluster
-    out = ctx.run_dir / "plan"  # <run-dir>/plan.json is the runner's result file: keep ours beside it
-    plan_path = out / "plan.json"
-    header = (
-        f"model: {model_desc}\ncluster: {c.describe()}, reserve {c.reserve_gb:g} GB\n"
-        f"training: seq {pb.seq_len}, global batch {pb.global_batch}, {pb.precision}, {pb.optimizer}"
-        f"{', pinned ' + str(pb.pins) if pb.pins else ''}"
-    )
-    table = render(ranked, header, top_k=cfg.plan.top_k, pinned=result if pinned else None)
-    atomic_write_json(
-        plan_path,
-        {
+        table = render(ranked, header, top_k=cfg.plan.top_k, pinned=result if pinned else None)
+        doc = {
             "model": model_desc,
-            "cluster": dataclasses.asdict(c),
+            "cluster": dataclasses.asdict(pb.cluster),
             "seq_len": pb.seq_len,
             "global_batch": pb.global_batch,
             "precision": pb.precision,
@@ -332,19 +370,18 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             "pinned": pinned,
             "chosen": (result["plans"] or result["rejected"] or [None])[0],
             **ranked,
-        },
-    )
+        }
+    c = pb.cluster
+    out = ctx.run_dir / "plan"  # <run-dir>/plan.json is the runner's result file: keep ours beside it
+    plan_path = atomic_write_json(out / "plan.json", doc)
     table_path = atomic_write_text(out / "plan_table.txt", table + "\n")
     tracking.log_artifact(plan_path)
     tracking.log_artifact(table_path)
     chosen, status = _choose(result, pinned, pb, model_desc, plan_path)
+    extra = ("all_to_all_bytes", "all_to_all_share") if moe is not None else ("bubble",)
+    planned = (*_PARALLEL, "ep") if moe is not None else _PARALLEL  # ep: MoE only
 
-    tracking.log_params(
-        {
-            f"plan.{k}": chosen[k]
-            for k in ("dp", "tp", "pp", "zero", "recompute", "pp_schedule", "micro_batch", "microbatches")
-        }
-    )
+    tracking.log_params({f"plan.{k}": chosen[k] for k in (*planned, "pp_schedule")})
     tracking.log_metrics(
         {
             "plan.total_gb": chosen["total_bytes"] / GB,
@@ -352,19 +389,22 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             "plan.tokens_per_s": chosen["tokens_per_s"],
             "plan.feasible": len(ranked["plans"]),
             "plan.rejected": len(ranked["rejected"]),
+            **({"plan.all_to_all_share": chosen["all_to_all_share"]} if moe is not None else {}),
         }
     )
-    parallel = {k: chosen[k] for k in ("dp", "tp", "pp", "zero", "recompute", "microbatches", "micro_batch")}
+    parallel = {k: chosen[k] for k in planned}
     parallel["pp_schedule"] = chosen["pp_schedule"] if chosen["pp"] > 1 else cfg.parallel.pp_schedule
     parallel["virtual_stages"] = chosen["virtual_stages"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
     parallel["sequence_parallel"] = chosen["sequence_parallel"]
+    ep = f"·ep{chosen['ep']}" if moe is not None else ""
+    a2a = f" ({chosen['all_to_all_share']:.0%} all-to-all)" if moe is not None else ""
     layout = (
-        f"dp{chosen['dp']} tp{chosen['tp']} pp{chosen['pp']} zero{chosen['zero']} {chosen['recompute']} "
+        f"dp{chosen['dp']}{ep} tp{chosen['tp']} pp{chosen['pp']} zero{chosen['zero']} {chosen['recompute']} "
         f"mb{chosen['micro_batch']}×{chosen['microbatches']}"
     )
     summary = (
         f"{'pinned ' if pinned else ''}{layout}: {chosen['total_bytes'] / GB:.2f} GB of {c.memory_gb:g} GB"
-        f"/device, est. step {chosen['step_s']:.3g} s ({len(ranked['plans'])} feasible, "
+        f"/device, est. step {chosen['step_s']:.3g} s{a2a} ({len(ranked['plans'])} feasible, "
         f"{len(ranked['rejected'])} rejected)"
     )
     if status == "warn":
@@ -389,19 +429,5 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "pinned": pinned,
         "feasible": len(ranked["plans"]),
         "rejected": len(ranked["rejected"]),
-        "best": {
-            k: chosen[k]
-            for k in (
-                "params_bytes",
-                "grads_bytes",
-                "optimizer_bytes",
-                "activations_bytes",
-                "buffers_bytes",
-                "reserve_bytes",
-                "total_bytes",
-                "step_s",
-                "tokens_per_s",
-                "bubble",
-            )
-        },
+        "best": {k: chosen[k] for k in (*_BEST, *extra)},
     }
