@@ -81,3 +81,33 @@ def test_pipeline_split_of_tied_embeddings_is_refused_with_the_fix():
     assert not check(Layout(dp=2, tp=2, global_batch=4), tcfg, 128, 4, "test")
     [problem] = check(Layout(dp=1, tp=2, pp=2, global_batch=4, microbatches=2), tcfg, 128, 4, "test")
     assert problem.startswith("parallel.pp: 2 splits the model's tied embeddings") and "set parallel.pp 1" in problem
+
+
+def test_tp_keeps_one_shared_weight_for_fsdp_to_manage(tmp_path):
+    """parallelize_module swaps each end of the tie for its own DTensor parameter; apply_tp re-ties them at once, so
+    FSDP2 (which wraps right after, before materialize's own re-tie) manages one embedding, not a stale second copy.
+    One real gloo rank: the same DTensor parameters any tp degree makes."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from tasks.model import Transformer, TransformerConfig
+    from tasks.parallel.tp import apply_tp
+
+    shape = dict(dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, n_layers=1)
+    with torch.device("meta"):
+        untied = sum(1 for _ in Transformer(TransformerConfig(**shape)).parameters())
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Transformer(TransformerConfig(**shape, tie_embeddings=True))
+        apply_tp(model, mesh["tp"], sequence_parallel=True)
+        assert isinstance(model.tok_embeddings.weight, DTensor)
+        assert model.output.weight is model.tok_embeddings.weight
+        fully_shard(model, mesh=mesh["dp"])
+        assert sum(1 for _ in model.parameters()) == untied - 1  # FSDP2's parameters: one embedding, shared
+        assert model.output.weight is model.tok_embeddings.weight
+    finally:
+        dist.destroy_process_group()
