@@ -16,14 +16,20 @@ def defined(pattern: str) -> list[str]:
 
 
 def test_one_parallel_layout_type_for_planner_and_trainer():
-    assert defined(r"^class Layout\b") == ["tasks/parallel/layout.py"]
+    assert defined(r"^class \w*Layout\b") == ["tasks/parallel/layout.py"]  # the MoE planner's too
     from tasks.parallel import layout
-    from tasks.planner import memory, search
+    from tasks.planner import memory, moe, search
 
-    assert search.Layout is memory.Layout is layout.Layout
+    assert search.Layout is memory.Layout is moe.Layout is layout.Layout
     # The planner's plan row is the Layout itself (plus its figures): the trainer reads it without renaming.
     row = search._row(layout.Layout(pp=2, pp_schedule="interleaved1f1b", virtual_stages=2))
     assert set(layout.Layout.__dataclass_fields__) <= set(row)
+    from tasks.model.config import get_preset
+    from tasks.planner.cluster import get_cluster
+
+    pb = moe.MoeProblem(get_cluster("cpu-laptop"), moe.moe_shape_of(get_preset("moe-demo")), 64, 8, tp=2)
+    plan = moe.search(pb)["plans"][0]
+    assert set(layout.Layout.__dataclass_fields__) <= set(plan) and plan["tp"] * plan["dp"] == pb.cluster.world
 
 
 def test_one_flop_per_token_formula():
