@@ -33,6 +33,19 @@ def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
+def yaml_mapping(path: str | Path) -> dict:
+    """A YAML file's top-level mapping; ValueError in one line (where the YAML breaks, or what it holds instead)."""
+    try:
+        data = yaml_load(Path(path).read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ValueError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
+    return data
+
+
 def _yaml(text: str):
     try:
         return yaml_load(text) if text.strip() else text
@@ -201,11 +214,11 @@ class DataConfig(Section):
     def from_yaml(cls, path: str | Path, **overrides) -> "DataConfig":
         """Read a YAML file: either a pipeline preset (its `data:` section is used) or flat data keys."""
         try:
-            data = yaml_load(Path(path).read_text(encoding="utf-8")) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise DataPrepError(f"config {path}: cannot read ({e})") from None
-        if not isinstance(data, dict):
-            raise DataPrepError(f"config {path}: expected a mapping")
+            data = yaml_mapping(path)
+        except OSError as e:
+            raise DataPrepError(f"config {path}: cannot read ({e.strerror})") from None
+        except ValueError as e:
+            raise DataPrepError(f"config {e}") from None
         return cls.from_dict({**data.get("data", data), **overrides})
 
     @classmethod

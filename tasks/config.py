@@ -17,10 +17,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
-from data_prep.config import DataConfig, Section, problems, rule_error, yaml_load
+from data_prep.config import DataConfig, Section, problems, rule_error, yaml_mapping
 from tasks.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -380,14 +379,9 @@ def resolve_preset(preset_or_path: str | None) -> Path:
 
 def load_yaml(path: Path) -> dict:
     try:
-        data = yaml_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections, got {type(data).__name__}")
-    return data
+        return yaml_mapping(path)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def load_config(preset_or_path: str | None = None, overrides: dict | None = None, sets=()) -> PipelineConfig:

@@ -8,12 +8,13 @@ model's own, `field_schema()`, so the form refuses exactly what config validatio
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 from tasks import tracking
 from tasks.errors import ConfigError
 from tasks.fsutil import atomic_write_text
-from tasks.config import PipelineConfig, get, load_config
+from tasks.config import CONFIG_DIR, DEFAULT_PRESET, PipelineConfig, get, load_config
 from tasks.runner import default_run_dir, run_stage
 
 # (param name, config key, form section, title, description). The order is the form's order.
@@ -152,40 +153,23 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     wins, even one equal to some preset's default. The description names the default preset's value, so the form
     still tells what an empty field means.
     """
-    import json
-    from pathlib import Path
-
-    from tasks.config import CONFIG_DIR
-
     cfg = cfg or load_config()
-    out = {}
+    preset, out = cfg.preset or DEFAULT_PRESET, {}
     for name, key, section, title, desc in PARAMS:
         if key is None:
-            presets = sorted(p.stem for p in Path(CONFIG_DIR).glob("*.yaml"))
+            presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
             out[name] = dict(
-                default=cfg.preset or "demo-cpu",
-                type="string",
-                enum=presets,
-                title=title,
-                description=desc,
-                section=section,
+                default=preset, type="string", enum=presets, title=title, section=section, description=desc
             )
             continue
-        model = field_schema(key)
-        preset_value = get(cfg, key)
-        shown = ", ".join(map(str, preset_value)) if isinstance(preset_value, list) else preset_value
+        model, value = field_schema(key), get(cfg, key)
+        shown = ", ".join(map(str, value)) if isinstance(value, list) else value
         schema = {k: model[k] for k in FORM_KEYS if k in model}
-        schema.update(
-            default=None,
-            type=[model["type"], "null"],
-            title=title,
-            section=section,
-            description=f"{desc} Empty = {FROM_PRESET} ({cfg.preset or 'demo-cpu'}: {shown}).",
-        )
+        schema.update(default=None, type=[model["type"], "null"], title=title, section=section)
+        schema["description"] = f"{desc} Empty = {FROM_PRESET} ({preset}: {shown})."
         if "enum" in model:
-            schema["enum"] = [*model["enum"], None]
-            labels = {json.dumps(k) if not isinstance(k, str) else k: v for k, v in LABELS.get(key, {}).items()}
-            schema["values_display"] = {**labels, "null": FROM_PRESET}
+            labels = {k if isinstance(k, str) else json.dumps(k): v for k, v in LABELS.get(key, {}).items()}
+            schema.update(enum=[*model["enum"], None], values_display={**labels, "null": FROM_PRESET})
         out[name] = schema
     return out
 
@@ -220,8 +204,6 @@ def config_for_params(params: dict) -> PipelineConfig:
 
 def check_conf(text: str) -> PipelineConfig:
     """`make run CONF=…`, checked before Airflow starts: a JSON object of known Params whose config validates."""
-    import json
-
     try:
         conf = json.loads(text)
     except ValueError as e:
