@@ -32,15 +32,21 @@ db: venv
 run: db
 	@bash scripts/run-pipeline.sh
 
+# Two worker processes, a test file each at a time (module fixtures stay in one process), then the tests marked
+# `alone` (they need the host's memory to themselves). pytest's exit 5 = "none selected" (PYTEST_ARGS naming a file).
+TEST_WORKERS ?= 2
+PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile
+
 test: lint db browser
-	@$(ENV) python -m pytest -q $(PYTEST_ARGS)
+	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	@$(ENV) python -m pytest -q -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test runs it first
 	@$(VENV)/bin/ruff check --no-cache .
 	@$(VENV)/bin/ruff format --check --no-cache . || (echo "run: .venv/bin/ruff format ." >&2; exit 1)
 
 test-fast: db browser
-	@$(ENV) python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are
 	@bash scripts/ui.sh

@@ -60,6 +60,7 @@ def _hf_logits(path, tokens) -> torch.Tensor:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg, tmp_path, shards):  # noqa: F811
     from tasks.model import TransformerConfig, get_preset, num_params
     from tasks.model.hf_io import to_hf_config
