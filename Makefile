@@ -33,20 +33,24 @@ run: db
 	@bash scripts/run-pipeline.sh
 
 # Two worker processes, a test file each at a time (module fixtures stay in one process), then the tests marked
-# `alone` (they need the host's memory to themselves). pytest's exit 5 = "none selected" (PYTEST_ARGS naming a file).
+# `alone` (they need the host's memory to themselves). pytest's exit 5 = "none selected": fine for one part
+# (PYTEST_ARGS naming one file), an error when PYTEST_ARGS selects nothing at all.
 TEST_WORKERS ?= 2
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
 test: lint db browser
-	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	@$(ENV) python -m pytest -q -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	@$(ENV) a=0; python -m pytest -q $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
+	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
+	b=0; python -m pytest -q -m alone $(PYTEST_ARGS) || b=$$?; \
+	if [ $$a$$b = 55 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; exit 5; fi; \
+	[ $$b -eq 0 ] || [ $$b -eq 5 ] || exit $$b
 
 lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test runs it first
 	@$(VENV)/bin/ruff check --no-cache .
 	@$(VENV)/bin/ruff format --check --no-cache . || (echo "run: .venv/bin/ruff format ." >&2; exit 1)
 
 test-fast: db browser
-	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are
 	@bash scripts/ui.sh
