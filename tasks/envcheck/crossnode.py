@@ -21,6 +21,7 @@ from pathlib import Path
 from tasks.bounds import run_bounded
 from tasks.config import REPO_ROOT
 from tasks.envcheck import check
+from tasks.envcheck.probe import worker_args
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
 
@@ -54,16 +55,7 @@ def command(
         f"--rdzv-id={rdzv_id}",
         f"--rdzv-conf=join_timeout={join_timeout_s}",
         "--max-restarts=0",
-        "-m",
-        "tasks.envcheck.crossnode_worker",
-        "--kind",
-        kind,
-        "--sizes-mb",
-        *[f"{s:g}" for s in sizes_mb],
-        "--timeout-s",
-        str(timeout_s),
-        "--out",
-        str(out),
+        *worker_args("tasks.envcheck.crossnode_worker", kind, sizes_mb, timeout_s, out),
     ]
 
 

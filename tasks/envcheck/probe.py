@@ -28,17 +28,14 @@ def command(kind: str, nproc: int, sizes_mb: list[float], out: Path, timeout_s: 
         "--standalone",
         "--nnodes=1",
         f"--nproc-per-node={nproc}",
-        "-m",
-        "tasks.envcheck.probe_worker",
-        "--kind",
-        kind,
-        "--sizes-mb",
-        *[f"{s:g}" for s in sizes_mb],
-        "--timeout-s",
-        str(timeout_s),
-        "--out",
-        str(out),
+        *worker_args("tasks.envcheck.probe_worker", kind, sizes_mb, timeout_s, out),
     ]
+
+
+def worker_args(module: str, kind: str, sizes_mb: list[float], timeout_s: int, out: Path) -> list[str]:
+    """`-m <worker module>` and the flags both probe workers (this node's and the cross-node one) take."""
+    sizes = [f"{s:g}" for s in sizes_mb]
+    return ["-m", module, "--kind", kind, "--sizes-mb", *sizes, "--timeout-s", str(timeout_s), "--out", str(out)]
 
 
 def _last_error(text: str) -> str:
