@@ -20,6 +20,7 @@ import json
 import socket
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
@@ -72,6 +73,43 @@ def _chip_label(c: dict) -> str:
     return f"NPU {c['npu']} chip {c['chip']}"
 
 
+class Device(NamedTuple):
+    label: str
+    temp_c: float | None
+    used_mb: float | None  # None: not device memory the fill check reads (an NPU's non-HBM memory)
+    total_mb: float | None
+    in_use: bool  # a process runs on it
+
+
+def _thermal_and_memory(devices: list[Device], hw, memory: str, unit: str, reset: str) -> list[dict]:
+    """The temperature and memory-fill checks, the same for NPU chips and GPUs: a hot device fails; a full one with
+    no process on it holds memory a dead job left (fails), one in use only warns."""
+    temps = [d.temp_c for d in devices if d.temp_c is not None]
+    hot = [f"{d.label} at {d.temp_c:g} C" for d in devices if d.temp_c is not None and d.temp_c >= hw.max_device_temp_c]
+    out = [
+        check(
+            "temperature", "fail", "; ".join(hot) + f" (alarm at hardware.max_device_temp_c {hw.max_device_temp_c:g} C)"
+        )
+        if hot
+        else check("temperature", "ok", f"max {max(temps):g} C" if temps else "not reported")
+    ]
+    full = [
+        d
+        for d in devices
+        if d.total_mb and d.used_mb is not None and 100 * d.used_mb / d.total_mb >= hw.max_hbm_used_pct
+    ]
+    leaked = [d for d in full if not d.in_use]
+    if leaked:
+        held = "; ".join(f"{d.label} {memory} {d.used_mb:g}/{d.total_mb:g} MB with no process on it" for d in leaked)
+        out.append(check("hbm", "fail", f"{held}: memory left by a dead job; {reset} or reboot"))
+    elif full:
+        labels = ", ".join(d.label for d in full)
+        out.append(check("hbm", "warn", f"{labels} {memory} ≥ {hw.max_hbm_used_pct:g}% (in use by a running process)"))
+    else:
+        out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every {unit}"))
+    return out
+
+
 def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
     """Temperature, chip health, dropped cards and HBM fill, from npu-smi or nvidia-smi (never a device context)."""
     out = []
@@ -81,108 +119,29 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
         out.append(check("backend", "fail", backend["error"]))
     if info:
         out += [c for c in npu_smi.checks(info) if c["name"] == "npu-health"]  # busy chips are normal here
-        temps = [c["temp_c"] for c in info["chips"] if c["temp_c"] is not None]
-        hot = [
-            f"{_chip_label(c)} at {c['temp_c']} C"
-            for c in info["chips"]
-            if c["temp_c"] is not None and c["temp_c"] >= hw.max_device_temp_c
-        ]
-        if hot:
-            out.append(
-                check(
-                    "temperature",
-                    "fail",
-                    "; ".join(hot) + f" (alarm at hardware.max_device_temp_c {hw.max_device_temp_c:g} C)",
-                )
-            )
-        else:
-            out.append(check("temperature", "ok", f"max {max(temps)} C" if temps else "not reported"))
         busy = {(p["npu"], p["chip"]) for p in info["processes"]}
-        full = [
-            c
+        devices = [
+            Device(
+                _chip_label(c),
+                c["temp_c"],
+                c["memory_used_mb"] if c["memory_kind"] == "HBM" else None,
+                c["memory_total_mb"],
+                (c["npu"], c["chip"]) in busy,
+            )
             for c in info["chips"]
-            if c["memory_kind"] == "HBM"
-            and c["memory_total_mb"]
-            and 100 * c["memory_used_mb"] / c["memory_total_mb"] >= hw.max_hbm_used_pct
         ]
-        leaked = [c for c in full if (c["npu"], c["chip"]) not in busy]
-        if leaked:
-            out.append(
-                check(
-                    "hbm",
-                    "fail",
-                    "; ".join(
-                        f"{_chip_label(c)} HBM {c['memory_used_mb']}/{c['memory_total_mb']} MB with no process on it"
-                        for c in leaked
-                    )
-                    + ": memory left by a dead job; reset the chip (npu-smi set -t reset) or reboot",
-                )
-            )
-        elif full:
-            out.append(
-                check(
-                    "hbm",
-                    "warn",
-                    ", ".join(_chip_label(c) for c in full) + " HBM ≥ "
-                    f"{hw.max_hbm_used_pct:g}% (in use by a running process)",
-                )
-            )
-        else:
-            out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every chip"))
+        out += _thermal_and_memory(devices, hw, "HBM", "chip", "reset the chip (npu-smi set -t reset)")
         count = len({c["npu"] for c in info["chips"]})
         kind = "NPU cards (npu-smi)"
     elif sample.get("nvidia_smi"):
         gpus = sample["nvidia_smi"]["gpus"]
         count, kind = len(gpus), "GPUs (nvidia-smi)"
-        hot = [
-            f"GPU {g['index']} at {g['temp_c']:g} C"
-            for g in gpus
-            if g["temp_c"] is not None and g["temp_c"] >= hw.max_device_temp_c
-        ]
-        temps = [g["temp_c"] for g in gpus if g["temp_c"] is not None]
-        out.append(
-            check(
-                "temperature",
-                "fail",
-                "; ".join(hot) + f" (alarm at hardware.max_device_temp_c {hw.max_device_temp_c:g} C)",
-            )
-            if hot
-            else check("temperature", "ok", f"max {max(temps):g} C" if temps else "not reported")
-        )
         busy = {p["gpu_uuid"] for p in sample["nvidia_smi"]["processes"]}
-        full = [
-            g
+        devices = [
+            Device(f"GPU {g['index']}", g["temp_c"], g["memory_used_mb"], g["memory_total_mb"], g["uuid"] in busy)
             for g in gpus
-            if g["memory_total_mb"]
-            and g["memory_used_mb"] is not None
-            and 100 * g["memory_used_mb"] / g["memory_total_mb"] >= hw.max_hbm_used_pct
         ]
-        leaked = [g for g in full if g["uuid"] not in busy]
-        if leaked:
-            out.append(
-                check(
-                    "hbm",
-                    "fail",
-                    "; ".join(
-                        f"GPU {g['index']} memory {g['memory_used_mb']:g}/"
-                        f"{g['memory_total_mb']:g} MB with no process on it"
-                        for g in leaked
-                    )
-                    + ": memory left by a dead job; reset the "
-                    "GPU (nvidia-smi -r) or reboot",
-                )
-            )
-        elif full:
-            out.append(
-                check(
-                    "hbm",
-                    "warn",
-                    ", ".join(f"GPU {g['index']}" for g in full)
-                    + f" memory ≥ {hw.max_hbm_used_pct:g}% (in use by a running process)",
-                )
-            )
-        else:
-            out.append(check("hbm", "ok", f"below {hw.max_hbm_used_pct:g}% on every GPU"))
+        out += _thermal_and_memory(devices, hw, "memory", "GPU", "reset the GPU (nvidia-smi -r)")
     else:
         return out  # CPU host: host memory and disk are the device checks
     expected = hw.expected_devices or last_seen
