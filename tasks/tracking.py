@@ -24,6 +24,23 @@ def sanitize_key(key: str) -> str:
     return _KEY_BAD.sub("_", str(key))[:250] or "_"
 
 
+def model_name_problem(name: str) -> str | None:
+    """One line when MLflow's Model Registry would refuse `name` (checked at trigger time, not at evaluate after the
+    whole run): MLflow 3.17's own rules, mlflow.utils.validation._validate_model_name (not empty, no '/' or ':', not
+    changed by path normalisation) and the file store's (mlflow/store/model_registry/file_store.py: no path separator,
+    no '%')."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.model_registry.file_store import _validate_model_name
+
+    try:
+        _validate_model_name(name)
+    except MlflowException as e:
+        return (
+            f"evaluate.registered_model: {name!r} is refused by MLflow's Model Registry ({e.message}); choose another"
+        )
+    return None
+
+
 def default_uri() -> str:
     return f"sqlite:///{var_dir() / 'mlflow.db'}"
 
