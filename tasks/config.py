@@ -143,6 +143,9 @@ class TrainConfig(Section):
     # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
     # reports the failing collective first; checked by the config's rules on NPU and by the env stage.
     timeout_s: int = Field(1900, ge=1, le=MAX_TIMEOUT_S)
+    # Divergence guard (tasks/parallel/divergence.py): a loss above this × the running median of the last 20, or back
+    # at ln(vocabulary) after it had fallen, stops the run (a non-finite or zero gradient norm always does); 0 = off.
+    divergence_factor: float = Field(10.0, ge=0.0, le=1e6)
 
 
 class SmokeConfig(Section):

@@ -204,7 +204,7 @@ def _run_locked(
 ) -> dict:
     if cfg.tracking.enabled and (run_dir / tracking.PENDING).is_file():  # an earlier stage's MLflow outage
         tracking.flush_pending(run_dir)
-    with tracking.stage_run(cfg, stage, parent_run_id, tags=tags) as run_id:
+    with tracking.stage_run(cfg, stage, parent_run_id, tags=tags, run_dir=run_dir) as run_id:
         ctx = StageContext(
             run_dir=run_dir,
             stage=stage,

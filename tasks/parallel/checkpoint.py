@@ -57,7 +57,9 @@ def read_meta(path: Path) -> dict:
 
 # Config that shapes the training trajectory: changed between a checkpoint and its resume, the curve differs from
 # an uninterrupted run (a warning, not an error: extending steps or changing the layout is legitimate).
-_NOT_SHAPING = {"train": {"steps", "checkpoint_every", "keep_checkpoints", "timeout_s", "micro_batch"}}
+_NOT_SHAPING = {
+    "train": {"steps", "checkpoint_every", "keep_checkpoints", "timeout_s", "micro_batch", "divergence_factor"}
+}
 SHAPING_SECTIONS = ("model", "train", "data")
 _DATA_SHAPING = {"seq_len", "vocab_size", "tokenizer", "inputs", "max_documents"}
 

@@ -549,8 +549,8 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
         )
     )
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
-    with tracking.best_effort("final training metrics, tags and artifacts"):
-        tracking.log_metrics(final)
+    tracking.log_final_metrics(ctx.run_dir, tracking.tracking_uri(cfg), final)  # kept pending while MLflow is down
+    with tracking.best_effort("final training tags and artifacts"):
         tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
         tracking.log_artifact(result["metrics"])
         tracking.log_artifact(plot, "train")
