@@ -1022,3 +1022,21 @@ def test_make_db_on_an_unwritable_var_dir(fs, tmp_path):
         ], lines
     finally:
         subprocess.run(["umount", str(d)])
+
+
+def test_a_file_cut_after_its_header_was_read_is_named(tmp_path, hf_dirs):
+    """Every read's length is checked: a file truncated between reading its header and its rows is one line."""
+    from tasks.errors import StageError
+    from tasks.model.safetensors_io import read_header, read_tensor
+
+    f = tmp_path / "m.safetensors"
+    shutil.copy(hf_dirs / "good" / "model.safetensors", f)
+    header = read_header(f)
+    last = max(header, key=lambda k: header[k].start)
+    with open(f, "r+b") as fh:
+        fh.truncate(header[last].start + 10)
+    with pytest.raises(StageError) as e:
+        read_tensor(header, last)
+    assert str(e.value) == (
+        f"{f}: tensor {last!r}: read 10 of {header[last].nbytes} bytes (the file is truncated); re-export or re-copy it"
+    )
