@@ -846,7 +846,8 @@ def test_checkpoint_state_that_needs_pickle_is_refused(cfg, capsys, tmp_path, sh
     torch.save({"order": argparse.Namespace(evil=True)}, step / "loader-dp0.pt")
     one_line(
         *run_cli(capsys, "train", "--no-tracking", "--run-dir", tmp_path / "run", "--shard-dir", shards, *TRAIN),
-        f"checkpoint {step / 'loader-dp0.pt'}: refused, it needs unsafe unpickling (Weights only load failed",
+        f"checkpoint {step / 'loader-dp0.pt'}: refused, loading it needs unsafe unpickling (it holds "
+        "argparse.Namespace); resume from a checkpoint written by this version, or start over with --fresh",
         "resume from a checkpoint written by this version, or start over with --fresh",
     )
 

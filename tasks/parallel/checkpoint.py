@@ -260,9 +260,11 @@ def safe_load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))  # torch's WeightsUnpickler names the class
+        what = f"it holds {found.group(1)}" if found else re.sub(r"\x1b\[[0-9;]*m", "", str(e).splitlines()[0])[:160]
         raise UnsafeCheckpointError(
-            f"{path}: refused, it needs unsafe unpickling ({str(e).splitlines()[0][:160]}); resume from a "
-            "checkpoint written by this version, or start over with --fresh"
+            f"{path}: refused, loading it needs unsafe unpickling ({what}); resume from a checkpoint written by this "
+            "version, or start over with --fresh"
         ) from None
 
 
