@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-ENV := source scripts/airflow-env.sh &&
+ENV := umask 022 && source scripts/airflow-env.sh &&
 CONF ?= {}
 # CONF reaches the pipeline only through the environment, as literal text: never spliced into a shell command line,
 # never expanded by make ($(value …)), and not exported under its own name (exporting would expand it).
@@ -26,8 +26,8 @@ $(STAMP): requirements.txt constraints.txt
 	$(VENV)/bin/pip install --quiet -r requirements.txt -c constraints.txt
 	touch $(STAMP)
 
-db: venv
-	@$(ENV) airflow db migrate > var/logs/db-migrate.log 2>&1 || (cat var/logs/db-migrate.log; exit 1)
+db: venv  ## var/ checked writable (one line if not), then Airflow's DB migrated (scripts/migrate-db.sh)
+	@bash scripts/migrate-db.sh
 
 run: db
 	@bash scripts/run-pipeline.sh

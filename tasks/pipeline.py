@@ -199,6 +199,9 @@ def config_for_params(params: dict) -> PipelineConfig:
     preset, overrides = overrides_from_params(params)
     cfg = load_config(preset, overrides=overrides)
     cfg.data.verify_sha256 = True
+    problem = tracking.model_name_problem(cfg.evaluate.registered_model)  # refused now, not after the whole run
+    if problem:
+        raise ConfigError(problem)
     return cfg
 
 

@@ -96,9 +96,19 @@ def explain(
     diag = train_dir / "diagnosis.json"
     if diag.is_file():
         d = json.loads(diag.read_text())
+        last_good, aside = d["last_good_checkpoint"], ""
+        if d.get("bad_from") is not None:  # the divergence guard condemned the weights from that step on
+            from tasks.parallel.checkpoint import latest
+            from tasks.parallel.divergence import quarantine
+
+            moved = quarantine(train_dir.parent / "checkpoints", int(d["bad_from"]))
+            found = latest(train_dir.parent / "checkpoints")
+            last_good = str(found[1]) if found else None
+            aside = f"; set aside as diverged: {', '.join(moved)}" if moved else ""
+            aside += "; lower train.lr or raise train.warmup_steps and rerun (the schedule follows the new config)"
         return StageError(
             f"{d['what']} at step {d['step']} (loss {d['loss']}, grad norm {d['grad_norm']}); "
-            f"stopped before the update, last good checkpoint {d['last_good_checkpoint'] or 'none'}; "
+            f"stopped before the update, last good checkpoint {last_good or 'none'}{aside}; "
             f"see {diag}",
             retryable=False,
         )
