@@ -1,5 +1,5 @@
 """Hybrid-parallel training: checks the layout, then starts torchrun (one process per device) running
-tasks.parallel.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
+tasks.train.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
 <run-dir>/metrics.jsonl and MLflow; the final model exported to <run-dir>/hf in HF format by the workers themselves
 (streamed from the final checkpoint, a few tensors per rank at a time).
 
@@ -26,7 +26,7 @@ from tasks.parallel import layout as layouts
 from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
-from tasks.parallel.worker import FAULT_ENV, parse_fault
+from tasks.train.hooks import FAULT_ENV, parse_fault
 from tasks.units import GB
 
 
