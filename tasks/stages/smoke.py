@@ -84,19 +84,20 @@ def initial_model(cfg, vocab: int):
 def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool) -> Curve:
     import torch
 
-    from tasks.model import build_model
+    from tasks.model import build_model, converters
     from tasks.model.diagnose import diagnose_non_finite
-    from tasks.model.npu_kernels import convert as convert_npu_kernels
     from tasks.train.step import single_process
 
     model = build_model(tcfg).to_empty(device=dev)
-    convert_npu_kernels(model, dev.type, cfg.model.npu_kernels)  # the kernels training uses; identity off the NPU
+    convs = converters.build(cfg.model.converters, converters.ConvertContext(dev.type, tcfg, cfg))
+    converters.apply(model, convs)  # the converters training uses (NPU kernels: identity off the NPU)
     model.tie_weights()
     model.load_state_dict(state)
     model.init_rope()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.smoke.lr, weight_decay=cfg.train.weight_decay)
     autocast = devices.autocast(dev, precision)
-    train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast)  # the trainer's step, one process
+    # The trainer's step, in one process.
+    train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast, converters=convs)
     curve = Curve(precision)
     devices.reset_peak(dev)
     start, timed_tokens = time.perf_counter(), 0

@@ -65,6 +65,9 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
+    from tasks.model.converters import check_names
+
+    check_names(cfg.model.converters)  # an unknown model converter fails here, not in every rank
     plan = ctx.inputs.get("plan")
     backend, nproc, world = _world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)

@@ -10,7 +10,7 @@ build_loader     → this rank's ShardLoader
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def build_mesh(lay, device_type: str):
@@ -52,6 +52,7 @@ class ModelParts:
 
     stages: list[tuple[int, object]]
     n_stages: int
+    converters: list = field(default_factory=list)  # the model converters applied (tasks/model/converters.py)
 
     @property
     def modules(self) -> list:
@@ -59,27 +60,28 @@ class ModelParts:
 
 
 def build_model(
-    tcfg, lay, mesh, device, precision: str, seed: int, init_from: str | None = None, npu_kernels: str = "auto"
+    tcfg, lay, mesh, device, precision: str, seed: int, init_from: str | None = None, converters=()
 ) -> ModelParts:
-    """Model parts of this rank: the model on the meta device → NPU kernels → split for PP → `parallelize` each part
-    → materialise (each rank allocates and writes only its local shards: seeded random init, or the slices of the HF
-    checkpoint `init_from` that it owns)."""
+    """Model parts of this rank: the model on the meta device → model converters (tasks/model/converters.py, in
+    model.converters order: NPU kernels, …) → split for PP → `parallelize` each part → materialise (each rank
+    allocates and writes only its local shards: seeded random init, or the slices of the HF checkpoint `init_from`
+    that it owns)."""
     from tasks.model import build_model as build_meta_model
     from tasks.model import materialize
+    from tasks.model.converters import apply
     from tasks.model.init import HFWeights
-    from tasks.model.npu_kernels import convert
     from tasks.parallel.mesh import coords
     from tasks.parallel.pp import split_model, stages_per_rank
 
     model = build_meta_model(tcfg, "meta")
     source = HFWeights(init_from, tcfg) if init_from else None
-    convert(model, device.type, npu_kernels)  # NPU fused ops before any parallelism; identity elsewhere
+    apply(model, converters)  # before any parallelism, as torchtitan's converters
     per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
     stages = split_model(model, coords(mesh)["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
     for _, part in stages:
         parallelize(part, lay, mesh, precision)
         materialize(part, device, seed, source=source)
-    return ModelParts(stages, lay.pp * per_rank)
+    return ModelParts(stages, lay.pp * per_rank, list(converters))
 
 
 def parallelize(part, lay, mesh, precision: str) -> None:
@@ -156,6 +158,7 @@ def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision
     import torch
 
     from tasks.model import lm_loss
+    from tasks.model.converters import post_optimizer
     from tasks.parallel.dp import all_reduce_grads, broadcast_params
     from tasks.parallel.pp import build_schedule
     from tasks.train.step import PipelineStep, PlainStep, TrainStep, global_loss
@@ -179,6 +182,9 @@ def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision
         for group in opts.replicas:
             broadcast_params(group["named"], {n: opts.owner[n][0] for n, _ in group["named"]}, group["group"])
 
+    def converters_hook():  # converters whose state follows the weights (fake-quant scales, …)
+        post_optimizer(model.converters, model.modules)
+
     return TrainStep(
         forward_backward,
         opts.pairs,
@@ -187,7 +193,7 @@ def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision
         reduce_loss=lambda loss: global_loss(loss, lay.dp, lay.tp),
         grad_sync=grad_sync if opts.replicas else None,
         pp_group=pp_group,
-        after_update=[broadcast_owned] if opts.owner else [],
+        after_update=([broadcast_owned] if opts.owner else []) + ([converters_hook] if model.converters else []),
     )
 
 

@@ -136,7 +136,12 @@ class TrainStep:
             p.grad = None
 
 
-def single_process(model, optimizer, grad_clip: float, autocast=None, scheduler=None) -> TrainStep:
+def single_process(model, optimizer, grad_clip: float, autocast=None, scheduler=None, converters=()) -> TrainStep:
     """The step in one process (smoke stage, benchmarks): the whole batch as one micro-batch, no collectives.
-    `autocast`: a factory of the autocast context (None = fp32)."""
-    return TrainStep(PlainStep(model, 1, autocast), [(optimizer, scheduler)], list(model.parameters()), grad_clip)
+    `autocast`: a factory of the autocast context (None = fp32); `converters`: the model converters applied to
+    `model`, whose post_optimizer_hook runs after each update."""
+    from tasks.model.converters import post_optimizer
+
+    after = [lambda: post_optimizer(converters, [model])] if converters else []
+    params = list(model.parameters())
+    return TrainStep(PlainStep(model, 1, autocast), [(optimizer, scheduler)], params, grad_clip, after_update=after)

@@ -95,6 +95,8 @@ class Trainer:
         import torch
         import torch.distributed as dist
 
+        from tasks.model.converters import ConvertContext
+        from tasks.model.converters import build as build_converters
         from tasks.parallel.checkpoint import CheckpointManager
         from tasks.parallel.mesh import coords, layout_name
         from tasks.parallel.metrics import PhasePeaks
@@ -122,9 +124,10 @@ class Trainer:
         init_from = None if source else spec.get("init_from")
         if init_from:
             log(f"initialising from {init_from}")
-        self.model = build_model(
-            self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, self.cfg.model.npu_kernels
-        )
+        converters = build_converters(self.cfg.model.converters, ConvertContext(device.type, self.tcfg, self.cfg))
+        self.model = build_model(self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters)
+        if converters:
+            log(f"model converters: {', '.join(map(repr, converters))}")
         named = [(n, p) for part in self.parts for n, p in part.named_parameters()]
         self.opts = build_optimizer(self.parts, named, self.mesh, self.lay, t)
         self.step_fn = build_step(self.model, self.opts, self.mesh, self.lay, device, t.precision, t.grad_clip)
