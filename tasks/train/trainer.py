@@ -244,7 +244,7 @@ class Trainer:
         from tasks.train.router_stats import moe_metrics
 
         moe_layers = [f"layers.{i}.moe" for i in range(self.tcfg.n_layers) if self.tcfg.is_moe_layer(i)]
-        moe = moe_metrics(self.parts, moe_layers, self.tcfg.n_experts, self.lay.tp)
+        moe = moe_metrics(self.parts, moe_layers, self.tcfg.n_experts, self.lay.tp, self.device)
         tps = self.lay.global_batch * self.cfg.data.seq_len / dt
         return {
             **moe,
