@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from tasks.train.hooks import FaultInjection, Heartbeats, Hook, ShardingEvidence, StopTraining
 from tasks.units import GB
@@ -85,13 +85,16 @@ class Trainer:
     opts: "Optimizers"
     step_fn: "TrainStep"
     loader: "ShardLoader"
+    batches: Iterator  # (inputs, targets) from the resumed position, epochs looped
     start: int
     last_good: str | None
-    metrics: "MetricsLog | None"
+    metrics: "MetricsLog | None"  # rank 0 only
+    flops_tok: float  # training FLOPs per token (MFU)
+    peak: float | None  # the device's peak FLOP/s (None: unknown, no MFU)
     hooks: list[Hook]
     step: int  # the step running (or last run)
 
-    def __init__(self, spec: dict, device, hooks: list[Hook] = ()):
+    def __init__(self, spec: dict, device, hooks: tuple[Hook, ...] = ()):
         import torch
         import torch.distributed as dist
 
