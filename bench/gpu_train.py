@@ -70,11 +70,10 @@ def main(argv=None) -> dict:
     from tasks.device import detect, memory_stats, reset_peak, synchronize, torch_device
     from tasks.model import TransformerConfig, flops_per_token, get_preset, num_params
     from tasks.parallel.layout import Layout
-    from tasks.parallel.mesh import build_mesh, coords
+    from tasks.parallel.mesh import build_mesh
     from tasks.parallel.metrics import peak_flops
-    from tasks.parallel.optim import build_optimizers, grad_norm_and_clip
-    from tasks.parallel.step import PlainStep, global_loss
-    from tasks.parallel.worker import build_parts
+    from tasks.parallel.optim import build_optimizers
+    from tasks.train.build import Optimizers, build_model, build_step
     from tasks.units import GB
 
     backend = detect(args.device)
@@ -86,10 +85,10 @@ def main(argv=None) -> dict:
         dp=world, tp=1, pp=1, zero=3, recompute=args.recompute, micro_batch=args.micro_batch, global_batch=local * world
     )
     mesh = build_mesh(device.type, 1, world, 1)
-    [(_, model)], _ = build_parts(tcfg, lay, mesh, coords(mesh), device, args.precision, seed=0)
+    model = build_model(tcfg, lay, mesh, device, args.precision, seed=0)
     train_cfg = TrainConfig(steps=args.steps, lr=3e-4, min_lr=3e-5, warmup_steps=2)
-    [(opt, sched)] = build_optimizers([model], train_cfg)
-    step = PlainStep(model, lay.n_microbatches)
+    opts = Optimizers(build_optimizers(model.modules, train_cfg), replicas=[], owner={})
+    step = build_step(model, opts, mesh, lay, device, args.precision, grad_clip=1.0)  # the trainer's TrainStep
     gen = torch.Generator().manual_seed(rank)
     times, losses = [], []
     reset_peak(device)
@@ -97,14 +96,10 @@ def main(argv=None) -> dict:
         tokens = torch.randint(0, tcfg.vocab_size, (local, args.seq_len + 1), generator=gen).to(device)
         synchronize(device)
         t0 = time.perf_counter()
-        loss = global_loss(step(tokens[:, :-1], tokens[:, 1:]), world, 1)
-        grad_norm_and_clip(list(model.parameters()), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        result = step(tokens[:, :-1], tokens[:, 1:])
         synchronize(device)
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        losses.append(result.loss.item())
         if rank == 0:
             print(f"step {i + 1}: loss {losses[-1]:.3f}, {times[-1]:.3f} s", flush=True)
     step_s = statistics.median(times[args.warmup :] or times)

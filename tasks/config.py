@@ -108,8 +108,11 @@ class ModelConfig(Section):
     moe_ffn_dim: int = Field(0, ge=0, le=1 << 22)
     aux_loss_coef: float = Field(-1.0, ge=-1.0, le=100.0)  # router load-balancing loss (-1 = the preset's, 0 = off)
     capacity_factor: float = Field(-1.0, ge=-1.0, le=1000.0)  # -1 = the preset's (dropless); > 0 drops above it
-    # NPU fused kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu) swapped in after the model is built:
-    # auto = on when the device is an NPU and the op exists; off = plain PyTorch everywhere (tasks/model/npu_kernels)
+    # Model converters applied in this order to the built model, before any parallelism (tasks/model/converters.py,
+    # docs/trainer.md); npu_fused = the NPU fused kernels below (the identity off an NPU).
+    converters: list[str] = Field(default_factory=lambda: ["npu_fused"])
+    # npu_fused's kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu): auto = on an NPU, those the
+    # installed torch_npu has and the SoC supports; off = plain PyTorch everywhere (tasks/model/npu_kernels.py)
     npu_kernels: Literal["auto", "off"] = "auto"
 
 

@@ -71,7 +71,7 @@ def test_torchrun_numa_option_read_from_the_installed_torch():
     assert binding.launch_args(cfg, "cuda") == (["--numa-binding=exclusive"] if has else [])
     assert binding.launch_args(cfg, "npu") == [] and binding.launch_args(cfg, "cpu") == []
     off = load_config("ci-tiny", sets=["hardware.bind_cpus=false"])
-    assert binding.launch_args(off, "cuda") == [] and binding.entry_module(off) == "tasks.parallel.worker"
+    assert binding.launch_args(off, "cuda") == [] and binding.entry_module(off) == "tasks.train.worker"
     env = {binding.ENV: "x"}
     assert binding.prepare(off, "cpu", 2, env) is None and binding.ENV not in env
 

@@ -138,3 +138,39 @@ def test_bad_moe_layouts_fail_before_launch(cfg, tmp_path, shards, sets, expecte
     c = configure(cfg, **{**MOE, **sets})
     with pytest.raises(ConfigError, match=expected):
         train.prepare(c, context(tmp_path, shards))
+
+
+def test_router_statistics_reduce_exactly_on_the_device_in_dtypes_hccl_takes(monkeypatch):
+    """One all_reduce per dtype on the run's device: the counts as int64 (exact at any size), the aux-loss sum as
+    fp32 — never fp64, which HCCL's all_reduce refuses (Ascend/pytorch ProcessGroupHCCL.cpp
+    checkSupportedDataTypeOfAllReduce), nor a CPU tensor handed to a device group."""
+    import torch
+    import torch.distributed as dist
+
+    from tasks.model import build_model, get_preset
+    from tasks.model.moe import moe_layers
+    from tasks.train import router_stats
+
+    c = get_preset("moe-demo")
+    c.n_layers = 2
+    model = build_model(c, "meta")
+    big = 2**53 + 2  # beyond fp32's and fp64's exact integers once summed over ranks
+    for _, m in moe_layers(model):
+        m.stat_tokens = torch.zeros(c.n_experts, dtype=torch.float64)
+        m.stat_aux, m.stat_calls, m.stat_dropped = 0.25, 1, 3
+    seen = []
+
+    def all_reduce(t, *args, **kwargs):  # three ranks holding the same statistics; the middle one routed `big`
+        seen.append((t.dtype, t.device))
+        if t.dtype == torch.int64:
+            t[0] = big
+        t.mul_(3)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    names = [n for n, _ in moe_layers(model)]
+    out = router_stats.moe_metrics([model], names, c.n_experts, tp=3, device=torch.device("cpu"))
+    assert {d for d, _ in seen} == set(getattr(torch, n) for n in router_stats.ROUTER_STATS_DTYPES)
+    assert all(dev == torch.device("cpu") for _, dev in seen)
+    layer = names[0].removeprefix("layers.").removesuffix(".moe")
+    assert int(out["moe_tokens_per_expert"][layer][0]) == big  # (3 · big) // tp, exactly
+    assert out["moe_aux_loss"] == pytest.approx(0.25) and out["moe_dropped_frac"] == 6 / big

@@ -147,11 +147,11 @@ def test_msprof_tools_are_optional(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as on a host without the Ascend tools: skipped cleanly
     assert shutil.which("msprof-analyze") is None
     assert run_msprof_analyze(FIX / "ascend_pt_new_healthy", tmp_path / "out")["status"] == "skipped"
-    cmd = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "tasks.parallel.worker"]
+    cmd = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "tasks.train.worker"]
     assert msprof_wrap(cmd, tmp_path / "m", None) == cmd
     assert msprof_wrap(cmd, tmp_path / "m", "/opt/msprof") == [
         "/opt/msprof",
-        "--application=python -m torch.distributed.run --nproc-per-node 8 -m tasks.parallel.worker",
+        "--application=python -m torch.distributed.run --nproc-per-node 8 -m tasks.train.worker",
         f"--output={tmp_path / 'm'}",
     ]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 ENV = "LLM_PIPELINE_CPU_BINDING"  # the plan the entry shim applies
 PLAN_ENV = "LLM_PIPELINE_CPU_BINDING_PLAN"  # the plan for the report (also when torchrun binds itself)
-WORKER = "tasks.parallel.worker"
+WORKER = "tasks.train.worker"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m|\[\d+m")
 
 

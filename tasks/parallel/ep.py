@@ -15,7 +15,7 @@ Gradients: an expert's gradient on its owner sums the contributions of all ep ra
 averages over dp / ep ranks only, so the expert weights' gradient is scaled by 1 / ep in the expert computation —
 every layout then reproduces the single-process step (tests/test_moe_train.py). ZeRO 0/1 (replicated parameters,
 tasks/parallel/dp.py) average the experts' gradients over "dp_rep" the same way, and ZeRO-1 picks each expert
-weight's owner among those replicas (tasks.parallel.worker.dp_replica_groups).
+weight's owner among those replicas (tasks.train.build.dp_replica_groups).
 
 Composition: the mesh is (pp, dp_rep, ep, tp), so each pipeline stage carves its own EP groups from its dp ranks,
 and under TP every TP coordinate has its own EP groups: the attention and the shared expert are TP-split, the

@@ -140,7 +140,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     if rc != 0:
         if "unrecognized arguments: --profile-dir" in log:
             raise StageError(
-                "the training worker does not accept --profile-dir (tasks/parallel/worker.py must call "
+                "the training worker does not accept --profile-dir (tasks/train/trainer.py must call "
                 "tasks.profiling.collect.make_profiler); analyse existing traces with "
                 "`python -m tasks profile analyze PATH`"
             )

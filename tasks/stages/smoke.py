@@ -84,24 +84,27 @@ def initial_model(cfg, vocab: int):
 def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool) -> Curve:
     import torch
 
-    from tasks.model import build_model
+    from tasks.model import build_model, converters
     from tasks.model.diagnose import diagnose_non_finite
-    from tasks.model.npu_kernels import convert as convert_npu_kernels
-    from tasks.model.step import train_step
+    from tasks.train.step import single_process
 
     model = build_model(tcfg).to_empty(device=dev)
-    convert_npu_kernels(model, dev.type, cfg.model.npu_kernels)  # the kernels training uses; identity off the NPU
+    convs = converters.build(cfg.model.converters, converters.ConvertContext(dev.type, tcfg, cfg))
+    converters.apply(model, convs)  # the converters training uses (NPU kernels: identity off the NPU)
     model.tie_weights()
     model.load_state_dict(state)
     model.init_rope()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.smoke.lr, weight_decay=cfg.train.weight_decay)
     autocast = devices.autocast(dev, precision)
+    # The trainer's step, in one process.
+    train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast, converters=convs)
     curve = Curve(precision)
     devices.reset_peak(dev)
     start, timed_tokens = time.perf_counter(), 0
     for step, (x, y) in enumerate(batches):
         x, y = x.to(dev), y.to(dev)
-        loss, norm = train_step(model, opt, x, y, autocast, cfg.train.grad_clip)
+        result = train_step(x, y)
+        loss, norm = result.loss.item(), result.grad_norm.item()
         curve.losses.append(loss)
         tracking.log_metrics({f"smoke.{precision}.loss": loss, f"smoke.{precision}.grad_norm": norm}, step=step)
         if not (math.isfinite(loss) and math.isfinite(norm)):

@@ -1,5 +1,5 @@
 """Hybrid-parallel training: checks the layout, then starts torchrun (one process per device) running
-tasks.parallel.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
+tasks.train.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
 <run-dir>/metrics.jsonl and MLflow; the final model exported to <run-dir>/hf in HF format by the workers themselves
 (streamed from the final checkpoint, a few tensors per rank at a time).
 
@@ -27,7 +27,7 @@ from tasks.parallel import layout as layouts
 from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
-from tasks.parallel.worker import FAULT_ENV, parse_fault
+from tasks.train.hooks import FAULT_ENV, parse_fault
 from tasks.units import GB
 
 
@@ -69,6 +69,9 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
+    from tasks.model.converters import check_names
+
+    check_names(cfg.model.converters)  # an unknown model converter fails here, not in every rank
     plan = ctx.inputs.get("plan")
     backend, nproc, world = _world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
