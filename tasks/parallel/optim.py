@@ -53,6 +53,8 @@ def grad_norm_and_clip(params, max_norm: float, pp_group=None):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from tasks import collectives
+
     locals_, buckets = [], {}
     for p in params:
         g = p.grad
@@ -71,10 +73,10 @@ def grad_norm_and_clip(params, max_norm: float, pp_group=None):
     total = torch.zeros((), dtype=torch.float32, device=device)
     for groups, sq in buckets.items():
         for group in groups:
-            dist.all_reduce(sq, group=group)
+            collectives.all_reduce(sq, group=group)
         total += sq
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(total, group=pp_group)
+        collectives.all_reduce(total, group=pp_group)
     norm = total.sqrt()
     if max_norm > 0 and locals_:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
