@@ -126,6 +126,9 @@ class TrainConfig(Section):
     min_lr: float = 3e-4
     warmup_steps: int = Field(10, ge=0)
     weight_decay: float = 0.1
+    # adamw (betas 0.9/0.95) or plain SGD (no momentum: no optimizer state; the layout-parity tests use it, with
+    # grad_clip 0, because a wrong gradient scale shows in its update where AdamW normalises it away)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     grad_clip: float = Field(1.0, ge=0.0)
     precision: Precision = "bf16"
     seed: int = 1234
