@@ -143,11 +143,12 @@ def reference_losses(cfg, shards: Path, steps: int) -> dict[int, float]:
 
 def checkpoint_params(ckpt: Path) -> dict:
     """The model's tensors in a DCP checkpoint, read into plain tensors in this process (no process group)."""
+    import warnings
+
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    import torch
 
     md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     model = {
@@ -155,7 +156,9 @@ def checkpoint_params(ckpt: Path) -> dict:
         for k, v in md.items()
         if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
     }
-    dcp.load({"model": model}, checkpoint_id=str(ckpt), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is … uninitialized": one process is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, checkpoint_id=str(ckpt), no_dist=True)
     return model
 
 
