@@ -10,7 +10,7 @@ CONF ?= {}
 export LLM_PIPELINE_CONF := $(value CONF)
 unexport CONF
 
-.PHONY: help venv run test test-fast lint bench db clean ui stop browser npu-api
+.PHONY: help venv run test test-fast lint bench db clean ui stop browser npu-api device-check
 
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
@@ -18,6 +18,7 @@ help:
 	@echo "make lint   - ruff check + ruff format --check (also the first step of make test)"
 	@echo "make bench  - run the benchmarks; writes bench/results.json and bench/results.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
+	@echo "make device-check - on a CUDA host: the device paths (train, MoE, smoke, profile, INT8, evaluate, vs torchtitan)"
 
 venv: $(STAMP)
 
@@ -69,3 +70,14 @@ clean:
 
 npu-api: venv  ## snapshot torch_npu's (pinned wheels, downloaded not installed) and AMCT's API into tests/fixtures/npu_api
 	@$(ENV) python scripts/npu_api.py $(if $(AMCT_GIT_DIR),--amct-git $(AMCT_GIT_DIR))
+
+# On a CUDA host (< 10 minutes after the installs): train steps of the demo and MoE models, smoke, profile with
+# torch.profiler, INT8 quantize + evaluate, all in strict NCCL mode, and the throughput against torchtitan 0.3.0
+# (installed once into .venv-titan: requirements-titan.txt). Report: var/device-check/device-check.json.
+device-check: venv .venv-titan/.installed
+	@$(ENV) python bench/device_check.py --out var/device-check --titan-python .venv-titan/bin/python
+
+.venv-titan/.installed: requirements-titan.txt
+	test -x .venv-titan/bin/python || $(PYTHON) -m venv .venv-titan
+	.venv-titan/bin/pip install --quiet -r requirements-titan.txt
+	touch $@

@@ -138,6 +138,9 @@ class TrainConfig(Section):
     min_lr: float = Field(3e-4, ge=0.0, le=MAX_LR)
     warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(0.1, ge=0.0, le=10.0)
+    # adamw (betas 0.9/0.95) or plain SGD (no momentum: no optimizer state; the layout-parity tests use it, with
+    # grad_clip 0, because a wrong gradient scale shows in its update where AdamW normalises it away)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     grad_clip: float = Field(1.0, ge=0.0, le=1e6)
     precision: Precision = "bf16"
     seed: int = Field(1234, ge=0, le=MAX_SEED)  # numpy's default_rng takes no negative seed

@@ -173,16 +173,18 @@ class CheckpointManager:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        from tasks import collectives
+
         tmp = self.dir / f"step-{step}.tmp"
         final = self.dir / f"step-{step}"
         dcp.save(_app_state(parts, optimizers), checkpoint_id=str(tmp))
         if self.coords["tp"] == 0 and self.coords["pp"] == 0:  # one writer per data-parallel replica
             atomic_write_json(tmp / f"loader-dp{self.coords['dp']}.json", loader.state_dict())
         torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")  # tensors and ints only: loads weights_only
-        dist.barrier()
+        collectives.barrier()
         # Every rank hashes a share of the files (rank 0 alone hashed Qwen2-0.5B's 6.5 GB on 4 ranks in ~10 s).
         shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, file_table(tmp, dist.get_rank(), dist.get_world_size()))
+        collectives.all_gather_object(shares, file_table(tmp, dist.get_rank(), dist.get_world_size()))
         if self.rank == 0:
             sched = optimizers[0][1].state_dict()
             files = dict(sorted((k, v) for share in shares for k, v in share.items()))
@@ -206,7 +208,7 @@ class CheckpointManager:
             fsync_dir(self.dir)
             shutil.rmtree(old, ignore_errors=True)
             self._prune(step)
-        dist.barrier()
+        collectives.barrier()
         return final
 
     def _prune(self, saved: int) -> None:

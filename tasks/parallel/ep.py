@@ -37,10 +37,10 @@ A2A_LOG: list | None = None
 
 
 def _timed_all_to_all(out, x, out_splits, in_splits, group) -> None:
-    import torch.distributed as dist
+    from tasks import collectives
 
     t0 = time.perf_counter()
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    collectives.all_to_all_single(out, x, out_splits, in_splits, group=group)
     t1 = time.perf_counter()
     A2A_SECONDS[0] += t1 - t0
     if A2A_LOG is not None:
