@@ -28,7 +28,7 @@ def choose_resume(spec: dict, ckpt, rank: int, log) -> str | None:
     """The checkpoint this run resumes from, or None. Rank 0 decides and tells everyone (no rank reads the directory
     while rank 0 may be restoring a step-N.old in it): the launcher's verified choice (spec["resume_from"]), else the
     newest checkpoint that verifies; none with spec["resume"] false. Rank 0 also removes a killed save's leftovers."""
-    import torch.distributed as dist
+    from tasks import collectives
 
     from tasks.parallel.checkpoint import latest_verified
 
@@ -42,7 +42,7 @@ def choose_resume(spec: dict, ckpt, rank: int, log) -> str | None:
             for note in skipped:
                 log(f"skipping checkpoint {note}")
             decision[0] = str(found[1]) if found else None
-    dist.broadcast_object_list(decision, src=0)
+    collectives.broadcast_object_list(decision, src=0)
     return decision[0]
 
 

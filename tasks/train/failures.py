@@ -20,6 +20,7 @@ def write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, la
     """Every rank names its parameters with non-finite gradients (a collective); rank 0 writes diagnosis.json."""
     import torch
     import torch.distributed as dist
+    from tasks import collectives
 
     bad = [
         n
@@ -28,7 +29,7 @@ def write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, la
         if p.grad is not None and not torch.isfinite(local(p.grad)).all()
     ][:10]
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, bad)
+    collectives.all_gather_object(everyone, bad)
     if rank == 0:
         what = "loss became non-finite" if not torch.isfinite(loss) else "gradient norm became non-finite"
         atomic_write_json(

@@ -169,8 +169,8 @@ class ShardingEvidence(Hook):
         }
 
     def on_end(self, trainer, summary: dict) -> None:
-        import torch.distributed as dist
+        from tasks import collectives
 
         everyone = [None] * trainer.world
-        dist.all_gather_object(everyone, self.record)
+        collectives.all_gather_object(everyone, self.record)
         summary["sharding_per_rank"] = everyone

@@ -14,12 +14,12 @@ def reduce_router_stats(counts, aux_sum: float, device, tp: int = 1):
     fp32, both on the run's device; divided by tp (the TP ranks of one replica route the same tokens).
     Returns (counts, aux_sum) on the host."""
     import torch
-    import torch.distributed as dist
+    from tasks import collectives
 
     counts = counts.to(device=device, dtype=torch.int64)
     aux = torch.tensor([aux_sum], dtype=torch.float32, device=device)
-    dist.all_reduce(counts)
-    dist.all_reduce(aux)
+    collectives.all_reduce(counts)
+    collectives.all_reduce(aux)
     return (counts // tp).cpu(), float(aux.item()) / tp
 
 

@@ -73,10 +73,10 @@ class PipelineStep:
 def global_loss(local: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
     """The global batch's mean loss on every rank: ranks holding a loss (all of them, or the last pipeline
     stage) contribute; the TP ranks of one replica hold the same value, hence the division by dp · tp."""
-    import torch.distributed as dist
+    from tasks import collectives
 
     total = local.detach().float().clone()
-    dist.all_reduce(total)
+    collectives.all_reduce(total)
     return total / (dp * tp)
 
 

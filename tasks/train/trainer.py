@@ -97,6 +97,7 @@ class Trainer:
     def __init__(self, spec: dict, device, hooks: tuple[Hook, ...] = ()):
         import torch
         import torch.distributed as dist
+        from tasks import collectives
 
         from tasks.model.converters import ConvertContext
         from tasks.model.converters import build as build_converters
@@ -141,7 +142,7 @@ class Trainer:
         self.batches = self.loader.batches()
         self.metrics = self.build_metrics()
         self.hooks = [*default_hooks(self), *hooks]
-        dist.barrier()
+        collectives.barrier()
         self.phases.enter("train")
 
     @property
@@ -282,7 +283,7 @@ class Trainer:
 
     def finish(self) -> None:
         """Every rank's memory (per phase) gathered; hooks add their parts; rank 0 writes train/summary.json."""
-        import torch.distributed as dist
+        from tasks import collectives
 
         from tasks.device import memory_stats
         from tasks.fsutil import atomic_write_json
@@ -292,8 +293,8 @@ class Trainer:
         phases = self.phases.result()
         train_mem["peak_bytes"] = train_mem["peak_reserved_bytes"] = phases.get("train", train_mem["peak_bytes"])
         peaks, by_phase = [None] * self.world, [None] * self.world
-        dist.all_gather_object(peaks, train_mem)
-        dist.all_gather_object(by_phase, phases)
+        collectives.all_gather_object(peaks, train_mem)
+        collectives.all_gather_object(by_phase, phases)
         summary = {
             "final_step": self.step,
             "start_step": self.start,

@@ -25,6 +25,7 @@ def export(spec: dict) -> None:
     are gone: each rank streams its share of the files one tensor at a time (tasks.model.hf_export)."""
     import torch
     import torch.distributed as dist
+    from tasks import collectives
 
     from tasks.fsutil import atomic_write_json
     from tasks.model import TransformerConfig
@@ -49,12 +50,12 @@ def export(spec: dict) -> None:
         tokenizer_dir=spec["export"].get("tokenizer_dir"),
         rank=dist.get_rank(),
         world=dist.get_world_size(),
-        barrier=dist.barrier,
+        barrier=collectives.barrier,
         file_bytes=spec["export"].get("file_bytes"),
         stats=stats,
     )
     by_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(by_rank, {**phases.result(), **stats})
+    collectives.all_gather_object(by_rank, {**phases.result(), **stats})
     if dist.get_rank() == 0:
         atomic_write_json(run_dir / "train" / "export_memory.json", {"per_rank": by_rank})
     log("export done")
