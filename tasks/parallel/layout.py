@@ -39,6 +39,14 @@ class Layout:
     def world(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def reshard_after_forward(self) -> bool:
+        """ZeRO-3 frees each layer's gathered parameters after its forward and gathers them again for backward — but
+        not under pipeline parallelism, where every micro-batch would gather them again: there FSDP keeps them from
+        the first forward to the last backward, as ZeRO-2 (torchtitan's parallelize_llama: `reshard_after_forward =
+        not pp_enabled`). tasks/parallel/fsdp.py runs it; the planner's memory and step time count it."""
+        return self.zero >= 3 and self.pp == 1
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

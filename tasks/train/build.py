@@ -100,7 +100,7 @@ def parallelize(part, lay, mesh, precision: str) -> None:
         apply_ep(part, mesh, lay.ep)
     apply_ac(part, lay.recompute, lay.recompute_every)
     if lay.zero >= 2:
-        apply_fsdp(part, mesh["dp"], precision, lay.zero, mesh["dp_rep"] if lay.ep > 1 else None)
+        apply_fsdp(part, mesh["dp"], precision, lay.reshard_after_forward, mesh["dp_rep"] if lay.ep > 1 else None)
 
 
 @dataclass
@@ -154,29 +154,38 @@ def dp_replica_groups(named, mesh, lay) -> list[dict]:
 def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision: str, grad_clip: float):
     """The TrainStep over this rank's parts: PlainStep (micro-batches) or PipelineStep (a schedule), bf16 autocast for
     ZeRO 0/1 (fp32 parameters; FSDP's MixedPrecisionPolicy does it for 2/3), the loss averaged over all ranks,
-    gradients averaged over the replica groups, ZeRO-1 owners broadcasting their updated parameters."""
+    gradients averaged over the replica groups (bucketed, overlapping backward), ZeRO-1 owners broadcasting their
+    updated parameters."""
     import torch
 
     from tasks.model import lm_loss
     from tasks.model.converters import post_optimizer
-    from tasks.parallel.dp import all_reduce_grads, broadcast_params
+    from tasks.parallel.dp import GradBuckets, broadcast_params
     from tasks.parallel.pp import build_schedule
     from tasks.train.step import PipelineStep, PlainStep, TrainStep, global_loss
 
     bf16 = lay.zero < 2 and precision == "bf16"
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else None
+    scale = 1.0  # what the forward/backward multiplies the gradients by after backward
     if lay.pp > 1:
         pp_group = mesh["pp"].get_group()
         sched = build_schedule(
             lay.pp_schedule, model.stages, model.n_stages, device, pp_group, lay.n_microbatches, lm_loss
         )
         forward_backward = PipelineStep(sched, [i for i, _ in model.stages], model.n_stages, autocast)
+        scale = 1.0 / lay.n_microbatches if getattr(sched, "scale_grads", False) else 1.0
     else:
         pp_group, forward_backward = None, PlainStep(model.modules[0], lay.n_microbatches, autocast)
 
-    def grad_sync():  # replicated data parallel: average gradients over the replicas
-        for group in opts.replicas:
-            all_reduce_grads([p for _, p in group["named"]], group["group"], group["size"])
+    # Replicated data parallel: each replica group's gradients all-reduced in buckets from backward hooks (one
+    # backward per micro-batch through every parameter), finished before clipping.
+    reducers = [
+        GradBuckets([p for _, p in g["named"]], g["group"], g["size"], lay.n_microbatches, scale) for g in opts.replicas
+    ]
+
+    def grad_sync():
+        for reducer in reducers:
+            reducer.finish()
 
     def broadcast_owned():  # ZeRO-1: each owner's updated parameters to the other replicas
         for group in opts.replicas:
