@@ -146,6 +146,8 @@ class TrainConfig(Section):
     seed: int = Field(1234, ge=0, le=MAX_SEED)  # numpy's default_rng takes no negative seed
     checkpoint_every: int = Field(20, ge=0, le=MAX_STEPS)
     keep_checkpoints: int = Field(2, ge=1, le=1000)
+    # checkpoints written in the background (DCP async_save): a step waits only for the copy into host memory
+    async_checkpoint: bool = True
     # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
     # reports the failing collective first; checked by the config's rules on NPU and by the env stage.
     timeout_s: int = Field(1900, ge=1, le=MAX_TIMEOUT_S)

@@ -27,7 +27,7 @@ from tasks.parallel import layout as layouts
 from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
-from tasks.train.hooks import FAULT_ENV, parse_fault
+from tasks.train.hooks import FAULT_ENV, FAULT_KINDS, parse_fault
 from tasks.units import GB
 
 
@@ -208,8 +208,8 @@ def fault_problem(text: str, world: int) -> str | None:
     accepts and int() refuses), or a rank outside the world (the drill would silently run without its fault)."""
     if not text.isascii():
         return (
-            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang in ASCII digits "
-            "(e.g. 1:4); unset it for a normal run"
+            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:{'|'.join(FAULT_KINDS)} in ASCII "
+            "digits (e.g. 1:4); unset it for a normal run"
         )
     try:
         fault = parse_fault(text)
