@@ -143,6 +143,9 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     grad_clip: float = Field(1.0, ge=0.0, le=1e6)
     precision: Precision = "bf16"
+    # torch.compile of each transformer block (inductor; on Ascend torch_npu's torchair backend "npu"): faster steps
+    # after a one-time compile in the first step (tens of seconds to minutes); docs/stages.md
+    compile: bool = False
     seed: int = Field(1234, ge=0, le=MAX_SEED)  # numpy's default_rng takes no negative seed
     checkpoint_every: int = Field(20, ge=0, le=MAX_STEPS)
     keep_checkpoints: int = Field(2, ge=1, le=1000)

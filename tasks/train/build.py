@@ -60,12 +60,12 @@ class ModelParts:
 
 
 def build_model(
-    tcfg, lay, mesh, device, precision: str, seed: int, init_from: str | None = None, converters=()
+    tcfg, lay, mesh, device, precision: str, seed: int, init_from: str | None = None, converters=(), compiled=False
 ) -> ModelParts:
     """Model parts of this rank: the model on the meta device → model converters (tasks/model/converters.py, in
-    model.converters order: NPU kernels, …) → split for PP → `parallelize` each part → materialise (each rank
-    allocates and writes only its local shards: seeded random init, or the slices of the HF checkpoint `init_from`
-    that it owns)."""
+    model.converters order: NPU kernels, …) → split for PP → `parallelize` each part (`compiled`: torch.compile per
+    block) → materialise (each rank allocates and writes only its local shards: seeded random init, or the slices of
+    the HF checkpoint `init_from` that it owns)."""
     from tasks.model import build_model as build_meta_model
     from tasks.model import materialize
     from tasks.model.converters import apply
@@ -73,21 +73,25 @@ def build_model(
     from tasks.parallel.mesh import coords
     from tasks.parallel.pp import split_model, stages_per_rank
 
+    if compiled:  # a process that trains several runs in turn (the tests) must not pile graphs up to dynamo's
+        import torch  # recompile limit, past which it would run the blocks eagerly
+
+        torch._dynamo.reset()
     model = build_meta_model(tcfg, "meta")
     source = HFWeights(init_from, tcfg) if init_from else None
     apply(model, converters)  # before any parallelism, as torchtitan's converters
     per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
     stages = split_model(model, coords(mesh)["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
     for _, part in stages:
-        parallelize(part, lay, mesh, precision)
+        parallelize(part, lay, mesh, precision, device.type if compiled else None)
         materialize(part, device, seed, source=source)
     return ModelParts(stages, lay.pp * per_rank, list(converters))
 
 
-def parallelize(part, lay, mesh, precision: str) -> None:
-    """One model part, in torchtitan's order: TP → EP → activation checkpointing → data parallelism (FSDP2 for
-    ZeRO 2/3; ZeRO 0/1 keep replicated parameters: tasks/parallel/dp.py). torch.compile per block would go between
-    activation checkpointing and FSDP."""
+def parallelize(part, lay, mesh, precision: str, compile_for: str | None = None) -> None:
+    """One model part, in torchtitan's order: TP → EP → activation checkpointing → torch.compile per block (for
+    device type `compile_for`, when given: tasks/parallel/compile.py) → data parallelism (FSDP2 for ZeRO 2/3; ZeRO
+    0/1 keep replicated parameters: tasks/parallel/dp.py)."""
     from tasks.parallel.ac import apply_ac
     from tasks.parallel.fsdp import apply_fsdp
     from tasks.parallel.tp import apply_tp
@@ -99,6 +103,10 @@ def parallelize(part, lay, mesh, precision: str) -> None:
 
         apply_ep(part, mesh, lay.ep)
     apply_ac(part, lay.recompute, lay.recompute_every)
+    if compile_for:
+        from tasks.parallel.compile import apply_compile
+
+        apply_compile(part, compile_for)
     if lay.zero >= 2:
         apply_fsdp(part, mesh["dp"], precision, lay.reshard_after_forward, mesh["dp_rep"] if lay.ep > 1 else None)
 

@@ -137,7 +137,9 @@ class Trainer:
         if init_from:
             log(f"initialising from {init_from}")
         converters = build_converters(self.cfg.model.converters, ConvertContext(device.type, self.tcfg, self.cfg))
-        self.model = build_model(self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters)
+        self.model = build_model(
+            self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters, t.compile
+        )
         if converters:
             log(f"model converters: {', '.join(map(repr, converters))}")
         named = [(n, p) for part in self.parts for n, p in part.named_parameters()]
