@@ -1,7 +1,8 @@
-"""torch.compile per transformer block (`train.compile`), torchtitan's pattern: each block compiled after tensor
-parallelism and activation checkpointing and before FSDP (tasks/train/build.parallelize), so the compiled region is
-the block's own computation (DTensor ops and the checkpoint included) and FSDP's all-gather / reduce-scatter hooks
-stay outside it, on the module.
+"""torch.compile per transformer block and of the loss (`train.compile`), torchtitan's pattern: each block compiled
+after tensor parallelism and activation checkpointing and before FSDP (tasks/train/build.parallelize), so the compiled
+region is the block's own computation (DTensor ops and the checkpoint included) and FSDP's all-gather /
+reduce-scatter hooks stay outside it, on the module; the loss function (fp32 cast and cross-entropy) compiled as
+torchtitan's "loss" component (tasks/train/build.build_step).
 
 The block's `forward` is compiled in place rather than the module wrapped (torch.compile(module) adds an `_orig_mod.`
 prefix to every parameter name), so names — seeded initialisation, DCP checkpoint keys, ZeRO-1 owners — are the same
@@ -58,3 +59,11 @@ def apply_compile(model, device_type: str) -> int:
             moe.experts.forward = torch._dynamo.disable(moe.experts.forward)
         block.forward = torch.compile(block.forward, backend=name, fullgraph=moe is None)
     return len(model.layers)
+
+
+def compile_loss(loss_fn, device_type: str):
+    """The loss function compiled too (torchtitan's compile components "model" and "loss"): the fp32 cast of the
+    logits and the cross-entropy over the vocabulary, fused."""
+    import torch
+
+    return torch.compile(loss_fn, backend=backend(device_type), fullgraph=True)

@@ -159,9 +159,12 @@ def dp_replica_groups(named, mesh, lay) -> list[dict]:
     return out
 
 
-def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision: str, grad_clip: float):
+def build_step(
+    model: ModelParts, opts: Optimizers, mesh, lay, device, precision: str, grad_clip: float, compiled: bool = False
+):
     """The TrainStep over this rank's parts: PlainStep (micro-batches) or PipelineStep (a schedule), bf16 autocast for
-    ZeRO 0/1 (fp32 parameters; FSDP's MixedPrecisionPolicy does it for 2/3), the loss averaged over all ranks,
+    ZeRO 0/1 (fp32 parameters; FSDP's MixedPrecisionPolicy does it for 2/3), the loss function compiled with the
+    blocks (`compiled`, as torchtitan's compile components "model" and "loss"), the loss averaged over all ranks,
     gradients averaged over the replica groups (bucketed, overlapping backward), ZeRO-1 owners broadcasting their
     updated parameters."""
     import torch
@@ -174,16 +177,21 @@ def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision
 
     bf16 = lay.zero < 2 and precision == "bf16"
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else None
+    loss_fn = lm_loss
+    if compiled:
+        from tasks.parallel.compile import compile_loss
+
+        loss_fn = compile_loss(lm_loss, device.type)
     scale = 1.0  # what the forward/backward multiplies the gradients by after backward
     if lay.pp > 1:
         pp_group = mesh["pp"].get_group()
         sched = build_schedule(
-            lay.pp_schedule, model.stages, model.n_stages, device, pp_group, lay.n_microbatches, lm_loss
+            lay.pp_schedule, model.stages, model.n_stages, device, pp_group, lay.n_microbatches, loss_fn
         )
         forward_backward = PipelineStep(sched, [i for i, _ in model.stages], model.n_stages, autocast)
         scale = 1.0 / lay.n_microbatches if getattr(sched, "scale_grads", False) else 1.0
     else:
-        pp_group, forward_backward = None, PlainStep(model.modules[0], lay.n_microbatches, autocast)
+        pp_group, forward_backward = None, PlainStep(model.modules[0], lay.n_microbatches, autocast, loss_fn)
 
     # Replicated data parallel: each replica group's gradients all-reduced in buckets from backward hooks (one
     # backward per micro-batch through every parameter), finished before clipping.

@@ -144,7 +144,9 @@ class Trainer:
             log(f"model converters: {', '.join(map(repr, converters))}")
         named = [(n, p) for part in self.parts for n, p in part.named_parameters()]
         self.opts = build_optimizer(self.parts, named, self.mesh, self.lay, t)
-        self.step_fn = build_step(self.model, self.opts, self.mesh, self.lay, device, t.precision, t.grad_clip)
+        self.step_fn = build_step(
+            self.model, self.opts, self.mesh, self.lay, device, t.precision, t.grad_clip, t.compile
+        )
         self.step_fn.after_update.append(lambda: self.call("after_update", self.step))
         self.loader = build_loader(spec, self.cfg, self.lay, self.coords["dp"], device)
         self.start, self.last_good = self.resume(source)
