@@ -116,11 +116,19 @@ def _last_bucket_bytes(total: float) -> float:
     return rest - DP_BUCKET_BYTES * math.floor((rest - 1) / DP_BUCKET_BYTES) if rest > 1 else rest
 
 
+def achieved_flops(c: Cluster, precision: str, efficiency: float) -> float:
+    """FLOP/s one device achieves: its peak × efficiency. An accelerator's peak is its dense 16-bit one and fp32
+    runs at FP32_PEAK_FRACTION of it (TF32/HF32 tensor cores); a CPU's peak is its fp32 matmul rate, which its
+    bf16 does not beat (no AMX on the project's hosts: docs/benchmarks.md), so no fraction there."""
+    fraction = FP32_PEAK_FRACTION if precision == "fp32" and c.kind != "cpu" else 1.0
+    return c.peak_tflops * 1e12 * efficiency * fraction
+
+
 def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     c, sh, s = pb.cluster, pb.shape, pb.seq_len
     tokens = pb.global_batch * s
     A = PRECISION_BYTES[pb.precision]
-    peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    peak = achieved_flops(c, pb.precision, pb.efficiency)
     per_token = flops_per_token(sh, s, pb.n_params)
     if sh is None:
         layer_params = 0.0
