@@ -90,7 +90,10 @@ class Cluster:
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": self.db_url,
             "AIRFLOW__CELERY__BROKER_URL": self.broker_url,
             "AIRFLOW__CELERY__RESULT_BACKEND": f"db+{self.db_url}",
-            "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
+            # solo: the task runs under the worker's main process. A prefork pool child is daemonic, and a stage
+            # that starts processes (shard's tokenizer pool) fails there: "daemonic processes are not allowed to
+            # have children". Parallelism comes from more workers.
+            "AIRFLOW__CELERY__POOL": "solo",
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_dir),
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
             "AIRFLOW__CORE__PARALLELISM": "8",
@@ -207,9 +210,9 @@ class Cluster:
         )
 
     def start_worker(self, name: str, queues: str = "default", wait: bool = True) -> subprocess.Popen:
-        """`airflow celery worker` with concurrency 1, named `name` (hostname_callable), consuming `queues`."""
+        """`airflow celery worker` (solo pool: one task at a time), named `name` (hostname_callable), on `queues`."""
         env = {**self.env, WORKER_ENV: name}
-        cmd = [sys.executable, "-m", "airflow", "celery", "worker", "--concurrency", "1", "--queues", queues]
+        cmd = [sys.executable, "-m", "airflow", "celery", "worker", "--queues", queues]
         cmd += ["--celery-hostname", f"{name}@%h", "--skip-serve-logs"]
         self.log(name).unlink(missing_ok=True)
         proc = self._spawn(name, cmd, env=env)

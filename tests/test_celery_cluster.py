@@ -6,6 +6,7 @@ NPU node's worker would."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -58,6 +59,31 @@ def test_unreachable_broker_and_db_are_named_in_one_line_each():
     assert "s3cret" not in out.stderr
 
 
+def test_device_stages_go_to_the_presets_device_queue(tmp_path):
+    """The DAG file parsed with a site's preset file ($LLM_PIPELINE_PRESET, a path outside configs/) that names a
+    device queue: the device stages carry it, the rest stay on Airflow's default queue; without it, none moves."""
+    preset = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
+    preset["hardware"]["device_queue"] = DEVICE_QUEUE
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(preset))
+    code = (
+        "import json; from airflow.dag_processing.dagbag import DagBag; "
+        f"bag = DagBag(dag_folder={str(REPO / 'dags' / 'llm_pipeline.py')!r}); "
+        "assert not bag.import_errors, bag.import_errors; "
+        "print(json.dumps({t.task_id: t.queue for t in bag.dags['llm_pipeline'].tasks}))"
+    )
+
+    def queues(env: dict) -> dict:
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO), **env},
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    routed = queues({"LLM_PIPELINE_PRESET": str(tmp_path / "site.yaml")})
+    assert {k for k, q in routed.items() if q == DEVICE_QUEUE} == set(DEVICE_STAGES)
+    assert {q for k, q in routed.items() if k not in DEVICE_STAGES} == {"default"}
+    assert set(queues({"LLM_PIPELINE_PRESET": "ci-tiny"}).values()) == {"default"}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     if shutil.which("redis-server") is None or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
@@ -98,6 +124,12 @@ def test_mapped_tasks_spread_over_both_workers(cluster):
         f"/api/v2/dags/celery_fanout_probe/dagRuns/{run}/taskInstances/reduce/xcomEntries/return_value"
     )["value"]
     assert reduced["items"] == list(range(6)) and reduced["workers"] == ["w1", "w2"]
+    # bench/bench_fanout.py's reading of a fanned-out run (what it measures once the data DAG maps partitions)
+    spec = importlib.util.spec_from_file_location("bench_fanout", REPO / "bench" / "bench_fanout.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    t = bench.timings(tis, cluster.get(f"/api/v2/dags/celery_fanout_probe/dagRuns/{run}"))
+    assert t["partitions"] == 6 and t["workers"] == ["w1", "w2"] and 0 < t["reduce_s"] < t["wall_s"]
 
 
 @pytest.fixture(scope="module")

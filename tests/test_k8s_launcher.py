@@ -76,7 +76,8 @@ def validate(manifest: dict) -> None:
                     pod = job["template"]["spec"]["template"]["spec"]
                     for volume in pod["volumes"]:
                         k8s_model("V1Volume", volume)
-                    k8s_model("V1Affinity", pod["affinity"]) if "affinity" in pod else None
+                    if "affinity" in pod:
+                        k8s_model("V1Affinity", pod["affinity"])
                     for mount in pod["containers"][0]["volumeMounts"]:
                         k8s_model("V1VolumeMount", mount)
         return

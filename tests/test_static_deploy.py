@@ -206,6 +206,7 @@ def test_compose_is_the_celery_profile_with_scalable_workers_and_flower():
     services = compose()["services"]
     env = services["airflow-scheduler"]["environment"]
     assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert env["AIRFLOW__CELERY__POOL"] == "solo"  # prefork children are daemonic: no process pools in a stage
     assert (
         env["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://:${REDIS_PASSWORD:?")
         and "@redis:6379/" in (env["AIRFLOW__CELERY__BROKER_URL"])
