@@ -168,15 +168,16 @@ def test_mlflow_runs_and_registry_live_in_postgresql_with_served_artifacts(clust
     ev = json.loads(next((cluster.var / "runs" / "llm_pipeline").glob("*/evaluate.json")).read_text())
     assert ev["passed"] and ev.get("version"), ev
     model = client.get_registered_model(ev["registered_model"])
-    assert model.aliases.get("candidate") == ev["version"]
-    assert client.get_model_version_by_alias(ev["registered_model"], "candidate").status == "READY"
+    assert ev["aliases"] == {"candidate": ev["version"], "champion": ev["version"]}  # the first gated version
+    assert {k: str(v) for k, v in model.aliases.items()} == ev["aliases"]
+    assert client.get_model_version_by_alias(ev["registered_model"], "champion").status == "READY"
 
     conn = psycopg2.connect(cluster.mlflow_db_url.replace("postgresql+psycopg2", "postgresql"))
     with conn, conn.cursor() as cur:  # the backend store is PostgreSQL: the same rows, read with SQL
         cur.execute("SELECT count(*) FROM runs WHERE run_uuid = %s AND status = 'FINISHED'", (parent.info.run_id,))
         assert cur.fetchone()[0] == 1
         cur.execute("SELECT alias, version FROM registered_model_aliases WHERE name = %s", (ev["registered_model"],))
-        assert ("candidate", int(ev["version"])) in cur.fetchall()
+        assert sorted(cur.fetchall()) == [("candidate", int(ev["version"])), ("champion", int(ev["version"]))]
     conn.close()
     served = [p for p in cluster.artifacts.rglob("*") if p.is_file()]
     assert any(p.name == "config.json" for p in served), served[:10]  # the parent's config, stored by the server
