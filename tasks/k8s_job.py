@@ -248,7 +248,7 @@ def trainjob(job: dict, n: int, hw) -> dict:
     spec = job["spec"]
     pod = spec["template"]["spec"]
     container = pod["containers"][0]
-    env = [e for e in container["env"]]
+    env = list(container["env"])
     for source in container.get("envFrom", []):
         secret = source["secretRef"]["name"]
         for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):

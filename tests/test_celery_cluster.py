@@ -160,8 +160,16 @@ def test_mlflow_runs_and_registry_live_in_postgresql_with_served_artifacts(clust
     client = mlflow.MlflowClient(cluster.mlflow_url)
     exp = client.get_experiment_by_name("llm-pipeline")
     assert exp.artifact_location.startswith("mlflow-artifacts:")  # through the server, not a worker's disk
-    parents = client.search_runs([exp.experiment_id], f"tags.`airflow.run_id` = '{run}'")
-    parent = next(p for p in parents if p.data.tags.get("pipeline.kind") == "parent")
+
+    def parent_run():
+        runs = client.search_runs([exp.experiment_id], f"tags.`airflow.run_id` = '{run}'")
+        return next(p for p in runs if p.data.tags.get("pipeline.kind") == "parent")
+
+    # The DAG's success callback ends the parent run; Airflow 3 runs DAG callbacks in the dag-processor, after the
+    # run's state is already success: wait for it (bounded).
+    deadline = time.monotonic() + 180
+    while (parent := parent_run()).info.status == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(2)
     assert parent.info.status == "FINISHED" and parent.data.tags["pipeline.outcome"] == "success"
     children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert sorted(c.data.tags["pipeline.stage"] for c in children) == sorted(STAGES)
