@@ -268,31 +268,34 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """SIGTERM every process group (Airflow's first, the stores last), SIGKILL what is left after 20 s."""
+        """SIGTERM every process group (Airflow's first, the stores last; postgres: SIGINT, its fast shutdown),
+        SIGKILL what is left after 20 s; the PostgreSQL directory goes whatever happened."""
         order = [n for n in self.procs if n not in ("postgres", "redis")] + ["redis", "postgres"]
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is not None and proc.poll() is None:
+        try:
+            for name in order:
+                proc = self.procs.get(name)
+                if proc is not None and proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGINT if name == "postgres" else signal.SIGTERM)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + 20
+            for name in order:
+                proc = self.procs.get(name)
+                if proc is None:
+                    continue
                 try:
-                    os.killpg(proc.pid, signal.SIGINT if name == "postgres" else signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 20
-        for name in order:
-            proc = self.procs.get(name)
-            if proc is None:
-                continue
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=10)
-        self.procs.clear()
-        if getattr(self, "pg_root", None):
-            shutil.rmtree(self.pg_root, ignore_errors=True)
+                    proc.wait(timeout=max(5.0 if name == "postgres" else 0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    proc.wait(timeout=30)
+            self.procs.clear()
+        finally:
+            if getattr(self, "pg_root", None):
+                shutil.rmtree(self.pg_root, ignore_errors=True)
 
     # -- REST ------------------------------------------------------------------------------------------------
     def request(self, method: str, path: str, body: dict | None = None) -> dict:
