@@ -1,7 +1,7 @@
 """The Airflow side of hardware.launcher=kubernetes: submit a device stage's Job, wait within its bound, collect.
 
 Called from the main DAG's stage tasks (never at parse time) for env, smoke, train, profile, quantize and evaluate
-(tasks/launcher.py). The cncf provider (requirements-k8s.txt) is imported inside the call, so the DAGs parse without
+(tasks/launcher.py). The cncf provider (requirements.txt) is imported inside the call, so the DAGs parse without
 it. The connection `kubernetes_default` (in-cluster, or a kubeconfig) chooses the cluster. Not a DAG file: listed in
 dags/.airflowignore.
 """
@@ -21,14 +21,14 @@ def _hook(conn_id: str):
     except ImportError as e:
         raise StageError(
             f"hardware.launcher=kubernetes needs the cncf provider ({e}); "
-            "pip install -r requirements-k8s.txt on the Airflow workers"
+            "pip install -r requirements.txt -c constraints.txt on the Airflow workers"
         ) from None
     return KubernetesHook(conn_id=conn_id)
 
 
-def _describe_pods(hook, namespace: str, name: str) -> str:
-    """What the Job's pods are doing, in one line: "x-0 Pending (Unschedulable: 0/4 nodes …), x-1 Running"."""
-    pods = hook.core_v1_client.list_namespaced_pod(namespace=namespace, label_selector=f"job-name={name}").items
+def _describe_pods(hook, namespace: str, name: str, selector: str = "job-name") -> str:
+    """What the job's pods are doing, in one line: "x-0 Pending (Unschedulable: 0/4 nodes …), x-1 Running"."""
+    pods = hook.core_v1_client.list_namespaced_pod(namespace=namespace, label_selector=f"{selector}={name}").items
     if not pods:
         return "no pod was created (quota, admission, or the PodGroup waits for all of them)"
     out = []
@@ -36,6 +36,71 @@ def _describe_pods(hook, namespace: str, name: str) -> str:
         why = [f"{c.reason}: {c.message}" for c in (p.status.conditions or []) if c.status != "True" and c.reason]
         out.append(f"{p.metadata.name} {p.status.phase}" + (f" ({'; '.join(why)[:200]})" if why else ""))
     return ", ".join(out)
+
+
+class _Submitted:
+    """One stage's training job on the cluster, whatever its kind (hardware.k8s_kind): submit, status, delete."""
+
+    def __init__(self, hook, kind: str, manifests: list[dict], namespace: str):
+        from tasks import k8s_job
+
+        self.hook, self.kind, self.manifests, self.namespace = hook, kind, manifests, namespace
+        self.main = manifests[-1]
+        self.name = self.main["metadata"]["name"]
+        self.api = k8s_job.KINDS.get(kind)  # (group, version, plural, kind) of a custom resource; None: a Job
+
+    def submit(self) -> None:
+        from tasks import k8s_job
+
+        if self.api:
+            group, version, plural, _ = self.api
+            self.hook.create_custom_object(group, version, plural, self.main, self.namespace)
+            return
+        group, version, plural = k8s_job.PODGROUP_API
+        for pg in (m for m in self.manifests if m["kind"] == "PodGroup"):  # first: Volcano binds pods to it
+            self.hook.create_custom_object(
+                group=group, version=version, plural=plural, body=pg, namespace=self.namespace
+            )
+        objects = [m for m in self.manifests if m["kind"] != "PodGroup"]
+        self.hook.apply_from_yaml_file(yaml_objects=objects, namespace=self.namespace)
+
+    def status(self) -> tuple[bool, str]:
+        from tasks import k8s_job
+
+        if self.api:
+            group, version, plural, _ = self.api
+            obj = self.hook.get_custom_object(group, version, plural, self.name, self.namespace)
+        else:
+            # the client's dict of a V1Job: its conditions' type/status/reason keys are the API's names
+            obj = self.hook.get_job_status(job_name=self.name, namespace=self.namespace).to_dict()
+        return k8s_job.final_state(self.kind, obj)
+
+    def describe(self) -> str:
+        from tasks import k8s_job
+
+        return _describe_pods(self.hook, self.namespace, self.name, k8s_job.POD_SELECTOR[self.kind])
+
+    def delete(self) -> None:
+        if self.api:
+            group, version, plural, _ = self.api
+            self.hook.delete_custom_object(group, version, plural, self.name, self.namespace)
+        else:
+            self.hook.batch_v1_client.delete_namespaced_job(
+                name=self.name, namespace=self.namespace, propagation_policy="Foreground"
+            )
+
+    def cleanup(self) -> None:
+        """The Service and PodGroup only serve this Job; the job and its pods stay for `kubectl logs` (TTL)."""
+        from tasks import k8s_job
+
+        group, version, plural = k8s_job.PODGROUP_API
+        for m in self.manifests[:-1]:
+            if m["kind"] == "Service":
+                self.hook.core_v1_client.delete_namespaced_service(name=self.name, namespace=self.namespace)
+            elif m["kind"] == "PodGroup":
+                self.hook.delete_custom_object(
+                    group=group, version=version, plural=plural, name=m["metadata"]["name"], namespace=self.namespace
+                )
 
 
 def run_stage_job(
@@ -55,44 +120,23 @@ def run_stage_job(
     run_dir = default_run_dir(dag_id, run_id)
     parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
     name = k8s_job.job_name(dag_id, run_id, try_number, stage)
-    namespace = cfg.hardware.k8s_namespace
-    manifests = k8s_job.render(cfg, run_dir, name, stage)
-    group, version, plural = k8s_job.PODGROUP_API
-    custom = [m for m in manifests if m["kind"] == "PodGroup"]
-    for pg in custom:  # the PodGroup first: Volcano binds the pods to it by annotation
-        hook.create_custom_object(group=group, version=version, plural=plural, body=pg, namespace=namespace)
-    hook.apply_from_yaml_file(yaml_objects=[m for m in manifests if m["kind"] != "PodGroup"], namespace=namespace)
+    kind = k8s_job.kind_of(stage, cfg)
+    job = _Submitted(hook, kind, k8s_job.render(cfg, run_dir, name, stage), cfg.hardware.k8s_namespace)
+    job.submit()
     try:
-
-        def status():
-            job = hook.get_job_status(job_name=name, namespace=namespace)
-            if not hook.is_job_complete(job=job):
-                return False, ""
-            return True, hook.is_job_failed(job=job) or ""
-
         try:
             _, reason = k8s_job.wait_for_job(
-                status,
-                name,
-                k8s_job.deadline_s(stage, cfg, run_dir),
-                poll_s,
-                describe=lambda: _describe_pods(hook, namespace, name),
+                job.status, name, k8s_job.deadline_s(stage, cfg, run_dir), poll_s, describe=job.describe
             )
         except StageError:
-            hook.batch_v1_client.delete_namespaced_job(name=name, namespace=namespace, propagation_policy="Foreground")
+            job.delete()
             raise
         if reason:
-            # train is retryable: the next try submits a new Job that resumes from the DCP checkpoint.
+            # train is retryable: the next try submits a new job that resumes from the DCP checkpoint.
             raise StageError(k8s_job.failure_cause(run_dir, name, reason, stage), retryable=stage == "train")
         return k8s_job.collect_result(run_dir, name, parent, tracking.tracking_uri(cfg), stage)
     finally:
-        # The Service and PodGroup only serve this Job; the Job and its pods stay for `kubectl logs` until its TTL.
         try:
-            if any(m["kind"] == "Service" for m in manifests):
-                hook.core_v1_client.delete_namespaced_service(name=name, namespace=namespace)
-            for pg in custom:
-                hook.delete_custom_object(
-                    group=group, version=version, plural=plural, name=pg["metadata"]["name"], namespace=namespace
-                )
+            job.cleanup()
         except Exception as e:  # already gone, or no permission: the job's own outcome is what matters
-            log.warning("could not delete the service/podgroup of %s/%s: %s", namespace, name, e)
+            log.warning("could not delete the service/podgroup of %s/%s: %s", job.namespace, name, e)

@@ -130,20 +130,25 @@ RETRIES = {"train": dict(retries=2, retry_delay=pendulum.duration(seconds=15))}
 def stage_task(stage_id: str):
     """One TaskFlow task per stage, all with the same body; its return value (ids and paths) is the XCom.
 
-    execution_timeout: the default preset's bound at parse time, set again from the run's config at task start."""
+    execution_timeout: the default preset's bound at parse time, set again from the run's config at task start.
+    queue: the preset's hardware.device_queue for device stages (CeleryExecutor: the training nodes' workers)."""
     from tasks.bounds import task_timeout_s
     from tasks.config import load_config
+    from tasks.launcher import celery_queue
 
     def body() -> dict:
         return run_stage_task(stage_id)
 
     body.__name__ = stage_id
+    cfg = load_config()
+    queue = celery_queue(stage_id, cfg)
     return task(
         task_id=stage_id,
         doc_md=DOCS[stage_id],
         on_failure_callback=notify_failure,
-        execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, load_config())),
+        execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, cfg)),
         pre_execute=bound_from_run_config,
+        **({"queue": queue} if queue else {}),
         **RETRIES.get(stage_id, {}),
     )(body)
 

@@ -79,11 +79,19 @@ class HardwareConfig(Section):
     max_device_temp_c: float = Field(85.0, ge=0.0, le=150.0)  # a chip at or above this temperature: an alarm
     max_hbm_used_pct: float = Field(95.0, ge=1.0, le=100.0)  # HBM this full with no process on the chip = leaked
     expected_devices: int = Field(0, ge=0, le=1024)  # chips per node; 0 = the most this host has shown
-    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s, requirements-k8s.txt).
+    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s; tasks/k8s_job.py).
     # Ranks bound to the cores nearest their device (npu-smi topo / sysfs on NPU, torchrun --numa-binding on CUDA,
     # an even split on CPU; tasks/parallel/binding.py). false = let the OS schedule them.
     bind_cpus: bool = True
     launcher: Literal["local", "kubernetes"] = "local"
+    # CeleryExecutor: the Celery queue that the device stages (tasks.launcher.DEVICE_STAGES) go to when they run on
+    # the Airflow worker (launcher local), e.g. the queue that only the NPU node's worker consumes
+    # (`airflow celery worker --queues npu-node-1`); "" = Airflow's default queue. Read when the DAG file is parsed
+    # (the $LLM_PIPELINE_PRESET preset): a run's Params cannot move a task to another queue (docs/scale-out.md).
+    device_queue: str = Field("", pattern=r"^[A-Za-z0-9_.@-]*$", max_length=200)
+    # launcher kubernetes: the training job's kind: an Indexed Job, a Kubeflow PyTorchJob (training-operator v1)
+    # or a Kubeflow TrainJob (Trainer v2) (tasks/k8s_job.py)
+    k8s_kind: Literal["job", "pytorchjob", "trainjob"] = "job"
     k8s_namespace: str = "llm"
     k8s_image: str = ""  # the training image (docker/Dockerfile.ascend); required for kubernetes
     # volcano gang-schedules multi-pod stages (PodGroup minMember)
@@ -242,7 +250,9 @@ class EvaluateConfig(Section):
 class TrackingConfig(Section):
     uri: str = ""  # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
     experiment: str = "llm-pipeline"
-    artifact_root: str = ""  # "" = <repo>/var/mlartifacts (new experiments only)
+    # "" = <repo>/var/mlartifacts (new experiments only); with an http(s) tracking URI, the server's default
+    # (`mlflow server --serve-artifacts`: the server stores them, whichever host logs them)
+    artifact_root: str = ""
     ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
     enabled: bool = True
 

@@ -8,6 +8,15 @@ volcano and the group annotation. The Job's activeDeadlineSeconds is the stage's
 timeouts.k8s_pending_s. The Airflow side (dags/k8s_launch.py) submits them with the cncf provider and waits; the
 pods write `<stage>.json` into the run directory on the shared volume, where `collect_result()` reads it. Nothing
 here talks to a cluster or imports Airflow, so the rendering is tested on CPU.
+
+hardware.k8s_kind chooses what the torchrun stages (env probe, train, profile) are submitted as: `job` (the Indexed
+Job above), `pytorchjob` (Kubeflow training-operator v1: a Master and nnodes-1 Workers, the operator's
+MASTER_ADDR/PET_NODE_RANK naming the rendezvous and the node rank; gang scheduling through its runPolicy) or
+`trainjob` (Kubeflow Trainer v2: numNodes nodes of the `torch-distributed` ClusterTrainingRuntime, PET_MASTER_ADDR/
+PET_NODE_RANK; volumes through a runtime patch). The one-pod stages stay Jobs. Field names and the operators'
+environment variables are upstream's: training-operator release-1.9 pkg/apis/kubeflow.org/v1/pytorch_types.go and
+pkg/controller.v1/pytorch/{envvar,master}.go; trainer pkg/apis/trainer/v1alpha1/trainjob_types.go,
+pkg/runtime/framework/plugins/torch/torch.go and pkg/constants/constants.go.
 """
 
 from __future__ import annotations
@@ -35,6 +44,42 @@ DEFAULT_NPUS_PER_NODE = 8  # Atlas 800T A2 / A3 training servers
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"  # Volcano's KubeGroupNameAnnotationKey
 PODGROUP_API = ("scheduling.volcano.sh", "v1beta1", "podgroups")
 
+# hardware.k8s_kind → (group, version, plural, kind) of the custom resource; "job" is batch/v1's Job.
+KINDS = {
+    "pytorchjob": ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"),
+    "trainjob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"),
+}
+# The label each kind's pods carry, to describe them (JobNameLabel of training-operator, JobSetNameKey of JobSet:
+# a TrainJob runs as the JobSet of the same name).
+POD_SELECTOR = {
+    "job": "job-name",
+    "pytorchjob": "training.kubeflow.org/job-name",
+    "trainjob": "jobset.sigs.k8s.io/jobset-name",
+}
+# The condition that ends each kind's run: (succeeded, failed) types with status "True".
+FINAL_CONDITIONS = {
+    "job": ("Complete", "Failed"),
+    "pytorchjob": ("Succeeded", "Failed"),
+    "trainjob": ("Complete", "Failed"),
+}
+PYTORCHJOB_CONTAINER, PYTORCHJOB_PORT = "pytorch", "pytorchjob-port"  # the operator finds the master port by these
+TRAINJOB_RUNTIME = "torch-distributed"  # Kubeflow Trainer's ClusterTrainingRuntime for PyTorch
+TRAINJOB_CONTAINER = "node"  # constants.Node: the trainer's replicated job and container
+TRAINJOB_PATCH_MANAGER = "llm-pipeline"
+# The rank/rendezvous each kind hands a pod, as shell words expanded in the pod: (node rank, host:port).
+RANK_ENV = {
+    "pytorchjob": ("$PET_NODE_RANK", "$MASTER_ADDR:$MASTER_PORT"),
+    "trainjob": ("$PET_NODE_RANK", "$PET_MASTER_ADDR:$PET_MASTER_PORT"),
+}
+# The operators also set these for a process that is itself a rank; the stage process is not one (torchrun sets
+# its children's own), so they are dropped before it starts (tracking.is_rank0 reads RANK).
+OPERATOR_RANK_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def kind_of(stage: str, cfg: PipelineConfig) -> str:
+    """What a stage is submitted as: hardware.k8s_kind for the torchrun stages, a Job for the one-pod ones."""
+    return cfg.hardware.k8s_kind if stage in MULTI_NODE_STAGES else "job"
+
 
 def job_name(dag_id: str, run_id: str, try_number: int = 1, stage: str = "train") -> str:
     """A DNS-1123 label, unique per DAG run, stage and try, short enough for the `<job>-<index>` pod hostnames."""
@@ -51,9 +96,10 @@ def pods(stage: str, cfg: PipelineConfig) -> int:
 def pod_command(cfg: PipelineConfig, run_dir: Path, config_file: Path, name: str, stage: str = "train") -> str:
     hw = cfg.hardware
     n = pods(stage, cfg)
+    kind = kind_of(stage, cfg)
     nproc = (hw.nproc_per_node or DEFAULT_NPUS_PER_NODE) if n > 1 or stage in MULTI_NODE_STAGES else 1
     sets = {"hardware.nnodes": n, "hardware.nproc_per_node": nproc, "hardware.launcher": "local"}
-    if n > 1:
+    if n > 1 and kind == "job":
         sets["hardware.rdzv_endpoint"] = f"{name}-0.{name}:{RDZV_PORT}"
     # The pods read the whole config as a file (a preset): what the caller set explicitly stays explicit there,
     # so a data.seq_len that differs from the shard set's fails in the pod as it would here.
@@ -63,10 +109,14 @@ def pod_command(cfg: PipelineConfig, run_dir: Path, config_file: Path, name: str
     args = ["python", "-m", "tasks", stage, "--config", str(config_file), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
+    exe = "exec " if kind == "job" else "exec env " + " ".join(f"-u {v}" for v in OPERATOR_RANK_VARS) + " "
     if n == 1:
-        return "exec " + shlex.join(args + ["--set", "hardware.node_rank=0"])
-    # The node rank is the pod's completion index, known only inside the pod: left for bash to expand.
-    return "exec " + shlex.join(args) + ' --set "hardware.node_rank=$JOB_COMPLETION_INDEX"'
+        return exe + shlex.join(args + ["--set", "hardware.node_rank=0"])
+    # The node rank (and a Kubeflow kind's rendezvous host) are known only inside the pod: left for bash to expand.
+    if kind == "job":
+        return exe + shlex.join(args) + ' --set "hardware.node_rank=$JOB_COMPLETION_INDEX"'
+    rank, endpoint = RANK_ENV[kind]
+    return exe + shlex.join(args) + f' --set "hardware.node_rank={rank}" --set "hardware.rdzv_endpoint={endpoint}"'
 
 
 def deadline_s(stage: str, cfg: PipelineConfig, run_dir) -> int:
@@ -139,11 +189,116 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
         for key in ("subdomain", "affinity"):
             pod.pop(key, None)
         container.pop("ports", None)
+    kind = kind_of(stage, cfg)
+    if kind == "pytorchjob":
+        return [pytorchjob(job, n, hw)]
+    if kind == "trainjob":
+        return [trainjob(job, n, hw)]
     if hw.k8s_scheduler == "volcano":
         pod["schedulerName"] = "volcano"
         spec["template"]["metadata"]["annotations"] = {VOLCANO_GROUP_ANNOTATION: name}
         out.append(podgroup(name, hw.k8s_namespace, labels, n))
     return [*out, job]
+
+
+def pytorchjob(job: dict, n: int, hw) -> dict:
+    """The rendered Job as a Kubeflow PyTorchJob: Master (node 0) + n-1 Workers, one pod each. The operator makes
+    the master's Service and sets MASTER_ADDR/MASTER_PORT (the container port named pytorchjob-port) and
+    PET_NODE_RANK in every pod; runPolicy carries the deadline, no pod retries, the TTL and the gang size."""
+    spec = job["spec"]
+    template = copy.deepcopy(spec["template"])
+    pod, name = template["spec"], job["metadata"]["name"]
+    pod.pop("subdomain", None)  # the operator's own Services name the pods
+    container = pod["containers"][0]
+    container["name"] = PYTORCHJOB_CONTAINER
+    container["ports"] = [{"name": PYTORCHJOB_PORT, "containerPort": RDZV_PORT}]
+    if "affinity" in pod:
+        rule = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+        rule["labelSelector"] = {"matchLabels": {POD_SELECTOR["pytorchjob"]: name}}
+    if hw.k8s_scheduler == "volcano":
+        pod["schedulerName"] = "volcano"  # the operator (--gang-scheduler-name=volcano) makes the PodGroup
+    replica = {"restartPolicy": "Never", "template": template}
+    replicas = {"Master": {"replicas": 1, **replica}}
+    if n > 1:
+        replicas["Worker"] = {"replicas": n - 1, **copy.deepcopy(replica)}
+    run_policy = {
+        "backoffLimit": spec["backoffLimit"],
+        "activeDeadlineSeconds": spec["activeDeadlineSeconds"],
+        "ttlSecondsAfterFinished": spec["ttlSecondsAfterFinished"],
+        "cleanPodPolicy": "None",  # pods stay for `kubectl logs` until the TTL, as the Job's do
+    }
+    if hw.k8s_scheduler == "volcano":
+        run_policy["schedulingPolicy"] = {"minAvailable": n}
+    group, version, _, kind = KINDS["pytorchjob"]
+    nproc = container["resources"]["limits"][NPU_RESOURCE]
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": kind,
+        "metadata": job["metadata"],
+        "spec": {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": replicas, "runPolicy": run_policy},
+    }
+
+
+def trainjob(job: dict, n: int, hw) -> dict:
+    """The rendered Job as a Kubeflow TrainJob on the `torch-distributed` runtime: numNodes pods, the command,
+    image, resources and environment in spec.trainer (the MLflow secret's keys as valueFrom: a trainer takes no
+    envFrom), the shared volumes and node settings through a runtime patch (PodSpecPatch: volumes, nodeSelector,
+    affinity, tolerations; host networking is the runtime's to set). The torch plugin sets PET_NODE_RANK and
+    PET_MASTER_ADDR/PET_MASTER_PORT."""
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    container = pod["containers"][0]
+    env = list(container["env"])
+    for source in container.get("envFrom", []):
+        secret = source["secretRef"]["name"]
+        for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}})
+    pod_patch = {"volumes": pod["volumes"]}
+    for key in ("nodeSelector", "tolerations"):
+        if key in pod:
+            pod_patch[key] = pod[key]
+    if "affinity" in pod:
+        pod_patch["affinity"] = copy.deepcopy(pod["affinity"])
+        rule = pod_patch["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+        rule["labelSelector"] = {"matchLabels": {POD_SELECTOR["trainjob"]: job["metadata"]["name"]}}
+    pod_patch["containers"] = [{"name": TRAINJOB_CONTAINER, "volumeMounts": container["volumeMounts"]}]
+    patch = {"replicatedJobs": [{"name": TRAINJOB_CONTAINER, "template": {"spec": {"template": {"spec": pod_patch}}}}]}
+    group, version, _, kind = KINDS["trainjob"]
+    return {
+        "apiVersion": f"{group}/{version}",
+        "kind": kind,
+        "metadata": job["metadata"],
+        "spec": {
+            "runtimeRef": {"name": TRAINJOB_RUNTIME, "apiGroup": group, "kind": "ClusterTrainingRuntime"},
+            "activeDeadlineSeconds": spec["activeDeadlineSeconds"],
+            "trainer": {
+                "image": container["image"],
+                "command": container["command"],
+                "args": container["args"],
+                "env": env,
+                "numNodes": n,
+                "numProcPerNode": container["resources"]["limits"][NPU_RESOURCE],
+                "resourcesPerNode": container["resources"],
+            },
+            "runtimePatches": [
+                {"manager": TRAINJOB_PATCH_MANAGER, "trainingRuntimeSpec": {"template": {"spec": patch}}}
+            ],
+        },
+    }
+
+
+def final_state(kind: str, obj: dict) -> tuple[bool, str]:
+    """(done, failure reason or "") from a Job/PyTorchJob/TrainJob as the API returns it (a dict): done once its
+    success or failure condition is "True" (the operators' condition types, see FINAL_CONDITIONS)."""
+    ok, failed = FINAL_CONDITIONS[kind]
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("status") != "True":
+            continue
+        if c.get("type") == failed:
+            return True, c.get("reason") or c.get("message") or failed
+        if c.get("type") == ok:
+            return True, ""
+    return False, ""
 
 
 def failure_cause(run_dir: str | Path, name: str, reason: str, stage: str = "train") -> str:

@@ -158,6 +158,7 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     for name, key, section, title, desc in PARAMS:
         if key is None:
             presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+            presets += [] if preset in presets else [preset]  # a site's own file ($LLM_PIPELINE_PRESET=/etc/…yaml)
             out[name] = dict(
                 default=preset, type="string", enum=presets, title=title, section=section, description=desc
             )
