@@ -125,10 +125,11 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
         shards,
         resume_from=str(tmp_path / "dp4" / "checkpoints" / "step-3"),
     )
-    # A learning rate of 1e30 makes step 2's loss non-finite: the run must stop there with a diagnosis.
+    # The largest learning rate the config takes (1e4) makes step 2's loss blow up: the run must stop there with a
+    # diagnosis.
     nan = write_spec(
         configure(
-            cfg, **two, **{"train.lr": 1e30, "train.min_lr": 0.0, "train.warmup_steps": 0, "train.checkpoint_every": 1}
+            cfg, **two, **{"train.lr": 1e4, "train.min_lr": 0.0, "train.warmup_steps": 0, "train.checkpoint_every": 1}
         ),
         tmp_path / "nan",
         shards,
