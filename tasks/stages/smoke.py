@@ -104,7 +104,7 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
     for step, (x, y) in enumerate(batches):
         x, y = x.to(dev), y.to(dev)
         result = train_step(x, y)
-        loss, norm = result.loss.item(), result.grad_norm.item()
+        loss, norm = result.loss, result.grad_norm
         curve.losses.append(loss)
         tracking.log_metrics({f"smoke.{precision}.loss": loss, f"smoke.{precision}.grad_norm": norm}, step=step)
         if not (math.isfinite(loss) and math.isfinite(norm)):

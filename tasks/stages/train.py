@@ -204,13 +204,8 @@ def drop_set_aside(run_dir: Path) -> None:
 
 
 def fault_problem(text: str, world: int) -> str | None:
-    """$LLM_PIPELINE_FAULT checked before launch: malformed (also non-ASCII digits such as '²', which str.isdigit
-    accepts and int() refuses), or a rank outside the world (the drill would silently run without its fault)."""
-    if not text.isascii():
-        return (
-            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang in ASCII digits "
-            "(e.g. 1:4); unset it for a normal run"
-        )
+    """$LLM_PIPELINE_FAULT checked before launch: malformed (tasks.train.hooks.parse_fault), or a rank outside the
+    world (the drill would silently run without its fault)."""
     try:
         fault = parse_fault(text)
     except ValueError as e:
