@@ -70,7 +70,7 @@ def run_stage_task(stage: str) -> dict:
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.errors import StageError, os_error_cause
-    from tasks.launcher import runs_on_kubernetes
+    from tasks.launch.placement import runs_on_kubernetes
     from tasks.pipeline import config_for_run, published_shard_set, run_for_dag_run
     from tasks.runner import default_run_dir
 
@@ -80,7 +80,7 @@ def run_stage_task(stage: str) -> dict:
     try:
         cfg = config_for_run(params, default_run_dir(dag_id, run_id))
         if runs_on_kubernetes(stage, cfg):
-            from k8s_launch import run_stage_job  # dags/k8s_launch.py: imports the cncf provider itself
+            from tasks.launch.k8s_submit import run_stage_job  # imports the cncf provider itself
 
             return run_stage_job(stage, cfg, dag_id, run_id, try_number)
         return run_for_dag_run(stage, params, dag_id, run_id, try_number, published=published)
@@ -134,7 +134,7 @@ def stage_task(stage_id: str):
     queue: the preset's hardware.device_queue for device stages (CeleryExecutor: the training nodes' workers)."""
     from tasks.bounds import task_timeout_s
     from tasks.config import load_config
-    from tasks.launcher import celery_queue
+    from tasks.launch.placement import celery_queue
 
     def body() -> dict:
         return run_stage_task(stage_id)

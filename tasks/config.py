@@ -67,11 +67,11 @@ class HardwareConfig(Section):
     max_clock_offset_ms: float = Field(500.0, ge=0.0, le=1e7)
     min_free_disk_gb: float = Field(1.0, ge=0.0, le=1e6)
     min_host_memory_gb: float = Field(2.0, ge=0.0, le=1e5)
-    # CANN logs for the ranks (tasks/envcheck/cann_logs.py): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
+    # CANN logs for the ranks (tasks.device.cann_log_env): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
     # 0 DEBUG, 1 INFO, 2 WARNING, 3 ERROR (CANN's default; the guides: 3 in production, 0/1 only while debugging:
     # DEBUG logging slows the host side), 4 NULL. ascend_log_stdout sets ASCEND_SLOG_PRINT_TO_STDOUT=1 (logs in the
     # rank logs instead of ~/ascend/log). On a failed stage at most cann_log_max_mb of the CANN logs it wrote are
-    # copied to <run-dir>/<stage>/cann-logs/ and MLflow.
+    # copied to <run-dir>/<stage>/cann-logs/ and MLflow (tasks/envcheck/cann_logs.py).
     ascend_log_level: int = Field(-1, ge=-1, le=4)
     ascend_log_stdout: bool = False
     cann_log_max_mb: float = Field(50.0, ge=0.0, le=100_000.0)
@@ -79,18 +79,18 @@ class HardwareConfig(Section):
     max_device_temp_c: float = Field(85.0, ge=0.0, le=150.0)  # a chip at or above this temperature: an alarm
     max_hbm_used_pct: float = Field(95.0, ge=1.0, le=100.0)  # HBM this full with no process on the chip = leaked
     expected_devices: int = Field(0, ge=0, le=1024)  # chips per node; 0 = the most this host has shown
-    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s; tasks/k8s_job.py).
+    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s; tasks/launch/).
     # Ranks bound to the cores nearest their device (npu-smi topo / sysfs on NPU, torchrun --numa-binding on CUDA,
-    # an even split on CPU; tasks/parallel/binding.py). false = let the OS schedule them.
+    # an even split on CPU; tasks/launch/binding.py). false = let the OS schedule them.
     bind_cpus: bool = True
     launcher: Literal["local", "kubernetes"] = "local"
-    # CeleryExecutor: the Celery queue that the device stages (tasks.launcher.DEVICE_STAGES) go to when they run on
-    # the Airflow worker (launcher local), e.g. the queue that only the NPU node's worker consumes
+    # CeleryExecutor: the Celery queue that the device stages (tasks.launch.placement.DEVICE_STAGES) go to when they
+    # run on the Airflow worker (launcher local), e.g. the queue that only the NPU node's worker consumes
     # (`airflow celery worker --queues npu-node-1`); "" = Airflow's default queue. Read when the DAG file is parsed
     # (the $LLM_PIPELINE_PRESET preset): a run's Params cannot move a task to another queue (docs/scale-out.md).
     device_queue: str = Field("", pattern=r"^[A-Za-z0-9_.@-]*$", max_length=200)
     # launcher kubernetes: the training job's kind: an Indexed Job, a Kubeflow PyTorchJob (training-operator v1)
-    # or a Kubeflow TrainJob (Trainer v2) (tasks/k8s_job.py)
+    # or a Kubeflow TrainJob (Trainer v2) (tasks/launch/k8s_job.py)
     k8s_kind: Literal["job", "pytorchjob", "trainjob"] = "job"
     k8s_namespace: str = "llm"
     k8s_image: str = ""  # the training image (docker/Dockerfile.ascend); required for kubernetes
@@ -215,6 +215,11 @@ class ProfileConfig(Section):
     analyzer: Literal["auto", "builtin", "msprof-analyze"] = "auto"
     fail_on_regression: bool = False
     regression_threshold: float = Field(0.10, ge=0.0, le=10.0)
+
+    def steps_needed(self) -> int:
+        """Training steps that complete one profiling cycle (the trace is written at the end of the last active
+        step): the profile stage's run length and its bound (tasks/bounds.py)."""
+        return self.skip_first + self.wait + self.warmup + self.active
 
 
 class QuantizeConfig(Section):

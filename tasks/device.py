@@ -7,6 +7,7 @@ torch_npu installed but CANN missing, even `import torch` fails ("Failed to load
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 from dataclasses import dataclass
@@ -277,14 +278,34 @@ def hccl_env(hardware) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version from its metadata (torch-npu, amct_pytorch, …), None when absent; never
+    imports it (torch_npu without CANN loaded kills the importing process)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cann_log_env(hardware) -> dict[str, str]:
+    """ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT for the ranks from the config (-1 / false = leave the
+    environment alone); an explicit variable in the environment wins. (Collecting and explaining the logs CANN
+    wrote is tasks/envcheck/cann_logs.py.)"""
+    env = {}
+    level = getattr(hardware, "ascend_log_level", -1)
+    if level is not None and level >= 0:
+        env["ASCEND_GLOBAL_LOG_LEVEL"] = str(level)
+    if getattr(hardware, "ascend_log_stdout", False):
+        env["ASCEND_SLOG_PRINT_TO_STDOUT"] = "1"
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
 def launch_env(backend: Backend, hardware) -> dict[str, str]:
     """Extra environment for torchrun workers of this backend."""
     env = {}
     if backend.kind == "npu":
         env.update(hccl_env(hardware))
-        from tasks.envcheck.cann_logs import log_env
-
-        env.update(log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
+        env.update(cann_log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
         # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy (or the user's own
         # PYTORCH_NPU_ALLOC_CONF / PYTORCH_ALLOC_CONF, never both).
         env.update(npu_alloc_env())

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.launcher import DEVICE_STAGES
+from tasks.launch.placement import DEVICE_STAGES
 from tasks.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent

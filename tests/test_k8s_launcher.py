@@ -5,6 +5,7 @@ file's $comment), and the DAG's tasks route to that launcher. No API server can 
 the official client's models (tests/fixtures/k8s/generate_schema.py); the submit/wait/collect path runs through the
 cncf provider's KubernetesHook and the client's request layer against a loopback endpoint (tests/k8s_api.py)."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -16,9 +17,9 @@ import jsonschema
 import pytest
 import yaml
 
-from tasks import k8s_job
+from tasks.launch import k8s_job, k8s_submit
 from tasks.bounds import stage_timeout_s
-from tasks.launcher import DEVICE_STAGES, MULTI_NODE_STAGES, runs_on_kubernetes
+from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES, runs_on_kubernetes
 from tasks.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -308,6 +309,15 @@ def test_final_state_reads_each_kinds_conditions():
     assert k8s_job.final_state("trainjob", {}) == (False, "")
 
 
+def test_the_config_offers_exactly_the_kinds_there_are():
+    """hardware.k8s_kind's choices (tasks.config, validated before any render) are the names in k8s_job.KINDS."""
+    from typing import get_args
+
+    from tasks.config import HardwareConfig
+
+    assert set(get_args(HardwareConfig.model_fields["k8s_kind"].annotation)) == set(k8s_job.KINDS)
+
+
 FINAL = {  # each controller's success condition (k8s_api._cond: status "True")
     "Job": [_cond("Complete", "CompletionsReached")],
     "PyTorchJob": [_cond("Succeeded", "PyTorchJobSucceeded")],
@@ -327,15 +337,6 @@ def api_server(tmp_path, monkeypatch):
     api.close()
 
 
-def k8s_launch():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("k8s_launch", REPO / "dags" / "k8s_launch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("kind", ["job", "pytorchjob", "trainjob"])
 def test_submit_wait_collect_through_the_hook_and_the_client(k8s_cfg, api_server, kind):
     """The provider's KubernetesHook and the kubernetes client, over HTTP: the job is created (its body accepted by
@@ -352,7 +353,7 @@ def test_submit_wait_collect_through_the_hook_and_the_client(k8s_cfg, api_server
         (run_dir / "train.json").write_text(json.dumps({"status": "ok", "summary": f"done as {obj['kind']}"}))
 
     api_server.on_done = pods_finish
-    result = k8s_launch().run_stage_job(
+    result = k8s_submit.run_stage_job(
         "train", k8s_cfg, "llm_pipeline", "manual__1", conn_id="k8s_loopback", poll_s=0.05
     )
     expected = {"job": "Job", "pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}[kind]
@@ -367,7 +368,7 @@ def test_submit_wait_collect_through_the_hook_and_the_client(k8s_cfg, api_server
         assert ("GET", f"/apis/batch/v1/namespaces/llm/jobs/{name}/status") in paths
         assert ("DELETE", f"/api/v1/namespaces/llm/services/{name}") in paths  # the Service only served the Job
     else:
-        group, version, plural, _ = k8s_job.KINDS[kind]
+        group, version, plural, _ = k8s_job.KINDS[kind].api
         assert paths[0] == ("POST", f"/apis/{group}/{version}/namespaces/llm/{plural}")
         assert paths[-1] == ("GET", f"/apis/{group}/{version}/namespaces/llm/{plural}/{name}")
         assert len(paths) == 1 + api_server.polls_to_finish  # created once, polled until done, nothing else
@@ -385,7 +386,7 @@ def test_a_failed_kubeflow_job_names_its_reason_and_node_0_s_cause(k8s_cfg, api_
         json.dumps({"status": "failed", "error": "train: rank 3 killed by SIGKILL (out of memory?)"})
     )
     with pytest.raises(StageError) as err:
-        k8s_launch().run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__2", conn_id="k8s_loopback", poll_s=0.05)
+        k8s_submit.run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__2", conn_id="k8s_loopback", poll_s=0.05)
     assert "failed (PyTorchJobFailed): train: rank 3 killed by SIGKILL" in str(err.value) and err.value.retryable
 
 
@@ -395,10 +396,12 @@ def test_a_body_the_api_would_refuse_is_refused_over_the_wire(k8s_cfg, api_serve
     from kubernetes.client.exceptions import ApiException
 
     k8s_cfg.hardware.k8s_kind = "trainjob"
-    real = k8s_job.trainjob
-    monkeypatch.setattr(k8s_job, "trainjob", lambda *a: {**real(*a), "sepc": {}})
+    real = k8s_job.KINDS["trainjob"]
+    monkeypatch.setitem(
+        k8s_job.KINDS, "trainjob", dataclasses.replace(real, convert=lambda *a: {**real.convert(*a), "sepc": {}})
+    )
     with pytest.raises(ApiException) as err:
-        k8s_launch().run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__3", conn_id="k8s_loopback", poll_s=0.05)
+        k8s_submit.run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__3", conn_id="k8s_loopback", poll_s=0.05)
     assert err.value.status == 422 and "sepc" in err.value.body
 
 

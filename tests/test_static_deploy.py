@@ -1,7 +1,7 @@
 """Static checks of the deployment files: Dockerfiles, compose file and Kubernetes manifests parse, name files that
 exist, pin torch/torch_npu as a published pair, take secrets only from the environment and bind to 127.0.0.1."""
 
-import importlib.util
+import importlib
 import re
 import shlex
 import subprocess
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks import k8s_job
+from tasks.launch import k8s_job
 from tasks.errors import ConfigError, StageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,9 +195,7 @@ def test_render_for_a_dag_run(cfg, tmp_path):
 def test_kubernetes_launcher_without_the_provider_says_what_to_install(cfg, monkeypatch):
     """A worker without the cncf provider (an image built from another requirements file): one line, what to do."""
     monkeypatch.setitem(sys.modules, "airflow.providers.cncf.kubernetes.hooks.kubernetes", None)  # import fails
-    spec = importlib.util.spec_from_file_location("k8s_launch", REPO / "dags" / "k8s_launch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # importing the module needs no provider
+    module = importlib.reload(importlib.import_module("tasks.launch.k8s_submit"))  # importing it needs no provider
     with pytest.raises(StageError, match="needs the cncf provider .*pip install -r requirements.txt"):
         module.run_stage_job("train", cfg, "llm_pipeline", "manual__1")
 

@@ -323,7 +323,7 @@ def test_lr_schedule_and_pipeline_split():
 
 
 def test_unpinned_degrees_come_from_the_plan(cfg):
-    from tasks.parallel.layout import resolve
+    from tasks.layout import resolve
 
     c = configure(cfg, **{"parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
     plan = {
@@ -349,17 +349,17 @@ def test_unpinned_degrees_come_from_the_plan(cfg):
 
 
 def test_cpu_world_size_comes_from_the_layout_unless_nproc_is_pinned(cfg):
-    from tasks.stages.train import _world
+    from tasks.launch.torchrun import world
 
     plan = {"parallel": {"dp": 2, "tp": 2, "pp": 1}}
     c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
-    assert _world(c, None)[1:] == (1, 1)  # pinned dp1: one rank, not 2
+    assert world(c, None)[1:] == (1, 1)  # pinned dp1: one rank, not 2
     c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
-    assert _world(c, plan)[1:] == (4, 4) and _world(c, None)[1:] == (2, 2)  # the plan's 2×2; no plan: 2
+    assert world(c, plan)[1:] == (4, 4) and world(c, None)[1:] == (2, 2)  # the plan's 2×2; no plan: 2
     c = configure(
         cfg,
         **{"hardware.nproc_per_node": 0, "hardware.nnodes": 2, "parallel.dp": 4, "parallel.tp": 1, "parallel.pp": 1},
     )
-    assert _world(c, None)[1:] == (2, 4)  # 4 ranks over 2 nodes
+    assert world(c, None)[1:] == (2, 4)  # 4 ranks over 2 nodes
     c = configure(cfg, **{"hardware.nproc_per_node": 2, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
-    assert _world(c, None)[1:] == (2, 2)  # pinned: kept, and the check explains
+    assert world(c, None)[1:] == (2, 2)  # pinned: kept, and the check explains

@@ -71,7 +71,8 @@ def build_model(
     from tasks.model.converters import apply
     from tasks.model.init import HFWeights
     from tasks.parallel.mesh import coords
-    from tasks.parallel.pp import split_model, stages_per_rank
+    from tasks.layout import stages_per_rank
+    from tasks.parallel.pp import split_model
 
     model = build_meta_model(tcfg, "meta")
     source = HFWeights(init_from, tcfg) if init_from else None
@@ -200,7 +201,7 @@ def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision
 def build_loader(spec: dict, cfg, lay, dp_rank: int, device):
     """This rank's ShardLoader: its slice of each global batch, workers/pinning from its cores (binding.py)."""
     from data_prep.loader import ShardLoader
-    from tasks.parallel.binding import loader_options
+    from tasks.parallel.affinity import loader_options
 
     return ShardLoader(
         spec["shard_dir"],

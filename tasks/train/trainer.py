@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from tasks.config import PipelineConfig
     from tasks.model import TransformerConfig
     from tasks.parallel.checkpoint import CheckpointManager
+    from tasks.layout import Layout
     from tasks.parallel.divergence import Divergence, DivergenceGuard
-    from tasks.parallel.layout import Layout
     from tasks.parallel.metrics import MetricsLog, PhasePeaks
     from tasks.train.build import ModelParts, Optimizers
     from tasks.train.step import StepResult, TrainStep
@@ -51,7 +51,7 @@ def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layou
     """The launch spec (written by tasks/stages/train.py) → the run's config, model shape and layout."""
     from tasks.config import PipelineConfig, apply_overrides
     from tasks.model import TransformerConfig
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
 
     cfg = apply_overrides(PipelineConfig(), {k: v for k, v in spec["config"].items() if k != "preset"})
     return cfg, TransformerConfig(**spec["model"]), Layout(**spec["layout"])

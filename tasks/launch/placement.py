@@ -3,7 +3,7 @@
 With kubernetes every device stage (env probe, smoke, train, profile, quantize, evaluate) runs as a Job in the
 training image on the Ascend nodes; shard, plan and the summary stay on the Airflow worker, which only orchestrates:
 it submits the Job, waits within the stage's bound (tasks/bounds.py) and reads `<stage>.json` back from the run
-directory on the shared volume. Nothing here imports Airflow or talks to a cluster (dags/k8s_launch.py does).
+directory on the shared volume. Nothing here imports Airflow or talks to a cluster (tasks/launch/k8s_submit.py does).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 each with its node rank and torchrun's c10d rendezvous at pod 0; for smoke, quantize and evaluate one pod. With
 hardware.k8s_scheduler=volcano the pods are gang-scheduled: a Volcano PodGroup with minMember = pods, schedulerName
 volcano and the group annotation. The Job's activeDeadlineSeconds is the stage's bound (tasks/bounds.py) plus
-timeouts.k8s_pending_s. The Airflow side (dags/k8s_launch.py) submits them with the cncf provider and waits; the
+timeouts.k8s_pending_s. The Airflow side (tasks/launch/k8s_submit.py) submits them with the cncf provider and waits; the
 pods write `<stage>.json` into the run directory on the shared volume, where `collect_result()` reads it. Nothing
 here talks to a cluster or imports Airflow, so the rendering is tested on CPU.
 
@@ -26,14 +26,16 @@ import hashlib
 import re
 import shlex
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from tasks.config import REPO_ROOT, PipelineConfig, get
 from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_write_text, read_json
-from tasks.launcher import MULTI_NODE_STAGES
+from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES
 
 TEMPLATE = REPO_ROOT / "deploy" / "k8s" / "train-job.yaml"
 NPU_RESOURCE = "huawei.com/Ascend910"
@@ -44,33 +46,27 @@ DEFAULT_NPUS_PER_NODE = 8  # Atlas 800T A2 / A3 training servers
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"  # Volcano's KubeGroupNameAnnotationKey
 PODGROUP_API = ("scheduling.volcano.sh", "v1beta1", "podgroups")
 
-# hardware.k8s_kind → (group, version, plural, kind) of the custom resource; "job" is batch/v1's Job.
-KINDS = {
-    "pytorchjob": ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob"),
-    "trainjob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob"),
-}
-# The label each kind's pods carry, to describe them (JobNameLabel of training-operator, JobSetNameKey of JobSet:
-# a TrainJob runs as the JobSet of the same name).
-POD_SELECTOR = {
-    "job": "job-name",
-    "pytorchjob": "training.kubeflow.org/job-name",
-    "trainjob": "jobset.sigs.k8s.io/jobset-name",
-}
-# The condition that ends each kind's run: (succeeded, failed) types with status "True".
-FINAL_CONDITIONS = {
-    "job": ("Complete", "Failed"),
-    "pytorchjob": ("Succeeded", "Failed"),
-    "trainjob": ("Complete", "Failed"),
-}
+
+@dataclass(frozen=True)
+class Kind:
+    """One hardware.k8s_kind (the table is KINDS, after the converters; docs/launchers.md adds a kind)."""
+
+    final: tuple[str, str]  # the condition types that end a run, (succeeded, failed), when their status is "True"
+    pod_selector: str  # the label every pod of the run carries with the run's name (to describe them)
+    api: tuple[str, str, str, str] | None = None  # (group, version, plural, kind) of a custom resource; None: a Job
+    rank_env: tuple[str, str] | None = None  # what a pod reads, as shell words: (node rank, rendezvous host:port);
+    # None: our Indexed Job's own ($JOB_COMPLETION_INDEX, pod 0 behind the headless Service)
+    convert: Callable[[dict, int, object], dict] | None = None  # (rendered Job, pods, hardware) → this kind's object
+
+
+PYTORCHJOB_API = ("kubeflow.org", "v1", "pytorchjobs", "PyTorchJob")
+PYTORCHJOB_LABEL = "training.kubeflow.org/job-name"
 PYTORCHJOB_CONTAINER, PYTORCHJOB_PORT = "pytorch", "pytorchjob-port"  # the operator finds the master port by these
+TRAINJOB_API = ("trainer.kubeflow.org", "v1alpha1", "trainjobs", "TrainJob")
+TRAINJOB_LABEL = "jobset.sigs.k8s.io/jobset-name"
 TRAINJOB_RUNTIME = "torch-distributed"  # Kubeflow Trainer's ClusterTrainingRuntime for PyTorch
 TRAINJOB_CONTAINER = "node"  # constants.Node: the trainer's replicated job and container
 TRAINJOB_PATCH_MANAGER = "llm-pipeline"
-# The rank/rendezvous each kind hands a pod, as shell words expanded in the pod: (node rank, host:port).
-RANK_ENV = {
-    "pytorchjob": ("$PET_NODE_RANK", "$MASTER_ADDR:$MASTER_PORT"),
-    "trainjob": ("$PET_NODE_RANK", "$PET_MASTER_ADDR:$PET_MASTER_PORT"),
-}
 # The operators also set these for a process that is itself a rank; the stage process is not one (torchrun sets
 # its children's own), so they are dropped before it starts (tracking.is_rank0 reads RANK).
 OPERATOR_RANK_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -96,10 +92,10 @@ def pods(stage: str, cfg: PipelineConfig) -> int:
 def pod_command(cfg: PipelineConfig, run_dir: Path, config_file: Path, name: str, stage: str = "train") -> str:
     hw = cfg.hardware
     n = pods(stage, cfg)
-    kind = kind_of(stage, cfg)
+    kind = KINDS[kind_of(stage, cfg)]
     nproc = (hw.nproc_per_node or DEFAULT_NPUS_PER_NODE) if n > 1 or stage in MULTI_NODE_STAGES else 1
     sets = {"hardware.nnodes": n, "hardware.nproc_per_node": nproc, "hardware.launcher": "local"}
-    if n > 1 and kind == "job":
+    if n > 1 and kind.rank_env is None:
         sets["hardware.rdzv_endpoint"] = f"{name}-0.{name}:{RDZV_PORT}"
     # The pods read the whole config as a file (a preset): what the caller set explicitly stays explicit there,
     # so a data.seq_len that differs from the shard set's fails in the pod as it would here.
@@ -109,13 +105,13 @@ def pod_command(cfg: PipelineConfig, run_dir: Path, config_file: Path, name: str
     args = ["python", "-m", "tasks", stage, "--config", str(config_file), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
-    exe = "exec " if kind == "job" else "exec env " + " ".join(f"-u {v}" for v in OPERATOR_RANK_VARS) + " "
+    exe = "exec " if kind.api is None else "exec env " + " ".join(f"-u {v}" for v in OPERATOR_RANK_VARS) + " "
     if n == 1:
         return exe + shlex.join(args + ["--set", "hardware.node_rank=0"])
     # The node rank (and a Kubeflow kind's rendezvous host) are known only inside the pod: left for bash to expand.
-    if kind == "job":
+    if kind.rank_env is None:
         return exe + shlex.join(args) + ' --set "hardware.node_rank=$JOB_COMPLETION_INDEX"'
-    rank, endpoint = RANK_ENV[kind]
+    rank, endpoint = kind.rank_env
     return exe + shlex.join(args) + f' --set "hardware.node_rank={rank}" --set "hardware.rdzv_endpoint={endpoint}"'
 
 
@@ -140,8 +136,6 @@ def podgroup(name: str, namespace: str, labels: dict, min_member: int) -> dict:
 def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "train") -> list[dict]:
     """The manifests of one stage's Job ([Service,] [PodGroup,] Job); also writes the config the pods read into the
     run directory. Multi-node stages get the rendezvous Service; volcano adds the PodGroup."""
-    from tasks.launcher import DEVICE_STAGES
-
     hw = cfg.hardware
     if stage not in DEVICE_STAGES:
         raise ConfigError(f"stage {stage!r} runs on the Airflow worker, not as a Kubernetes Job")
@@ -189,11 +183,9 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
         for key in ("subdomain", "affinity"):
             pod.pop(key, None)
         container.pop("ports", None)
-    kind = kind_of(stage, cfg)
-    if kind == "pytorchjob":
-        return [pytorchjob(job, n, hw)]
-    if kind == "trainjob":
-        return [trainjob(job, n, hw)]
+    convert = KINDS[kind_of(stage, cfg)].convert
+    if convert is not None:  # an operator's kind: it makes the Services (and the PodGroup) itself
+        return [convert(job, n, hw)]
     if hw.k8s_scheduler == "volcano":
         pod["schedulerName"] = "volcano"
         spec["template"]["metadata"]["annotations"] = {VOLCANO_GROUP_ANNOTATION: name}
@@ -214,7 +206,7 @@ def pytorchjob(job: dict, n: int, hw) -> dict:
     container["ports"] = [{"name": PYTORCHJOB_PORT, "containerPort": RDZV_PORT}]
     if "affinity" in pod:
         rule = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
-        rule["labelSelector"] = {"matchLabels": {POD_SELECTOR["pytorchjob"]: name}}
+        rule["labelSelector"] = {"matchLabels": {PYTORCHJOB_LABEL: name}}
     if hw.k8s_scheduler == "volcano":
         pod["schedulerName"] = "volcano"  # the operator (--gang-scheduler-name=volcano) makes the PodGroup
     replica = {"restartPolicy": "Never", "template": template}
@@ -229,7 +221,7 @@ def pytorchjob(job: dict, n: int, hw) -> dict:
     }
     if hw.k8s_scheduler == "volcano":
         run_policy["schedulingPolicy"] = {"minAvailable": n}
-    group, version, _, kind = KINDS["pytorchjob"]
+    group, version, _, kind = PYTORCHJOB_API
     nproc = container["resources"]["limits"][NPU_RESOURCE]
     return {
         "apiVersion": f"{group}/{version}",
@@ -260,10 +252,10 @@ def trainjob(job: dict, n: int, hw) -> dict:
     if "affinity" in pod:
         pod_patch["affinity"] = copy.deepcopy(pod["affinity"])
         rule = pod_patch["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
-        rule["labelSelector"] = {"matchLabels": {POD_SELECTOR["trainjob"]: job["metadata"]["name"]}}
+        rule["labelSelector"] = {"matchLabels": {TRAINJOB_LABEL: job["metadata"]["name"]}}
     pod_patch["containers"] = [{"name": TRAINJOB_CONTAINER, "volumeMounts": container["volumeMounts"]}]
     patch = {"replicatedJobs": [{"name": TRAINJOB_CONTAINER, "template": {"spec": {"template": {"spec": pod_patch}}}}]}
-    group, version, _, kind = KINDS["trainjob"]
+    group, version, _, kind = TRAINJOB_API
     return {
         "apiVersion": f"{group}/{version}",
         "kind": kind,
@@ -287,10 +279,31 @@ def trainjob(job: dict, n: int, hw) -> dict:
     }
 
 
+# hardware.k8s_kind → its Kind (tasks.config's k8s_kind choices are these names). Pod labels: JobNameLabel of
+# training-operator; JobSetNameKey of JobSet (a TrainJob runs as the JobSet of the same name).
+KINDS = {
+    "job": Kind(final=("Complete", "Failed"), pod_selector="job-name"),
+    "pytorchjob": Kind(
+        final=("Succeeded", "Failed"),
+        pod_selector=PYTORCHJOB_LABEL,
+        api=PYTORCHJOB_API,
+        rank_env=("$PET_NODE_RANK", "$MASTER_ADDR:$MASTER_PORT"),
+        convert=pytorchjob,
+    ),
+    "trainjob": Kind(
+        final=("Complete", "Failed"),
+        pod_selector=TRAINJOB_LABEL,
+        api=TRAINJOB_API,
+        rank_env=("$PET_NODE_RANK", "$PET_MASTER_ADDR:$PET_MASTER_PORT"),
+        convert=trainjob,
+    ),
+}
+
+
 def final_state(kind: str, obj: dict) -> tuple[bool, str]:
     """(done, failure reason or "") from a Job/PyTorchJob/TrainJob as the API returns it (a dict): done once its
-    success or failure condition is "True" (the operators' condition types, see FINAL_CONDITIONS)."""
-    ok, failed = FINAL_CONDITIONS[kind]
+    success or failure condition is "True" (the operators' condition types, Kind.final)."""
+    ok, failed = KINDS[kind].final
     for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("status") != "True":
             continue

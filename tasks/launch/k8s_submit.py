@@ -1,9 +1,9 @@
 """The Airflow side of hardware.launcher=kubernetes: submit a device stage's Job, wait within its bound, collect.
 
 Called from the main DAG's stage tasks (never at parse time) for env, smoke, train, profile, quantize and evaluate
-(tasks/launcher.py). The cncf provider (requirements.txt) is imported inside the call, so the DAGs parse without
-it. The connection `kubernetes_default` (in-cluster, or a kubeconfig) chooses the cluster. Not a DAG file: listed in
-dags/.airflowignore.
+(tasks/launch/placement.py). The cncf provider (requirements.txt) is imported inside the call, so the DAGs parse
+without it. The connection `kubernetes_default` (in-cluster, or a kubeconfig) chooses the cluster. The manifests
+and their reading back are tasks/launch/k8s_job.py's; this module only talks to the cluster.
 """
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ class _Submitted:
     """One stage's training job on the cluster, whatever its kind (hardware.k8s_kind): submit, status, delete."""
 
     def __init__(self, hook, kind: str, manifests: list[dict], namespace: str):
-        from tasks import k8s_job
+        from tasks.launch import k8s_job
 
         self.hook, self.kind, self.manifests, self.namespace = hook, kind, manifests, namespace
         self.main = manifests[-1]
         self.name = self.main["metadata"]["name"]
-        self.api = k8s_job.KINDS.get(kind)  # (group, version, plural, kind) of a custom resource; None: a Job
+        self.api = k8s_job.KINDS[kind].api  # (group, version, plural, kind) of a custom resource; None: a Job
 
     def submit(self) -> None:
-        from tasks import k8s_job
+        from tasks.launch import k8s_job
 
         if self.api:
             group, version, plural, _ = self.api
@@ -65,7 +65,7 @@ class _Submitted:
         self.hook.apply_from_yaml_file(yaml_objects=objects, namespace=self.namespace)
 
     def status(self) -> tuple[bool, str]:
-        from tasks import k8s_job
+        from tasks.launch import k8s_job
 
         if self.api:
             group, version, plural, _ = self.api
@@ -76,9 +76,9 @@ class _Submitted:
         return k8s_job.final_state(self.kind, obj)
 
     def describe(self) -> str:
-        from tasks import k8s_job
+        from tasks.launch import k8s_job
 
-        return _describe_pods(self.hook, self.namespace, self.name, k8s_job.POD_SELECTOR[self.kind])
+        return _describe_pods(self.hook, self.namespace, self.name, k8s_job.KINDS[self.kind].pod_selector)
 
     def delete(self) -> None:
         if self.api:
@@ -91,7 +91,7 @@ class _Submitted:
 
     def cleanup(self) -> None:
         """The Service and PodGroup only serve this Job; the job and its pods stay for `kubectl logs` (TTL)."""
-        from tasks import k8s_job
+        from tasks.launch import k8s_job
 
         group, version, plural = k8s_job.PODGROUP_API
         for m in self.manifests[:-1]:
@@ -112,7 +112,8 @@ def run_stage_job(
     conn_id: str = "kubernetes_default",
     poll_s: float = 30.0,
 ) -> dict:
-    from tasks import k8s_job, tracking
+    from tasks import tracking
+    from tasks.launch import k8s_job
     from tasks.errors import StageError
     from tasks.runner import default_run_dir
 
