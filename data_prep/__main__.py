@@ -1,5 +1,6 @@
 """`python -m data_prep shard --input PATH… --out DIR [--config YAML] [--set key=value …]`
-   `python -m data_prep verify DIR [--split train]`   (sizes + sha256 of every shard against the manifest)
+   `python -m data_prep verify DIR [--split train]`   (tokenizer files, sizes + sha256 of every shard, against the
+                                                       manifest)
 
 Errors print one line and exit 2. The pipeline's own entry is `python -m tasks shard` (same code, plus MLflow).
 """
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
         help=f"override settings, several after one --set or --set repeated ({', '.join(ShardConfig.model_fields)})",
     )
     shard.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
-    verify = sub.add_parser("verify", help="check every shard's size and sha256 against the manifest")
+    verify = sub.add_parser("verify", help="check the tokenizer files and every shard's size and sha256")
     verify.add_argument("shard_dir")
     verify.add_argument("--split", action="append", default=None)
     args = parser.parse_args(argv)

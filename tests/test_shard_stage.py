@@ -27,7 +27,10 @@ def test_shard_stage_logs_to_mlflow_and_caches(shard_cfg, tmp_path):
     first = run_stage("shard", shard_cfg, tmp_path / "run1")
     shard_dir = Path(first["shard_dir"])
     manifest = json.loads(Path(first["manifest"]).read_text())
-    assert first["status"] == "ok" and not first["cache_hit"] and first["asset_uri"] == shard_dir.as_uri()
+    assert not first["cache_hit"] and first["asset_uri"] == shard_dir.as_uri()
+    assert first["status"] == "warn" and first["warnings"] == manifest["warnings"]  # latin1.txt: one line
+    assert "1 document(s) are not valid UTF-8 (first in " in first["warnings"][0]
+    assert first["tokenizer_identity"] == manifest["tokenizer"]["identity"] and first["partitions"] == 1
     assert manifest["shard_multiple"] == 2  # demo: 2 processes × 1 loader worker
     assert len(manifest["splits"]["train"]["shards"]) % 2 == 0 and first["vocab_size"] == manifest["vocab_size"]
     assert json.loads((tmp_path / "run1" / "shard.json").read_text())["manifest_digest"] == first["manifest_digest"]
