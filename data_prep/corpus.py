@@ -134,14 +134,13 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
     return unique
 
 
-def stat_key(files: list[Path]) -> str:
+def stat_key(files: list[Path], stats: list[os.stat_result] | None = None) -> str:
     """Where a build of these files is looked up (never what names the data: that is `content_key`): path, size,
     mtime, ctime and inode of every file. ctime cannot be set back (utime sets it to now), so a file rewritten with
     its size and mtime kept still gets another key; a file merely touched or copied is read again and found equal
     by its content."""
     h = hashlib.sha256()
-    for p in files:
-        st = p.stat()
+    for p, st in zip(files, stats or [p.stat() for p in files]):
         h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
     return h.hexdigest()[:16]
 

@@ -117,8 +117,8 @@ class Prepared:
     key: str = ""
 
 
-def build_key(files: list[Path], cfg: ShardConfig, partitions: int) -> str:
-    key = [FORMAT, stat_key(files), cfg.config_hash(), tokenizer_identity(cfg.tokenizer), partitions]
+def build_key(files: list[Path], cfg: ShardConfig, partitions: int, stats=None) -> str:
+    key = [FORMAT, stat_key(files, stats), cfg.config_hash(), tokenizer_identity(cfg.tokenizer), partitions]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 
@@ -144,10 +144,11 @@ def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
     if not cfg.shard_multiple:  # 0 = automatic; alone, data_prep knows of one reader (the pipeline passes its own)
         cfg = cfg.model_copy(update={"shard_multiple": 1})
     files = resolve_inputs(cfg.inputs)
-    sizes = [p.stat().st_size for p in files]
+    stats = [p.stat() for p in files]
+    sizes = [st.st_size for st in stats]
     partitions = plan_partitions(sizes, cfg.partitions)
     out_dir = Path(cfg.out_dir)
-    key = build_key(files, cfg, len(partitions))
+    key = build_key(files, cfg, len(partitions), stats)
     if found := lookup(out_dir, key):
         return Prepared(None, found, key)
     fsio.ensure_writable(out_dir)

@@ -31,7 +31,7 @@ class TarSamples:
         self._base = sum(header) - ord("0") * key_width  # checksum without the key's characters
         self._header, self._width = header, key_width
         self._pad = b"\0" * (-size % BLOCK)
-        self.f, self.size, self.offset = f, size, 0
+        self.f, self.size, self.offset, self.samples = f, size, 0, 0
         self.sha256, self.crc32 = hashlib.sha256(), 0
         self._chunks: list[bytes] = []
         self._buffered = 0
@@ -44,6 +44,7 @@ class TarSamples:
         header[: self._width] = name
         header[_CHKSUM] = b"%06o\0 " % (self._base + sum(name))
         self.crc32 = zlib.crc32(payload, zlib.crc32(name, self.crc32))
+        self.samples += 1
         self._chunks += (bytes(header), payload, self._pad)
         self._buffered += BLOCK + self.size + len(self._pad)
         if self._buffered >= 1 << 20:

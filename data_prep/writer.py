@@ -8,8 +8,11 @@ written last; a retry of a killed range rewrites the shards it had not recorded.
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -41,24 +44,26 @@ class Windows:
     through the layout's segments (page cache, not mmap: random access must not grow the RSS)."""
 
     def __init__(self, job: Job, split: str, window: int, dtype: np.dtype):
-        self.segments = np.load(job.dir / f"segments-{split}.npy")
-        self.starts = np.concatenate([[0], np.cumsum(self.segments["length"].astype(np.int64))])
+        segments = np.load(job.dir / f"segments-{split}.npy")
+        self.parts, self.offsets = segments["part"].tolist(), segments["start"].tolist()
+        self.starts = np.concatenate([[0], np.cumsum(segments["length"].astype(np.int64))]).tolist()
         self.window, self.itemsize = window, np.dtype(dtype).itemsize
-        self.fds = {
-            int(p): os.open(load_partition(job, int(p)).token_path(split), os.O_RDONLY)
-            for p in np.unique(self.segments["part"])
-        }
+        self.fds = {p: os.open(load_partition(job, p).token_path(split), os.O_RDONLY) for p in set(self.parts)}
 
     def read(self, w: int) -> bytes:
-        pos, end, out = w * self.window, (w + 1) * self.window, []
-        i = int(np.searchsorted(self.starts, pos, side="right")) - 1
-        while pos < end:
-            seg = self.segments[i]
-            take = min(end, int(self.starts[i + 1])) - pos
-            offset = (int(seg["start"]) + pos - int(self.starts[i])) * self.itemsize
-            out.append(os.pread(self.fds[int(seg["part"])], take * self.itemsize, offset))
-            pos, i = pos + take, i + 1
-        data = b"".join(out) if len(out) > 1 else out[0]
+        pos, end = w * self.window, (w + 1) * self.window
+        i = bisect.bisect_right(self.starts, pos) - 1
+        if end <= self.starts[i + 1]:  # the usual case: inside one run of documents
+            offset = (self.offsets[i] + pos - self.starts[i]) * self.itemsize
+            data = os.pread(self.fds[self.parts[i]], self.window * self.itemsize, offset)
+        else:
+            out = []
+            while pos < end:
+                take = min(end, self.starts[i + 1]) - pos
+                offset = (self.offsets[i] + pos - self.starts[i]) * self.itemsize
+                out.append(os.pread(self.fds[self.parts[i]], take * self.itemsize, offset))
+                pos, i = pos + take, i + 1
+            data = b"".join(out)
         if len(data) != self.window * self.itemsize:
             raise DataPrepError(f"window {w} reads short: a partition's token file was truncated; rerun the build")
         return data
@@ -94,36 +99,50 @@ def _write_shards(job: Job, layout: dict, split: str, first: int, end: int, inde
     order = np.load(job.dir / f"order-{split}.npy", mmap_mode="r")
     windows = Windows(job, split, cfg.seq_len + 1, dtype)
     size = len(header) + (cfg.seq_len + 1) * dtype.itemsize
-    entries = []
+    entries, syncs, synced = [], ThreadPoolExecutor(1, thread_name_prefix="fsync"), []  # fsync overlaps the next
     try:
         for k in range(first, end):
             name = shard_name(split, k)
             final, partial = job.set_dir / name, job.set_dir / f".{name}.partial"
             fresh = k == first and not partial.exists() and not final.exists()
-            with fsio.create(partial, buffering=0) as f:
+            f = fsio.create(partial, buffering=0)
+            try:
                 tar = TarSamples(f, "tokens.npy", size, KEY_WIDTH)
-                for w in order[k * per : (k + 1) * per]:
-                    tar.write(f"{int(w):0{KEY_WIDTH}d}", header + windows.read(int(w)))
+                for w in order[k * per : (k + 1) * per].tolist():
+                    tar.write(f"{w:0{KEY_WIDTH}d}", header + windows.read(w))
                     if fresh:  # tests: killed with part of a shard on disk
                         tar.flush()
                         fault("write", index)
                         fresh = False
                 tar.close()
-                os.fsync(f.fileno())
-            os.replace(partial, final)
+            except BaseException:
+                f.close()
+                raise
+            synced.append(syncs.submit(_sync_and_rename, f, partial, final))
             entries.append(
                 {
                     "name": name,
-                    "samples": per,
-                    "tokens": per * (cfg.seq_len + 1),
+                    "samples": tar.samples,
+                    "tokens": tar.samples * (cfg.seq_len + 1),
                     "bytes": tar.offset,
                     "sha256": tar.sha256.hexdigest(),
                     "samples_crc32": tar.crc32,
                 }
             )
     finally:
+        syncs.shutdown(wait=True)
         windows.close()
+    for done in synced:
+        done.result()  # an fsync's error (a full disk) is this step's
     return entries
+
+
+def _sync_and_rename(f, partial: Path, final: Path) -> None:
+    try:
+        os.fsync(f.fileno())
+    finally:
+        f.close()
+    os.replace(partial, final)
 
 
 def drop_write(job: Job, index: int) -> None:

@@ -439,10 +439,11 @@ def test_a_glob_through_a_symlink_loop_finishes_with_one_line(tmp_path):
     (tmp_path / "c" / "a").mkdir(parents=True)
     shutil.copy(CORPUS / "alpha.txt", tmp_path / "c" / "a" / "x.txt")
     shutil.copy(CORPUS / "beta.txt", tmp_path / "c" / "y.txt")
-    os.symlink("..", tmp_path / "c" / "a" / "up")  # a loop: glob.glob's ** would walk it for ever
+    os.symlink("..", tmp_path / "c" / "a" / "up")  # two loops: glob.glob's ** would walk them for ever
+    os.symlink("../..", tmp_path / "c" / "a" / "up2")
     out = run_cli("--input", str(tmp_path / "c" / "**" / "*.txt"), "--out", str(tmp_path / "o"), *SMALL)
     lines = [line for line in out.stderr.splitlines() if "symlinked" in line]
-    assert len(lines) == 1 and "1 skipped, e.g." in lines[0] and str(tmp_path / "c" / "a" / "up") in lines[0]
+    assert len(lines) == 1 and "2 skipped, e.g." in lines[0] and str(tmp_path / "c" / "a" / "up") in lines[0]
     assert out.returncode == 0, out.stderr
     assert load_manifest(out.stdout.split()[1])["source"]["files"] == 2  # "built <dir> …"
 
@@ -468,8 +469,9 @@ def test_an_empty_val_split_gets_one_line(tmp_path):
 
 
 def test_files_and_directories_have_explicit_modes_whatever_the_umask(tmp_path):
-    out = run_cli("--input", str(CORPUS), "--out", str(tmp_path / "o"), *SMALL, umask=0)
-    assert out.returncode == 0, out.stderr
-    for p in [tmp_path / "o", *(tmp_path / "o").rglob("*")]:
-        mode = p.stat().st_mode & 0o777
-        assert mode == (0o755 if p.is_dir() else 0o644), (p, oct(mode))
+    for umask in (0o000, 0o077):
+        out = run_cli("--input", str(CORPUS), "--out", str(tmp_path / str(umask)), *SMALL, umask=umask)
+        assert out.returncode == 0, out.stderr
+        for p in [tmp_path / str(umask), *(tmp_path / str(umask)).rglob("*")]:
+            mode = p.stat().st_mode & 0o777
+            assert mode == (0o755 if p.is_dir() else 0o644), (umask, p, oct(mode))
