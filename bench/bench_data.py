@@ -9,7 +9,9 @@
   build's peak memory should stay flat. Memory counts the builder AND any worker processes: a sampler thread sums
   VmRSS over this process and all its descendants every 50 ms (peak_rss_mb_by_size), and the proportional set size
   (PSS: shared pages split between the processes sharing them, so nothing counts twice) the same way
-  (peak_pss_mb_by_size); parent_peak_rss_mb_by_size is this process alone (VmHWM, reset per build).
+  (peak_pss_mb_by_size); parent_peak_rss_mb_by_size is this process alone (VmHWM, reset per build). The peak
+  follows the largest single document (the tokenizer needs ~100 bytes a character of the document it encodes,
+  data.max_chars bounds it), not the corpus size: sharding.largest_document_kb_by_size says which that was.
 - sharding.host_load_1m: the 1-minute load average, the highest of before and after the sharding figures (the host
   is shared: a load above its cores makes every ratio here noisy).
 - loader.samples_per_s: ShardLoader with 0 and 2 workers, and the ratio of the 0-worker figure to a plain
@@ -173,6 +175,7 @@ def run() -> dict:
         "sharding.peak_pss_mb_by_size": {},
         "sharding.parent_peak_rss_mb_by_size": {},
         "sharding.tokens_per_s_by_size": {},
+        "sharding.largest_document_kb_by_size": {},
     }
     load = _load_1m()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
@@ -205,6 +208,7 @@ def run() -> dict:
             figures["sharding.peak_pss_mb_by_size"][key] = round(mem.pss_kb / 1024, 1)
             figures["sharding.parent_peak_rss_mb_by_size"][key] = round(_vmhwm_mb(), 1)
             figures["sharding.tokens_per_s_by_size"][key] = round(result.tokens / result.seconds)
+            figures["sharding.largest_document_kb_by_size"][key] = round(max(map(os.path.getsize, files)) / 1e3)
         # The ratio: baseline and builder interleaved on the largest corpus, best of two each (a shared host is noisy).
         largest = corpora[SIZES_MB[-1]]
         baseline = _tokenizer_baseline(largest, tok_path, repeats=1)

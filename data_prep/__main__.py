@@ -8,6 +8,7 @@ Errors print one line and exit 2. The pipeline's own entry is `python -m tasks s
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
@@ -69,12 +70,23 @@ def main(argv=None) -> int:
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full or read-only disk: the path and the errno; a rerun resumes the build
+        name = errno.errorcode.get(e.errno or 0, "")
+        where = f"{e.filename}: " if e.filename else ""
+        print(
+            f"error: {where}{e.strerror or e}{f' ({name})' if name else ''}; free space or fix permissions, then "
+            "rerun (finished steps are kept)",
+            file=sys.stderr,
+        )
+        return 2
     summary = {
         "shard_dir": str(result.shard_dir),
         "cache_hit": result.cache_hit,
         "manifest_digest": result.digest,
         "tokens": result.tokens,
         "tokens_per_s": round(result.tokens_per_s),
+        "partitions": result.partitions,
+        "tokenizer_identity": result.manifest["tokenizer"]["identity"],
         "splits": {
             k: {"samples": v["samples"], "shards": len(v["shards"])} for k, v in result.manifest["splits"].items()
         },

@@ -475,3 +475,30 @@ def test_files_and_directories_have_explicit_modes_whatever_the_umask(tmp_path):
         for p in [tmp_path / str(umask), *(tmp_path / str(umask)).rglob("*")]:
             mode = p.stat().st_mode & 0o777
             assert mode == (0o755 if p.is_dir() else 0o644), (umask, p, oct(mode))
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """ENOSPC while the shards are written (the 3rd file created): one line with the path and the errno, exit 2,
+    nothing published; the rerun keeps the finished steps and completes."""
+    import errno
+
+    from data_prep import __main__ as cli
+    from data_prep import fsio
+
+    real, calls = fsio.create, []
+
+    def full(path, *a, **kw):
+        calls.append(path)
+        if path.name.startswith(".train-") and len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *a, **kw)
+
+    argv = ["shard", "--input", str(CORPUS), "--out", str(tmp_path / "o"), *SMALL, "shard_multiple=4"]
+    monkeypatch.setattr(fsio, "create", full)
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("WARNING")]
+    assert len(err) == 1 and "No space left on device (ENOSPC)" in err[0] and ".partial" in err[0]
+    assert visible(tmp_path / "o") == []
+    monkeypatch.setattr(fsio, "create", real)
+    assert cli.main(argv) == 0
+    assert len(visible(tmp_path / "o")) == 1 and not list((tmp_path / "o").glob(".tmp-*"))

@@ -11,6 +11,8 @@ check. Every step's state lives in the build's directory under data.out_dir, so 
 
 from __future__ import annotations
 
+import sys
+
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
 from tasks.errors import StageError
@@ -76,10 +78,14 @@ def dag_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
     from tasks.pipeline import config_for_run
     from tasks.runner import default_run_dir
 
-    cfg = config_for_run(params, default_run_dir(dag_id, run_id))
+    run_dir = default_run_dir(dag_id, run_id)
+    cfg = config_for_run(params, run_dir)
     threads = cfg.data.tokenize_processes
     try:
         if step == "prepare":
+            if cfg.tracking.enabled:  # the DAG run's MLflow parent run starts with its first task (llm_data: this)
+                with tracking.best_effort("the MLflow parent run"):
+                    tracking.parent_run(cfg, dag_id, run_id)
             job = prepare(shard_config(cfg)).job
             return [{"job": str(job.dir), "index": i} for i in range(len(job.partitions))] if job else []
         if step == "layout":
@@ -94,8 +100,20 @@ def dag_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
         if step == "write":
             return run_write(job, arg["index"])
     except DataPrepError as e:
-        raise StageError(f"shard: {e}") from None
-    raise StageError(f"shard: unknown step {step!r} (prepare, partition, layout, write)")
+        cause = f"shard: {e}"
+    else:
+        raise StageError(f"shard: unknown step {step!r} (prepare, partition, layout, write)")
+    from tasks.errors import os_error_cause
+    from tasks.fsutil import atomic_write_json
+
+    try:  # the run summary's line for the stage (the reduce, which would write it, will not run)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(
+            run_dir / "shard.json", {"stage": "shard", "status": "failed", "summary": cause, "error": cause}
+        )
+    except OSError as e:
+        print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr)
+    raise StageError(cause)
 
 
 def _log_dataset(shard_dir, tags: dict | None = None) -> None:
