@@ -128,7 +128,8 @@ def notify_failure(context) -> None:
     from tasks.notify import record_failure
 
     ti = context["ti"]
-    record_failure(ti.dag_id, context["run_id"], ti.task_id, context.get("exception"))
+    stage = "shard" if ti.task_id.startswith("shard_") else ti.task_id  # the shard stage's fan-out tasks
+    record_failure(ti.dag_id, context["run_id"], stage, context.get("exception"))
 
 
 # The train task retries only what a retry can fix (StageError.retryable: a rank killed by a signal, a lost peer, a
