@@ -71,6 +71,7 @@ def plan_partitions(sizes: list[int], wanted: int) -> list[tuple[int, int]]:
 class Job:
     dir: Path
     data: dict  # job.json
+    tokenizer: object = None  # the prepared Tokenizer, when this process prepared the job (else read from set/)
 
     @property
     def cfg(self) -> ShardConfig:
@@ -173,7 +174,7 @@ def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
         shutil.rmtree(set_dir, ignore_errors=True)
         fsio.make_dir(set_dir)
         t0 = time.perf_counter()
-        tokenizer = _tokenizer(cfg, files, set_dir)
+        tokenizer, tok = _tokenizer(cfg, files, set_dir)
         data = {
             "format": FORMAT,
             "key": key,
@@ -187,10 +188,10 @@ def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
             "tokenizer_seconds": time.perf_counter() - t0,
         }
         fsio.write_json(directory / JOB, data)  # last: its presence means "prepared"
-    return Prepared(Job(directory, data), None, key)
+    return Prepared(Job(directory, data, tok), None, key)
 
 
-def _tokenizer(cfg: ShardConfig, files: list[Path], set_dir: Path) -> dict:
+def _tokenizer(cfg: ShardConfig, files: list[Path], set_dir: Path):
     """Train the BPE (on the train split only: nothing of val leaks into the vocabulary) or copy the given
     tokenizer, byte for byte, with its companion files (tokenizer_config.json …), into the shard set."""
     from data_prep.clean import TRAIN, clean_documents
@@ -215,7 +216,7 @@ def _tokenizer(cfg: ShardConfig, files: list[Path], set_dir: Path) -> dict:
             names.append(f.name)
     eos_name, eos_id = find_eos(tok, cfg.tokenizer, cfg.eos_token)
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    return {
+    info = {
         "source": source,
         "key": tokenizer_identity(cfg.tokenizer),
         "files": names,
@@ -224,6 +225,7 @@ def _tokenizer(cfg: ShardConfig, files: list[Path], set_dir: Path) -> dict:
         "vocab_size": vocab,
         "dtype": token_dtype(vocab, cfg.token_dtype).name,
     }
+    return info, tok
 
 
 def _warn_stale(out_dir: Path, mine: Path, age_s: float = 86400) -> None:

@@ -54,7 +54,7 @@ def _tokenize(job: Job, index: int, work: Path, threads: int, progress: bool, fr
     a, b = job.partitions[index]
     files = [Path(f) for f in job.files[a:b]]
     dtype = np.dtype(tok_info["dtype"])
-    tok = Tokenizer.from_file(str(job.set_dir / "tokenizer.json"))
+    tok = job.tokenizer or Tokenizer.from_file(str(job.set_dir / "tokenizer.json"))
     stats, digests, first_bad, kept = CorpusStats(), [], None, 0
     out = {name: fsio.create(work / name, buffering=1 << 20) for name in ("docs.bin", "snap.bin")}
     tokens = {s: fsio.create(work / f"{s}.tokens", buffering=1 << 20) for s in SPLITS}
