@@ -12,6 +12,9 @@
   (peak_pss_mb_by_size); parent_peak_rss_mb_by_size is this process alone (VmHWM, reset per build). The peak
   follows the largest single document (the tokenizer needs ~100 bytes a character of the document it encodes,
   data.max_chars bounds it), not the corpus size: sharding.largest_document_kb_by_size says which that was.
+- sharding.cpu_ratio_vs_tokenizer: the same comparison in CPU seconds of this process (all its threads) for the
+  same tokens, baseline over builder: what the build costs beyond encoding, much less sensitive to a loaded host
+  than the wall-clock ratio (1.0 = no overhead; above 1: the builder's batches encode more cheaply than one call).
 - sharding.host_load_1m: the 1-minute load average, the highest of before and after the sharding figures (the host
   is shared: a load above its cores makes every ratio here noisy).
 - loader.samples_per_s: ShardLoader with 0 and 2 workers, and the ratio of the 0-worker figure to a plain
@@ -116,13 +119,23 @@ def _corpus(size_mb: int) -> list[str]:
     return files
 
 
+def _cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _load_1m() -> float:
     with open("/proc/loadavg") as f:
         return float(f.read().split()[0])
 
 
-def _tokenizer_baseline(files: list[str], tokenizer: Path, repeats: int, api: str = "encode_batch_fast") -> float:
-    """tokens/s of Tokenizer.<api> on the cleaned documents already in memory (best of `repeats`)."""
+def _tokenizer_baseline(
+    files: list[str], tokenizer: Path, repeats: int, api: str = "encode_batch_fast", cpu: list | None = None
+) -> float:
+    """tokens/s of Tokenizer.<api> on the cleaned documents already in memory (best of `repeats`); `cpu` gets the
+    CPU seconds per token of each repeat."""
     from tokenizers import Tokenizer
 
     from data_prep.clean import clean_documents
@@ -133,9 +146,11 @@ def _tokenizer_baseline(files: list[str], tokenizer: Path, repeats: int, api: st
     tok = Tokenizer.from_file(str(tokenizer))
     best = 0.0
     for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = sum(len(e.ids) for e in getattr(tok, api)(texts, add_special_tokens=False))
-        best = max(best, (tokens + len(texts)) / (time.perf_counter() - start))  # + the EOS the builder adds
+        start, cpu0 = time.perf_counter(), _cpu_s()
+        tokens = sum(len(e.ids) for e in getattr(tok, api)(texts, add_special_tokens=False)) + len(texts)  # + EOS
+        best = max(best, tokens / (time.perf_counter() - start))
+        if cpu is not None:
+            cpu.append((_cpu_s() - cpu0) / tokens)
     return best
 
 
@@ -210,10 +225,12 @@ def run() -> dict:
             figures["sharding.tokens_per_s_by_size"][key] = round(result.tokens / result.seconds)
             figures["sharding.largest_document_kb_by_size"][key] = round(max(map(os.path.getsize, files)) / 1e3)
         # The ratio: baseline and builder interleaved on the largest corpus, best of two each (a shared host is noisy).
-        largest = corpora[SIZES_MB[-1]]
-        baseline = _tokenizer_baseline(largest, tok_path, repeats=1)
+        largest, cpu_base = corpora[SIZES_MB[-1]], []
+        baseline = _tokenizer_baseline(largest, tok_path, repeats=1, cpu=cpu_base)
+        cpu0 = _cpu_s()
         again = build(largest, "again")
-        baseline = max(baseline, _tokenizer_baseline(largest, tok_path, repeats=1))
+        cpu_build = (_cpu_s() - cpu0) / again.tokens
+        baseline = max(baseline, _tokenizer_baseline(largest, tok_path, repeats=1, cpu=cpu_base))
         offsets = _tokenizer_baseline(largest, tok_path, repeats=2, api="encode_batch")
         builder = max(result.tokens / result.seconds, again.tokens / again.seconds)
         figures["sharding.tokenizer_baseline_tokens_per_s"] = round(baseline)
@@ -221,6 +238,7 @@ def run() -> dict:
         figures["sharding.tokens_per_s"] = round(builder)
         figures["sharding.tokens_per_s_ratio_vs_tokenizer"] = round(builder / baseline, 3)
         figures["sharding.tokens_per_s_ratio_vs_encode_batch"] = round(builder / offsets, 3)
+        figures["sharding.cpu_ratio_vs_tokenizer"] = round(min(cpu_base) / cpu_build, 3)
         figures["sharding.host_load_1m"] = max(load, _load_1m())
         figures.update(_loader_figures(result.shard_dir))
     return figures
