@@ -1,7 +1,7 @@
 """Tokenizer: train a byte-level BPE on the corpus, or load a tokenizer.json / model directory; encode in threads.
 
 Encoding runs in `threads` threads of this process (the Rust encoder releases the GIL; each call is single-threaded,
-so the threads are the parallelism), each fed bounded batches (at most 2 in flight per thread), so memory stays
+so the threads are the parallelism), each fed bounded batches (at most 4 in flight per thread), so memory stays
 flat however large the corpus, and results come back in submission order, so the token stream (and the shards) do
 not depend on the number of threads. Threads, not processes: no interpreter to start, no text to pickle across.
 """
@@ -166,7 +166,7 @@ def encode_stream(
         pending: collections.deque = collections.deque()
         for key, texts in batches:
             pending.append((key, pool.submit(encode_docs, tok, texts, eos_id, dtype)))
-            if len(pending) >= 2 * threads:  # back-pressure: never read far ahead of the encoders
+            if len(pending) >= 4 * threads:  # back-pressure, with room to pass a batch holding a huge document
                 key, done = pending.popleft()
                 yield key, *done.result()
         while pending:
