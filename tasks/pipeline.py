@@ -61,6 +61,14 @@ PARAMS = [
     ("vocab_size", "data.vocab_size", "Data", "Tokenizer vocabulary", "Byte-level BPE trained on the corpus."),
     ("seq_len", "data.seq_len", "Data", "Sequence length", "Tokens per packed training window."),
     (
+        "partitions",
+        "data.partitions",
+        "Data",
+        "Shard partitions",
+        "Sharding fans out over this many tasks (files, size-balanced); 0 = one per 128 MB of corpus. "
+        "The shards are the same whatever the number.",
+    ),
+    (
         "model_preset",
         "model.preset",
         "Model",
@@ -245,13 +253,14 @@ def published_shard_set(events: list[dict]) -> dict | None:
     return {**newest, "manifest_digest": newest["extra"]["manifest_digest"]}
 
 
-def stage_args(stage: str, published: dict | None = None):
-    """The stage's flags at their defaults; the shard stage of an asset-triggered run adopts the published set."""
+def stage_args(stage: str, published: dict | None = None, extra: dict | None = None):
+    """The stage's flags at their defaults (and `extra`, e.g. the shard stage's reduce=True after its fan-out); the
+    shard stage of an asset-triggered run adopts the published set."""
     import argparse
 
     from tasks.runner import default_args
 
-    args = default_args(stage)
+    args = argparse.Namespace(**{**vars(default_args(stage)), **(extra or {})})
     if stage == "shard" and published:
         from urllib.parse import unquote, urlparse
 
@@ -266,13 +275,19 @@ def stage_args(stage: str, published: dict | None = None):
 
 
 def run_for_dag_run(
-    stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1, published: dict | None = None
+    stage: str,
+    params: dict,
+    dag_id: str,
+    run_id: str,
+    try_number: int = 1,
+    published: dict | None = None,
+    args: dict | None = None,
 ) -> dict:
     """One Airflow task: config from Params, the DAG run's MLflow parent run, the stage in the run's directory.
 
     `published` (tasks.pipeline.published_shard_set) is the asset event that triggered the run: the shard stage
     then adopts that exact shard set (manifest digest checked) instead of re-sharding, and the event is recorded on
-    the MLflow parent run."""
+    the MLflow parent run. `args`: stage flags to set (dest → value), e.g. the shard stage's reduce=True."""
     run_dir = default_run_dir(dag_id, run_id)
     report = os.environ.get("LLM_PIPELINE_RUN_DIR_FILE")  # set by `make run`: which run directory is its own
     if report:
@@ -281,7 +296,7 @@ def run_for_dag_run(
     parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
     if parent and published and stage == "shard":
         tracking.record_asset_event(cfg, parent, published)
-    result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published), parent_run_id=parent)
+    result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published, args), parent_run_id=parent)
     result["run_dir"] = str(run_dir)
     return result
 

@@ -3,9 +3,15 @@
 The work is data_prep.build_shard_set (also `python -m data_prep shard`); this module maps PipelineConfig.data
 onto it, logs to MLflow (counters, the manifest and tokenizer as artifacts, the shard set as a dataset input with
 the manifest digest) and returns the shard set's path and `asset_uri`, which the DAG emits as an Airflow Asset.
+
+In the DAGs the build fans out (`dag_step`): prepare → one task per partition → layout → one task per write range
+→ this stage with `--reduce`, which publishes what those tasks built and names any that is missing or fails its
+check. Every step's state lives in the build's directory under data.out_dir, so a step can run on any worker.
 """
 
 from __future__ import annotations
+
+import sys
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
@@ -53,6 +59,61 @@ def add_cli_args(parser) -> None:
         metavar="SHA256",
         help="with --shard-dir: the manifest.json sha256 the set must have (refused otherwise)",
     )
+    parser.add_argument(
+        "--reduce",
+        action="store_true",
+        help="publish what the DAG's mapped shard tasks built (each step must be done; a missing or bad one is named)",
+    )
+
+
+def dag_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
+    """One fanned-out shard task of a DAG run: `prepare` → [{job, index}] per partition ([] on a cache hit),
+    `partition` ({job, index}) → its summary, `layout` (prepare's list) → [{job, index}] per write range,
+    `write` ({job, index}) → its summary. XCom carries only these paths and indices."""
+    from data_prep.errors import DataPrepError
+    from data_prep.job import Job, prepare
+    from data_prep.layout import run_layout
+    from data_prep.partition import run_partition
+    from data_prep.writer import run_write
+    from tasks.pipeline import config_for_run
+    from tasks.runner import default_run_dir
+
+    run_dir = default_run_dir(dag_id, run_id)
+    cfg = config_for_run(params, run_dir)
+    threads = cfg.data.tokenize_processes
+    try:
+        if step == "prepare":
+            if cfg.tracking.enabled:  # the DAG run's MLflow parent run starts with its first task (llm_data: this)
+                with tracking.best_effort("the MLflow parent run"):
+                    tracking.parent_run(cfg, dag_id, run_id)
+            job = prepare(shard_config(cfg)).job
+            return [{"job": str(job.dir), "index": i} for i in range(len(job.partitions))] if job else []
+        if step == "layout":
+            if not arg:
+                return []
+            layout = run_layout(Job.load(arg[0]["job"]))
+            writes = [] if layout["published"] else layout["writes"]
+            return [{"job": arg[0]["job"], "index": i} for i in range(len(writes))]
+        job = Job.load(arg["job"])
+        if step == "partition":
+            return run_partition(job, arg["index"], threads)
+        if step == "write":
+            return run_write(job, arg["index"])
+    except DataPrepError as e:
+        cause = f"shard: {e}"
+    else:
+        raise StageError(f"shard: unknown step {step!r} (prepare, partition, layout, write)")
+    from tasks.errors import os_error_cause
+    from tasks.fsutil import atomic_write_json
+
+    try:  # the run summary's line for the stage (the reduce, which would write it, will not run)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(
+            run_dir / "shard.json", {"stage": "shard", "status": "failed", "summary": cause, "error": cause}
+        )
+    except OSError as e:
+        print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr)
+    raise StageError(cause)
 
 
 def _log_dataset(shard_dir, tags: dict | None = None) -> None:
@@ -105,6 +166,7 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
         "seq_len": m["seq_len"],
         "vocab_size": m["vocab_size"],
         "tokenizer": str(shard_dir / "tokenizer.json"),
+        "tokenizer_identity": m["tokenizer"]["identity"],
         "shards": n_shards,
         "train_samples": splits["train"]["samples"],
         "val_samples": splits["val"]["samples"],
@@ -119,7 +181,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         return adopt(cfg, ctx)
     scfg = shard_config(cfg)
     try:
-        result = build_shard_set(scfg)
+        result = build_shard_set(scfg, reduce_only=getattr(ctx.args, "reduce", False))
     except DataPrepError as e:
         raise StageError(f"shard: {e}") from None
     m, stats = result.manifest, result.manifest["stats"]
@@ -134,6 +196,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             "shard.vocab_size": m["vocab_size"],
             "shard.shard_multiple": m["shard_multiple"],
             "shard.inputs": ",".join(scfg.inputs),
+            "shard.tokenizer_identity": m["tokenizer"]["identity"],
         }
     )
     metrics = {
@@ -146,7 +209,13 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         **{f"shard.{s}_samples": v["samples"] for s, v in splits.items()},
     }
     if not result.cache_hit:
-        metrics.update({"shard.tokens_per_s": result.tokens_per_s, "shard.tokenizer_seconds": result.tokenizer_seconds})
+        metrics.update(
+            {
+                "shard.tokens_per_s": result.tokens_per_s,
+                "shard.tokenizer_seconds": result.tokenizer_seconds,
+                "shard.partitions": result.partitions,
+            }
+        )
     tracking.log_metrics(metrics)
     tracking.log_artifact(result.shard_dir / "manifest.json", "shards")
     tracking.log_artifact(result.shard_dir / "tokenizer.json", "shards")
@@ -171,6 +240,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "tokenizer": str(result.shard_dir / "tokenizer.json"),
         "tokens": result.tokens,
         "shards": n_shards,
+        "partitions": result.partitions,
+        "tokenizer_identity": m["tokenizer"]["identity"],
         "train_samples": splits["train"]["samples"],
         "val_samples": splits["val"]["samples"],
     }
