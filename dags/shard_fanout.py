@@ -4,7 +4,7 @@ shard_prepare → shard_partition.expand(one per partition) → shard_layout →
 → the DAG's own `shard` task (the shard stage with --reduce: checks every output, writes the manifest, publishes).
 A mapped task keeps nothing outside the build's directory under data.out_dir and carries only paths and indices in
 XCom, so it can run on any worker that sees that directory; a worker killed mid-task is retried and the step is
-redone from its start (tasks.stages.shard.dag_step, data_prep.job).
+redone from its start (tasks.pipeline.shard_step, data_prep.job).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ def _call(step: str, arg=None, skip=None):
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.errors import StageError, os_error_cause
-    from tasks.stages.shard import dag_step
+    from tasks.pipeline import shard_step
 
     ctx = get_current_context()
     if skip is not None and skip(ctx):
         return []
     try:
-        return dag_step(step, dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], arg)
+        return shard_step(step, dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], arg)
     except StageError as e:
         raise AirflowFailException(str(e)) from None
     except OSError as e:  # a full or read-only disk: the path and the errno's meaning, not retried

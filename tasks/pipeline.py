@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 
 from tasks import tracking
 from tasks.errors import ConfigError
@@ -363,3 +364,53 @@ def print_summary(params: dict, dag_id: str, run_id: str) -> str:
         f"--host 127.0.0.1 --port 5000  (then open {tracking.ui_url(cfg)})"
     )
     return str(run_dir)
+
+
+def shard_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
+    """One fanned-out shard task of a DAG run: `prepare` → [{job, index}] per partition ([] on a cache hit),
+    `partition` ({job, index}) → its summary, `layout` (prepare's list) → [{job, index}] per write range,
+    `write` ({job, index}) → its summary. XCom carries only these paths and indices."""
+    from data_prep.errors import DataPrepError
+    from data_prep.job import Job, prepare
+    from data_prep.layout import run_layout
+    from data_prep.partition import run_partition
+    from data_prep.writer import run_write
+    from tasks.errors import StageError
+    from tasks.stages.shard import shard_config
+
+    run_dir = default_run_dir(dag_id, run_id)
+    cfg = config_for_run(params, run_dir)
+    threads = cfg.data.tokenize_processes
+    try:
+        if step == "prepare":
+            if cfg.tracking.enabled:  # the DAG run's MLflow parent run starts with its first task (llm_data: this)
+                with tracking.best_effort("the MLflow parent run"):
+                    tracking.parent_run(cfg, dag_id, run_id)
+            job = prepare(shard_config(cfg)).job
+            return [{"job": str(job.dir), "index": i} for i in range(len(job.partitions))] if job else []
+        if step == "layout":
+            if not arg:
+                return []
+            layout = run_layout(Job.load(arg[0]["job"]))
+            writes = [] if layout["published"] else layout["writes"]
+            return [{"job": arg[0]["job"], "index": i} for i in range(len(writes))]
+        job = Job.load(arg["job"])
+        if step == "partition":
+            return run_partition(job, arg["index"], threads)
+        if step == "write":
+            return run_write(job, arg["index"])
+    except DataPrepError as e:
+        cause = f"shard: {e}"
+    else:
+        raise StageError(f"shard: unknown step {step!r} (prepare, partition, layout, write)")
+    from tasks.errors import os_error_cause
+    from tasks.fsutil import atomic_write_json
+
+    try:  # the run summary's line for the stage (the reduce, which would write it, will not run)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(
+            run_dir / "shard.json", {"stage": "shard", "status": "failed", "summary": cause, "error": cause}
+        )
+    except OSError as e:
+        print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr)
+    raise StageError(cause)

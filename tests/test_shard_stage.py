@@ -63,29 +63,29 @@ def test_shard_stage_bad_input_is_one_line_stage_error(shard_cfg, tmp_path):
 
 
 def test_the_dag_steps_then_the_reduce_publish_one_set(tmp_path, monkeypatch):
-    """The fanned-out tasks' bodies (tasks.stages.shard.dag_step) in order, then the shard stage with --reduce:
+    """The fanned-out tasks' bodies (tasks.pipeline.shard_step) in order, then the shard stage with --reduce:
     XCom-sized answers (paths and indices), the set of `python -m data_prep shard`; a bad input fails in one line
     and leaves the stage's failure record for the run summary."""
     from tasks.pipeline import run_for_dag_run
-    from tasks.stages.shard import dag_step
+    from tasks.pipeline import shard_step
 
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
     params = {"preset": "ci-tiny", "data_inputs": [str(CORPUS)], "partitions": 3, "seq_len": 16, "vocab_size": 300}
-    parts = dag_step("prepare", params, "llm_data", "r1")
+    parts = shard_step("prepare", params, "llm_data", "r1")
     assert [p["index"] for p in parts] == [0, 1, 2] and len(json.dumps(parts)) < 1000
-    assert [dag_step("partition", params, "llm_data", "r1", p)["partition"] for p in reversed(parts)] == [2, 1, 0]
-    writes = dag_step("layout", params, "llm_data", "r1", parts)
-    assert writes and all(dag_step("write", params, "llm_data", "r1", w)["shards"] for w in writes)
+    assert [shard_step("partition", params, "llm_data", "r1", p)["partition"] for p in reversed(parts)] == [2, 1, 0]
+    writes = shard_step("layout", params, "llm_data", "r1", parts)
+    assert writes and all(shard_step("write", params, "llm_data", "r1", w)["shards"] for w in writes)
     result = run_for_dag_run("shard", params, "llm_data", "r1", args={"reduce": True})
     assert not result["cache_hit"] and result["partitions"] == 3
-    assert dag_step("prepare", params, "llm_data", "r2") == []  # published: the next run's fan-out is empty
-    assert dag_step("layout", params, "llm_data", "r2", []) == []
+    assert shard_step("prepare", params, "llm_data", "r2") == []  # published: the next run's fan-out is empty
+    assert shard_step("layout", params, "llm_data", "r2", []) == []
     again = run_for_dag_run("shard", params, "llm_data", "r2", args={"reduce": True})
     assert again["cache_hit"] and again["manifest_digest"] == result["manifest_digest"]
 
     bad = {**params, "data_inputs": [str(tmp_path / "missing.txt")]}
     with pytest.raises(StageError, match=r"^shard: input .*missing.txt does not exist$"):
-        dag_step("prepare", bad, "llm_data", "r3")
+        shard_step("prepare", bad, "llm_data", "r3")
     record = json.loads((tmp_path / "var" / "runs" / "llm_data" / "r3" / "shard.json").read_text())
     assert record["status"] == "failed" and record["error"].endswith("missing.txt does not exist")

@@ -4,14 +4,14 @@ The work is data_prep.build_shard_set (also `python -m data_prep shard`); this m
 onto it, logs to MLflow (counters, the manifest and tokenizer as artifacts, the shard set as a dataset input with
 the manifest digest) and returns the shard set's path and `asset_uri`, which the DAG emits as an Airflow Asset.
 
-In the DAGs the build fans out (`dag_step`): prepare → one task per partition → layout → one task per write range
-→ this stage with `--reduce`, which publishes what those tasks built and names any that is missing or fails its
-check. Every step's state lives in the build's directory under data.out_dir, so a step can run on any worker.
+In the DAGs the build fans out (`tasks.pipeline.shard_step`): prepare → one task per partition → layout → one task
+per write range → this stage with `--reduce`, which publishes what those tasks built and names any that is missing
+or fails its check. Every step's state lives in the build's directory under data.out_dir, so a step can run on
+any worker.
 """
 
 from __future__ import annotations
 
-import sys
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
@@ -64,56 +64,6 @@ def add_cli_args(parser) -> None:
         action="store_true",
         help="publish what the DAG's mapped shard tasks built (each step must be done; a missing or bad one is named)",
     )
-
-
-def dag_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
-    """One fanned-out shard task of a DAG run: `prepare` → [{job, index}] per partition ([] on a cache hit),
-    `partition` ({job, index}) → its summary, `layout` (prepare's list) → [{job, index}] per write range,
-    `write` ({job, index}) → its summary. XCom carries only these paths and indices."""
-    from data_prep.errors import DataPrepError
-    from data_prep.job import Job, prepare
-    from data_prep.layout import run_layout
-    from data_prep.partition import run_partition
-    from data_prep.writer import run_write
-    from tasks.pipeline import config_for_run
-    from tasks.runner import default_run_dir
-
-    run_dir = default_run_dir(dag_id, run_id)
-    cfg = config_for_run(params, run_dir)
-    threads = cfg.data.tokenize_processes
-    try:
-        if step == "prepare":
-            if cfg.tracking.enabled:  # the DAG run's MLflow parent run starts with its first task (llm_data: this)
-                with tracking.best_effort("the MLflow parent run"):
-                    tracking.parent_run(cfg, dag_id, run_id)
-            job = prepare(shard_config(cfg)).job
-            return [{"job": str(job.dir), "index": i} for i in range(len(job.partitions))] if job else []
-        if step == "layout":
-            if not arg:
-                return []
-            layout = run_layout(Job.load(arg[0]["job"]))
-            writes = [] if layout["published"] else layout["writes"]
-            return [{"job": arg[0]["job"], "index": i} for i in range(len(writes))]
-        job = Job.load(arg["job"])
-        if step == "partition":
-            return run_partition(job, arg["index"], threads)
-        if step == "write":
-            return run_write(job, arg["index"])
-    except DataPrepError as e:
-        cause = f"shard: {e}"
-    else:
-        raise StageError(f"shard: unknown step {step!r} (prepare, partition, layout, write)")
-    from tasks.errors import os_error_cause
-    from tasks.fsutil import atomic_write_json
-
-    try:  # the run summary's line for the stage (the reduce, which would write it, will not run)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(
-            run_dir / "shard.json", {"stage": "shard", "status": "failed", "summary": cause, "error": cause}
-        )
-    except OSError as e:
-        print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr)
-    raise StageError(cause)
 
 
 def _log_dataset(shard_dir, tags: dict | None = None) -> None:
