@@ -4,6 +4,7 @@ checkpoint's own first forward must score far below ln(vocab); FP32 → FP16 whe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -41,23 +42,33 @@ def _small(cfg, **sets):
 
 
 def test_a_model_that_does_not_fit_smokes_on_its_sibling(cfg, tmp_path, shards):
+    """Llama-2-13B's shape (~210 GB in FP32 AdamW) on a 0.25 GB "device": smoke runs a 2-layer, 256-wide sibling."""
     import mlflow
 
-    cfg = _small(cfg, **{"model.preset": "llama3-8b", "hardware.device_memory_gb": 0.45})
+    cfg = _small(cfg, **{"model.preset": "llama-13b", "hardware.device_memory_gb": 0.25})
     result = run_stage("smoke", cfg, tmp_path / "run", args=_args(shards))
     assert result["status"] == "ok", result["summary"]
     sm = result["smoke_model"]
-    assert (sm["derived_from"], sm["family"], sm["layers"], sm["vocab"]) == ("llama3-8b", "llama", 2, VOCAB)
-    assert sm["heads"] // sm["kv_heads"] == 4 and sm["hidden"] == 128 * sm["heads"]  # GQA ratio and head size kept
-    assert "llama3-8b does not fit one device" in sm["why"] and result["params"] == sm["params"] < 2e7
-    assert "sibling of llama3-8b" in result["summary"]
-    assert result["lr"] == pytest.approx(cfg.smoke.lr * 256 / 512)  # muP's 1/width: 512 wide, lr_width 256
+    assert (sm["derived_from"], sm["family"], sm["layers"], sm["vocab"]) == ("llama-13b", "llama", 2, VOCAB)
+    assert sm["heads"] == sm["kv_heads"] == 2 and sm["hidden"] == 128 * sm["heads"]  # MHA and head size kept
+    assert "llama-13b does not fit one device" in sm["why"] and result["params"] == sm["params"] < 2e6
+    assert "sibling of llama-13b" in result["summary"]
     fp32 = result["losses"]["fp32"]
     assert all(map(math.isfinite, fp32)) and result["figures"]["fp32.loss_drop"] >= cfg.smoke.min_drop
     assert json.loads((tmp_path / "run" / "smoke.json").read_text())["smoke_model"] == sm
     run = mlflow.MlflowClient(cfg.tracking.uri).get_run(result["mlflow_run_id"])
-    assert run.data.params["smoke_model.derived_from"] == "llama3-8b"
+    assert run.data.params["smoke_model.derived_from"] == "llama-13b"
     assert run.data.params["smoke_model.layers"] == "2"
+
+
+def test_smoke_lr_scales_one_over_width_above_lr_width(cfg):
+    from tasks.model.config import get_preset
+    from tasks.stages.smoke import smoke_lr
+
+    lrs = {d: smoke_lr(cfg, dataclasses.replace(get_preset("demo"), dim=d, n_heads=d // 64)) for d in (128, 256, 1024)}
+    assert lrs == {128: cfg.smoke.lr, 256: cfg.smoke.lr, 1024: pytest.approx(cfg.smoke.lr / 4)}
+    cfg.smoke.lr_width = 0
+    assert smoke_lr(cfg, dataclasses.replace(get_preset("demo"), dim=1024, n_heads=16)) == cfg.smoke.lr
 
 
 def test_fp16_is_the_16_bit_curve_when_training_asks_for_it(cfg, tmp_path, shards):
