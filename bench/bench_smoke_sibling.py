@@ -7,6 +7,12 @@ device has `SIBLING_DEVICE_GB` (tasks/model/sibling.py). Both run the smoke's ow
 sibling / full (`smoke.sibling_time_over_full`), the parameter ratio, and each curve's loss drop (the sibling must
 still show the loss falling: a sibling that learns nothing would be a cheaper but useless smoke).
 
+The sibling is chosen by the planner's single-device estimate, so the bench also checks that estimate at real size
+without the memory: one FP32 AdamW step of Llama-3-8B (seq 4096, micro-batch 1, what `smoke.model=same` would run)
+under FakeTensorMode (tensors with shapes, no storage) and torch's MemTracker (peak bytes by category through
+forward, backward and the optimizer step; torch.distributed._tools.mem_tracker), as torchtitan's estimation script
+did: `smoke.llama3_8b_estimate_over_tracked` = the estimate over the tracked peak (demo's too, as a small control).
+
 Heavy (the full model's steps take tens of seconds each on 2 cores): run it alone, `python bench/run_all.py
 smoke_sibling`, not on a shared machine.
 """
@@ -37,6 +43,33 @@ def _timed_curve(tcfg, batches, cfg) -> tuple[float, list]:
     return time.perf_counter() - start, curve.losses
 
 
+def tracked_peak(tcfg, seq: int, micro_batch: int) -> float:
+    """Peak bytes MemTracker records for one FP32 AdamW step of `tcfg` on fake tensors (the second of two steps, so
+    the optimizer state exists)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from tasks.model.loss import lm_loss
+    from tasks.model.transformer import Transformer
+
+    with FakeTensorMode():
+        with torch.device("cpu"):
+            model = Transformer(tcfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+        x = torch.randint(0, tcfg.vocab_size, (micro_batch, seq))
+        tracker = MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            for _ in range(2):
+                tracker.reset_mod_stats()
+                lm_loss(model(x), x).backward()
+                opt.step()
+                opt.zero_grad()
+        peak = tracker.get_tracker_snapshot("peak")
+    return float(sum(dev["Total"] for dev in peak.values()))
+
+
 def run() -> dict:
     from data_prep.testing import tiny_shard_set
     from tasks.config import load_config
@@ -61,7 +94,16 @@ def run() -> dict:
         k = 3
         return round((sum(losses[:k]) - sum(losses[-k:])) / sum(losses[:k]), 4)
 
+    from tasks.model import get_preset
+    from tasks.planner import estimate_for_run
+
+    tracked = {}
+    for preset, seq, mb in (("llama3-8b", 4096, 1), ("demo", SEQ, cfg.smoke.micro_batch)):
+        t = get_preset(preset)
+        est = estimate_for_run(t, seq, mb, precision="fp32")
+        tracked[f"smoke.{preset.replace('-', '_')}_estimate_over_tracked"] = round(est / tracked_peak(t, seq, mb), 3)
     return {
+        **tracked,
         "smoke.sibling_time_over_full": round(t_sib / t_full, 4),
         "smoke.sibling_params_over_full": round(num_params(sib) / num_params(full), 4),
         "smoke.sibling_of": f"{FULL} (vocab {VOCAB}) on a {SIBLING_DEVICE_GB:g} GB device: {info['layers']} layers, "
