@@ -243,3 +243,21 @@ def test_smoke_model_naming_another_family_fails_in_one_line(cfg, tmp_path, shar
     cfg = _small(cfg, **{"model.preset": "llama3-8b", "smoke.model": "qwen2-0.5b", "tracking.enabled": False})
     with pytest.raises(ConfigError, match=r"^smoke.model: preset 'qwen2-0.5b' is family qwen2"):
         run_stage("smoke", cfg, tmp_path / "run", args=_args(shards))
+
+
+@pytest.mark.parametrize("preset, tied", [("debug", False), ("debug", True), ("moe-demo", False)])
+def test_streamed_first_forward_is_the_models_own(tmp_path, preset, tied):
+    """Block by block from the files (dense, tied, mixture of experts) = the whole model's loss in one process."""
+    from tasks.model import build_model, checkpoint_check, get_preset, materialize
+    from tasks.model.hf_io import save_hf
+    from tasks.model.loss import lm_loss
+
+    tcfg = dataclasses.replace(get_preset(preset), vocab_size=VOCAB, tie_embeddings=tied)
+    model = materialize(build_model(tcfg), "cpu", seed=3).eval()
+    save_hf(model, tmp_path / "ckpt")
+    x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    y = torch.roll(x, -1, dims=1)
+    with torch.no_grad():
+        want = lm_loss(model(x), y).item()
+    got = checkpoint_check.initial_loss(tmp_path / "ckpt", tcfg, x, y)
+    assert got["loss"] == pytest.approx(want, abs=1e-5) and got["layers"] == tcfg.n_layers
