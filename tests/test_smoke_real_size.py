@@ -261,3 +261,15 @@ def test_streamed_first_forward_is_the_models_own(tmp_path, preset, tied):
         want = lm_loss(model(x), y).item()
     got = checkpoint_check.initial_loss(tmp_path / "ckpt", tcfg, x, y)
     assert got["loss"] == pytest.approx(want, abs=1e-5) and got["layers"] == tcfg.n_layers
+
+
+def test_a_trained_checkpoint_must_not_rise_random_weights_must_fall(cfg):
+    from tasks.stages.smoke import Curve, verdict
+
+    cfg.smoke.steps, cfg.smoke.window, cfg.smoke.min_drop = 6, 3, 0.02
+    flat = {"fp32": Curve("fp32", [3.62, 3.60, 3.63, 3.61, 3.62, 3.63])}  # the e2e checkpoint's curve, roughly
+    rising = {"fp32": Curve("fp32", [3.6, 3.6, 3.6, 3.8, 3.8, 3.8])}
+    assert verdict(flat, cfg, pretrained=True)[0] == []
+    assert verdict(flat, cfg)[0][0].startswith("FP32 loss did not fall: mean of first 3 3.6167 → last 3 3.6200")
+    (line,) = verdict(rising, cfg, pretrained=True)[0]
+    assert line.startswith("FP32 loss rose from the checkpoint's: mean of first 3 3.6000 → last 3 3.8000 (-5.6% < ")

@@ -171,20 +171,24 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
     return curve
 
 
-def verdict(curves: dict, cfg) -> tuple[list[str], dict]:
-    """Failures (one line each) and the figures behind them. The 16-bit curve (BF16 or FP16) is compared with FP32
-    within smoke.bf16_tolerance."""
+def verdict(curves: dict, cfg, pretrained: bool = False) -> tuple[list[str], dict]:
+    """Failures (one line each) and the figures behind them. From random weights the loss must fall by
+    smoke.min_drop; from a trained checkpoint (`pretrained`: model.hf_path's own weights), whose loss a few steps
+    barely move, it must not rise by more than that. The 16-bit curve (BF16 or FP16) is compared with FP32 within
+    smoke.bf16_tolerance."""
     k = max(1, min(cfg.smoke.window, cfg.smoke.steps // 2))
+    need = -cfg.smoke.min_drop if pretrained else cfg.smoke.min_drop
     problems, figures = [], {}
     for name, c in curves.items():
         first, last = sum(c.losses[:k]) / k, sum(c.losses[-k:]) / k
         drop = (first - last) / abs(first)
         figures[f"{name}.loss_drop"] = drop
-        if drop < cfg.smoke.min_drop:
+        if drop < need:
+            what = "rose from the checkpoint's" if pretrained else "did not fall"
             problems.append(
-                f"{name.upper()} loss did not fall: mean of first {k} {first:.4f} → last {k} "
-                f"{last:.4f} ({drop:.1%} < smoke.min_drop {cfg.smoke.min_drop:.0%}); check smoke.lr "
-                f"and the data"
+                f"{name.upper()} loss {what}: mean of first {k} {first:.4f} → last {k} "
+                f"{last:.4f} ({drop:.1%} < {'−' if pretrained else ''}smoke.min_drop {cfg.smoke.min_drop:.0%}); "
+                f"check smoke.lr{' (a trained model wants a small one)' if pretrained else ''} and the data"
             )
     low = next((name for name in curves if name != "fp32"), None)
     if low:
@@ -336,7 +340,7 @@ def run(cfg, ctx) -> dict:
     op_report = log_op_support(backend.kind, [str(w.message) for w in seen])
     plot_curves(curves, ctx.run_dir / "smoke_loss.png")
     failure = next((c.failure for c in curves.values() if c.failure), None)
-    problems, figures = ([], {}) if failure else verdict(curves, cfg)
+    problems, figures = ([], {}) if failure else verdict(curves, cfg, pretrained=own and bool(cfg.model.hf_path))
     compared = None
     if cfg.smoke.compare_with_cpu:
         compared = compare_precision(cfg, tcfg, state, batches[0][0][:1], dev)  # one sequence of the first batch
