@@ -66,10 +66,7 @@ def test_preset_validates_plans_derives_its_sibling_and_renders_its_jobs(name, t
         assert env["HCCL_EXEC_TIMEOUT"] == str(hw.hccl_exec_timeout)
         pod_cfg = yaml.safe_load((tmp_path / "run" / "k8s" / f"{job_name}.yaml").read_text())
         assert pod_cfg["hardware"] == {**cfg.to_dict()["hardware"]} and pod_cfg["model"]["preset"] == cfg.model.preset
-        if hw.device == "npu":
-            assert container["resources"]["limits"][k8s_job.NPU_RESOURCE] == (
-                hw.nproc_per_node if stage in MULTI_NODE_STAGES else 1
-            )
+        assert k8s_job.devices_of(container) == (hw.nproc_per_node if stage in MULTI_NODE_STAGES else 1)
     for var in (*GUIDE_ENV, "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "ASCEND_GLOBAL_LOG_LEVEL"):
         monkeypatch.delenv(var, raising=False)
     env = launch_env(Backend(hw.device, "hccl" if hw.device == "npu" else "nccl", hw.nproc_per_node), hw)
@@ -85,12 +82,10 @@ def test_preset_validates_plans_derives_its_sibling_and_renders_its_jobs(name, t
     assert hw.bind_cpus
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tasks/launch/k8s_job.render requests huawei.com/Ascend910 for every Job; a CUDA preset needs nvidia.com/gpu "
-    "(infra: the k8s kinds work). Strict: passes, and so fails here, once render asks for GPUs.",
-)
 def test_cuda_preset_jobs_request_gpus(tmp_path):
     cfg = load_config("llama3-8b-h100")
-    job = k8s_job.render(cfg, tmp_path, "llm-x", "train")[-1]
-    assert job["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu") == 8
+    pod = k8s_job.render(cfg, tmp_path, "llm-x", "train")[-1]["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["limits"] == {"nvidia.com/gpu": 8} and resources["requests"]["nvidia.com/gpu"] == 8
+    mounts = {v["name"] for v in pod["volumes"]} | {m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert not mounts & set(k8s_job.ASCEND_MOUNTS)  # no Ascend driver paths on a GPU node
