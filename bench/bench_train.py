@@ -105,7 +105,7 @@ def planner_step_s(zero: int, peak_flops: float = 0.0) -> float:
     """The planner's step for the dp2 run; `peak_flops` (> 0) replaces the cluster preset's peak."""
     from tasks.config import apply_overrides, load_config
     from tasks.model import get_preset
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
     from tasks.planner.cluster import get_cluster
     from tasks.planner.memory import shape_of
     from tasks.planner.search import Problem, step_time

@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     from tasks.config import TrainConfig
     from tasks.device import detect, memory_stats, reset_peak, synchronize, torch_device
     from tasks.model import TransformerConfig, flops_per_token, get_preset, num_params
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
     from tasks.parallel.mesh import build_mesh
     from tasks.parallel.metrics import peak_flops
     from tasks.parallel.optim import build_optimizers
@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     }
     if args.compare_torchtitan:
         torch.distributed.destroy_process_group()
-        del model, opt, sched, step
+        del model, opts, step
         if device.type == "cuda":
             torch.cuda.empty_cache()  # torchtitan's process needs the memory this one held
         rows = run_torchtitan(args, Path(args.out).with_suffix(".torchtitan.log"))

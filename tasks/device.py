@@ -7,6 +7,7 @@ torch_npu installed but CANN missing, even `import torch` fails ("Failed to load
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 from dataclasses import dataclass
@@ -138,15 +139,32 @@ def bf16_supported(kind: str) -> bool:
     return bool(mod.is_bf16_supported())
 
 
-def precision_problem(kind: str, precision: str) -> str | None:
-    """One line when `precision` cannot run on this backend (checked before any step, never mid-run)."""
+def fp16_supported(kind: str) -> bool:
+    """Whether autocast computes in float16 on this backend: one tiny matmul under autocast, whose result dtype says
+    (torch disables an autocast dtype a backend lacks with only a warning — "In CPU autocast, but the target dtype is
+    not supported. Disabling autocast." — so asking the result is the check that cannot be fooled). Every Ascend
+    training SoC (910 A1 included: FP16 is its native format) and CUDA GPU has FP16 kernels; CPU autocast supports
+    float16 in the torch this project pins."""
+    import torch
+
+    dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, device_module(kind).current_device())
+    with torch.autocast(device_type=dev.type, dtype=torch.float16):
+        out = torch.ones(2, 2, device=dev) @ torch.ones(2, 2, device=dev)
+    return out.dtype == torch.float16
+
+
+def precision_problem(kind: str, precision: str, training: bool = True) -> str | None:
+    """One line when `precision` cannot run on this backend (checked before any step, never mid-run). `training`:
+    fp16 training needs the trainer's loss scaler (issue 24, wave 2); the smoke stage's FP16 comparison does not."""
     if precision == "bf16" and kind != "cpu" and not bf16_supported(kind):
         what = "this Ascend SoC (910 A1 parts have no bf16; 910B/910C do)" if kind == "npu" else "this GPU"
         return (
             f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
             "(fp16 training needs a loss scaler, not implemented)"
         )
-    if precision == "fp16":
+    if precision == "fp16" and not fp16_supported(kind):
+        return f"train.precision: fp16 is not supported on this {kind} device (no FP16 kernels): use bf16 or fp32"
+    if precision == "fp16" and training:
         return "train.precision: fp16 training needs a loss scaler (not implemented); use bf16 or fp32"
     return None
 
@@ -277,14 +295,34 @@ def hccl_env(hardware) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version from its metadata (torch-npu, amct_pytorch, …), None when absent; never
+    imports it (torch_npu without CANN loaded kills the importing process)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cann_log_env(hardware) -> dict[str, str]:
+    """ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT for the ranks from the config (-1 / false = leave the
+    environment alone); an explicit variable in the environment wins. (Collecting and explaining the logs CANN
+    wrote is tasks/envcheck/cann_logs.py.)"""
+    env = {}
+    level = getattr(hardware, "ascend_log_level", -1)
+    if level is not None and level >= 0:
+        env["ASCEND_GLOBAL_LOG_LEVEL"] = str(level)
+    if getattr(hardware, "ascend_log_stdout", False):
+        env["ASCEND_SLOG_PRINT_TO_STDOUT"] = "1"
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
 def launch_env(backend: Backend, hardware) -> dict[str, str]:
     """Extra environment for torchrun workers of this backend."""
     env = {}
     if backend.kind == "npu":
         env.update(hccl_env(hardware))
-        from tasks.envcheck.cann_logs import log_env
-
-        env.update(log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
+        env.update(cann_log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
         # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy (or the user's own
         # PYTORCH_NPU_ALLOC_CONF / PYTORCH_ALLOC_CONF, never both).
         env.update(npu_alloc_env())

@@ -161,10 +161,10 @@ def test_strict_mode_setting(monkeypatch):
 
 def test_the_test_session_and_its_torchrun_children_are_strict(cfg):
     """conftest sets strict hccl; the train stage hands its environment to torchrun's workers."""
-    from tasks.stages import train
+    from tasks.launch import torchrun
 
     assert os.environ[C.STRICT_ENV] == "hccl"
-    assert train.launch_env(cfg, "cpu", 2, None)[C.STRICT_ENV] == "hccl"
+    assert torchrun.env(cfg, "cpu", 2, None)[C.STRICT_ENV] == "hccl"
 
 
 def test_the_gloo_imitation_checks_direct_torch_calls_too(tmp_path, monkeypatch):

@@ -72,11 +72,11 @@ def test_train_step_runs_post_optimizer_hooks_after_each_update_only():
     step = single_process(model, opt, grad_clip=1.0, converters=[conv])
     x = torch.randint(0, c.vocab_size, (2, 8))
     before = float(model.norm.weight.detach().sum())
-    assert step(x, x).finite and conv.calls and conv.calls[0] != before
+    assert step(x, x).updated and conv.calls and conv.calls[0] != before
     with torch.no_grad():
         model.norm.weight.fill_(float("nan"))
     result = step(x, x)
-    assert not result.finite and len(conv.calls) == 1  # skipped: no update, no hook, gradients kept
+    assert not result.updated and len(conv.calls) == 1  # skipped: no update, no hook, gradients kept
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 

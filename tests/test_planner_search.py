@@ -112,7 +112,7 @@ def test_step_time_model_by_hand():
 
 
 def test_dp_overlap_exposes_at_least_the_last_bucket():
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
 
     # A 1.5e6-parameter model on 8 ranks: 6 MB of fp32 gradients, a 1 MiB first bucket then one of the rest; its
     # backward hides the first bucket but not the last, whose all-reduce starts after backward's last gradient.
@@ -125,7 +125,7 @@ def test_dp_overlap_exposes_at_least_the_last_bucket():
 
 
 def test_zero3_under_pp_keeps_layers_gathered():
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
     from tasks.planner.memory import estimate
 
     shape = ModelShape(hidden=1024, layers=8, heads=8, kv_heads=8, ffn=4096, vocab=32000)
@@ -138,7 +138,7 @@ def test_zero3_under_pp_keeps_layers_gathered():
 
 
 def test_bubble_and_comm_terms():
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
 
     c = get_cluster("910b", nodes=2)
     pb = Problem(c, LLAMA3_70B, 4096, 64)

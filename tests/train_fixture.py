@@ -68,12 +68,12 @@ def write_spec(cfg, run_dir: Path, shards: Path, **extra) -> Path:
 
 def torchrun(cfg, nproc: int, specs: list[Path], log: Path, env_extra: dict | None = None):
     """One real torchrun launch of the worker over several specs; returns (rc, torchrun output)."""
-    from tasks.stages import train
+    from tasks.launch import torchrun as launch
 
-    argv = train.torchrun_argv(cfg, nproc, specs, rdzv_id="test")
-    env = train.launch_env(cfg, "cpu", nproc, None)
+    argv = launch.argv(cfg, nproc, specs, rdzv_id="test")
+    env = launch.env(cfg, "cpu", nproc, None)
     env.update(env_extra or {})
-    return train.launch(argv, env, log)
+    return launch.run(argv, env, log)
 
 
 # Plain SGD without clipping, momentum, weight decay or LR schedule: each step's update is −lr × the gradient, so a

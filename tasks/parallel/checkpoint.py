@@ -353,7 +353,8 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: Path, parts, optimizers, loader) -> tuple[int, list[str]]:
-        """Restore everything; returns (step, notes about state that could not be restored for this layout)."""
+        """Restore everything (the lr schedule: this run's, from the saved step on — optim.load_schedule); returns
+        (step, notes: the lr change, state that could not be restored for this layout)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -361,16 +362,19 @@ class CheckpointManager:
             set_optimizer_state_dict,
         )
 
+        from tasks.parallel.optim import load_schedule
+
         path = Path(path)
         meta = read_meta(path)
         state = _app_state(parts, optimizers)
         dcp.load(state, checkpoint_id=str(path))
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        changed = None
         for part, (opt, sched) in zip(parts, optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=opts)
-            sched.load_state_dict(meta["lr_scheduler"])
-        notes = []
+            changed = load_schedule(opt, sched, meta["lr_scheduler"]) or changed
+        notes = [changed] if changed else []
         # The loader position is global (the same on every dp rank, valid for any layout): dp rank 0's file.
         from data_prep.errors import DataPrepError
 

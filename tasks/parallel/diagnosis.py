@@ -1,6 +1,6 @@
 """Why a training launch failed, in one line for the operator (after the seeds' troubleshooting tables).
 
-Workers leave evidence in `<run-dir>/train/`: `diagnosis.json` (non-finite loss/gradient, written by rank 0),
+Workers leave evidence in `<run-dir>/train/`: `diagnosis.json` (the divergence guard's verdict, written by rank 0),
 `failures/oom-rank-K.json` and `failures/timeout-rank-K.json` (written by the rank that hit it) and heartbeats.
 The launcher turns that evidence, torchrun's exit report and the planner's result into a StageError.
 """
@@ -110,7 +110,7 @@ def explain(
             aside = f"; set aside as diverged: {', '.join(moved)}" if moved else ""
             aside += "; lower train.lr or raise train.warmup_steps and rerun (the schedule follows the new config)"
         return StageError(
-            f"{d['what']} at step {d['step']} (loss {d['loss']}, grad norm {d['grad_norm']}); "
+            f"{d['what']} at step {d['step']} (loss {d['loss']:.4g}, grad norm {d['grad_norm']:.4g}); "
             f"stopped before the update, last good checkpoint {last_good or 'none'}{aside}; "
             f"see {diag}",
             retryable=False,

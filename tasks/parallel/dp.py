@@ -11,10 +11,8 @@ DTensors: only their local tensors travel. Every collective goes through tasks.c
 
 from __future__ import annotations
 
-# DDP's defaults (torch/nn/parallel/distributed.py: _DEFAULT_BUCKET_CAP_MB = 25, the first bucket
-# dist._DEFAULT_FIRST_BUCKET_BYTES = 1 MiB): a small first bucket starts communication early in backward.
-BUCKET_BYTES = 25 * 1024 * 1024
-FIRST_BUCKET_BYTES = 1024 * 1024
+from tasks.layout import DP_BUCKET_BYTES as BUCKET_BYTES
+from tasks.layout import DP_FIRST_BUCKET_BYTES as FIRST_BUCKET_BYTES
 
 
 def _local(t):

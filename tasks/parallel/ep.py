@@ -73,7 +73,6 @@ class AllToAllDispatcher:
     def __init__(self, group, n_experts: int, ep: int):
         self.group, self.n_experts, self.ep = group, n_experts, ep
         self.local = n_experts // ep
-        self.bytes_sent = 0  # all-to-all payload of this rank since the last reset (benchmarks, profiling)
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
         ep, local = self.ep, self.local
@@ -99,7 +98,6 @@ class AllToAllDispatcher:
         perm = perm.to(recv.device)
         ys = experts(recv[perm], recv_by.sum(0).tolist())
         back = torch.empty_like(ys).index_copy(0, perm, ys)
-        self.bytes_sent += 2 * xs.numel() * xs.element_size()
         return all_to_all(back, send, recv_by.sum(1).tolist(), self.group)
 
 

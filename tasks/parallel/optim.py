@@ -2,7 +2,8 @@
 across FSDP, TP and PP.
 
 One optimizer (and scheduler) per model part: pipeline ranks with interleaved stages hold several parts, and
-DCP's flattened optimizer state dict then merges them by parameter name.
+DCP's flattened optimizer state dict then merges them by parameter name. On resume the schedule's position comes from
+the checkpoint and the schedule itself from this run's config (`load_schedule`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,40 @@ def build_optimizers(parts, train_cfg, owned: set[str] | None = None):
         )
         out.append((opt, sched))
     return out
+
+
+def resume_schedule(saved: dict, base_lrs: list[float], factor) -> tuple[dict, list[float]]:
+    """The LR scheduler state to load on resume, and the lr each param group must start with.
+
+    `saved`: the checkpoint's LambdaLR state_dict (its `base_lrs` are the lr of the run that saved it, and the
+    optimizer state restores that run's current lr); `base_lrs`: the lrs of the optimizer built from *this* run's
+    config (LambdaLR's `base_lrs` before loading); `factor(k)`: this config's schedule (lr_factor with
+    train.warmup_steps, steps, lr, min_lr). The step count (`last_epoch`) is kept; base lrs and the schedule are
+    this config's, so a changed train.lr/min_lr/warmup_steps/steps applies from the resumed step on."""
+    state = dict(saved, base_lrs=list(base_lrs))
+    step = int(saved["last_epoch"])
+    state["_last_lr"] = [b * factor(step) for b in base_lrs]
+    return state, list(state["_last_lr"])
+
+
+def schedule_change(old_lr: float, new_lr: float, step: int) -> str | None:
+    """The line the trainer logs when the resumed lr differs from the one the checkpoint would have continued with."""
+    if math.isclose(old_lr, new_lr, rel_tol=1e-9, abs_tol=0.0):
+        return None
+    return f"resumed at step {step} with the schedule of this run's config: lr {old_lr:.6g} → {new_lr:.6g}"
+
+
+def load_schedule(opt, sched, saved: dict) -> str | None:
+    """On resume (tasks/parallel/checkpoint.py): the checkpoint's schedule position with this run's schedule. `sched`
+    was built from this run's config (its lambda and base lrs), `opt` has just loaded the saved run's state (its lr);
+    a changed train.lr/min_lr/warmup_steps/steps applies from the resumed step on. Returns schedule_change's line."""
+    base = list(sched.base_lrs)  # this config's lr (LambdaLR keeps each group's initial lr)
+    state, lrs = resume_schedule(saved, base, sched.lr_lambdas[0])
+    sched.load_state_dict(state)
+    for group, lr, b in zip(opt.param_groups, lrs, base):
+        group["lr"], group["initial_lr"] = lr, b
+    old = saved.get("_last_lr") or [None]
+    return schedule_change(old[0], lrs[0], int(saved["last_epoch"])) if old[0] is not None and lrs else None
 
 
 def grad_norm_and_clip(params, max_norm: float, pp_group=None):

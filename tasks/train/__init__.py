@@ -7,7 +7,7 @@
     step.py          TrainStep (shared with the smoke stage), PlainStep / PipelineStep, global_loss
     hooks.py         step hooks (Hook, StopTraining) and the built-in ones: heartbeats, fault injection, ZeRO evidence
     router_stats.py  MoE router statistics reduced over all ranks
-    failures.py      diagnosis.json (non-finite) and failures/<kind>-rank-K.json (OOM, timeout)
+    failures.py      diagnosis.json (divergence guard) and failures/<kind>-rank-K.json (OOM, timeout)
 
 How to add a step hook or a model converter: docs/trainer.md.
 """

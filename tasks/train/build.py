@@ -71,7 +71,8 @@ def build_model(
     from tasks.model.converters import apply
     from tasks.model.init import HFWeights
     from tasks.parallel.mesh import coords
-    from tasks.parallel.pp import split_model, stages_per_rank
+    from tasks.layout import stages_per_rank
+    from tasks.parallel.pp import split_model
 
     if compiled:  # a process that trains several runs in turn (the tests) must not pile graphs up to dynamo's
         import torch  # recompile limit, past which it would run the blocks eagerly
@@ -225,7 +226,7 @@ def build_step(
 def build_loader(spec: dict, cfg, lay, dp_rank: int, device):
     """This rank's ShardLoader: its slice of each global batch, workers/pinning from its cores (binding.py)."""
     from data_prep.loader import ShardLoader
-    from tasks.parallel.binding import loader_options
+    from tasks.parallel.affinity import loader_options
 
     return ShardLoader(
         spec["shard_dir"],

@@ -1,5 +1,6 @@
 """Evidence a failed run leaves for the launcher (tasks/stages/train.py, tasks/parallel/diagnosis.py): diagnosis.json
-for a non-finite loss or gradient, failures/<kind>-rank-K.json for an out-of-memory or a collective timeout."""
+when the divergence guard stopped it (non-finite, diverged, dead model), failures/<kind>-rank-K.json for an
+out-of-memory or a collective timeout."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from pathlib import Path
 from tasks.fsutil import atomic_write_json
 from tasks.train.hooks import local
 
-NONFINITE_ADVICE = [
-    "lower train.lr or lengthen train.warmup_steps",
+ADVICE = [
+    "lower train.lr or lengthen train.warmup_steps, then rerun: it resumes from the last good checkpoint with the new "
+    "schedule",
     "keep train.grad_clip > 0",
     "bf16 overflow: check the first parameter listed; try train.precision fp32 to compare",
     "bad data: inspect the batch of this step (loader position in the last checkpoint)",
 ]
 
 
-def write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, last_good) -> None:
-    """Every rank names its parameters with non-finite gradients (a collective); rank 0 writes diagnosis.json."""
+def write_diagnosis(train_dir: Path, rank: int, verdict, parts, last_good: str | None) -> None:
+    """The divergence guard stopped the run (`verdict`: a tasks.parallel.divergence.Divergence, the same on every
+    rank): every rank names its parameters with non-finite gradients (a collective); rank 0 writes diagnosis.json
+    with the verdict and the last good checkpoint (the launcher sets the condemned ones aside: `bad_from`)."""
     import torch
     import torch.distributed as dist
     from tasks import collectives
@@ -31,17 +35,13 @@ def write_nonfinite(train_dir: Path, rank: int, step: int, loss, norm, parts, la
     everyone = [None] * dist.get_world_size()
     collectives.all_gather_object(everyone, bad)
     if rank == 0:
-        what = "loss became non-finite" if not torch.isfinite(loss) else "gradient norm became non-finite"
         atomic_write_json(
             train_dir / "diagnosis.json",
             {
-                "what": what,
-                "step": step,
-                "loss": float(loss),
-                "grad_norm": float(norm),
+                **verdict.to_dict(),
                 "last_good_checkpoint": last_good,
                 "nonfinite_grads_by_rank": {str(r): names for r, names in enumerate(everyone) if names},
-                "advice": NONFINITE_ADVICE,
+                "advice": ADVICE,
             },
         )
 

@@ -21,6 +21,7 @@ holds at the end of the last step: the ZeRO stage's proof in summary.json).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -84,20 +85,17 @@ FAULT_KINDS = ("kill", "hang", "ckpt")
 
 def parse_fault(text: str) -> tuple[int, int, str] | None:
     """$LLM_PIPELINE_FAULT → (rank, step, "kill" | "hang" | "ckpt"), None when unset; ValueError (one line) when
-    malformed — a typo must not silently run without the fault a test or drill asked for."""
+    malformed — a typo must not silently run without the fault a test or drill asked for. ASCII digits only:
+    str.isdigit takes '²' (which int() refuses), and re's digit class without re.ASCII takes other scripts' digits."""
     if not text.strip():
         return None
-    parts = text.strip().split(":")
-    if (
-        len(parts) not in (2, 3)
-        or not all(p.isdigit() for p in parts[:2])
-        or (len(parts) == 3 and parts[2] not in FAULT_KINDS)
-    ):
+    if not re.fullmatch(rf"\d+:\d+(?::(?:{'|'.join(FAULT_KINDS)}))?", text.strip(), re.ASCII):
         raise ValueError(
-            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:{'|'.join(FAULT_KINDS)} "
-            f"(e.g. 1:4); unset it for a normal run"
+            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:{'|'.join(FAULT_KINDS)} in ASCII "
+            "digits (e.g. 1:4); unset it for a normal run"
         )
-    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "kill"
+    rank, step, *kind = text.strip().split(":")
+    return int(rank), int(step), kind[0] if kind else "kill"
 
 
 class FaultInjection(Hook):

@@ -3,8 +3,10 @@
 `TrainStep` = forward and backward (`PlainStep`: gradient accumulation over micro-batches; `PipelineStep`: a
 pipeline schedule) → the global loss → gradient sync over data-parallel replicas (ZeRO 0/1) → global gradient norm
 and clipping → optimizer and LR-schedule step → `after_update` callbacks (ZeRO-1 broadcast, converters'
-post_optimizer_hook, the trainer's hooks) → gradients released. A non-finite loss or gradient norm skips the update
-and keeps the gradients that produced it, for diagnosis (the caller zeroes them before going on).
+post_optimizer_hook, the trainer's hooks) → gradients released. Before the update, `check(loss, grad_norm)` (the
+trainer's divergence guard; by default: both finite) may return a verdict: the update is skipped and the gradients that
+produced it kept, for diagnosis (the caller zeroes them before going on). The loss and the norm are read to the host
+there, once (where the finite check read them before the guard existed); the caller logs those floats.
 
 Each stage is a small method so later work replaces one without touching the rest: e.g. FP16 loss scaling scales the
 loss in the forward/backward and unscales in `clip` (skipping on inf), overlapped DP replaces `grad_sync` by
@@ -14,6 +16,7 @@ bucket hooks registered before the step.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -80,12 +83,21 @@ def global_loss(local: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
     return total / (dp * tp)
 
 
+def finite(loss: float, grad_norm: float) -> str | None:
+    """The default check: a non-finite loss or gradient norm stops the update."""
+    return None if math.isfinite(loss) and math.isfinite(grad_norm) else "non-finite loss or gradient norm"
+
+
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # the global batch's mean loss (0-dim, fp32)
-    grad_norm: torch.Tensor  # global pre-clip gradient norm
+    loss: float  # the global batch's mean loss
+    grad_norm: float  # global pre-clip gradient norm
     lr: float  # the learning rate this step used
-    finite: bool  # False: loss or norm not finite, update skipped, gradients kept
+    verdict: object = None  # what `check` returned: update skipped, gradients kept (None: updated)
+
+    @property
+    def updated(self) -> bool:
+        return self.verdict is None
 
 
 @dataclass
@@ -93,7 +105,8 @@ class TrainStep:
     """One optimizer step. `forward_backward(x, y)` returns this rank's loss with gradients accumulated;
     `optimizers` are (optimizer, LR scheduler or None) per model part; `reduce_loss` (distributed runs) turns the
     local loss into the global one; `grad_sync` averages gradients over replicas; `pp_group` adds the pipeline
-    stages' gradient norms; `after_update` runs after the optimizers stepped, gradients still held."""
+    stages' gradient norms; `check(loss, grad_norm)` → None to update, else a verdict that skips it (global values:
+    every rank decides the same); `after_update` runs after the optimizers stepped, gradients still held."""
 
     forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     optimizers: list
@@ -102,6 +115,7 @@ class TrainStep:
     reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
     grad_sync: Callable[[], None] | None = None
     pp_group: object = None
+    check: Callable[[float, float], object] = finite
     after_update: list[Callable[[], None]] = field(default_factory=list)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
@@ -111,10 +125,11 @@ class TrainStep:
             self.grad_sync()
         norm = self.clip()
         lr = self.optimizers[0][0].param_groups[0]["lr"]
-        if not (torch.isfinite(loss) and torch.isfinite(norm)):
-            return StepResult(loss, norm, lr, False)
-        self.update()
-        return StepResult(loss, norm, lr, True)
+        result = StepResult(loss.item(), norm.item(), lr)
+        result.verdict = self.check(result.loss, result.grad_norm)
+        if result.verdict is None:
+            self.update()
+        return result
 
     def clip(self) -> torch.Tensor:
         """Global gradient norm (exact across FSDP, TP and PP), gradients scaled to at most grad_clip (0 = off)."""

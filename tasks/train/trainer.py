@@ -2,7 +2,8 @@
 
 `Trainer.__init__` reads as the list of what a rank builds; `train_step` does one step (batch → TrainStep → metrics →
 checkpoint); everything optional sits in hooks (tasks/train/hooks.py) or contexts entered around the loop (the
-profiler). Exit codes of `fit`: 0 done, 3 non-finite loss/gradient, 4 out of memory, 5 collective timeout.
+profiler). Exit codes of `fit`: 0 done, 3 stopped by the divergence guard (non-finite, diverged or dead: the update of
+that step is skipped, diagnosis.json written), 4 out of memory, 5 collective timeout.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ if TYPE_CHECKING:
     from tasks.config import PipelineConfig
     from tasks.model import TransformerConfig
     from tasks.parallel.checkpoint import CheckpointManager
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
+    from tasks.parallel.divergence import Divergence, DivergenceGuard
     from tasks.parallel.metrics import MetricsLog, PhasePeaks
     from tasks.train.build import ModelParts, Optimizers
     from tasks.train.step import StepResult, TrainStep
 
-EXIT_NONFINITE, EXIT_OOM, EXIT_TIMEOUT = 3, 4, 5
+EXIT_DIVERGED, EXIT_OOM, EXIT_TIMEOUT = 3, 4, 5
 
 
 def log(msg: str) -> None:
@@ -49,7 +51,7 @@ def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layou
     """The launch spec (written by tasks/stages/train.py) → the run's config, model shape and layout."""
     from tasks.config import PipelineConfig, apply_overrides
     from tasks.model import TransformerConfig
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
 
     cfg = apply_overrides(PipelineConfig(), {k: v for k, v in spec["config"].items() if k != "preset"})
     return cfg, TransformerConfig(**spec["model"]), Layout(**spec["layout"])
@@ -89,6 +91,7 @@ class Trainer:
     start: int
     last_good: str | None
     metrics: "MetricsLog | None"  # rank 0 only
+    guard: "DivergenceGuard"  # checks each step's loss and gradient norm before its update
     flops_tok: float  # training FLOPs per token (MFU)
     peak: float | None  # the device's peak FLOP/s (None: unknown, no MFU)
     hooks: list[Hook]
@@ -153,6 +156,8 @@ class Trainer:
         self.step = self.start
         self.batches = self.loader.batches()
         self.metrics = self.build_metrics()
+        self.guard = self.build_guard()
+        self.step_fn.check = lambda loss, norm: self.guard.check(self.step, loss, norm)
         self.hooks = [*default_hooks(self), *hooks]
         collectives.barrier()
         self.phases.enter("train")
@@ -199,6 +204,23 @@ class Trainer:
             return None
         return MetricsLog(self.run_dir / "metrics.jsonl", self.start, self.cfg.tracking.enabled)
 
+    def build_guard(self) -> "DivergenceGuard":
+        """The divergence guard (tasks/parallel/divergence.py), its median and best loss carried over a resume: rank 0
+        reads the losses of steps <= start from metrics.jsonl and every rank hears them (one broadcast, here: while
+        rank 0 truncates the file nobody else reads it). Each step's loss and gradient norm are global values, the
+        same on every rank, so every rank's guard then reaches the same verdict without a collective."""
+        from tasks import collectives
+        from tasks.parallel.divergence import DivergenceGuard
+        from tasks.parallel.metrics import read_metrics
+
+        history = [None]
+        if self.rank == 0:
+            path = self.run_dir / "metrics.jsonl"
+            rows = read_metrics(path) if self.start and path.is_file() else []
+            history[0] = [r["loss"] for r in rows if r["step"] <= self.start]
+        collectives.broadcast_object_list(history, src=0)
+        return DivergenceGuard(self.tcfg.vocab_size, self.cfg.train.divergence_factor, history[0])
+
     def fit(self, profile_dir: str | None = None) -> int:
         """Steps start+1 … train.steps inside the profiler context; the exit code (module docstring)."""
         from tasks.device import memory_stats
@@ -229,10 +251,9 @@ class Trainer:
         return 0
 
     def train_step(self, step: int) -> None:
-        """One step: batch → TrainStep → metrics (hooks, then rank 0 logs) → checkpoint when due. A non-finite loss or
-        gradient writes diagnosis.json and stops the run (StopTraining)."""
+        """One step: batch → TrainStep (the divergence guard checks it before the update) → metrics (hooks, then rank
+        0 logs) → checkpoint when due. A verdict of the guard stops the run (`stop`)."""
         from tasks.device import synchronize
-        from tasks.train.failures import write_nonfinite
 
         self.step = step
         self.call("on_phase", step, "data")  # first: a rank that dies in before_step is seen at this step
@@ -244,10 +265,8 @@ class Trainer:
         t_data = time.perf_counter() - t0
         self.call("on_phase", step, "compute")
         result = self.step_fn(x, y)
-        if not result.finite:
-            self.harvest(wait=True)  # the diagnosis names the last good checkpoint: the one in flight counts
-            write_nonfinite(self.train_dir, self.rank, step, result.loss, result.grad_norm, self.parts, self.last_good)
-            raise StopTraining(EXIT_NONFINITE, f"non-finite loss/gradient at step {step}")
+        if result.verdict is not None:
+            self.stop(result.verdict)
         synchronize(self.device)
         metrics = self.step_metrics(step, result, time.perf_counter() - t0, t_data)
         self.call("after_step", step, metrics)
@@ -256,6 +275,21 @@ class Trainer:
         t = self.cfg.train
         if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
             self.checkpoint(step)
+
+    def stop(self, verdict: "Divergence") -> None:
+        """The guard's verdict (every rank has the same): rank 0 writes diagnosis.json naming the last good checkpoint
+        (the newest before the condemned weights: the launcher sets those aside), then the run ends — no summary, no
+        export. Raises StopTraining."""
+        from tasks.parallel.checkpoint import complete_checkpoints
+        from tasks.train.failures import write_diagnosis
+
+        self.harvest(wait=True)  # the checkpoint in flight may be the last good one: complete it first
+        good = [str(p) for s, p in complete_checkpoints(self.ckpt.dir) if s < verdict.bad_from]
+        last_good = good[-1] if good else None
+        write_diagnosis(self.train_dir, self.rank, verdict, self.parts, last_good)
+        raise StopTraining(
+            EXIT_DIVERGED, f"{verdict.what} at step {verdict.step}; last good checkpoint {last_good or 'none'}"
+        )
 
     def step_metrics(self, step: int, result: "StepResult", dt: float, t_data: float) -> dict:
         """The step's record for metrics.jsonl (every rank computes it: the MoE statistics are a collective)."""
@@ -268,9 +302,9 @@ class Trainer:
         return {
             **moe,
             "step": step,
-            "loss": result.loss.item(),
+            "loss": result.loss,
             "lr": result.lr,
-            "grad_norm": result.grad_norm.item(),
+            "grad_norm": result.grad_norm,
             "tokens_per_s": tps,
             "step_time_s": dt,
             "data_wait_s": t_data,

@@ -3,7 +3,8 @@
 The spec (written by tasks/stages/train.py) holds the resolved config, model shape, layout and paths. Several specs run
 one after another in the same process group (the tests use this to check many layouts per torchrun launch); after
 each one that asks for it, all ranks export the final checkpoint to HF format together.
-Exit codes: 0 done, 3 non-finite loss/gradient, 4 out of memory, 5 collective timeout, 1 anything else.
+Exit codes: 0 done, 3 stopped by the divergence guard (nothing exported), 4 out of memory, 5 collective timeout,
+1 anything else.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from tasks.train.trainer import EXIT_NONFINITE, log
+from tasks.train.trainer import EXIT_DIVERGED, log
 
 
 def export(spec: dict) -> None:
@@ -108,7 +109,7 @@ def _main(argv=None) -> int:
             export(spec)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code in (0, EXIT_NONFINITE):  # every rank reached the same point: a clean shutdown is possible
+    if code in (0, EXIT_DIVERGED):  # every rank reached the same point: a clean shutdown is possible
         dist.destroy_process_group()
     # os._exit: skips interpreter teardown, which rarely SIGABRTs after destroy_process_group (gloo threads)
     # and would turn a finished run into a failed one.
