@@ -103,7 +103,7 @@ def _ep_worker(rank: int, world: int, port: int, out: str) -> None:
     mesh = ep_mod.build_mesh("cpu", 1, world, 1, world)
     model = build_model(TransformerConfig(**MOE), "meta")
     ep_mod.apply_ep(model, mesh, world)
-    apply_fsdp(model, mesh["dp"], "fp32", 3, mesh["dp_rep"])
+    apply_fsdp(model, mesh["dp"], "fp32", True, mesh["dp_rep"])  # ZeRO-3: reshard after forward
     materialize(model, "cpu", seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     x = torch.randint(0, MOE["vocab_size"], (BATCH // world, SEQ + 1), generator=torch.Generator().manual_seed(rank))

@@ -151,9 +151,14 @@ class TrainConfig(Section):
     optimizer: Literal["adamw", "sgd"] = "adamw"
     grad_clip: float = Field(1.0, ge=0.0, le=1e6)
     precision: Precision = "bf16"
+    # torch.compile of each transformer block (inductor; on Ascend torch_npu's torchair backend "npu"): faster steps
+    # after a one-time compile in the first step (tens of seconds to minutes); docs/stages.md
+    compile: bool = False
     seed: int = Field(1234, ge=0, le=MAX_SEED)  # numpy's default_rng takes no negative seed
     checkpoint_every: int = Field(20, ge=0, le=MAX_STEPS)
     keep_checkpoints: int = Field(2, ge=1, le=1000)
+    # checkpoints written in the background (DCP async_save): a step waits only for the copy into host memory
+    async_checkpoint: bool = True
     # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
     # reports the failing collective first; checked by the config's rules on NPU and by the env stage.
     timeout_s: int = Field(1900, ge=1, le=MAX_TIMEOUT_S)

@@ -8,6 +8,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# ZeRO 0/1 gradient buckets (tasks/parallel/dp.py builds them, the planner costs them): DDP's defaults
+# (torch/nn/parallel/distributed.py: _DEFAULT_BUCKET_CAP_MB = 25, the first bucket dist._DEFAULT_FIRST_BUCKET_BYTES =
+# 1 MiB): a small first bucket starts communication early in backward.
+DP_BUCKET_BYTES = 25 * 1024 * 1024
+DP_FIRST_BUCKET_BYTES = 1024 * 1024
+
 
 def stages_per_rank(schedule: str, virtual_stages: int) -> int:
     """Pipeline stages each pp rank holds: `virtual_stages` with interleaved 1F1B, else one."""
@@ -42,6 +48,14 @@ class Layout:
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """ZeRO-3 frees each layer's gathered parameters after its forward and gathers them again for backward — but
+        not under pipeline parallelism, where every micro-batch would gather them again: there FSDP keeps them from
+        the first forward to the last backward, as ZeRO-2 (torchtitan's parallelize_llama: `reshard_after_forward =
+        not pp_enabled`). tasks/parallel/fsdp.py runs it; the planner's memory and step time count it."""
+        return self.zero >= 3 and self.pp == 1
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

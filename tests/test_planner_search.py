@@ -89,20 +89,52 @@ def test_pins_that_cannot_fit_the_world_are_explained():
 
 def test_step_time_model_by_hand():
     # Model states only: compute = 6 N tokens / (world · peak · efficiency); ZeRO-1 all-reduces fp32 gradients
-    # and the owners broadcast bf16 parameters, (d-1)/d · (2·4 + 2) N bytes.
+    # and the owners broadcast their fp32 parameters, (d-1)/d · (2·4 + 4) N bytes.
     c = get_cluster("910b", nodes=2)
     pb = Problem(c, None, 2048, 64, n_params=3e9, zero_stages=[1], efficiency=0.5)
     [best, *_] = search(pb)["plans"]
     assert (best["dp"], best["tp"], best["pp"]) == (16, 1, 1)  # no shape: nothing favours TP or PP
     compute = 6 * 3e9 * 64 * 2048 / (16 * 313e12 * 0.5)
     assert best["compute_s"] == pytest.approx(compute)
-    assert best["dp_comm_s"] == pytest.approx(15 / 16 * 3e9 * 10 / 25e9)  # crosses nodes: RoCE 25 GB/s
+    assert best["dp_comm_s"] == pytest.approx(15 / 16 * 3e9 * 12 / 25e9)  # crosses nodes: RoCE 25 GB/s
+    # The all-reduce runs in buckets from backward hooks: what backward (2/3 of compute) cannot hide is exposed,
+    # the broadcast after the update is not hidden.
+    allreduce, broadcast = 15 / 16 * 3e9 * 8 / 25e9, 15 / 16 * 3e9 * 4 / 25e9
+    assert best["dp_exposed_s"] == pytest.approx(max(allreduce - 2 / 3 * compute, 0) + broadcast)
+    assert best["step_s"] == pytest.approx(compute + best["dp_exposed_s"])
     plans = search(Problem(c, None, 2048, 64, n_params=2e9, pins={"dp": 16}))["plans"]
     by_zero = {p["zero"]: p["dp_comm_s"] for p in plans}
     assert by_zero[0] == pytest.approx(2 * 15 / 16 * 2e9 * 4 / 25e9)  # fp32 all-reduce
     m = plans[0]["microbatches"]
     assert by_zero[3] == pytest.approx(15 / 16 * 2e9 * (4 + 2 * m * 2) / 25e9)
-    assert best["step_s"] == pytest.approx(compute + best["dp_comm_s"])
+    three = [p for p in plans if p["zero"] == 3][0]
+    assert three["dp_exposed_s"] == three["dp_comm_s"]  # FSDP's traffic is counted whole
+
+
+def test_dp_overlap_exposes_at_least_the_last_bucket():
+    from tasks.layout import Layout
+
+    # A 1.5e6-parameter model on 8 ranks: 6 MB of fp32 gradients, a 1 MiB first bucket then one of the rest; its
+    # backward hides the first bucket but not the last, whose all-reduce starts after backward's last gradient.
+    pb = Problem(get_cluster("910b"), None, 2048, 8, n_params=1.5e6, precision="fp32")
+    t = step_time(pb, Layout(dp=8, zero=0, micro_batch=1, global_batch=8))
+    assert 2 / 3 * t["compute_s"] > 2 * 7 / 8 * 1024 * 1024 / 56e9
+    last = 1.5e6 * 4 - 1024 * 1024
+    assert t["dp_exposed_s"] == pytest.approx(2 * 7 / 8 * last / 56e9)
+    assert t["dp_comm_s"] == pytest.approx(2 * 7 / 8 * 1.5e6 * 4 / 56e9)
+
+
+def test_zero3_under_pp_keeps_layers_gathered():
+    from tasks.layout import Layout
+    from tasks.planner.memory import estimate
+
+    shape = ModelShape(hidden=1024, layers=8, heads=8, kv_heads=8, ffn=4096, vocab=32000)
+    pb = Problem(get_cluster("a100-80g"), shape, 1024, 32)
+    kw = dict(dp=4, pp=2, micro_batch=1, global_batch=32, pp_schedule="gpipe")
+    z2, z3 = Layout(zero=2, **kw), Layout(zero=3, **kw)
+    assert not z3.reshard_after_forward and Layout(zero=3, dp=8).reshard_after_forward
+    assert step_time(pb, z3)["dp_comm_s"] == step_time(pb, z2)["dp_comm_s"]  # one all-gather per step, not 2 × m
+    assert estimate(shape, 1024, z3)["total_bytes"] == estimate(shape, 1024, z2)["total_bytes"]
 
 
 def test_bubble_and_comm_terms():

@@ -14,14 +14,25 @@ the newest checkpoint that verifies (`latest_verified`), says which newer ones i
 that decision to every rank (one broadcast: no rank looks at the directory while rank 0 may be renaming in it).
 Pruning keeps the newest `keep` checkpoints and always the one just saved (hashed at save), so the last verified
 checkpoint is never deleted.
+
+Asynchronous saves (`train.async_checkpoint`, `save_async`): training waits only while DCP's `async_save` stages a copy
+of the state in host memory (pinned where the device has it: CUDA; torch's stager pins only there); the files, the
+hashes, meta.json and the rename happen in a background thread on a gloo process group of their own (torchtitan's
+async checkpointing does the same: the training collectives never interleave with the save's). The same protocol
+as a synchronous save, so the same guarantees: until the rename, only `step-N.tmp` exists, which nothing trusts.
+One save is in flight at a time; the trainer takes it as its last good checkpoint only once it completed on every
+rank (tasks/train/trainer.Trainer.harvest).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.fsutil import atomic_write_json, fsync_dir, sha256_file
@@ -58,7 +69,16 @@ def read_meta(path: Path) -> dict:
 # Config that shapes the training trajectory: changed between a checkpoint and its resume, the curve differs from
 # an uninterrupted run (a warning, not an error: extending steps or changing the layout is legitimate).
 _NOT_SHAPING = {
-    "train": {"steps", "checkpoint_every", "keep_checkpoints", "timeout_s", "micro_batch", "divergence_factor"}
+    "train": {
+        "steps",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "timeout_s",
+        "micro_batch",
+        "divergence_factor",
+        "async_checkpoint",
+        "compile",
+    }
 }
 SHAPING_SECTIONS = ("model", "train", "data")
 _DATA_SHAPING = {"seq_len", "vocab_size", "tokenizer", "inputs", "max_documents"}
@@ -159,48 +179,162 @@ def _app_state(parts, optimizers):
     return {"model": model_sd, "optim": optim_sd}
 
 
+@dataclass
+class PendingSave:
+    """A checkpoint being written in the background: its step, the path it will have, the future of its completion
+    (raises the save's error) and how long staging held up training."""
+
+    step: int
+    path: Path
+    future: object  # concurrent.futures.Future
+    staged_s: float
+
+
+_SAVE_GROUPS: dict = {}
+
+
+def save_group(timeout_s: float):
+    """The gloo process group of background saves (all ranks; one per process and default group). Every rank creates
+    it at the same point (the first asynchronous save): new_group is collective."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _SAVE_GROUPS:
+        _SAVE_GROUPS[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _SAVE_GROUPS[key]
+
+
+def staging_options(device_type: str):
+    """DCP's staging of an asynchronous save: a blocking copy into host memory, pinned on CUDA (torch's
+    _state_dict_stager.StateDictStager pins through torch.cuda only and warns elsewhere; torch_npu does not patch
+    it), reused from one save to the next."""
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    return StagingOptions(
+        use_pinned_memory=device_type == "cuda",
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+
+
 class CheckpointManager:
-    def __init__(self, ckpt_dir: Path, keep: int, rank: int, coords: dict, dp: int, world: int):
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        keep: int,
+        rank: int,
+        coords: dict,
+        dp: int,
+        world: int,
+        device_type: str = "cpu",
+        timeout_s: float = 1900,
+    ):
         self.dir, self.keep, self.rank = Path(ckpt_dir), keep, rank
         self.coords, self.dp, self.world = coords, dp, world
+        self.device_type, self.timeout_s = device_type, timeout_s
+        self.pending: PendingSave | None = None
+        self.crash_at: int | None = None  # fault injection: this rank dies while writing the checkpoint of that step
+        self._executor = self._stager = None
 
     def remove_partial(self) -> None:
         """Rank 0, before training: a `.tmp` left by a killed run is garbage."""
         cleanup_partial(self.dir)
 
     def save(self, step: int, parts, optimizers, loader, meta: dict) -> Path:
-        import torch
-        import torch.distributed as dist
+        """Write step-N and return once it is complete on every rank."""
         import torch.distributed.checkpoint as dcp
 
-        from tasks import collectives
+        tmp, final, meta = self._begin(step, optimizers, loader, meta)
+        dcp.save(_app_state(parts, optimizers), checkpoint_id=str(tmp))
+        return self._complete(step, tmp, final, meta, None)
+
+    def save_async(self, step: int, parts, optimizers, loader, meta: dict) -> PendingSave:
+        """Stage step-N's state in host memory and return; the files are written, hashed and renamed into step-N in
+        the background (after the save in flight, if any, has completed)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        self.wait()
+        group = save_group(self.timeout_s)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            self._stager = DefaultStager(staging_options(self.device_type))
+        t0 = time.perf_counter()
+        tmp, final, meta = self._begin(step, optimizers, loader, meta)
+        upload = dcp.async_save(
+            _app_state(parts, optimizers), checkpoint_id=str(tmp), process_group=group, async_stager=self._stager
+        )
+        staged = time.perf_counter() - t0
+
+        def finish() -> Path:
+            upload.result()
+            return self._complete(step, tmp, final, meta, group)
+
+        self.pending = PendingSave(step, final, self._executor.submit(finish), staged)
+        return self.pending
+
+    def wait(self) -> PendingSave | None:
+        """Block until the save in flight (if any) is complete; it, or None. Its error is raised here."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.future.result()
+        return pending
+
+    def close(self) -> None:
+        """Wait for the save in flight, then release the background thread and the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._stager.close()
+                self._executor = self._stager = None
+
+    def _begin(self, step: int, optimizers, loader, meta: dict) -> tuple[Path, Path, dict]:
+        """step-N.tmp/ with this rank's loader position and RNG state, and (rank 0) meta.json's content, all as of
+        now."""
+        import torch
 
         tmp = self.dir / f"step-{step}.tmp"
-        final = self.dir / f"step-{step}"
-        dcp.save(_app_state(parts, optimizers), checkpoint_id=str(tmp))
+        tmp.mkdir(parents=True, exist_ok=True)
         if self.coords["tp"] == 0 and self.coords["pp"] == 0:  # one writer per data-parallel replica
             atomic_write_json(tmp / f"loader-dp{self.coords['dp']}.json", loader.state_dict())
         torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")  # tensors and ints only: loads weights_only
-        collectives.barrier()
-        # Every rank hashes a share of the files (rank 0 alone hashed Qwen2-0.5B's 6.5 GB on 4 ranks in ~10 s).
-        shares = [None] * dist.get_world_size()
-        collectives.all_gather_object(shares, file_table(tmp, dist.get_rank(), dist.get_world_size()))
         if self.rank == 0:
-            sched = optimizers[0][1].state_dict()
+            meta = {
+                **meta,
+                "step": step,
+                "dp": self.dp,
+                "world": self.world,
+                "lr_scheduler": optimizers[0][1].state_dict(),
+                "tokenizer": shard_tokenizer(loader.shard_dir),  # the token ids' meaning (checked on resume)
+                "saved_at": time.time(),
+            }
+        return tmp, self.dir / f"step-{step}", meta
+
+    def _complete(self, step: int, tmp: Path, final: Path, meta: dict, group) -> Path:
+        """Every rank's files are in `tmp`: hash them (each rank a share), rank 0 writes meta.json and renames the
+        directory to step-N. `group`: the process group to meet on (None: the default one)."""
+        import torch.distributed as dist
+
+        from tasks import collectives
+
+        if self.crash_at == step:  # fault injection (tasks/train/hooks.FaultInjection, "ckpt")
+            print(f"[rank {self.rank}] fault injection: killed while writing {tmp.name}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        collectives.barrier(group=group)
+        # Every rank hashes a share of the files (rank 0 alone hashed Qwen2-0.5B's 6.5 GB on 4 ranks in ~10 s).
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        shares = [None] * world
+        collectives.all_gather_object(shares, file_table(tmp, rank, world), group=group)
+        if self.rank == 0:
             files = dict(sorted((k, v) for share in shares for k, v in share.items()))
-            atomic_write_json(
-                tmp / "meta.json",
-                {
-                    **meta,
-                    "step": step,
-                    "dp": self.dp,
-                    "world": self.world,
-                    "lr_scheduler": sched,
-                    "tokenizer": shard_tokenizer(loader.shard_dir),  # the token ids' meaning (checked on resume)
-                    "saved_at": time.time(),
-                    "files": files,
-                },
-            )
+            atomic_write_json(tmp / "meta.json", {**meta, "files": files})
             old = self.dir / f"step-{step}.old"
             if final.exists():  # a rerun reached the same step again: the new one replaces it, and a crash
                 final.rename(old)  # in between still leaves a complete checkpoint (step-N.old is found on resume)
@@ -208,7 +342,7 @@ class CheckpointManager:
             fsync_dir(self.dir)
             shutil.rmtree(old, ignore_errors=True)
             self._prune(step)
-        collectives.barrier()
+        collectives.barrier(group=group)
         return final
 
     def _prune(self, saved: int) -> None:

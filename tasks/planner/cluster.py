@@ -16,7 +16,8 @@ the runtime reserve. Bandwidths are per device and per direction, the β of the 
   200 Gb/s (25 GB/s per GPU); 312 TFLOP/s dense BF16 (A100 datasheet).
 - h100-80g (DGX H100, SXM): NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; 8 × NDR 400 Gb/s (50 GB/s per
   GPU); 989 TFLOP/s dense BF16 (H100 datasheet).
-- cpu-laptop: the CI demo, 2 gloo processes on one machine; rough memcpy-bound gloo and 1 Gb/s Ethernet figures.
+- cpu-laptop: the CI demo, 2 gloo processes on one machine; rough memcpy-bound gloo and 1 Gb/s Ethernet figures;
+  0.037 TFLOP/s per rank, one core's fp32 matmul rate (measured: bench_train_step's cpu_matmul_peak_gflops).
 
 Collective latency (α of the α-β model: the fixed cost of one collective call — launch, the peers' handshake, the
 first byte — paid however small the message; bytes / bandwidth is β's part). Accelerator collectives cost tens of
@@ -55,7 +56,7 @@ class Cluster:
     memory_gb: float
     intra_gbps: float  # GB/s per device inside a node
     inter_gbps: float  # GB/s per device between nodes
-    peak_tflops: float  # dense 16-bit (fp32 runs at a fraction: see search.FP32_PEAK_FRACTION)
+    peak_tflops: float  # dense 16-bit (fp32 at a fraction: search.achieved_flops); a CPU's: its fp32 rate
     reserve_gb: float
     intra_latency_us: float = 20.0  # one collective call's fixed cost inside a node (α)
     inter_latency_us: float = 30.0  # … across nodes
@@ -88,7 +89,9 @@ DEVICES = {
     "a100-80g": Device(("A100",), 80.0, 312.0),
     "h100-80g": Device(("H100",), 80.0, 989.0),
     "h200": Device(("H200",), 141.0, 989.0),  # H200 datasheet: H100's compute, 141 GB HBM3e
-    "cpu-laptop": Device((), 8.0, 0.1),
+    # one rank's core: its fp32 matmul rate (bench/bench_train_step.py train_step.cpu_matmul_peak_gflops, 37.2 GF/s
+    # for a 1024² fp32 matmul on one thread of this repository's 2-core host; a CPU's bf16 is no faster)
+    "cpu-laptop": Device((), 8.0, 0.037),
 }
 
 

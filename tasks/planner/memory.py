@@ -253,7 +253,9 @@ def stage_breakdown(
         n += shape.embedding_params / t
     if last:  # final norm + output projection (a tied one is the embedding itself unless the stages differ)
         n += h + (0 if shape.tied and p == 1 else shape.embedding_params / t)
-    states = runtime_state_bytes(n, precision, optimizer, lay.zero, lay.dp)
+    # ZeRO-3 under PP keeps each layer gathered through the step (Layout.reshard_after_forward): ZeRO-2's memory.
+    zero = 2 if lay.zero >= 3 and not lay.reshard_after_forward else lay.zero
+    states = runtime_state_bytes(n, precision, optimizer, zero, lay.dp)
 
     s, b = seq_len, lay.micro_batch
     flight = in_flight(lay.pp_schedule, p, lay.n_microbatches, stage, lay.virtual_stages)
@@ -297,14 +299,14 @@ def stage_breakdown(
     if last:  # final-norm and output-layer inputs (4sbh) + fp32 logits for the loss (4sbv, vocab-parallel)
         act += (4 * s * b * h / (t if sp else 1) + 4 * s * b * v / t) * flight
     # ZeRO-3 all-gathers each layer's full parameters before use: the current and the prefetched layer.
-    gather = 2 * (shape.layer_params / t) * A if lay.zero >= 3 and lay.dp > 1 else 0.0
-    if lay.zero >= 2 and lay.dp > 1:
+    gather = 2 * (shape.layer_params / t) * A if zero >= 3 and lay.dp > 1 else 0.0
+    if zero >= 2 and lay.dp > 1:
         # FSDP2's root unit (embedding, output projection) stays gathered from forward through backward
         # (tasks/parallel/fsdp.py; under ZeRO 2 already in params_bytes), and its fp32 gradient is whole until the
         # reduce-scatter at the end of backward.
         root = (shape.embedding_params / t) * ((1 if first else 0) + (1 if last and not (shape.tied and p == 1) else 0))
-        gather += root * (4 + (A if lay.zero >= 3 else 0))
-    g = A if lay.zero >= 2 else 4  # gradient bytes: FSDP2's compute dtype (ZeRO 2/3), the fp32 parameter's (0/1)
+        gather += root * (4 + (A if zero >= 3 else 0))
+    g = A if zero >= 2 else 4  # gradient bytes: FSDP2's compute dtype (ZeRO 2/3), the fp32 parameter's (0/1)
     if first and t > 1 and not shape.tied:
         # TP's vocabulary-sharded embedding (RowwiseParallel, tasks/parallel/tp.py; untied models): DTensor has no
         # vocab-sharded strategy for aten::embedding_dense_backward (torch/distributed/tensor/_ops/

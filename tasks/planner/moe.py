@@ -40,7 +40,7 @@ from tasks.planner.memory import (
     shape_of,
     token_flops,
 )
-from tasks.planner.search import FP32_PEAK_FRACTION, GRAD_REDUCE_BYTES, _ring, _row, feasible
+from tasks.planner.search import GRAD_REDUCE_BYTES, _ring, _row, achieved_flops, feasible
 from tasks.units import GB
 
 
@@ -190,7 +190,7 @@ def step_time(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     c, sh, s = pb.cluster, pb.shape, pb.seq_len
     A = PRECISION_BYTES[pb.precision]
     tokens = pb.global_batch * s
-    peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    peak = achieved_flops(c, pb.precision, pb.efficiency)
     per_token = token_flops(sh.active_params, sh.layers, sh.hidden, s)  # the one formula (planner.memory)
     if lay.recompute == "full":
         per_token *= 4 / 3  # one more forward: (2N + 4·L·h·s) on top of 6N + 12·L·h·s

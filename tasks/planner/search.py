@@ -3,7 +3,7 @@
 Rank layout: TP innermost (inside a node), then PP, DP outermost — so a TP group never leaves a node, PP crosses
 nodes once tp·pp exceeds a node, and DP crosses nodes once the world does.
 
-Step time (no overlap of communication with compute, so it is an upper estimate; ranks compare like with like):
+Step time (communication is added to compute except where the trainer overlaps it; ranks compare like with like):
 - compute: FLOPs / (world × peak × efficiency), FLOPs = tokens × memory.flops_per_token (6 × matmul params +
   12·L·h·s attention),
   plus the recomputed forward (full: 2 × layer params + 4·L·h·s per token; selective: the attention core 4·L·h·s,
@@ -13,9 +13,14 @@ Step time (no overlap of communication with compute, so it is an upper estimate;
 - TP: 4 all-reduces of s·b·h activations per layer and micro-batch (2 forward, 2 backward; 2 more forward with full
   recompute), ring cost 2(t−1)/t × bytes / intra-node bandwidth (SP's all-gather + reduce-scatter move the same);
 - PP: one activation send forward and one gradient send backward per micro-batch and (virtual) stage boundary;
-- DP (ring, (d−1)/d × bytes per reduce-scatter or all-gather): ZeRO-0 all-reduces the fp32 gradients (2 passes);
-  ZeRO-1/2 reduce-scatter them and all-gather the updated 16-bit parameters; ZeRO-3 all-gathers the parameters
-  for every micro-batch's forward and backward (ZeRO paper §7: 1.5× the all-reduce volume with one micro-batch).
+- DP (ring, (d−1)/d × bytes per reduce-scatter or all-gather), as tasks/parallel runs it: ZeRO 0/1 all-reduce the
+  fp32 gradients (2 passes) in buckets launched from backward hooks (tasks/parallel/dp.py), so only what backward
+  (2/3 of the compute) cannot hide is exposed — at least the last bucket's share —, and ZeRO-1's owners then
+  broadcast their updated fp32 parameters (an all-gather's volume, after the update: exposed); ZeRO-2
+  reduce-scatters the gradients and all-gathers the 16-bit parameters once; ZeRO-3 all-gathers them for every
+  micro-batch's forward and backward (ZeRO paper §7: 1.5× the all-reduce volume with one micro-batch), except
+  under PP, where FSDP keeps them gathered through the step (Layout.reshard_after_forward): ZeRO-2's traffic.
+  `dp_comm_s` is the DP traffic's time, `dp_exposed_s` what of it the step waits for.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
-from tasks.layout import Layout
+from tasks.layout import DP_BUCKET_BYTES, DP_FIRST_BUCKET_BYTES, Layout
 from tasks.planner.memory import PRECISION_BYTES, ModelShape, estimate, flops_per_token
 from tasks.units import GB
 
 FP32_PEAK_FRACTION = 0.5  # fp32 matmuls run as TF32/HF32 at about half the 16-bit peak on A100/H100/910B
 GRAD_REDUCE_BYTES = 4  # gradients are reduced in fp32 (Megatron's bf16 default; FSDP2 reduce_dtype here)
+BACKWARD_SHARE = 2 / 3  # of a step's compute: backward costs twice the forward (6N = 2N forward + 4N backward)
 
 
 @dataclass
@@ -99,11 +105,28 @@ def _ring(bytes_: float, n: int, gbps: float, factor: float = 2.0) -> float:
     return 0.0 if n <= 1 or bytes_ <= 0 else factor * (n - 1) / n * bytes_ / (gbps * GB)
 
 
+def _last_bucket_bytes(total: float) -> float:
+    """Size of the last gradient bucket of tasks/parallel/dp.py (a first bucket of 1 MiB, then 25 MiB ones): what
+    is all-reduced after backward's last gradient, so never hidden."""
+    if total <= DP_FIRST_BUCKET_BYTES:
+        return total
+    rest = total - DP_FIRST_BUCKET_BYTES
+    return rest - DP_BUCKET_BYTES * math.floor((rest - 1) / DP_BUCKET_BYTES) if rest > 1 else rest
+
+
+def achieved_flops(c: Cluster, precision: str, efficiency: float) -> float:
+    """FLOP/s one device achieves: its peak × efficiency. An accelerator's peak is its dense 16-bit one and fp32
+    runs at FP32_PEAK_FRACTION of it (TF32/HF32 tensor cores); a CPU's peak is its fp32 matmul rate, which its
+    bf16 does not beat (no AMX on the project's hosts: docs/benchmarks.md), so no fraction there."""
+    fraction = FP32_PEAK_FRACTION if precision == "fp32" and c.kind != "cpu" else 1.0
+    return c.peak_tflops * 1e12 * efficiency * fraction
+
+
 def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     c, sh, s = pb.cluster, pb.shape, pb.seq_len
     tokens = pb.global_batch * s
     A = PRECISION_BYTES[pb.precision]
-    peak = c.peak_tflops * 1e12 * pb.efficiency * (FP32_PEAK_FRACTION if pb.precision == "fp32" else 1.0)
+    peak = achieved_flops(c, pb.precision, pb.efficiency)
     per_token = flops_per_token(sh, s, pb.n_params)
     if sh is None:
         layer_params = 0.0
@@ -136,10 +159,17 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     shard = (sh.layers / p * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     grads = _ring(shard * GRAD_REDUCE_BYTES, lay.dp, dp_bw, 1.0)  # one reduce-scatter
-    gather = _ring(shard * A, lay.dp, dp_bw, 1.0)  # one all-gather of the parameters
-    # 0: all-reduce; 1: all-reduce + owners' parameter broadcasts; 2: reduce-scatter + one all-gather; 3: per use.
-    dp_s = {0: 2 * grads, 1: 2 * grads + gather, 2: grads + gather}.get(lay.zero, grads + 2 * m * gather)
-    total = pipeline + tp_s + pp_s + dp_s
+    if lay.zero < 2:
+        # bucketed all-reduce overlapping backward; ZeRO-1: + the owners' fp32 parameters, after the update
+        last = _last_bucket_bytes(shard * GRAD_REDUCE_BYTES)
+        exposed = max(_ring(last, lay.dp, dp_bw), 2 * grads - BACKWARD_SHARE * pipeline)
+        owners = _ring(shard * 4, lay.dp, dp_bw, 1.0) if lay.zero == 1 else 0.0
+        dp_s, dp_exposed = 2 * grads + owners, exposed + owners
+    else:
+        gather = _ring(shard * A, lay.dp, dp_bw, 1.0)  # one all-gather of the parameters
+        dp_s = grads + (2 * m * gather if lay.reshard_after_forward else gather)
+        dp_exposed = dp_s
+    total = pipeline + tp_s + pp_s + dp_exposed
     return {
         "step_s": total,
         "compute_s": compute,
@@ -147,6 +177,7 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
         "tp_comm_s": tp_s,
         "pp_comm_s": pp_s,
         "dp_comm_s": dp_s,
+        "dp_exposed_s": dp_exposed,
         "tokens_per_s": tokens / total,
     }
 

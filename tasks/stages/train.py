@@ -76,6 +76,10 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     bad_precision = precision_problem(backend.kind, cfg.train.precision)
     if bad_precision:
         problems.append(bad_precision)
+    if cfg.train.compile:
+        from tasks.parallel.compile import compile_problem
+
+        problems.extend(filter(None, [compile_problem(backend.kind, lay.tp)]))
     fresh = getattr(ctx.args, "fresh", False)
     if cfg.hardware.node_rank == 0:
         drop_set_aside(ctx.run_dir)  # an earlier --fresh run has written its first checkpoint: the old run can go

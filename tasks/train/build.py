@@ -60,12 +60,12 @@ class ModelParts:
 
 
 def build_model(
-    tcfg, lay, mesh, device, precision: str, seed: int, init_from: str | None = None, converters=()
+    tcfg, lay, mesh, device, precision: str, seed: int, init_from: str | None = None, converters=(), compiled=False
 ) -> ModelParts:
     """Model parts of this rank: the model on the meta device → model converters (tasks/model/converters.py, in
-    model.converters order: NPU kernels, …) → split for PP → `parallelize` each part → materialise (each rank
-    allocates and writes only its local shards: seeded random init, or the slices of the HF checkpoint `init_from`
-    that it owns)."""
+    model.converters order: NPU kernels, …) → split for PP → `parallelize` each part (`compiled`: torch.compile per
+    block) → materialise (each rank allocates and writes only its local shards: seeded random init, or the slices of
+    the HF checkpoint `init_from` that it owns)."""
     from tasks.model import build_model as build_meta_model
     from tasks.model import materialize
     from tasks.model.converters import apply
@@ -74,21 +74,25 @@ def build_model(
     from tasks.layout import stages_per_rank
     from tasks.parallel.pp import split_model
 
+    if compiled:  # a process that trains several runs in turn (the tests) must not pile graphs up to dynamo's
+        import torch  # recompile limit, past which it would run the blocks eagerly
+
+        torch._dynamo.reset()
     model = build_meta_model(tcfg, "meta")
     source = HFWeights(init_from, tcfg) if init_from else None
     apply(model, converters)  # before any parallelism, as torchtitan's converters
     per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
     stages = split_model(model, coords(mesh)["pp"], lay.pp, per_rank) if lay.pp > 1 else [(0, model)]
     for _, part in stages:
-        parallelize(part, lay, mesh, precision)
+        parallelize(part, lay, mesh, precision, device.type if compiled else None)
         materialize(part, device, seed, source=source)
     return ModelParts(stages, lay.pp * per_rank, list(converters))
 
 
-def parallelize(part, lay, mesh, precision: str) -> None:
-    """One model part, in torchtitan's order: TP → EP → activation checkpointing → data parallelism (FSDP2 for
-    ZeRO 2/3; ZeRO 0/1 keep replicated parameters: tasks/parallel/dp.py). torch.compile per block would go between
-    activation checkpointing and FSDP."""
+def parallelize(part, lay, mesh, precision: str, compile_for: str | None = None) -> None:
+    """One model part, in torchtitan's order: TP → EP → activation checkpointing → torch.compile per block (for
+    device type `compile_for`, when given: tasks/parallel/compile.py) → data parallelism (FSDP2 for ZeRO 2/3; ZeRO
+    0/1 keep replicated parameters: tasks/parallel/dp.py)."""
     from tasks.parallel.ac import apply_ac
     from tasks.parallel.fsdp import apply_fsdp
     from tasks.parallel.tp import apply_tp
@@ -100,8 +104,12 @@ def parallelize(part, lay, mesh, precision: str) -> None:
 
         apply_ep(part, mesh, lay.ep)
     apply_ac(part, lay.recompute, lay.recompute_every)
+    if compile_for:
+        from tasks.parallel.compile import apply_compile
+
+        apply_compile(part, compile_for)
     if lay.zero >= 2:
-        apply_fsdp(part, mesh["dp"], precision, lay.zero, mesh["dp_rep"] if lay.ep > 1 else None)
+        apply_fsdp(part, mesh["dp"], precision, lay.reshard_after_forward, mesh["dp_rep"] if lay.ep > 1 else None)
 
 
 @dataclass
@@ -152,32 +160,49 @@ def dp_replica_groups(named, mesh, lay) -> list[dict]:
     return out
 
 
-def build_step(model: ModelParts, opts: Optimizers, mesh, lay, device, precision: str, grad_clip: float):
+def build_step(
+    model: ModelParts, opts: Optimizers, mesh, lay, device, precision: str, grad_clip: float, compiled: bool = False
+):
     """The TrainStep over this rank's parts: PlainStep (micro-batches) or PipelineStep (a schedule), bf16 autocast for
-    ZeRO 0/1 (fp32 parameters; FSDP's MixedPrecisionPolicy does it for 2/3), the loss averaged over all ranks,
-    gradients averaged over the replica groups, ZeRO-1 owners broadcasting their updated parameters."""
+    ZeRO 0/1 (fp32 parameters; FSDP's MixedPrecisionPolicy does it for 2/3), the loss function compiled with the
+    blocks (`compiled`, as torchtitan's compile components "model" and "loss"), the loss averaged over all ranks,
+    gradients averaged over the replica groups (bucketed, overlapping backward), ZeRO-1 owners broadcasting their
+    updated parameters."""
     import torch
 
     from tasks.model import lm_loss
     from tasks.model.converters import post_optimizer
-    from tasks.parallel.dp import all_reduce_grads, broadcast_params
+    from tasks.parallel.dp import GradBuckets, broadcast_params
     from tasks.parallel.pp import build_schedule
     from tasks.train.step import PipelineStep, PlainStep, TrainStep, global_loss
 
     bf16 = lay.zero < 2 and precision == "bf16"
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else None
+    loss_fn = lm_loss
+    if compiled:
+        from tasks.parallel.compile import compile_loss
+
+        loss_fn = compile_loss(lm_loss, device.type)
+    scale = 1.0  # what the forward/backward multiplies the gradients by after backward
     if lay.pp > 1:
         pp_group = mesh["pp"].get_group()
         sched = build_schedule(
-            lay.pp_schedule, model.stages, model.n_stages, device, pp_group, lay.n_microbatches, lm_loss
+            lay.pp_schedule, model.stages, model.n_stages, device, pp_group, lay.n_microbatches, loss_fn
         )
         forward_backward = PipelineStep(sched, [i for i, _ in model.stages], model.n_stages, autocast)
+        scale = 1.0 / lay.n_microbatches if getattr(sched, "scale_grads", False) else 1.0
     else:
-        pp_group, forward_backward = None, PlainStep(model.modules[0], lay.n_microbatches, autocast)
+        pp_group, forward_backward = None, PlainStep(model.modules[0], lay.n_microbatches, autocast, loss_fn)
 
-    def grad_sync():  # replicated data parallel: average gradients over the replicas
-        for group in opts.replicas:
-            all_reduce_grads([p for _, p in group["named"]], group["group"], group["size"])
+    # Replicated data parallel: each replica group's gradients all-reduced in buckets from backward hooks (one
+    # backward per micro-batch through every parameter), finished before clipping.
+    reducers = [
+        GradBuckets([p for _, p in g["named"]], g["group"], g["size"], lay.n_microbatches, scale) for g in opts.replicas
+    ]
+
+    def grad_sync():
+        for reducer in reducers:
+            reducer.finish()
 
     def broadcast_owned():  # ZeRO-1: each owner's updated parameters to the other replicas
         for group in opts.replicas:

@@ -26,8 +26,11 @@ import signal
 import time
 from pathlib import Path
 
-# Fault injection for resilience tests: "RANK:STEP" makes that rank SIGKILL itself at the start of that step,
-# "RANK:STEP:hang" makes it stop responding there (the others then hit the collective timeout).
+# Fault injection for resilience tests: "RANK:STEP" makes that rank SIGKILL itself at the start of that step, once every
+# checkpoint started before it is complete (what a rerun resumes from is then known); "RANK:STEP:hang" makes it stop
+# responding there (the others then hit the collective timeout); "RANK:STEP:ckpt" SIGKILLs it while it writes the
+# checkpoint of that step (its files written, the checkpoint not yet complete; in the background with
+# train.async_checkpoint).
 FAULT_ENV = "LLM_PIPELINE_FAULT"
 
 
@@ -77,23 +80,27 @@ class Heartbeats(Hook):
         self.beat.beat(step, phase)
 
 
+FAULT_KINDS = ("kill", "hang", "ckpt")
+
+
 def parse_fault(text: str) -> tuple[int, int, str] | None:
-    """$LLM_PIPELINE_FAULT → (rank, step, "kill" | "hang"), None when unset; ValueError (one line) when malformed —
-    a typo must not silently run without the fault a test or drill asked for. ASCII digits only: str.isdigit takes
-    '²' (which int() refuses), and re's digit class without re.ASCII takes other scripts' digits."""
+    """$LLM_PIPELINE_FAULT → (rank, step, "kill" | "hang" | "ckpt"), None when unset; ValueError (one line) when
+    malformed — a typo must not silently run without the fault a test or drill asked for. ASCII digits only:
+    str.isdigit takes '²' (which int() refuses), and re's digit class without re.ASCII takes other scripts' digits."""
     if not text.strip():
         return None
-    if not re.fullmatch(r"\d+:\d+(?::(?:kill|hang))?", text.strip(), re.ASCII):
+    if not re.fullmatch(rf"\d+:\d+(?::(?:{'|'.join(FAULT_KINDS)}))?", text.strip(), re.ASCII):
         raise ValueError(
-            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang in ASCII digits "
-            f"(e.g. 1:4); unset it for a normal run"
+            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:{'|'.join(FAULT_KINDS)} in ASCII "
+            "digits (e.g. 1:4); unset it for a normal run"
         )
     rank, step, *kind = text.strip().split(":")
     return int(rank), int(step), kind[0] if kind else "kill"
 
 
 class FaultInjection(Hook):
-    """At the start of `step` this rank SIGKILLs itself ("kill") or stops responding ("hang")."""
+    """At the start of `step` this rank SIGKILLs itself ("kill") or stops responding ("hang"); "ckpt": it dies while
+    writing the checkpoint of `step` (tasks.parallel.checkpoint.CheckpointManager.crash_at)."""
 
     def __init__(self, step: int, kind: str):
         self.step, self.kind = step, kind
@@ -103,9 +110,14 @@ class FaultInjection(Hook):
         fault = parse_fault((env if env is not None else os.environ).get(FAULT_ENV, ""))
         return cls(fault[1], fault[2]) if fault and fault[0] == rank else None
 
+    def on_start(self, trainer) -> None:
+        if self.kind == "ckpt":
+            trainer.ckpt.crash_at = self.step
+
     def before_step(self, trainer, step: int) -> None:
-        if step != self.step:
+        if step != self.step or self.kind == "ckpt":
             return
+        trainer.ckpt.wait()  # this rank's part of a background save in flight is written and agreed first
         print(
             f"[{time.strftime('%H:%M:%S')} rank {trainer.rank}] fault injection: {self.kind} at step {step}", flush=True
         )

@@ -29,10 +29,10 @@ from tasks.parallel.optim import grad_norm_and_clip
 class PlainStep:
     """No pipeline: accumulate gradients over the micro-batches of this rank's share of the global batch."""
 
-    def __init__(self, model, n_microbatches: int, autocast=None):
+    def __init__(self, model, n_microbatches: int, autocast=None, loss_fn=lm_loss):
         from tasks.model.moe import set_aux_scale
 
-        self.model, self.n = model, n_microbatches
+        self.model, self.n, self.loss_fn = model, n_microbatches, loss_fn
         self.autocast = autocast or contextlib.nullcontext
         set_aux_scale(model, 1.0 / n_microbatches)  # MoE load-balancing loss divided like the LM loss below
 
@@ -44,7 +44,7 @@ class PlainStep:
                 self.model.set_requires_gradient_sync(i == self.n - 1)
             with self.autocast():
                 logits = self.model(xi)
-            loss = lm_loss(logits, yi) / self.n
+            loss = self.loss_fn(logits, yi) / self.n
             loss.backward()
             total += loss.detach()
         return total

@@ -96,6 +96,7 @@ class Trainer:
     peak: float | None  # the device's peak FLOP/s (None: unknown, no MFU)
     hooks: list[Hook]
     step: int  # the step running (or last run)
+    stalls: list[float]  # seconds each checkpoint held training up (the whole save, or its staging)
 
     def __init__(self, spec: dict, device, hooks: tuple[Hook, ...] = ()):
         import torch
@@ -109,7 +110,7 @@ class Trainer:
         from tasks.parallel.metrics import PhasePeaks
         from tasks.train.build import build_loader, build_mesh, build_model, build_optimizer, build_step, choose_resume
 
-        self.spec, self.device = spec, device
+        self.spec, self.device, self.stalls = spec, device, []
         self.cfg, self.tcfg, self.lay = read_spec(spec)
         self.run_dir = Path(spec["run_dir"])
         self.train_dir = self.run_dir / "train"
@@ -124,7 +125,14 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         t = self.cfg.train
         self.ckpt = CheckpointManager(
-            self.run_dir / "checkpoints", t.keep_checkpoints, self.rank, self.coords, self.lay.dp, self.world
+            self.run_dir / "checkpoints",
+            t.keep_checkpoints,
+            self.rank,
+            self.coords,
+            self.lay.dp,
+            self.world,
+            device.type,
+            t.timeout_s,
         )
         source = choose_resume(spec, self.ckpt, self.rank, log)
         # A training checkpoint wins; without one, model.hf_path's weights (if set) are the starting point.
@@ -132,12 +140,16 @@ class Trainer:
         if init_from:
             log(f"initialising from {init_from}")
         converters = build_converters(self.cfg.model.converters, ConvertContext(device.type, self.tcfg, self.cfg))
-        self.model = build_model(self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters)
+        self.model = build_model(
+            self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters, t.compile
+        )
         if converters:
             log(f"model converters: {', '.join(map(repr, converters))}")
         named = [(n, p) for part in self.parts for n, p in part.named_parameters()]
         self.opts = build_optimizer(self.parts, named, self.mesh, self.lay, t)
-        self.step_fn = build_step(self.model, self.opts, self.mesh, self.lay, device, t.precision, t.grad_clip)
+        self.step_fn = build_step(
+            self.model, self.opts, self.mesh, self.lay, device, t.precision, t.grad_clip, t.compile
+        )
         self.step_fn.after_update.append(lambda: self.call("after_update", self.step))
         self.loader = build_loader(spec, self.cfg, self.lay, self.coords["dp"], device)
         self.start, self.last_good = self.resume(source)
@@ -223,6 +235,7 @@ class Trainer:
                     prof.step()
         except StopTraining as stop:
             log(f"stopping: {stop}")
+            self.ckpt.close()  # every rank stops at the same step: the checkpoint in flight completes first
             return stop.code
         except Exception as e:  # OOM and timeouts leave evidence for the launcher; anything else is a bug
             kind = "oom" if diagnosis.is_oom(e) else "timeout" if diagnosis.is_timeout(e) else None
@@ -244,6 +257,7 @@ class Trainer:
 
         self.step = step
         self.call("on_phase", step, "data")  # first: a rank that dies in before_step is seen at this step
+        self.harvest(wait=False)
         self.call("before_step", step)
         t0 = time.perf_counter()
         x, y = next(self.batches)
@@ -269,6 +283,7 @@ class Trainer:
         from tasks.parallel.checkpoint import complete_checkpoints
         from tasks.train.failures import write_diagnosis
 
+        self.harvest(wait=True)  # the checkpoint in flight may be the last good one: complete it first
         good = [str(p) for s, p in complete_checkpoints(self.ckpt.dir) if s < verdict.bad_from]
         last_good = good[-1] if good else None
         write_diagnosis(self.train_dir, self.rank, verdict, self.parts, last_good)
@@ -298,9 +313,12 @@ class Trainer:
         }
 
     def checkpoint(self, step: int) -> Path:
-        """A complete DCP checkpoint of this step (tasks/parallel/checkpoint.py); its memory is its own phase."""
+        """A complete DCP checkpoint of this step (tasks/parallel/checkpoint.py); its memory is its own phase. With
+        train.async_checkpoint the step waits only for the staging copy (after the previous save in flight has
+        completed): the checkpoint becomes the last good one once complete (`harvest`). Returns its path."""
         from tasks.parallel.checkpoint import shaping_config
 
+        t0 = time.perf_counter()
         self.call("on_phase", step, "checkpoint")
         self.phases.enter("checkpoint")
         meta = {
@@ -309,11 +327,44 @@ class Trainer:
             "config_hash": self.spec.get("config_hash", ""),
             "shaping": shaping_config(self.spec["config"]),
         }
+        if self.cfg.train.async_checkpoint:
+            self.harvest(wait=True)
+            pending = self.ckpt.save_async(step, self.parts, self.optimizers, self.loader, meta)
+            log(f"checkpoint step-{step}: staged in {pending.staged_s:.3f} s, written in the background")
+            self.phases.enter("train")
+            self.stalls.append(time.perf_counter() - t0)
+            return pending.path
         path = self.ckpt.save(step, self.parts, self.optimizers, self.loader, meta)
-        self.last_good = str(path)
         self.phases.enter("train")
-        self.call("on_checkpoint", step, path)
+        self.stalls.append(time.perf_counter() - t0)
+        self.saved(step, path)
         return path
+
+    def harvest(self, wait: bool) -> None:
+        """The background save in flight, once complete on every rank, becomes the last good checkpoint and the hooks
+        hear of it. `wait` blocks for it (every rank calls it at the same point); otherwise the ranks first agree
+        that it is complete everywhere (one all-reduce per step while a save is in flight), so that every rank takes
+        it at the same step."""
+        import torch
+
+        from tasks import collectives
+
+        pending = self.ckpt.pending
+        if pending is None:
+            return
+        if not wait:
+            done = torch.tensor(int(pending.future.done()), dtype=torch.int32, device=self.device)
+            collectives.all_reduce(done, op=torch.distributed.ReduceOp.MIN)
+            if not done.item():
+                return
+        self.ckpt.wait()
+        log(f"checkpoint step-{pending.step} complete")
+        self.saved(pending.step, pending.path)
+
+    def saved(self, step: int, path: Path) -> None:
+        """Checkpoint `step` is complete at `path`."""
+        self.last_good = str(path)
+        self.call("on_checkpoint", step, path)
 
     def finish(self) -> None:
         """Every rank's memory (per phase) gathered; hooks add their parts; rank 0 writes train/summary.json."""
@@ -322,6 +373,8 @@ class Trainer:
         from tasks.device import memory_stats
         from tasks.fsutil import atomic_write_json
 
+        self.harvest(wait=True)  # the final checkpoint is complete before the summary names it (and export reads it)
+        self.ckpt.close()
         self.call("on_phase", self.step, "done")
         train_mem = memory_stats(self.device)
         phases = self.phases.result()
@@ -333,6 +386,7 @@ class Trainer:
             "final_step": self.step,
             "start_step": self.start,
             "checkpoint": self.last_good,
+            "checkpoint_stall_s": [round(x, 4) for x in self.stalls],  # training held up per checkpoint (this rank)
             "memory_per_rank": peaks,
             "memory_phases_per_rank": by_phase,
             "layout": self.spec["layout"],
