@@ -67,11 +67,11 @@ class HardwareConfig(Section):
     max_clock_offset_ms: float = Field(500.0, ge=0.0, le=1e7)
     min_free_disk_gb: float = Field(1.0, ge=0.0, le=1e6)
     min_host_memory_gb: float = Field(2.0, ge=0.0, le=1e5)
-    # CANN logs for the ranks (tasks/envcheck/cann_logs.py): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
+    # CANN logs for the ranks (tasks.device.cann_log_env): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
     # 0 DEBUG, 1 INFO, 2 WARNING, 3 ERROR (CANN's default; the guides: 3 in production, 0/1 only while debugging:
     # DEBUG logging slows the host side), 4 NULL. ascend_log_stdout sets ASCEND_SLOG_PRINT_TO_STDOUT=1 (logs in the
     # rank logs instead of ~/ascend/log). On a failed stage at most cann_log_max_mb of the CANN logs it wrote are
-    # copied to <run-dir>/<stage>/cann-logs/ and MLflow.
+    # copied to <run-dir>/<stage>/cann-logs/ and MLflow (tasks/envcheck/cann_logs.py).
     ascend_log_level: int = Field(-1, ge=-1, le=4)
     ascend_log_stdout: bool = False
     cann_log_max_mb: float = Field(50.0, ge=0.0, le=100_000.0)
@@ -79,11 +79,19 @@ class HardwareConfig(Section):
     max_device_temp_c: float = Field(85.0, ge=0.0, le=150.0)  # a chip at or above this temperature: an alarm
     max_hbm_used_pct: float = Field(95.0, ge=1.0, le=100.0)  # HBM this full with no process on the chip = leaked
     expected_devices: int = Field(0, ge=0, le=1024)  # chips per node; 0 = the most this host has shown
-    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s, requirements-k8s.txt).
+    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s; tasks/launch/).
     # Ranks bound to the cores nearest their device (npu-smi topo / sysfs on NPU, torchrun --numa-binding on CUDA,
-    # an even split on CPU; tasks/parallel/binding.py). false = let the OS schedule them.
+    # an even split on CPU; tasks/launch/binding.py). false = let the OS schedule them.
     bind_cpus: bool = True
     launcher: Literal["local", "kubernetes"] = "local"
+    # CeleryExecutor: the Celery queue that the device stages (tasks.launch.placement.DEVICE_STAGES) go to when they
+    # run on the Airflow worker (launcher local), e.g. the queue that only the NPU node's worker consumes
+    # (`airflow celery worker --queues npu-node-1`); "" = Airflow's default queue. Read when the DAG file is parsed
+    # (the $LLM_PIPELINE_PRESET preset): a run's Params cannot move a task to another queue (docs/scale-out.md).
+    device_queue: str = Field("", pattern=r"^[A-Za-z0-9_.@-]*$", max_length=200)
+    # launcher kubernetes: the training job's kind: an Indexed Job, a Kubeflow PyTorchJob (training-operator v1)
+    # or a Kubeflow TrainJob (Trainer v2) (tasks/launch/k8s_job.py)
+    k8s_kind: Literal["job", "pytorchjob", "trainjob"] = "job"
     k8s_namespace: str = "llm"
     k8s_image: str = ""  # the training image (docker/Dockerfile.ascend); required for kubernetes
     # volcano gang-schedules multi-pod stages (PodGroup minMember)
@@ -108,8 +116,11 @@ class ModelConfig(Section):
     moe_ffn_dim: int = Field(0, ge=0, le=1 << 22)
     aux_loss_coef: float = Field(-1.0, ge=-1.0, le=100.0)  # router load-balancing loss (-1 = the preset's, 0 = off)
     capacity_factor: float = Field(-1.0, ge=-1.0, le=1000.0)  # -1 = the preset's (dropless); > 0 drops above it
-    # NPU fused kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu) swapped in after the model is built:
-    # auto = on when the device is an NPU and the op exists; off = plain PyTorch everywhere (tasks/model/npu_kernels)
+    # Model converters applied in this order to the built model, before any parallelism (tasks/model/converters.py,
+    # docs/trainer.md); npu_fused = the NPU fused kernels below (the identity off an NPU).
+    converters: list[str] = Field(default_factory=lambda: ["npu_fused"])
+    # npu_fused's kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu): auto = on an NPU, those the
+    # installed torch_npu has and the SoC supports; off = plain PyTorch everywhere (tasks/model/npu_kernels.py)
     npu_kernels: Literal["auto", "off"] = "auto"
 
 
@@ -135,6 +146,9 @@ class TrainConfig(Section):
     min_lr: float = Field(3e-4, ge=0.0, le=MAX_LR)
     warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
     weight_decay: float = Field(0.1, ge=0.0, le=10.0)
+    # adamw (betas 0.9/0.95) or plain SGD (no momentum: no optimizer state; the layout-parity tests use it, with
+    # grad_clip 0, because a wrong gradient scale shows in its update where AdamW normalises it away)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
     grad_clip: float = Field(1.0, ge=0.0, le=1e6)
     precision: Precision = "bf16"
     seed: int = Field(1234, ge=0, le=MAX_SEED)  # numpy's default_rng takes no negative seed
@@ -149,12 +163,30 @@ class TrainConfig(Section):
 
 
 class SmokeConfig(Section):
-    steps: int = Field(20, ge=2, le=100_000)  # per precision (FP32 then BF16)
+    steps: int = Field(20, ge=2, le=100_000)  # per precision (FP32, then BF16 — or FP16 where the device has no BF16)
+    # AdamW's rate for a model of hidden size <= lr_width; a wider one takes lr × lr_width / hidden (muP's 1/width
+    # rule for Adam, Yang et al. 2022, Tensor Programs V): 3e-3 suits the CPU demo models and spikes a 1024-wide
+    # sibling. lr_width 0 = no scaling.
     lr: float = Field(3e-3, ge=0.0, le=MAX_LR)
+    lr_width: int = Field(256, ge=0, le=1 << 20)
     window: int = Field(5, ge=1, le=10_000)  # k: compare mean of the first k with the last k losses
     min_drop: float = Field(0.05, ge=0.0, le=1.0)  # relative drop required
-    bf16_tolerance: float = Field(0.05, ge=0.0, le=10.0)  # max relative gap between the FP32 and BF16 curves
+    # max relative gap between the FP32 curve and the 16-bit one (BF16, or FP16 where it is the one compared)
+    bf16_tolerance: float = Field(0.05, ge=0.0, le=10.0)
     micro_batch: int = Field(4, ge=1, le=1 << 20)
+    # The model smoke trains (tasks/model/sibling.py): auto = the configured model when its FP32 AdamW estimate fits
+    # one device of hardware.cluster (hardware.device_memory_gb when set) with memory_margin to spare and it has at
+    # most max_params parameters, else a sibling of it (same family and block structure, the shard set's
+    # vocabulary, width and depth halved until it fits); same = the configured model whatever its size; or a
+    # tasks.model preset name of the same family and vocabulary.
+    model: str = "auto"
+    max_params: float = Field(1e9, ge=1e5, le=1e13)
+    memory_margin: float = Field(0.25, ge=0.0, le=0.9)  # fraction of one device's memory the estimate leaves free
+    # With model.hf_path: the checkpoint's embedding, first hf_layers layers (0 = all, streamed one layer at a time),
+    # final norm and head run on the first batch; its loss must be at most hf_max_loss_ratio × ln(vocab) (uniform
+    # guessing scores ln(vocab); a trained checkpoint on its own tokenizer scores far below).
+    hf_layers: int = Field(0, ge=0, le=100_000)
+    hf_max_loss_ratio: float = Field(0.8, ge=0.01, le=10.0)
     # "Accuracy worse than on GPU → compare operator by operator": one forward of the same weights and batch on the
     # device in compare_precision and in FP32 on the CPU; the first layer whose max |diff| / max |FP32 output|
     # exceeds compare_tolerance is named (per-layer table in smoke_report.json and MLflow). On a CPU host it
@@ -202,6 +234,11 @@ class ProfileConfig(Section):
     fail_on_regression: bool = False
     regression_threshold: float = Field(0.10, ge=0.0, le=10.0)
 
+    def steps_needed(self) -> int:
+        """Training steps that complete one profiling cycle (the trace is written at the end of the last active
+        step): the profile stage's run length and its bound (tasks/bounds.py)."""
+        return self.skip_first + self.wait + self.warmup + self.active
+
 
 class QuantizeConfig(Section):
     # int8_weight_only | int8_dynamic (W8A8, activations per-token dynamic: torchao's Int8DynamicActivation and AMCT's
@@ -236,7 +273,9 @@ class EvaluateConfig(Section):
 class TrackingConfig(Section):
     uri: str = ""  # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
     experiment: str = "llm-pipeline"
-    artifact_root: str = ""  # "" = <repo>/var/mlartifacts (new experiments only)
+    # "" = <repo>/var/mlartifacts (new experiments only); with an http(s) tracking URI, the server's default
+    # (`mlflow server --serve-artifacts`: the server stores them, whichever host logs them)
+    artifact_root: str = ""
     ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
     enabled: bool = True
 

@@ -75,27 +75,6 @@ def atomic_write_json(path: str | os.PathLike, obj, mode: int = FILE_MODE, **kwa
     return atomic_write_text(path, json.dumps(obj, default=str, **kwargs) + "\n", mode)
 
 
-def publish_dir(tmp_dir: Path, final_dir: Path) -> Path:
-    """Move a fully written temp directory into place; an existing complete `final_dir` wins (idempotent)."""
-    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
-    for p in sorted(tmp_dir.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(tmp_dir)
-    os.chmod(tmp_dir, DIR_MODE)  # a mkdtemp directory is 0700
-    make_dirs(final_dir.parent)
-    try:
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        if final_dir.exists():  # another writer published first: keep theirs
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        else:
-            raise
-    fsync_dir(final_dir.parent)
-    return final_dir
-
-
 def swap_dir(tmp_dir: Path, final_dir: Path) -> Path:
     """Replace `final_dir` by the complete `tmp_dir` with no moment where neither exists on disk: the old one is
     renamed aside (`.<name>.old`), the new one renamed in, then the old one deleted. A crash in between is undone

@@ -118,6 +118,8 @@ def _configure(cfg: PipelineConfig):
         root = cfg.tracking.artifact_root or str(var_dir() / "mlartifacts")
         if "://" not in root:
             root = str(repo_path(root))
+        if not cfg.tracking.artifact_root and uri.startswith(("http://", "https://")):
+            root = None  # a tracking server's own default: `--serve-artifacts` stores them, whichever host logs
         try:
             exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=root)
         except Exception as e:  # created concurrently by another task: use theirs

@@ -423,7 +423,7 @@ def test_bad_training_layouts(extra, expected, capsys, intact, shards):  # noqa:
     assert not (intact / "logs" / "torchrun.log").exists()  # no worker was started
 
 
-@pytest.mark.parametrize("fault", ["x", "1", "1:2:boom", "a:b", "1:2:3:4", "²:1"])
+@pytest.mark.parametrize("fault", ["x", "1", "1:2:boom", "a:b", "1:2:3:4", "²:1", "١:2"])
 def test_malformed_fault_injection_is_refused(fault, capsys, intact, shards, monkeypatch):  # noqa: F811
     monkeypatch.setenv("LLM_PIPELINE_FAULT", fault)
     one_line(

@@ -1,5 +1,6 @@
-"""The divergence guard's decisions, the checkpoints it condemns, and the lr schedule recomputed on resume (issue 26):
-pure logic the trainer calls on rank 0's numbers (tasks/parallel/divergence.py); fast, no torchrun."""
+"""The divergence guard's decisions and the checkpoints it condemns (tasks/parallel/divergence.py), and the lr schedule
+recomputed on resume (tasks.parallel.optim.load_schedule), issue 26: pure logic, fast, no torchrun (the trainer end to
+end: tests/test_train.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 import pytest
 
-from tasks.parallel.divergence import DivergenceGuard, quarantine, resume_schedule, schedule_change
+from tasks.parallel.divergence import DivergenceGuard, quarantine
 
 V = 512
 LN_V = math.log(V)
@@ -94,7 +95,7 @@ def test_resume_schedule_applies_the_new_config_from_the_resumed_step():
     import torch
 
     from tasks.config import TrainConfig
-    from tasks.parallel.optim import build_optimizers, lr_factor
+    from tasks.parallel.optim import build_optimizers, load_schedule, lr_factor, schedule_change
 
     def optimizers(cfg):
         return build_optimizers([torch.nn.Linear(4, 4)], cfg)[0]
@@ -108,14 +109,8 @@ def test_resume_schedule_applies_the_new_config_from_the_resumed_step():
 
     new = TrainConfig(lr=0.003, min_lr=0.0003, warmup_steps=2, steps=10)
     opt, sched = optimizers(new)
-    base = list(sched.base_lrs)
-    opt.load_state_dict(saved_opt)
-    state, lrs = resume_schedule(
-        saved_sched, base, lambda k: lr_factor(k, new.warmup_steps, new.steps, new.lr, new.min_lr)
-    )
-    sched.load_state_dict(state)
-    for g, lr in zip(opt.param_groups, lrs):
-        g["lr"], g["initial_lr"] = lr, new.lr
+    opt.load_state_dict(saved_opt)  # what the checkpoint's optimizer state brings back: the old lr
+    line = load_schedule(opt, sched, saved_sched)
     want = [new.lr * lr_factor(k, new.warmup_steps, new.steps, new.lr, new.min_lr) for k in range(3, 7)]
     got = []
     for _ in range(4):
@@ -123,5 +118,6 @@ def test_resume_schedule_applies_the_new_config_from_the_resumed_step():
         opt.step()
         sched.step()
     assert got == pytest.approx(want)
-    assert schedule_change(1000.0 * lr_factor(3, 2, 10, 1000.0, 0.0), got[0], 3).startswith("resumed at step 3")
+    old_lr = 1000.0 * lr_factor(3, 2, 10, 1000.0, 0.0)  # what the checkpoint would have continued with
+    assert line == f"resumed at step 3 with the schedule of this run's config: lr {old_lr:.6g} → {got[0]:.6g}"
     assert schedule_change(0.5, 0.5, 3) is None

@@ -173,16 +173,18 @@ class CheckpointManager:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        from tasks import collectives
+
         tmp = self.dir / f"step-{step}.tmp"
         final = self.dir / f"step-{step}"
         dcp.save(_app_state(parts, optimizers), checkpoint_id=str(tmp))
         if self.coords["tp"] == 0 and self.coords["pp"] == 0:  # one writer per data-parallel replica
             atomic_write_json(tmp / f"loader-dp{self.coords['dp']}.json", loader.state_dict())
         torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")  # tensors and ints only: loads weights_only
-        dist.barrier()
+        collectives.barrier()
         # Every rank hashes a share of the files (rank 0 alone hashed Qwen2-0.5B's 6.5 GB on 4 ranks in ~10 s).
         shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, file_table(tmp, dist.get_rank(), dist.get_world_size()))
+        collectives.all_gather_object(shares, file_table(tmp, dist.get_rank(), dist.get_world_size()))
         if self.rank == 0:
             sched = optimizers[0][1].state_dict()
             files = dict(sorted((k, v) for share in shares for k, v in share.items()))
@@ -206,7 +208,7 @@ class CheckpointManager:
             fsync_dir(self.dir)
             shutil.rmtree(old, ignore_errors=True)
             self._prune(step)
-        dist.barrier()
+        collectives.barrier()
         return final
 
     def _prune(self, saved: int) -> None:
@@ -217,7 +219,8 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: Path, parts, optimizers, loader) -> tuple[int, list[str]]:
-        """Restore everything; returns (step, notes about state that could not be restored for this layout)."""
+        """Restore everything (the lr schedule: this run's, from the saved step on — optim.load_schedule); returns
+        (step, notes: the lr change, state that could not be restored for this layout)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -225,16 +228,19 @@ class CheckpointManager:
             set_optimizer_state_dict,
         )
 
+        from tasks.parallel.optim import load_schedule
+
         path = Path(path)
         meta = read_meta(path)
         state = _app_state(parts, optimizers)
         dcp.load(state, checkpoint_id=str(path))
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        changed = None
         for part, (opt, sched) in zip(parts, optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=opts)
-            sched.load_state_dict(meta["lr_scheduler"])
-        notes = []
+            changed = load_schedule(opt, sched, meta["lr_scheduler"]) or changed
+        notes = [changed] if changed else []
         # The loader position is global (the same on every dp rank, valid for any layout): dp rank 0's file.
         from data_prep.errors import DataPrepError
 

@@ -1,5 +1,7 @@
-"""A blown-up run is stopped, never kept as good: the divergence guard, the checkpoints it condemns, and the learning
-rate schedule recomputed on resume. Pure logic (no torch.distributed): the trainer calls it on rank 0's numbers.
+"""A blown-up run is stopped, never kept as good: the divergence guard and the checkpoints it condemns. Pure logic (no
+torch.distributed): every rank's TrainStep calls the guard on the step's global loss and gradient norm, before the
+update (tasks/train/trainer.py); the launcher sets the condemned checkpoints aside. The fix that follows (a lower lr)
+applies from the resumed step on: tasks.parallel.optim.load_schedule.
 
 The guard sees each step's loss and gradient norm *before* that step's update. A checkpoint `step-k` holds the
 weights after k updates, which the loss of step k + 1 measures: a diverged loss (or a dead model) at step e condemns
@@ -89,24 +91,3 @@ def quarantine(ckpt_dir: Path, bad_from: int) -> list[str]:
             path.rename(target)
             moved.append(path.name)
     return moved
-
-
-def resume_schedule(saved: dict, base_lrs: list[float], factor) -> tuple[dict, list[float]]:
-    """The LR scheduler state to load on resume, and the lr each param group must start with.
-
-    `saved`: the checkpoint's LambdaLR state_dict (its `base_lrs` are the lr of the run that saved it, and the
-    optimizer state restores that run's current lr); `base_lrs`: the lrs of the optimizer built from *this* run's
-    config (LambdaLR's `base_lrs` before loading); `factor(k)`: this config's schedule (tasks.parallel.optim.lr_factor
-    with train.warmup_steps, steps, lr, min_lr). The step count (`last_epoch`) is kept; base lrs and the schedule are
-    this config's, so a changed train.lr/min_lr/warmup_steps/steps applies from the resumed step on."""
-    state = dict(saved, base_lrs=list(base_lrs))
-    step = int(saved["last_epoch"])
-    state["_last_lr"] = [b * factor(step) for b in base_lrs]
-    return state, list(state["_last_lr"])
-
-
-def schedule_change(old_lr: float, new_lr: float, step: int) -> str | None:
-    """The line the trainer logs when the resumed lr differs from the one the checkpoint would have continued with."""
-    if math.isclose(old_lr, new_lr, rel_tol=1e-9, abs_tol=0.0):
-        return None
-    return f"resumed at step {step} with the schedule of this run's config: lr {old_lr:.6g} → {new_lr:.6g}"

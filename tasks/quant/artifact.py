@@ -73,7 +73,7 @@ def pip_requirements(meta: dict) -> list[str]:
 
         reqs.append(f"torchao=={torchao.__version__}")
     elif meta.get("backend") == "amct":
-        from tasks.envcheck.versions import package_version
+        from tasks.device import package_version
 
         npu = package_version("torch-npu")
         reqs.append(f"torch-npu=={npu}" if npu else "torch-npu")

@@ -1,5 +1,5 @@
-"""Hybrid-parallel training: checks the layout, then starts torchrun (one process per device) running
-tasks.parallel.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
+"""Hybrid-parallel training: checks the layout, then starts torchrun (one process per device; tasks/launch/) running
+tasks.train.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
 <run-dir>/metrics.jsonl and MLflow; the final model exported to <run-dir>/hf in HF format by the workers themselves
 (streamed from the final checkpoint, a few tensors per rank at a time).
 
@@ -11,23 +11,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
+from tasks import layout as layouts
 from tasks import runner, tracking
-from tasks.config import REPO_ROOT, PipelineConfig
+from tasks.config import PipelineConfig
 from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, fsync_dir, read_json
+from tasks.launch import binding, torchrun
 from tasks.model.model_dir import identity_problem
 from tasks.parallel import checkpoint as ckpt
-from tasks.parallel import layout as layouts
 from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
-from tasks.parallel.worker import FAULT_ENV, parse_fault
+from tasks.train.hooks import FAULT_ENV, parse_fault
 from tasks.units import GB
 
 
@@ -40,20 +40,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "once the new run writes its first checkpoint",
     )
     parser.add_argument("--no-export", action="store_true", help="skip the HF export to <run-dir>/hf")
-
-
-def _world(cfg: PipelineConfig, plan: dict | None = None):
-    """(backend, processes per node, world size): hardware.nproc_per_node when pinned (> 0); else one per device,
-    and on CPU the layout's dp × tp × pp (pinned degrees or the plan's; 2 when the dp degree is open)."""
-    from tasks.device import detect
-
-    hw = cfg.hardware
-    backend = detect(hw.device)
-    nproc = hw.nproc_per_node or (backend.device_count if backend.is_accelerator else 0)
-    if not nproc:
-        ranks = layouts.known_world(cfg, plan)
-        nproc = ranks // hw.nnodes if ranks and ranks % hw.nnodes == 0 else 2
-    return backend, nproc, nproc * hw.nnodes
 
 
 def prepare(cfg: PipelineConfig, ctx) -> dict:
@@ -69,8 +55,11 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
+    from tasks.model.converters import check_names
+
+    check_names(cfg.model.converters)  # an unknown model converter fails here, not in every rank
     plan = ctx.inputs.get("plan")
-    backend, nproc, world = _world(cfg, plan)
+    backend, nproc, world = torchrun.world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
     hw = cfg.hardware
     hint = (
@@ -201,13 +190,8 @@ def drop_set_aside(run_dir: Path) -> None:
 
 
 def fault_problem(text: str, world: int) -> str | None:
-    """$LLM_PIPELINE_FAULT checked before launch: malformed (also non-ASCII digits such as '²', which str.isdigit
-    accepts and int() refuses), or a rank outside the world (the drill would silently run without its fault)."""
-    if not text.isascii():
-        return (
-            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang in ASCII digits "
-            "(e.g. 1:4); unset it for a normal run"
-        )
+    """$LLM_PIPELINE_FAULT checked before launch: malformed (tasks.train.hooks.parse_fault), or a rank outside the
+    world (the drill would silently run without its fault)."""
     try:
         fault = parse_fault(text)
     except ValueError as e:
@@ -303,67 +287,6 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> i
     )
 
 
-def torchrun_argv(
-    cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str, log_dir: Path | None = None
-) -> list[str]:
-    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes. `log_dir` keeps the ranks'
-    @record error files (tasks.parallel.rank_errors reads them)."""
-    hw = cfg.hardware
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
-    if log_dir is not None:
-        argv += ["--log-dir", str(log_dir)]
-    if hw.nnodes == 1:
-        argv.append("--standalone")
-    else:
-        argv += [
-            "--nnodes",
-            str(hw.nnodes),
-            "--node-rank",
-            str(hw.node_rank),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            hw.rdzv_endpoint,
-            "--rdzv-id",
-            rdzv_id,
-        ]
-    from tasks.parallel import binding  # ranks on the cores nearest their device (hardware.bind_cpus)
-
-    argv += binding.launch_args(cfg) + ["-m", binding.entry_module(cfg)]
-    for p in spec_paths:
-        argv += ["--spec", str(p)]
-    return argv
-
-
-def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id: str | None) -> dict:
-    from tasks.device import DIST_BACKEND, Backend
-    from tasks.device import launch_env as device_env
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-    # OMP_NUM_THREADS is left to torchrun (1 unless set): more OpenMP threads than free cores makes CPU ranks
-    # spin-wait, measured 10-30x slower steps on a busy 2-core host.
-    env.update(device_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
-    env.pop("MLFLOW_RUN_ID", None)
-    from tasks.parallel import binding
-
-    binding.prepare(cfg, backend_kind, nproc, env)
-    if cfg.tracking.enabled and cfg.hardware.node_rank == 0 and mlflow_run_id:
-        env.update(tracking.subprocess_env(cfg, mlflow_run_id))
-    return env
-
-
-def launch(argv: list[str], env: dict, log_path: Path, timeout: tuple[int, str] | None = None) -> tuple[int, str]:
-    """Run torchrun to completion within `timeout` (seconds, how derived; tasks/bounds.py), in its own process
-    group that dies with this process (tasks.procs); its own output (rendezvous, failure report) goes to log_path.
-    On expiry the whole torchrun tree is killed, with the cause."""
-    from tasks.bounds import run_bounded
-
-    seconds, how = timeout or (None, "")
-    rc = run_bounded(argv, env=env, cwd=REPO_ROOT, log_path=log_path, timeout_s=seconds, what="torchrun", how=how)
-    return rc, log_path.read_text(encoding="utf-8", errors="replace")
-
-
 def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks.parallel import diagnosis
 
@@ -402,11 +325,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     shutil.rmtree(elastic_dir, ignore_errors=True)
     elastic_dir.mkdir(parents=True, exist_ok=True)
     offsets = rank_errors.log_offsets(logs)
-    argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
+    argv = torchrun.argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
-    env = launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
-    _record_binding(env, train_dir)
-    rc, log_text = launch(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
+    env = torchrun.env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
+    binding.record(env, train_dir)
+    rc, log_text = torchrun.run(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
     if node == 0:
         drop_set_aside(run_dir)  # a --fresh run that wrote a checkpoint (even if it failed later) replaces the old one
     if rc != 0:
@@ -440,18 +363,6 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             f"{run_dir / 'logs'}/rank-0.log, rerun to export again"
         )
     return _result(cfg, ctx, spec, reused=False)
-
-
-def _record_binding(env: dict, train_dir: Path) -> None:
-    """The per-rank CPU binding (tasks/parallel/binding.py) → train/binding.json and MLflow."""
-    from tasks.parallel.binding import PLAN_ENV
-
-    path = train_dir / "binding.json"
-    if env.get(PLAN_ENV):
-        atomic_write_json(path, json.loads(env[PLAN_ENV]))
-        tracking.log_artifact(path, "train")
-    else:
-        path.unlink(missing_ok=True)
 
 
 def _plans(plan_result: dict | None) -> list[dict]:
