@@ -6,6 +6,9 @@ under torch.autocast (as the smoke run does), which also saves bf16 copies of th
 
 from __future__ import annotations
 
+# The figures depend only on the code (fixed seeds, no timing): tests/test_bench_results.py recomputes them.
+DETERMINISTIC = True
+
 
 def run() -> dict:
     import torch

@@ -4,12 +4,17 @@ steps (global batch 16, lr 3e-3 warm-up 20 → cosine to 3e-4), built here once 
 
 Accuracy goes through the quantize and evaluate stages themselves (torchao on CPU, calibration and evaluation on
 disjoint parts of the val split): top-1 accuracy drop (the gate's default metric), perplexity rise and greedy
-agreement, INT8 vs BF16. Speed is measured here beside BF16 and FP32 models from the same run, rounds alternating:
-prefill (prompt of PROMPT tokens) and KV-cache decode (NEW tokens) at batch 1 and batch 8, each as INT8 tokens/s
-over BF16's and over FP32's (> 1: INT8 is faster). The headline is vs BF16: weight-only INT8 computes in BF16, so a
-ratio vs FP32 is mostly BF16's own gain.
+agreement, INT8 vs BF16. Speed is measured here beside BF16 and FP32 models from the same run, every model once per
+round, the order rotated, ROUNDS rounds after WARMUP: prefill (prompt of PROMPT tokens) and KV-cache decode (NEW
+tokens) at batch 1 and batch 8; each ratio is the median of the per-round ratios (> 1: INT8 is faster), so a busy
+host slows both sides of a ratio alike (run_all records the host's load beside the figures).
 
-Headline keys are the pipeline's default method, INT8 weight-only; `quant.w8a8.*` repeats them for int8_dynamic.
+Variants: `quant.*` is the INT8 model as evaluate loads it (load_quantized: torchao's weights on the packed CPU
+kernels of tasks/quant/torchao_backend.py), `quant.torchao_plain_*` the same file on torchao 0.18's eager Int8Tensor
+path, `quant.w8a8.*` the int8_dynamic model. With the decode step under torch.compile (inductor; prefill eager):
+`quant.bf16_compiled_decode_speed_vs_bf16` is what compiling gains BF16, and `quant.compiled_*` /
+`quant.torchao_plain_compiled_*` compiled INT8 over compiled BF16; `quant.compiled_decode` says how it was compiled
+or why it could not be.
 Everything runs on one thread (`quant.threads`), as a torchrun CPU rank does: on a shared 2-core host two intra-op
 threads measure each other's barrier waits.
 """
@@ -28,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 WORK = HERE / ".work" / "quant"
-PROMPT, NEW, BATCHES = 64, 64, (1, 8)
+PROMPT, NEW, BATCHES, ROUNDS, WARMUP = 64, 64, (1, 8), 9, 1
 CURVE_EVERY = 50
 
 
@@ -114,11 +119,61 @@ def _stages(cfg, run_dir: Path, model_dir: Path, shards: Path) -> dict:
 
 
 def _speed(models: dict, shards: Path) -> dict:
-    """{batch: {name: {prefill_s, decode_tokens_per_s}}} — all models in one loop per batch size."""
-    from tasks.quant import inputs, metrics
+    """{batch: {name: {"prefill": [tokens/s per round], "decode": [...]}}}: every model in each round, the order
+    rotated round by round, so that a ratio taken within a round compares models under the same host load.
+    `models`: name → (model, decode step), the step being forward_cached or its compiled form."""
+    import time
+
+    import torch
+
+    from tasks.model.generate import forward_cached
+    from tasks.quant import inputs
 
     rows = inputs.val_batches(shards, 1, max(BATCHES), "evaluation")[0][0]
-    return {b: metrics.generation_speed(models, rows[:b, :PROMPT], NEW, "cpu", repeats=5, warmup=1) for b in BATCHES}
+    names, out = list(models), {}
+    for b in BATCHES:
+        prompt = rows[:b, :PROMPT]
+        out[b] = {n: {"prefill": [], "decode": []} for n in names}
+        for r in range(WARMUP + ROUNDS):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                (model, step), cache = models[name], {}
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    nxt = forward_cached(model, prompt, cache, 0)[:, -1].argmax(-1, keepdim=True)
+                    t1 = time.perf_counter()
+                    for j in range(NEW - 1):
+                        nxt = step(model, nxt, cache, PROMPT + j)[:, -1].argmax(-1, keepdim=True)
+                    t2 = time.perf_counter()
+                if r >= WARMUP:
+                    out[b][name]["prefill"].append(b * PROMPT / (t1 - t0))
+                    out[b][name]["decode"].append(b * (NEW - 1) / (t2 - t1))
+    return out
+
+
+def _compiled_step(models: dict) -> tuple[object | None, str]:
+    """torch.compile of the decode step (forward_cached, dynamic shapes: one graph for every cache length), compiled
+    here once per model, or (None, why) where inductor cannot compile on this host (it needs a C compiler)."""
+    import torch
+
+    from tasks.model.generate import forward_cached
+
+    step = torch.compile(forward_cached, dynamic=True)
+    try:
+        for model in models.values():
+            cache: dict = {}
+            with torch.no_grad():
+                forward_cached(model, torch.zeros(1, PROMPT, dtype=torch.long), cache, 0)
+                step(model, torch.zeros(1, 1, dtype=torch.long), cache, PROMPT)
+    except Exception as e:  # no C compiler, an unsupported op, …: the eager figures stand alone
+        return None, f"unavailable here ({type(e).__name__}: {str(e).strip().splitlines()[0][:160]})"
+    return step, "torch.compile(forward_cached, dynamic=True)"
+
+
+def _ratio(a: list, b: list) -> float:
+    """Median of the per-round ratios a/b (> 1: a is faster)."""
+    import statistics
+
+    return round(statistics.median(x / y for x, y in zip(a, b)), 3)
 
 
 def run() -> dict:
@@ -134,9 +189,11 @@ def run() -> dict:
 
 def measure() -> dict:
     import copy
+    import statistics
 
     import torch
 
+    from tasks.model.generate import forward_cached
     from tasks.model.hf_io import load_hf
     from tasks.quant.artifact import load_quantized
 
@@ -174,23 +231,42 @@ def measure() -> dict:
         fp32 = load_hf(model_dir).eval()
         bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
         bf16.init_rope()
-        models = {
+        packed = load_quantized(qdirs["quant."])  # what evaluate runs: torchao's weights on the packed CPU kernels
+        plain = load_quantized(qdirs["quant."], pack=False)  # torchao 0.18's own eager path
+        eager = {
             "fp32": fp32,
             "bf16": bf16,
-            "quant.": load_quantized(qdirs["quant."]),
+            "quant.": packed,
+            "quant.torchao_plain_": plain,
             "quant.w8a8.": load_quantized(qdirs["quant.w8a8."]),
         }
+        step, how = _compiled_step({"bf16": bf16, "plain": plain, "packed": packed})
+        models = {n: (m, forward_cached) for n, m in eager.items()}
+        if step is not None:
+            models.update({"c.bf16": (bf16, step), "c.plain": (plain, step), "c.packed": (packed, step)})
         speed = _speed(models, shards)
+    kernels = {type(m).__name__ for m in packed.modules()} & {"Int8PackedLinear", "Int8PackedEmbedding"}
+    out["quant.config"] = (
+        f"int8_weight_only, skip_layers {list(cfg.quantize.skip_layers)}, "
+        f"{'aten._weight_int8pack_mm (packed)' if kernels else 'torchao Int8Tensor'} on CPU, eager"
+    )
+    out["quant.compiled_decode"] = how
     for b, s in speed.items():
         for what in ("prefill", "decode"):
-            tps = {
-                n: (b * PROMPT / v["prefill_s"] if what == "prefill" else v["decode_tokens_per_s"])
-                for n, v in s.items()
-            }
-            out[f"quant.bf16_{what}_tokens_per_s.b{b}"] = round(tps["bf16"], 1)
+            out[f"quant.bf16_{what}_tokens_per_s.b{b}"] = round(statistics.median(s["bf16"][what]), 1)
+            out[f"quant.{what}_tokens_per_s.b{b}"] = round(statistics.median(s["quant."][what]), 1)
             for prefix in ("quant.", "quant.w8a8."):
                 for base in ("bf16", "fp32"):
-                    out[f"{prefix}{what}_speed_vs_{base}.b{b}"] = round(tps[prefix] / tps[base], 3)
+                    out[f"{prefix}{what}_speed_vs_{base}.b{b}"] = _ratio(s[prefix][what], s[base][what])
+            out[f"quant.torchao_plain_{what}_speed_vs_bf16.b{b}"] = _ratio(
+                s["quant.torchao_plain_"][what], s["bf16"][what]
+            )
+        if step is not None:  # the decode step compiled (prefill stays eager): each against compiled BF16
+            out[f"quant.bf16_compiled_decode_speed_vs_bf16.b{b}"] = _ratio(s["c.bf16"]["decode"], s["bf16"]["decode"])
+            for name, key in (("c.packed", "compiled"), ("c.plain", "torchao_plain_compiled")):
+                out[f"quant.{key}_decode_speed_vs_bf16_compiled.b{b}"] = _ratio(
+                    s[name]["decode"], s["c.bf16"]["decode"]
+                )
     return out
 
 

@@ -90,6 +90,7 @@ def test_gate_missed_fails_with_advice_and_qat_handoff(cfg, tiny, tmp_path):
     cfg.evaluate.registered_model = "evaluate-gate-test"
     cfg.evaluate.prompts = []
     cfg.quantize.qat_on_fail = False
+    cfg.quantize.skip_layers = ["lm_head", "embed"]  # the hand-off lists the skipped layers
     args = argparse.Namespace(model_dir=str(hostile), shard_dir=str(tiny["shard_dir"]), quant_dir=None)
     run_stage("quantize", cfg, tmp_path, args=args)
     with pytest.raises(

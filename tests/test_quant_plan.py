@@ -108,13 +108,18 @@ def test_layer_selection_and_unsupported_layers():
         "layers.0.attention.wq",
         "layers.0.feed_forward.w2",
     ]
+    assert (
+        select_layers(LLAMA, "torchao", None, "int8_weight_only", [])[0] == "tok_embeddings"
+    )  # torchao: embeddings too
     with pytest.raises(
         StageError,
-        match=r"layer tok_embeddings \(Embedding\) is not supported by torchao "
+        match=r"layer tok_embeddings \(Embedding\) is not supported by amct llm "
         r"int8_weight_only \(supports Linear\); add it to quantize.skip_layers",
     ):
-        select_layers(LLAMA, "torchao", "llm", "int8_weight_only", ["lm_head"])
+        select_layers(LLAMA, "amct", "llm", "int8_weight_only", ["lm_head"])
     conv1d = LLAMA + [Layer("layers.0.mixer", "Conv1d", (64, 1, 4))]
+    with pytest.raises(StageError, match=r"Conv1d\) is not supported by torchao int8_dynamic \(supports Linear, Embed"):
+        select_layers(conv1d, "torchao", None, "int8_dynamic", ["output"])
     with pytest.raises(StageError, match=r"Conv1d\) is not supported by amct ptq"):
         select_layers(conv1d, "amct", "ptq", "int8_dynamic", ["lm_head", "embed"])
     assert "layers.0.mixer" not in select_layers(conv1d, "torchao", None, "int8_dynamic", ["embed", "output", "mixer"])

@@ -80,9 +80,11 @@ def pip_requirements(meta: dict) -> list[str]:
     return reqs
 
 
-def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
+def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True) -> torch.nn.Module:
     """The saved INT8 model on `device`, ready for evaluation. torchao is imported only for its own artifacts: an
-    AMCT host has no torchao and must not need it."""
+    AMCT host has no torchao and must not need it. On the CPU, `pack` runs torchao's INT8 weight-only layers through
+    PyTorch's fused int8 kernels (torchao_backend.pack_for_cpu: same weights and scales, faster); pack=False keeps
+    torchao's own eager path (what the benchmark compares against)."""
     from tasks.model.hf_io import read_hf_config
     from tasks.model.transformer import build_model, rope_table
 
@@ -118,7 +120,11 @@ def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
     tcfg = read_hf_config(meta["model_dir"])
     model = build_model(tcfg, device="meta")  # no memory: every tensor is assigned from the file
     model.load_state_dict(state, assign=True)
-    if tcfg.tie_embeddings and "output" not in meta["quantized_layers"]:
-        model.tie_weights()
+    if tcfg.tie_embeddings and not {"output", "tok_embeddings"} & set(meta["quantized_layers"]):
+        model.tie_weights()  # quantizing either one gave each its own weight in the file
     model.rope_cache = rope_table(tcfg.head_dim, tcfg.max_seq_len, tcfg.rope_theta, device=device)
+    if pack and torch.device(device).type == "cpu":
+        from tasks.quant.torchao_backend import pack_for_cpu
+
+        pack_for_cpu(model)
     return model.eval()

@@ -12,11 +12,12 @@ from tasks.errors import StageError
 
 # What each method quantizes (type names of nn.Module classes).
 # AMCT classic PTQ (create_quant_config docs): Linear, Conv2d, Conv3d, ConvTranspose2d, AvgPool2d.
-# AMCT LLM flow (amct.quantize docs, INT8 rows) and torchao quantize_: Linear only.
+# AMCT LLM flow (amct.quantize docs, INT8 rows): Linear only. torchao: Linear, and Embedding INT8 weight-only per row
+# (its Int8Tensor implements aten.embedding: quantize_/workflows/int8/int8_tensor.py); tasks/quant/torchao_backend.py.
 SUPPORTED = {
     ("amct", "ptq"): ("Linear", "Conv2d", "Conv3d", "ConvTranspose2d", "AvgPool2d"),
     ("amct", "llm"): ("Linear",),
-    ("torchao", None): ("Linear",),
+    ("torchao", None): ("Linear", "Embedding"),
 }
 # MoE routed experts (tasks/model/moe.py): torchao INT8 weight-only over the stacked expert weights.
 EXPERTS = "GroupedExperts"
