@@ -13,7 +13,7 @@ Verification: meta.json records every file's size and sha256 at save (`files`). 
 the newest checkpoint that verifies (`latest_verified`), says which newer ones it skipped and why, and rank 0 hands
 that decision to every rank (one broadcast: no rank looks at the directory while rank 0 may be renaming in it).
 Pruning keeps the newest `keep` checkpoints and always the one just saved (hashed at save), so the last verified
-checkpoint is never deleted.
+checkpoint is never deleted, and the `pinned` step (early stopping's best checkpoint, tasks/train/validation.py).
 """
 
 from __future__ import annotations
@@ -58,7 +58,17 @@ def read_meta(path: Path) -> dict:
 # Config that shapes the training trajectory: changed between a checkpoint and its resume, the curve differs from
 # an uninterrupted run (a warning, not an error: extending steps or changing the layout is legitimate).
 _NOT_SHAPING = {
-    "train": {"steps", "checkpoint_every", "keep_checkpoints", "timeout_s", "micro_batch", "divergence_factor"}
+    "train": {
+        "steps",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "timeout_s",
+        "micro_batch",
+        "divergence_factor",
+        "eval_every",
+        "eval_samples",
+        "early_stop_patience",
+    }
 }
 SHAPING_SECTIONS = ("model", "train", "data")
 _DATA_SHAPING = {"seq_len", "vocab_size", "tokenizer", "inputs", "max_documents"}
@@ -163,6 +173,7 @@ class CheckpointManager:
     def __init__(self, ckpt_dir: Path, keep: int, rank: int, coords: dict, dp: int, world: int):
         self.dir, self.keep, self.rank = Path(ckpt_dir), keep, rank
         self.coords, self.dp, self.world = coords, dp, world
+        self.pinned: int | None = None  # a step pruning keeps beyond the newest `keep` (the best, for early stopping)
 
     def remove_partial(self) -> None:
         """Rank 0, before training: a `.tmp` left by a killed run is garbage."""
@@ -213,9 +224,9 @@ class CheckpointManager:
 
     def _prune(self, saved: int) -> None:
         """Keep the newest `keep`, and always the one just saved (hashed at save: the last verified checkpoint),
-        even when newer ones left by an earlier attempt (unverified, maybe corrupt) outnumber it."""
+        even when newer ones left by an earlier attempt (unverified, maybe corrupt) outnumber it, and the pinned one."""
         for step, path in complete_checkpoints(self.dir)[: -self.keep]:
-            if step != saved:
+            if step not in (saved, self.pinned):
                 shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: Path, parts, optimizers, loader) -> tuple[int, list[str]]:
