@@ -18,6 +18,7 @@ the one exported: the weights the validation loss chose, not the last ones, whic
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 from tasks.train.hooks import Hook
@@ -108,7 +109,9 @@ class Validation(Hook):
         if not due(step, self.every, trainer.cfg.train.steps):
             return
         trainer.call("on_phase", step, "validate")
+        t0 = time.perf_counter()
         metrics["val_loss"] = loss = self.evaluate(trainer)
+        metrics["val_time_s"] = time.perf_counter() - t0  # not in step_time_s: the evaluation's own cost
         improved = self.record(step, loss)
         if not self.patience:
             return
