@@ -202,8 +202,10 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
 
 # Fields that do not change the bytes written, so they stay out of the cache key: where things are, how fast they
 # are built, and the loader's own settings.
+# `partitions` too: the shard set is the same bytes however many partitions (and workers) built it.
 _NOT_IN_KEY = set(
-    "inputs out_dir tokenizer tokenize_processes progress loader_workers prefetch_factor verify_sha256".split()
+    "inputs out_dir tokenizer tokenize_processes partitions progress loader_workers prefetch_factor "
+    "verify_sha256".split()
 )
 
 
@@ -226,7 +228,10 @@ class DataConfig(Section):
     vocab_size: int = Field(4096, ge=256, le=1 << 22)  # for "train"
     val_fraction: float = Field(0.05, ge=0.0, le=0.5)
     shard_size_mb: float = Field(16.0, ge=0.01, le=100_000)
-    tokenize_processes: int = Field(2, ge=1, le=256)
+    tokenize_processes: int = Field(2, ge=1, le=256)  # tokenizer threads of a builder (one per core)
+    # Units of work of one build (files, size-balanced): the data DAG maps one task per partition. 0 = one per
+    # 128 MB of input (at most one per file). Never changes the bytes written.
+    partitions: int = Field(0, ge=0, le=4096)
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocabulary fits
     # "" = tokenizer_config.json's eos_token or a usual name (<|endoftext|>, </s>…)
     eos_token: str = ""
