@@ -70,6 +70,7 @@ def test_val_loss_same_in_every_layout_and_early_stop(cfg, tmp_path, shards):
     got = metrics(run)
     assert sorted(got) == [1, 2, 3] and all("val_loss" in r for r in got.values()), got
     assert got[1]["val_loss"] < got[2]["val_loss"] < got[3]["val_loss"], got
+    assert all(r["val_time_s"] > 0 for r in got.values()), got  # the evaluation's own cost, logged with it
     summary = json.loads((run / "train" / "summary.json").read_text())
     assert summary["early_stop"]["step"] == 3 and "train.early_stop_patience 2" in summary["early_stop"]["reason"]
     best = run / "checkpoints" / "step-1"
