@@ -165,6 +165,13 @@ class TrainConfig(Section):
     # Divergence guard (tasks/parallel/divergence.py): a loss above this × the running median of the last 20, or back
     # at ln(vocabulary) after it had fallen, stops the run (a non-finite or zero gradient norm always does); 0 = off.
     divergence_factor: float = Field(10.0, ge=0.0, le=1e6)
+    # Validation loss (tasks/train/validation.py): every eval_every steps (0 = train.steps // 10: ten points a run)
+    # and at the last step, the loss on the first eval_samples sequences of the shard set's val split (rounded up to
+    # whole global batches; 0 = off). early_stop_patience N > 0: the run ends after N evaluations without a new
+    # best, and the best step's checkpoint is the one exported.
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS)
+    eval_samples: int = Field(64, ge=0, le=1 << 24)
+    early_stop_patience: int = Field(0, ge=0, le=MAX_STEPS)
 
 
 class SmokeConfig(Section):
@@ -351,6 +358,11 @@ class PipelineConfig(Section):
             lines.append(
                 f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout {hw.hccl_exec_timeout} so "
                 "HCCL reports the real error before torch's watchdog fires"
+            )
+        if t.early_stop_patience and not t.eval_samples:
+            lines.append(
+                f"train.early_stop_patience: {t.early_stop_patience} needs the validation loss, which "
+                "train.eval_samples 0 turns off; set train.eval_samples (e.g. 64) or train.early_stop_patience 0"
             )
         if lines:
             raise rule_error(lines)

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-# The debug model on 32-token windows, fp32 (parity), 5 steps of 8 sequences.
+# The debug model on 32-token windows, fp32 (parity), 5 steps of 8 sequences; the validation loss on one global batch
+# of the val split after every step (train.steps // 10 < 1): every layout's val_loss is checked with its loss.
 BASE = {
     "model.preset": "debug",
     "data.seq_len": 32,
@@ -24,6 +25,7 @@ BASE = {
     "train.warmup_steps": 2,
     "train.grad_clip": 0.5,
     "train.checkpoint_every": 0,
+    "train.eval_samples": 8,
     "hardware.device": "cpu",
     "parallel.zero": 3,
     "parallel.recompute": "none",
@@ -101,11 +103,34 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {step: r["loss"] for step, r in metrics(run_dir).items()}
 
 
+def val_slice(cfg, shards: Path) -> list:
+    """The validation slice as one plain process sees it: train.eval_samples rounded up to whole global batches of
+    the val split in its stored order, one (inputs, targets) per global batch."""
+    import math
+
+    from data_prep.loader import ShardLoader
+
+    t = cfg.train
+    if not t.eval_samples:
+        return []
+    stream = iter(ShardLoader(shards, "val", batch_size=t.global_batch, num_workers=0, shuffle=False))
+    return [next(stream) for _ in range(math.ceil(t.eval_samples / t.global_batch))]
+
+
+def val_steps(cfg, steps) -> set[int]:
+    """The steps the trainer evaluates at: every train.eval_every (0: train.steps // 10, at least 1) and the last."""
+    every = cfg.train.eval_every or max(1, cfg.train.steps // 10)
+    return {s for s in steps if s % every == 0 or s == cfg.train.steps} if cfg.train.eval_samples else set()
+
+
 def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
     """One process, one plain model, one loader of the whole global batch: the run every layout must reproduce
     (the loader's global sample order gives every dp degree the same samples per step). Per step: the loss, the
-    pre-clip gradient norm and (params=True) the parameters after it, step 0 being the initial ones. With
-    model.hf_path the weights start from that checkpoint, as the trainer's do."""
+    pre-clip gradient norm and (params=True) the parameters after it, step 0 being the initial ones; at the
+    validation steps the mean loss over the validation slice (`val_loss`, forward only). With model.hf_path the
+    weights start from that checkpoint, as the trainer's do."""
+    import torch
+
     from data_prep.loader import ShardLoader
     from data_prep.manifest import load_manifest
     from tasks.model import build_model, from_pipeline, lm_loss, materialize
@@ -122,7 +147,8 @@ def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
     def snapshot():
         return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
-    out = {"loss": {}, "grad_norm": {}, "params": {0: snapshot()} if params else {}}
+    val, evals = val_slice(cfg, shards), val_steps(cfg, range(1, steps + 1))
+    out = {"loss": {}, "grad_norm": {}, "params": {0: snapshot()} if params else {}, "val_loss": {}}
     for step in range(1, steps + 1):
         x, y = next(stream)
         loss = lm_loss(model(x), y)
@@ -134,6 +160,9 @@ def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
         out["loss"][step] = loss.item()
         if params:
             out["params"][step] = snapshot()
+        if step in evals:
+            with torch.no_grad():
+                out["val_loss"][step] = sum(lm_loss(model(x), y).item() for x, y in val) / len(val)
     return out
 
 
@@ -171,15 +200,31 @@ def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, 
 
 
 def assert_same_run(
-    run_dir: Path, ref: dict, what: str, rel: float = 1e-4, steps=None, updates: bool = False, norm_rel=None
+    run_dir: Path,
+    ref: dict,
+    what: str,
+    rel: float = 1e-4,
+    steps=None,
+    updates: bool = False,
+    norm_rel=None,
+    val_rel=None,
 ):
     """Per step: the loss of the run equals the reference's within `rel`, the pre-clip gradient norm within
     `norm_rel` (default rel / 10: a norm's float32 sums agree to ~1e-7 across layouts; a small term counted wrong —
-    the norms' weights under TP, 3e-5 of the norm — must show); with `updates`, each parameter's update of each
+    the norms' weights under TP, 3e-5 of the norm — must show); the val_loss at the reference's validation steps
+    within `val_rel` (default rel); with `updates`, each parameter's update of each
     step (from the checkpoint of every step; step 0 = the reference's initial weights, bit-identical on every
     layout) within `rel` of its norm."""
     got = metrics(run_dir)
     assert_same_curve({s: r["loss"] for s, r in got.items()}, ref["loss"], what, rel, steps)
+    val_rel = rel if val_rel is None else val_rel
+    for step, r in got.items():  # the validation loss: at the same steps, the same value
+        want = ref["val_loss"].get(step)
+        assert ("val_loss" in r) == (want is not None), f"{what} step {step}: val_loss {r.get('val_loss')} vs {want}"
+        if want is not None:
+            assert abs(r["val_loss"] - want) <= val_rel * want, (
+                f"{what} step {step}: val_loss {r['val_loss']} vs {want}"
+            )
     norm_rel = rel / 10 if norm_rel is None else norm_rel
     for step, r in got.items():
         want = ref["grad_norm"][step]

@@ -13,7 +13,7 @@ Verification: meta.json records every file's size and sha256 at save (`files`). 
 the newest checkpoint that verifies (`latest_verified`), says which newer ones it skipped and why, and rank 0 hands
 that decision to every rank (one broadcast: no rank looks at the directory while rank 0 may be renaming in it).
 Pruning keeps the newest `keep` checkpoints and always the one just saved (hashed at save), so the last verified
-checkpoint is never deleted.
+checkpoint is never deleted, and the `pinned` step (early stopping's best checkpoint, tasks/train/validation.py).
 
 Asynchronous saves (`train.async_checkpoint`, `save_async`): training waits only while DCP's `async_save` stages a copy
 of the state in host memory (pinned where the device has it: CUDA; torch's stager pins only there); the files, the
@@ -78,6 +78,9 @@ _NOT_SHAPING = {
         "divergence_factor",
         "async_checkpoint",
         "compile",
+        "eval_every",
+        "eval_samples",
+        "early_stop_patience",
     }
 }
 SHAPING_SECTIONS = ("model", "train", "data")
@@ -238,6 +241,7 @@ class CheckpointManager:
         self.pending: PendingSave | None = None
         self.crash_at: int | None = None  # fault injection: this rank dies while writing the checkpoint of that step
         self._executor = self._stager = None
+        self.pinned: int | None = None  # a step pruning keeps beyond the newest `keep` (the best, for early stopping)
 
     def remove_partial(self) -> None:
         """Rank 0, before training: a `.tmp` left by a killed run is garbage."""
@@ -347,9 +351,9 @@ class CheckpointManager:
 
     def _prune(self, saved: int) -> None:
         """Keep the newest `keep`, and always the one just saved (hashed at save: the last verified checkpoint),
-        even when newer ones left by an earlier attempt (unverified, maybe corrupt) outnumber it."""
+        even when newer ones left by an earlier attempt (unverified, maybe corrupt) outnumber it, and the pinned one."""
         for step, path in complete_checkpoints(self.dir)[: -self.keep]:
-            if step != saved:
+            if step not in (saved, self.pinned):
                 shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: Path, parts, optimizers, loader) -> tuple[int, list[str]]:

@@ -16,7 +16,7 @@ from tasks.parallel import rank_errors
 from tasks.parallel.metrics import read_heartbeats
 from tasks.units import GB
 
-PHASES = ("data", "compute", "checkpoint", "done")  # heartbeat phases within a step, in order
+PHASES = ("data", "compute", "validate", "checkpoint", "done")  # heartbeat phases within a step, in order
 
 
 def is_oom(exc: BaseException) -> bool:

@@ -117,8 +117,11 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     notes = _npu_option_checks(cfg) if spec["backend"] == "npu" else []
     work = out_dir / "run"
     shutil.rmtree(work, ignore_errors=True)
-    spec["config"]["train"].update(steps=cfg.profile.steps_needed(), checkpoint_every=0)
-    spec.update(run_dir=str(work), resume=False)
+    # Training steps only: no validation forwards inside the profiled steps, no early stop.
+    spec["config"]["train"].update(
+        steps=cfg.profile.steps_needed(), checkpoint_every=0, eval_samples=0, early_stop_patience=0
+    )
+    spec.update(run_dir=str(work), resume=False, validation=None)
     spec_path = atomic_write_json(work / "launch.json", spec)
     argv = torchrun.argv(cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile")
     argv += ["--profile-dir", str(traces)]

@@ -71,6 +71,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         lay, tcfg, cfg.data.seq_len, world, f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}"
     )
     problems.extend(filter(None, [fault_problem(os.environ.get(FAULT_ENV, ""), world)]))
+    validation, val_notes = validation_plan(cfg, lay, manifest, shard_dir, problems)
     from tasks.device import precision_problem
 
     bad_precision = precision_problem(backend.kind, cfg.train.precision)
@@ -123,6 +124,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         problems.extend(filter(None, [tokenizer_problem(init_from, shard_dir)]))
     if problems:
         raise ConfigError(problems)
+    warnings_.extend(val_notes)
     if fresh and cfg.hardware.node_rank == 0:  # every check passed: only now is anything of the old run moved
         kept = set_aside(ctx.run_dir)
         if kept:
@@ -145,10 +147,30 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         "warnings": warnings_,
         "shards_verified": cfg.data.verify_sha256,
         "estimate_bytes": _estimate(cfg, tcfg, lay, backend.kind),
+        "validation": validation,
         "backend": backend.kind,
         "nproc": nproc,
         "world": world,
     }
+
+
+def validation_plan(cfg: PipelineConfig, lay, manifest: dict, shard_dir: Path, problems: list[str]):
+    """The validation slice and cadence (tasks.train.validation.plan) → (plan or None, warning lines); the val
+    shards checked like the train ones. Without a usable val split early stopping cannot work: a problem."""
+    from data_prep.errors import DataPrepError
+    from data_prep.manifest import check_files
+    from tasks.train.validation import plan
+
+    validation, notes = plan(cfg.train, lay, manifest)
+    if validation is None and cfg.train.early_stop_patience and notes:
+        problems.append(f"train.early_stop_patience {cfg.train.early_stop_patience} needs the {notes[0]}")
+        return None, []
+    if validation is not None:
+        try:
+            check_files(shard_dir, manifest, "val", sha256=cfg.data.verify_sha256)
+        except DataPrepError as e:
+            problems.append(f"shards (val split, for the validation loss): {e}")
+    return validation, notes
 
 
 FRESH_OUTPUTS = ("checkpoints", "train", "metrics.jsonl")  # what --fresh starts over (logs/ and hf/ stay)
@@ -302,7 +324,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         last = (ckpt.step_of(spec["resume_from"]), spec["resume_from"]) if spec.get("resume_from") else None
     else:
         last = ckpt.latest(run_dir / "checkpoints")
-    if last and last[0] >= cfg.train.steps and (not export or (run_dir / "hf" / "config.json").is_file()):
+    finished = last and (last[0] >= cfg.train.steps or stopped_early(cfg, last[1]))
+    if finished and (not export or (run_dir / "hf" / "config.json").is_file()):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
     ep = f"·ep{lay.ep}" if lay.ep > 1 else ""
     tracking.log_params(
@@ -369,6 +392,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     return _result(cfg, ctx, spec, reused=False)
 
 
+def stopped_early(cfg: PipelineConfig, checkpoint) -> bool:
+    """The checkpoint ends a run early stopping finished (with early stopping still on: off, a rerun trains on)."""
+    return bool(cfg.train.early_stop_patience and ckpt.read_meta(checkpoint).get("early_stop"))
+
+
 def _plans(plan_result: dict | None) -> list[dict]:
     path = (plan_result or {}).get("plan_json")
     return read_json(path).get("plans", []) if path and Path(path).is_file() else []
@@ -389,6 +417,8 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
     summary_path = run_dir / "train" / "summary.json"
     summary = read_json(summary_path) if summary_path.is_file() else {}
     peaks = [m["peak_bytes"] for m in summary.get("memory_per_rank", []) if m]
+    val = validation_result(records, run_dir / "checkpoints")
+    stop = summary.get("early_stop")
     result = {
         "status": "ok",
         "layout": name,
@@ -398,6 +428,9 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         "tokens_per_s": round(tps, 1),
         "mfu": records[-1].get("mfu"),
         "peak_mem_gb": round(max(peaks) / GB, 3) if peaks else None,
+        **val,
+        "early_stop": stop,
+        "exported_from": summary.get("export_from") if hf_dir.is_dir() else None,
         "reused": reused,
         "metrics": str(run_dir / "metrics.jsonl"),
         "checkpoint_dir": str(run_dir / "checkpoints"),
@@ -411,11 +444,34 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
             )
         ],
         "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
-        f"{_human(tps)} tok/s, {name}" + (" (reused)" if reused else ""),
+        + (
+            f"val {val['val_loss']:.2f} (best {val['best_val_loss']:.2f} at step {val['best_step']}), "
+            if val["val_loss"] is not None
+            else ""
+        )
+        + (f"early stop at step {stop['step']}, " if stop else "")
+        + f"{_human(tps)} tok/s, {name}"
+        + (" (reused)" if reused else ""),
     }
     if not reused:
         _log_run(cfg, ctx, spec, records, result, summary)
     return result
+
+
+def validation_result(records: list[dict], ckpt_dir: Path) -> dict:
+    """train.json's validation figures from metrics.jsonl: the last and the best val_loss (the first step reaching
+    it) and the best step's checkpoint when one exists (always, with early stopping: that is what was exported)."""
+    evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if not evals:
+        return {"val_loss": None, "best_val_loss": None, "best_step": None, "best_checkpoint": None}
+    best_step, best = min(evals, key=lambda e: (e[1], e[0]))
+    path = Path(ckpt_dir) / f"step-{best_step}"
+    return {
+        "val_loss": evals[-1][1],
+        "best_val_loss": best,
+        "best_step": best_step,
+        "best_checkpoint": str(path) if (path / "meta.json").is_file() else None,
+    }
 
 
 def _human(x: float) -> str:
@@ -454,6 +510,8 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
     if ctx.mlflow_run_id:
         tracking.settle_metrics(ctx.run_dir, tracking.tracking_uri(cfg), ctx.mlflow_run_id, result["metrics"])
     final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
+    if result["best_val_loss"] is not None:
+        final.update({"train.val_loss_best": result["best_val_loss"], "train.val_loss_best_step": result["best_step"]})
     export_path = ctx.run_dir / "train" / "export_memory.json"
     final.update(
         memory_figures(
@@ -477,10 +535,21 @@ def _loss_plot(records: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return atomic_save_figure(loss_figure(records, plt), path)
+
+
+def loss_figure(records: list[dict], plt):
+    """The training loss per step and, where evaluated, the validation loss (its best step marked)."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
+    evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if evals:
+        ax.plot(*zip(*evals), marker="o", markersize=3, label="val loss")
+        best = min(evals, key=lambda e: (e[1], e[0]))
+        ax.plot(*best, marker="*", markersize=11, linestyle="none", label=f"best val {best[1]:.3f} (step {best[0]})")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title("training loss")
+    ax.set_title("training and validation loss" if evals else "training loss")
     fig.tight_layout()
-    return atomic_save_figure(fig, path)
+    return fig

@@ -49,6 +49,16 @@ class PlainStep:
             total += loss.detach()
         return total
 
+    def loss(self, x, y) -> torch.Tensor:
+        """Forward only (validation, under no_grad): this rank's mean loss over x, micro-batch by micro-batch as
+        the step does."""
+        total = torch.zeros((), device=x.device)
+        for xi, yi in zip(x.chunk(self.n), y.chunk(self.n)):
+            with self.autocast():
+                logits = self.model(xi)
+            total += lm_loss(logits, yi) / self.n
+        return total
+
 
 class PipelineStep:
     """A pipeline schedule: the first stage feeds tokens, the last computes the loss per micro-batch (the
@@ -61,13 +71,22 @@ class PipelineStep:
         self.last = n_stages - 1 in stage_indices
 
     def __call__(self, x, y) -> torch.Tensor:
+        return self._run(self.schedule.step, x, y)
+
+    def loss(self, x, y) -> torch.Tensor:
+        """Forward only (validation, under no_grad): the schedule's `eval` (no backward; torch re-initialises the
+        stages' communication for the mode switch, shape inference under fork_rng), as torchtitan's Validator
+        (torchtitan/components/validate.py: pp_schedule.eval). This rank's mean loss; 0 off the last stage."""
+        return self._run(self.schedule.eval, x, y)
+
+    def _run(self, run, x, y) -> torch.Tensor:
         losses = [] if self.last else None
         target = y if self.last else None
         with self.autocast():
             if self.first:
-                self.schedule.step(x, target=target, losses=losses)
+                run(x, target=target, losses=losses)
             else:
-                self.schedule.step(target=target, losses=losses)
+                run(target=target, losses=losses)
         if self.last:
             return torch.stack([loss.detach().float() for loss in losses]).mean()
         return torch.zeros((), device=x.device)
@@ -130,6 +149,15 @@ class TrainStep:
         if result.verdict is None:
             self.update()
         return result
+
+    @torch.no_grad()
+    def validate(self, batches: list) -> float:
+        """The mean loss over `batches` (this rank's share of each global batch of a validation slice), forward
+        only: the global value, the same on every rank — each rank's mean over its batches, then `reduce_loss` as for
+        the training loss (equal shares, so the mean of the ranks' means is the slice's mean). No parameter, gradient,
+        optimizer or RNG state changes."""
+        local = torch.stack([self.forward_backward.loss(x, y).float() for x, y in batches]).mean()
+        return (self.reduce_loss(local) if self.reduce_loss else local).item()
 
     def clip(self) -> torch.Tensor:
         """Global gradient norm (exact across FSDP, TP and PP), gradients scaled to at most grad_clip (0 = off)."""

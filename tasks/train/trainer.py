@@ -2,8 +2,9 @@
 
 `Trainer.__init__` reads as the list of what a rank builds; `train_step` does one step (batch → TrainStep → metrics →
 checkpoint); everything optional sits in hooks (tasks/train/hooks.py) or contexts entered around the loop (the
-profiler). Exit codes of `fit`: 0 done, 3 stopped by the divergence guard (non-finite, diverged or dead: the update of
-that step is skipped, diagnosis.json written), 4 out of memory, 5 collective timeout.
+profiler). Exit codes of `fit`: 0 done (at the last step, or early: a hook's `finish_early`), 3 stopped by the
+divergence guard (non-finite, diverged or dead: the update of that step is skipped, diagnosis.json written), 4 out of
+memory, 5 collective timeout.
 """
 
 from __future__ import annotations
@@ -58,12 +59,17 @@ def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layou
 
 
 def default_hooks(trainer: "Trainer") -> list[Hook]:
-    """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence."""
+    """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence, the
+    validation loss (and early stopping) when the launch spec plans it."""
+    from tasks.train.validation import Validation
+
     fault = FaultInjection.from_env(trainer.rank)
+    plan = trainer.spec.get("validation")
     return [
         Heartbeats(trainer.train_dir / "heartbeat", trainer.rank),
         *([fault] if fault else []),
         ShardingEvidence(trainer.cfg.train.steps),
+        *([Validation(plan, trainer.cfg.train.early_stop_patience)] if plan else []),
     ]
 
 
@@ -97,6 +103,12 @@ class Trainer:
     hooks: list[Hook]
     step: int  # the step running (or last run)
     stalls: list[float]  # seconds each checkpoint held training up (the whole save, or its staging)
+    history: list[dict]  # a resumed run's metrics.jsonl records up to its step ({step, loss, val_loss}), every rank
+    save_now: bool  # a hook asks for a checkpoint of the running step (reset after it)
+    early_stop: (
+        dict | None
+    )  # {step, reason}: a hook ended the run cleanly (finish_early), or the resumed checkpoint had
+    export_from: str | None  # the checkpoint to export (a hook's choice: early stopping's best); None = the newest
 
     def __init__(self, spec: dict, device, hooks: tuple[Hook, ...] = ()):
         import torch
@@ -152,6 +164,7 @@ class Trainer:
         )
         self.step_fn.after_update.append(lambda: self.call("after_update", self.step))
         self.loader = build_loader(spec, self.cfg, self.lay, self.coords["dp"], device)
+        self.save_now, self.early_stop, self.export_from = False, None, None
         self.start, self.last_good = self.resume(source)
         self.step = self.start
         self.batches = self.loader.batches()
@@ -191,6 +204,12 @@ class Trainer:
         except DataPrepError as e:  # e.g. loader workers changed: the weights resume, the data stream restarts
             notes = [str(e)]
         log(f"resumed from {source} at step {start}" + "".join(f"; {n}" for n in notes))
+        from tasks.parallel.checkpoint import read_meta
+
+        stopped = read_meta(Path(source)).get("early_stop")
+        if stopped and self.cfg.train.early_stop_patience:  # finished early: nothing left to train (patience 0 goes on)
+            self.early_stop = stopped
+            log(f"the run stopped early at step {stopped['step']}: not training on (--fresh starts over)")
         return start, str(source)
 
     def build_metrics(self) -> "MetricsLog | None":
@@ -206,9 +225,10 @@ class Trainer:
 
     def build_guard(self) -> "DivergenceGuard":
         """The divergence guard (tasks/parallel/divergence.py), its median and best loss carried over a resume: rank 0
-        reads the losses of steps <= start from metrics.jsonl and every rank hears them (one broadcast, here: while
-        rank 0 truncates the file nobody else reads it). Each step's loss and gradient norm are global values, the
-        same on every rank, so every rank's guard then reaches the same verdict without a collective."""
+        reads the records of steps <= start from metrics.jsonl and every rank hears them (one broadcast, here: while
+        rank 0 truncates the file nobody else reads it; kept in `history` for the hooks: the validation's best).
+        Each step's loss and gradient norm are global values, the same on every rank, so every rank's guard then
+        reaches the same verdict without a collective."""
         from tasks import collectives
         from tasks.parallel.divergence import DivergenceGuard
         from tasks.parallel.metrics import read_metrics
@@ -217,9 +237,13 @@ class Trainer:
         if self.rank == 0:
             path = self.run_dir / "metrics.jsonl"
             rows = read_metrics(path) if self.start and path.is_file() else []
-            history[0] = [r["loss"] for r in rows if r["step"] <= self.start]
+            keep = ("step", "loss", "val_loss")
+            history[0] = [{k: r[k] for k in keep if k in r} for r in rows if r["step"] <= self.start]
         collectives.broadcast_object_list(history, src=0)
-        return DivergenceGuard(self.tcfg.vocab_size, self.cfg.train.divergence_factor, history[0])
+        self.history = history[0]
+        return DivergenceGuard(
+            self.tcfg.vocab_size, self.cfg.train.divergence_factor, [r["loss"] for r in self.history]
+        )
 
     def fit(self, profile_dir: str | None = None) -> int:
         """Steps start+1 … train.steps inside the profiler context; the exit code (module docstring)."""
@@ -231,6 +255,8 @@ class Trainer:
         try:
             with make_profiler(self.cfg.profile, self.device.type, profile_dir, self.rank) as prof:
                 for step in range(self.start + 1, self.cfg.train.steps + 1):
+                    if self.early_stop:
+                        break
                     self.train_step(step)
                     prof.step()
         except StopTraining as stop:
@@ -273,8 +299,21 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.log(metrics)
         t = self.cfg.train
-        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
+        if (
+            (t.checkpoint_every and step % t.checkpoint_every == 0)
+            or step == t.steps
+            or self.save_now
+            or self.early_stop
+        ):
             self.checkpoint(step)
+        self.save_now = False
+
+    def finish_early(self, reason: str) -> None:
+        """A hook ends the run cleanly after the running step (every rank, same decision; early stopping): the step is
+        logged and checkpointed (its meta.json records `early_stop`: a rerun does not train on), then `finish` writes
+        the summary and the worker exports, as at the last step."""
+        self.early_stop = {"step": self.step, "reason": reason}
+        log(f"finishing early at step {self.step}: {reason}")
 
     def stop(self, verdict: "Divergence") -> None:
         """The guard's verdict (every rank has the same): rank 0 writes diagnosis.json naming the last good checkpoint
@@ -326,6 +365,7 @@ class Trainer:
             "layout": self.spec["layout"],
             "config_hash": self.spec.get("config_hash", ""),
             "shaping": shaping_config(self.spec["config"]),
+            **({"early_stop": self.early_stop} if self.early_stop else {}),
         }
         if self.cfg.train.async_checkpoint:
             self.harvest(wait=True)
@@ -390,8 +430,10 @@ class Trainer:
             "memory_per_rank": peaks,
             "memory_phases_per_rank": by_phase,
             "layout": self.spec["layout"],
+            "early_stop": self.early_stop,
         }
         self.call("on_end", summary)
+        summary["export_from"] = self.export_from or self.last_good  # what the worker exports (if it exports)
         if self.rank == 0:
             self.metrics.close()
             atomic_write_json(self.train_dir / "summary.json", summary)

@@ -21,9 +21,10 @@ from pathlib import Path
 from tasks.train.trainer import EXIT_DIVERGED, log
 
 
-def export(spec: dict) -> None:
-    """The final checkpoint → <run-dir>/hf (HF format), written by all ranks together after the model and optimizer
-    are gone: each rank streams its share of the files one tensor at a time (tasks.model.hf_export)."""
+def export(spec: dict, source: str | None = None) -> None:
+    """The final checkpoint (or `source`: early stopping's best) → <run-dir>/hf (HF format), written by all ranks
+    together after the model and optimizer are gone: each rank streams its share of the files one tensor at a time
+    (tasks.model.hf_export)."""
     import torch
     import torch.distributed as dist
     from tasks import collectives
@@ -40,7 +41,7 @@ def export(spec: dict) -> None:
     phases.enter("export")
     stats = {}
     run_dir = Path(spec["run_dir"])
-    found = latest(run_dir / "checkpoints")
+    found = (0, Path(source)) if source else latest(run_dir / "checkpoints")
     if found is None:
         raise RuntimeError(f"export: no complete checkpoint in {run_dir / 'checkpoints'}")
     log(f"exporting {found[1]} to {run_dir / 'hf'}")
@@ -101,12 +102,13 @@ def _main(argv=None) -> int:
     for spec in specs:
         trainer = Trainer(spec, device)
         code = trainer.fit(args.profile_dir)
+        source = trainer.export_from
         del trainer
         gc.collect()  # the trainer and its hooks reference each other: free the model and loader workers now
         if code:
             break
         if spec.get("export"):
-            export(spec)
+            export(spec, source)
     sys.stdout.flush()
     sys.stderr.flush()
     if code in (0, EXIT_DIVERGED):  # every rank reached the same point: a clean shutdown is possible
