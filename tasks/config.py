@@ -163,12 +163,30 @@ class TrainConfig(Section):
 
 
 class SmokeConfig(Section):
-    steps: int = Field(20, ge=2, le=100_000)  # per precision (FP32 then BF16)
+    steps: int = Field(20, ge=2, le=100_000)  # per precision (FP32, then BF16 — or FP16 where the device has no BF16)
+    # AdamW's rate for a model of hidden size <= lr_width; a wider one takes lr × lr_width / hidden (muP's 1/width
+    # rule for Adam, Yang et al. 2022, Tensor Programs V): 3e-3 suits the CPU demo models and spikes a 1024-wide
+    # sibling. lr_width 0 = no scaling.
     lr: float = Field(3e-3, ge=0.0, le=MAX_LR)
+    lr_width: int = Field(256, ge=0, le=1 << 20)
     window: int = Field(5, ge=1, le=10_000)  # k: compare mean of the first k with the last k losses
     min_drop: float = Field(0.05, ge=0.0, le=1.0)  # relative drop required
-    bf16_tolerance: float = Field(0.05, ge=0.0, le=10.0)  # max relative gap between the FP32 and BF16 curves
+    # max relative gap between the FP32 curve and the 16-bit one (BF16, or FP16 where it is the one compared)
+    bf16_tolerance: float = Field(0.05, ge=0.0, le=10.0)
     micro_batch: int = Field(4, ge=1, le=1 << 20)
+    # The model smoke trains (tasks/model/sibling.py): auto = the configured model when its FP32 AdamW estimate fits
+    # one device of hardware.cluster (hardware.device_memory_gb when set) with memory_margin to spare and it has at
+    # most max_params parameters, else a sibling of it (same family and block structure, the shard set's
+    # vocabulary, width and depth halved until it fits); same = the configured model whatever its size; or a
+    # tasks.model preset name of the same family and vocabulary.
+    model: str = "auto"
+    max_params: float = Field(1e9, ge=1e5, le=1e13)
+    memory_margin: float = Field(0.25, ge=0.0, le=0.9)  # fraction of one device's memory the estimate leaves free
+    # With model.hf_path: the checkpoint's embedding, first hf_layers layers (0 = all, streamed one layer at a time),
+    # final norm and head run on the first batch; its loss must be at most hf_max_loss_ratio × ln(vocab) (uniform
+    # guessing scores ln(vocab); a trained checkpoint on its own tokenizer scores far below).
+    hf_layers: int = Field(0, ge=0, le=100_000)
+    hf_max_loss_ratio: float = Field(0.8, ge=0.01, le=10.0)
     # "Accuracy worse than on GPU → compare operator by operator": one forward of the same weights and batch on the
     # device in compare_precision and in FP32 on the CPU; the first layer whose max |diff| / max |FP32 output|
     # exceeds compare_tolerance is named (per-layer table in smoke_report.json and MLflow). On a CPU host it

@@ -139,15 +139,32 @@ def bf16_supported(kind: str) -> bool:
     return bool(mod.is_bf16_supported())
 
 
-def precision_problem(kind: str, precision: str) -> str | None:
-    """One line when `precision` cannot run on this backend (checked before any step, never mid-run)."""
+def fp16_supported(kind: str) -> bool:
+    """Whether autocast computes in float16 on this backend: one tiny matmul under autocast, whose result dtype says
+    (torch disables an autocast dtype a backend lacks with only a warning — "In CPU autocast, but the target dtype is
+    not supported. Disabling autocast." — so asking the result is the check that cannot be fooled). Every Ascend
+    training SoC (910 A1 included: FP16 is its native format) and CUDA GPU has FP16 kernels; CPU autocast supports
+    float16 in the torch this project pins."""
+    import torch
+
+    dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, device_module(kind).current_device())
+    with torch.autocast(device_type=dev.type, dtype=torch.float16):
+        out = torch.ones(2, 2, device=dev) @ torch.ones(2, 2, device=dev)
+    return out.dtype == torch.float16
+
+
+def precision_problem(kind: str, precision: str, training: bool = True) -> str | None:
+    """One line when `precision` cannot run on this backend (checked before any step, never mid-run). `training`:
+    fp16 training needs the trainer's loss scaler (issue 24, wave 2); the smoke stage's FP16 comparison does not."""
     if precision == "bf16" and kind != "cpu" and not bf16_supported(kind):
         what = "this Ascend SoC (910 A1 parts have no bf16; 910B/910C do)" if kind == "npu" else "this GPU"
         return (
             f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
             "(fp16 training needs a loss scaler, not implemented)"
         )
-    if precision == "fp16":
+    if precision == "fp16" and not fp16_supported(kind):
+        return f"train.precision: fp16 is not supported on this {kind} device (no FP16 kernels): use bf16 or fp32"
+    if precision == "fp16" and training:
         return "train.precision: fp16 training needs a loss scaler (not implemented); use bf16 or fp32"
     return None
 

@@ -38,7 +38,24 @@ from tasks.fsutil import atomic_write_text, read_json
 from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES
 
 TEMPLATE = REPO_ROOT / "deploy" / "k8s" / "train-job.yaml"
-NPU_RESOURCE = "huawei.com/Ascend910"
+NPU_RESOURCE = "huawei.com/Ascend910"  # the Ascend device plugin's resource (the template's)
+GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's resource
+# Host paths only an Ascend node has (the driver, npu-smi and its libraries, the install record): a GPU pod drops them
+# (the NVIDIA container runtime injects its driver).
+ASCEND_MOUNTS = ("driver", "npu-smi", "dcmi", "install-info")
+
+
+def device_resource(cfg: PipelineConfig) -> str:
+    """The extended resource a pod requests for its accelerators: GPUs for hardware.device cuda, else NPUs."""
+    return GPU_RESOURCE if cfg.hardware.device == "cuda" else NPU_RESOURCE
+
+
+def devices_of(container: dict) -> int:
+    """The accelerators a rendered container requests (whichever device plugin's resource it names)."""
+    limits = container["resources"]["limits"]
+    return limits.get(NPU_RESOURCE) or limits.get(GPU_RESOURCE) or 0
+
+
 RDZV_PORT = 29400
 DEFAULT_NPUS_PER_NODE = 8  # Atlas 800T A2 / A3 training servers
 
@@ -166,8 +183,13 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     container["image"] = hw.k8s_image
     container["args"] = [pod_command(cfg, run_dir, config_file, name, stage)]
     npus = (hw.nproc_per_node or DEFAULT_NPUS_PER_NODE) if stage in MULTI_NODE_STAGES else 1
-    container["resources"]["limits"][NPU_RESOURCE] = npus
-    container["resources"]["requests"][NPU_RESOURCE] = npus
+    resource = device_resource(cfg)
+    for part in ("limits", "requests"):
+        container["resources"][part].pop(NPU_RESOURCE, None)
+        container["resources"][part][resource] = npus
+    if resource != NPU_RESOURCE:
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in ASCEND_MOUNTS]
+        pod["volumes"] = [v for v in pod["volumes"] if v["name"] not in ASCEND_MOUNTS]
     env = {e["name"]: e for e in container["env"]}
     env["HCCL_CONNECT_TIMEOUT"]["value"] = str(hw.hccl_connect_timeout)
     env["HCCL_EXEC_TIMEOUT"] = {"name": "HCCL_EXEC_TIMEOUT", "value": str(hw.hccl_exec_timeout)}
@@ -222,7 +244,7 @@ def pytorchjob(job: dict, n: int, hw) -> dict:
     if hw.k8s_scheduler == "volcano":
         run_policy["schedulingPolicy"] = {"minAvailable": n}
     group, version, _, kind = PYTORCHJOB_API
-    nproc = container["resources"]["limits"][NPU_RESOURCE]
+    nproc = devices_of(container)
     return {
         "apiVersion": f"{group}/{version}",
         "kind": kind,
@@ -269,7 +291,7 @@ def trainjob(job: dict, n: int, hw) -> dict:
                 "args": container["args"],
                 "env": env,
                 "numNodes": n,
-                "numProcPerNode": container["resources"]["limits"][NPU_RESOURCE],
+                "numProcPerNode": devices_of(container),
                 "resourcesPerNode": container["resources"],
             },
             "runtimePatches": [
