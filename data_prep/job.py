@@ -45,9 +45,12 @@ FAULT_ENV = "DATA_PREP_FAULT"  # tests: "partition:I" / "write:I" kills the proc
 
 def fault(step: str, index: int) -> None:
     """$DATA_PREP_FAULT = "<step>:<index>": SIGKILL this process mid-step (the caller calls it only in an attempt
-    that found no leftovers of an earlier one, so the retry completes) — a worker killed mid-partition, for tests."""
-    if os.environ.get(FAULT_ENV) == f"{step}:{index}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    that found no leftovers of an earlier one, so the retry completes) — a worker killed mid-partition, for tests.
+    "<step>:<index>:stop": SIGSTOP instead, so that a test can kill the whole worker at that moment (a lost host:
+    the task stops heartbeating, tests/test_celery_cluster.py)."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec in (f"{step}:{index}", f"{step}:{index}:stop"):
+        os.kill(os.getpid(), signal.SIGSTOP if spec.endswith(":stop") else signal.SIGKILL)
 
 
 def plan_partitions(sizes: list[int], wanted: int) -> list[tuple[int, int]]:

@@ -47,6 +47,13 @@ def pg_bin(name: str) -> str:
     return found[-1]
 
 
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def wait_for(check, timeout_s: float, what: str, log: Path | None = None, proc=None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -68,6 +75,7 @@ class Cluster:
         self.root = Path(root or tempfile.mkdtemp(prefix="llm-celery-"))
         self.root.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.workers: list[str] = []  # the Celery workers' names (keys of procs)
         self.ports = {k: free_port() for k in ("pg", "redis", "api", "mlflow")}
         self.dags_dir = self.root / "dags"
         self.dags_dir.mkdir(exist_ok=True)
@@ -216,6 +224,7 @@ class Cluster:
         cmd += ["--celery-hostname", f"{name}@%h", "--skip-serve-logs"]
         self.log(name).unlink(missing_ok=True)
         proc = self._spawn(name, cmd, env=env)
+        self.workers.append(name)
         if wait:
             self.wait_worker(name)
         return proc
@@ -225,13 +234,38 @@ class Cluster:
         wait_for(lambda: b" ready." in log.read_bytes(), timeout_s, f"celery worker {name}", log, self.procs[name])
 
     def kill_worker(self, name: str) -> None:
-        """SIGKILL the worker's whole process group (worker, pool child, task supervisor, the task itself)."""
+        """SIGKILL the worker as a lost host would lose it: its process group (the worker, which supervises its
+        task) and the task runner with everything under it (Airflow puts each task runner in its own group)."""
+        import psutil
+
         proc = self.procs.pop(name)
+        self.workers.remove(name)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            tree = psutil.Process(proc.pid).children(recursive=True)  # before the kill: orphans leave the tree
+        except psutil.NoSuchProcess:
+            tree = []
+        for pgid in {proc.pid, *(_pgid(p.pid) for p in tree)} - {None}:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait(timeout=30)
+        psutil.wait_procs(tree, timeout=30)
+
+    def stopped_task(self) -> str | None:
+        """The worker one of whose processes is stopped (SIGSTOP: DATA_PREP_FAULT="<step>:<index>:stop"), or None."""
+        import psutil
+
+        for name in self.workers:
+            try:
+                if any(
+                    p.status() == psutil.STATUS_STOPPED
+                    for p in psutil.Process(self.procs[name].pid).children(recursive=True)
+                ):
+                    return name
+            except psutil.NoSuchProcess:
+                continue
+        return None
 
     def start_mlflow(self) -> None:
         self.artifacts.mkdir(exist_ok=True)
@@ -268,31 +302,37 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """SIGTERM every process group (Airflow's first, the stores last; postgres: SIGINT, its fast shutdown),
-        SIGKILL what is left after 20 s; the PostgreSQL directory goes whatever happened."""
-        order = [n for n in self.procs if n not in ("postgres", "redis")] + ["redis", "postgres"]
+        """SIGKILL every process group but PostgreSQL's (a test cluster keeps nothing: a graceful shutdown of the
+        api-server alone takes 10 s under load) and every task runner (each is its own group); SIGINT to postgres,
+        its fast shutdown. The PostgreSQL directory goes whatever happened."""
+        import psutil
+
+        tree = []  # postgres's own children follow their postmaster
+        for name, proc in self.procs.items():
+            try:
+                tree += [] if name == "postgres" else psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
         try:
-            for name in order:
-                proc = self.procs.get(name)
-                if proc is not None and proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGINT if name == "postgres" else signal.SIGTERM)
-                    except ProcessLookupError:
-                        pass
-            deadline = time.monotonic() + 20
-            for name in order:
-                proc = self.procs.get(name)
-                if proc is None:
-                    continue
+            for name, proc in self.procs.items():
                 try:
-                    proc.wait(timeout=max(5.0 if name == "postgres" else 0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    os.killpg(proc.pid, signal.SIGINT if name == "postgres" else signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            for p in tree:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            for name, proc in self.procs.items():
+                try:
                     proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=30)
+            psutil.wait_procs(tree, timeout=30)
             self.procs.clear()
+            self.workers.clear()
         finally:
             if getattr(self, "pg_root", None):
                 shutil.rmtree(self.pg_root, ignore_errors=True)

@@ -1,8 +1,15 @@
 """The scale-out profile, all real on this host (tests/celery_cluster.py): PostgreSQL + Redis (Debian packages),
 Airflow's api-server, scheduler and dag-processor on the CeleryExecutor, two Celery workers, and an MLflow server
-on PostgreSQL serving the artifacts. One cluster is shared by the module's tests (they run in file order; the
-killed-worker test is last). Worker w2 also consumes the device queue of the preset (hardware.device_queue), as an
-NPU node's worker would."""
+on PostgreSQL serving the artifacts. One cluster is shared by the module's tests; they run in file order:
+
+1. llm_data, 4 partitions: the mapped tasks spread over both workers.
+2. llm_pipeline on a shortened ci-tiny preset: it adopts that shard set (a cache hit); the device stages run on w2,
+   the only worker of the preset's device queue; MLflow's runs and registry live in PostgreSQL.
+3. llm_data on another shard set, 5 partitions: partition 4 stops itself mid-partition (DATA_PREP_FAULT
+   "partition:4:stop") and the test SIGKILLs its whole worker; while it is stopped, partition 1's finished output is
+   altered. The partition is retried on the other worker; the layout names partition 1 and nothing is published.
+   The rerun redoes it and publishes the set `python -m data_prep shard` builds in one process: every sample once.
+"""
 
 from __future__ import annotations
 
@@ -18,15 +25,33 @@ from pathlib import Path
 import pytest
 import yaml
 
+from data_prep.job import FAULT_ENV
+from data_prep.manifest import load_manifest
 from tasks.launch.placement import DEVICE_STAGES
+from tasks.config import load_config
+from tasks.runner import safe_name
 from tasks.stages import STAGES
+from tasks.stages.shard import shard_multiple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from celery_cluster import Cluster, free_port  # noqa: E402
+from test_shard_fanout import keys_from_manifest  # noqa: E402
 
 DEVICE_QUEUE = "npu-node-1"
-PROBE_DAGS = REPO / "tests" / "fixtures" / "dags" / "celery_probe.py"
+FAULT = "partition:4:stop"  # in every worker: the first try of a build's partition 4 stops itself mid-partition
+DATA_CONF = {"partitions": 4}  # the preset's corpus; no partition 4 (the fault never fires)
+KILL_CONF = {"partitions": 5, "max_documents": 120}  # another shard set, whose last partition stops
+# ci-tiny, shortened (one rank, fewer steps and tokens): this module checks where tasks run, not what they compute
+FAST = {
+    "hardware": {"nproc_per_node": 1},
+    "data": {"shard_size_mb": 4.0},  # one shard per split: two write ranges
+    "parallel": {"dp": 1, "zero": 0},
+    "smoke": {"steps": 6, "window": 3},
+    "train": {"steps": 4, "checkpoint_every": 2},
+    "quantize": {"calibration_batches": 1, "qat_steps": 2},
+    "evaluate": {"agreement_windows": 2, "latency_tokens": 4, "max_new_tokens": 4, "prompts": ["def "]},
+}
 
 
 def check_services(env: dict) -> subprocess.CompletedProcess:
@@ -90,18 +115,37 @@ def cluster(tmp_path_factory):
         pytest.fail("PostgreSQL/Redis not installed: run scripts/install-services.sh (make test does)")
     root = tmp_path_factory.mktemp("celery")
     preset = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
+    for section, values in FAST.items():
+        preset[section].update(values)
     preset["hardware"]["device_queue"] = DEVICE_QUEUE
     (root / "ci-tiny-celery.yaml").write_text(yaml.safe_dump(preset))
     c = Cluster(
         root / "cluster",
-        dags=[REPO / "dags" / "llm_pipeline.py", PROBE_DAGS],
-        extra_env={"LLM_PIPELINE_PRESET": str(root / "ci-tiny-celery.yaml")},
+        dags=[REPO / "dags" / "llm_pipeline.py", REPO / "dags" / "llm_data.py"],
+        extra_env={"LLM_PIPELINE_PRESET": str(root / "ci-tiny-celery.yaml"), FAULT_ENV: FAULT},
     )
+    c.preset = root / "ci-tiny-celery.yaml"
     try:
         c.start(workers={"w1": "default", "w2": f"default,{DEVICE_QUEUE}"})
         yield c
     finally:
         c.stop()
+
+
+def data_dir(cluster) -> Path:
+    return cluster.var / "data"  # data.out_dir: var/data, under the cluster's LLM_PIPELINE_VAR_DIR
+
+
+def published(cluster) -> list[str]:
+    return sorted(p.parent.name for p in data_dir(cluster).glob("shards-*/manifest.json"))
+
+
+def run_record(cluster, dag_id: str, run_id: str, stage: str = "shard") -> dict:
+    return json.loads((cluster.var / "runs" / dag_id / safe_name(run_id) / f"{stage}.json").read_text())
+
+
+def by_task(tis: list[dict]) -> dict[tuple[str, int], dict]:
+    return {(t["task_id"], t["map_index"]): t for t in tis}
 
 
 @pytest.mark.slow
@@ -112,38 +156,50 @@ def test_a_down_broker_is_named_while_the_db_is_up(cluster):
     assert check_services(cluster.env).returncode == 0  # the cluster's own settings: all reachable
 
 
+@pytest.fixture(scope="module")
+def data_run(cluster):
+    run = cluster.trigger("llm_data", DATA_CONF)
+    return run, cluster.wait_run("llm_data", run, 900)
+
+
 @pytest.mark.slow
-def test_mapped_tasks_spread_over_both_workers(cluster):
-    run = cluster.trigger("celery_fanout_probe", {"items": 6, "hold_s": 3})
-    assert cluster.wait_run("celery_fanout_probe", run, 600) == "success"
-    tis = cluster.task_instances("celery_fanout_probe", run)
-    mapped = [t for t in tis if t["task_id"] == "work"]
-    assert sorted(t["map_index"] for t in mapped) == list(range(6))
-    assert {t["hostname"] for t in mapped} == {"w1", "w2"}, [(t["map_index"], t["hostname"]) for t in mapped]
-    reduced = cluster.get(
-        f"/api/v2/dags/celery_fanout_probe/dagRuns/{run}/taskInstances/reduce/xcomEntries/return_value"
-    )["value"]
-    assert reduced["items"] == list(range(6)) and reduced["workers"] == ["w1", "w2"]
-    # bench/bench_fanout.py's reading of a fanned-out run (what it measures once the data DAG maps partitions)
+def test_data_dag_partitions_spread_over_both_workers(cluster, data_run):
+    run, state = data_run
+    tis = cluster.task_instances("llm_data", run)
+    assert state == "success", sorted((t["task_id"], t["map_index"], t["state"]) for t in tis)
+    parts = sorted((t["map_index"], t["hostname"]) for t in tis if t["task_id"] == "shard_partition")
+    assert [i for i, _ in parts] == list(range(DATA_CONF["partitions"])), parts
+    assert {w for _, w in parts} == {"w1", "w2"}, parts  # both workers tokenized some partitions
+    result = run_record(cluster, "llm_data", run)
+    assert result["partitions"] == DATA_CONF["partitions"] and not result["cache_hit"]
+    assert published(cluster) == [Path(result["shard_dir"]).name]
+    # bench/bench_fanout.py's reading of a fanned-out run
     spec = importlib.util.spec_from_file_location("bench_fanout", REPO / "bench" / "bench_fanout.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    t = bench.timings(tis, cluster.get(f"/api/v2/dags/celery_fanout_probe/dagRuns/{run}"))
-    assert t["partitions"] == 6 and t["workers"] == ["w1", "w2"] and 0 < t["reduce_s"] < t["wall_s"]
+    t = bench.timings(tis, cluster.get(f"/api/v2/dags/llm_data/dagRuns/{run}"))
+    assert t["partitions"] == DATA_CONF["partitions"] and t["workers"] == ["w1", "w2"]
+    assert 0 < t["reduce_s"] < t["wall_s"]
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(cluster):
-    run = cluster.trigger("llm_pipeline", {})  # the preset: $LLM_PIPELINE_PRESET (ci-tiny + the device queue)
+def pipeline_run(cluster, data_run):
+    # the preset: $LLM_PIPELINE_PRESET (shortened ci-tiny + the device queue); the data DAG's set is adopted
+    run = cluster.trigger("llm_pipeline", DATA_CONF)
     return run, cluster.wait_run("llm_pipeline", run, 1500)
 
 
 @pytest.mark.slow
 def test_ci_tiny_pipeline_on_celery_with_device_stages_on_the_device_queue(cluster, pipeline_run):
     run, state = pipeline_run
-    tis = {t["task_id"]: t for t in cluster.task_instances("llm_pipeline", run)}
-    assert state == "success", {k: t["state"] for k, t in tis.items()}
-    assert {k for k, t in tis.items() if t["state"] == "success"} == {*STAGES, "summary", "pipeline_ok"}
+    tis = cluster.task_instances("llm_pipeline", run)
+    states = {(t["task_id"], t["map_index"]): t["state"] for t in tis}
+    assert state == "success", states
+    tis = {t["task_id"]: t for t in tis if t["map_index"] < 0}
+    assert {*STAGES, "summary", "pipeline_ok"} <= {k for k, t in tis.items() if t["state"] == "success"}
+    # the shard set llm_data published is found by its build key: the fan-out shards nothing
+    assert run_record(cluster, "llm_pipeline", run)["cache_hit"] is True
+    assert {s for (k, i), s in states.items() if k in ("shard_partition", "shard_write")} <= {"skipped"}
     for stage in DEVICE_STAGES:  # only w2 consumes the device queue
         assert (tis[stage]["queue"], tis[stage]["hostname"]) == (DEVICE_QUEUE, "w2"), stage
     for task_id in set(tis) - set(DEVICE_STAGES):
@@ -192,21 +248,73 @@ def test_mlflow_runs_and_registry_live_in_postgresql_with_served_artifacts(clust
     assert not (cluster.var / "mlartifacts").exists()
 
 
-@pytest.mark.slow
-def test_a_killed_worker_s_task_is_retried_on_the_other_worker(cluster, tmp_path):
-    """Last in the module: it kills a worker. SIGKILL to the worker's process group mid-task; the task stops
-    heartbeating, the scheduler fails that try and the retry runs on the surviving worker."""
-    run = cluster.trigger("celery_kill_probe", {"marker_dir": str(tmp_path), "hold_s": 600})
-    first = tmp_path / "try-1"
-    deadline = time.monotonic() + 300
-    while not first.exists() and time.monotonic() < deadline:
+def shard_cli(cluster, out: Path, conf: dict, shard_multiple: int) -> subprocess.Popen:
+    """`python -m data_prep shard` of the same corpus and settings, one partition, one process (no fault)."""
+    cmd = [sys.executable, "-m", "data_prep", "shard", "--config", str(cluster.preset), "--out", str(out), "--set"]
+    cmd += ["partitions=1", f"max_documents={conf['max_documents']}", f"shard_multiple={shard_multiple}", "--json"]
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    return subprocess.Popen(cmd, cwd=REPO, env={**env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def killed_run(cluster, tmp_path_factory):
+    """Partition 4's first try stops itself mid-partition (its tokens half written, its lock held); while it is
+    stopped every other partition finishes and partition 1's output is altered (one rename after its task, the
+    layout cannot have run yet); then the stopped task's worker is SIGKILLed, as a lost host."""
+    before = published(cluster)
+    run = cluster.trigger("llm_data", KILL_CONF)
+    deadline = time.monotonic() + 600
+    while (victim := cluster.stopped_task()) is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert first.exists(), cluster.task_instances("celery_kill_probe", run)
-    victim = first.read_text()
-    survivor = {"w1": "w2", "w2": "w1"}[victim]
+    assert victim, by_task(cluster.task_instances("llm_data", run))
+    (job,) = [p.parent for p in data_dir(cluster).glob(".tmp-*/job.json")]
+    assert list((job / "parts" / "0004.partial").glob("*.tokens"))  # killed mid-partition: half its tokens
+    done = [job / "parts" / f"{i:04d}" / "done.json" for i in range(4)]
+    while not all(p.is_file() for p in done) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(p.is_file() for p in done), by_task(cluster.task_instances("llm_data", run))
+    with open(job / "parts" / "0001" / "train.tokens", "ab") as f:  # one more token than its record says
+        f.write(b"\0\0")
     cluster.kill_worker(victim)
-    assert cluster.wait_run("celery_kill_probe", run, 600) == "success"
-    assert (tmp_path / "try-2").read_text() == survivor
-    tries = {t["try_number"]: t for t in cluster.tries("celery_kill_probe", run, "hold")}
-    assert tries[1]["hostname"] == victim and tries[1]["state"] == "failed"
-    assert tries[2]["hostname"] == survivor and tries[2]["state"] == "success"
+    survivor = cluster.workers[0]
+    # the one-process reference meanwhile (the scheduler waits out the lost worker's heartbeat)
+    reference = shard_cli(
+        cluster, tmp_path_factory.mktemp("one"), KILL_CONF, shard_multiple(load_config(str(cluster.preset)))
+    )
+    state = cluster.wait_run("llm_data", run, 900)
+    return dict(run=run, state=state, victim=victim, survivor=survivor, before=before, reference=reference)
+
+
+@pytest.mark.slow
+def test_a_killed_workers_partition_is_retried_elsewhere_and_a_bad_partition_is_named(cluster, killed_run):
+    run, victim, survivor = killed_run["run"], killed_run["victim"], killed_run["survivor"]
+    tis = by_task(cluster.task_instances("llm_data", run))
+    assert killed_run["state"] == "failed", {k: t["state"] for k, t in tis.items()}
+    tries = {t["try_number"]: t for t in cluster.tries("llm_data", run, "shard_partition", 4)}
+    assert (tries[1]["hostname"], tries[1]["state"]) == (victim, "failed")  # its heartbeat stopped with its worker
+    assert (tries[2]["hostname"], tries[2]["state"]) == (survivor, "success")
+    assert tis[("shard_layout", -1)]["state"] == "failed" and tis[("shard", -1)]["state"] == "upstream_failed"
+    record = run_record(cluster, "llm_data", run)
+    assert record["status"] == "failed"
+    assert record["error"].startswith("shard: partition 1 failed verification: train.tokens is "), record
+    log = "".join(p.read_text() for p in (cluster.root / "logs").rglob("*.log") if "task_id=shard_layout" in str(p))
+    assert "partition 1 failed verification" in log
+    assert published(cluster) == killed_run["before"]  # nothing published
+
+
+@pytest.mark.slow
+def test_the_rerun_publishes_every_sample_exactly_once(cluster, killed_run):
+    """The rerun redoes partition 1 (removed by the layout), keeps the rest, partition 4's retry included, and
+    publishes the set one process builds from the same corpus: the same manifest digest, every sample once."""
+    run = cluster.trigger("llm_data", KILL_CONF)
+    state = cluster.wait_run("llm_data", run, 900)
+    assert state == "success", by_task(cluster.task_instances("llm_data", run))
+    result = run_record(cluster, "llm_data", run)
+    out, _ = killed_run["reference"].communicate(timeout=600)
+    assert killed_run["reference"].returncode == 0
+    assert json.loads(out)["manifest_digest"] == result["manifest_digest"]
+    keys = keys_from_manifest(Path(result["shard_dir"]))
+    assert all(len(k) == len(set(k)) for k in keys.values())
+    assert sum(map(len, keys.values())) == sum(
+        s["samples"] for s in load_manifest(result["shard_dir"])["splits"].values()
+    )
