@@ -167,6 +167,25 @@ def test_lr_1000_stops_in_one_line_and_exports_nothing(tmp_path, shards, capsys)
 
 
 @pytest.mark.slow
+def test_weights_blown_up_by_the_last_update_are_never_saved_or_exported(cfg, tmp_path, shards, monkeypatch):
+    """The last step's loss and gradient norm are finite, its update makes rank 1's weights non-finite (fault "inf"):
+    on main the run ended ok and exported them. Now the check before the checkpoint stops it: exit 3, one line, the
+    step-2 checkpoint is the last good one, nothing of step 3 is saved or exported."""
+    from tasks.stages import train
+
+    monkeypatch.setenv("LLM_PIPELINE_FAULT", "1:3:inf")
+    c = configure(cfg, **{**DP2, "train.steps": 3, "train.checkpoint_every": 1})
+    with pytest.raises(StageError) as err:
+        train.run(c, context(tmp_path, shards, no_export=False))
+    msg = str(err.value)
+    assert not err.value.retryable and "\n" not in msg
+    assert msg.startswith("the weights became non-finite in the update (its loss and gradient norm were finite) at ")
+    assert f"stopped before the checkpoint, last good checkpoint {tmp_path / 'checkpoints' / 'step-2'}" in msg
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-1", "step-2"]
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "train" / "summary.json").exists()
+
+
+@pytest.mark.slow
 def test_zero_gradient_norm_stops_a_dead_model(cfg, tmp_path, shards):
     """The loss rules off (divergence_factor 0): step 2's loss passes, step 3's model is dead (norm exactly 0)."""
     from tasks.stages import train

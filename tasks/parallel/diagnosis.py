@@ -111,7 +111,7 @@ def explain(
             aside += "; lower train.lr or raise train.warmup_steps and rerun (the schedule follows the new config)"
         return StageError(
             f"{d['what']} at step {d['step']} (loss {d['loss']:.4g}, grad norm {d['grad_norm']:.4g}); "
-            f"stopped before the update, last good checkpoint {last_good or 'none'}{aside}; "
+            f"stopped {d.get('stopped', 'before the update')}, last good checkpoint {last_good or 'none'}{aside}; "
             f"see {diag}",
             retryable=False,
         )

@@ -32,6 +32,7 @@ class Divergence:
     loss: float
     grad_norm: float
     bad_from: int  # checkpoints of this step and later hold the diverging weights
+    stopped: str = "before the update"  # or "before the checkpoint" (the weights checked after a finite step)
 
     def to_dict(self) -> dict:
         return asdict(self)

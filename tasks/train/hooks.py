@@ -30,7 +30,8 @@ from pathlib import Path
 # checkpoint started before it is complete (what a rerun resumes from is then known); "RANK:STEP:hang" makes it stop
 # responding there (the others then hit the collective timeout); "RANK:STEP:ckpt" SIGKILLs it while it writes the
 # checkpoint of that step (its files written, the checkpoint not yet complete; in the background with
-# train.async_checkpoint).
+# train.async_checkpoint); "RANK:STEP:inf" makes that rank's first parameter non-finite right after the update of that
+# step (an update that blew the weights up while the loss and gradient norm the guard saw were finite).
 FAULT_ENV = "LLM_PIPELINE_FAULT"
 
 
@@ -80,7 +81,7 @@ class Heartbeats(Hook):
         self.beat.beat(step, phase)
 
 
-FAULT_KINDS = ("kill", "hang", "ckpt")
+FAULT_KINDS = ("kill", "hang", "ckpt", "inf")
 
 
 def parse_fault(text: str) -> tuple[int, int, str] | None:
@@ -100,7 +101,8 @@ def parse_fault(text: str) -> tuple[int, int, str] | None:
 
 class FaultInjection(Hook):
     """At the start of `step` this rank SIGKILLs itself ("kill") or stops responding ("hang"); "ckpt": it dies while
-    writing the checkpoint of `step` (tasks.parallel.checkpoint.CheckpointManager.crash_at)."""
+    writing the checkpoint of `step` (tasks.parallel.checkpoint.CheckpointManager.crash_at); "inf": its first
+    parameter turns non-finite after the update of `step`."""
 
     def __init__(self, step: int, kind: str):
         self.step, self.kind = step, kind
@@ -114,8 +116,15 @@ class FaultInjection(Hook):
         if self.kind == "ckpt":
             trainer.ckpt.crash_at = self.step
 
+    def after_update(self, trainer, step: int) -> None:
+        if step == self.step and self.kind == "inf":
+            import torch
+
+            with torch.no_grad():
+                local(trainer.params[0]).view(-1)[0] = float("inf")
+
     def before_step(self, trainer, step: int) -> None:
-        if step != self.step or self.kind == "ckpt":
+        if step != self.step or self.kind in ("ckpt", "inf"):
             return
         trainer.ckpt.wait()  # this rank's part of a background save in flight is written and agreed first
         print(

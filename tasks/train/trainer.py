@@ -305,8 +305,27 @@ class Trainer:
             or self.save_now
             or self.early_stop
         ):
+            self.check_weights(step, result)
             self.checkpoint(step)
         self.save_now = False
+
+    def check_weights(self, step: int, result: "StepResult") -> None:
+        """Before a checkpoint is written (the last step's too, which is exported): every rank's shard of every
+        parameter is finite (one all-reduce). The guard saw this step's loss and gradient norm before the update; an
+        update that still blew the weights up (an fp16/bf16 overflow in the optimizer, a huge lr) is caught here and
+        stops the run like a divergence: never saved, exported or trusted by a rerun."""
+        import torch
+
+        from tasks import collectives
+        from tasks.parallel.divergence import Divergence
+        from tasks.train.hooks import local
+
+        bad = sum(int((~torch.isfinite(local(p).detach())).sum()) for p in self.params)
+        flag = torch.tensor(min(bad, 2**30), dtype=torch.int32, device=self.device)
+        collectives.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            what = "the weights became non-finite in the update (its loss and gradient norm were finite)"
+            self.stop(Divergence(step, what, result.loss, result.grad_norm, step, "before the checkpoint"))
 
     def finish_early(self, reason: str) -> None:
         """A hook ends the run cleanly after the running step (every rank, same decision; early stopping): the step is
