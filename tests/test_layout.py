@@ -9,7 +9,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOPS = ("dags", "tasks", "data_prep", "plugins")
-DOMAIN = ("tasks.envcheck", "tasks.model", "tasks.parallel", "tasks.planner", "tasks.profiling", "tasks.quant")
+DOMAIN = (
+    "tasks.envcheck",
+    "tasks.harness",
+    "tasks.model",
+    "tasks.parallel",
+    "tasks.planner",
+    "tasks.profiling",
+    "tasks.quant",
+)
 
 
 def _modules() -> dict[str, Path]:
