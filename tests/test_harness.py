@@ -72,7 +72,20 @@ def lms(ckpt):
     from tasks.harness.lm import ProjectLM
     from tasks.harness.models import full_precision, load_tokenizer
 
-    hf = HFLM(pretrained=str(ckpt), backend="causal", device="cpu", dtype="float32", batch_size=4, max_length=128)
+    import transformers
+
+    # The checkpoint's tokenizer.json as it is (AutoTokenizer would take Qwen2's class from config.json and its
+    # pre-tokenizer over this BPE in transformers 5): both sides score the same token ids.
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ckpt / "tokenizer.json"), eos_token="<|endoftext|>")
+    hf = HFLM(
+        pretrained=str(ckpt),
+        tokenizer=tok,
+        backend="causal",
+        device="cpu",
+        dtype="float32",
+        batch_size=4,
+        max_length=128,
+    )
     ours = ProjectLM(full_precision(ckpt, "fp32", "cpu"), load_tokenizer(ckpt), "cpu", batch_size=4)
     assert ours.max_length == 128  # from the checkpoint's config, as HFLM's
     return ours, hf
