@@ -363,6 +363,7 @@ def _log_tasks(rows: dict, scores: dict, m: dict, suite) -> None:
 
 def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks import device as devices
+    from tasks.model.hf_io import check_tokenizers
     from tasks.quant.artifact import load_quantized
 
     max_drop = registry.check_threshold(cfg.evaluate.max_drop_pct)
@@ -371,6 +372,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
     shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
+    check_tokenizers(model_dir, shard_dir, "evaluate", quant_meta=meta, quant_dir=quant_dir)
     digest = inputs.manifest_digest(shard_dir)
     suite = gate.load_suite(cfg, ctx.run_dir, shard_dir, model_dir)  # every task checked before a model is loaded
     kind = devices.detect(cfg.hardware.device).kind

@@ -49,8 +49,10 @@ def _settings(cfg: PipelineConfig, model_dir: Path, backend: str) -> dict:
 
 def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks import device as devices
+    from tasks.model.hf_io import check_tokenizers
 
     model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_set(cfg, ctx)
+    check_tokenizers(model_dir, shard_dir, "quantize")  # calibrating on another tokenizer's ids is silent otherwise
     kind = devices.detect(cfg.hardware.device).kind
     suite = None
     if cfg.evaluate.gate_metric == "task_accuracy_drop_pct":  # the tasks checked before any model is loaded
@@ -89,6 +91,7 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
 
     from tasks import device as devices
     from tasks.model.hf_io import load_hf
+    from tasks.model.model_dir import accepted_tokenizers
     from tasks.quant import metrics
 
     q = cfg.quantize
@@ -134,6 +137,7 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
         layer_types={layer.name: layer.type for layer in layers if layer.name in names},
         fp32_bytes=fp32_bytes,
         bf16_bytes=bf16_bytes,
+        tokenizer=accepted_tokenizers(model_dir),  # checked by evaluate against its shard set
     )
     try:
         if backend == "torchao":
