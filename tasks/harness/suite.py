@@ -29,6 +29,7 @@ def offline() -> None:
     import datasets.config
 
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    datasets.disable_progress_bars()  # "Generating test split" bars on stderr would bury a stage's one-line cause
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task INFO/WARNING lines would flood stage logs
 
 
