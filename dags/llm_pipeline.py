@@ -37,10 +37,11 @@ DOCS = {
     "checkpoints. A retry resumes from the latest complete checkpoint.",
     "profile": "A short profiled run of the same trainer and plan (torch_npu.profiler on Ascend, torch.profiler "
     "elsewhere), analysed into a report with advisor findings and a comparison with the last baseline.",
-    "quantize": "INT8 post-training quantization: AMCT on Ascend, torchao elsewhere; skips configured layers.",
-    "evaluate": "INT8 vs BF16 on held-out tokens disjoint from calibration: top-1 accuracy, perplexity, greedy "
-    "agreement, size, prefill/decode speed; QAT when PTQ misses the gate; the gate registers a version "
-    "(alias candidate, champion when better than the current one).",
+    "quantize": "INT8 quantization (AMCT on Ascend, torchao elsewhere; skips configured layers), gated on the task "
+    "accuracy drop vs BF16 (lm-eval, evaluate.tasks); QAT when PTQ misses the gate.",
+    "evaluate": "INT8 vs BF16 and FP32 on evaluate.tasks (lm-evaluation-harness; demo-continuation from the val "
+    "split) and on held-out tokens (perplexity, top-1, greedy agreement, size, speed); the gate registers a version "
+    "(alias candidate), and the champion, scored on the same tasks in the same run, gives way unless it is better.",
 }
 
 

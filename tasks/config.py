@@ -270,9 +270,24 @@ class QuantizeConfig(Section):
 
 class EvaluateConfig(Section):
     max_drop_pct: float = Field(2.0, ge=0.0, le=100.0)  # gate: evaluate.gate_metric may be at most this many percent
-    # accuracy_drop_pct (relative next-token top-1 drop) | ppl_drop_pct | greedy_disagreement_pct — each INT8 vs the
-    # unquantized model in quantize.dtype
-    gate_metric: Literal["accuracy_drop_pct", "ppl_drop_pct", "greedy_disagreement_pct"] = "accuracy_drop_pct"
+    # task_accuracy_drop_pct (relative drop of the macro-average accuracy over evaluate.tasks) | supplementary figures
+    # on val tokens: accuracy_drop_pct (relative next-token top-1 drop) | ppl_drop_pct | greedy_disagreement_pct —
+    # each INT8 vs the unquantized model in quantize.dtype (quantize runs QAT on the same gate when PTQ misses it)
+    gate_metric: Literal["task_accuracy_drop_pct", "accuracy_drop_pct", "ppl_drop_pct", "greedy_disagreement_pct"] = (
+        "task_accuracy_drop_pct"
+    )
+    # lm-eval task/group/tag names (read offline from the HF datasets cache), paths of task YAML files in lm-eval's
+    # format, or demo-continuation (written from the val split): docs/evaluation.md
+    tasks: list[str] = Field(default_factory=lambda: ["demo-continuation"], min_length=1)
+    limit: int | None = Field(None, ge=1)  # examples per task at most (None: all)
+    num_fewshot: dict[str, int] = Field(default_factory=dict)  # task/group/entry → shots (else the YAML's, or 0)
+    # a task is scored by the first of these it reports (demo-continuation reports acc_mutual_info only)
+    task_metrics: list[str] = Field(default_factory=lambda: ["acc", "exact_match", "acc_mutual_info"], min_length=1)
+    demo_examples: int = Field(300, ge=10, le=100_000)  # demo-continuation's size
+    batch_size: int = Field(16, ge=1, le=4096)  # sequences per forward in the lm-eval wrapper
+    # the candidate becomes champion unless its macro task accuracy is lower than the champion's (same tasks, same
+    # run) by more than this many percent (relative)
+    champion_margin: float = Field(0.0, ge=0.0, le=100.0)
     eval_batches: int = Field(8, ge=1, le=100_000)
     agreement_windows: int = Field(8, ge=0, le=100_000)  # windows whose greedy continuations INT8 and BF16 must match
     latency_tokens: int = Field(32, ge=1, le=1 << 20)

@@ -25,6 +25,8 @@ def render(run_dir, cfg=None, experiment_id: str | None = None) -> str:
             f"{TITLES[stage]:<28} {r.get('status', '?'):<8} {r.get('seconds', 0):>7.1f}  "
             f"{str(r.get('summary', ''))[:80]}"
         )
+        if r.get("summary_detail"):  # a second figure line (evaluate: task accuracy per model)
+            lines.append(f"{'':<46}{str(r['summary_detail'])[:80]}")
         if r.get("mlflow_run_id"):
             lines.append(f"{'':<46}MLflow: {run_url(r['mlflow_run_id'], cfg, experiment_id)}")
     return "\n".join(lines)

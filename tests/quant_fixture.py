@@ -30,8 +30,9 @@ def _corpus(path: Path, docs: int = 300) -> Path:
     return path
 
 
-def tiny_trained(base: Path, steps: int = 40) -> dict:
-    """{"shard_dir", "model_dir"} under base/quant-tiny, built on first use."""
+def tiny_trained(base: Path, steps: int = 40, vocab_size: int = 256, name: str = "quant-tiny") -> dict:
+    """{"shard_dir", "model_dir"} under base/<name>, built on first use (another vocab_size: other data, another
+    tokenizer — a retrain on new data)."""
     import torch
 
     from data_prep.build import build_shard_set
@@ -42,7 +43,7 @@ def tiny_trained(base: Path, steps: int = 40) -> dict:
     from tasks.model.loss import lm_loss
     from tasks.model.transformer import build_model, materialize
 
-    root = base / "quant-tiny"
+    root = base / name
     model_dir = root / "hf"
     if (model_dir / "config.json").is_file():
         return {"shard_dir": Path((root / "shards").read_text()), "model_dir": model_dir}
@@ -51,7 +52,7 @@ def tiny_trained(base: Path, steps: int = 40) -> dict:
         ShardConfig(
             inputs=[str(_corpus(root / "corpus.jsonl"))],
             out_dir=str(root / "data"),
-            vocab_size=256,
+            vocab_size=vocab_size,
             seq_len=64,
             val_fraction=0.2,
             shard_size_mb=0.05,
@@ -98,3 +99,37 @@ def with_outlier_channels(model_dir: Path, out: Path, scale: float = 1000.0) -> 
                     if hasattr(projections, name):
                         getattr(projections, name).weight[:, 0] *= scale
     return save_hf(model, out, tokenizer_dir=model_dir)
+
+
+def grammar_task(folder: Path, n: int = 40) -> Path:
+    """A task YAML in lm-eval's own format (a local JSONL, as lm-eval's task guide writes one) on the fixture corpus'
+    grammar: after "the <adjective>" comes a noun, never a verb. The tiny trained model gets most right; a broken
+    INT8 model does not — unlike demo-continuation, whose passages this synthetic corpus makes indistinguishable."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        context = (
+            f"the {rng.choice(_WORDS['adj'])} {rng.choice(_WORDS['noun'])} {rng.choice(_WORDS['verb'])} "
+            f"the {rng.choice(_WORDS['adj'])}"
+        )
+        choices = [" " + rng.choice(_WORDS["noun"])] + [" " + v for v in rng.sample(_WORDS["verb"], 3)]
+        rows.append({"question": context, "choices": choices, "answer": 0})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "grammar.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yaml = folder / "grammar.yaml"
+    yaml.write_text(
+        "task: grammar\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    test: {folder / 'grammar.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\n'
+        "doc_to_choice: choices\n"
+        "doc_to_target: answer\n"
+        'target_delimiter: ""\n'
+        "metric_list:\n"
+        "  - metric: acc\n"
+    )
+    return yaml

@@ -21,8 +21,9 @@ def _stage_modules() -> list[str]:
 # The floors, lowest first: (name, units, open). A module imports from its own unit (a module, or a package and
 # everything in it), from a lower floor, or, on an open floor, from the units beside it; never from a floor above.
 # The domain packages are closed floors of their own: the planner is arithmetic over shapes and layouts, the model
-# stands on it, the parallelisms, the profiler and quantization on the model, the trainer and the environment checks
-# (which read quantization's version pins) on those. A module in no unit fails test_every_module_has_a_floor.
+# stands on it, the lm-eval harness (the model as an lm-eval LM) on the model, the parallelisms, the profiler and
+# quantization (whose gate runs the harness) on those, the trainer and the environment checks (which read
+# quantization's version pins) on those. A module in no unit fails test_every_module_has_a_floor.
 FLOORS = [
     ("data_prep", ["data_prep"], True),
     (
@@ -46,6 +47,7 @@ FLOORS = [
     ),
     ("domain: planner", ["tasks.planner"], False),
     ("domain: model", ["tasks.model"], False),
+    ("domain: evaluation harness", ["tasks.harness"], False),
     ("domain: parallel, profiling, quant", ["tasks.parallel", "tasks.profiling", "tasks.quant"], False),
     ("domain: envcheck, train", ["tasks.envcheck", "tasks.train"], False),
     ("stage runner", ["tasks.runner", "tasks.stages"], True),

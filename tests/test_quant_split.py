@@ -7,7 +7,7 @@ import torch
 
 from tasks.errors import StageError
 from tasks.quant import inputs
-from tasks.stages.evaluate import gate_figures
+from tasks.quant.quality import drops
 from tests.quant_fixture import tiny_trained
 
 
@@ -45,8 +45,8 @@ def test_empty_part_fails_in_one_line(tmp_path):
 def test_gate_figures_by_hand():
     ref = {"ppl": 10.0, "accuracy": 0.5, "continuations": [[1, 2, 3, 4], [5, 6]]}
     q = {"ppl": 10.5, "accuracy": 0.49, "continuations": [[1, 2, 0, 4], [5, 0]]}
-    g = gate_figures(ref, q)
+    g = drops(ref, q)
     assert g["ppl_drop_pct"] == pytest.approx(5.0) and g["accuracy_drop_pct"] == pytest.approx(2.0)
     assert g["greedy_agreement"] == pytest.approx(4 / 6) and g["greedy_disagreement_pct"] == pytest.approx(100 / 3)
     assert g["agreement_tokens"] == 6
-    assert "greedy_agreement" not in gate_figures(dict(ref, continuations=[]), dict(q, continuations=[]))
+    assert "greedy_agreement" not in drops(dict(ref, continuations=[]), dict(q, continuations=[]))

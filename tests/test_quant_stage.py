@@ -9,16 +9,23 @@ import torch
 
 from tasks.errors import StageError
 from tasks.runner import run_stage
-from tests.quant_fixture import tiny_trained
+from tests.quant_fixture import grammar_task, tiny_trained
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return tiny_trained(tmp_path_factory.getbasetemp())
+    base = tmp_path_factory.getbasetemp()
+    return dict(tiny_trained(base), grammar=grammar_task(base / "grammar-task"))
 
 
 def _args(tiny, **kw):
     return argparse.Namespace(**{"model_dir": str(tiny["model_dir"]), "shard_dir": str(tiny["shard_dir"]), **kw})
+
+
+@pytest.fixture
+def cfg(cfg, tiny):
+    cfg.evaluate.tasks = [str(tiny["grammar"])]  # a task the tiny model does well on: the gate means something
+    return cfg
 
 
 @pytest.mark.parametrize("method", ["int8_weight_only", "smoothquant"])
@@ -39,8 +46,10 @@ def test_quantize_saves_a_smaller_reloadable_model(cfg, tiny, tmp_path, method):
     with torch.no_grad():
         p, p_fp = q(tokens).float().softmax(-1), fp(tokens).softmax(-1)
     assert (p - p_fp).abs().max() < 0.1  # INT8 ≈ FP, token by token
+    assert r["gate"]["metric"] == "task_accuracy_drop_pct" and r["gate"]["passed_by"] == "ptq"
+    assert r["quant_dir"] == r["ptq_dir"] and "gate passed: task_accuracy_drop_pct" in r["summary"]
     again = run_stage("quantize", cfg, tmp_path, args=_args(tiny))  # idempotent: same inputs, same output reused
-    assert again["reused"] and again["int8_mb"] == r["int8_mb"]
+    assert again["reused"] and again["int8_mb"] == r["int8_mb"] and again["gate"] == r["gate"]
 
 
 def test_bad_inputs_fail_in_one_line(cfg, tiny, tmp_path):

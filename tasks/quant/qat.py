@@ -139,8 +139,9 @@ def _fake_quantize_experts(model, wanted: set) -> list:
 
 
 def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, device) -> dict:
-    """QAT from the FP checkpoint with PTQ's layer choice; writes <run-dir>/quantize_qat/ in PTQ's format.
-    → {"quant_dir", "meta", "losses", "seconds"} (AMCT: also "model", the in-memory retrained model to gate)."""
+    """QAT from the FP checkpoint with PTQ's layer choice; writes <run-dir>/quantize_qat/ (torchao: PTQ's format;
+    AMCT: the retrained module + the deploy ONNX). → {"quant_dir", "meta", "losses", "seconds"} (AMCT: also "model",
+    the in-memory retrained model)."""
     from tasks.model.hf_io import load_hf
     from tasks.quant import metrics
     from tasks.quant.artifact import DTYPES, META, WEIGHTS, save_model
@@ -190,8 +191,11 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
                 tmp / "amct",
                 lambda m: finetune(m, q.qat_steps, batches, t.min_lr, t.weight_decay, t.grad_clip, device),
             )
-            meta.update(paths, format="onnx", int8_bytes=metrics.size_on_disk(paths["deploy_onnx"]))
+            # The retrained (fake-quant) module is what the gate judged: saved as AMCT's LLM flow saves its model,
+            # so evaluate measures and registers the same; the deploy ONNX for ATC beside it.
             out["model"] = retrained.eval()
+            save_model(out["model"], tmp / WEIGHTS, "torch_module")
+            meta.update(paths, format="torch_module", int8_bytes=metrics.size_on_disk(paths["deploy_onnx"]))
         meta["qat_final_loss"] = losses[-1] if losses else None
         atomic_write_json(tmp / META, meta)
     except BaseException:
@@ -199,7 +203,7 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
         raise
     dest = ctx_dir / QAT_DIR
     swap_dir(tmp, dest)  # the previous QAT result stays until this one is complete
-    if "model" in out:  # the ONNX paths were written under tmp: point them at the published folder
+    if "deploy_onnx" in meta:  # the ONNX paths were written under tmp: point them at the published folder
         for k in ("deploy_onnx", "fake_quant_onnx"):
             meta[k] = str(dest / Path(meta[k]).relative_to(tmp))
         atomic_write_json(dest / META, meta)

@@ -1,20 +1,24 @@
-"""The evaluation gate and the MLflow Model Registry: candidate on passing the accuracy gate, champion when it also
-beats the current champion on the same validation data. Aliases, never stages (deprecated in MLflow 3).
+"""The evaluation gate's threshold and the MLflow Model Registry: candidate on passing the gate, champion when its task
+accuracy is not lower than the current champion's, both evaluated on the same tasks in the same run. Aliases, never
+stages (deprecated in MLflow 3).
 
-Champion rule: perplexities are compared only when both were measured on the same shard set (same manifest
-digest): other validation tokens, maybe another tokenizer, make perplexities incomparable, so a candidate from new
-data is not promoted automatically — the result says so and how to promote by hand.
+Champion rule: the tasks are text, so models with different tokenizers or trained on other data are comparable;
+each version is registered with its tokenizer and config.json (extra files), which is how evaluate runs the champion
+again. A champion registered before that, without a tokenizer, is comparable only when it was measured on the same
+shard set (whose tokenizer is then its own); otherwise the result says so and how to promote by hand.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from tasks.errors import ConfigError, StageError
 
 CANDIDATE, CHAMPION = "candidate", "champion"
-PPL_TAG, DIGEST_TAG = "eval.int8_ppl", "data.manifest_digest"
+PPL_TAG, DIGEST_TAG, TASKS_TAG = "eval.int8_ppl", "data.manifest_digest", "eval.task_macro"
+EXTRA = "extra_files"  # where mlflow.pytorch.log_model puts `extra_files` inside the model's artifacts
 
 
 def check_threshold(max_drop_pct) -> float:
@@ -28,33 +32,28 @@ def check_threshold(max_drop_pct) -> float:
     return float(max_drop_pct)
 
 
-def drop_pct(fp_ppl: float, int8_ppl: float) -> float:
-    """Relative perplexity increase of the INT8 model, in percent (negative: INT8 scored better)."""
-    return (int8_ppl - fp_ppl) / fp_ppl * 100.0
-
-
 @dataclass(frozen=True)
 class Promotion:
     promote: bool
     reason: str
-    comparable: bool = True  # False: the champion was measured on other data, a human has to decide
+    comparable: bool = True  # False: the champion could not be measured on the tasks, a human has to decide
 
 
-def champion_decision(candidate_ppl: float, candidate_digest: str, champion: dict | None) -> Promotion:
-    """`champion` is {"version", "ppl", "digest"} of the current champion, or None."""
+def champion_decision(candidate: float, champion: dict | None, margin_pct: float) -> Promotion:
+    """`candidate`: the candidate's macro task accuracy; `champion`: {"version", "macro"} measured in the same run on
+    the same tasks (or {"version", "problem"} when it could not be), or None. Promote unless the candidate is lower
+    by more than `margin_pct` percent of the champion's."""
     if champion is None:
         return Promotion(True, "no champion yet")
     v = champion["version"]
-    if champion.get("digest") != candidate_digest or champion.get("ppl") is None:
-        return Promotion(
-            False,
-            f"champion v{v} was evaluated on data {champion.get('digest') or '?'}, this model on "
-            f"{candidate_digest}: perplexities are not comparable; promote by hand after review",
-            comparable=False,
-        )
-    if candidate_ppl < champion["ppl"]:
-        return Promotion(True, f"beats champion v{v} ({candidate_ppl:.4f} < {champion['ppl']:.4f})")
-    return Promotion(False, f"does not beat champion v{v} ({candidate_ppl:.4f} >= {champion['ppl']:.4f})")
+    if champion.get("macro") is None:
+        return Promotion(False, f"champion v{v}: {champion['problem']}; promote by hand after review", False)
+    c = champion["macro"]
+    change = (candidate - c) / c * 100.0 if c else 0.0
+    figures = f"macro task accuracy {candidate:.4f} vs champion v{v} {c:.4f} ({change:+.2f}%, margin {margin_pct:g}%)"
+    if -change <= margin_pct:
+        return Promotion(True, f"not below champion v{v} by more than the margin: {figures}")
+    return Promotion(False, f"below champion v{v} by more than the margin: {figures}")
 
 
 def _client(uri: str):
@@ -64,14 +63,35 @@ def _client(uri: str):
 
 
 def current_champion(uri: str, name: str) -> dict | None:
+    """{"version", "digest", "uri"} of the version with the champion alias, or None."""
     from mlflow.exceptions import MlflowException
 
     try:
         mv = _client(uri).get_model_version_by_alias(name, CHAMPION)
     except MlflowException:  # no such model, or no champion alias yet
         return None
-    ppl = mv.tags.get(PPL_TAG)
-    return {"version": str(mv.version), "ppl": float(ppl) if ppl else None, "digest": mv.tags.get(DIGEST_TAG)}
+    return {"version": str(mv.version), "digest": mv.tags.get(DIGEST_TAG), "uri": f"models:/{name}/{mv.version}"}
+
+
+def download(model_uri: str, dst: Path) -> Path:
+    """The registered model's files (MLmodel, weights, extra files) into `dst`; → the local model folder."""
+    import mlflow
+
+    dst.mkdir(parents=True, exist_ok=True)
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(dst)))
+
+
+def load_registered(local: Path, device):
+    """The registered (pickled) INT8 module from a downloaded model folder, on `device`."""
+    import mlflow
+
+    try:
+        import torchao  # noqa: F401  (torchao's tensor subclasses inside the pickle)
+    except ImportError:
+        pass
+    # The pickle is our own module, registered by our evaluate stage (trusted, as artifact.load_quantized's AMCT
+    # module): torch.load's weights_only default (True since torch 2.6) would refuse a module.
+    return mlflow.pytorch.load_model(str(local), map_location=device, weights_only=False).eval()
 
 
 def find_version(uri: str, name: str, tag: str, value: str):
@@ -85,8 +105,17 @@ def find_version(uri: str, name: str, tag: str, value: str):
     return max(found, key=lambda mv: int(mv.version)) if found else None
 
 
-def register(uri: str, name: str, model, tags: dict, pip_requirements: list[str]) -> str:
-    """Log the model as a LoggedModel in the active run and register it; returns the new version."""
+def register(
+    uri: str,
+    name: str,
+    model,
+    tags: dict,
+    pip_requirements: list[str],
+    extra_files: list[str] | None = None,
+    description: str | None = None,
+) -> str:
+    """Log the model as a LoggedModel in the active run (with `extra_files`: its tokenizer and config.json) and
+    register it, with `description`; returns the new version."""
     import mlflow
     import numpy as np
     from mlflow.models import ModelSignature
@@ -99,10 +128,21 @@ def register(uri: str, name: str, model, tags: dict, pip_requirements: list[str]
     # input example: inference runs the model and cannot represent BF16 logits in numpy.
     signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.int64), (-1, -1), "tokens")]))
     info = mlflow.pytorch.log_model(
-        model, name="int8_model", serialization_format="pickle", signature=signature, pip_requirements=pip_requirements
+        model,
+        name="int8_model",
+        serialization_format="pickle",
+        signature=signature,
+        pip_requirements=pip_requirements,
+        extra_files=extra_files or None,
     )
     mv = mlflow.register_model(info.model_uri, name, tags={k: str(v) for k, v in tags.items()})
+    if description:
+        _client(uri).update_model_version(name, mv.version, description=description)
     return str(mv.version)
+
+
+def describe(uri: str, name: str, version: str, description: str) -> None:
+    _client(uri).update_model_version(name, version, description=description)
 
 
 def set_alias(uri: str, name: str, alias: str, version: str) -> None:

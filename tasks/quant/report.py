@@ -1,6 +1,7 @@
-"""The FP-vs-INT8 comparison as a table (JSON rows + markdown) and a figure, for MLflow and for a human.
+"""The FP-vs-INT8 comparison as a table (JSON rows + markdown) and a figure, for MLflow and for a human; the per-task
+table (FP32 / BF16 / INT8 / champion) for the registered version's description.
 
-`stages` is [PTQ metrics] or [PTQ metrics, QAT metrics] (evaluate's metric dicts): QAT sits beside PTQ."""
+`stages` is evaluate's metric dicts of the INT8 models measured (the one quantize handed on)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def comparison_rows(stages: list[dict]) -> list[dict]:
     rows = [
         {
             "model": "FP32",
+            "task_accuracy": m["fp_task_macro"],
             "perplexity": m["fp_ppl"],
             "top1_accuracy": m["fp_accuracy"],
             "greedy_agreement": None,
@@ -27,6 +29,7 @@ def comparison_rows(stages: list[dict]) -> list[dict]:
         },
         {
             "model": "BF16 (reference)" if ref_is_bf16 else "BF16",
+            "task_accuracy": m["ref_task_macro"] if ref_is_bf16 else None,
             "perplexity": m["ref_ppl"] if ref_is_bf16 else None,
             "top1_accuracy": m["ref_accuracy"] if ref_is_bf16 else None,
             "greedy_agreement": 1.0 if ref_is_bf16 else None,
@@ -40,6 +43,7 @@ def comparison_rows(stages: list[dict]) -> list[dict]:
         rows.append(
             {
                 "model": _label(s),
+                "task_accuracy": s["int8_task_macro"],
                 "perplexity": s["int8_ppl"],
                 "top1_accuracy": s["int8_accuracy"],
                 "greedy_agreement": s.get("greedy_agreement"),
@@ -52,25 +56,39 @@ def comparison_rows(stages: list[dict]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], stages: list[dict], generations: list[dict], split: dict) -> str:
-    def cell(v):
-        return "—" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+def _cell(v):
+    return "—" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
 
+
+def _table(cols: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + [
+        "| " + " | ".join(_cell(v) for v in r) + " |" for r in rows
+    ]
+
+
+def task_lines(tasks: dict) -> list[str]:
+    """The per-task table: one row per evaluate.tasks entry, a column per model measured."""
+    models = [m for m in ("fp32", "bf16", "int8", "champion") if any(m in r for r in tasks.values())]
+    cols = ["task", "metric", "examples"] + [m.upper() if m != "champion" else "champion" for m in models]
+    return _table(cols, [[r["name"], r["metric"], r["n"]] + [r.get(m) for m in models] for r in tasks.values()])
+
+
+def markdown(rows: list[dict], stages: list[dict], generations: list[dict], split: dict, tasks: dict) -> str:
     cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in cols) + " |" for r in rows]
+    lines = _table(cols, [[r[c] for c in cols] for r in rows])
     m = stages[0]
+    lines += ["", "## Tasks (lm-evaluation-harness)", "", *task_lines(tasks)]
     lines += [
         "",
         f"Gate: `{m['gate_metric']}` ≤ {m['max_drop_pct']}%, INT8 against the unquantized model in "
-        f"{m['reference'].upper()}.",
+        f"{m['reference'].upper()}{' (task scores measured by quantize, reused)' if m['task_scores_reused'] else ''}.",
     ]
     for s in stages:
         verdict = "passed" if s["passed"] else "missed"
         agree = f", greedy disagreement {s['greedy_disagreement_pct']:.2f}%" if "greedy_disagreement_pct" in s else ""
         lines.append(
-            f"- {s['stage'].upper()}: {verdict} — accuracy drop {s['accuracy_drop_pct']:.3f}%, perplexity "
-            f"rise {s['ppl_drop_pct']:.3f}%{agree}."
+            f"- {s['stage'].upper()}: {verdict} — macro task accuracy drop {s['task_accuracy_drop_pct']:.3f}%; "
+            f"next-token accuracy drop {s['accuracy_drop_pct']:.3f}%, perplexity rise {s['ppl_drop_pct']:.3f}%{agree}."
         )
     lines += [
         "",
@@ -97,16 +115,38 @@ def markdown(rows: list[dict], stages: list[dict], generations: list[dict], spli
     return "\n".join(lines) + "\n"
 
 
+def description(tasks: dict, m: dict, champion: dict | None, reason: str) -> str:
+    """The registered version's description: the gate, the per-task table, the champion comparison."""
+    lines = [
+        f"INT8 {m['method']} ({m['backend']}, {m['stage'].upper()}): `{m['gate_metric']}` "
+        f"{m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']:g}%) against {m['reference'].upper()}; macro task "
+        f"accuracy FP32 {m['fp_task_macro']:.4f}, {m['reference'].upper()} {m['ref_task_macro']:.4f}, INT8 "
+        f"{m['int8_task_macro']:.4f}.",
+        "",
+        *task_lines(tasks),
+        "",
+        f"Champion: {reason}." if champion or reason else "",
+        f"Supplementary (val tokens): perplexity {m['ref_ppl']:.4f} → {m['int8_ppl']:.4f}, next-token top-1 "
+        f"{m['ref_accuracy']:.4f} → {m['int8_accuracy']:.4f}; size {m['size_ratio_vs_bf16']:.2f}x BF16.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def figure(stages: list[dict]):
     from matplotlib.figure import Figure  # not pyplot: no global figure registry, no GUI backend
 
     m = stages[0]
     ints = [f"INT8 {s['stage'].upper()}" for s in stages]
-    fig = Figure(figsize=(14, 3.2))
-    axes = fig.subplots(1, 4)
+    fig = Figure(figsize=(17, 3.2))
+    axes = fig.subplots(1, 5)
     panels = [
         (
-            "top-1 accuracy",
+            "task accuracy (macro)",
+            ["FP32", "BF16"] + ints,
+            [m["fp_task_macro"], m["ref_task_macro"]] + [s["int8_task_macro"] for s in stages],
+        ),
+        (
+            "next-token top-1 accuracy",
             ["FP32", "BF16"] + ints,
             [m["fp_accuracy"], m["ref_accuracy"]] + [s["int8_accuracy"] for s in stages],
         ),

@@ -1,36 +1,36 @@
-"""Evaluation gate: the INT8 model against the unquantized model (in quantize.dtype, BF16 by default: what INT8
-replaces) on the evaluation part of the val split — disjoint from the calibration part (inputs.SPLIT_RULE).
+"""Evaluation and registry: the INT8 model the quantize stage handed on (PTQ, or QAT when PTQ missed the gate),
+measured beside the unquantized model in FP32 and in quantize.dtype (BF16 by default: what INT8 replaces).
 
-Measured side by side: perplexity, next-token top-1 accuracy, agreement of greedy continuations (INT8 vs BF16 over
-evaluate.prompts and a fixed sample of evaluation windows), size on disk, and prefill/decode speed (KV cache,
-batch 1) against BF16 and FP32 from the same run. The gate applies evaluate.max_drop_pct to evaluate.gate_metric
-(default the relative top-1 accuracy drop). Passing → a new version in the MLflow Model Registry with alias
-`candidate`, promoted to `champion` when it also beats the champion on the same data. Missing it with
-quantize.qat_on_fail → quantization-aware training (tasks.quant.qat) and the same gate again on the same data; the
-registered version says whether PTQ or QAT passed. Missing it for good → the stage fails with both figures and the
-advice (and an AMCT QAT hand-off config).
+Task accuracy (lm-evaluation-harness over evaluate.tasks: tasks.harness, tasks.quant.gate) is the gate: the relative
+drop of the macro-average accuracy of INT8 against the reference must stay within evaluate.max_drop_pct (quantize
+judged the same; its task scores are reused when they were measured on exactly these tasks and models). Beside it,
+supplementary figures on the evaluation part of the val split, disjoint from calibration: perplexity, next-token
+top-1 accuracy, greedy agreement, size on disk, prefill/decode speed (KV cache, batch 1).
+
+Passing → a new version in the MLflow Model Registry (with its tokenizer and config, the per-task table in its
+description), alias `candidate`; the current champion is scored on the same tasks in the same run with its own
+tokenizer, and the candidate becomes `champion` unless its macro task accuracy is lower by more than
+evaluate.champion_margin. Missing the gate → the stage fails with the figures, PTQ's and QAT's, and the advice (and
+an AMCT QAT hand-off config).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-from dataclasses import dataclass, field
+import tempfile
 from pathlib import Path
 
 from tasks import runner, tracking
 from tasks.config import PipelineConfig
 from tasks.errors import StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
-from tasks.quant import inputs, registry, report
+from tasks.quant import gate, inputs, quality, registry, report
 from tasks.quant.artifact import META
 from tasks.quant.plan import gate_advice
 
-GATE_METRICS = {
-    "accuracy_drop_pct": "relative next-token top-1 accuracy drop",
-    "ppl_drop_pct": "relative perplexity rise",
-    "greedy_disagreement_pct": "greedy-continuation token disagreement",
-}
+GATE_METRICS = gate.GATE_METRICS
+MODELS = ("fp32", "bf16", "int8")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -46,69 +46,7 @@ def _quant_dir(ctx) -> Path:
     return Path(path)
 
 
-@dataclass
-class EvalData:
-    batches: list  # evaluation part of the val split
-    split: dict  # its record (rule, count, window indices)
-    windows: object = None  # [k, prompt_len] prompts cut from the first evaluation windows
-    prompts: list = field(default_factory=list)  # token ids of evaluate.prompts
-    prompt_texts: list = field(default_factory=list)
-    new_tokens: int = 0
-
-
-def eval_data(cfg: PipelineConfig, shard_dir: Path, max_seq_len: int) -> EvalData:
-    import torch
-    from tokenizers import Tokenizer
-
-    e = cfg.evaluate
-    batches, split = inputs.val_part(shard_dir, e.eval_batches, cfg.train.micro_batch, "evaluation")
-    data = EvalData(batches, split, new_tokens=max(1, min(e.max_new_tokens, max_seq_len // 2)))
-    if e.agreement_windows:
-        rows = torch.cat([b[0] for b in batches])[: e.agreement_windows]
-        data.windows = rows[:, : min(rows.size(1) // 2, max_seq_len - data.new_tokens)]
-    tok = Tokenizer.from_file(str(shard_dir / "tokenizer.json"))
-    for text in e.prompts:
-        ids = tok.encode(text).ids[-(max_seq_len - data.new_tokens) :]
-        if ids:
-            data.prompts.append(ids)
-            data.prompt_texts.append(text)
-    return data
-
-
-def quality(model, data: EvalData, device) -> dict:
-    """Perplexity and top-1 accuracy over the evaluation tokens, and the greedy continuations (KV cache)."""
-    import torch
-
-    from tasks.model.generate import greedy
-    from tasks.quant import metrics
-
-    scores = metrics.perplexity(model, data.batches, device)
-    conts = []
-    if data.windows is not None:
-        conts += greedy(model, data.windows.to(device), data.new_tokens).tolist()
-    conts += [greedy(model, torch.tensor([ids], device=device), data.new_tokens)[0].tolist() for ids in data.prompts]
-    return dict(scores, continuations=conts)
-
-
-def gate_figures(ref: dict, q: dict) -> dict:
-    """The INT8 model's drops against the reference, in percent (positive: INT8 is worse)."""
-    from tasks.quant import metrics
-
-    out = {
-        "ppl_drop_pct": registry.drop_pct(ref["ppl"], q["ppl"]),
-        "accuracy_drop_pct": (ref["accuracy"] - q["accuracy"]) / ref["accuracy"] * 100 if ref["accuracy"] else 0.0,
-    }
-    if ref["continuations"]:
-        agree = metrics.agreement(ref["continuations"], q["continuations"])
-        out.update(
-            greedy_agreement=agree,
-            greedy_disagreement_pct=(1 - agree) * 100,
-            agreement_tokens=sum(len(c) for c in ref["continuations"]),
-        )
-    return out
-
-
-def speed(models: dict, data: EvalData, cfg: PipelineConfig, device) -> dict:
+def speed(models: dict, data: quality.EvalData, cfg: PipelineConfig, device) -> dict:
     """Prefill and KV-cache decode at batch 1: a prompt of evaluate.latency_tokens, new tokens as for agreement."""
     from tasks.quant import metrics
 
@@ -124,38 +62,58 @@ def speed(models: dict, data: EvalData, cfg: PipelineConfig, device) -> dict:
     return out
 
 
-class Measurer:
-    """The FP32 and reference models, the evaluation data and the reference's quality, loaded once: PTQ and QAT
-    are measured against the same."""
+def task_table(scores: dict) -> dict:
+    """{model: suite.score result} → {entry: {"name", "metric", "n", <model>: value}} (one row per task)."""
+    rows = {}
+    for model, s in scores.items():
+        for entry, r in s["entries"].items():
+            row = rows.setdefault(entry, {"name": r["name"], "metric": r["metric"], "n": r["n"]})
+            row[model] = r["value"]
+    return rows
 
-    def __init__(self, cfg: PipelineConfig, model_dir: Path, shard_dir: Path, ref_dtype: str):
+
+class Measurer:
+    """The FP32 and reference models, the tasks and the evaluation tokens, and what the models score on them."""
+
+    def __init__(self, cfg: PipelineConfig, model_dir: Path, shard_dir: Path, ref_dtype: str, suite, kind: str):
         import copy
 
         import torch
 
         from tasks import device as devices
-        from tasks.model.hf_io import load_hf
+        from tasks.harness.models import full_precision, load_tokenizer
 
-        self.cfg = cfg
-        self.kind = devices.detect(cfg.hardware.device).kind
-        self.device = devices.torch_device(self.kind)
-        self.fp32 = load_hf(model_dir, device=self.device).eval()
+        self.cfg, self.suite, self.kind = cfg, suite, kind
+        self.device = devices.torch_device(kind)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.fp32 = full_precision(model_dir, "fp32", self.device)
         self.ref_name = ref_dtype
         if ref_dtype == "fp32":
             self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
             self.ref = self.fp32
         else:
-            self.bf16 = self.ref = copy.deepcopy(self.fp32).to(torch.bfloat16)
+            self.bf16 = self.ref = full_precision(model_dir, ref_dtype, self.device)
         self.bf16.init_rope()
-        self.data = eval_data(cfg, shard_dir, self.fp32.config.max_seq_len)
-        self.ref_q = quality(self.ref, self.data, self.device)
-        self.fp_q = self.ref_q if self.ref is self.fp32 else quality(self.fp32, self.data, self.device)
+        self.data = quality.eval_data(cfg, shard_dir, self.fp32.config.max_seq_len)
+        self.ref_q = quality.quality(self.ref, self.data, self.device)
+        self.fp_q = self.ref_q if self.ref is self.fp32 else quality.quality(self.fp32, self.data, self.device)
+        self.scores = {"fp32": self.score(self.fp32)}
 
-    def measure(self, model, meta: dict, stage: str) -> tuple[dict, dict]:
-        """→ (metrics, the INT8 model's quality incl. continuations)."""
-        q = quality(model, self.data, self.device)
-        mb = 1024**2
+    def score(self, model, tokenizer=None) -> dict:
+        return gate.score(model, tokenizer or self.tokenizer, self.suite, self.cfg, self.device)
+
+    def measure(self, model, meta: dict, stage: str, reused: dict | None) -> dict:
+        """The INT8 model's figures beside the references'; the gate value under evaluate.gate_metric."""
         e = self.cfg.evaluate
+        q = quality.quality(model, self.data, self.device)
+        ref_key = "fp32" if self.ref is self.fp32 else self.ref_name
+        if reused:  # quantize scored the reference and this very model on these very tasks
+            self.scores[ref_key] = self.scores.get(ref_key) or reused["ref"]
+            self.scores["int8"] = reused["int8"]
+        else:
+            self.scores.setdefault(ref_key, self.score(self.ref))
+            self.scores["int8"] = self.score(model)
+        mb = 1024**2
         m = {
             "stage": stage,
             "reference": self.ref_name,
@@ -168,7 +126,12 @@ class Measurer:
             "ref_accuracy": self.ref_q["accuracy"],
             "int8_accuracy": q["accuracy"],
             "eval_tokens": q["tokens"],
-            **gate_figures(self.ref_q, q),
+            "fp_task_macro": self.scores["fp32"]["macro"],
+            "ref_task_macro": self.scores[ref_key]["macro"],
+            "int8_task_macro": self.scores["int8"]["macro"],
+            gate.TASK_GATE: gate.relative_drop(self.scores[ref_key]["macro"], self.scores["int8"]["macro"]),
+            "task_scores_reused": bool(reused),
+            **quality.drops(self.ref_q, q),
             "int8_mb": meta["int8_bytes"] / mb,
             "bf16_mb": meta["bf16_bytes"] / mb,
             "fp32_mb": meta["fp32_bytes"] / mb,
@@ -184,32 +147,68 @@ class Measurer:
         if e.gate_metric not in m:
             raise StageError(
                 f"evaluate.gate_metric {e.gate_metric}: nothing to measure it on (evaluate.prompts is "
-                "empty and evaluate.agreement_windows is 0); set one, or gate on accuracy_drop_pct"
+                "empty and evaluate.agreement_windows is 0); set one, or gate on task_accuracy_drop_pct"
             )
         m["gate_value"] = m[e.gate_metric]
         m["passed"] = m["gate_value"] <= e.max_drop_pct
-        return m, q
+        self.int8_q = q
+        return m
 
-    def generations(self, q: dict, tok) -> list[dict]:
+    def generations(self, tok) -> list[dict]:
         n = len(self.data.prompts)
         if not n:
             return []
-        ref, int8 = self.ref_q["continuations"][-n:], q["continuations"][-n:]
+        ref, int8 = self.ref_q["continuations"][-n:], self.int8_q["continuations"][-n:]
         return [
             {"prompt": text, "fp": tok.decode(a), "int8": tok.decode(b)}
             for text, a, b in zip(self.data.prompt_texts, ref, int8)
         ]
 
 
-def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict | None) -> dict:
+def _champion_scores(cfg, ctx, champion: dict, digest: str, shard_dir: Path, measurer: Measurer) -> dict:
+    """The champion measured here, on the same tasks, with its own tokenizer: {"version", "macro", "scores"}, or
+    {"version", "problem"} when it cannot be."""
+    from tasks.harness import suite as suites
+    from tasks.harness.models import load_tokenizer
+
+    v = champion["version"]
+    with tempfile.TemporaryDirectory(prefix=".champion.", dir=ctx.run_dir) as tmp:
+        try:
+            local = registry.download(champion["uri"], Path(tmp))
+        except Exception as e:  # noqa: BLE001 — an unreadable registry entry is the champion's problem, not ours
+            return {"version": v, "problem": f"its files could not be read from the registry ({str(e)[:200]})"}
+        extra = local / registry.EXTRA
+        if (extra / "tokenizer.json").is_file():
+            tok = load_tokenizer(extra)
+        elif champion.get("digest") == digest:  # registered before tokenizers were: same shard set, same tokenizer
+            tok = load_tokenizer(shard_dir, eos=read_json(shard_dir / "manifest.json").get("eos_token"))
+        else:
+            return {
+                "version": v,
+                "problem": "registered without its tokenizer (before task evaluation) and measured on other data "
+                f"({champion.get('digest') or '?'}), so it cannot be run on text here",
+            }
+        model = registry.load_registered(local, measurer.device)
+    try:
+        suites.check_generation(measurer.suite, model.config.max_seq_len, f"champion v{v}")
+    except StageError as e:
+        return {"version": v, "problem": str(e)}
+    scores = measurer.score(model, tok)
+    return {"version": v, "macro": scores["macro"], "scores": scores}
+
+
+def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict | None, tasks: list[str]) -> dict:
     """Lineage on every version: the DAG run, the training run, the data, this evaluation, and which flow passed."""
     tags = {
         "train.run_id": ctx.inputs.get("train", {}).get("mlflow_run_id") or "unknown",
         registry.DIGEST_TAG: digest,
         registry.PPL_TAG: f"{m['int8_ppl']:.6f}",
+        registry.TASKS_TAG: f"{m['int8_task_macro']:.6f}",
         "eval.fp_ppl": f"{m['fp_ppl']:.6f}",
         "eval.ppl_drop_pct": f"{m['ppl_drop_pct']:.4f}",
         "eval.accuracy_drop_pct": f"{m['accuracy_drop_pct']:.4f}",
+        "eval.task_accuracy_drop_pct": f"{m[gate.TASK_GATE]:.4f}",
+        "eval.tasks": ",".join(tasks),
         "eval.gate_metric": m["gate_metric"],
         "eval.gate_value": f"{m['gate_value']:.4f}",
         "eval.run_id": ctx.mlflow_run_id or "",
@@ -219,7 +218,7 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict |
         "quant.passed_by": m["stage"],
     }
     if ptq is not None:
-        tags["eval.ptq_gate_value"] = f"{ptq['gate_value']:.4f}"
+        tags["eval.ptq_gate_value"] = f"{ptq['value']:.4f}"
     if ctx.mlflow_run_id:
         import mlflow
 
@@ -228,30 +227,44 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict |
     return tags
 
 
-def _register(
-    cfg: PipelineConfig, ctx, meta: dict, m: dict, digest: str, quant_dir: Path, model, ptq: dict | None
-) -> dict:
+def _extra_files(model_dir: Path) -> list[str]:
+    """What runs the registered model on text later (a champion evaluation): its tokenizer and config.json."""
+    from tasks.harness.models import TOKENIZER_FILES
+
+    return [str(model_dir / f) for f in (*TOKENIZER_FILES, "config.json") if (model_dir / f).is_file()]
+
+
+def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard_dir, measurer) -> dict:
     from tasks.quant.artifact import pip_requirements
 
     uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
-    # Same quantized files (names, sizes, mtimes) + same data → the same version on a rerun.
-    key = hashlib.sha256(f"{inputs.fingerprint(quant_dir)}/{digest}".encode()).hexdigest()[:16]
+    # Same quantized weights + same data → the same version on a rerun.
+    weights = meta.get("weights_sha256") or inputs.fingerprint(quant_dir)
+    key = hashlib.sha256(f"{weights}/{digest}".encode()).hexdigest()[:16]
     existing = registry.find_version(uri, name, "quant.key", key)
     champion = registry.current_champion(uri, name)
+    rows = task_table(measurer.scores)
+    if champion is not None and existing is not None and champion["version"] == str(existing.version):
+        decision, champ = registry.Promotion(True, f"v{existing.version} is already the champion"), None
+    else:
+        champ = _champion_scores(cfg, ctx, champion, digest, shard_dir, measurer) if champion else None
+        decision = registry.champion_decision(m["int8_task_macro"], champ, cfg.evaluate.champion_margin)
+        if champ and "scores" in champ:
+            for entry, r in champ["scores"]["entries"].items():
+                rows[entry]["champion"] = r["value"]
+    description = report.description(rows, m, champ, decision.reason)
     if existing is not None:
         version = str(existing.version)
+        registry.describe(uri, name, version, description)
     else:
+        tags = _tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks))
         version = registry.register(
-            uri, name, model, _tags(uri, ctx, meta, m, digest, key, ptq), pip_requirements(meta)
+            uri, name, model, tags, pip_requirements(meta), _extra_files(model_dir), description
         )
     registry.set_alias(uri, name, registry.CANDIDATE, version)
-    if champion is not None and champion["version"] == version:
-        decision = registry.Promotion(True, f"v{version} is already the champion")
-    else:
-        decision = registry.champion_decision(m["int8_ppl"], digest, champion)
     if decision.promote:
         registry.set_alias(uri, name, registry.CHAMPION, version)
-    return {
+    out = {
         "registered_model": name,
         "version": version,
         "champion": decision.promote,
@@ -259,17 +272,27 @@ def _register(
         "comparable": decision.comparable,
         "aliases": registry.aliases(uri, name),
     }
+    if champ:
+        out["champion_compared"] = {"version": champ["version"], "macro": champ.get("macro")}
+        out.update({"champion_scores": champ["scores"]} if "scores" in champ else {})
+    return out, rows
 
 
 def _figures(m: dict) -> str:
     return (
-        f"{m['gate_metric']} {m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']}%); top-1 "
-        f"{m['ref_accuracy']:.3f} → {m['int8_accuracy']:.3f}, ppl {m['ref_ppl']:.3f} → {m['int8_ppl']:.3f}"
+        f"{m['gate_metric']} {m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']}%); task macro "
+        f"{m['ref_task_macro']:.3f} → {m['int8_task_macro']:.3f}, top-1 {m['ref_accuracy']:.3f} → "
+        f"{m['int8_accuracy']:.3f}, ppl {m['ref_ppl']:.3f} → {m['int8_ppl']:.3f}"
         + (f", greedy agreement {m['greedy_agreement']:.0%}" if "greedy_agreement" in m else "")
     )
 
 
-SHORT = {"accuracy_drop_pct": "acc drop", "ppl_drop_pct": "ppl rise", "greedy_disagreement_pct": "greedy diff"}
+SHORT = {
+    gate.TASK_GATE: "task acc drop",
+    "accuracy_drop_pct": "acc drop",
+    "ppl_drop_pct": "ppl rise",
+    "greedy_disagreement_pct": "greedy diff",
+}
 
 
 def _headline(m: dict) -> str:
@@ -291,19 +314,59 @@ def _speed_note(m: dict) -> str:
     return ", ".join(parts)
 
 
-def _log_stage(m: dict, prefix: str) -> None:
-    tracking.log_metrics({f"{prefix}{k}": v for k, v in m.items() if isinstance(v, (int, float))})
+def _task_summary(rows: dict, m: dict) -> str:
+    """Per-model task accuracy for the end-of-run summary: "demo-continuation acc FP32 0.61 BF16 0.61 INT8 0.60"."""
+    ref = "BF16" if m["reference"] == "bf16" else m["reference"].upper()
+    parts = []
+    for r in rows.values():
+        cols = (("FP32", "fp32"), (ref, m["reference"]), ("INT8", "int8"))
+        vals = [f"{label} {r[k]:.3f}" for label, k in cols if k in r]
+        vals += [f"champion {r['champion']:.3f}"] if "champion" in r else []
+        parts.append(f"{r['name']} {r['metric']} " + " ".join(dict.fromkeys(vals)))
+    return "; ".join(parts)
+
+
+def _task_detail(scores: dict, m: dict, reg: dict | None) -> str:
+    """The summary's second line: macro task accuracy per model ("tasks FP32 0.573 BF16 0.577 INT8 0.573 …")."""
+    ref = "BF16" if m["reference"] == "bf16" else m["reference"].upper()
+    names = {"fp32": "FP32", m["reference"]: ref, "int8": "INT8"}
+    parts = [f"{label} {scores[k]['macro']:.3f}" for k, label in names.items() if k in scores]
+    compared = (reg or {}).get("champion_compared") or {}
+    if compared.get("macro") is not None:
+        parts.append(f"champion v{compared['version']} {compared['macro']:.3f}")
+    return "task accuracy " + ", ".join(parts)
+
+
+def _log_tasks(rows: dict, scores: dict, m: dict, suite) -> None:
+    """MLflow metrics eval.task.<task>.<model>_<metric> (and eval.macro.<model>), and the table of every task."""
+    metrics = {}
+    for r in rows.values():
+        for model in (*MODELS, "champion"):
+            if model in r:
+                metrics[f"eval.task.{r['name']}.{model}_{r['metric']}"] = r[model]
+    for model, s in scores.items():
+        metrics[f"eval.macro.{model}"] = s["macro"]
+    metrics[f"eval.{gate.TASK_GATE}"] = m[gate.TASK_GATE]
+    tracking.log_metrics(metrics)
+    entry_of = {leaf: entry for entry, leaves in suite.entries.items() for leaf in leaves}
+    table = {"model": [], "entry": [], "task": [], "metric": [], "value": [], "examples": []}
+    for model, s in scores.items():
+        for leaf, r in s["tasks"].items():
+            for k, v in zip(table, (model, entry_of[leaf], leaf, r["metric"], r["value"], r["n"])):
+                table[k].append(v)
+    if tracking.active_run_id() is not None:
+        import mlflow
+
+        with tracking.best_effort("the task table"):
+            mlflow.log_table(data=table, artifact_file="evaluate/tasks_table.json")
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
-    from tokenizers import Tokenizer
-
+    from tasks import device as devices
     from tasks.model.hf_io import check_tokenizers
     from tasks.quant.artifact import load_quantized
 
     max_drop = registry.check_threshold(cfg.evaluate.max_drop_pct)
-    if cfg.evaluate.gate_metric not in GATE_METRICS:
-        raise StageError(f"evaluate.gate_metric: {cfg.evaluate.gate_metric!r} is not one of {', '.join(GATE_METRICS)}")
     quant_dir = _quant_dir(ctx)
     meta = read_json(quant_dir / META)
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
@@ -311,14 +374,24 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
     check_tokenizers(model_dir, shard_dir, "evaluate", quant_meta=meta, quant_dir=quant_dir)
     digest = inputs.manifest_digest(shard_dir)
-    measurer = Measurer(cfg, model_dir, shard_dir, meta.get("dtype", "bf16"))
-    ptq_model = load_quantized(quant_dir, device=measurer.device)
-    m, q = measurer.measure(ptq_model, meta, "ptq")
+    suite = gate.load_suite(cfg, ctx.run_dir, shard_dir, model_dir)  # every task checked before a model is loaded
+    kind = devices.detect(cfg.hardware.device).kind
+    record = read_json(quant_dir / gate.RECORD) if (quant_dir / gate.RECORD).is_file() else {}
+    reused = gate.reusable_scores(quant_dir / gate.RECORD, gate.record_key(cfg, suite, model_dir, quant_dir, kind))
+    measurer = Measurer(cfg, model_dir, shard_dir, meta.get("dtype", "bf16"), suite, kind)
+    model = load_quantized(quant_dir, device=measurer.device)
+    stage = meta.get("stage", "ptq")
+    final = measurer.measure(model, meta, stage, reused)
+    ptq = record.get("ptq") if stage == "qat" else None  # QAT ran in quantize after PTQ missed: PTQ's figure
+    if ptq is not None and record.get("qat"):
+        final.update(qat_steps=record["qat"]["steps"], qat_final_loss=record["qat"]["final_loss"])
     split = measurer.data.split
     tracking.log_params(
         {
             "evaluate.max_drop_pct": max_drop,
             "evaluate.gate_metric": cfg.evaluate.gate_metric,
+            "evaluate.tasks": ",".join(cfg.evaluate.tasks),
+            "evaluate.limit": cfg.evaluate.limit,
             "evaluate.data_digest": digest,
             "split.rule": split["rule"],
             "split.evaluation_sequences": split["sequences"],
@@ -326,52 +399,24 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             "split.calibration_keys_digest": meta.get("calibration_split", {}).get("keys_digest", ""),
         }
     )
-    _log_stage(m, "ptq.")
-    ptq, final, final_dir, final_meta, final_model, qat = None, m, quant_dir, meta, ptq_model, None
-    if not m["passed"] and cfg.quantize.qat_on_fail:
-        from tasks.quant import qat as qat_flow
+    tracking.log_metrics({f"{stage}.{k}": v for k, v in final.items() if isinstance(v, (int, float))})
+    if ptq is not None:
+        tracking.log_metrics({"ptq.gate_value": ptq["value"]})
+    from tokenizers import Tokenizer
 
-        ptq = m
-        qat = qat_flow.run(cfg, model_dir, shard_dir, meta, ctx.run_dir, measurer.device)
-        final_dir, final_meta = Path(qat["quant_dir"]), qat["meta"]
-        final_model = qat.get("model") or load_quantized(final_dir, device=measurer.device)
-        final, q = measurer.measure(final_model, final_meta, "qat")
-        final.update(qat_steps=len(qat["losses"]), qat_final_loss=qat["losses"][-1], qat_seconds=qat["seconds"])
-        _log_stage(final, "qat.")
-    tok = Tokenizer.from_file(str(shard_dir / "tokenizer.json"))
-    gens = measurer.generations(q, tok)
-
-    out = ctx.run_dir / "evaluate"
-    stages = [m] + ([final] if ptq is not None else [])
-    rows = report.comparison_rows(stages)
-    atomic_write_json(
-        out / "comparison.json",
-        {
-            "metrics": final,
-            "ptq": m,
-            "qat": final if ptq else None,
-            "rows": rows,
-            "generations": gens,
-            "split": split,
-            "calibration_split": meta.get("calibration_split"),
-        },
-    )
-    atomic_write_text(out / "comparison.md", report.markdown(rows, stages, gens, split))
-    atomic_save_figure(report.figure(stages), out / "comparison.png")
+    gens = measurer.generations(Tokenizer.from_file(str(shard_dir / "tokenizer.json")))
     tracking.log_metrics({k: v for k, v in final.items() if isinstance(v, (int, float))})
-    for f in ("comparison.json", "comparison.md", "comparison.png"):
-        tracking.log_artifact(out / f, "evaluate")
-    tracking.set_tags({"quant.passed_by": final["stage"] if final["passed"] else "none"})
-
     passed = final["passed"]
     figures = f"{_headline(final)}; {_figures(final)}; {_speed_note(final)}"
     if ptq is not None:
-        figures = f"{figures}; QAT {final['qat_steps']} steps after PTQ {_figures(ptq)}"
+        steps = final.get("qat_steps", "?")
+        figures = f"{figures}; QAT {steps} steps after PTQ {final['gate_metric']} {ptq['value']:+.2f}%"
     result = {
         "passed": passed,
         "passed_by": final["stage"] if passed else None,
         "gate_metric": final["gate_metric"],
         "gate_value": round(final["gate_value"], 4),
+        "task_accuracy_drop_pct": round(final[gate.TASK_GATE], 4),
         "ppl_drop_pct": round(final["ppl_drop_pct"], 4),
         "accuracy_drop_pct": round(final["accuracy_drop_pct"], 4),
         "fp_ppl": round(final["fp_ppl"], 4),
@@ -386,48 +431,30 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             for w in ("prefill", "decode")
             for b in ("bf16", "fp32")
         },
-        "ptq": {k: ptq[k] for k in ("gate_value", "ppl_drop_pct", "accuracy_drop_pct")} if ptq else None,
-        "quant_dir": str(final_dir),
+        "task_macro": {k: round(s["macro"], 4) for k, s in measurer.scores.items()},
+        "task_scores_reused": final["task_scores_reused"],
+        "ptq": {"gate_value": ptq["value"]} if ptq else None,
+        "quant_dir": str(quant_dir),
         "model_dir": str(model_dir),
         "data_digest": digest,
-        "comparison": str(out / "comparison.md"),
     }
+    reg, rows = None, task_table(measurer.scores)
+    if passed and ctx.mlflow_run_id:
+        reg, rows = _register(cfg, ctx, meta, final, digest, quant_dir, model, ptq, model_dir, shard_dir, measurer)
+    result["tasks"] = rows
+    result["summary_detail"] = _task_detail(measurer.scores, final, reg)
+    _write_report(ctx.run_dir / "evaluate", final, rows, gens, split, meta)
+    scores = dict(measurer.scores)
+    if reg and "champion_scores" in reg:
+        scores["champion"] = reg.pop("champion_scores")
+    _log_tasks(rows, scores, final, suite)
+    tracking.set_tags({"quant.passed_by": final["stage"] if passed else "none"})
+    figures = f"{figures}; tasks: {_task_summary(rows, final)}"
+    result["comparison"] = str(ctx.run_dir / "evaluate" / "comparison.md")
     if not passed:
-        from tasks.quant.amct_backend import write_qat_handoff
-
-        model = sample = None
-        if meta["backend"] == "amct":  # AMCT's create_quant_retrain_config writes the per-layer JSON from the model
-            from tasks.model.hf_io import load_hf
-
-            model = load_hf(model_dir)
-            sample = (inputs.val_batches(shard_dir, 1, cfg.train.micro_batch, "calibration")[0][0],)
-        handoff = write_qat_handoff(
-            out / "qat",
-            list(meta["layer_types"].items()),
-            meta["skipped_layers"],
-            meta["calibration_batches"],
-            model,
-            sample,
-        )
-        tracking.log_artifact(out / "qat", "evaluate/qat")
-        what = GATE_METRICS[final["gate_metric"]]
-        if ptq is not None:
-            reason = (
-                f"INT8 {what} exceeds evaluate.max_drop_pct {max_drop}% after PTQ ({ptq['gate_value']:.2f}%) "
-                f"and after QAT ({final['qat_steps']} steps: {final['gate_value']:.2f}%); try more "
-                f"quantize.qat_steps, or {gate_advice(meta['method'], meta['backend'])}"
-            )
-        else:
-            reason = (
-                f"INT8 {what} {final['gate_value']:.2f}% exceeds evaluate.max_drop_pct {max_drop}% "
-                f"({_figures(final)}); try {gate_advice(meta['method'], meta['backend'])}"
-            )
-        if cfg.evaluate.fail_on_gate:
-            raise StageError(reason)
-        return dict(result, status="warn", summary=f"gate missed: {figures}", qat=handoff, reason=reason)
-    if not ctx.mlflow_run_id:
+        return _missed(cfg, ctx, result, final, ptq, meta, model_dir, shard_dir, max_drop, figures)
+    if reg is None:
         return dict(result, status="warn", summary=f"not registered (tracking off): {figures}")
-    reg = _register(cfg, ctx, final_meta, final, digest, final_dir, final_model, ptq)
     tracking.set_tags({"registry.version": reg["version"], "registry.champion": reg["champion"]})
     status = "ok" if reg.pop("comparable") else "warn"
     role = "champion" if reg["champion"] else "candidate"
@@ -437,3 +464,58 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         status=status,
         summary=f"v{reg['version']} {role} {figures}; {reg['registered_model']}: {reg['champion_reason']}",
     )
+
+
+def _write_report(out: Path, final: dict, rows: dict, gens: list, split: dict, meta: dict) -> None:
+    table = report.comparison_rows([final])
+    atomic_write_json(
+        out / "comparison.json",
+        {
+            "metrics": final,
+            "rows": table,
+            "tasks": rows,
+            "generations": gens,
+            "split": split,
+            "calibration_split": meta.get("calibration_split"),
+        },
+    )
+    atomic_write_text(out / "comparison.md", report.markdown(table, [final], gens, split, rows))
+    atomic_save_figure(report.figure([final]), out / "comparison.png")
+    for f in ("comparison.json", "comparison.md", "comparison.png"):
+        tracking.log_artifact(out / f, "evaluate")
+
+
+def _missed(cfg, ctx, result, final, ptq, meta, model_dir, shard_dir, max_drop, figures) -> dict:
+    from tasks.quant.amct_backend import write_qat_handoff
+
+    out = ctx.run_dir / "evaluate"
+    model = sample = None
+    if meta["backend"] == "amct":  # AMCT's create_quant_retrain_config writes the per-layer JSON from the model
+        from tasks.model.hf_io import load_hf
+
+        model = load_hf(model_dir)
+        sample = (inputs.val_batches(shard_dir, 1, cfg.train.micro_batch, "calibration")[0][0],)
+    handoff = write_qat_handoff(
+        out / "qat",
+        list(meta["layer_types"].items()),
+        meta["skipped_layers"],
+        meta["calibration_batches"],
+        model,
+        sample,
+    )
+    tracking.log_artifact(out / "qat", "evaluate/qat")
+    what = GATE_METRICS[final["gate_metric"]]
+    if ptq is not None:
+        reason = (
+            f"INT8 {what} exceeds evaluate.max_drop_pct {max_drop}% after PTQ ({ptq['value']:.2f}%) "
+            f"and after QAT ({final.get('qat_steps', '?')} steps: {final['gate_value']:.2f}%); try more "
+            f"quantize.qat_steps, or {gate_advice(meta['method'], meta['backend'])}"
+        )
+    else:
+        reason = (
+            f"INT8 {what} {final['gate_value']:.2f}% exceeds evaluate.max_drop_pct {max_drop}% "
+            f"({_figures(final)}); try {gate_advice(meta['method'], meta['backend'])}"
+        )
+    if cfg.evaluate.fail_on_gate:
+        raise StageError(reason)
+    return dict(result, status="warn", summary=f"gate missed: {figures}", qat=handoff, reason=reason)

@@ -1,6 +1,13 @@
-"""INT8 post-training quantization of the trained model: AMCT on an Ascend host where `amct_pytorch` imports,
-torchao elsewhere; layers in quantize.skip_layers stay in quantize.dtype. Writes <run-dir>/quantize/ and reports
-its size on disk against the same weights saved in BF16 and FP32."""
+"""INT8 quantization of the trained model: AMCT on an Ascend host where `amct_pytorch` imports, torchao elsewhere;
+layers in quantize.skip_layers stay in quantize.dtype. Writes <run-dir>/quantize/ and reports its size on disk against
+the same weights saved in BF16 and FP32.
+
+Then the gate (tasks.quant.gate, evaluate.gate_metric: by default the macro task accuracy drop over evaluate.tasks
+against the unquantized model in quantize.dtype): post-training quantization first; missing the gate with
+quantize.qat_on_fail → quantization-aware training (tasks.quant.qat) into <run-dir>/quantize_qat/, judged the same
+way. The stage hands on the model that passed (or the last one tried, which evaluate refuses with both figures);
+`gate.json` beside it records the figures, and the task scores evaluate reuses.
+"""
 
 from __future__ import annotations
 
@@ -41,17 +48,53 @@ def _settings(cfg: PipelineConfig, model_dir: Path, backend: str) -> dict:
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
+    from tasks import device as devices
+    from tasks.model.hf_io import check_tokenizers
+
+    model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_set(cfg, ctx)
+    check_tokenizers(model_dir, shard_dir, "quantize")  # calibrating on another tokenizer's ids is silent otherwise
+    kind = devices.detect(cfg.hardware.device).kind
+    suite = None
+    if cfg.evaluate.gate_metric == "task_accuracy_drop_pct":  # the tasks checked before any model is loaded
+        from tasks.quant.gate import load_suite
+
+        suite = load_suite(cfg, ctx.run_dir, shard_dir, model_dir)
+    meta, out, reused = _ptq(cfg, ctx, model_dir, shard_dir, kind)
+    result = _result(meta, out, reused)
+    if meta["format"] == "onnx":  # AMCT's ONNX flow: nothing here runs it; evaluate says how to judge it
+        return result
+    record = _reusable_gate(cfg, model_dir, out, kind, suite) if reused else None
+    if record is None:
+        record = _gate(cfg, ctx, model_dir, shard_dir, out, meta, devices.torch_device(kind), kind, suite)
+    g = record["final"]
+    result.update(
+        quant_dir=record["quant_dir"],
+        ptq_dir=str(out),
+        gate={k: record[k] for k in ("metric", "max_drop_pct", "passed_by")} | {"ptq": record["ptq"]["value"]},
+    )
+    what = f"{record['metric']} {g['value']:+.2f}% (≤{record['max_drop_pct']:g}%)"
+    if record.get("qat"):
+        result["gate"]["qat"] = record["qat"]["value"]
+        verdict = "passed after QAT" if g["passed"] else "missed after PTQ and QAT"
+        what = f"PTQ {record['ptq']['value']:+.2f}%, QAT {record['qat']['steps']} steps {g['value']:+.2f}%"
+        result["summary"] = f"{result['summary']}; gate {verdict}: {what} (≤{record['max_drop_pct']:g}%)"
+    else:
+        result["summary"] = f"{result['summary']}; gate {'passed' if g['passed'] else 'missed'}: {what}"
+    result["status"] = "ok" if g["passed"] else "warn"
+    tracking.log_metrics({"gate.ptq_value": record["ptq"]["value"], "gate.value": g["value"]})
+    return result
+
+
+def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) -> tuple[dict, Path, bool]:
+    """Post-training quantization into <run-dir>/quantize/ (reused when the same settings wrote it intact)."""
     import torch
 
     from tasks import device as devices
-    from tasks.model.hf_io import check_tokenizers, load_hf
+    from tasks.model.hf_io import load_hf
     from tasks.model.model_dir import accepted_tokenizers
     from tasks.quant import metrics
 
     q = cfg.quantize
-    model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_set(cfg, ctx)
-    check_tokenizers(model_dir, shard_dir, "quantize")  # calibrating on another tokenizer's ids is silent otherwise
-    kind = devices.detect(cfg.hardware.device).kind
     amct_error = None
     if q.backend != "torchao":
         from tasks.quant.amct_backend import amct_import_error
@@ -64,7 +107,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     if (out / META).is_file() and {k: read_json(out / META).get(k) for k in settings} == settings:
         problem = verify_output(out)
         if problem is None:
-            return _result(read_json(out / META), out, reused=True)
+            return read_json(out / META), out, True
         print(f"warning: quantize: {problem}; rebuilding it", file=sys.stderr, flush=True)
 
     model = load_hf(model_dir, device="cpu").eval()
@@ -143,7 +186,74 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         }
     )
     tracking.log_json_artifact(meta, "quantize/quant_meta.json")
-    return result
+    return meta, out, False
+
+
+def _gate_settings(cfg) -> dict:
+    q = cfg.quantize
+    return {
+        "metric": cfg.evaluate.gate_metric,
+        "max_drop_pct": cfg.evaluate.max_drop_pct,
+        "qat_on_fail": q.qat_on_fail,
+        "qat_steps": q.qat_steps,
+        "qat_lr": cfg.train.min_lr,
+    }
+
+
+def _reusable_gate(cfg, model_dir: Path, ptq_dir: Path, kind: str, suite) -> dict | None:
+    """A rerun on a reused PTQ model: the earlier verdict, when it was reached on the same tasks, models and gate
+    settings and the model it handed on is intact (task gate only: its key says what was measured)."""
+    from tasks.quant import gate
+
+    path = ptq_dir / gate.RECORD
+    if suite is None or not path.is_file():
+        return None
+    record = read_json(path)
+    final = Path(record.get("quant_dir", ""))
+    if record.get("settings") != _gate_settings(cfg) or not (final / META).is_file() or verify_output(final):
+        return None
+    return record if record.get("key") == gate.record_key(cfg, suite, model_dir, final, kind) else None
+
+
+def _gate(cfg, ctx, model_dir: Path, shard_dir: Path, ptq_dir: Path, meta: dict, device, kind: str, suite) -> dict:
+    """PTQ judged; QAT when it misses and quantize.qat_on_fail. The record goes beside each judged model."""
+    from tasks.quant import gate
+    from tasks.quant import qat as qat_flow
+    from tasks.quant.artifact import load_quantized
+
+    g = gate.Gate(cfg, ctx.run_dir, model_dir, shard_dir, device, suite=suite)
+    ptq = g.judge(load_quantized(ptq_dir, device=device))
+    record = {
+        "settings": _gate_settings(cfg),
+        "metric": g.metric,
+        "max_drop_pct": g.max_drop,
+        "ptq": {"value": ptq["value"], "passed": ptq["passed"]},
+        "qat": None,
+        "quant_dir": str(ptq_dir),
+    }
+    final, final_dir = ptq, ptq_dir
+    if not ptq["passed"] and cfg.quantize.qat_on_fail:
+        qat = qat_flow.run(cfg, model_dir, shard_dir, meta, ctx.run_dir, device)
+        final_dir = Path(qat["quant_dir"])
+        final = g.judge(qat.get("model") or load_quantized(final_dir, device=device))
+        record["qat"] = {
+            "value": final["value"],
+            "passed": final["passed"],
+            "steps": len(qat["losses"]),
+            "final_loss": qat["losses"][-1] if qat["losses"] else None,
+            "seconds": qat["seconds"],
+        }
+        record["quant_dir"] = str(final_dir)
+        tracking.log_metrics({"qat.steps": len(qat["losses"]), "qat.seconds": qat["seconds"]})
+    record["final"] = {"value": final["value"], "passed": final["passed"]}
+    record["passed_by"] = ("qat" if record["qat"] else "ptq") if final["passed"] else None
+    if g.metric == gate.TASK_GATE:  # what evaluate would measure again: the reference's and this model's scores
+        record["key"] = gate.record_key(cfg, g.suite, model_dir, final_dir, kind)
+        record["ref_scores"], record["int8_scores"] = g.ref_figures, final["figures"]
+    for folder in {ptq_dir, final_dir}:
+        atomic_write_json(folder / gate.RECORD, record)
+    tracking.log_json_artifact({k: v for k, v in record.items() if not k.endswith("_scores")}, "quantize/gate.json")
+    return record
 
 
 def _result(meta: dict, out: Path, reused: bool) -> dict:

@@ -1,0 +1,193 @@
+"""The project's model as an lm-evaluation-harness `LM`: FP32, BF16 or the INT8 artifact (torchao or AMCT modules),
+run as it is through tasks.model.generate (KV cache), with the tokenizer it was trained with (`tokenizers`).
+
+Semantics follow lm-eval 0.4.13's HFLM (lm_eval/models/huggingface.py) so that scores agree with it: the same
+(context, continuation) encoding (TemplateLM._encode_pair), left truncation to max_length + 1 tokens, the
+continuation's log-probabilities summed in fp32, greedy-match flags, rolling windows (utils.get_rolling_token_windows)
+and greedy generation until a stop sequence (models.utils.normalize_gen_kwargs / handle_stop_sequences /
+postprocess_generated_text). Faster where it can be: requests that share a context (the choices of a multiple-choice
+question) prefill it once and score every choice against that cache; the output projection runs only on the
+positions that are scored.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+from tasks.model.generate import hidden_cached
+
+
+class ProjectLM(TemplateLM):
+    backend = "causal"
+
+    def __init__(self, model, tokenizer, device, batch_size: int = 16, max_length: int | None = None):
+        """`tokenizer`: a tasks.harness.models.TextTokenizer; `max_length`: default the model's max_seq_len."""
+        super().__init__()
+        self.model = model.eval()
+        self.tok = tokenizer
+        self._device = torch.device(device)
+        self.batch_size = batch_size
+        self.max_length = max_length or model.config.max_seq_len
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id if self.tok.bos_id is not None else self.tok.eos_id
+
+    @property
+    def max_gen_toks(self) -> int:
+        return default_max_gen_toks(self.max_length)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tok.name
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        if add_special_tokens is None:  # as HFLM: no second BOS when the text already starts with one
+            add_special_tokens = not (self.tok.bos_token and string.startswith(self.tok.bos_token))
+        return self.tok.encode(string, add_special_tokens)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = True) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)  # no progress bar in the stage's log
+
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.model.output(hidden).float(), dim=-1)
+
+    def _score(self, hidden: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
+        """hidden [n, dim]: the states that predict `cont` (n tokens) → (sum of log-probabilities, all greedy)."""
+        logp = self._logprobs(hidden)
+        target = torch.tensor(cont, device=logp.device)
+        return float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """requests: [(cache key, context ids, continuation ids)] → [(log-probability, is greedy)] in order."""
+        out: list = [None] * len(requests)
+        shared, plain = defaultdict(list), []
+        for i, (_, ctx, cont) in enumerate(requests):
+            if len(ctx) + len(cont) <= self.max_length + 1:  # no truncation: the context is a common prefix
+                shared[tuple(ctx)].append(i)
+            else:
+                plain.append(i)
+        for ctx, idx in shared.items():
+            if len(idx) == 1:
+                plain += idx
+            else:
+                self._shared_context(list(ctx), [(i, requests[i][2]) for i in idx], out)
+        self._plain(sorted(plain, key=lambda i: -len(requests[i][1]) - len(requests[i][2])), requests, out)
+        for (key, _, _), answer in zip(requests, out):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+        return out
+
+    @torch.no_grad()
+    def _shared_context(self, ctx: list[int], conts: list[tuple[int, list[int]]], out: list) -> None:
+        """Prefill ctx[:-1] once (batch 1), then every continuation as a row after that cache: row = ctx[-1] +
+        cont[:-1], right-padded (padding after the real tokens is never attended to by them)."""
+        cache: dict = {}
+        start = len(ctx) - 1
+        if start:
+            hidden_cached(self.model, torch.tensor([ctx[:-1]], device=self._device), cache, 0)
+        for j in range(0, len(conts), self.batch_size):
+            chunk = conts[j : j + self.batch_size]
+            width = max(len(c) for _, c in chunk)
+            rows = torch.zeros(len(chunk), width, dtype=torch.long, device=self._device)
+            for r, (_, cont) in enumerate(chunk):
+                rows[r, : len(cont)] = torch.tensor([ctx[-1]] + cont[:-1])
+            h = hidden_cached(self.model, rows, dict(cache), start)
+            for r, (i, cont) in enumerate(chunk):
+                out[i] = self._score(h[r, : len(cont)], cont)
+
+    @torch.no_grad()
+    def _plain(self, order: list[int], requests, out: list) -> None:
+        """Whole sequences, right-padded in batches (longest first, as HFLM), left-truncated to max_length + 1."""
+        for j in range(0, len(order), self.batch_size):
+            chunk = order[j : j + self.batch_size]
+            seqs = [(requests[i][1] + requests[i][2])[-(self.max_length + 1) :][:-1] for i in chunk]
+            rows = torch.zeros(len(chunk), max(map(len, seqs)), dtype=torch.long, device=self._device)
+            for r, s in enumerate(seqs):
+                rows[r, : len(s)] = torch.tensor(s)
+            h = hidden_cached(self.model, rows, {}, 0)
+            for r, i in enumerate(chunk):
+                cont = requests[i][2]
+                out[i] = self._score(h[r, len(seqs[r]) - len(cont) : len(seqs[r])], cont)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for n, (string,) in enumerate(req.args for req in requests):
+            for ctx, cont in map(
+                utils.make_disjoint_window,
+                utils.get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
+                windows.append((None, ctx, cont))
+                owner.append(n)
+        totals = [0.0] * len(requests)
+        for n, (logp, _) in zip(owner, self._loglikelihood_tokens(windows)):
+            totals[n] += logp
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy, batched (left-padded prompts, KV cache), until a stop sequence, EOS or max_gen_toks."""
+        batches = Collator(
+            [req.args for req in requests],
+            sort_fn=lambda x: (-len(self.tok_encode(x[0])), x[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda x: x[1],
+        )
+        eos = self.tok.decode([self.eot_token_id], skip_special_tokens=False)
+        res = []
+        for chunk in batches.get_batched(n=self.batch_size):
+            contexts, all_kwargs = zip(*chunk)
+            kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
+            if kwargs.get("do_sample"):
+                raise ValueError("generation with do_sample=true: this wrapper decodes greedily only")
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_gen = kwargs.pop("max_gen_toks")
+            if max_gen >= self.max_length:
+                raise ValueError(f"max_gen_toks {max_gen} is not below the model's context {self.max_length}")
+            prompts = [self.tok_encode(c)[-(self.max_length - max_gen) :] for c in contexts]
+            for context, toks in zip(contexts, self._greedy(prompts, max_gen, until)):
+                text = postprocess_generated_text(self.tok.decode(toks), until, None)
+                res.append(text)
+                self.cache_hook.add_partial("generate_until", (context, all_kwargs[0]), text)
+        return batches.get_original(res)
+
+    @torch.no_grad()
+    def _greedy(self, prompts: list[list[int]], max_gen: int, until: list[str]) -> list[list[int]]:
+        width = max(map(len, prompts))
+        pad = torch.tensor([width - len(p) for p in prompts], device=self._device)
+        rows = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=self._device)
+        cache: dict = {}
+        h = hidden_cached(self.model, rows, cache, 0, pad)
+        gen = [[] for _ in prompts]
+        done = [False] * len(prompts)
+        for step in range(max_gen):
+            nxt = self.model.output(h[:, -1]).argmax(-1)
+            for r, t in enumerate(nxt.tolist()):
+                if not done[r]:
+                    gen[r].append(t)
+                    done[r] = t == self.eot_token_id or any(s and s in self.tok.decode(gen[r]) for s in until)
+            if all(done) or step == max_gen - 1:
+                break
+            h = hidden_cached(self.model, nxt[:, None], cache, width + step, pad)
+        return gen
+
+
+def default_max_gen_toks(max_length: int) -> int:
+    """HFLM's 256 new tokens, at most half of a smaller model's context."""
+    return min(256, max_length // 2)

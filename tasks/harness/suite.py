@@ -1,0 +1,230 @@
+"""evaluate.tasks → lm-eval tasks, loaded and checked before any model is (one line per problem), then scored.
+
+An entry is a task, group or tag name known to lm-eval (e.g. `mmlu`, `ceval-valid`, `arc_easy`), a path to a task
+YAML in lm-eval's own format (its folder joins TaskManager's include_path, so a YAML may name its siblings), or
+`demo-continuation` (tasks.harness.demo_task, written from the shard set's val split). Nothing is fetched from a
+hub: Hugging Face datasets run offline and read what is on disk (the HF datasets cache, or local files a task YAML
+names). Each entry's score is its first metric among evaluate.task_metrics (a group: lm-eval's aggregate when the
+group defines one, else the mean of its tasks); the macro average is over the entries.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tasks.errors import StageError
+
+# Before datasets / huggingface_hub are imported (they read these once): no download, ever, at run time.
+OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+SEEDS = (0, 1234, 1234, 1234)  # lm_eval.evaluator.simple_evaluate's defaults: random, numpy, torch, few-shot
+
+
+def offline() -> None:
+    os.environ.update(OFFLINE_ENV)
+    import datasets.config
+
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    datasets.disable_progress_bars()  # "Generating test split" bars on stderr would bury a stage's one-line cause
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task INFO/WARNING lines would flood stage logs
+
+
+def is_path(entry: str) -> bool:
+    return entry.endswith((".yaml", ".yml")) or "/" in entry
+
+
+@dataclass
+class Suite:
+    entries: dict[str, list[str]]  # evaluate.tasks entry → the lm-eval leaf task names it stands for
+    names: dict[str, str]  # entry → display name (the task or group name; a YAML path's task name)
+    groups: dict[str, str]  # entry → its group's name, where lm-eval aggregates it
+    loaded: dict  # lm-eval TaskDict of every leaf task
+    metric: dict[str, str]  # leaf task → the metric it is scored by
+    limit: int | None
+    fewshot: dict[str, int] = field(default_factory=dict)
+    specs: dict[str, str] = field(default_factory=dict)  # entry → what lm-eval loaded (a name or a YAML's path)
+    data_files: dict[str, list[str]] = field(default_factory=dict)  # leaf task → local files its YAML reads
+    versions: dict[str, str] = field(default_factory=dict)  # leaf task → its version (YAML metadata)
+
+
+def _manager(entries: list[str], extra_paths: list[Path]):
+    """TaskManager over our own folders only (fast), with lm-eval's 10 000+ tasks indexed only when a name needs it."""
+    from lm_eval.tasks import TaskManager
+
+    folders = sorted({str(p.parent) for p in extra_paths})
+    own = TaskManager(include_path=folders or None, include_defaults=False)
+    if all(e in own.all_tasks or is_path(e) for e in entries):
+        return own
+    return TaskManager(include_path=folders or None)
+
+
+def _load_one(tm, entry: str, spec: str):
+    try:
+        return tm.load([spec])
+    except KeyError:
+        if is_path(entry):
+            raise StageError(f"evaluate.tasks: {entry}: no such task YAML file") from None
+        close = difflib.get_close_matches(entry, tm.all_tasks, n=3)
+        raise StageError(
+            f"evaluate.tasks: {entry!r} is not an lm-eval task, group or tag"
+            + (f" (close: {', '.join(close)})" if close else "")
+            + "; give a name from `lm-eval ls tasks` or the path of a task YAML"
+        ) from None
+    except (FileNotFoundError, ConnectionError) as e:  # offline datasets: not in the cache / data_files missing
+        raise StageError(
+            f"evaluate.tasks: {entry}: its dataset is not on disk ({_first_line(e)}); nothing is downloaded at run "
+            "time: fetch it once into the HF datasets cache on this host (datasets.load_dataset with the task's "
+            "dataset_path/dataset_name, HF_DATASETS_CACHE), or write a task YAML whose dataset_kwargs.data_files "
+            "names a local copy (docs/evaluation.md)"
+        ) from None
+    except Exception as e:  # noqa: BLE001 — lm-eval raises what its config and YAML readers raise
+        raise StageError(f"evaluate.tasks: {entry}: lm-eval rejects this task ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:240]}" if text else type(e).__name__
+
+
+def load(entries: list[str], demo_yaml: Path | None, limit: int | None, fewshot: dict, metrics: list[str]) -> Suite:
+    """Load and check every entry (datasets read now, offline), before any model is loaded."""
+    from tasks.config import repo_path
+
+    offline()
+    specs = {}
+    for entry in entries:
+        if entry == "demo-continuation":
+            specs[entry] = str(demo_yaml)
+        elif is_path(entry):
+            path = repo_path(entry)
+            if not path.is_file():
+                raise StageError(f"evaluate.tasks: {entry}: no such task YAML file")
+            specs[entry] = str(path)
+        else:
+            specs[entry] = entry
+    tm = _manager(list(specs), [Path(s) for s in specs.values() if is_path(s)])
+    loaded = {"tasks": {}, "groups": {}, "group_map": {}}
+    suite = Suite({}, {}, {}, loaded, {}, limit, specs=specs)
+    for entry, spec in specs.items():
+        one = _load_one(tm, entry, spec)
+        suite.entries[entry] = sorted(one["tasks"])
+        tops = [g for g in one["groups"] if not any(g in kids for kids in one["group_map"].values())]
+        suite.groups.update({entry: tops[0]} if len(tops) == 1 else {})
+        suite.names[entry] = tops[0] if len(tops) == 1 else suite.entries[entry][0] if len(one["tasks"]) == 1 else entry
+        for key in ("tasks", "groups", "group_map"):
+            dup = set(loaded[key]) & set(one[key])
+            if key == "tasks" and dup:
+                raise StageError(f"evaluate.tasks: {entry}: task {sorted(dup)[0]} is already in another entry")
+            loaded[key].update(one[key])
+    for name, task in loaded["tasks"].items():
+        suite.data_files[name] = _local_files((task.config.dataset_kwargs or {}).get("data_files"))
+        suite.versions[name] = str(task.VERSION)
+    _check_metrics(suite, metrics)
+    _apply_fewshot(suite, fewshot)
+    return suite
+
+
+def _local_files(data_files) -> list[str]:
+    """The local paths among a YAML's dataset_kwargs.data_files (a path, a list, or split → path(s))."""
+    if isinstance(data_files, dict):
+        return [p for v in data_files.values() for p in _local_files(v)]
+    items = data_files if isinstance(data_files, list) else [data_files] if data_files else []
+    return sorted(str(p) for p in items if isinstance(p, str) and Path(p).is_file())
+
+
+def _check_metrics(suite: Suite, metrics: list[str]) -> None:
+    for name, task in suite.loaded["tasks"].items():
+        reported = list(task._metric_fn_list)  # what process_results will report (set from the YAML's metric_list)
+        chosen = next((m for m in metrics if m in reported), None)
+        if chosen is None:
+            raise StageError(
+                f"evaluate.tasks: task {name} reports {', '.join(reported) or 'no metric'}, none of "
+                f"evaluate.task_metrics ({', '.join(metrics)}); add one of them to evaluate.task_metrics"
+            )
+        suite.metric[name] = chosen
+
+
+def _apply_fewshot(suite: Suite, fewshot: dict) -> None:
+    """evaluate.num_fewshot: {entry, group or task name: shots}; other tasks keep their YAML's (else 0)."""
+    by_name = {}
+    for entry, leaves in suite.entries.items():
+        for key in {entry, suite.names[entry], *leaves}:
+            by_name.setdefault(key, []).extend(leaves)
+    for group, kids in suite.loaded["group_map"].items():
+        by_name.setdefault(group, []).extend(_leaves(suite, group))
+    unknown = sorted(set(fewshot) - set(by_name))
+    if unknown:
+        raise StageError(f"evaluate.num_fewshot: {unknown[0]!r} is none of evaluate.tasks or their tasks")
+    for name, task in suite.loaded["tasks"].items():
+        if task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+    for key, shots in sorted(fewshot.items(), key=lambda kv: len(by_name[kv[0]]), reverse=True):  # specific wins
+        for name in by_name[key]:
+            suite.loaded["tasks"][name].set_config(key="num_fewshot", value=shots)
+            suite.fewshot[name] = shots
+
+
+def _leaves(suite: Suite, group: str) -> list[str]:
+    out = []
+    for kid in suite.loaded["group_map"].get(group, []):
+        out += _leaves(suite, kid) if kid in suite.loaded["group_map"] else [kid]
+    return out
+
+
+def check_generation(suite: Suite, max_length: int, who: str) -> None:
+    """Generation tasks must leave room for the prompt in the model's context, and decode greedily."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    from tasks.harness.lm import default_max_gen_toks
+
+    for name, task in suite.loaded["tasks"].items():
+        if task.OUTPUT_TYPE != "generate_until":
+            continue
+        kw = normalize_gen_kwargs(task.config.generation_kwargs or {}, default_max_gen_toks(max_length))
+        if kw["max_gen_toks"] >= max_length:
+            raise StageError(
+                f"evaluate.tasks: task {name} generates up to {kw['max_gen_toks']} tokens (max_gen_toks), not less "
+                f"than {who}'s context of {max_length}; lower generation_kwargs.max_gen_toks in its YAML"
+            )
+        if kw.get("do_sample"):
+            raise StageError(
+                f"evaluate.tasks: task {name} samples (do_sample/temperature); the gate compares models on greedy "
+                "decoding: set generation_kwargs.do_sample: false in its YAML"
+            )
+
+
+def score(lm, suite: Suite) -> dict:
+    """Run every task on `lm`: {"entries": {entry: {name, metric, value, n}}, "tasks": {leaf: {...}}, "macro"}."""
+    import numpy as np
+    import torch
+    from lm_eval.evaluator import evaluate
+
+    random.seed(SEEDS[0])
+    np.random.seed(SEEDS[1])
+    torch.manual_seed(SEEDS[2])
+    for task in suite.loaded["tasks"].values():  # the few-shot sampler's state: every model sees the same examples
+        task.set_fewshot_seed(seed=SEEDS[3])
+    res = evaluate(lm=lm, task_dict=suite.loaded, limit=suite.limit, bootstrap_iters=0, log_samples=False)
+    leaves = {}
+    for name, metric in suite.metric.items():
+        r = res["results"][name]
+        leaves[name] = {"metric": metric, "value": float(r[f"{metric},none"]), "n": int(r.get("sample_len", 0))}
+    entries = {}
+    for entry, names in suite.entries.items():
+        group = res.get("groups", {}).get(suite.groups.get(entry, ""), {})
+        metric = leaves[names[0]]["metric"]
+        value = group.get(f"{metric},none")
+        if not isinstance(value, (int, float)):  # no aggregate for this group (or a tag): mean of its tasks
+            value = sum(leaves[n]["value"] for n in names) / len(names)
+        entries[entry] = {
+            "name": suite.names[entry],
+            "metric": metric,
+            "value": float(value),
+            "n": sum(leaves[n]["n"] for n in names),
+        }
+    macro = sum(e["value"] for e in entries.values()) / len(entries)
+    return {"entries": entries, "tasks": leaves, "macro": macro}

@@ -1,0 +1,158 @@
+"""The INT8 gate, shared by quantize (PTQ, then QAT when PTQ misses it) and evaluate (registration).
+
+Default: the relative drop of the macro-average task accuracy over evaluate.tasks (lm-evaluation-harness, tasks.harness)
+of the INT8 model against the unquantized model in quantize.dtype (BF16: what INT8 replaces) — the field guide's
+"over 2 % on tasks: QAT". The next-token figures on val tokens (tasks.quant.quality) can be the gate instead.
+
+`Gate` loads the tasks and the reference once and judges any number of INT8 models against it; its record
+(`gate.json` beside the PTQ artifact) carries the reference's and the final model's task scores under a key of
+everything they depend on, so evaluate reuses them instead of scoring the same models on the same tasks again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from tasks.errors import StageError
+
+TASK_GATE = "task_accuracy_drop_pct"
+GATE_METRICS = {
+    TASK_GATE: "macro-average task accuracy drop",
+    "accuracy_drop_pct": "relative next-token top-1 accuracy drop",
+    "ppl_drop_pct": "relative perplexity rise",
+    "greedy_disagreement_pct": "greedy-continuation token disagreement",
+}
+RECORD = "gate.json"
+
+
+def relative_drop(ref: float, value: float) -> float:
+    """How much lower `value` is than `ref`, in percent of `ref` (negative: higher; 0 when ref is 0)."""
+    return (ref - value) / ref * 100.0 if ref else 0.0
+
+
+def demo_keep(key) -> bool:
+    from tasks.quant.inputs import in_part
+
+    return in_part(key, "evaluation")
+
+
+def load_suite(cfg, run_dir: Path, shard_dir: Path, model_dir: Path):
+    """evaluate.tasks loaded and checked against the model's context (demo-continuation written first when listed),
+    before any model is loaded."""
+    from tasks.harness import demo_task, models, suite
+    from tasks.quant.inputs import SPLIT_RULE
+
+    e = cfg.evaluate
+    demo = None
+    if "demo-continuation" in e.tasks:
+        rule = f"passages from the evaluation part only: {SPLIT_RULE}"
+        demo = demo_task.write(shard_dir, Path(run_dir) / "tasks" / demo_task.NAME, e.demo_examples, 0, demo_keep, rule)
+    s = suite.load(list(e.tasks), demo, e.limit, dict(e.num_fewshot), list(e.task_metrics))
+    suite.check_generation(s, models.max_seq_len(model_dir), f"the model {model_dir}")
+    return s
+
+
+def suite_key(s, cfg) -> dict:
+    """What task scores depend on besides the model: entries and their files, limit, shots, metrics, lm-eval."""
+    from importlib.metadata import version
+
+    from tasks.harness import suite
+
+    files = {}
+    for entry, spec in s.specs.items():
+        if suite.is_path(spec):
+            files[entry] = hashlib.sha256(Path(spec).read_bytes()).hexdigest()
+            for t in s.entries[entry]:  # local data files a YAML names (the demo task's JSONL)
+                for p in s.data_files.get(t, []):
+                    files[f"{t}:{p}"] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+    return {
+        "entries": s.entries,
+        "files": files,
+        "limit": s.limit,
+        "fewshot": s.fewshot,
+        "versions": s.versions,
+        "metrics": s.metric,
+        "lm_eval": version("lm_eval"),
+        "batch_size": cfg.evaluate.batch_size,
+    }
+
+
+def score(model, tokenizer, s, cfg, device) -> dict:
+    from tasks.harness import suite
+    from tasks.harness.lm import ProjectLM
+
+    return suite.score(ProjectLM(model, tokenizer, device, cfg.evaluate.batch_size), s)
+
+
+class Gate:
+    """evaluate.gate_metric of INT8 models against the reference, measured once."""
+
+    def __init__(self, cfg, run_dir: Path, model_dir: Path, shard_dir: Path, device, suite=None):
+        from tasks.harness.models import full_precision, load_tokenizer
+
+        self.cfg, self.device, self.metric = cfg, device, cfg.evaluate.gate_metric
+        self.max_drop = cfg.evaluate.max_drop_pct
+        if self.metric == TASK_GATE:
+            self.suite = suite or load_suite(cfg, run_dir, shard_dir, model_dir)
+            self.tokenizer = load_tokenizer(model_dir)
+        self.ref = full_precision(model_dir, cfg.quantize.dtype, device)
+        if self.metric == TASK_GATE:
+            self.ref_figures = score(self.ref, self.tokenizer, self.suite, cfg, device)
+        else:
+            from tasks.quant import quality
+
+            self.data = quality.eval_data(cfg, shard_dir, self.ref.config.max_seq_len)
+            self.ref_figures = quality.quality(self.ref, self.data, device)
+
+    def judge(self, model) -> dict:
+        """{"metric", "value", "passed", "figures"}: the INT8 model's figures and its drop against the reference."""
+        if self.metric == TASK_GATE:
+            figures = score(model, self.tokenizer, self.suite, self.cfg, self.device)
+            value = relative_drop(self.ref_figures["macro"], figures["macro"])
+        else:
+            from tasks.quant import quality
+
+            figures = quality.quality(model, self.data, self.device)
+            drops = quality.drops(self.ref_figures, figures)
+            if self.metric not in drops:
+                raise StageError(
+                    f"evaluate.gate_metric {self.metric}: nothing to measure it on (evaluate.prompts is empty and "
+                    "evaluate.agreement_windows is 0); set one, or gate on another metric"
+                )
+            value = drops[self.metric]
+        return {"metric": self.metric, "value": value, "passed": value <= self.max_drop, "figures": figures}
+
+
+def record_key(cfg, s, model_dir: Path, quant_dir: Path, kind: str) -> str:
+    """Identity of a task measurement: the tasks, the reference (model files, dtype), the INT8 weights, the device."""
+    from tasks.fsutil import read_json, sha256_file
+    from tasks.quant import inputs
+    from tasks.quant.artifact import META, WEIGHTS
+
+    int8 = read_json(Path(quant_dir) / META).get("weights_sha256") or sha256_file(Path(quant_dir) / WEIGHTS)
+    body = {
+        "suite": suite_key(s, cfg),
+        "ref_dtype": cfg.quantize.dtype,
+        "model": inputs.fingerprint(model_dir),
+        "int8": int8,
+        "device": kind,
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def reusable_scores(path: Path, key: str) -> dict | None:
+    """The reference's and the INT8 model's task scores from quantize's record, when measured on exactly this."""
+    from tasks.fsutil import read_json
+
+    try:
+        rec = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if rec.get("key") != key or not rec.get("ref_scores") or not rec.get("int8_scores"):
+        if path.is_file():
+            print(f"note: {path} measured other tasks or models; scoring again", file=sys.stderr, flush=True)
+        return None
+    return {"ref": rec["ref_scores"], "int8": rec["int8_scores"]}

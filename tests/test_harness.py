@@ -1,0 +1,268 @@
+"""lm-evaluation-harness as the evaluation engine: the project's model wrapper against lm-eval's own HFLM on a small
+transformers-built model saved locally, task YAMLs in lm-eval's format from a temp dir, the demo task from the val
+split, and every bad task input as one line before a model is loaded."""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import StageError
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _checkpoint(path: Path) -> Path:
+    """A byte-level BPE trained on three stdlib files, wrapped and saved by transformers, beside a tiny random
+    Qwen2 (biases on the q/k/v projections, grouped-query attention) whose embedding is that vocabulary."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train([str(STDLIB / n) for n in ("textwrap.py", "string.py", "bisect.py")], trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(fast),
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=fast.eos_token_id,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # HF zero-inits biases: non-zero, so the bias mapping is really exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("hf-tiny"))
+
+
+@pytest.fixture(scope="module")
+def lms(ckpt):
+    """(ours, lm-eval's HFLM) on the same local checkpoint, same context."""
+    from tasks.harness import suite
+
+    suite.offline()
+    from lm_eval.models.huggingface import HFLM
+
+    from tasks.harness.lm import ProjectLM
+    from tasks.harness.models import full_precision, load_tokenizer
+
+    import transformers
+
+    # The checkpoint's tokenizer.json as it is (AutoTokenizer would take Qwen2's class from config.json and its
+    # pre-tokenizer over this BPE in transformers 5): both sides score the same token ids.
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ckpt / "tokenizer.json"), eos_token="<|endoftext|>")
+    hf = HFLM(
+        pretrained=str(ckpt),
+        tokenizer=tok,
+        backend="causal",
+        device="cpu",
+        dtype="float32",
+        batch_size=4,
+        max_length=128,
+    )
+    ours = ProjectLM(full_precision(ckpt, "fp32", "cpu"), load_tokenizer(ckpt), "cpu", batch_size=4)
+    assert ours.max_length == 128  # from the checkpoint's config, as HFLM's
+    return ours, hf
+
+
+def _requests(kind: str, args: list) -> list:
+    from lm_eval.api.instance import Instance
+
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+def test_loglikelihoods_match_hflm(lms):
+    """Shared contexts (several choices: our prefix-cache path), single requests, an empty context, contexts beyond
+    the model's 128 tokens (left-truncated), rolling windows: the same numbers as lm-eval's HFLM within 1e-4."""
+    ours, hf = lms
+    text = (STDLIB / "textwrap.py").read_text()
+    rng = random.Random(0)
+    args = []
+    for _ in range(8):
+        a = rng.randrange(len(text) - 800)
+        ctx = text[a : a + rng.randrange(20, 300)]
+        for _ in range(rng.choice([1, 3])):
+            b = rng.randrange(len(text) - 50)
+            args.append((ctx, text[b : b + rng.randrange(2, 40)]))
+    args += [("", "def wrap(text):"), (text[:3000], " return x"), ("x =", " 1")]
+    want, got = hf.loglikelihood(_requests("loglikelihood", args)), ours.loglikelihood(_requests("loglikelihood", args))
+    assert max(abs(w[0] - g[0]) for w, g in zip(want, got)) < 1e-4
+    assert [w[1] for w in want] == [g[1] for g in got]  # greedy-match flags
+    assert len({round(g[0], 3) for g in got}) > len(got) // 2  # really different requests, not one number
+    rolling = [(text[i * 700 : (i + 1) * 700 + 300 * i],) for i in range(4)]  # up to 1600 chars: several windows
+    want = hf.loglikelihood_rolling(_requests("loglikelihood_rolling", rolling))
+    got = ours.loglikelihood_rolling(_requests("loglikelihood_rolling", rolling))
+    assert max(abs(w - g) for w, g in zip(want, got)) < 1e-4 and len(set(got)) == 4
+
+
+def test_generation_matches_hflm(lms):
+    """Batched greedy generation (left-padded prompts of different lengths, KV cache) until a stop sequence or
+    max_gen_toks: the same text as HFLM's transformers generate."""
+    ours, hf = lms
+    text = (STDLIB / "string.py").read_text()
+    args = [(text[i * 300 : i * 300 + 40 + 37 * i], {"until": ["\n\n"], "max_gen_toks": 24}) for i in range(6)]
+    args.append((text[:50], {"until": ["def"], "max_gen_toks": 8}))
+    want, got = (
+        hf.generate_until(_requests("generate_until", args)),
+        ours.generate_until(_requests("generate_until", args)),
+    )
+    assert got == want and any(got)
+
+
+def _yaml_task(folder: Path, name: str, rows: list[dict], extra: str = "") -> Path:
+    """A task as lm-eval's documentation writes one (docs/task_guide.md: a local JSON dataset)."""
+    (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    yaml = folder / f"{name}.yaml"
+    yaml.write_text(
+        f"task: {name}\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    test: {folder / f'{name}.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\n'
+        "doc_to_choice: choices\n"
+        "doc_to_target: answer\n"
+        "metric_list:\n"
+        "  - metric: acc\n"
+        "    aggregation: mean\n"
+        "    higher_is_better: true\n" + extra
+    )
+    return yaml
+
+
+QA = [
+    {"question": "The return value of len([1, 2]) is", "choices": [" 2", " 3", " 'two'"], "answer": 0},
+    {"question": "import os\nos.path.", "choices": ["join", "jump", "joint"], "answer": 0},
+    {"question": "for i in range(3):\n   ", "choices": [" print(i)", " return", " class"], "answer": 0},
+    {"question": "def f(x):\n    return", "choices": [" x", " def", " import"], "answer": 0},
+]
+
+
+def test_task_yaml_from_a_temp_dir_scores_as_with_hflm(lms, tmp_path):
+    """A YAML in lm-eval's own format, from a temp dir, loaded by path and scored by our wrapper: the same accuracy
+    as lm-eval's evaluator with HFLM on it; num_fewshot per task reaches the task."""
+    from lm_eval.evaluator import evaluate
+
+    from tasks.harness import suite
+
+    ours, hf = lms
+    path = _yaml_task(tmp_path, "py_quiz", QA * 5)
+    s = suite.load([str(path)], None, None, {"py_quiz": 1}, ["acc"])
+    assert s.names == {str(path): "py_quiz"} and s.loaded["tasks"]["py_quiz"].get_config("num_fewshot") == 1
+    ours_r = suite.score(ours, s)
+    for task in s.loaded["tasks"].values():  # what suite.score does before each model: the same few-shot draws
+        task.set_fewshot_seed(seed=suite.SEEDS[3])
+    theirs = evaluate(lm=hf, task_dict=s.loaded, bootstrap_iters=0, log_samples=False)["results"]["py_quiz"]
+    assert ours_r["entries"][str(path)]["value"] == theirs["acc,none"] and ours_r["entries"][str(path)]["n"] == 20
+    assert ours_r["macro"] == ours_r["entries"][str(path)]["value"]
+
+
+def test_bad_task_inputs_are_one_line(tmp_path, ckpt):
+    from tasks.harness import suite
+
+    def fails(match, entries, fewshot=None, metrics=("acc",), demo=None):
+        with pytest.raises(StageError, match=match) as e:
+            suite.load(entries, demo, None, fewshot or {}, list(metrics))
+        assert "\n" not in str(e.value)
+
+    good = _yaml_task(tmp_path, "good_quiz", QA)
+    fails(r"evaluate.tasks: 'hellaswagg' is not an lm-eval task, group or tag \(close: hellaswag", ["hellaswagg"])
+    fails(r"evaluate.tasks: .*nowhere.yaml: no such task YAML file", [str(tmp_path / "nowhere.yaml")])
+    bad = _yaml_task(tmp_path, "bad_key", QA, "no_such_option: 3\n")
+    fails(
+        r"bad_key.yaml: lm-eval rejects this task \(TypeError: .*unexpected keyword argument 'no_such_option'",
+        [str(bad)],
+    )
+    missing = _yaml_task(tmp_path, "lost_data", QA)
+    (tmp_path / "lost_data.jsonl").unlink()
+    fails(
+        r"lost_data.yaml: its dataset is not on disk \(FileNotFoundError: .*lost_data.jsonl.*nothing is downloaded",
+        [str(missing)],
+    )
+    # a standard task whose dataset is not in the HF datasets cache: offline, one line, no download attempted
+    fails(r"evaluate.tasks: arc_easy: its dataset is not on disk \(.*Hub.*HF datasets cache", ["arc_easy"])
+    fails(r"evaluate.num_fewshot: 'mmlu' is none of evaluate.tasks", [str(good)], fewshot={"mmlu": 5})
+    fails(
+        r"task good_quiz reports acc, none of evaluate.task_metrics \(exact_match\)",
+        [str(good)],
+        metrics=["exact_match"],
+    )
+    gen = tmp_path / "gen_quiz.yaml"
+    gen.write_text(
+        good.read_text().replace("task: good_quiz", "task: gen_quiz").replace("multiple_choice", "generate_until")
+        + "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 200\n"
+    )
+    s = suite.load([str(gen)], None, None, {}, ["acc"])
+    with pytest.raises(StageError, match=r"task gen_quiz generates up to 200 tokens \(max_gen_toks\), not less than"):
+        suite.check_generation(s, 128, f"the model {ckpt}")
+    suite.check_generation(s, 512, "a longer model")  # fits there
+
+
+def _decoded_split(shard_dir: Path, split: str) -> str:
+    from tokenizers import Tokenizer
+
+    from data_prep.loader import ShardLoader
+
+    tok = Tokenizer.from_file(str(shard_dir / "tokenizer.json"))
+    rows = {}
+    for x, y, keys in ShardLoader(shard_dir, split=split, batch_size=1, num_workers=0, shuffle=False, with_keys=True):
+        rows[int(keys[0])] = x[0].tolist() + y[0, -1:].tolist()
+    return tok.decode([t for k in sorted(rows) for t in rows[k]], skip_special_tokens=False)
+
+
+def test_demo_task_comes_from_the_val_split_only(tmp_path):
+    """Contexts and true continuations are val text (never train text: documents are split whole), the three
+    others come from other val documents, every choice has the same length; the same shard set gives the same bytes;
+    lm-eval loads the YAML; a shard set without a val split is one line."""
+    from data_prep.testing import tiny_shard_set
+    from tasks.harness import demo_task, suite
+    from tasks.quant.gate import demo_keep
+
+    shards = tiny_shard_set(tmp_path / "d", seq_len=64, vocab_size=512, n_docs=60, val_fraction=0.3, shard_multiple=1)
+    yaml = demo_task.write(shards, tmp_path / "t", 40, 0, demo_keep, "evaluation part")
+    rows = [json.loads(line) for line in (tmp_path / "t" / f"{demo_task.NAME}.jsonl").read_text().splitlines()]
+    val, train = _decoded_split(shards, "val"), _decoded_split(shards, "train")
+    assert len(rows) == 40 and {len(r["choices"]) for r in rows} == {4}
+    for r in rows:
+        true = r["choices"][r["label"]]
+        assert r["context"] + true in val
+        assert {len(c) for c in r["choices"]} == {demo_task.SPAN_CHARS} and len(set(r["choices"])) == 4
+        assert all(r["context"] + c not in val for i, c in enumerate(r["choices"]) if i != r["label"])
+    assert sum(r["context"] in train for r in rows) <= 2  # (stdlib files share a few boilerplate lines)
+    assert 0 < sum(r["label"] == 0 for r in rows) < 40  # the answer's position is drawn, not fixed
+    first = (tmp_path / "t" / f"{demo_task.NAME}.jsonl").read_bytes()
+    demo_task.write(shards, tmp_path / "again", 40, 0, demo_keep, "evaluation part")
+    assert (tmp_path / "again" / f"{demo_task.NAME}.jsonl").read_bytes() == first  # fixed seed: reproducible
+    s = suite.load(["demo-continuation"], yaml, 10, {}, ["acc", "acc_mutual_info"])
+    assert s.metric == {demo_task.NAME: "acc_mutual_info"} and s.limit == 10
+    no_val = tiny_shard_set(tmp_path / "nv", seq_len=64, n_docs=8, val_fraction=0.0, shard_multiple=1)
+    with pytest.raises(StageError, match=r"^demo-continuation: the val split of .* gives 0 examples .* reshard"):
+        demo_task.write(no_val, tmp_path / "nv-task", 40, 0, demo_keep, "evaluation part")
