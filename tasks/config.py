@@ -219,14 +219,21 @@ class EvaluateConfig(Section):
     max_new_tokens: int = 24
     registered_model: str = "llm-pipeline-demo"
     fail_on_gate: bool = True
+    # a person approves the champion in Airflow (the DAG's `approve` task) instead of evaluate promoting it; the
+    # approval task waits at most approval_timeout_h hours (read when the DAG is parsed), then takes "Reject"
+    require_approval: bool = False
+    approval_timeout_h: int = Field(72, ge=1, le=24 * 90)
 
 
 class TrackingConfig(Section):
     uri: str = ""  # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
     experiment: str = "llm-pipeline"
     artifact_root: str = ""  # "" = <repo>/var/mlartifacts (new experiments only)
-    ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
+    ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:$MLFLOW_PORT (5000) (tracking.ui_url())
     enabled: bool = True
+    # MLflow system metrics (CPU, memory, disk, network, GPU; NPU from npu-smi) on the device stages' runs, sampled
+    # every this many seconds; 0 = off
+    system_metrics_s: float = Field(5.0, ge=0.0, le=3600.0)
 
 
 class TimeoutConfig(Section):

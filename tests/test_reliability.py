@@ -544,7 +544,7 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
         )
         assert plan.returncode == 0, plan.stderr[-2000:]
         run_id = json.loads((run / "train.json").read_text())["mlflow_run_id"]
-        history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train.loss")
+        history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train/loss")
     finally:
         _kill_group(server)
     want = {json.loads(ln)["step"]: json.loads(ln)["loss"] for ln in metrics.read_text().splitlines()}

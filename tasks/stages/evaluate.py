@@ -249,15 +249,22 @@ def _register(
         decision = registry.Promotion(True, f"v{version} is already the champion")
     else:
         decision = registry.champion_decision(m["int8_ppl"], digest, champion)
-    if decision.promote:
+    already = champion is not None and champion["version"] == version
+    # evaluate.json's `approval` (docs/ARCHITECTURE.md): a person decides in the DAG's approve task
+    ask = cfg.evaluate.require_approval and not already
+    if decision.promote and not ask:
         registry.set_alias(uri, name, registry.CHAMPION, version)
+    approval = {"needed": ask, "reason": "", "version": version}
+    if ask:
+        approval["reason"] = f"evaluate.require_approval is set; the comparison says: {decision.reason}"
     return {
         "registered_model": name,
         "version": version,
-        "champion": decision.promote,
+        "champion": decision.promote and not ask,
         "champion_reason": decision.reason,
         "comparable": decision.comparable,
         "aliases": registry.aliases(uri, name),
+        "approval": approval,
     }
 
 
