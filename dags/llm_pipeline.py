@@ -98,7 +98,7 @@ def run_stage_task(stage: str) -> dict:
     from tasks.errors import StageError, os_error_cause
     from tasks.launcher import runs_on_kubernetes
     from tasks.logs import to_logging
-    from tasks.pipeline import config_for_run, failure, published_shard_set, run_for_dag_run
+    from tasks.pipeline import config_for_run, failure, join_dag_run, published_shard_set, run_for_dag_run
     from tasks.runner import default_run_dir
 
     ctx = get_current_context()
@@ -110,6 +110,7 @@ def run_stage_task(stage: str) -> dict:
             if runs_on_kubernetes(stage, cfg):
                 from k8s_launch import run_stage_job  # dags/k8s_launch.py: imports the cncf provider itself
 
+                join_dag_run(cfg, dag_id, run_id, try_number)  # the pods' `python -m tasks` runs nest under it
                 return run_stage_job(stage, cfg, dag_id, run_id, try_number)
             return run_for_dag_run(stage, params, dag_id, run_id, try_number, published=published)
         except StageError as e:  # retryable: e.g. a rank died, the retry resumes training from the last checkpoint

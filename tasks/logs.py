@@ -99,6 +99,10 @@ class LineLogger(io.TextIOBase):
     def fileno(self) -> int:  # a child process given this stream inherits the real descriptor
         return self.original.fileno()
 
+    @property
+    def buffer(self):  # bytes written to the binary layer bypass the line logging (Airflow's level for the stream)
+        return self.original.buffer
+
     def isatty(self) -> bool:
         return False
 
@@ -151,6 +155,18 @@ def to_logging(name: str = "tasks"):
         sys.stdout, sys.stderr = saved
 
 
+class _Stderr(logging.StreamHandler):
+    """A StreamHandler on whatever sys.stderr is when it writes (not the stream of the moment it was made)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 class _ConsoleFormat(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
@@ -160,15 +176,15 @@ class _ConsoleFormat(logging.Formatter):
 
 
 def console(level: int = logging.INFO) -> None:
-    """The CLI: the `tasks` loggers print their messages to stderr (warnings and errors say so); idempotent."""
+    """The CLI: the `tasks` loggers print their messages to stderr (warnings and errors say so); idempotent. Records
+    still propagate (a caller's own handlers, pytest's, see them too)."""
     if any(getattr(h, "_tasks_console", False) for h in log.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(_ConsoleFormat())
     handler._tasks_console = True  # type: ignore[attr-defined]
     log.addHandler(handler)
     log.setLevel(level)
-    log.propagate = False
 
 
 def duration(seconds: float) -> str:

@@ -304,8 +304,7 @@ def run_for_dag_run(
     if report:
         atomic_write_text(report, f"{run_dir}\n")
     cfg = config_for_run(params, run_dir)
-    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
-    mark_dag_run(run_dir, dag_id, run_id, parent)
+    parent = join_dag_run(cfg, dag_id, run_id, try_number)
     if parent and published and stage == "shard":
         tracking.record_asset_event(cfg, parent, published)
     result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published), parent_run_id=parent)
@@ -426,6 +425,13 @@ def time_schedule(env: str = SCHEDULE_ENV) -> str | None:
 # --- The DAG run's directory and the CLI ----------------------------------------------------------------------------
 
 DAG_RUN_FILE = "dag-run.json"
+
+
+def join_dag_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 1) -> str | None:
+    """The DAG run's MLflow parent run (get or create; None with tracking off), recorded in its run directory."""
+    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
+    mark_dag_run(default_run_dir(dag_id, run_id), dag_id, run_id, parent)
+    return parent
 
 
 def mark_dag_run(run_dir, dag_id: str, run_id: str, parent_run_id: str | None) -> None:
