@@ -287,16 +287,17 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             expect(mlflow_page.get_by_text(f"llm_pipeline/{run_id}").first).to_be_visible()
             mlflow_page.screenshot(path=str(shots / "8-mlflow-experiment.png"))
 
-            # A run that fails: its log's failure is the stage's one-line cause, in full, with no traceback under it.
-            failing = trigger(ui, {"data_inputs": ["/nonexistent/corpus/*.txt"]})
+            # A run that fails (the first stage: no NPU here): its log's failure is the stage's one-line cause, in
+            # full, the first ERROR line (the failed checks above it are WARNING), with no traceback under it.
+            failing = trigger(ui, {"device": "npu"})
             done = wait_for_run(ui, failing)
-            assert done["state"] == "failed" and done["tasks"]["shard"] == "failed", done["tasks"]
-            cause = json.loads((run_dir_of(ui, failing) / "shard.json").read_text())["error"]
-            records = task_log(ui, failing, "shard")
+            assert done["state"] == "failed" and done["tasks"]["env"] == "failed", done["tasks"]
+            cause = json.loads((run_dir_of(ui, failing) / "env.json").read_text())["error"]
+            records = task_log(ui, failing, "env")
             errors = [r for r in records if r["level"] in ("error", "critical")]
-            assert errors[0]["event"] == cause and "\n" not in cause, errors
+            assert errors[0]["event"] == cause and "torch_npu" in cause and "\n" not in cause, errors
             assert not any("error_detail" in r for r in records)  # no framework frames
-            page.goto(f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(failing, safe='')}/tasks/shard")
+            page.goto(f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(failing, safe='')}/tasks/env")
             expect(page.get_by_text(cause).first).to_be_visible()
             page.screenshot(path=str(shots / "9-failed-task.png"))
         finally:
