@@ -3,14 +3,14 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-ENV := source scripts/airflow-env.sh &&
+ENV := umask 022 && source scripts/airflow-env.sh &&
 CONF ?= {}
 # CONF reaches the pipeline only through the environment, as literal text: never spliced into a shell command line,
 # never expanded by make ($(value …)), and not exported under its own name (exporting would expand it).
 export LLM_PIPELINE_CONF := $(value CONF)
 unexport CONF
 
-.PHONY: help venv run test test-fast lint bench db clean ui stop browser npu-api
+.PHONY: help venv run test test-fast lint bench db clean ui stop browser services npu-api device-check
 
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
@@ -18,6 +18,7 @@ help:
 	@echo "make lint   - ruff check + ruff format --check (also the first step of make test)"
 	@echo "make bench  - run the benchmarks; writes bench/results.json and bench/results.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
+	@echo "make device-check - on a CUDA host: the device paths (train, MoE, smoke, profile, INT8, evaluate, vs torchtitan)"
 
 venv: $(STAMP)
 
@@ -26,8 +27,8 @@ $(STAMP): requirements.txt constraints.txt
 	$(VENV)/bin/pip install --quiet -r requirements.txt -c constraints.txt
 	touch $(STAMP)
 
-db: venv
-	@$(ENV) airflow db migrate > var/logs/db-migrate.log 2>&1 || (cat var/logs/db-migrate.log; exit 1)
+db: venv  ## var/ checked writable (one line if not), then Airflow's DB migrated (scripts/migrate-db.sh)
+	@bash scripts/migrate-db.sh
 
 run: db
 	@bash scripts/run-pipeline.sh
@@ -38,7 +39,7 @@ run: db
 TEST_WORKERS ?= 2
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
-test: lint db browser
+test: lint db browser services
 	@$(ENV) a=0; python -m pytest -q $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
 	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
 	b=0; python -m pytest -q -m alone $(PYTEST_ARGS) || b=$$?; \
@@ -49,7 +50,7 @@ lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test 
 	@$(VENV)/bin/ruff check --no-cache .
 	@$(VENV)/bin/ruff format --check --no-cache . || (echo "run: .venv/bin/ruff format ." >&2; exit 1)
 
-test-fast: db browser
+test-fast: db browser services
 	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are
@@ -61,6 +62,9 @@ stop:  ## stop what `make ui` started (SIGINT to Airflow standalone, then MLflow
 browser:  ## Debian's chromium for tests/test_browser.py (apt-get; a no-op when installed)
 	@bash scripts/install-browser.sh
 
+services:  ## Debian's postgresql + redis-server for tests/test_celery_cluster.py (apt-get; a no-op when installed)
+	@bash scripts/install-services.sh
+
 bench: venv
 	@$(ENV) python bench/run_all.py
 
@@ -69,3 +73,14 @@ clean:
 
 npu-api: venv  ## snapshot torch_npu's (pinned wheels, downloaded not installed) and AMCT's API into tests/fixtures/npu_api
 	@$(ENV) python scripts/npu_api.py $(if $(AMCT_GIT_DIR),--amct-git $(AMCT_GIT_DIR))
+
+# On a CUDA host (< 10 minutes after the installs): train steps of the demo and MoE models, smoke, profile with
+# torch.profiler, INT8 quantize + evaluate, all in strict NCCL mode, and the throughput against torchtitan 0.3.0
+# (installed once into .venv-titan: requirements-titan.txt). Report: var/device-check/device-check.json.
+device-check: venv .venv-titan/.installed
+	@$(ENV) python bench/device_check.py --out var/device-check --titan-python .venv-titan/bin/python
+
+.venv-titan/.installed: requirements-titan.txt
+	test -x .venv-titan/bin/python || $(PYTHON) -m venv .venv-titan
+	.venv-titan/bin/pip install --quiet -r requirements-titan.txt
+	touch $@

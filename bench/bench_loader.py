@@ -4,7 +4,7 @@ Each step takes the next batch from ShardLoader (the wait is measured) and then 
 (matmuls standing in for forward/backward). Figures, measured side by side in this run:
 - loader.data_wait_share.{before,after,after_prefetch4}: wait / step time with num_workers=0 (loading inline:
   what a rank gets with no worker processes), with `data.loader_workers=-1` (workers = the rank's cores − 1,
-  tasks/parallel/binding.py) and prefetch_factor 2, and with prefetch_factor 4.
+  tasks/parallel/affinity.py) and prefetch_factor 2, and with prefetch_factor 4.
 - loader.after_over_before: the after share over the before share (< 1 = less time waiting for data).
 On a host with one core per rank the sized loader has 0 workers and the figures coincide: that is the finding.
 """
@@ -48,7 +48,7 @@ def run() -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from data_prep.testing import tiny_shard_set
     from tasks.config import load_config
-    from tasks.parallel.binding import loader_workers
+    from tasks.parallel.affinity import loader_workers
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     auto = loader_workers(load_config("ci-tiny", sets=["data.loader_workers=-1"]), cores)

@@ -193,7 +193,7 @@ def run() -> dict:
     from tasks.model import TransformerConfig, num_params
     from tasks.model.moe import GroupedExperts
     from tasks.planner.cluster import get_cluster
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
     from tasks.planner.moe import MoeProblem, moe_shape_of, step_time
 
     moe, dense = TransformerConfig(**MOE), _dense()

@@ -14,7 +14,7 @@ def run() -> dict:
     from tasks.model.loss import lm_loss
     from tasks.planner.calibrate import saved_activation_bytes
     from tasks.planner.cluster import get_cluster
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
     from tasks.planner.memory import estimate, shape_of
     from tasks.units import GB
     from tasks.planner.search import Problem, search

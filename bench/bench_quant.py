@@ -65,11 +65,11 @@ def trained_model(cfg) -> tuple[Path, Path, dict]:
     from data_prep.loader import ShardLoader
     from tasks.model.config import get_preset
     from tasks.model.hf_io import save_hf
-    from tasks.model.step import train_step
     from tasks.model.transformer import build_model, materialize
     from tasks.parallel.optim import lr_factor
     from tasks.quant import inputs
     from tasks.stages.shard import shard_config
+    from tasks.train.step import single_process
 
     root = WORK / _key(cfg)
     record_path = root / "record.json"
@@ -86,12 +86,12 @@ def trained_model(cfg) -> tuple[Path, Path, dict]:
     model = materialize(build_model(tcfg, "cpu"), "cpu", seed=t.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=t.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, t.warmup_steps, t.steps, t.lr, t.min_lr))
+    train_step = single_process(model, opt, t.grad_clip, scheduler=sched)
     val = inputs.val_batches(shards, 8, 16, "evaluation")
     curve = {0: _val_ppl(model, val)}
     batches = ShardLoader(shards, split="train", batch_size=t.global_batch, seed=t.seed).batches()
     for step, (x, y) in zip(range(1, t.steps + 1), batches):
-        train_step(model, opt, x, y, grad_clip=t.grad_clip)
-        sched.step()
+        train_step(x, y)
         if step % CURVE_EVERY == 0 or step == t.steps:
             curve[step] = _val_ppl(model, val)
             print(f"   train step {step}: val ppl {curve[step]:.2f}", flush=True)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tasks.model import build_model, get_preset, materialize  # noqa: E402
-from tasks.model.step import train_step  # noqa: E402
+from tasks.train.step import single_process  # noqa: E402
 
 BATCH, SEQ, ROUNDS, WARMUP, MFU_ROUNDS = 4, 128, 30, 2, 12
 
@@ -99,19 +99,21 @@ def _batch(tcfg):
 def ratios() -> dict:
     tcfg = get_preset("demo")
     x, y = _batch(tcfg)
+    ours = materialize(build_model(tcfg), "cpu", seed=0)
+    ours_step = single_process(ours, torch.optim.AdamW(ours.parameters(), lr=1e-4), grad_clip=1.0)
     steps = {
-        "ours": (materialize(build_model(tcfg), "cpu", seed=0), lambda m, o: train_step(m, o, x, y, grad_clip=1.0)),
+        "ours": (ours, lambda m, o: ours_step(x, y)),
         "plain": (materialize(build_model(tcfg), "cpu", seed=0), lambda m, o: plain_step(m, o, x, y)),
         "transformers": (hf_llama(tcfg), lambda m, o: plain_step(m, o, x, y)),
     }
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in steps.items()}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in steps.items() if k != "ours"}
     times = {k: [] for k in steps}
     names = list(steps)
     for r in range(WARMUP + ROUNDS):
         for name in names[r % 3 :] + names[: r % 3]:  # rotate the order: no variant always runs first
             model, step = steps[name]
             t = time.process_time()
-            step(model, opts[name])
+            step(model, opts.get(name))
             if r >= WARMUP:
                 times[name].append(time.process_time() - t)
 
@@ -130,15 +132,15 @@ def mfu() -> dict:
     tcfg = get_preset("demo")
     x, y = _batch(tcfg)
     model = materialize(build_model(tcfg), "cpu", seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = single_process(model, torch.optim.AdamW(model.parameters(), lr=1e-4), grad_clip=1.0)
     flops = step_flops(tcfg, BATCH, SEQ)
     for _ in range(WARMUP):
-        train_step(model, opt, x, y, grad_clip=1.0)
+        step(x, y)
     per_round, step_s, peaks = [], [], []
     for _ in range(MFU_ROUNDS):
         peak = matmul_peak_flops()
         t = time.perf_counter()
-        train_step(model, opt, x, y, grad_clip=1.0)
+        step(x, y)
         dt = time.perf_counter() - t
         per_round.append(flops / dt / peak)
         step_s.append(dt)

@@ -1,7 +1,10 @@
 """
 ### LLM data refresh: re-shard the corpus daily; publish a new shard set as an Asset event
 
-A cache hit (same corpus, same config) publishes nothing. A new shard-set version is attached to the
+The build fans out: one `shard_partition` task per partition of the corpus (files, size-balanced; the `partitions`
+Param, or one per 128 MB), one `shard_write` task per range of shards, then `shard` checks every output, writes the
+manifest and publishes the set. The shards are the same bytes however many partitions or workers built them.
+A cache hit (same corpus contents, same config) publishes nothing. A new shard-set version is attached to the
 `llm-shard-set` alias, which schedules `llm_pipeline` (data-aware retraining). The main DAG shards too (a cache
 hit then), but never publishes, so a run can never trigger itself.
 """
@@ -11,10 +14,13 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
+from dags.shard_fanout import shard_fanout
+from tasks.bounds import task_timeout_s
+from tasks.config import load_config
 from tasks.pipeline import end_parent_run, param_schemas
 
 SHARD_SET = AssetAlias("llm-shard-set")
-DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_size", "seq_len")
+DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_size", "seq_len", "partitions")
 
 
 @dag(
@@ -30,7 +36,13 @@ DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_siz
     on_failure_callback=end_parent_run(success=False),
 )
 def llm_data():
-    @task(task_id="shard", outlets=[SHARD_SET], doc_md="Shard the corpus; publish the shard set when it is new.")
+    @task(
+        task_id="shard",
+        outlets=[SHARD_SET],
+        trigger_rule="none_failed",
+        doc_md="Check every partition's and write range's output, write the manifest, publish the shard set; emit "
+        "the asset event when it is new. A missing or bad output is named and nothing is published.",
+    )
     def shard(*, outlet_events=None) -> dict:
         from airflow.sdk import get_current_context
         from airflow.sdk.exceptions import AirflowFailException
@@ -40,7 +52,9 @@ def llm_data():
 
         ctx = get_current_context()
         try:
-            result = run_for_dag_run("shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"])
+            result = run_for_dag_run(
+                "shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], args={"reduce": True}
+            )
         except StageError as e:
             raise AirflowFailException(str(e)) from None
         if not result.get("cache_hit", False):
@@ -50,7 +64,7 @@ def llm_data():
             )
         return result
 
-    shard()
+    shard_fanout(shard(), task_timeout_s("shard", load_config()))
 
 
 llm_data()

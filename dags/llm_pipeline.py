@@ -32,6 +32,7 @@ from airflow.sdk import (
     task,
 )
 
+from dags.shard_fanout import shard_fanout
 from tasks.pipeline import (  # light: no torch, no mlflow
     RetryableStageFailure,
     StageFailure,
@@ -47,7 +48,8 @@ DOCS = {
     "env": "Versions (Python, torch, torch_npu, CANN, driver) against the compatibility matrix, devices, "
     "npu-smi health, a collective all_reduce + bandwidth probe, clock offset, HCCL timeouts, disk and memory.",
     "shard": "Corpus → cleaned, deduplicated documents → BPE tokenizer → packed windows → WebDataset shards with a "
-    "manifest. Same input and config: a cache hit, nothing rewritten.",
+    "manifest, built by the shard_* tasks before it (one per partition, one per write range); this task checks "
+    "their outputs and publishes the set. Same input and config: a cache hit, nothing rewritten.",
     "smoke": "One device, the configured model: N steps in FP32, then the same in BF16. Fails (and stops the run) "
     "on a non-finite loss, a loss that does not fall, or FP32/BF16 curves that disagree; names the first bad "
     "layer.",
@@ -85,7 +87,14 @@ def triggering_shard_sets(ctx) -> list[dict]:
     ]
 
 
-def run_stage_task(stage: str) -> dict:
+def adopts_published_set(ctx) -> bool:
+    """An asset-triggered run adopts the published shard set: its fan-out shards nothing."""
+    from tasks.pipeline import published_shard_set
+
+    return published_shard_set(triggering_shard_sets(ctx)) is not None
+
+
+def run_stage_task(stage: str, args: dict | None = None) -> dict:
     """Body of every stage task: Params → config → the stage on its launcher (imports stay inside: parse time
     stays light). hardware.launcher=kubernetes runs the device stages as Jobs on the training nodes.
 
@@ -96,7 +105,7 @@ def run_stage_task(stage: str) -> dict:
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.errors import StageError, os_error_cause
-    from tasks.launcher import runs_on_kubernetes
+    from tasks.launch.placement import runs_on_kubernetes
     from tasks.logs import to_logging
     from tasks.pipeline import config_for_run, failure, join_dag_run, published_shard_set, run_for_dag_run
     from tasks.runner import default_run_dir
@@ -108,11 +117,11 @@ def run_stage_task(stage: str) -> dict:
         try:
             cfg = config_for_run(params, default_run_dir(dag_id, run_id))
             if runs_on_kubernetes(stage, cfg):
-                from k8s_launch import run_stage_job  # dags/k8s_launch.py: imports the cncf provider itself
+                from tasks.launch.k8s_submit import run_stage_job  # imports the cncf provider itself
 
                 join_dag_run(cfg, dag_id, run_id, try_number)  # the pods' `python -m tasks` runs nest under it
                 return run_stage_job(stage, cfg, dag_id, run_id, try_number)
-            return run_for_dag_run(stage, params, dag_id, run_id, try_number, published=published)
+            return run_for_dag_run(stage, params, dag_id, run_id, try_number, published=published, args=args)
         except StageError as e:  # retryable: e.g. a rank died, the retry resumes training from the last checkpoint
             raise failure(str(e), e.retryable) from None
         except OSError as e:  # read-only or full var dir, a file in the way: the path and the errno's meaning
@@ -146,7 +155,8 @@ def notify_failure(context) -> None:
     from tasks.notify import record_failure
 
     ti = context["ti"]
-    record_failure(ti.dag_id, context["run_id"], ti.task_id, context.get("exception"))
+    stage = "shard" if ti.task_id.startswith("shard_") else ti.task_id  # the shard stage's fan-out tasks
+    record_failure(ti.dag_id, context["run_id"], stage, context.get("exception"))
 
 
 # The train task retries only what a retry can fix (StageError.retryable: a rank killed by a signal, a lost peer, a
@@ -160,6 +170,7 @@ RETRY_ONLY_RETRYABLE = ExceptionRetryPolicy(
 RETRIES = {
     "train": dict(retries=2, retry_delay=pendulum.duration(seconds=15), retry_policy=RETRY_ONLY_RETRYABLE),
 }
+SHARD_REDUCE = {"reduce": True}  # the shard task publishes what its fan-out (dags/shard_fanout.py) built
 
 
 def _approval_timeout_h() -> int:
@@ -174,21 +185,27 @@ APPROVAL_TIMEOUT_H = _approval_timeout_h()  # the default preset's, at parse tim
 def stage_task(stage_id: str):
     """One TaskFlow task per stage, all with the same body; its return value (ids and paths) is the XCom.
 
-    execution_timeout: the default preset's bound at parse time, set again from the run's config at task start."""
+    execution_timeout: the default preset's bound at parse time, set again from the run's config at task start.
+    queue: the preset's hardware.device_queue for device stages (CeleryExecutor: the training nodes' workers)."""
     from tasks.bounds import task_timeout_s
     from tasks.config import load_config
+    from tasks.launch.placement import celery_queue
 
     def body() -> dict:
-        return run_stage_task(stage_id)
+        return run_stage_task(stage_id, SHARD_REDUCE if stage_id == "shard" else None)
 
     body.__name__ = stage_id
+    cfg = load_config()
+    queue = celery_queue(stage_id, cfg)
     return task(
         task_id=stage_id,
         doc_md=DOCS[stage_id],
         on_failure_callback=notify_failure,
-        execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, load_config())),
+        execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, cfg)),
         pre_execute=bound_from_run_config,
+        **({"queue": queue} if queue else {}),
         **RETRIES.get(stage_id, {}),
+        **({"trigger_rule": "none_failed"} if stage_id == "shard" else {}),  # its fan-out is skipped on a cache hit
     )(body)
 
 
@@ -287,12 +304,22 @@ def llm_pipeline():
     def pipeline_ok() -> None:
         return None
 
-    stages = [stage_task(stage_id)() for stage_id in STAGES]
-    for upstream, downstream in zip(stages, stages[1:]):
-        upstream >> downstream
-    promoted = stages[-1] >> approval_needed() >> approve >> promote()
-    [stages[-1], promoted] >> summary()
-    stages[-1] >> pipeline_ok()
+    from tasks.bounds import task_timeout_s
+    from tasks.config import load_config
+
+    by_stage = {stage_id: stage_task(stage_id)() for stage_id in STAGES}
+    fanout, _ = shard_fanout(
+        by_stage["shard"],
+        task_timeout_s("shard", load_config()),
+        skip=adopts_published_set,
+        on_failure_callback=notify_failure,
+    )
+    for upstream, downstream in zip(STAGES, list(STAGES)[1:]):
+        by_stage[upstream] >> (fanout if downstream == "shard" else by_stage[downstream])
+    last = by_stage[list(STAGES)[-1]]
+    promoted = last >> approval_needed() >> approve >> promote()
+    [last, promoted] >> summary()
+    last >> pipeline_ok()
 
 
 llm_pipeline()

@@ -1,5 +1,6 @@
 """`python -m data_prep shard --input PATH… --out DIR [--config YAML] [--set key=value …]`
-   `python -m data_prep verify DIR [--split train]`   (sizes + sha256 of every shard against the manifest)
+   `python -m data_prep verify DIR [--split train]`   (tokenizer files, sizes + sha256 of every shard, against the
+                                                       manifest)
 
 Errors print one line and exit 2. The pipeline's own entry is `python -m tasks shard` (same code, plus MLflow).
 """
@@ -7,6 +8,7 @@ Errors print one line and exit 2. The pipeline's own entry is `python -m tasks s
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import sys
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
         help=f"override settings, several after one --set or --set repeated ({', '.join(ShardConfig.model_fields)})",
     )
     shard.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
-    verify = sub.add_parser("verify", help="check every shard's size and sha256 against the manifest")
+    verify = sub.add_parser("verify", help="check the tokenizer files and every shard's size and sha256")
     verify.add_argument("shard_dir")
     verify.add_argument("--split", action="append", default=None)
     args = parser.parse_args(argv)
@@ -68,12 +70,23 @@ def main(argv=None) -> int:
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full or read-only disk: the path and the errno; a rerun resumes the build
+        name = errno.errorcode.get(e.errno or 0, "")
+        where = f"{e.filename}: " if e.filename else ""
+        print(
+            f"error: {where}{e.strerror or e}{f' ({name})' if name else ''}; free space or fix permissions, then "
+            "rerun (finished steps are kept)",
+            file=sys.stderr,
+        )
+        return 2
     summary = {
         "shard_dir": str(result.shard_dir),
         "cache_hit": result.cache_hit,
         "manifest_digest": result.digest,
         "tokens": result.tokens,
         "tokens_per_s": round(result.tokens_per_s),
+        "partitions": result.partitions,
+        "tokenizer_identity": result.manifest["tokenizer"]["identity"],
         "splits": {
             k: {"samples": v["samples"], "shards": len(v["shards"])} for k, v in result.manifest["splits"].items()
         },

@@ -1,43 +1,31 @@
 """build_shard_set(): corpus → tokenizer → packed windows → shards → manifest, cached by source + config.
 
-The version directory's name is a hash of the source fingerprint, the output-shaping config and the tokenizer
-identity: the same source and config find the published directory and rewrite nothing (a cache hit); any change
-gives a new version beside the old one.
+The steps are data_prep.job's (prepare, partition, layout, write, publish); here they run one after the other in
+this process, the data DAG maps them over workers. The shard set's version is a hash of the inputs' contents, the
+output-shaping config and the tokenizer identity: the same contents and config find the published directory and
+rewrite nothing (a cache hit); any change gives a new version beside the old one.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
-from tqdm import tqdm
-
-from data_prep.clean import TRAIN, VAL, clean_documents
+from data_prep import fsio
 from data_prep.config import ShardConfig
-from data_prep.corpus import CorpusStats, fingerprint, resolve_inputs
 from data_prep.errors import DataPrepError
+from data_prep.job import PUBLISHED, Job, prepare, remember
+from data_prep.layout import read_layout, run_layout
 from data_prep.manifest import FORMAT, MANIFEST, digest, load_manifest, manifest_bytes
-from data_prep.pack import TokenFile, plan_shards
-from data_prep.tokenizer import (
-    encode_stream,
-    find_eos,
-    load_tokenizer,
-    token_dtype,
-    tokenizer_companions,
-    tokenizer_file,
-    tokenizer_identity,
-    train_bpe,
-)
-from data_prep.writer import ensure_writable, fresh_tmp_dir, out_dir_lock, publish, sha256_file, write_split
+from data_prep.partition import run_partition
+from data_prep.tokenizer import identity
+from data_prep.fsio import sha256_file
+from data_prep.writer import drop_write, run_write
 
 log = logging.getLogger(__name__)
-BATCH_DOCS, BATCH_CHARS = 512, 1 << 20  # per encode task: big enough to amortise IPC, small enough to stream
 
 
 @dataclass
@@ -49,6 +37,7 @@ class BuildResult:
     seconds: float  # this call, wall clock
     tokenizer_seconds: float = 0.0  # training the BPE (0 when loaded or cached)
     sharding_seconds: float = 0.0  # read → clean → tokenise → pack → write → publish
+    partitions: int = 0  # units of work of the build (0 on a cache hit)
 
     @property
     def tokens(self) -> int:
@@ -59,142 +48,136 @@ class BuildResult:
         return self.tokens / self.sharding_seconds if self.sharding_seconds else 0.0
 
 
-def version_name(files: list[Path], cfg: ShardConfig) -> str:
-    key = [FORMAT, fingerprint(files), cfg.config_hash(), tokenizer_identity(cfg.tokenizer)]
-    return "shards-" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
+def _hit(shard_dir: Path, started: float) -> BuildResult:
+    return BuildResult(shard_dir, load_manifest(shard_dir), digest(shard_dir), True, time.perf_counter() - started)
 
 
-def build_shard_set(cfg: ShardConfig) -> BuildResult:
+def build_shard_set(cfg: ShardConfig, reduce_only: bool = False) -> BuildResult:
+    """Build (or find) the shard set. `reduce_only`: the DAG's last task — every step must already be done (by its
+    mapped tasks); a missing or failing one is named and nothing is published."""
     started = time.perf_counter()
-    cfg.validate()
-    if not cfg.shard_multiple:  # 0 = automatic; alone, data_prep knows of one reader (the pipeline passes its own)
-        cfg = cfg.model_copy(update={"shard_multiple": 1})
-    files = resolve_inputs(cfg.inputs)
-    out_dir = Path(cfg.out_dir)
-    version = version_name(files, cfg)
-    final = out_dir / version
-    if (final / MANIFEST).is_file():
-        return BuildResult(final, load_manifest(final), digest(final), True, time.perf_counter() - started)
-    ensure_writable(out_dir)
-    with out_dir_lock(out_dir):
-        if (final / MANIFEST).is_file():  # another writer published it while we waited for the lock
-            return BuildResult(final, load_manifest(final), digest(final), True, time.perf_counter() - started)
-        if final.exists():
+    prepared = prepare(cfg, create=not reduce_only)
+    if prepared.job is None:
+        return _hit(prepared.shard_dir, started)
+    job = prepared.job
+    if not reduce_only:
+        for i in range(len(job.partitions)):
+            run_partition(job, i, cfg.tokenize_processes, cfg.progress)
+        layout = run_layout(job)
+        for i in range(0 if layout["published"] else len(layout["writes"])):
+            run_write(job, i)
+    return publish(job, verify_sha256=cfg.verify_sha256, started=started)
+
+
+def publish(job: Job, verify_sha256: bool = False, started: float | None = None) -> BuildResult:
+    """The reduce step: check every write range's record and shards (sizes; sha256 too with verify_sha256), that
+    the plan's shards are each written exactly once, then write the manifest and publish the set with one rename."""
+    started = time.perf_counter() if started is None else started
+    with fsio.lock(job.dir, "publish"):
+        layout = read_layout(job)
+        if layout is None:
+            raise DataPrepError(f"{job.dir}: the layout step has not run (a partition task failed?); not published")
+        final = job.out_dir / layout["version"]
+        if layout["published"]:  # the same contents were published before
+            remember(job.out_dir, job.data["key"], layout["version"])
+            shutil.rmtree(job.dir, ignore_errors=True)
+            return _hit(final, started)
+        entries = _checked_writes(job, layout, verify_sha256)
+        manifest = _manifest(job, layout, entries)
+        fsio.write_atomic(job.set_dir / MANIFEST, manifest_bytes(manifest))  # last: its presence means "complete"
+        fsio.fsync_path(job.set_dir)
+        if final.exists() and not (final / MANIFEST).is_file():
             raise DataPrepError(f"{final} exists but has no {MANIFEST} (not written by this tool?); remove it")
-        tmp = fresh_tmp_dir(out_dir, version)
-        try:
-            manifest, tok_s, shard_s = _build(cfg, files, version, tmp)
-            (tmp / MANIFEST).write_bytes(manifest_bytes(manifest))  # last: its presence means "complete"
-            publish(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    result = BuildResult(final, manifest, digest(final), False, time.perf_counter() - started, tok_s, shard_s)
-    log.info("shard set %s: %d tokens in %.1f s (%.0f tokens/s)", final, result.tokens, shard_s, result.tokens_per_s)
+        fsio.write_atomic(job.dir / PUBLISHED, f"{layout['version']}\n".encode())
+        won = fsio.rename_dir(job.set_dir, final)  # False: an identical build published it first
+        remember(job.out_dir, job.data["key"], layout["version"])
+    shutil.rmtree(job.dir, ignore_errors=True)
+    seconds = time.perf_counter() - started
+    tok_s = job.data["tokenizer_seconds"]
+    wall = max(seconds, time.time() - job.data["created"])  # the DAG's build began in another task
+    result = BuildResult(final, load_manifest(final), digest(final), not won, seconds, tok_s, wall - tok_s)
+    result.partitions = len(job.partitions)
+    log.info("shard set %s: %d tokens in %.1f s (%.0f tokens/s)", final, result.tokens, wall, result.tokens_per_s)
     return result
 
 
-def _batches(docs: Iterable[tuple[str, str]], bar) -> Iterator[tuple[str, list[str]]]:
-    """Group (split, text) into per-split batches, flushed in a deterministic order."""
-    pending: dict[str, list[str]] = {TRAIN: [], VAL: []}
-    chars = {TRAIN: 0, VAL: 0}
-    for split, text in docs:
-        pending[split].append(text)
-        chars[split] += len(text)
-        if len(pending[split]) >= BATCH_DOCS or chars[split] >= BATCH_CHARS:
-            bar.update(len(pending[split]))
-            yield split, pending[split]
-            pending[split], chars[split] = [], 0
-    for split in (TRAIN, VAL):
-        if pending[split]:
-            bar.update(len(pending[split]))
-            yield split, pending[split]
-
-
-def _empty_corpus(files: list[Path], stats: CorpusStats) -> DataPrepError:
-    skipped = ", ".join(f"{k} {v}" for k, v in stats.as_dict().items() if v and k not in ("files", "documents_out"))
-    return DataPrepError(f"empty corpus: no document kept from {len(files)} input file(s) ({skipped or 'all empty'})")
-
-
-def _build(cfg: ShardConfig, files: list[Path], version: str, tmp: Path) -> tuple[dict, float, float]:
-    t0 = time.perf_counter()
-    if cfg.tokenizer == "train":  # on the train split only: nothing of val leaks into the vocabulary
-        train_texts = (t for split, t in clean_documents(files, cfg, CorpusStats()) if split == TRAIN)
-        tok = train_bpe(train_texts, cfg.vocab_size, cfg.eos_token or "<|endoftext|>")
-        source = "train"
-    else:
-        tok = load_tokenizer(cfg.tokenizer)
-        source = str(tokenizer_file(cfg.tokenizer).resolve())
-    t1 = time.perf_counter()
-    eos_name, eos_id = find_eos(tok, cfg.tokenizer, cfg.eos_token)
-    vocab = tok.get_vocab_size(with_added_tokens=True)
-    dtype = token_dtype(vocab, cfg.token_dtype)
-    tok_files = ["tokenizer.json"]
-    if cfg.tokenizer == "train":
-        tok.save(str(tmp / "tokenizer.json"))
-    else:  # as given, byte for byte, with its companion files (tokenizer_config.json …)
-        shutil.copyfile(tokenizer_file(cfg.tokenizer), tmp / "tokenizer.json")
-        for f in tokenizer_companions(cfg.tokenizer):
-            shutil.copyfile(f, tmp / f.name)
-            tok_files.append(f.name)
-
-    stats = CorpusStats()
-    streams = {s: TokenFile(tmp / f".{s}.tokens", dtype) for s in (TRAIN, VAL)}
-    with tqdm(desc=f"tokenise {version}", unit="doc", disable=not cfg.progress, mininterval=2) as bar:
-        batches = _batches(clean_documents(files, cfg, stats), bar)
-        for split, ids in encode_stream(tok, eos_id, dtype, batches, cfg.tokenize_processes):
-            streams[split].append(ids)
-    for s in streams.values():
-        s.close()
-    if stats.documents_out == 0:
-        raise _empty_corpus(files, stats)
-
-    seed = int(cfg.config_hash()[:8], 16)
-    window = cfg.seq_len + 1
-    splits, warnings = {}, []
-    for split, stream in streams.items():
-        windows = stream.tokens // window
-        if split == TRAIN and windows == 0:
+def _checked_writes(job: Job, layout: dict, verify_sha256: bool) -> dict[str, list[dict]]:
+    """Each write range's record, each shard in it on disk with its recorded size (and sha256), and every shard of
+    the plan written exactly once with its planned samples. A range that fails is named and dropped, so a rerun
+    writes it again."""
+    found: dict[str, dict[int, dict]] = {s: {} for s in layout["splits"]}
+    for index, ranges in enumerate(layout["writes"]):
+        path = job.dir / "writes" / f"{index:04d}.json"
+        what = f"write range {index} ({', '.join(f'{s} {a}..{b - 1}' for s, a, b in ranges)})"
+        try:
+            record = fsio.read_json(path)
+        except (OSError, ValueError):
+            raise DataPrepError(f"{what} has no record: its task has not finished; not published") from None
+        for e in record["shards"]:
+            split, k = e["name"].split("-")[0], int(e["name"].split("-")[1].split(".")[0])
+            per = layout["splits"][split]["per_shard"]
+            problem = _shard_problem(job.set_dir / e["name"], e, verify_sha256, k in found[split], per)
+            if problem:
+                drop_write(job, index)
+                raise DataPrepError(
+                    f"{what} failed verification: {e['name']} {problem}; dropped, rerun the build to write it "
+                    "again; not published"
+                )
+            found[split][k] = e
+    for split, plan in layout["splits"].items():
+        missing = [k for k in range(plan["num_shards"]) if k not in found[split]]
+        if missing:
             raise DataPrepError(
-                f"seq_len {cfg.seq_len} is longer than the whole corpus: {stream.tokens} training "
-                f"tokens make no window of {window}; lower data.seq_len or add documents"
+                f"{split} shards {missing[:5]} of {plan['num_shards']} were written by no range; not published"
             )
-        plan = plan_shards(windows, cfg.seq_len, dtype, cfg.shard_size_mb, cfg.shard_multiple)
-        if windows == 0 and cfg.val_fraction > 0:
-            warnings.append(f"{split} split is empty ({stream.tokens} tokens < one window of {window})")
-        if plan.warning:
-            warnings.append(f"{split}: {plan.warning}")
-        entries = write_split(tmp, split, stream.path, plan, cfg.seq_len, dtype, seed, cfg.tokenize_processes)
-        stream.path.unlink()
-        splits[split] = {
-            "samples": plan.used,
-            "tokens": plan.used * window,
-            "token_stream": stream.tokens,
-            "dropped_samples": plan.dropped,
-            "shards": entries,
+    return {split: [found[split][k] for k in sorted(found[split])] for split in found}
+
+
+def _shard_problem(path: Path, entry: dict, verify_sha256: bool, seen: bool, per_shard: int) -> str:
+    if not path.is_file():
+        return "is missing"
+    if path.stat().st_size != entry["bytes"]:
+        return f"is {path.stat().st_size} bytes, its record says {entry['bytes']}"
+    if verify_sha256 and sha256_file(path) != entry["sha256"]:
+        return "has another sha256 than its record"
+    if seen:
+        return "was written twice (also by another range)"
+    if entry["samples"] != per_shard:
+        return f"holds {entry['samples']} samples, the plan says {per_shard}"
+    return ""
+
+
+def _manifest(job: Job, layout: dict, entries: dict[str, list[dict]]) -> dict:
+    cfg, tok = job.cfg, job.data["tokenizer"]
+    sha256s = {name: sha256_file(job.set_dir / name) for name in tok["files"]}
+    splits = {
+        split: {
+            **{k: plan[k] for k in ("samples", "tokens", "token_stream", "dropped_samples")},
+            "shards": entries[split],
         }
-    for w in warnings:
-        log.warning("%s", w)
-    manifest = {
+        for split, plan in layout["splits"].items()
+    }
+    return {
         "format": FORMAT,
-        "version": version,
+        "version": layout["version"],
         "seq_len": cfg.seq_len,
-        "sample_tokens": window,
-        "dtype": dtype.name,
-        "vocab_size": vocab,
-        "eos_token": eos_name,
-        "eos_id": eos_id,
+        "sample_tokens": cfg.seq_len + 1,
+        "dtype": tok["dtype"],
+        "vocab_size": tok["vocab_size"],
+        "eos_token": tok["eos_token"],
+        "eos_id": tok["eos_id"],
         "tokenizer": {
             "file": "tokenizer.json",
-            "sha256": sha256_file(tmp / "tokenizer.json"),
-            "source": source,
-            **({"files": tok_files} if len(tok_files) > 1 else {}),
+            "sha256": sha256s["tokenizer.json"],
+            "source": tok["source"],
+            "file_sha256": sha256s,
+            "identity": identity(sha256s),
+            **({"files": tok["files"]} if len(tok["files"]) > 1 else {}),
         },
-        "source": {"inputs": list(cfg.inputs), "files": len(files), "fingerprint": fingerprint(files)},
+        "source": {"inputs": list(job.data["inputs"]), "files": len(job.files), "fingerprint": layout["content_key"]},
         "config": cfg.key_fields(),
-        "stats": stats.as_dict(),
+        "stats": layout["stats"],
         "shard_multiple": cfg.shard_multiple,
-        "warnings": warnings,
+        "warnings": layout["warnings"],
         "splits": splits,
     }
-    return manifest, t1 - t0, time.perf_counter() - t1

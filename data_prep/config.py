@@ -29,6 +29,26 @@ _Loader.add_implicit_resolver(
 )
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping with one key twice: PyYAML keeps the last silently; a preset must say which one it means."""
+
+
+def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict = {}
+    for key_node, _ in node.value:  # the mapping's own keys (a `<<` merge's keys may be overridden, as YAML says)
+        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+            continue
+        key = loader.construct_object(key_node)
+        if key in seen:
+            lines = f"lines {seen[key] + 1} and {key_node.start_mark.line + 1}"
+            raise DuplicateKeyError(None, None, f"key {key!r} appears twice ({lines})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_Loader.construct_mapping = _mapping
+
+
 def yaml_load(text: str):
     return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
@@ -37,6 +57,8 @@ def yaml_mapping(path: str | Path) -> dict:
     """A YAML file's top-level mapping; ValueError in one line (where the YAML breaks, or what it holds instead)."""
     try:
         data = yaml_load(Path(path).read_text(encoding="utf-8")) or {}
+    except DuplicateKeyError as e:
+        raise ValueError(f"{path}: {e.problem}; keep one (the last would silently win)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -115,6 +137,23 @@ def _unknown(owner, names: list[str], value) -> list[str]:
     return [f"{names[0]}{k}: unknown section {names[0]!r}{hint} (known: {', '.join(sections)})" for k in keys]
 
 
+def _bounds(metadata) -> dict:
+    return {k: getattr(m, k) for m in metadata for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None}
+
+
+def _range(field, item, err: dict) -> str:
+    """`in [lo, hi]`, `in (lo, hi]`, `>= lo`, `< hi`…: the field's (or, for a list, its items') bounds."""
+    b = _bounds(field.metadata)
+    if item is not None and typing.get_origin(item) is typing.Annotated:  # list[Annotated[float, Field(gt=0)]]
+        b = _bounds(m for info in typing.get_args(item)[1:] for m in getattr(info, "metadata", [info]))
+    b = b or dict(err.get("ctx") or {})
+    lo = ("[", b["ge"]) if "ge" in b else ("(", b["gt"]) if "gt" in b else None
+    hi = (b["le"], "]") if "le" in b else (b["lt"], ")") if "lt" in b else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]}, {hi[0]}{hi[1]}"
+    return f"{'>=' if lo[0] == '[' else '>'} {lo[1]}" if lo else f"{'<=' if hi[1] == ']' else '<'} {hi[0]}"
+
+
 def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ranges: bool = False) -> list[str]:
     """One line per problem of `err` (from validating `data` against `model`), named by dotted path: `x: 0 must be
     >= 1` / `in [lo, hi]` (`terse_ranges`: `is out of range`, data_prep's CLI), `'x' is not one of a, b`, a list of
@@ -143,9 +182,12 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
                 else f"{where}: {value!r} is not one of {', '.join(map(str, choices))}"
             )
         elif kind.startswith(("greater_than", "less_than")):
-            b = {k: getattr(m, k) for m in field.metadata for k in ("ge", "le") if hasattr(m, k)}  # bounds: ge/le
-            rng = f"in [{b['ge']}, {b['le']}]" if len(b) == 2 else f">= {b['ge']}" if "ge" in b else f"<= {b['le']}"
-            lines.append(f"{where}: {value!r} is out of range" if terse_ranges else f"{where}: {value} must be {rng}")
+            shown = f"{value:.6g}" if isinstance(value, int) and abs(value) >= 10**15 else value  # 1e24, not 9999…784
+            lines.append(
+                f"{where}: {shown!r} is out of range"
+                if terse_ranges
+                else f"{where}: {shown} must be {_range(field, item, e)}"
+            )
         elif kind == "too_short":
             lines.append(f"{where}: must not be empty")
         else:
@@ -160,8 +202,10 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
 
 # Fields that do not change the bytes written, so they stay out of the cache key: where things are, how fast they
 # are built, and the loader's own settings.
+# `partitions` too: the shard set is the same bytes however many partitions (and workers) built it.
 _NOT_IN_KEY = set(
-    "inputs out_dir tokenizer tokenize_processes progress loader_workers prefetch_factor verify_sha256".split()
+    "inputs out_dir tokenizer tokenize_processes partitions progress loader_workers prefetch_factor "
+    "verify_sha256".split()
 )
 
 
@@ -175,16 +219,19 @@ class DataConfig(Section):
     inputs: list[str] = Field(default_factory=lambda: ["stdlib"], min_length=1)
     text_field: str = "text"  # .jsonl key / .parquet column holding the text
     out_dir: str = "var/data"  # shard sets are versioned directories below it
-    max_documents: int = Field(0, ge=0)  # 0 = all (counted after cleaning and de-duplication)
-    min_chars: int = Field(16, ge=0)
-    max_chars: int = Field(1_000_000, ge=1)  # longer documents are skipped (counted), never loaded whole
+    max_documents: int = Field(0, ge=0, le=10**12)  # 0 = all (counted after cleaning and de-duplication)
+    min_chars: int = Field(16, ge=0, le=10**9)
+    max_chars: int = Field(1_000_000, ge=1, le=10**10)  # longer documents are skipped (counted), never loaded whole
     on_decode_error: Literal["replace", "skip"] = "replace"
     tokenizer: str = "train"  # "train" (byte-level BPE on the corpus) or a tokenizer.json / model dir
     seq_len: int = Field(256, ge=8, le=1 << 20)
     vocab_size: int = Field(4096, ge=256, le=1 << 22)  # for "train"
     val_fraction: float = Field(0.05, ge=0.0, le=0.5)
     shard_size_mb: float = Field(16.0, ge=0.01, le=100_000)
-    tokenize_processes: int = Field(2, ge=1, le=256)
+    tokenize_processes: int = Field(2, ge=1, le=256)  # tokenizer threads of a builder (one per core)
+    # Units of work of one build (files, size-balanced): the data DAG maps one task per partition. 0 = one per
+    # 128 MB of input (at most one per file). Never changes the bytes written.
+    partitions: int = Field(0, ge=0, le=4096)
     token_dtype: Literal["auto", "uint16", "uint32"] = "auto"  # auto: uint16 when the vocabulary fits
     # "" = tokenizer_config.json's eos_token or a usual name (<|endoftext|>, </s>…)
     eos_token: str = ""

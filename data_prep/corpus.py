@@ -4,18 +4,21 @@ A .txt (or any other text) file is one document; a .jsonl line or a .parquet row
 read whole: text files are read up to the length limit, jsonl lines with a capped readline, parquet in row batches,
 so a 200 MB single-line file costs at most `max_chars` of memory. Problems with one file or record are counted
 skips (`CorpusStats`); only "nothing to read at all" is an error.
+
+Every byte of a file that is read is also hashed (sha256, as it streams by: `digests`), and the rest of a file
+that is skipped early (too long, binary) is read through to finish its hash: the shard set's version is named by
+the inputs' contents, never by their mtimes.
 """
 
 from __future__ import annotations
 
-import glob
 import gzip
 import hashlib
 import json
 import logging
 import os
 import sysconfig
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
 
@@ -43,9 +46,15 @@ class CorpusStats:
     bad_records: int = 0  # jsonl lines that are not JSON objects with a string text field
     duplicates: int = 0
     documents_out: int = 0
+    first_undecodable: str = field(default="", compare=False)  # the first file with invalid UTF-8 (not a counter)
+    path: str = field(default="", compare=False, repr=False)  # the file being read
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The counters (what the manifest's `stats` holds)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.type in ("int", int)}
+
+    def counters(self) -> tuple[int, ...]:
+        return tuple(self.as_dict().values())
 
 
 def stdlib_files() -> list[Path]:
@@ -76,6 +85,28 @@ def _kind_suffix(path: Path) -> str:
     return suffixes[-1].lower() if suffixes else ""
 
 
+def _glob(spec: str) -> list[Path]:
+    """A glob's matches, sorted. pathlib's `**` does not follow symlinked directories (glob.glob does, and a link
+    loop makes it run forever); the symlinked directories it passed are named in one warning line."""
+    path = Path(spec).expanduser()
+    parts = path.parts
+    fixed = next(i for i, part in enumerate(parts + ("*",)) if any(c in part for c in "*?["))
+    root, pattern = Path(*parts[:fixed]) if fixed else Path("."), "/".join(parts[fixed:])
+    hidden = lambda m: any(p.startswith(".") for p in m.relative_to(root).parts)  # noqa: E731 (as glob.glob)
+    matches = sorted(m for m in root.glob(pattern) if not hidden(m)) if root.is_dir() else []
+    if "**" in pattern and root.is_dir():
+        links = [Path(d, n) for d, dirs, _ in os.walk(root) for n in dirs if os.path.islink(os.path.join(d, n))]
+        if links:
+            log.warning(
+                "input %s: ** does not follow symlinked directories (%d skipped, e.g. %s); give them as inputs of "
+                "their own to include them",
+                spec,
+                len(links),
+                links[0],
+            )
+    return matches
+
+
 def resolve_inputs(inputs: list[str]) -> list[Path]:
     """Files, directories (walked) and globs → a de-duplicated file list in input order, each group sorted."""
     files: list[Path] = []
@@ -85,7 +116,7 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
             continue
         path = Path(spec).expanduser()
         if any(c in spec for c in "*?["):
-            matches = [Path(m) for m in sorted(glob.glob(str(path), recursive=True))]
+            matches = _glob(spec)
             files += [m for m in matches if m.is_file()]
             for d in (m for m in matches if m.is_dir()):
                 files += _walk(d)
@@ -103,17 +134,55 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
     return unique
 
 
-def fingerprint(files: list[Path]) -> str:
-    """Identity of the source: path, size and mtime of every file (cheap: no reading, like make)."""
+def stat_key(files: list[Path], stats: list[os.stat_result] | None = None) -> str:
+    """Where a build of these files is looked up (never what names the data: that is `content_key`): path, size,
+    mtime, ctime and inode of every file. ctime cannot be set back (utime sets it to now), so a file rewritten with
+    its size and mtime kept still gets another key; a file merely touched or copied is read again and found equal
+    by its content."""
     h = hashlib.sha256()
-    for p in files:
-        st = p.stat()
-        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for p, st in zip(files, stats or [p.stat() for p in files]):
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
     return h.hexdigest()[:16]
 
 
-def _open(path: Path):
-    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+def content_key(digests: list[str]) -> str:
+    """The identity of the source: the sha256 of the files' sha256s, in corpus order."""
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()
+
+
+class HashingFile:
+    """A binary file whose bytes are hashed as they are read (read, readline); `finish()` reads the rest."""
+
+    def __init__(self, path: Path):
+        self._f = open(path, "rb")
+        self.hash = hashlib.sha256()
+        self.mode, self.name = "rb", str(path)
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self.hash.update(data)
+        return data
+
+    def readline(self, n: int = -1) -> bytes:
+        data = self._f.readline(n)
+        self.hash.update(data)
+        return data
+
+    def finish(self) -> str:
+        while chunk := self._f.read(_CHUNK):
+            self.hash.update(chunk)
+        return self.hash.hexdigest()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def file_sha256(path: Path) -> str:
+    f = HashingFile(path)
+    try:
+        return f.finish()
+    finally:
+        f.close()
 
 
 def _decode(raw: bytes, on_error: str, stats: CorpusStats) -> str | None:
@@ -121,6 +190,7 @@ def _decode(raw: bytes, on_error: str, stats: CorpusStats) -> str | None:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         stats.undecodable += 1
+        stats.first_undecodable = stats.first_undecodable or stats.path
         return None if on_error == "skip" else raw.decode("utf-8", errors="replace")
 
 
@@ -169,7 +239,7 @@ def _jsonl_file(f, text_field: str, max_chars: int, on_error: str, stats: Corpus
 def _parquet_file(path: Path, text_field: str, stats: CorpusStats) -> Iterator[str]:
     import pyarrow.parquet as pq
 
-    with _open(path) as f:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
         pf = pq.ParquetFile(f)
         if text_field not in pf.schema_arrow.names:
             raise DataPrepError(
@@ -191,22 +261,28 @@ def iter_documents(
     max_chars: int = 1_000_000,
     on_decode_error: str = "replace",
     stats: CorpusStats | None = None,
+    digests: list[str] | None = None,
 ) -> Iterator[str]:
-    """Raw document texts, in file order. Unreadable files are skipped with a warning and counted."""
+    """Raw document texts, in file order. Unreadable files are skipped with a warning and counted. `digests`, when
+    given, receives the sha256 of every file opened (also of one left early: the consumer stopped), in order."""
     stats = stats if stats is not None else CorpusStats()
     for path in files:
         stats.files += 1
+        stats.path = str(path)
         kind = _kind_suffix(path)
         seen = stats.documents_in
+        raw = digest = None
         try:
             if kind == ".parquet":
+                digest = file_sha256(path) if digests is not None else None  # pyarrow reads by random access
                 yield from _parquet_file(path, text_field, stats)
                 continue
-            with _open(path) as f:
-                if kind == ".jsonl":
-                    yield from _jsonl_file(f, text_field, max_chars, on_decode_error, stats)
-                else:
-                    yield from _text_file(f, max_chars, on_decode_error, stats)
+            raw = HashingFile(path)
+            f = gzip.GzipFile(fileobj=raw, mode="rb") if path.suffix == ".gz" else raw
+            if kind == ".jsonl":
+                yield from _jsonl_file(f, text_field, max_chars, on_decode_error, stats)
+            else:
+                yield from _text_file(f, max_chars, on_decode_error, stats)
         except DataPrepError:
             raise
         except (OSError, EOFError, ValueError) as e:  # gzip/parquet format errors land here too
@@ -220,3 +296,12 @@ def iter_documents(
                 ) from None
             stats.unreadable_files += 1
             log.warning("skipping unreadable input %s: %s: %s", path, type(e).__name__, e)
+        finally:  # also when the consumer stops early (max_documents): the hash covers the whole file
+            if raw is not None:
+                try:
+                    digest = raw.finish()
+                except OSError as e:
+                    digest = f"unreadable {type(e).__name__}"
+                raw.close()
+            if digests is not None:
+                digests.append(digest or "unreadable")

@@ -10,6 +10,11 @@ of one replica pass the same dp_rank and read the same batches, and every sample
 last partial global batch waits for the next epoch's order). A rank reads (but does not decode) every shard that
 holds one of its slices — with shards larger than G, all of them: the price of a layout-free order.
 
+Every shard read is checked whole before any of its samples is used: its sample count, then the crc32 of its samples
+(keys and payloads, in tar order) against the manifest's `samples_crc32` — a byte changed in place is caught without
+data.verify_sha256 (which hashes every shard file at open). At open, the tokenizer files' sha256 and every shard's
+size are checked (manifest.check_files).
+
 The position is (epoch, global samples consumed): it means the same on any layout, so a checkpoint resumes on
 another dp degree or worker count; whole shards before it are skipped by their manifest counts without being read.
 The stream (`_Stream`, an IterableDataset) starts at a position and runs over epochs without end; its worker i
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import io
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +131,14 @@ class _Stream(IterableDataset):
             raise CorruptShardError(
                 f"shard {url} is corrupt or truncated: only {len(group)} of "
                 f"{self.entries[index]['samples']} samples readable"
+            )
+        crc = 0  # the samples' crc32, as the writer computed it: nothing of a shard is used before it matches
+        for sample in group:
+            crc = zlib.crc32(sample.get("tokens.npy", b""), zlib.crc32(sample["__key__"].encode(), crc))
+        if crc != self.entries[index]["samples_crc32"]:
+            raise CorruptShardError(
+                f"shard {url} is corrupt: its samples' crc32 differs from the manifest (bytes changed in place); "
+                "rebuild the shard set"
             )
         order = (
             np.random.default_rng([self.seed, epoch, index]).permutation(len(group))

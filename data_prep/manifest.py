@@ -1,10 +1,15 @@
 """manifest.json: the shard set's table of contents, written last; what the loader and later stages trust.
 
-Format "llm-pipeline-shards/1" (keys sorted, so the same build gives the same bytes):
+Format "llm-pipeline-shards/2" (keys sorted, so the same build gives the same bytes):
   version, format, seq_len, sample_tokens (= seq_len + 1), dtype, vocab_size, eos_token, eos_id,
-  tokenizer {file, sha256, source}, source {inputs, files, fingerprint}, config (the settings that shaped the bytes),
-  stats (CorpusStats counters), shard_multiple, warnings [..],
-  splits {train|val: {samples, tokens, dropped_samples, shards: [{name, samples, tokens, bytes, sha256}]}}.
+  tokenizer {file, sha256 (of tokenizer.json), source, files [tokenizer.json, companions…],
+             file_sha256 {name: sha256} (every tokenizer file), identity (tokenizer.identity of file_sha256)},
+  source {inputs, files, fingerprint (sha256 of the inputs' contents, in order)},
+  config (the settings that shaped the bytes), stats (CorpusStats counters), shard_multiple, warnings [..],
+  splits {train|val: {samples, tokens, token_stream, dropped_samples,
+                      shards: [{name, samples, tokens, bytes, sha256, samples_crc32}]}}.
+samples_crc32 is the crc32 of the shard's samples (key bytes, then payload bytes, in tar order): the loader checks it
+on every shard it reads, before it hands out any sample of it (cheap: ~1 µs a sample).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 
 from data_prep.errors import CorruptShardError, DataPrepError
 
-FORMAT = "llm-pipeline-shards/1"
+FORMAT = "llm-pipeline-shards/2"
 MANIFEST = "manifest.json"
 _REQUIRED = ("version", "format", "seq_len", "dtype", "vocab_size", "eos_id", "tokenizer", "splits")
 
@@ -54,10 +59,32 @@ def shards(manifest: dict, split: str) -> list[dict]:
     return manifest["splits"][split]["shards"]
 
 
-def check_files(shard_dir: str | Path, manifest: dict, split: str, sha256: bool = False) -> None:
-    """Every shard of the split exists with its manifest size (and, optionally, its sha256)."""
-    from data_prep.writer import sha256_file
+def check_tokenizer(shard_dir: str | Path, manifest: dict) -> None:
+    """tokenizer.json and its companion files are the ones the shards were tokenized with (sha256 each): the token
+    ids mean nothing under another tokenizer, even one of the same size."""
+    for name, want in manifest["tokenizer"].get("file_sha256", {}).items():
+        path = Path(shard_dir) / name
+        try:
+            have = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            raise DataPrepError(
+                f"shard set {shard_dir}: tokenizer file {name} is missing; the shards' token ids belong to it: "
+                "restore it or rebuild the shard set"
+            ) from None
+        if have != want:
+            raise DataPrepError(
+                f"shard set {shard_dir}: {name} was changed after sharding (sha256 {have[:12]}…, the manifest "
+                f"says {want[:12]}…); the shards' token ids belong to the original: restore it or rebuild the "
+                "shard set"
+            )
 
+
+def check_files(shard_dir: str | Path, manifest: dict, split: str, sha256: bool = False) -> None:
+    """The tokenizer is the manifest's, every shard of the split exists with its manifest size (and, optionally,
+    its sha256). The samples' crc32 is the loader's to check, as it reads."""
+    from data_prep.fsio import sha256_file
+
+    check_tokenizer(shard_dir, manifest)
     for entry in shards(manifest, split):
         path = Path(shard_dir) / entry["name"]
         if not path.is_file():

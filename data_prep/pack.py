@@ -1,36 +1,19 @@
 """Packing: token stream → fixed windows of seq_len + 1 tokens, and the plan that cuts windows into shards.
 
-Each split's token stream goes to a flat binary file first (streamed, constant memory); only then is the number of
-windows known, which is what lets the shard count be planned as a multiple of (ranks × loader workers) with every
-shard holding exactly the same number of samples.
+Each split's token stream goes to flat binary files first (the partitions', streamed, constant memory); only then is
+the number of windows known, which is what lets the shard count be planned as a multiple of (ranks × loader
+workers) with every shard holding exactly the same number of samples.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 TAR_BLOCK = 512
 NPY_HEADER = 128  # numpy .npy v1 header for a 1-D array, padded to 128 bytes
-
-
-class TokenFile:
-    """Append-only flat file of token ids (one per split)."""
-
-    def __init__(self, path: Path, dtype: np.dtype):
-        self.path, self.dtype, self.tokens = Path(path), np.dtype(dtype), 0
-        self._f = open(self.path, "wb", buffering=1 << 20)
-
-    def append(self, ids: np.ndarray) -> None:
-        self._f.write(np.ascontiguousarray(ids, dtype=self.dtype).tobytes())
-        self.tokens += len(ids)
-
-    def close(self) -> None:
-        self._f.close()
 
 
 def sample_bytes(seq_len: int, dtype: np.dtype) -> int:
@@ -72,9 +55,3 @@ def plan_shards(windows: int, seq_len: int, dtype: np.dtype, shard_size_mb: floa
 def window_order(windows: int, seed: int) -> np.ndarray:
     """A seeded permutation of window indices: shards get a mix of the whole corpus, not one stretch of it."""
     return np.random.default_rng(seed).permutation(windows)
-
-
-def read_window(fd: int, index: int, seq_len: int, dtype: np.dtype) -> np.ndarray:
-    """Window `index` of a token file with pread (page cache, not mmap: random access must not grow the RSS)."""
-    size = (seq_len + 1) * dtype.itemsize
-    return np.frombuffer(os.pread(fd, size, index * size), dtype=dtype)

@@ -1,8 +1,9 @@
-"""Tokenizer: train a byte-level BPE on the corpus, or load a tokenizer.json / model directory; encode in parallel.
+"""Tokenizer: train a byte-level BPE on the corpus, or load a tokenizer.json / model directory; encode in threads.
 
-Encoding runs in `processes` spawned workers, each fed bounded batches (at most 2 in flight per worker), so memory
-stays flat however large the corpus, and results come back in submission order, so the token stream (and the shards)
-do not depend on the number of processes.
+Encoding runs in `threads` threads of this process (the Rust encoder releases the GIL; each call is single-threaded,
+so the threads are the parallelism), each fed bounded batches (at most 4 in flight per thread), so memory stays
+flat however large the corpus, and results come back in submission order, so the token stream (and the shards) do
+not depend on the number of threads. Threads, not processes: no interpreter to start, no text to pickle across.
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -21,7 +20,6 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_prep.errors import DataPrepError
-from data_prep.workers import die_with_parent, spawn_without_main
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -119,61 +117,60 @@ def token_dtype(vocab_size: int, requested: str = "auto") -> np.dtype:
     return np.dtype(DTYPES[requested])
 
 
+def file_sha256s(directory: str | Path) -> dict[str, str]:
+    """sha256 of tokenizer.json and of each companion file present in `directory` (a shard set, a model dir)."""
+    directory = Path(directory)
+    names = ["tokenizer.json", *(n for n in COMPANION_FILES if (directory / n).is_file())]
+    return {n: hashlib.sha256((directory / n).read_bytes()).hexdigest() for n in names if (directory / n).is_file()}
+
+
+def identity(sha256s: dict[str, str]) -> str:
+    """A tokenizer's identity: one sha256 over its files' names and sha256s (tokenizer.json first, then companions in
+    COMPANION_FILES order). The manifest records it as `tokenizer.identity`; `dir_identity` recomputes it for any
+    directory holding those files (a checkpoint's, an HF export's) so two of them can be compared."""
+    order = ["tokenizer.json", *COMPANION_FILES]
+    names = sorted(sha256s, key=lambda n: order.index(n) if n in order else len(order))
+    return hashlib.sha256("".join(f"{n}\0{sha256s[n]}\n" for n in names).encode()).hexdigest()
+
+
+def dir_identity(directory: str | Path) -> str:
+    return identity(file_sha256s(directory))
+
+
 # --- encoding --------------------------------------------------------------------------------------------------
 
-_WORKER: dict = {}
 
-
-def _init_worker(parent_pid: int, tokenizer_json: str, eos_id: int, dtype: str) -> None:
-    die_with_parent(parent_pid)
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per process: the processes are the parallelism
-    _WORKER.update(tok=Tokenizer.from_str(tokenizer_json), eos=eos_id, dtype=np.dtype(dtype))
-
-
-def encode_docs(tok: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> np.ndarray:
-    """Token ids of the documents, each followed by EOS, as one flat array."""
-    ids = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]  # .ids builds a new list each call
-    out = np.empty(sum(map(len, ids)) + len(ids), dtype=dtype)
-    pos = 0
-    for doc in ids:
-        out[pos : pos + len(doc)] = doc
-        out[pos + len(doc)] = eos_id
-        pos += len(doc) + 1
-    return out
-
-
-def _encode_in_worker(key, texts: list[str]):
-    return key, encode_docs(_WORKER["tok"], texts, _WORKER["eos"], _WORKER["dtype"])
+def encode_docs(tok: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of the documents, each followed by EOS, as one flat array; and each document's length (with EOS).
+    `encode_batch_fast`: the same ids as `encode_batch`, without computing character offsets."""
+    parts, eos = [], np.array([eos_id], dtype=dtype)
+    lengths = np.empty(len(texts), dtype=np.int64)
+    for i, enc in enumerate(tok.encode_batch_fast(texts, add_special_tokens=False)):
+        ids = enc.ids  # a new list each call
+        parts += (np.array(ids, dtype=dtype), eos)
+        lengths[i] = len(ids) + 1
+    return (np.concatenate(parts) if parts else np.empty(0, dtype=dtype)), lengths
 
 
 def encode_stream(
-    tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterable[tuple[object, list[str]]], processes: int
-) -> Iterator[tuple[object, np.ndarray]]:
-    """(key, texts) batches → (key, ids) in the same order; `processes` > 1 uses spawned workers."""
-    if processes <= 1:
+    tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterable[tuple[object, list[str]]], threads: int
+) -> Iterator[tuple[object, np.ndarray, np.ndarray]]:
+    """(key, texts) batches → (key, ids, lengths) in the same order, encoded in `threads` threads."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per call: the threads are the parallelism
+    if threads <= 1:
         for key, texts in batches:
-            yield key, encode_docs(tok, texts, eos_id, dtype)
+            yield key, *encode_docs(tok, texts, eos_id, dtype)
         return
-    # spawn, not fork: the parent may hold threads (MLflow, rayon, Airflow). An executor, not mp.Pool: a worker that
-    # dies (OOM killer) raises BrokenProcessPool here instead of hanging the stage forever.
-    pool = ProcessPoolExecutor(
-        processes,
-        mp_context=mp.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(os.getpid(), tok.to_str(), eos_id, dtype.name),
-    )
-    with spawn_without_main():
-        try:
-            pending: collections.deque = collections.deque()
-            for key, texts in batches:
-                pending.append(pool.submit(_encode_in_worker, key, texts))
-                if len(pending) >= 2 * processes:  # back-pressure: never read far ahead of the workers
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
-        except BrokenProcessPool:
-            raise DataPrepError(
-                "a tokenizer worker process died (out of memory?); lower data.tokenize_processes"
-            ) from None
-        finally:
-            pool.shutdown(cancel_futures=True)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+    try:
+        pending: collections.deque = collections.deque()
+        for key, texts in batches:
+            pending.append((key, pool.submit(encode_docs, tok, texts, eos_id, dtype)))
+            if len(pending) >= 4 * threads:  # back-pressure, with room to pass a batch holding a huge document
+                key, done = pending.popleft()
+                yield key, *done.result()
+        while pending:
+            key, done = pending.popleft()
+            yield key, *done.result()
+    finally:
+        pool.shutdown(cancel_futures=True)

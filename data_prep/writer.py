@@ -1,30 +1,34 @@
-"""Shard writing: reproducible WebDataset tars in a temp directory, fsynced, then published with one rename.
+"""The write step: one range of the shard plan → WebDataset tars, each fsynced under a temporary name and renamed.
 
-Reproducible: fixed mtime/owner/mode in every tar header, a seeded sample order and a fixed .npy header, so the same
-input gives byte-identical shards. Crash-safe: nothing appears under the version directory's name until the
-rename; a killed writer leaves only `.tmp-<version>-<pid>`, removed by the next run (under the output directory's lock).
+Reproducible: the tar headers carry a fixed mtime/owner/mode, the sample order is the layout's seeded order and
+the .npy header is fixed, so the same input gives byte-identical shards. A range's record (`writes/NNNN.json`:
+each shard's samples, bytes, sha256 and the crc32 of its samples, all computed as the bytes were written) is
+written last; a retry of a killed range rewrites the shards it had not recorded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
+import bisect
 import io
-import multiprocessing as mp
 import os
-import shutil
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import webdataset as wds
 
+from data_prep import fsio
 from data_prep.errors import DataPrepError
-from data_prep.pack import ShardPlan, read_window, window_order
-from data_prep.workers import die_with_parent
+from data_prep.job import Job, fault
+from data_prep.layout import read_layout
+from data_prep.partition import load_partition
+from data_prep.tarfast import TarSamples
 
 SHARD_PATTERN = "{split}-%06d.tar"
+KEY_WIDTH = 10  # sample keys: the window's index, zero-padded
+
+
+def shard_name(split: str, k: int) -> str:
+    return SHARD_PATTERN.format(split=split) % k
 
 
 def npy_header(seq_len: int, dtype: np.dtype) -> bytes:
@@ -35,137 +39,119 @@ def npy_header(seq_len: int, dtype: np.dtype) -> bytes:
     return buf.getvalue()
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+class Windows:
+    """Window w of a split's token stream (tokens [w·W, (w+1)·W)), read with pread from the partitions' token files
+    through the layout's segments (page cache, not mmap: random access must not grow the RSS)."""
+
+    def __init__(self, job: Job, split: str, window: int, dtype: np.dtype):
+        segments = np.load(job.dir / f"segments-{split}.npy")
+        self.parts, self.offsets = segments["part"].tolist(), segments["start"].tolist()
+        self.starts = np.concatenate([[0], np.cumsum(segments["length"].astype(np.int64))]).tolist()
+        self.window, self.itemsize = window, np.dtype(dtype).itemsize
+        self.fds = {p: os.open(load_partition(job, p).token_path(split), os.O_RDONLY) for p in set(self.parts)}
+
+    def read(self, w: int) -> bytes:
+        pos, end = w * self.window, (w + 1) * self.window
+        i = bisect.bisect_right(self.starts, pos) - 1
+        if end <= self.starts[i + 1]:  # the usual case: inside one run of documents
+            offset = (self.offsets[i] + pos - self.starts[i]) * self.itemsize
+            data = os.pread(self.fds[self.parts[i]], self.window * self.itemsize, offset)
+        else:
+            out = []
+            while pos < end:
+                take = min(end, self.starts[i + 1]) - pos
+                offset = (self.offsets[i] + pos - self.starts[i]) * self.itemsize
+                out.append(os.pread(self.fds[self.parts[i]], take * self.itemsize, offset))
+                pos, i = pos + take, i + 1
+            data = b"".join(out)
+        if len(data) != self.window * self.itemsize:
+            raise DataPrepError(f"window {w} reads short: a partition's token file was truncated; rerun the build")
+        return data
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
 
 
-def _write_shards(
-    tmp_dir: Path, split: str, token_path: Path, per_shard: int, seq_len: int, dtype: str, first: int, order: np.ndarray
-) -> list[dict]:
-    """Shards first, first + 1, … holding the windows `order` (per_shard each); their manifest entries."""
-    dtype = np.dtype(dtype)
-    header = npy_header(seq_len, dtype)
-    names: list[str] = []
-    fd = os.open(token_path, os.O_RDONLY)
+def run_write(job: Job, index: int) -> dict:
+    """Write range `index` of the layout unless its record says it is done; its summary (the DAG task's XCom)."""
+    layout = read_layout(job)
+    if layout is None:
+        raise DataPrepError(f"{job.dir}: no layout yet (the layout step has not run)")
+    if not 0 <= index < len(layout["writes"]):
+        raise DataPrepError(f"write range {index} does not exist (the layout has {len(layout['writes'])})")
+    record = job.dir / "writes" / f"{index:04d}.json"
+    with fsio.lock(job.dir, f"write-{index:04d}"):
+        if not record.is_file():
+            entries = []
+            for split, first, end in layout["writes"][index]:
+                entries += _write_shards(job, layout, split, first, end, index)
+            fsio.make_dir(record.parent)
+            fsio.write_json(record, {"index": index, "shards": entries})
+    shards = fsio.read_json(record)["shards"]
+    return {"write": index, "shards": len(shards), "samples": sum(e["samples"] for e in shards)}
+
+
+def _write_shards(job: Job, layout: dict, split: str, first: int, end: int, index: int) -> list[dict]:
+    cfg, tok = job.cfg, job.data["tokenizer"]
+    dtype, per = np.dtype(tok["dtype"]), layout["splits"][split]["per_shard"]
+    header = npy_header(cfg.seq_len, dtype)
+    order = np.load(job.dir / f"order-{split}.npy", mmap_mode="r")
+    windows = Windows(job, split, cfg.seq_len + 1, dtype)
+    size = len(header) + (cfg.seq_len + 1) * dtype.itemsize
+    entries, syncs, synced = [], ThreadPoolExecutor(1, thread_name_prefix="fsync"), []  # fsync overlaps the next
     try:
-        with wds.ShardWriter(
-            str(tmp_dir / SHARD_PATTERN.format(split=split)),
-            maxcount=per_shard,
-            maxsize=float("inf"),
-            start_shard=first,
-            verbose=0,
-            post=names.append,
-            mtime=0,
-            user="llm",
-            group="llm",
-            mode=0o444,
-        ) as sink:
-            for index in order:
-                window = read_window(fd, int(index), seq_len, dtype)
-                sink.write({"__key__": f"{index:010d}", "tokens.npy": header + window.tobytes()})
+        for k in range(first, end):
+            name = shard_name(split, k)
+            final, partial = job.set_dir / name, job.set_dir / f".{name}.partial"
+            fresh = k == first and not partial.exists() and not final.exists()
+            f = fsio.create(partial, buffering=0)
+            try:
+                tar = TarSamples(f, "tokens.npy", size, KEY_WIDTH)
+                for w in order[k * per : (k + 1) * per].tolist():
+                    tar.write(f"{w:0{KEY_WIDTH}d}", header + windows.read(w))
+                    if fresh:  # tests: killed with part of a shard on disk
+                        tar.flush()
+                        fault("write", index)
+                        fresh = False
+                tar.close()
+            except BaseException:
+                f.close()
+                raise
+            synced.append(syncs.submit(_sync_and_rename, f, partial, final))
+            entries.append(
+                {
+                    "name": name,
+                    "samples": tar.samples,
+                    "tokens": tar.samples * (cfg.seq_len + 1),
+                    "bytes": tar.offset,
+                    "sha256": tar.sha256.hexdigest(),
+                    "samples_crc32": tar.crc32,
+                }
+            )
     finally:
-        os.close(fd)
-    return [
-        {
-            "name": Path(n).name,
-            "samples": per_shard,
-            "tokens": per_shard * (seq_len + 1),
-            "bytes": os.path.getsize(n),
-            "sha256": sha256_file(Path(n)),
-        }
-        for n in names
-    ]
+        syncs.shutdown(wait=True)
+        windows.close()
+    for done in synced:
+        done.result()  # an fsync's error (a full disk) is this step's
+    return entries
 
 
-def write_split(
-    tmp_dir: Path,
-    split: str,
-    token_path: Path,
-    plan: ShardPlan,
-    seq_len: int,
-    dtype: np.dtype,
-    seed: int,
-    processes: int = 1,
-) -> list[dict]:
-    """Write `plan.used` windows of a token file, in a seeded order, as `<split>-%06d.tar`; return shard entries.
-
-    Tar writing is Python-bound (~0.1 ms a sample), so contiguous ranges of shards go to `processes` forked
-    workers. Fork, not spawn: the children need the already-imported webdataset (importing it imports torch, seconds)
-    and touch nothing but numpy, tarfile and hashlib, so threads the parent may hold cannot deadlock them.
-    """
-    if plan.num_shards == 0:
-        return []
-    order = window_order(plan.used + plan.dropped, seed)[: plan.used]
-    bounds = np.linspace(0, plan.num_shards, min(processes, plan.num_shards) + 1).astype(int)
-    tasks = [
-        (
-            tmp_dir,
-            split,
-            token_path,
-            plan.per_shard,
-            seq_len,
-            np.dtype(dtype).str,
-            int(a),
-            order[a * plan.per_shard : b * plan.per_shard],
-        )
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
-    if len(tasks) == 1:
-        return _write_shards(*tasks[0])
-    with ProcessPoolExecutor(
-        len(tasks), mp_context=mp.get_context("fork"), initializer=die_with_parent, initargs=(os.getpid(),)
-    ) as pool:
-        parts = [pool.submit(_write_shards, *task) for task in tasks]
-        return [entry for part in parts for entry in part.result()]
-
-
-def ensure_writable(directory: Path) -> None:
+def _sync_and_rename(f, partial: Path, final: Path) -> None:
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-probe-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise DataPrepError(f"output directory {directory} is not writable ({e.strerror or e})") from None
-
-
-@contextlib.contextmanager
-def out_dir_lock(out_dir: Path):
-    """One writer per output root at a time (two DAG runs racing on one corpus build it once). The lock is on
-    the directory itself, so no lock file is left beside the shard sets."""
-    fd = os.open(out_dir, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        os.fsync(f.fileno())
     finally:
-        os.close(fd)  # closing releases the lock
+        f.close()
+    os.replace(partial, final)
 
 
-def fresh_tmp_dir(out_dir: Path, version: str) -> Path:
-    """Remove what killed writers left (we hold the lock: no live writer owns one), then make our own temp dir."""
-    for stale in out_dir.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out_dir / f".tmp-{version}-{os.getpid()}"
-    tmp.mkdir()
-    return tmp
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def drop_write(job: Job, index: int) -> None:
+    """Forget range `index` (its record and shards): a rerun writes it again."""
+    record = job.dir / "writes" / f"{index:04d}.json"
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish(tmp_dir: Path, final_dir: Path) -> None:
-    """fsync every file and the directory, then rename into place (atomic on one filesystem)."""
-    for p in tmp_dir.iterdir():
-        _fsync(p)
-    _fsync(tmp_dir)
-    os.rename(tmp_dir, final_dir)
-    _fsync(final_dir.parent)
+        shards = fsio.read_json(record)["shards"]
+    except (OSError, ValueError):
+        shards = []
+    record.unlink(missing_ok=True)
+    for e in shards:
+        (job.set_dir / e["name"]).unlink(missing_ok=True)

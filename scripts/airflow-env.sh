@@ -14,4 +14,13 @@ export PATH="$_repo/.venv/bin:$PATH"
 # torch_npu, when installed without CANN, breaks `import torch`; on Ascend hosts set_env.sh is sourced first.
 export TORCH_DEVICE_BACKEND_AUTOLOAD="${TORCH_DEVICE_BACKEND_AUTOLOAD:-0}"
 mkdir -p "$_var/logs" "$AIRFLOW__LOGGING__BASE_LOG_FOLDER"
+# A SQLite DB holding credentials (Airflow's connections and users, MLflow's auth DB) is 0600 whatever the umask:
+# created empty here (SQLite takes a 0-byte file as a new database, and gives its journal the file's mode).
+private_sqlite() {
+  local f="${1#sqlite:///}"
+  [ "$f" != "$1" ] || return 0
+  mkdir -p "$(dirname "$f")" && { [ -e "$f" ] || (umask 077 && : > "$f"); } && chmod 600 "$f" 2>/dev/null
+  return 0
+}
+private_sqlite "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"
 unset _repo _var

@@ -5,6 +5,7 @@
 # stage succeeded. CONF arrives in $LLM_PIPELINE_CONF (see the Makefile): it is data, never part of a command line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+umask 022  # files 0644, directories 0755 whatever the caller's umask (secrets and credential DBs: 0600)
 source scripts/airflow-env.sh
 conf="${LLM_PIPELINE_CONF:-${1:-}}"
 [ -n "$conf" ] || conf='{}'

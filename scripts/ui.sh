@@ -6,6 +6,7 @@
 # Environment: AIRFLOW_PORT (8080), MLFLOW_PORT (5000), LLM_PIPELINE_VAR_DIR (var/), MLFLOW_TRACKING_URI (SQLite in var/),
 # UI_WAIT_S (180: how long to wait for both to answer).
 set -euo pipefail
+umask 022  # files 0644, directories 0755 whatever the caller's umask (secrets below: 077)
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 var="$(mkdir -p "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && cd "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && pwd)"
 host=127.0.0.1
@@ -60,6 +61,7 @@ admin_username = admin
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 EOF
 export MLFLOW_AUTH_CONFIG_PATH="$var/mlflow_basic_auth.ini"
+private_sqlite "sqlite:///$var/mlflow_auth.db"  # the admin's password hash (scripts/airflow-env.sh)
 chmod 600 "$af_pw_file" "$var"/airflow_jwt_secret "$var"/airflow_fernet_key "$ml_password_file" \
   "$var"/mlflow_flask_secret "$var/mlflow_basic_auth.ini"  # also files an older version created 0644
 touch "$var/logs/mlflow-server.log" "$var/logs/airflow-standalone.log"

@@ -2,7 +2,7 @@
 
 `stage_timeout_s()` is the one source of every bound: the DAG's per-task `execution_timeout` (set again at task start
 from the run's own config, dags/llm_pipeline.py), the torchrun wait inside train and profile, and the Kubernetes Job
-wait (tasks/launcher.py). Train's bound is steps × the planner's step estimate × `timeouts.train_margin` +
+wait (tasks/launch/k8s_job.py). Train's bound is steps × the planner's step estimate × `timeouts.train_margin` +
 `timeouts.train_overhead_s` unless `timeouts.train_s` pins it. `run_bounded()` kills the whole process tree on expiry
 and raises a StageError naming the bound, what it was derived from, and the config key that raises it.
 """
@@ -56,9 +56,7 @@ def stage_timeout(stage: str, cfg: PipelineConfig, run_dir: str | Path | None = 
     if stage == "train":
         return train_timeout(cfg, run_dir)
     if stage == "profile":  # a few profiled steps of the same trainer: the train formula for those steps
-        from tasks.profiling.collect import steps_needed
-
-        seconds, how = train_timeout(cfg, run_dir, steps=steps_needed(cfg.profile))
+        seconds, how = train_timeout(cfg, run_dir, steps=cfg.profile.steps_needed())
         return max(seconds, cfg.timeouts.profile_s), f"timeouts.profile_s (at least {how})"
     key = f"{stage}_s"
     if not hasattr(cfg.timeouts, key):

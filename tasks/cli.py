@@ -75,6 +75,10 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, sets=args.sets)
         if args.no_tracking:
             cfg.tracking.enabled = False
+        if args.run_dir is not None and not args.run_dir.strip():  # `--run-dir ''` (an unset variable): not a new run
+            raise StageError(
+                "--run-dir is empty: give a directory, or leave --run-dir out for a new var/runs/cli-<time>"
+            )
         run_dir = args.run_dir or default_run_dir()
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
         result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)

@@ -15,7 +15,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
@@ -25,6 +25,11 @@ from tasks.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
 DEFAULT_PRESET = "demo-cpu"
+# Bounds of every count, rate and wait (issue 26): a typo such as steps=1e24 is one line, not an overflow later.
+MAX_STEPS = 10**9
+MAX_LR = 1e4  # high enough that a diverging lr reaches the trainer's divergence guard, finite for the schedule
+MAX_SEED = 2**32 - 1
+MAX_TIMEOUT_S = 10**7  # ≈ 116 days
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Recompute = Literal["none", "selective", "full"]
@@ -39,30 +44,34 @@ class HardwareConfig(Section):
     node_rank: int = Field(0, ge=0, le=4095)
     rdzv_endpoint: str = "127.0.0.1:29400"  # c10d rendezvous host:port (multi-node: the first node's address)
     cluster: str = "cpu-laptop"  # planner cluster preset (910b, 910c, a100-80g, h100-80g, cpu-laptop)
-    device_memory_gb: float = 0.0  # 0 = from the cluster preset / measured
-    intra_node_gbps: float = 0.0  # 0 = from the cluster preset
-    inter_node_gbps: float = 0.0
-    intra_node_latency_us: float = 0.0  # one collective call's fixed cost (α); 0 = from the cluster preset
-    inter_node_latency_us: float = 0.0
-    peak_tflops: float = 0.0
+    device_memory_gb: float = Field(0.0, ge=0.0, le=1e5)  # 0 = from the cluster preset / measured
+    intra_node_gbps: float = Field(0.0, ge=0.0, le=1e6)  # 0 = from the cluster preset
+    inter_node_gbps: float = Field(0.0, ge=0.0, le=1e6)
+    intra_node_latency_us: float = Field(
+        0.0, ge=0.0, le=1e7
+    )  # one collective call's fixed cost (α); 0 = from the cluster preset
+    inter_node_latency_us: float = Field(0.0, ge=0.0, le=1e7)
+    peak_tflops: float = Field(0.0, ge=0.0, le=1e7)
     hccl_connect_timeout: int = Field(120, ge=120, le=7200)  # s, CANN range [120, 7200]
     # s, 0 = never. CANN's A2/A3 default 1836 is fine for training steps; a synchronous checkpoint save longer than
     # that (other ranks wait in the next collective) needs more: raise it above the longest save, e.g. 3600, and keep
     # train.timeout_s above it (CANN 8.5 HCCL env-var docs, hcclug_000074; README "Ascend: thresholds").
     hccl_exec_timeout: int = Field(1836, ge=0, le=2147483647)
-    probe_sizes_mb: list[float] = Field(default_factory=lambda: [1, 4, 16])
-    expected_bus_gbps: float = 0.0  # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
+    probe_sizes_mb: list[Annotated[float, Field(gt=0.0, le=1e5)]] = Field(
+        default_factory=lambda: [1, 4, 16], min_length=1
+    )
+    expected_bus_gbps: float = Field(0.0, ge=0.0, le=1e6)  # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
     # Clock offset to NTP, multi-node: warn above 10 ms (cross-node profile timelines stop lining up), fail above
     # 500 ms (HCCL link set-up times out across nodes) — the field guides' two numbers, README "Ascend: thresholds".
-    warn_clock_offset_ms: float = 10.0
-    max_clock_offset_ms: float = 500.0
-    min_free_disk_gb: float = 1.0
-    min_host_memory_gb: float = 2.0
-    # CANN logs for the ranks (tasks/envcheck/cann_logs.py): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
+    warn_clock_offset_ms: float = Field(10.0, ge=0.0, le=1e7)
+    max_clock_offset_ms: float = Field(500.0, ge=0.0, le=1e7)
+    min_free_disk_gb: float = Field(1.0, ge=0.0, le=1e6)
+    min_host_memory_gb: float = Field(2.0, ge=0.0, le=1e5)
+    # CANN logs for the ranks (tasks.device.cann_log_env): ASCEND_GLOBAL_LOG_LEVEL -1 = leave the environment's,
     # 0 DEBUG, 1 INFO, 2 WARNING, 3 ERROR (CANN's default; the guides: 3 in production, 0/1 only while debugging:
     # DEBUG logging slows the host side), 4 NULL. ascend_log_stdout sets ASCEND_SLOG_PRINT_TO_STDOUT=1 (logs in the
     # rank logs instead of ~/ascend/log). On a failed stage at most cann_log_max_mb of the CANN logs it wrote are
-    # copied to <run-dir>/<stage>/cann-logs/ and MLflow.
+    # copied to <run-dir>/<stage>/cann-logs/ and MLflow (tasks/envcheck/cann_logs.py).
     ascend_log_level: int = Field(-1, ge=-1, le=4)
     ascend_log_stdout: bool = False
     cann_log_max_mb: float = Field(50.0, ge=0.0, le=100_000.0)
@@ -70,11 +79,19 @@ class HardwareConfig(Section):
     max_device_temp_c: float = Field(85.0, ge=0.0, le=150.0)  # a chip at or above this temperature: an alarm
     max_hbm_used_pct: float = Field(95.0, ge=1.0, le=100.0)  # HBM this full with no process on the chip = leaked
     expected_devices: int = Field(0, ge=0, le=1024)  # chips per node; 0 = the most this host has shown
-    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s, requirements-k8s.txt).
+    # How training runs: torchrun on this host, or a Kubernetes Job (deploy/k8s; tasks/launch/).
     # Ranks bound to the cores nearest their device (npu-smi topo / sysfs on NPU, torchrun --numa-binding on CUDA,
-    # an even split on CPU; tasks/parallel/binding.py). false = let the OS schedule them.
+    # an even split on CPU; tasks/launch/binding.py). false = let the OS schedule them.
     bind_cpus: bool = True
     launcher: Literal["local", "kubernetes"] = "local"
+    # CeleryExecutor: the Celery queue that the device stages (tasks.device.DEVICE_STAGES) go to when they
+    # run on the Airflow worker (launcher local), e.g. the queue that only the NPU node's worker consumes
+    # (`airflow celery worker --queues npu-node-1`); "" = Airflow's default queue. Read when the DAG file is parsed
+    # (the $LLM_PIPELINE_PRESET preset): a run's Params cannot move a task to another queue (docs/scale-out.md).
+    device_queue: str = Field("", pattern=r"^[A-Za-z0-9_.@-]*$", max_length=200)
+    # launcher kubernetes: the training job's kind: an Indexed Job, a Kubeflow PyTorchJob (training-operator v1)
+    # or a Kubeflow TrainJob (Trainer v2) (tasks/launch/k8s_job.py)
+    k8s_kind: Literal["job", "pytorchjob", "trainjob"] = "job"
     k8s_namespace: str = "llm"
     k8s_image: str = ""  # the training image (docker/Dockerfile.ascend); required for kubernetes
     # volcano gang-schedules multi-pod stages (PodGroup minMember)
@@ -85,22 +102,25 @@ class ModelConfig(Section):
     preset: str = "demo"  # tasks.model presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
     hf_path: str = ""  # initialise from a local HF directory instead of random weights
     # Shape overrides (0 / "" = the preset's value).
-    dim: int = 0
-    n_layers: int = 0
-    n_heads: int = 0
-    n_kv_heads: int = 0
-    ffn_dim: int = 0
-    vocab_size: int = 0  # 0 = preset, or the tokenizer's size when the preset allows
-    rope_theta: float = 0.0
-    max_seq_len: int = 0
+    dim: int = Field(0, ge=0, le=1 << 20)
+    n_layers: int = Field(0, ge=0, le=4096)
+    n_heads: int = Field(0, ge=0, le=4096)
+    n_kv_heads: int = Field(0, ge=0, le=4096)
+    ffn_dim: int = Field(0, ge=0, le=1 << 22)
+    vocab_size: int = Field(0, ge=0, le=1 << 22)  # 0 = preset, or the tokenizer's size when the preset allows
+    rope_theta: float = Field(0.0, ge=0.0, le=1e12)
+    max_seq_len: int = Field(0, ge=0, le=1 << 24)
     # Mixture of experts (MoE presets: moe-demo, qwen1.5-moe-a2.7b, qwen2-57b-a14b; tasks/model/moe.py)
     n_experts: int = Field(0, ge=0, le=4096)
     top_k: int = Field(0, ge=0, le=4096)
-    moe_ffn_dim: int = Field(0, ge=0)
+    moe_ffn_dim: int = Field(0, ge=0, le=1 << 22)
     aux_loss_coef: float = Field(-1.0, ge=-1.0, le=100.0)  # router load-balancing loss (-1 = the preset's, 0 = off)
     capacity_factor: float = Field(-1.0, ge=-1.0, le=1000.0)  # -1 = the preset's (dropless); > 0 drops above it
-    # NPU fused kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu) swapped in after the model is built:
-    # auto = on when the device is an NPU and the op exists; off = plain PyTorch everywhere (tasks/model/npu_kernels)
+    # Model converters applied in this order to the built model, before any parallelism (tasks/model/converters.py,
+    # docs/trainer.md); npu_fused = the NPU fused kernels below (the identity off an NPU).
+    converters: list[str] = Field(default_factory=lambda: ["npu_fused"])
+    # npu_fused's kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu): auto = on an NPU, those the
+    # installed torch_npu has and the SoC supports; off = plain PyTorch everywhere (tasks/model/npu_kernels.py)
     npu_kernels: Literal["auto", "off"] = "auto"
 
 
@@ -119,30 +139,54 @@ class ParallelConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(60, ge=1)
-    global_batch: int = Field(8, ge=1)  # sequences per optimizer step, all ranks
-    micro_batch: int = Field(2, ge=1)  # sequences per forward on one rank
-    lr: float = Field(3e-3, ge=0.0)
-    min_lr: float = 3e-4
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = 0.1
-    grad_clip: float = Field(1.0, ge=0.0)
+    steps: int = Field(60, ge=1, le=MAX_STEPS)
+    global_batch: int = Field(8, ge=1, le=1 << 24)  # sequences per optimizer step, all ranks
+    micro_batch: int = Field(2, ge=1, le=1 << 20)  # sequences per forward on one rank
+    lr: float = Field(3e-3, ge=0.0, le=MAX_LR)
+    min_lr: float = Field(3e-4, ge=0.0, le=MAX_LR)
+    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
+    weight_decay: float = Field(0.1, ge=0.0, le=10.0)
+    # adamw (betas 0.9/0.95) or plain SGD (no momentum: no optimizer state; the layout-parity tests use it, with
+    # grad_clip 0, because a wrong gradient scale shows in its update where AdamW normalises it away)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6)
     precision: Precision = "bf16"
-    seed: int = 1234
-    checkpoint_every: int = Field(20, ge=0)
+    seed: int = Field(1234, ge=0, le=MAX_SEED)  # numpy's default_rng takes no negative seed
+    checkpoint_every: int = Field(20, ge=0, le=MAX_STEPS)
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     # Process-group (torch watchdog) timeout. Must exceed HCCL_EXEC_TIMEOUT (1836 s default) so that on NPU HCCL
     # reports the failing collective first; checked by the config's rules on NPU and by the env stage.
-    timeout_s: int = 1900
+    timeout_s: int = Field(1900, ge=1, le=MAX_TIMEOUT_S)
+    # Divergence guard (tasks/parallel/divergence.py): a loss above this × the running median of the last 20, or back
+    # at ln(vocabulary) after it had fallen, stops the run (a non-finite or zero gradient norm always does); 0 = off.
+    divergence_factor: float = Field(10.0, ge=0.0, le=1e6)
 
 
 class SmokeConfig(Section):
-    steps: int = Field(20, ge=2, le=100_000)  # per precision (FP32 then BF16)
-    lr: float = 3e-3
+    steps: int = Field(20, ge=2, le=100_000)  # per precision (FP32, then BF16 — or FP16 where the device has no BF16)
+    # AdamW's rate for a model of hidden size <= lr_width; a wider one takes lr × lr_width / hidden (muP's 1/width
+    # rule for Adam, Yang et al. 2022, Tensor Programs V): 3e-3 suits the CPU demo models and spikes a 1024-wide
+    # sibling. lr_width 0 = no scaling.
+    lr: float = Field(3e-3, ge=0.0, le=MAX_LR)
+    lr_width: int = Field(256, ge=0, le=1 << 20)
     window: int = Field(5, ge=1, le=10_000)  # k: compare mean of the first k with the last k losses
-    min_drop: float = 0.05  # relative drop required
-    bf16_tolerance: float = Field(0.05, ge=0.0, le=10.0)  # max relative gap between the FP32 and BF16 curves
-    micro_batch: int = 4
+    min_drop: float = Field(0.05, ge=0.0, le=1.0)  # relative drop required
+    # max relative gap between the FP32 curve and the 16-bit one (BF16, or FP16 where it is the one compared)
+    bf16_tolerance: float = Field(0.05, ge=0.0, le=10.0)
+    micro_batch: int = Field(4, ge=1, le=1 << 20)
+    # The model smoke trains (tasks/model/sibling.py): auto = the configured model when its FP32 AdamW estimate fits
+    # one device of hardware.cluster (hardware.device_memory_gb when set) with memory_margin to spare and it has at
+    # most max_params parameters, else a sibling of it (same family and block structure, the shard set's
+    # vocabulary, width and depth halved until it fits); same = the configured model whatever its size; or a
+    # tasks.model preset name of the same family and vocabulary.
+    model: str = "auto"
+    max_params: float = Field(1e9, ge=1e5, le=1e13)
+    memory_margin: float = Field(0.25, ge=0.0, le=0.9)  # fraction of one device's memory the estimate leaves free
+    # With model.hf_path: the checkpoint's embedding, first hf_layers layers (0 = all, streamed one layer at a time),
+    # final norm and head run on the first batch; its loss must be at most hf_max_loss_ratio × ln(vocab) (uniform
+    # guessing scores ln(vocab); a trained checkpoint on its own tokenizer scores far below).
+    hf_layers: int = Field(0, ge=0, le=100_000)
+    hf_max_loss_ratio: float = Field(0.8, ge=0.01, le=10.0)
     # "Accuracy worse than on GPU → compare operator by operator": one forward of the same weights and batch on the
     # device in compare_precision and in FP32 on the CPU; the first layer whose max |diff| / max |FP32 output|
     # exceeds compare_tolerance is named (per-layer table in smoke_report.json and MLflow). On a CPU host it
@@ -157,17 +201,17 @@ class PlanConfig(Section):
     recompute: list[Recompute] = Field(default_factory=lambda: ["none", "selective", "full"], min_length=1)
     schedules: list[Schedule] = Field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"], min_length=1)
     efficiency: float = Field(0.4, ge=0.01, le=1.0)  # achieved fraction of peak FLOP/s
-    runtime_reserve_gb: float = 0.0  # 0 = backend default (CANN/HCCL ≈ 5 GB on NPU)
-    top_k: int = 10
+    runtime_reserve_gb: float = Field(0.0, ge=0.0, le=1e5)  # 0 = backend default (CANN/HCCL ≈ 5 GB on NPU)
+    top_k: int = Field(10, ge=1, le=100_000)
     flash_attention: bool = True  # fused SDPA keeps no s×s scores (false: Korthikanti's 5as/h term)
 
 
 class ProfileConfig(Section):
     enabled: bool = True
-    skip_first: int = Field(1, ge=0)
-    wait: int = Field(0, ge=0)
-    warmup: int = Field(1, ge=0)
-    active: int = Field(2, ge=1)
+    skip_first: int = Field(1, ge=0, le=MAX_STEPS)
+    wait: int = Field(0, ge=0, le=MAX_STEPS)
+    warmup: int = Field(1, ge=0, le=MAX_STEPS)
+    active: int = Field(2, ge=1, le=100_000)
     record_shapes: bool = False
     profile_memory: bool = True
     with_stack: bool = False
@@ -189,6 +233,11 @@ class ProfileConfig(Section):
     analyzer: Literal["auto", "builtin", "msprof-analyze"] = "auto"
     fail_on_regression: bool = False
     regression_threshold: float = Field(0.10, ge=0.0, le=10.0)
+
+    def steps_needed(self) -> int:
+        """Training steps that complete one profiling cycle (the trace is written at the end of the last active
+        step): the profile stage's run length and its bound (tasks/bounds.py)."""
+        return self.skip_first + self.wait + self.warmup + self.active
 
 
 class QuantizeConfig(Section):
@@ -214,9 +263,9 @@ class EvaluateConfig(Section):
     gate_metric: Literal["accuracy_drop_pct", "ppl_drop_pct", "greedy_disagreement_pct"] = "accuracy_drop_pct"
     eval_batches: int = Field(8, ge=1, le=100_000)
     agreement_windows: int = Field(8, ge=0, le=100_000)  # windows whose greedy continuations INT8 and BF16 must match
-    latency_tokens: int = 32
+    latency_tokens: int = Field(32, ge=1, le=1 << 20)
     prompts: list[str] = Field(default_factory=lambda: ["def ", "import ", "class "])
-    max_new_tokens: int = 24
+    max_new_tokens: int = Field(24, ge=1, le=1 << 20)
     registered_model: str = "llm-pipeline-demo"
     fail_on_gate: bool = True
     # a person approves the champion in Airflow (the DAG's `approve` task) instead of evaluate promoting it; the
@@ -228,7 +277,9 @@ class EvaluateConfig(Section):
 class TrackingConfig(Section):
     uri: str = ""  # "" = $MLFLOW_TRACKING_URI or sqlite:///<repo>/var/mlflow.db
     experiment: str = "llm-pipeline"
-    artifact_root: str = ""  # "" = <repo>/var/mlartifacts (new experiments only)
+    # "" = <repo>/var/mlartifacts (new experiments only); with an http(s) tracking URI, the server's default
+    # (`mlflow server --serve-artifacts`: the server stores them, whichever host logs them)
+    artifact_root: str = ""
     ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:$MLFLOW_PORT (5000) (tracking.ui_url())
     enabled: bool = True
     # MLflow system metrics (CPU, memory, disk, network, GPU; NPU from npu-smi) on the device stages' runs, sampled
@@ -240,18 +291,24 @@ class TimeoutConfig(Section):
     """Bounds on every wait, in seconds (tasks/bounds.py): each DAG task's execution_timeout, the torchrun and
     Kubernetes Job waits inside it, and the cross-node probe's rendezvous."""
 
-    env_s: int = Field(900, ge=1)
-    shard_s: int = Field(3600, ge=1)
-    smoke_s: int = Field(1800, ge=1)
-    plan_s: int = Field(600, ge=1)
-    train_s: int = Field(0, ge=0)  # 0 = steps × the planner's step estimate × train_margin + train_overhead_s
+    env_s: int = Field(900, ge=1, le=MAX_TIMEOUT_S)
+    shard_s: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
+    smoke_s: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
+    plan_s: int = Field(600, ge=1, le=MAX_TIMEOUT_S)
+    train_s: int = Field(
+        0, ge=0, le=MAX_TIMEOUT_S
+    )  # 0 = steps × the planner's step estimate × train_margin + train_overhead_s
     train_margin: float = Field(4.0, ge=1.0, le=1000.0)  # how much slower than the planner's estimate a step may be
-    train_overhead_s: int = Field(900, ge=0)  # start-up, rendezvous, checkpoints, HF export
-    profile_s: int = Field(1800, ge=1)
-    quantize_s: int = Field(3600, ge=1)
-    evaluate_s: int = Field(3600, ge=1)
-    rendezvous_s: int = Field(300, ge=1)  # the cross-node probe waits this long for every node to arrive
-    k8s_pending_s: int = Field(900, ge=1)  # a Job's pods may wait this long to be scheduled, on top of the stage's
+    train_overhead_s: int = Field(900, ge=0, le=MAX_TIMEOUT_S)  # start-up, rendezvous, checkpoints, HF export
+    profile_s: int = Field(1800, ge=1, le=MAX_TIMEOUT_S)
+    quantize_s: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
+    evaluate_s: int = Field(3600, ge=1, le=MAX_TIMEOUT_S)
+    rendezvous_s: int = Field(
+        300, ge=1, le=MAX_TIMEOUT_S
+    )  # the cross-node probe waits this long for every node to arrive
+    k8s_pending_s: int = Field(
+        900, ge=1, le=MAX_TIMEOUT_S
+    )  # a Job's pods may wait this long to be scheduled, on top of the stage's
 
 
 # (a, b): a may not exceed b

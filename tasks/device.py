@@ -7,6 +7,7 @@ torch_npu installed but CANN missing, even `import torch` fails ("Failed to load
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 from dataclasses import dataclass
@@ -14,6 +15,19 @@ from dataclasses import dataclass
 from tasks.errors import StageError
 
 DIST_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# Stages that need the accelerator (or, for env, must check the nodes that have it): where the launcher places them
+# (tasks.launch.placement) and which stage runs get system metrics (tasks.sysmetrics).
+DEVICE_STAGES = ("env", "smoke", "train", "profile", "quantize", "evaluate")
+
+
+def dist_backend(kind: str) -> str:
+    """The process-group backend of a `kind` run (DIST_BACKEND); on CPU under $LLM_PIPELINE_STRICT_COLLECTIVES the
+    gloo imitation that checks every collective as HCCL/NCCL would (tasks/collectives.py), registered here."""
+    if kind == "cpu":
+        from tasks.collectives import dist_backend as cpu_backend
+
+        return cpu_backend(kind)
+    return DIST_BACKEND[kind]
 
 
 class BackendUnavailable(StageError):
@@ -23,7 +37,7 @@ class BackendUnavailable(StageError):
 @dataclass(frozen=True)
 class Backend:
     kind: str  # npu | cuda | cpu
-    dist_backend: str  # hccl | nccl | gloo
+    dist_backend: str  # hccl | nccl | gloo (gloo_as_hccl / gloo_as_nccl: strict mode on CPU, tasks/collectives.py)
     device_count: int  # accelerators visible; on CPU the usable core count
 
     @property
@@ -87,7 +101,7 @@ def detect(requested: str = "auto") -> Backend:
             return Backend("cuda", "nccl", torch.cuda.device_count())
         if requested == "cuda":
             raise BackendUnavailable("device cuda requested but torch.cuda.is_available() is False")
-    return Backend("cpu", "gloo", _cpu_count())
+    return Backend("cpu", dist_backend("cpu"), _cpu_count())
 
 
 def device_module(kind: str):
@@ -128,21 +142,39 @@ def bf16_supported(kind: str) -> bool:
     return bool(mod.is_bf16_supported())
 
 
-def precision_problem(kind: str, precision: str) -> str | None:
-    """One line when `precision` cannot run on this backend (checked before any step, never mid-run)."""
+def fp16_supported(kind: str) -> bool:
+    """Whether autocast computes in float16 on this backend: one tiny matmul under autocast, whose result dtype says
+    (torch disables an autocast dtype a backend lacks with only a warning — "In CPU autocast, but the target dtype is
+    not supported. Disabling autocast." — so asking the result is the check that cannot be fooled). Every Ascend
+    training SoC (910 A1 included: FP16 is its native format) and CUDA GPU has FP16 kernels; CPU autocast supports
+    float16 in the torch this project pins."""
+    import torch
+
+    dev = torch.device("cpu") if kind == "cpu" else torch.device(kind, device_module(kind).current_device())
+    with torch.autocast(device_type=dev.type, dtype=torch.float16):
+        out = torch.ones(2, 2, device=dev) @ torch.ones(2, 2, device=dev)
+    return out.dtype == torch.float16
+
+
+def precision_problem(kind: str, precision: str, training: bool = True) -> str | None:
+    """One line when `precision` cannot run on this backend (checked before any step, never mid-run). `training`:
+    fp16 training needs the trainer's loss scaler (issue 24, wave 2); the smoke stage's FP16 comparison does not."""
     if precision == "bf16" and kind != "cpu" and not bf16_supported(kind):
         what = "this Ascend SoC (910 A1 parts have no bf16; 910B/910C do)" if kind == "npu" else "this GPU"
         return (
             f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
             "(fp16 training needs a loss scaler, not implemented)"
         )
-    if precision == "fp16":
+    if precision == "fp16" and not fp16_supported(kind):
+        return f"train.precision: fp16 is not supported on this {kind} device (no FP16 kernels): use bf16 or fp32"
+    if precision == "fp16" and training:
         return "train.precision: fp16 training needs a loss scaler (not implemented); use bf16 or fp32"
     return None
 
 
-# The allocator-configuration variable per backend (PyTorch / torch_npu docs).
+# The allocator-configuration variable per backend (PyTorch / torch_npu docs), and PyTorch's generic one.
 ALLOC_CONF_ENV = {"npu": "PYTORCH_NPU_ALLOC_CONF", "cuda": "PYTORCH_CUDA_ALLOC_CONF"}
+GENERIC_ALLOC_CONF = "PYTORCH_ALLOC_CONF"
 
 
 def parse_alloc_conf(value: str | None) -> dict[str, str]:
@@ -156,13 +188,44 @@ def parse_alloc_conf(value: str | None) -> dict[str, str]:
     return out
 
 
+def alloc_conf_var(kind: str, env: dict | None = None) -> str | None:
+    """The allocator variable a `kind` worker reads, of those set (else its own name; None on CPU).
+    NPU: PYTORCH_NPU_ALLOC_CONF, else PYTORCH_ALLOC_CONF — both set is refused (Ascend/pytorch branches v2.10.0,
+    v2.11.0, v2.12.0, master: torch_npu/csrc/core/npu/NPUAllocatorConfig.cpp, NPUAllocatorConfig::instance
+    TORCH_CHECK "Both PYTORCH_NPU_ALLOC_CONF and PYTORCH_ALLOC_CONF have been set"). CUDA: PYTORCH_ALLOC_CONF,
+    else the older PYTORCH_CUDA_ALLOC_CONF (pytorch c10/cuda/CUDAAllocatorConfig.h)."""
+    own = ALLOC_CONF_ENV.get(kind)
+    if own is None:
+        return None
+    env = env if env is not None else os.environ
+    if kind == "npu":
+        return GENERIC_ALLOC_CONF if own not in env and GENERIC_ALLOC_CONF in env else own
+    return GENERIC_ALLOC_CONF if GENERIC_ALLOC_CONF in env else own
+
+
 def alloc_conf_in_force(kind: str, env: dict | None = None) -> str:
     """The allocator settings a worker of this backend runs with: the launch environment's, else the process's."""
-    var = ALLOC_CONF_ENV.get(kind)
+    var = alloc_conf_var(kind, env) or alloc_conf_var(kind)
     if not var:
         return ""
     env = env if env is not None else os.environ
     return env.get(var, os.environ.get(var, ""))
+
+
+def npu_alloc_env(environ: dict | None = None) -> dict[str, str]:
+    """The allocator variable the launcher adds for NPU workers: PYTORCH_NPU_ALLOC_CONF=expandable_segments:True
+    (the fragmentation remedy) unless the user set PYTORCH_NPU_ALLOC_CONF or PYTORCH_ALLOC_CONF (theirs is used
+    as it is; never both — torch_npu refuses to start then, and so does this, in one line)."""
+    environ = environ if environ is not None else os.environ
+    npu = ALLOC_CONF_ENV["npu"]
+    if npu in environ and GENERIC_ALLOC_CONF in environ:
+        raise StageError(
+            f"{npu} and {GENERIC_ALLOC_CONF} are both set: torch_npu refuses to start with both "
+            "(NPUAllocatorConfig.cpp); unset one of them"
+        )
+    if GENERIC_ALLOC_CONF in environ:
+        return {}
+    return {npu: environ.get(npu, "expandable_segments:True")}
 
 
 def reset_peak(device) -> None:
@@ -235,16 +298,37 @@ def hccl_env(hardware) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
+def package_version(dist: str) -> str | None:
+    """An installed distribution's version from its metadata (torch-npu, amct_pytorch, …), None when absent; never
+    imports it (torch_npu without CANN loaded kills the importing process)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cann_log_env(hardware) -> dict[str, str]:
+    """ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT for the ranks from the config (-1 / false = leave the
+    environment alone); an explicit variable in the environment wins. (Collecting and explaining the logs CANN
+    wrote is tasks/envcheck/cann_logs.py.)"""
+    env = {}
+    level = getattr(hardware, "ascend_log_level", -1)
+    if level is not None and level >= 0:
+        env["ASCEND_GLOBAL_LOG_LEVEL"] = str(level)
+    if getattr(hardware, "ascend_log_stdout", False):
+        env["ASCEND_SLOG_PRINT_TO_STDOUT"] = "1"
+    return {k: os.environ.get(k, v) for k, v in env.items()}
+
+
 def launch_env(backend: Backend, hardware) -> dict[str, str]:
     """Extra environment for torchrun workers of this backend."""
     env = {}
     if backend.kind == "npu":
         env.update(hccl_env(hardware))
-        from tasks.envcheck.cann_logs import log_env
-
-        env.update(log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
-        # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy.
-        env.setdefault("PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True"))
+        env.update(cann_log_env(hardware))  # ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT from the config
+        # Fragmentation is the most common NPU OOM cause in long runs; the seeds' first remedy (or the user's own
+        # PYTORCH_NPU_ALLOC_CONF / PYTORCH_ALLOC_CONF, never both).
+        env.update(npu_alloc_env())
         # Two-level task queue for operator dispatch (the guides' host-bound remedy); the user's value wins.
         env.setdefault("TASK_QUEUE_ENABLE", os.environ.get("TASK_QUEUE_ENABLE", "2"))
     return env

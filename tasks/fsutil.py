@@ -1,4 +1,9 @@
-"""Atomic file output: a reader never sees a half-written file, and a killed writer leaves only a temp file."""
+"""Atomic file output: a reader never sees a half-written file, and a killed writer leaves only a temp file.
+
+Modes are explicit, whatever the umask: data 0644, secrets 0600 (`mode=SECRET_MODE`), directories 0755 (`make_dirs`;
+temp directories made private by mkdtemp are opened up when they are published). `set_umask()` is called once by
+run_stage so that everything else a stage and its children create (DCP checkpoints, shards, logs) follows it too.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,29 @@ import tempfile
 from pathlib import Path
 
 
+FILE_MODE, SECRET_MODE, DIR_MODE = 0o644, 0o600, 0o755
+UMASK = 0o022  # → files 0644, directories 0755 for every writer in the process and its children
+
+
+def set_umask() -> None:
+    """A umask of 000 would leave shard sets, checkpoints and run directories world-writable (anyone could swap the
+    weights the trainer resumes); 077 would hide them from the Airflow worker's other users. One setting: 022."""
+    os.umask(UMASK)
+
+
+def make_dirs(path: str | os.PathLike, mode: int = DIR_MODE) -> Path:
+    """`mkdir -p` whose new directories get `mode` whatever the umask (existing ones are left alone)."""
+    path = Path(path)
+    new, p = [], path
+    while not p.exists() and p != p.parent:
+        new.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for d in reversed(new):
+        os.chmod(d, mode)
+    return path
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -17,11 +45,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = FILE_MODE) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, mode)  # mkstemp's 0600 for data, 0600 kept for secrets: set before a byte is written
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -36,34 +65,14 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write_bytes(path, text.encode("utf-8"))
+def atomic_write_text(path: str | os.PathLike, text: str, mode: int = FILE_MODE) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"), mode)
 
 
-def atomic_write_json(path: str | os.PathLike, obj, **kwargs) -> Path:
+def atomic_write_json(path: str | os.PathLike, obj, mode: int = FILE_MODE, **kwargs) -> Path:
     kwargs.setdefault("indent", 2)
     kwargs.setdefault("sort_keys", True)
-    return atomic_write_text(path, json.dumps(obj, default=str, **kwargs) + "\n")
-
-
-def publish_dir(tmp_dir: Path, final_dir: Path) -> Path:
-    """Move a fully written temp directory into place; an existing complete `final_dir` wins (idempotent)."""
-    tmp_dir, final_dir = Path(tmp_dir), Path(final_dir)
-    for p in sorted(tmp_dir.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fsync_dir(tmp_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp_dir, final_dir)
-    except OSError:
-        if final_dir.exists():  # another writer published first: keep theirs
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        else:
-            raise
-    fsync_dir(final_dir.parent)
-    return final_dir
+    return atomic_write_text(path, json.dumps(obj, default=str, **kwargs) + "\n", mode)
 
 
 def swap_dir(tmp_dir: Path, final_dir: Path) -> Path:
@@ -74,6 +83,7 @@ def swap_dir(tmp_dir: Path, final_dir: Path) -> Path:
     old = final_dir.with_name(f".{final_dir.name}.old")
     if old.exists():
         shutil.rmtree(old)
+    os.chmod(tmp_dir, DIR_MODE)  # a mkdtemp directory is 0700
     if final_dir.exists():
         os.rename(final_dir, old)
     os.rename(tmp_dir, final_dir)

@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import sys
 
 from tasks import tracking
 from tasks.errors import ConfigError
@@ -64,6 +65,14 @@ PARAMS = [
     ),
     ("vocab_size", "data.vocab_size", "Data", "Tokenizer vocabulary", "Byte-level BPE trained on the corpus."),
     ("seq_len", "data.seq_len", "Data", "Sequence length", "Tokens per packed training window."),
+    (
+        "partitions",
+        "data.partitions",
+        "Data",
+        "Shard partitions",
+        "Sharding fans out over this many tasks (files, size-balanced); 0 = one per 128 MB of corpus. "
+        "The shards are the same whatever the number.",
+    ),
     (
         "model_preset",
         "model.preset",
@@ -186,6 +195,7 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     preset, out = cfg.preset or DEFAULT_PRESET, {}
     presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
     others = [load_config(p) for p in presets if p != preset]
+    presets += [] if preset in presets else [preset]  # a site's own file ($LLM_PIPELINE_PRESET=/etc/…yaml)
     for name, key, section, title, desc in PARAMS:
         if key is None:
             out[name] = dict(
@@ -229,6 +239,9 @@ def config_for_params(params: dict) -> PipelineConfig:
     preset, overrides = overrides_from_params(params)
     cfg = load_config(preset, overrides=overrides)
     cfg.data.verify_sha256 = True
+    problem = tracking.model_name_problem(cfg.evaluate.registered_model)  # refused now, not after the whole run
+    if problem:
+        raise ConfigError(problem)
     return cfg
 
 
@@ -271,13 +284,14 @@ def published_shard_set(events: list[dict]) -> dict | None:
     return {**newest, "manifest_digest": newest["extra"]["manifest_digest"]}
 
 
-def stage_args(stage: str, published: dict | None = None):
-    """The stage's flags at their defaults; the shard stage of an asset-triggered run adopts the published set."""
+def stage_args(stage: str, published: dict | None = None, extra: dict | None = None):
+    """The stage's flags at their defaults (and `extra`, e.g. the shard stage's reduce=True after its fan-out); the
+    shard stage of an asset-triggered run adopts the published set."""
     import argparse
 
     from tasks.runner import default_args
 
-    args = default_args(stage)
+    args = argparse.Namespace(**{**vars(default_args(stage)), **(extra or {})})
     if stage == "shard" and published:
         from urllib.parse import unquote, urlparse
 
@@ -292,13 +306,19 @@ def stage_args(stage: str, published: dict | None = None):
 
 
 def run_for_dag_run(
-    stage: str, params: dict, dag_id: str, run_id: str, try_number: int = 1, published: dict | None = None
+    stage: str,
+    params: dict,
+    dag_id: str,
+    run_id: str,
+    try_number: int = 1,
+    published: dict | None = None,
+    args: dict | None = None,
 ) -> dict:
     """One Airflow task: config from Params, the DAG run's MLflow parent run, the stage in the run's directory.
 
     `published` (tasks.pipeline.published_shard_set) is the asset event that triggered the run: the shard stage
     then adopts that exact shard set (manifest digest checked) instead of re-sharding, and the event is recorded on
-    the MLflow parent run."""
+    the MLflow parent run. `args`: stage flags to set (dest → value), e.g. the shard stage's reduce=True."""
     run_dir = default_run_dir(dag_id, run_id)
     report = os.environ.get("LLM_PIPELINE_RUN_DIR_FILE")  # set by `make run`: which run directory is its own
     if report:
@@ -307,7 +327,7 @@ def run_for_dag_run(
     parent = join_dag_run(cfg, dag_id, run_id, try_number)
     if parent and published and stage == "shard":
         tracking.record_asset_event(cfg, parent, published)
-    result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published), parent_run_id=parent)
+    result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published, args), parent_run_id=parent)
     result["run_dir"] = str(run_dir)
     return result
 
@@ -515,14 +535,17 @@ def _responder(answer: dict | None) -> str:
 
 def promote_approved(params: dict, dag_id: str, run_id: str, answer: dict | None) -> dict:
     """The promote task (runs only on "Approve"): the `champion` alias on the approved version
-    (tracking.promote), and <run-dir>/approval.json recording who approved what and why."""
+    (quant.registry.promote), and <run-dir>/approval.json recording who approved what and why."""
     run_dir, cfg, result = _evaluation(params, dag_id, run_id)
     a = approval_of(result, cfg)
     name = result.get("registered_model", cfg.evaluate.registered_model)
     if not a["version"]:
         raise ConfigError(f"promote: {run_dir / 'evaluate.json'} names no registered version to promote")
+    from tasks.quant import registry
+
     by = _responder(answer)
-    tracking.promote(cfg, name, a["version"], by=by, reason=a["reason"])
+    tracking.bound_http()
+    registry.promote(tracking.tracking_uri(cfg), name, a["version"], by=by, reason=a["reason"])
     record = {
         "outcome": "approved",
         "by": by,
@@ -558,3 +581,53 @@ def record_answer(run_dir, answer: dict) -> None:
             "reason": str((result.get("approval") or {}).get("reason") or ""),
         },
     )
+
+
+def shard_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
+    """One fanned-out shard task of a DAG run: `prepare` → [{job, index}] per partition ([] on a cache hit),
+    `partition` ({job, index}) → its summary, `layout` (prepare's list) → [{job, index}] per write range,
+    `write` ({job, index}) → its summary. XCom carries only these paths and indices."""
+    from data_prep.errors import DataPrepError
+    from data_prep.job import Job, prepare
+    from data_prep.layout import run_layout
+    from data_prep.partition import run_partition
+    from data_prep.writer import run_write
+    from tasks.errors import StageError
+    from tasks.stages.shard import shard_config
+
+    run_dir = default_run_dir(dag_id, run_id)
+    cfg = config_for_run(params, run_dir)
+    threads = cfg.data.tokenize_processes
+    try:
+        if step == "prepare":
+            if cfg.tracking.enabled:  # the DAG run's MLflow parent run starts with its first task (llm_data: this)
+                with tracking.best_effort("the MLflow parent run"):
+                    tracking.parent_run(cfg, dag_id, run_id)
+            job = prepare(shard_config(cfg)).job
+            return [{"job": str(job.dir), "index": i} for i in range(len(job.partitions))] if job else []
+        if step == "layout":
+            if not arg:
+                return []
+            layout = run_layout(Job.load(arg[0]["job"]))
+            writes = [] if layout["published"] else layout["writes"]
+            return [{"job": arg[0]["job"], "index": i} for i in range(len(writes))]
+        job = Job.load(arg["job"])
+        if step == "partition":
+            return run_partition(job, arg["index"], threads)
+        if step == "write":
+            return run_write(job, arg["index"])
+    except DataPrepError as e:
+        cause = f"shard: {e}"
+    else:
+        raise StageError(f"shard: unknown step {step!r} (prepare, partition, layout, write)")
+    from tasks.errors import os_error_cause
+    from tasks.fsutil import atomic_write_json
+
+    try:  # the run summary's line for the stage (the reduce, which would write it, will not run)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(
+            run_dir / "shard.json", {"stage": "shard", "status": "failed", "summary": cause, "error": cause}
+        )
+    except OSError as e:
+        print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr)
+    raise StageError(cause)

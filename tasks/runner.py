@@ -14,7 +14,7 @@ from pathlib import Path
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.errors import ConfigError, StageError, os_error_cause
-from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
+from tasks.fsutil import atomic_write_json, atomic_write_text, make_dirs, read_json, set_umask
 from tasks.procs import RunDirLock
 from tasks.stages import OWN_SCHEDULE, STAGES
 
@@ -143,6 +143,11 @@ def run_stage(
     `tags` go on the stage's MLflow run (a DAG without a parent run passes its dag/run ids here). A stage module
     may set `EXPERIMENT_SUFFIX` (its runs go to `<tracking.experiment><suffix>`) and `RUN_TAGS`."""
     module = stage_module(stage)
+    set_umask()  # 0644 files, 0755 directories for the stage and its children, whatever the caller's umask
+    if cfg.tracking.enabled:  # the registry name is refused by the first stage, not by evaluate after the whole run
+        problem = tracking.model_name_problem(cfg.evaluate.registered_model)
+        if problem:
+            raise ConfigError(problem)
     suffix = getattr(module, "EXPERIMENT_SUFFIX", "")
     if suffix:
         import copy
@@ -154,7 +159,7 @@ def run_stage(
     if run_dir.exists() and not run_dir.is_dir():
         raise StageError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_dirs(run_dir)
     except OSError as e:
         raise StageError(f"cannot create the run directory: {os_error_cause(e)}") from None
     args = args if args is not None else default_args(stage)
@@ -201,7 +206,7 @@ def _run_locked(
 ) -> dict:
     if cfg.tracking.enabled and (run_dir / tracking.PENDING).is_file():  # an earlier stage's MLflow outage
         tracking.flush_pending(run_dir)
-    with tracking.stage_run(cfg, stage, parent_run_id, tags=tags) as run_id:
+    with tracking.stage_run(cfg, stage, parent_run_id, tags=tags, run_dir=run_dir) as run_id:
         ctx = StageContext(
             run_dir=run_dir,
             stage=stage,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tasks.config import load_config
+from tasks.errors import StageError
 from tasks.runner import load_inputs
 from tasks.stages import STAGES, TITLES
 from tasks.tracking import run_url
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None)
     p.add_argument("--check", action="store_true", help="exit 1 unless every stage finished ok or warn")
     args = p.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    if not args.run_dir.strip() or not run_dir.is_dir():
+        raise StageError(f"summary: --run-dir {args.run_dir!r} is not a directory (no run there); check the path")
     cfg = load_config(args.config)
     print(render(args.run_dir, cfg))
     if args.check:

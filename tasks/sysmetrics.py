@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover
 
 
 def npu_metrics(info: dict) -> dict[str, float]:
-    """One sample from tasks.envcheck.npu_smi.parse(): per chip, in npu-smi's order; figures it does not report
+    """One sample from tasks.npu_smi.parse(): per chip, in npu-smi's order; figures it does not report
     ("NA") are left out."""
     out = {}
     for i, c in enumerate(info.get("chips") or []):
@@ -41,7 +41,7 @@ def npu_metrics(info: dict) -> dict[str, float]:
 
 
 class NPUMonitor(BaseMetricsMonitor):
-    """An MLflow metrics monitor reading `npu-smi info` (tasks.envcheck.npu_smi, the health stage's parser)."""
+    """An MLflow metrics monitor reading `npu-smi info` (tasks.npu_smi, the health stage's parser)."""
 
     def __init__(self):
         if shutil.which("npu-smi") is None:
@@ -49,7 +49,7 @@ class NPUMonitor(BaseMetricsMonitor):
         super().__init__()
 
     def collect_metrics(self) -> None:
-        from tasks.envcheck import npu_smi
+        from tasks import npu_smi
 
         text = npu_smi.run(timeout=10.0)
         for k, v in (npu_metrics(npu_smi.parse(text)) if text else {}).items():
@@ -85,9 +85,9 @@ class Monitor:
 
 
 def start(cfg: PipelineConfig, stage: str, run_id: str, uri: str) -> Monitor | None:
-    """A running monitor for a device stage's run (tasks.launcher.DEVICE_STAGES), None for the others or with
+    """A running monitor for a device stage's run (tasks.device.DEVICE_STAGES), None for the others or with
     tracking.system_metrics_s = 0."""
-    from tasks.launcher import DEVICE_STAGES
+    from tasks.device import DEVICE_STAGES
 
     if stage not in DEVICE_STAGES or cfg.tracking.system_metrics_s <= 0:
         return None

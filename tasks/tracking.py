@@ -40,6 +40,23 @@ def sanitize_key(key: str) -> str:
     return _KEY_BAD.sub("_", str(key))[:250] or "_"
 
 
+def model_name_problem(name: str) -> str | None:
+    """One line when MLflow's Model Registry would refuse `name` (checked at trigger time, not at evaluate after the
+    whole run): MLflow 3.17's own rules, mlflow.utils.validation._validate_model_name (not empty, no '/' or ':', not
+    changed by path normalisation) and the file store's (mlflow/store/model_registry/file_store.py: no path separator,
+    no '%')."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.model_registry.file_store import _validate_model_name
+
+    try:
+        _validate_model_name(name)
+    except MlflowException as e:
+        return (
+            f"evaluate.registered_model: {name!r} is refused by MLflow's Model Registry ({e.message}); choose another"
+        )
+    return None
+
+
 def default_uri() -> str:
     return f"sqlite:///{var_dir() / 'mlflow.db'}"
 
@@ -134,6 +151,8 @@ def _configure(cfg: PipelineConfig):
         root = cfg.tracking.artifact_root or str(var_dir() / "mlartifacts")
         if "://" not in root:
             root = str(repo_path(root))
+        if not cfg.tracking.artifact_root and uri.startswith(("http://", "https://")):
+            root = None  # a tracking server's own default: `--serve-artifacts` stores them, whichever host logs
         try:
             exp_id = client.create_experiment(
                 cfg.tracking.experiment, artifact_location=root, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
@@ -322,8 +341,16 @@ def finish_parent_run(
 
 
 @contextlib.contextmanager
-def stage_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None, tags: dict | None = None):
-    """Start (and end) the MLflow child run of one stage; yields the run id, or None with tracking off.
+def stage_run(
+    cfg: PipelineConfig,
+    stage: str,
+    parent_run_id: str | None = None,
+    tags: dict | None = None,
+    run_dir: Path | None = None,
+):
+    """Start (and end) the MLflow child run of one stage; yields the run id, or None with tracking off. When the
+    server is gone at the end, the run's status and end time wait in <run_dir>/tracking-pending.json (flush_pending
+    sets them once it answers, after the metrics that were pending before them).
 
     The run gets the flattened config as params (`train.lr`, …) and, for a device stage, MLflow's system metrics
     (tasks.sysmetrics: CPU, memory, disk, network, GPU, and `system/npu_*` from npu-smi)."""
@@ -360,10 +387,18 @@ def stage_run(cfg: PipelineConfig, stage: str, parent_run_id: str | None = None,
         if monitor is not None:
             with best_effort("the last system metrics"):
                 monitor.finish()
+        import time as _time
+
+        ended = int(_time.time() * 1000)
         try:
             mlflow.end_run(status)
         except Exception as e:  # server gone since the start: the stage's own outcome stands
-            _warn(f"could not mark MLflow run {run.info.run_id} {status} ({_short(e)}); it stays RUNNING there")
+            if run_dir is not None:
+                defer(run_dir, {"uri": tracking_uri(cfg), "run_id": run.info.run_id, "status": status, "end_ms": ended})
+            _warn(
+                f"could not mark MLflow run {run.info.run_id} {status} ({_short(e)}); "
+                + (f"sent by `python -m tasks.tracking flush --run-dir {run_dir}`" if run_dir else "it stays RUNNING")
+            )
 
 
 def _short(e: BaseException) -> str:
@@ -428,39 +463,88 @@ def backfill_metrics(
     return len(missing)
 
 
+def defer(run_dir: Path, entry: dict) -> None:
+    """Append what MLflow could not take now to <run-dir>/tracking-pending.json (in order: flush_pending replays it)."""
+    from tasks.fsutil import atomic_write_json, read_json
+
+    path = Path(run_dir) / PENDING
+    pending = read_json(path) if path.is_file() else []
+    if entry not in pending:
+        atomic_write_json(path, pending + [entry])
+
+
+def log_final_metrics(run_dir: Path, uri: str, metrics: dict) -> None:
+    """A stage's closing figures (after the work is done): sent now, or kept pending with the run's status."""
+    run_id = active_run_id()
+    try:
+        log_metrics(metrics)
+    except Exception as e:
+        if run_id:
+            clean = {sanitize_key(k): float(v) for k, v in _flatten(metrics).items() if _is_number(v)}
+            defer(run_dir, {"uri": uri, "run_id": run_id, "final": clean})
+        _warn(f"final metrics not logged to MLflow ({_short(e)}); kept in {Path(run_dir) / PENDING}")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def settle_metrics(run_dir: Path, uri: str, run_id: str, metrics_path, prefix: str = "train") -> None:
     """At stage end: backfill what the trainer's asynchronous sender could not send; when MLflow is down, record
     it in <run-dir>/tracking-pending.json for the next stage (flush_pending) and warn, never fail."""
     try:
         backfill_metrics(uri, run_id, metrics_path, prefix)
     except Exception as e:
-        from tasks.fsutil import atomic_write_json, read_json
-
-        path = Path(run_dir) / PENDING
-        pending = read_json(path) if path.is_file() else []
-        entry = {"uri": uri, "run_id": run_id, "metrics": str(metrics_path), "prefix": prefix}
-        if entry not in pending:
-            atomic_write_json(path, pending + [entry])
+        defer(run_dir, {"uri": uri, "run_id": run_id, "metrics": str(metrics_path), "prefix": prefix})
         _warn(
             f"MLflow unreachable at the end of the stage ({_short(e)}); every step is in {metrics_path} and is "
             f"sent by the next stage (or `python -m tasks.tracking flush --run-dir {run_dir}`)"
         )
 
 
+def _replay(entry: dict) -> int:
+    """One pending entry: per-step metrics (metrics.jsonl), final metrics, or the run's end status. Returns steps."""
+    import mlflow
+
+    if "metrics" in entry:
+        return backfill_metrics(entry["uri"], entry["run_id"], entry["metrics"], entry["prefix"])
+    bound_http()
+    client = mlflow.MlflowClient(entry["uri"])
+    if "final" in entry:
+        from mlflow.entities import Metric
+
+        import time as _time
+
+        now = int(_time.time() * 1000)
+        client.log_batch(
+            entry["run_id"], metrics=[Metric(k, v, now, 0) for k, v in entry["final"].items()], synchronous=True
+        )
+    if "status" in entry:
+        client.set_terminated(entry["run_id"], status=entry["status"], end_time=entry.get("end_ms"))
+    return 0
+
+
 def flush_pending(run_dir: Path) -> int:
-    """Send the metrics earlier stages could not; entries that still fail stay pending. Returns steps sent."""
+    """Send what earlier stages could not (metrics, final metrics, run status), in the order it was left; entries
+    that still fail stay pending, and so does everything after them for the same run (its status comes last).
+    Returns steps sent."""
     from tasks.fsutil import atomic_write_json, read_json
 
     path = Path(run_dir) / PENDING
     if not path.is_file():
         return 0
-    sent, left = 0, []
+    sent, left, stuck = 0, [], set()
     for entry in read_json(path):
+        if entry["run_id"] in stuck:
+            left.append(entry)
+            continue
         try:
-            sent += backfill_metrics(entry["uri"], entry["run_id"], entry["metrics"], entry["prefix"])
+            sent += _replay(entry)
         except Exception as e:
             left.append(entry)
-            _warn(f"still cannot send {entry['metrics']} to MLflow run {entry['run_id']} ({_short(e)})")
+            stuck.add(entry["run_id"])
+            what = entry.get("metrics") or ("final metrics" if "final" in entry else f"status {entry.get('status')}")
+            _warn(f"still cannot send {what} to MLflow run {entry['run_id']} ({_short(e)})")
     if left:
         atomic_write_json(path, left)
     else:
@@ -521,21 +605,6 @@ def metric_key(name: str, prefix: str = "train") -> str:
     """A trainer figure's MLflow key: the headline ones (loss, val_loss, tokens_per_s) `train/<name>` so the UI
     shows them first, the others `train.<name>`."""
     return f"{prefix}/{name}" if name in HEADLINE else f"{prefix}.{name}"
-
-
-def promote(cfg: PipelineConfig, name: str, version: str, by: str = "", reason: str = "") -> None:
-    """Make `version` of registered model `name` the champion (the alias, moved from whichever version held it);
-    the version records who promoted it and why (tags `champion.approved_by`, `champion.reason`)."""
-    import mlflow
-
-    from tasks.quant.registry import CHAMPION
-
-    bound_http()
-    client = mlflow.MlflowClient(tracking_uri(cfg))
-    client.set_registered_model_alias(name, CHAMPION, str(version))
-    for key, value in (("champion.approved_by", by), ("champion.reason", reason)):
-        if value:
-            client.set_model_version_tag(name, str(version), key, str(value)[:5000])
 
 
 def log_metrics(metrics: dict, step: int | None = None) -> None:

@@ -14,6 +14,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Strict collectives (tasks/collectives.py): every collective of this session and of the torchrun workers it starts
+# (they inherit the environment) is checked as HCCL would check it, on gloo. `=nccl` imitates NCCL, `=0` turns it off.
+os.environ.setdefault("LLM_PIPELINE_STRICT_COLLECTIVES", "hccl")
 # The embedded Airflow defaults (what scripts/airflow-env.sh exports), so `pytest` works without the Makefile too,
 # except that the metadata DB, logs and passwords live in a temporary directory of this test session (set before
 # anything imports airflow, and inherited by the `airflow` subprocesses the tests start).

@@ -17,7 +17,7 @@ def main() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from tasks.config import ProfileConfig
-    from tasks.profiling.collect import make_profiler, steps_needed
+    from tasks.profiling.collect import make_profiler
 
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
@@ -27,7 +27,7 @@ def main() -> None:
     loader = iter(DataLoader(TensorDataset(torch.randn(64, 128, 128)), batch_size=4))
     weight = torch.randn(128, 128)
     with make_profiler(pcfg, "cpu", out_dir, rank) as prof:
-        for _ in range(steps_needed(pcfg)):
+        for _ in range(pcfg.steps_needed()):
             (x,) = next(loader)
             y = torch.relu(x @ weight) @ weight.T
             grad = torch.full((1 << 20,), float(y.mean()))  # a 4 MB gradient bucket

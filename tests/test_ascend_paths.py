@@ -19,30 +19,48 @@ REPO = Path(__file__).resolve().parent.parent
 # --- 1. the env probe all-reduces only dtypes HCCL accepts ------------------------------------------------------
 
 
+def test_probe_correctness_is_exact_at_any_world_size():
+    """fp32 sums are exact below 2^24 only: (rank+1)·arange(4096) passed it from 91 ranks (world 96: error 16 on a
+    healthy cluster). The probe's contributions keep every partial sum a small integer: exact in any order."""
+    import torch
+
+    from tasks.envcheck.probe_worker import contribution, expected
+
+    for world in (1, 2, 15, 16, 17, 96, 1000):
+        parts = [contribution(r) for r in range(world)]
+        exact = torch.stack([p.to(torch.int64) for p in parts]).sum(0)
+        assert torch.equal(expected(world).to(torch.int64), exact), world
+        ring = torch.zeros(4096)  # the ring order, its reverse, and a pairwise tree: all exact
+        for p in parts:
+            ring += p
+        back = torch.zeros(4096)
+        for p in reversed(parts):
+            back += p
+        tree = list(parts)
+        while len(tree) > 1:
+            tree = [tree[i] + tree[i + 1] if i + 1 < len(tree) else tree[i] for i in range(0, len(tree), 2)]
+        for got in (ring, back, tree[0]):
+            assert torch.equal(got, expected(world)), world
+    assert not torch.equal(expected(96), expected(95))  # a missing rank shows
+
+
 def test_probe_all_reduces_only_hccl_dtypes(tmp_path, monkeypatch):
-    """HCCL on A2 rejects float64 all_reduce ("HCCL AllReduce & Reduce: Unsupported data type"): every tensor the
-    probe reduces — correctness, bandwidth and the timing — must be one HCCL accepts, on every backend."""
+    """HCCL on A2 rejects float64 all_reduce ("HCCL allreduce: Unsupported data type"): every tensor the probe
+    reduces — correctness, bandwidth and the timing — must be one HCCL accepts, on every backend. Strict hccl mode
+    (tasks/collectives.py) refuses any other at the call."""
     import torch
     import torch.distributed as dist
 
+    from tasks import collectives
     from tasks.envcheck import probe_worker
 
-    seen = []
-    real = dist.all_reduce
-
-    def spy(tensor, *a, **kw):
-        seen.append(tensor.dtype)
-        return real(tensor, *a, **kw)
-
-    monkeypatch.setattr(probe_worker.dist, "all_reduce", spy)
+    monkeypatch.setenv(collectives.STRICT_ENV, "hccl")
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        probe_worker._correctness(torch.device("cpu"), 1, 0)
+        assert probe_worker._correctness(torch.device("cpu"), 1, 0)["allreduce_ok"]
         probe_worker._bandwidth(torch.device("cpu"), 1, 0.01, 1)
     finally:
         dist.destroy_process_group()
-    assert seen and set(seen) <= probe_worker.HCCL_ALLREDUCE_DTYPES, seen
-    assert torch.float64 not in probe_worker.HCCL_ALLREDUCE_DTYPES
 
 
 # --- 2. HCCL timeouts: EVENT=0 is valid, EVENT <= EXEC warns, the PG timeout must exceed EXEC -----------------
@@ -115,6 +133,36 @@ def test_oom_advice_matches_the_allocator_settings_in_force():
     assert (
         alloc_conf_in_force("npu", {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}) == "expandable_segments:True"
     )
+    # The combination is an error at start-up in torch_npu (NPUAllocatorConfig.cpp), not "ignored".
+    assert "ignored" not in on and "refuses max_split_size_mb and garbage_collection_threshold" in on
+
+
+def test_pytorch_alloc_conf_is_honoured_and_never_set_beside_the_npu_one(monkeypatch, cfg):
+    """torch_npu (NPUAllocatorConfig.cpp, branches v2.10.0–v2.12.0, master) reads PYTORCH_NPU_ALLOC_CONF, else
+    PYTORCH_ALLOC_CONF, and refuses to start with both set."""
+    from tasks import device
+    from tasks.errors import StageError
+    from tasks.parallel.diagnosis import oom_advice
+
+    npu = device.Backend("npu", "hccl", 8)
+    monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert device.launch_env(npu, cfg.hardware)["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False,max_split_size_mb:256")
+    env = device.launch_env(npu, cfg.hardware)
+    assert "PYTORCH_NPU_ALLOC_CONF" not in env  # the user's PYTORCH_ALLOC_CONF is the one in force
+    assert device.alloc_conf_in_force("npu", {**env, "PYTORCH_ALLOC_CONF": "expandable_segments:False"}) == (
+        "expandable_segments:False"
+    )
+    gb = 1 << 30
+    advice = oom_advice({"allocated_bytes": 40 * gb, "reserved_bytes": 60 * gb}, "npu", "expandable_segments:False")
+    assert "(now PYTORCH_ALLOC_CONF=expandable_segments:False)" in advice
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(StageError, match="PYTORCH_NPU_ALLOC_CONF and PYTORCH_ALLOC_CONF are both set") as e:
+        device.launch_env(npu, cfg.hardware)
+    assert "\n" not in str(e.value)
+    assert device.alloc_conf_var("cuda", {"PYTORCH_ALLOC_CONF": "x"}) == "PYTORCH_ALLOC_CONF"
+    assert device.alloc_conf_var("cpu", {}) is None
 
 
 # --- 5. torch for torch_npu is the CPU build -------------------------------------------------------------------
@@ -399,8 +447,10 @@ def test_amct_flow_by_what_the_package_exposes():
         StageError,
         match=r"does not offer the ptq flow \(no amct_pytorch.create_quant_config\); "
         r"it offers: llm",
-    ):
+    ) as e:
         require_flow(llm_only, "ptq")
+    # hicann/amct branches 9.0.0 and 9.1.0 have the classic flow (create_quant_config …), not only master.
+    assert "9.0.0 or later: hicann/amct branches 9.0.0, 9.1.0" in str(e.value) and "master" not in str(e.value)
 
     lazy = types.ModuleType("amct_pytorch")  # master: classic names behind a failing __getattr__
     lazy.quantize = lazy.convert = lambda *a, **k: None

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tasks.config import load_config
-from tasks.parallel import binding
+from tasks.launch import binding
+from tasks.parallel import affinity
 
 FIX = Path(__file__).parent / "fixtures" / "env" / "topo"
 REPO = Path(__file__).resolve().parent.parent
@@ -71,22 +72,28 @@ def test_torchrun_numa_option_read_from_the_installed_torch():
     assert binding.launch_args(cfg, "cuda") == (["--numa-binding=exclusive"] if has else [])
     assert binding.launch_args(cfg, "npu") == [] and binding.launch_args(cfg, "cpu") == []
     off = load_config("ci-tiny", sets=["hardware.bind_cpus=false"])
-    assert binding.launch_args(off, "cuda") == [] and binding.entry_module(off) == "tasks.parallel.worker"
+    assert binding.entry(cfg) == ["-m", "tasks.parallel.affinity", "--worker", "tasks.train.worker"]
+    assert binding.launch_args(off, "cuda") == [] and binding.entry(off) == ["-m", "tasks.train.worker"]
     env = {binding.ENV: "x"}
     assert binding.prepare(off, "cpu", 2, env) is None and binding.ENV not in env
+
+
+def test_the_entry_point_needs_its_worker_named():
+    with pytest.raises(SystemExit, match="expected --worker MODULE"):
+        affinity.main(["--spec", "launch.json"])
 
 
 def test_loader_workers_from_cores_explicit_wins():
     import torch
 
     cfg = load_config("ci-tiny", sets=["data.loader_workers=-1", "data.prefetch_factor=3"])
-    assert binding.loader_workers(cfg, 1) == 0 and binding.loader_workers(cfg, 3) == 2
-    assert binding.loader_workers(cfg, 32) == 4
+    assert affinity.loader_workers(cfg, 1) == 0 and affinity.loader_workers(cfg, 3) == 2
+    assert affinity.loader_workers(cfg, 32) == 4
     explicit = load_config("ci-tiny", sets=["data.loader_workers=2"])
-    assert binding.loader_workers(explicit, 1) == 2
-    opts = binding.loader_options(explicit, torch.device("cpu"))
+    assert affinity.loader_workers(explicit, 1) == 2
+    opts = affinity.loader_options(explicit, torch.device("cpu"))
     assert opts["num_workers"] == 2 and opts["pin_memory"] is False and opts["prefetch_factor"] == 2
-    assert binding.loader_options(cfg, torch.device("cuda", 0))["pin_memory"] is True
+    assert affinity.loader_options(cfg, torch.device("cuda", 0))["pin_memory"] is True
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
@@ -110,7 +117,7 @@ def test_ranks_run_with_the_cpus_of_their_plan(tmp_path):
             "--nproc-per-node",
             "2",
             "-m",
-            "tasks.parallel.binding",
+            binding.ENTRY,  # tasks.parallel.affinity: torchrun's entry point when binding
             "--worker",
             "affinity_probe",
         ],

@@ -30,6 +30,13 @@ def test_table_is_complete_data():
         assert row["cause"] and row["fix"] and row["source"] and isinstance(row["verified"], bool), code
 
 
+def test_ei0002_names_the_exec_timeout_the_project_sets():
+    from tasks.config import HardwareConfig
+
+    line = cann_logs.explain("EI0002")
+    assert f"sets {HardwareConfig().hccl_exec_timeout} s" in line and "(default 1800 s)" not in line
+
+
 def test_codes_found_in_both_print_styles_and_not_in_words():
     assert cann_logs.find_codes(EI0006_LOG) == ["EI0006"]
     assert cann_logs.find_codes(EL0004_LOG) == ["EL0004"]

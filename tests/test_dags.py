@@ -25,8 +25,9 @@ def test_dags_import_without_errors(dagbag):
 def test_main_dag_shape(dagbag):
     dag = dagbag.dags["llm_pipeline"]
     stages = ["env", "shard", "smoke", "plan", "train", "profile", "quantize", "evaluate"]
-    for up, down in zip(stages, stages[1:]):
+    for up, down in zip(stages[1:], stages[2:]):
         assert dag.get_task(down).upstream_task_ids == {up}
+    assert_shard_fanout(dag, after="env")
     assert dag.catchup is False
     assert all(dag.get_task(t).doc_md for t in stages)
     assert dag.get_task("train").retries == 2  # a retry resumes from the last checkpoint
@@ -55,6 +56,30 @@ def test_timed_runs_are_opt_in(monkeypatch):
     monkeypatch.setenv(SCHEDULE_ENV, "0 3 * * 1")
     on = DagBag(dag_folder=str(REPO / "dags" / "llm_pipeline.py")).dags["llm_pipeline"]
     assert "0 3 * * 1" in str(on.timetable) and "llm-shard-set" in str(on.timetable)
+
+
+def assert_shard_fanout(dag, after: str | None) -> None:
+    """prepare → partition (mapped) → layout → write (mapped) → shard: the reduce runs when the mapped tasks were
+    skipped (a cache hit) and not after a failure; the mapped tasks retry (a killed worker), the others do not."""
+    up = {t: dag.get_task(t).upstream_task_ids for t in ("shard_prepare", "shard_partition", "shard_layout")}
+    assert up == {
+        "shard_prepare": {after} if after else set(),
+        "shard_partition": {"shard_prepare"},
+        "shard_layout": {"shard_prepare", "shard_partition"},
+    }
+    assert dag.get_task("shard_write").upstream_task_ids == {"shard_layout"}
+    assert dag.get_task("shard").upstream_task_ids == {"shard_write"}
+    for name in ("shard_partition", "shard_write"):
+        assert dag.get_task(name).retries == 2 and dag.get_task(name).expand_input is not None
+    assert dag.get_task("shard").trigger_rule == dag.get_task("shard_layout").trigger_rule == "none_failed"
+    assert dag.get_task("shard").retries == 0
+
+
+def test_data_dag_shape(dagbag):
+    dag = dagbag.dags["llm_data"]
+    assert_shard_fanout(dag, after=None)
+    assert set(dag.task_ids) == {"shard_prepare", "shard_partition", "shard_layout", "shard_write", "shard"}
+    assert "partitions" in dag.params
 
 
 def test_params_have_sections_types_and_ranges(dagbag):

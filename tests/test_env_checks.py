@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.envcheck import npu_smi, probe, system, worst
+from tasks import npu_smi
+from tasks.envcheck import npu_health, probe, system, worst
 
 ENV = Path(__file__).parent / "fixtures" / "env"
 
@@ -22,7 +23,7 @@ def test_910b2c_hbm_and_processes():
     assert (c0["memory_kind"], c0["memory_used_mb"], c0["memory_total_mb"]) == ("HBM", 20701, 65536)
     assert info["chips"][1]["memory_used_mb"] == 20687
     assert info["processes"] == [{"npu": 0, "chip": 0, "pid": 124528, "name": "python3.8", "memory_mb": 17400}]
-    statuses = {c["name"]: c["status"] for c in npu_smi.checks(info)}
+    statuses = {c["name"]: c["status"] for c in npu_health.checks(info)}
     assert statuses == {"npu-health": "ok", "npu-idle": "warn"}
     assert npu_smi.summary(info) == "2× 910B2C, 69 GB HBM each"  # 65536 MiB = 68.7 GB (tasks.units: GB = 1e9)
 
@@ -48,14 +49,14 @@ def test_310b4_alarm_fails_health():
     info = smi("310b4.txt")
     chip = info["chips"][0]
     assert (chip["name"], chip["health"], chip["bus_id"], chip["memory_total_mb"]) == ("310B4", "Alarm", "NA", 15609)
-    health = npu_smi.checks(info)[0]
+    health = npu_health.checks(info)[0]
     assert health["status"] == "fail" and "NPU 0 chip 0 (310B4) is Alarm" in health["detail"]
 
 
 def test_910b3_single_visible_card():
     info = smi("910b3-one-card.txt")
     assert [(c["npu"], c["name"], c["memory_used_mb"]) for c in info["chips"]] == [(3, "910B3", 3198)]
-    assert info["processes"] == [] and worst(npu_smi.checks(info)) == "ok"
+    assert info["processes"] == [] and worst(npu_health.checks(info)) == "ok"
 
 
 def test_clock_parsers_and_check():

@@ -10,7 +10,8 @@ import mlflow
 import pytest
 
 from tasks.stages import health
-from tasks.envcheck import npu_smi, system
+from tasks import npu_smi
+from tasks.envcheck import system
 from tasks.errors import StageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -218,7 +219,7 @@ def test_health_runs_through_the_runner(cfg, tmp_path, monkeypatch):
             "--run-dir",
             str(tmp_path / "cli"),
             "--set",
-            "hardware.min_free_disk_gb=1e9",
+            "hardware.min_free_disk_gb=1e6",  # the field's maximum (1 PB): an alarm on any disk
         ],
         cwd=REPO,
         capture_output=True,

@@ -145,6 +145,11 @@ def test_export_from_dcp_checkpoint_streams_sharded_files_that_transformers_load
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and all((out / f).is_file() for f in files)
     assert "lm_head.weight" not in index["weight_map"]  # tied: stored once, as HF does
+    from tasks.fsutil import sha256_file
+
+    manifest = json.loads((out / "llm-pipeline.json").read_text())  # hashed while written, by the writing rank
+    assert sorted(manifest["files"]) == sorted(p.name for p in out.iterdir() if p.name != "llm-pipeline.json")
+    assert all(manifest["files"][f]["sha256"] == sha256_file(out / f) for f in files)
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

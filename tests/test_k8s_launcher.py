@@ -1,36 +1,89 @@
-"""hardware.launcher=kubernetes: every device stage renders as a Job on the training nodes, valid against the Kubernetes
-API schemas (and Volcano's PodGroup schema), and the DAG's tasks route to that launcher. The API server cannot run
-here: the schemas are the official client's models (tests/fixtures/k8s/generate_schema.py) and the PodGroup CRD's."""
+"""hardware.launcher=kubernetes: every device stage renders as a Job on the training nodes (or, hardware.k8s_kind, its
+torchrun stages as a Kubeflow PyTorchJob / TrainJob), valid against the Kubernetes API schemas and the CRDs' own
+(Volcano's PodGroup, training-operator's PyTorchJob, Trainer's TrainJob; tests/fixtures/k8s, sources named in each
+file's $comment), and the DAG's tasks route to that launcher. No API server can run here: the Kubernetes schemas are
+the official client's models (tests/fixtures/k8s/generate_schema.py); the submit/wait/collect path runs through the
+cncf provider's KubernetesHook and the client's request layer against a loopback endpoint (tests/k8s_api.py)."""
 
+import dataclasses
+import functools
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import pytest
 import yaml
 
-from tasks import k8s_job
+from tasks.launch import k8s_job, k8s_submit
 from tasks.bounds import stage_timeout_s
-from tasks.launcher import DEVICE_STAGES, MULTI_NODE_STAGES, runs_on_kubernetes
+from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES, runs_on_kubernetes
 from tasks.stages import STAGES
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+from k8s_api import FakeApi, _cond  # noqa: E402
+
 FIXTURES = REPO / "tests" / "fixtures" / "k8s"
 K8S = json.loads((FIXTURES / "k8s-api-schema.json").read_text())
 PODGROUP = json.loads((FIXTURES / "volcano-podgroup-v1beta1.schema.json").read_text())
+CRDS = {
+    "PyTorchJob": json.loads((FIXTURES / "kubeflow-pytorchjob-v1.schema.json").read_text()),
+    "TrainJob": json.loads((FIXTURES / "kubeflow-trainjob-v1alpha1.schema.json").read_text()),
+}
+
+
+@functools.cache
+def validator(name: str):
+    """A validator for one of the Kubernetes API's models (V1Job, V1PodTemplateSpec, V1EnvVar, …) or a CRD's kind,
+    built once (jsonschema.validate would check the large schema against the metaschema on every call)."""
+    if name in CRDS:
+        return jsonschema.Draft7Validator(CRDS[name])
+    if name == "PodGroup":
+        return jsonschema.Draft7Validator(PODGROUP)
+    return jsonschema.Draft7Validator({"$ref": f"#/definitions/{name}", "definitions": K8S["definitions"]})
+
+
+def check(name: str, obj) -> None:
+    error = jsonschema.exceptions.best_match(validator(name).iter_errors(obj))
+    if error is not None:
+        raise error
+
+
+def k8s_model(name: str, obj) -> None:
+    check(name, obj)
 
 
 def validate(manifest: dict) -> None:
-    """Validate one manifest against its kind's API schema (strict: unknown fields fail, as `--validate=strict`)."""
+    """Validate one manifest against its kind's API schema (strict: unknown fields fail, as `--validate=strict`).
+    A Kubeflow kind: its CRD's schema, and the Kubernetes parts inside it against the API's own models too."""
     if manifest["kind"] == "PodGroup":
-        jsonschema.validate(manifest, PODGROUP)
+        check("PodGroup", manifest)
+        return
+    if manifest["kind"] in CRDS:
+        check(manifest["kind"], manifest)
+        k8s_model("V1ObjectMeta", manifest["metadata"])
+        spec = manifest["spec"]
+        for replica in spec.get("pytorchReplicaSpecs", {}).values():
+            k8s_model("V1PodTemplateSpec", replica["template"])
+        if "trainer" in spec:
+            k8s_model("V1ResourceRequirements", spec["trainer"]["resourcesPerNode"])
+            for env in spec["trainer"]["env"]:
+                k8s_model("V1EnvVar", env)
+            for patch in spec["runtimePatches"]:
+                for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+                    pod = job["template"]["spec"]["template"]["spec"]
+                    for volume in pod["volumes"]:
+                        k8s_model("V1Volume", volume)
+                    if "affinity" in pod:
+                        k8s_model("V1Affinity", pod["affinity"])
+                    for mount in pod["containers"][0]["volumeMounts"]:
+                        k8s_model("V1VolumeMount", mount)
         return
     api = f"{manifest['apiVersion']}/{manifest['kind']}"
-    root = K8S["roots"][api]
-    schema = {"$ref": f"#/definitions/{root}", "definitions": K8S["definitions"]}
-    jsonschema.validate(manifest, schema)
+    check(K8S["roots"][api], manifest)
     assert manifest["metadata"]["name"]
 
 
@@ -138,29 +191,250 @@ def test_job_wait_is_bounded_and_names_what_the_pods_were_doing():
     )
 
 
-def has_cncf_provider() -> bool:
-    import importlib.util
+@pytest.mark.parametrize("kind", ["pytorchjob", "trainjob"])
+@pytest.mark.parametrize("stage", DEVICE_STAGES)
+def test_kubeflow_kinds_render_the_torchrun_stages_valid_against_the_crds(k8s_cfg, tmp_path, kind, stage):
+    k8s_cfg.hardware.k8s_kind = kind
+    name = k8s_job.job_name("llm_pipeline", "manual__1", 1, stage)
+    manifests = k8s_job.render(k8s_cfg, tmp_path / "run", name, stage)
+    for m in manifests:
+        validate(m)
+    if stage not in MULTI_NODE_STAGES:  # one pod: stays a Job
+        assert [m["kind"] for m in manifests] == ["Job"]
+        return
+    (obj,) = manifests  # the operator makes the Services; no PodGroup of ours
+    assert obj["metadata"]["name"] == name and obj["metadata"]["namespace"] == "llm"
+    deadline = stage_timeout_s(stage, k8s_cfg, tmp_path / "run") + k8s_cfg.timeouts.k8s_pending_s
+    if kind == "pytorchjob":
+        assert obj["apiVersion"] == "kubeflow.org/v1" and obj["kind"] == "PyTorchJob"
+        replicas = obj["spec"]["pytorchReplicaSpecs"]
+        assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 1  # 2 nodes
+        assert obj["spec"]["runPolicy"]["activeDeadlineSeconds"] == deadline
+        assert obj["spec"]["runPolicy"]["backoffLimit"] == 0  # Airflow retries; training resumes from DCP
+        container = replicas["Master"]["template"]["spec"]["containers"][0]
+        assert container["name"] == "pytorch" and container["ports"] == [
+            {"name": "pytorchjob-port", "containerPort": 29400}
+        ]
+        args = container["args"][0]
+        assert (
+            '"hardware.node_rank=$PET_NODE_RANK"' in args
+            and '"hardware.rdzv_endpoint=$MASTER_ADDR:$MASTER_PORT"' in args
+        )
+    else:
+        assert obj["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and obj["kind"] == "TrainJob"
+        spec = obj["spec"]
+        assert spec["runtimeRef"] == {"name": "torch-distributed", "apiGroup": "trainer.kubeflow.org",
+                                      "kind": "ClusterTrainingRuntime"}  # fmt: skip
+        assert spec["trainer"]["numNodes"] == 2 and spec["trainer"]["numProcPerNode"] == 8
+        assert spec["trainer"]["resourcesPerNode"]["limits"]["huawei.com/Ascend910"] == 8
+        assert spec["activeDeadlineSeconds"] == deadline
+        assert not any(e["name"].startswith("PET_") for e in spec["trainer"]["env"])  # reserved by the torch plugin
+        assert {"MLFLOW_TRACKING_URI", "LLM_PIPELINE_VAR_DIR"} <= {e["name"] for e in spec["trainer"]["env"]}
+        pod = spec["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+        assert pod["name"] == "node" and pod["template"]["spec"]["template"]["spec"]["containers"][0]["name"] == "node"
+        args = spec["trainer"]["args"][0]
+        assert '"hardware.rdzv_endpoint=$PET_MASTER_ADDR:$PET_MASTER_PORT"' in args
+    assert args.startswith("exec env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT python -m tasks ")
 
-    try:
-        return importlib.util.find_spec("airflow.providers.cncf") is not None
-    except ModuleNotFoundError:
-        return False
+
+def test_the_crd_schemas_catch_a_misspelt_field(k8s_cfg, tmp_path):
+    k8s_cfg.hardware.k8s_kind = "pytorchjob"
+    (job,) = k8s_job.render(k8s_cfg, tmp_path, "x", "train")
+    job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["resource"] = {}
+    with pytest.raises(jsonschema.ValidationError, match="resource"):
+        validate(job)
+    k8s_cfg.hardware.k8s_kind = "trainjob"
+    (job,) = k8s_job.render(k8s_cfg, tmp_path, "x", "train")
+    job["spec"]["trainer"]["numNode"] = job["spec"]["trainer"].pop("numNodes")
+    with pytest.raises(jsonschema.ValidationError, match="numNode"):
+        validate(job)
+    (job,) = k8s_job.render(k8s_cfg, tmp_path, "x", "train")
+    del job["spec"]["runtimeRef"]
+    with pytest.raises(jsonschema.ValidationError, match="runtimeRef"):
+        validate(job)
+
+
+@pytest.mark.parametrize("kind", ["job", "pytorchjob", "trainjob"])
+def test_the_pod_command_gets_its_rank_and_rendezvous_from_the_operator(k8s_cfg, tmp_path, kind):
+    """The rendered command run by bash with the variables each operator sets on node 1 (training-operator's
+    envvar.go/master.go, Trainer's torch plugin, the Job controller's completion index): the stage sees node rank 1,
+    the master's rendezvous, and none of the operator's per-rank variables."""
+    k8s_cfg.hardware.k8s_kind = kind
+    manifest = k8s_job.render(k8s_cfg, tmp_path / "run", "llm-x", "train")[-1]
+    if kind == "pytorchjob":
+        container = manifest["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+        env = {"MASTER_ADDR": "llm-x-master-0", "MASTER_PORT": "29400", "RANK": "1", "WORLD_SIZE": "16",
+               "PET_NODE_RANK": "1", "PET_NNODES": "2"}  # fmt: skip
+        endpoint = "llm-x-master-0:29400"
+    elif kind == "trainjob":
+        container = manifest["spec"]["trainer"]
+        env = {"PET_MASTER_ADDR": "llm-x-node-0-0.llm-x", "PET_MASTER_PORT": "29500", "PET_NODE_RANK": "1"}
+        endpoint = "llm-x-node-0-0.llm-x:29500"
+    else:
+        container = manifest["spec"]["template"]["spec"]["containers"][0]
+        env, endpoint = {"JOB_COMPLETION_INDEX": "1"}, "llm-x-0.llm-x:29400"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python").write_text('#!/bin/bash\nprintf "%s\\n" "$@"; echo "RANK=${RANK-unset}"\n')
+    (fake / "python").chmod(0o755)
+    out = subprocess.run(
+        [*container["command"], *container["args"]],
+        env={"PATH": f"{fake}:/usr/bin:/bin", **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    words = out.stdout.splitlines()
+    assert out.returncode == 0 and words[:3] == ["-m", "tasks", "train"], out.stderr
+    assert "hardware.node_rank=1" in words and f"hardware.rdzv_endpoint={endpoint}" in words
+    assert words[-1] == "RANK=unset"
+
+
+def test_final_state_reads_each_kinds_conditions():
+    assert k8s_job.final_state("pytorchjob", {"status": {"conditions": [_cond("Running", "R")]}}) == (False, "")
+    done = [_cond("Running", "R", "False"), _cond("Succeeded", "PyTorchJobSucceeded")]
+    assert k8s_job.final_state("pytorchjob", {"status": {"conditions": done}}) == (True, "")
+    failed = {"status": {"conditions": [_cond("Failed", "DeadlineExceeded")]}}
+    assert k8s_job.final_state("trainjob", failed) == (True, "DeadlineExceeded")
+    assert k8s_job.final_state("trainjob", {"status": {"conditions": [_cond("Complete", "JobsCompleted")]}}) == (
+        True,
+        "",
+    )
+    assert k8s_job.final_state(
+        "job", {"status": {"conditions": [_cond("Failed", "BackoffLimitExceeded", "False")]}}
+    ) == (
+        False,
+        "",
+    )  # a condition that is not "True" ends nothing
+    assert k8s_job.final_state("trainjob", {}) == (False, "")
+
+
+def test_the_config_offers_exactly_the_kinds_there_are():
+    """hardware.k8s_kind's choices (tasks.config, validated before any render) are the names in k8s_job.KINDS."""
+    from typing import get_args
+
+    from tasks.config import HardwareConfig
+
+    assert set(get_args(HardwareConfig.model_fields["k8s_kind"].annotation)) == set(k8s_job.KINDS)
+
+
+FINAL = {  # each controller's success condition (k8s_api._cond: status "True")
+    "Job": [_cond("Complete", "CompletionsReached")],
+    "PyTorchJob": [_cond("Succeeded", "PyTorchJobSucceeded")],
+    "TrainJob": [_cond("Complete", "JobsCompleted")],
+}
+
+
+@pytest.fixture
+def api_server(tmp_path, monkeypatch):
+    api = FakeApi(validate, FINAL)
+    kubeconfig = tmp_path / "kubeconfig.json"
+    kubeconfig.write_text(json.dumps(api.kubeconfig()))
+    conn = {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig), "namespace": "llm"}}
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_LOOPBACK", json.dumps(conn))
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    yield api
+    api.close()
+
+
+@pytest.mark.parametrize("kind", ["job", "pytorchjob", "trainjob"])
+def test_submit_wait_collect_through_the_hook_and_the_client(k8s_cfg, api_server, kind):
+    """The provider's KubernetesHook and the kubernetes client, over HTTP: the job is created (its body accepted by
+    the strict schema check), polled until the controller's final condition, the result the pods wrote collected,
+    and the rendezvous Service removed. Unrun here: a real API server's admission (Trainer's webhook, CEL rules),
+    the operators themselves, and pods on nodes."""
+    from tasks.runner import default_run_dir
+
+    k8s_cfg.hardware.k8s_kind = kind
+    k8s_cfg.tracking.enabled = False
+    run_dir = default_run_dir("llm_pipeline", "manual__1")
+
+    def pods_finish(obj):  # node 0's stage result on the shared volume
+        (run_dir / "train.json").write_text(json.dumps({"status": "ok", "summary": f"done as {obj['kind']}"}))
+
+    api_server.on_done = pods_finish
+    result = k8s_submit.run_stage_job(
+        "train", k8s_cfg, "llm_pipeline", "manual__1", conn_id="k8s_loopback", poll_s=0.05
+    )
+    expected = {"job": "Job", "pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}[kind]
+    assert result["summary"] == f"done as {expected}" and result["launcher"] == "kubernetes"
+    name = result["k8s_job"]
+    paths = [(m, p.split("?")[0]) for m, p in api_server.requests]
+    if kind == "job":
+        assert ("POST", "/api/v1/namespaces/llm/services") in paths and (
+            "POST",
+            "/apis/batch/v1/namespaces/llm/jobs",
+        ) in paths
+        assert ("GET", f"/apis/batch/v1/namespaces/llm/jobs/{name}/status") in paths
+        assert ("DELETE", f"/api/v1/namespaces/llm/services/{name}") in paths  # the Service only served the Job
+    else:
+        group, version, plural, _ = k8s_job.KINDS[kind].api
+        assert paths[0] == ("POST", f"/apis/{group}/{version}/namespaces/llm/{plural}")
+        assert paths[-1] == ("GET", f"/apis/{group}/{version}/namespaces/llm/{plural}/{name}")
+        assert len(paths) == 1 + api_server.polls_to_finish  # created once, polled until done, nothing else
+
+
+def test_a_failed_kubeflow_job_names_its_reason_and_node_0_s_cause(k8s_cfg, api_server):
+    from tasks.errors import StageError
+    from tasks.runner import default_run_dir
+
+    k8s_cfg.hardware.k8s_kind = "pytorchjob"
+    k8s_cfg.tracking.enabled = False
+    run_dir = default_run_dir("llm_pipeline", "manual__2")
+    api_server.final["PyTorchJob"] = [_cond("Failed", "PyTorchJobFailed", message="pod llm-x-worker-0 failed")]
+    api_server.on_done = lambda obj: (run_dir / "train.json").write_text(
+        json.dumps({"status": "failed", "error": "train: rank 3 killed by SIGKILL (out of memory?)"})
+    )
+    with pytest.raises(StageError) as err:
+        k8s_submit.run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__2", conn_id="k8s_loopback", poll_s=0.05)
+    assert "failed (PyTorchJobFailed): train: rank 3 killed by SIGKILL" in str(err.value) and err.value.retryable
+
+
+def test_a_body_the_api_would_refuse_is_refused_over_the_wire(k8s_cfg, api_server, monkeypatch):
+    """The loopback endpoint validates what it is sent: a manifest with a misspelt field comes back as the
+    client's ApiException (422 Invalid) — the strict check sits on the request path, not only in these tests."""
+    from kubernetes.client.exceptions import ApiException
+
+    k8s_cfg.hardware.k8s_kind = "trainjob"
+    real = k8s_job.KINDS["trainjob"]
+    monkeypatch.setitem(
+        k8s_job.KINDS, "trainjob", dataclasses.replace(real, convert=lambda *a: {**real.convert(*a), "sepc": {}})
+    )
+    with pytest.raises(ApiException) as err:
+        k8s_submit.run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__3", conn_id="k8s_loopback", poll_s=0.05)
+    assert err.value.status == 422 and "sepc" in err.value.body
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(has_cncf_provider(), reason="the cncf provider is installed: the task would submit to a cluster")
-def test_the_smoke_task_goes_to_the_kubernetes_launcher(tmp_path, airflow_db):
-    """Through Airflow: with launcher=kubernetes the smoke task (a device stage) does not run on the worker; it asks
-    for the Kubernetes launcher (here: the provider is not installed, so the one-line cause says what to install)."""
+def test_the_smoke_task_goes_to_the_kubernetes_launcher(tmp_path, airflow_db, api_server):
+    """Through Airflow: with launcher=kubernetes the smoke task (a device stage) does not run on the worker; it
+    submits a Job through the `kubernetes_default` connection (here the loopback API) and collects what the pod
+    wrote. The preset is a site's own file ($LLM_PIPELINE_PRESET), as a deployment names its image there."""
+    preset = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
+    preset["hardware"]["k8s_image"] = "registry.example/llm-pipeline:ascend"
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(preset))
+
+    def pod_runs_smoke(job):  # the pod's `python -m tasks smoke --run-dir D …` writes D/smoke.json
+        args = job["spec"]["template"]["spec"]["containers"][0]["args"][0].split()
+        run_dir = Path(args[args.index("--run-dir") + 1])
+        (run_dir / "smoke.json").write_text(json.dumps({"status": "ok", "summary": "smoke in the pod"}))
+
+    api_server.on_done = pod_runs_smoke
+    conn = json.loads(os.environ["AIRFLOW_CONN_K8S_LOOPBACK"])
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
-        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "LLM_PIPELINE_PRESET": str(tmp_path / "site.yaml"),
+        "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps(conn),
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
     }
-    params = json.dumps({"preset": "ci-tiny", "launcher": "kubernetes"})
+    params = json.dumps({"launcher": "kubernetes"})
     cmd = f"source scripts/airflow-env.sh && airflow tasks test llm_pipeline smoke 2026-01-05 -t '{params}'"
     out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     text = out.stdout + out.stderr
-    assert "failed at smoke: hardware.launcher=kubernetes needs the cncf provider" in text, text[-3000:]
-    assert not list(tmp_path.glob("var/runs/**/smoke.json"))  # nothing ran on the worker
+    assert out.returncode == 0, text[-3000:]
+    posted = [p for m, p in api_server.requests if m == "POST"]
+    assert posted == ["/apis/batch/v1/namespaces/llm/jobs"], api_server.requests  # one pod: no Service
+    (job,) = api_server.objects.values()
+    assert job["metadata"]["labels"]["llm-pipeline/stage"] == "smoke"
+    assert "smoke in the pod" in text  # the task's result is what the pod wrote

@@ -1,5 +1,6 @@
 """The layout shows the architecture: imports flow dags → tasks → data_prep with no cycle (function-level imports
-included), domain packages never reach into a stage module, and docs/ARCHITECTURE.md's map names every module."""
+included), no module imports from a floor above its own (FLOORS: shared layers < domain packages < the stage runner
+< launch < stages < entry points < DAGs), and docs/ARCHITECTURE.md's map names every module."""
 
 from __future__ import annotations
 
@@ -9,7 +10,75 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TOPS = ("dags", "tasks", "data_prep", "plugins")
-DOMAIN = ("tasks.envcheck", "tasks.model", "tasks.parallel", "tasks.planner", "tasks.profiling", "tasks.quant")
+
+
+def _stage_modules() -> list[str]:
+    from tasks.stages import OWN_SCHEDULE, STAGES
+
+    return sorted({*STAGES.values(), *OWN_SCHEDULE.values()})
+
+
+# The floors, lowest first: (name, units, open). A module imports from its own unit (a module, or a package and
+# everything in it), from a lower floor, or, on an open floor, from the units beside it; never from a floor above.
+# The domain packages are closed floors of their own: the planner is arithmetic over shapes and layouts, the model
+# stands on it, the parallelisms, the profiler and quantization on the model, the trainer and the environment checks
+# (which read quantization's version pins) on those. A module in no unit fails test_every_module_has_a_floor.
+FLOORS = [
+    ("data_prep", ["data_prep"], True),
+    (
+        "shared layers",
+        [
+            "tasks",
+            "tasks.errors",
+            "tasks.units",
+            "tasks.fsutil",
+            "tasks.config",
+            "tasks.layout",
+            "tasks.collectives",
+            "tasks.device",
+            "tasks.npu_smi",
+            "tasks.nvidia_smi",
+            "tasks.procs",
+            "tasks.bounds",
+            "tasks.tracking",
+            "tasks.sysmetrics",
+            "tasks.logs",
+        ],
+        True,
+    ),
+    ("domain: planner", ["tasks.planner"], False),
+    ("domain: model", ["tasks.model"], False),
+    ("domain: parallel, profiling, quant", ["tasks.parallel", "tasks.profiling", "tasks.quant"], False),
+    ("domain: envcheck, train", ["tasks.envcheck", "tasks.train"], False),
+    ("stage runner", ["tasks.runner", "tasks.stages"], True),
+    ("launch", ["tasks.launch"], True),
+    ("stages", _stage_modules(), True),
+    ("entry points", ["tasks.__main__", "tasks.cli", "tasks.pipeline", "tasks.summary", "tasks.notify"], True),
+    ("DAGs and plugins", ["dags", "plugins"], True),
+]
+EXACT = {"tasks", "tasks.stages"}  # package roots whose modules live on other floors: the unit is the root alone
+
+
+def _unit(module: str, floors=FLOORS) -> tuple[int, str] | None:
+    """(floor index, unit) of a module: the most specific unit that holds it; None when no unit does."""
+    found = [
+        (len(u), i, u)
+        for i, (_, units, _) in enumerate(floors)
+        for u in units
+        if module == u or (u not in EXACT and module.startswith(u + "."))
+    ]
+    return max(found)[1:] if found else None
+
+
+def _upward(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """Every import that reaches above its floor, or sideways across a closed floor, in words."""
+    bad = []
+    for m, edges in sorted(graph.items()):
+        for e in sorted(edges):
+            (fm, um), (fe, ue) = _unit(m, floors), _unit(e, floors)
+            if ue != um and (fe > fm or (fe == fm and not floors[fm][2])):
+                bad.append(f"{m} ({floors[fm][0]}) imports {e} ({floors[fe][0]})")
+    return bad
 
 
 def _modules() -> dict[str, Path]:
@@ -90,28 +159,18 @@ def test_no_import_cycles_even_through_function_level_imports():
     assert _cycles(_graph()) == []
 
 
-def test_imports_flow_dags_to_tasks_to_data_prep_never_back():
-    graph = _graph()
-    back = [
-        (m, e)
-        for m, edges in graph.items()
-        for e in edges
-        if (m.startswith("data_prep") and e.split(".")[0] in ("tasks", "dags"))
-        or (m.startswith("tasks") and e.split(".")[0] == "dags")
-    ]
-    assert back == []
+def test_upward_finder_finds_an_upward_and_a_sideways_import():
+    floors = [("low", ["a"], True), ("mid", ["b", "c"], False), ("top", ["d"], True)]
+    graph = {"a.x": {"a.y", "b.z"}, "a.y": set(), "b.z": {"a.x", "c"}, "c": set(), "d": {"a.x", "b.z", "c"}}
+    assert _upward(graph, floors) == ["a.x (low) imports b.z (mid)", "b.z (mid) imports c (mid)"]
 
 
-def test_domain_packages_never_import_a_stage_module():
-    graph = _graph()
-    bad = [
-        (m, e)
-        for m, edges in graph.items()
-        if m.startswith(DOMAIN)
-        for e in edges
-        if e == "tasks.stages" or e.startswith("tasks.stages.")
-    ]
-    assert bad == []
+def test_every_module_has_a_floor():
+    assert [m for m in sorted(_modules()) if _unit(m) is None] == []
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    assert _upward(_graph()) == []
 
 
 def test_architecture_map_names_every_tasks_module_and_package():

@@ -241,11 +241,13 @@ def test_truncated_and_altered_shards_fail_before_reading(damaged):
     with pytest.raises(CorruptShardError, match=r"train-000001.tar is truncated or altered"):
         ShardLoader(damaged, batch_size=2)
     altered = bytearray(data)
-    altered[600] ^= 0xFF  # payload byte: the tar is still well-formed, only the sha256 can tell
+    altered[600] ^= 0xFF  # payload byte: the tar is still well-formed, the size right
     victim.write_bytes(bytes(altered))
-    ShardLoader(damaged, batch_size=2)
     with pytest.raises(CorruptShardError, match=r"train-000001.tar is corrupt: sha256 differs"):
         ShardLoader(damaged, batch_size=2, verify_sha256=True)
+    loader = ShardLoader(damaged, batch_size=2)  # without verify_sha256: caught as the shard is read
+    with pytest.raises(CorruptShardError, match=r"train-000001.tar is corrupt: its samples' crc32 differs"):
+        list(loader)
     (damaged / "train-000002.tar").unlink()
     with pytest.raises(CorruptShardError, match=r"train-000002.tar is missing"):
         ShardLoader(damaged, batch_size=2)
@@ -297,3 +299,31 @@ def test_a_sample_that_is_not_a_token_row_fails_naming_it(shard_set):
             data = buf.getvalue()
         with pytest.raises(CorruptShardError, match=r"shard u: sample k is not 9 "):
             stream._decode({"tokens.npy": data, "__key__": "k", "__url__": "u"})
+
+
+def test_a_byte_flipped_in_place_stops_smoke_before_any_of_its_samples_is_used(damaged):
+    """The check smoke and train get without data.verify_sha256 (off on the CLI): every shard's samples crc32."""
+    from tasks.errors import StageError
+    from tasks.stages.smoke import load_batches
+
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    for entry in manifest["splits"]["train"]["shards"]:
+        victim = damaged / entry["name"]
+        data = bytearray(victim.read_bytes())
+        data[512 + 128 + 3] ^= 0x01  # the first sample's first token: a well-formed tar, the right size
+        victim.write_bytes(bytes(data))
+    with pytest.raises(StageError, match=r"^smoke: shard .*train-\d+.tar is corrupt: its samples' crc32 differs"):
+        load_batches(damaged, 2, 2, seed=0, verify=False)
+    with pytest.raises(CorruptShardError, match=r"crc32 differs"):
+        next(iter(ShardLoader(damaged, batch_size=2, num_workers=2)))
+
+
+def test_a_swapped_tokenizer_is_refused_when_the_loader_opens(damaged):
+    from tokenizers import Tokenizer
+
+    path = damaged / "tokenizer.json"
+    tok = Tokenizer.from_file(str(path))
+    tok.add_special_tokens(["<|swapped|>"])  # another tokenizer: ids would silently mean other tokens
+    tok.save(str(path))
+    with pytest.raises(DataPrepError, match=r"tokenizer.json was changed after sharding .* rebuild the shard set$"):
+        ShardLoader(damaged, batch_size=2)

@@ -16,8 +16,8 @@ def defined(pattern: str) -> list[str]:
 
 
 def test_one_parallel_layout_type_for_planner_and_trainer():
-    assert defined(r"^class \w*Layout\b") == ["tasks/parallel/layout.py"]  # the MoE planner's too
-    from tasks.parallel import layout
+    assert defined(r"^class \w*Layout\b") == ["tasks/layout.py"]  # the MoE planner's too
+    from tasks import layout
     from tasks.planner import memory, moe, search
 
     assert search.Layout is memory.Layout is moe.Layout is layout.Layout
@@ -43,7 +43,7 @@ def test_one_flop_per_token_formula():
     from tasks.planner.memory import flops_per_token, shape_of
     from tasks.planner.search import Problem, step_time
     from tasks.planner.cluster import get_cluster
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
 
     tcfg = get_preset("llama3-8b")
     assert model_flops is flops_per_token and flops_per_token(tcfg, 2048) == flops_per_token(shape_of(tcfg), 2048)

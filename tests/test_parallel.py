@@ -1,6 +1,8 @@
 """Every dp/tp/pp layout trains exactly like one plain process (real torchrun, gloo) — the same samples per step for
 every dp degree — checkpoints reshard across layouts and continue the data stream on another dp degree, and a
-non-finite loss stops the run. Several layouts share one torchrun launch (each launch costs 5–25 s)."""
+blown-up loss stops the run (divergence guard). Per step the loss and the pre-clip gradient norm must match the
+reference, with AdamW and, for the gradient scale, plain SGD without clipping, whose parameter update of every step
+must match too (train_fixture.SGD). Several layouts share one torchrun launch (each launch costs 5–25 s)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import json
 import pytest
 
 from train_fixture import (
-    assert_same_curve,
+    SGD,
+    assert_same_run,
     configure,
-    losses,
-    reference_losses,
+    reference_run,
     shards,  # noqa: F401
     torchrun,
     write_spec,
@@ -21,18 +23,30 @@ from train_fixture import (
 
 @pytest.fixture(scope="module")
 def ref(shards):
-    """ref(**config) → the plain single-process curve (one model, one loader of the whole global batch)."""
+    """ref(**config) → the plain single-process run (one model, one loader of the whole global batch): loss and
+    gradient norm per step, and for SGD the parameters after each step."""
     from tasks.config import load_config
 
     cache = {}
 
-    def curve(**sets):
+    def run(**sets):
         key = tuple(sorted(sets.items()))
         if key not in cache:
-            cache[key] = reference_losses(configure(load_config("demo-cpu"), **sets), shards, 6)
+            sgd = sets.get("train.optimizer") == "sgd"
+            cache[key] = reference_run(configure(load_config("demo-cpu"), **sets), shards, 6, params=sgd)
         return cache[key]
 
-    return curve
+    return run
+
+
+def check(run_dir, ref, name: str, extra: dict, steps=None) -> None:
+    """The run equals the reference of its own model shape and optimizer: loss and gradient norm per step, and with
+    SGD each step's parameter update. bf16 rounds every matmul input: close to the fp32 reference, not equal."""
+    sets = {k: v for k, v in extra.items() if k.startswith("model.") or k in SGD}
+    sgd = sets.get("train.optimizer") == "sgd"
+    rel = 5e-3 if extra.get("train.precision") == "bf16" else 1e-4
+    steps = steps or (range(1, 4) if sgd else None)
+    assert_same_run(run_dir, ref(**sets), name, rel, steps, updates=sgd, norm_rel=rel if rel > 1e-4 else None)
 
 
 LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
@@ -47,6 +61,17 @@ LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
     ),
     "dp2_tp2_zero1": (2, 2, 1, {"parallel.zero": 1}),  # ZeRO-1 over TP DTensors
     "dp2_pp2_zero0": (2, 1, 2, {"parallel.zero": 0, "parallel.pp_schedule": "1f1b"}),
+    # Plain SGD, no clipping: the gradient scale of every combination shows in its update.
+    "sgd_dp4": (4, 1, 1, SGD),
+    "sgd_dp2_tp2": (2, 2, 1, SGD),
+    "sgd_dp2_tp2_zero1": (2, 2, 1, {**SGD, "parallel.zero": 1}),
+    "sgd_dp2_pp2_zero0": (2, 1, 2, {**SGD, "parallel.zero": 0, "parallel.pp_schedule": "1f1b"}),
+    "sgd_tp2_pp2_interleaved": (
+        1,
+        2,
+        2,
+        {**SGD, "parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4},
+    ),
 }
 LAYOUTS_2 = {
     "dp2": (2, 1, 1, {}),
@@ -59,6 +84,12 @@ LAYOUTS_2 = {
     "tp2_no_sp": (1, 2, 1, {"parallel.sequence_parallel": False}),
     "pp2_gpipe": (1, 1, 2, {"parallel.pp_schedule": "gpipe"}),
     "pp2_1f1b": (1, 1, 2, {"parallel.pp_schedule": "1f1b"}),
+    "sgd_dp2_zero0": (2, 1, 1, {**SGD, "parallel.zero": 0}),
+    "sgd_dp2_zero1": (2, 1, 1, {**SGD, "parallel.zero": 1}),
+    "sgd_dp2_zero2": (2, 1, 1, {**SGD, "parallel.zero": 2}),
+    "sgd_dp2_zero3": (2, 1, 1, SGD),
+    "sgd_tp2": (1, 2, 1, SGD),
+    "sgd_pp2_1f1b": (1, 1, 2, {**SGD, "parallel.pp_schedule": "1f1b"}),
 }
 
 
@@ -94,17 +125,18 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
         shards,
         resume_from=str(tmp_path / "dp4" / "checkpoints" / "step-3"),
     )
-    # A learning rate of 1e30 makes step 2's loss non-finite: the run must stop there with a diagnosis.
+    # A learning rate of 1e4 (the config's bound) kills the model in one update: the divergence guard must stop the run
+    # at step 2, every rank alike, with a diagnosis (1e30, non-finite at once, is refused by the config since issue 26).
     nan = write_spec(
         configure(
-            cfg, **two, **{"train.lr": 1e30, "train.min_lr": 0.0, "train.warmup_steps": 0, "train.checkpoint_every": 1}
+            cfg, **two, **{"train.lr": 1e4, "train.min_lr": 0.0, "train.warmup_steps": 0, "train.checkpoint_every": 1}
         ),
         tmp_path / "nan",
         shards,
     )
     specs2 = _specs(cfg, tmp_path, shards, LAYOUTS_2, 2)
     rc, out = torchrun(configure(cfg, **two), 2, [*specs2.values(), resumed, dp4_on_2, nan], tmp_path / "torchrun2.log")
-    assert rc != 0 and "exitcode  : 3" in out, out[-3000:]  # 3: the worker's code for a non-finite loss
+    assert rc != 0 and "exitcode  : 3" in out, out[-3000:]  # 3: the worker's code for a stop by the guard
     one = {"hardware.nproc_per_node": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1}
     dp1 = write_spec(configure(cfg, **one), tmp_path / "dp1", shards)
     rc, out = torchrun(configure(cfg, **one), 1, [dp1], tmp_path / "torchrun1.log")
@@ -112,21 +144,21 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
 
     # dp1, dp2 and dp4 (and every other layout) train on the same samples per step: one reference for all.
     for name, (_, _, _, extra) in {"dp1": (1, 1, 1, {}), **LAYOUTS_4, **LAYOUTS_2}.items():
-        shape = {k: v for k, v in extra.items() if k.startswith("model.")}
-        # bf16 rounds every matmul input: close to the fp32 reference, not equal to it.
-        assert_same_curve(losses(tmp_path / name), ref(**shape), name, rel=5e-3 if "bf16" in name else 1e-4)
-    got = losses(tmp_path / "resumed_on_2")
-    assert_same_curve(got, ref(), "dp2×tp2 checkpoint resumed on dp2", steps=[4, 5])
+        check(tmp_path / name, ref, name, extra)
+    assert_same_run(tmp_path / "resumed_on_2", ref(), "dp2×tp2 checkpoint resumed on dp2", steps=[4, 5])
     log = (tmp_path / "resumed_on_2" / "logs" / "rank-0.log").read_text()
     assert "resumed from" in log and "RNG states not restored" in log
-    assert_same_curve(losses(tmp_path / "dp4_resumed_on_dp2"), ref(), "dp4 checkpoint resumed on dp2", steps=[4, 5])
+    assert_same_run(tmp_path / "dp4_resumed_on_dp2", ref(), "dp4 checkpoint resumed on dp2", steps=[4, 5])
     log = (tmp_path / "dp4_resumed_on_dp2" / "logs" / "rank-0.log").read_text()
     assert "resumed from" in log and "data stream" not in log  # the position carried over to dp2
 
     _check_zero_stages(tmp_path)
 
     diag = json.loads((tmp_path / "nan" / "train" / "diagnosis.json").read_text())
-    assert diag["step"] == 2 and diag["last_good_checkpoint"].endswith("step-1")
+    # Step 1's update killed the model (step 2: gradient norm 0, or a diverged loss): its checkpoint is condemned
+    # (bad_from 1) and none before it is good.
+    assert (diag["step"], diag["bad_from"], diag["last_good_checkpoint"]) == (2, 1, None), diag
+    # The worker leaves it; the launcher sets it aside (tasks.parallel.diagnosis.explain; tests/test_train.py).
     assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").iterdir()) == ["step-1"]
 
 
@@ -136,7 +168,7 @@ def _check_zero_stages(tmp_path):
     def ranks(name):
         return json.loads((tmp_path / name / "train" / "summary.json").read_text())["sharding_per_rank"]
 
-    for name, zero in (("dp2_zero0", 0), ("dp2_zero1", 1), ("dp2_zero2_full_recompute", 2), ("dp2_bf16", 3)):
+    for name, zero in (("dp2_zero0", 0), ("dp2_zero1", 1), ("dp2_zero2_full_recompute", 2), ("dp2_bf16", 3)):  # AdamW
         rs = ranks(name)
         full = rs[0]["full_elems"]
         layer_full = 2 * rs[0]["layer_elems_at_rest"] if zero >= 2 else rs[0]["layer_elems_at_rest"]
@@ -154,10 +186,11 @@ def _check_zero_stages(tmp_path):
 
 @pytest.mark.slow
 def test_dp2_tp2_pp2_on_8_ranks(cfg, tmp_path, shards, ref):
-    c = configure(
-        cfg, **{"hardware.nproc_per_node": 8, "parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2, "train.steps": 4}
-    )
+    dims = {"hardware.nproc_per_node": 8, "parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2}
+    c = configure(cfg, **dims, **{"train.steps": 4})
     spec = write_spec(c, tmp_path / "dp2_tp2_pp2", shards)
-    rc, out = torchrun(c, 8, [spec], tmp_path / "torchrun8.log")
+    sgd = write_spec(configure(cfg, **dims, **SGD), tmp_path / "sgd_dp2_tp2_pp2", shards)
+    rc, out = torchrun(c, 8, [spec, sgd], tmp_path / "torchrun8.log")
     assert rc == 0, out[-3000:]
-    assert_same_curve(losses(tmp_path / "dp2_tp2_pp2"), ref(), "dp2×tp2×pp2", steps=range(1, 5))
+    check(tmp_path / "dp2_tp2_pp2", ref, "dp2×tp2×pp2", {}, steps=range(1, 5))
+    check(tmp_path / "sgd_dp2_tp2_pp2", ref, "dp2×tp2×pp2 sgd", SGD)

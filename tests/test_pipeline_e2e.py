@@ -7,6 +7,7 @@ scheduler) and its shard and train tasks in tests/test_orchestration.py."""
 
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sysconfig
@@ -30,9 +31,10 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def tiny_checkpoint(path: Path, vocab: int = 384):
-    """A byte-level BPE trained on a few local files, wrapped and saved by transformers, beside a tiny random Qwen2
-    whose embedding is exactly that vocabulary."""
+def tiny_checkpoint(path: Path, vocab: int = 384, steps: int = 150):
+    """A byte-level BPE trained on a few local files, wrapped and saved by transformers, beside a tiny Qwen2 whose
+    embedding is exactly that vocabulary, trained for `steps` steps on standard-library sources (as the shard set
+    is): a real checkpoint, whose first loss on the shard set is far below ln(vocab), as smoke checks."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -60,8 +62,20 @@ def tiny_checkpoint(path: Path, vocab: int = 384):
         tie_word_embeddings=False,
         eos_token_id=fast.eos_token_id,
     )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    ids = torch.tensor(
+        [i for f in sorted(stdlib.glob("*.py"))[:40] for i in fast(f.read_text(errors="replace"))["input_ids"]]
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (8,), generator=gen)
+        window = torch.stack([ids[i : i + 65] for i in starts.tolist()])
+        logits = model(window[:, :-1]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval().save_pretrained(path)
     return model, fast
 
 
@@ -148,7 +162,9 @@ def test_dag_continues_training_a_checkpoint_with_its_own_tokenizer(checkpoint_r
     step1 = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert step1["step"] == 1
     assert step1["loss"] == pytest.approx(_nll(hf, [first]), abs=1e-4)
-    assert res["train"]["steps"] == 4 and res["train"]["final_loss"] < res["train"]["first_loss"]
+    # From a trained checkpoint four steps barely move the loss (batch-to-batch noise is larger); it stays a trained
+    # model's, far below ln(vocab).
+    assert res["train"]["steps"] == 4 and res["train"]["final_loss"] < 0.8 * math.log(len(fast))
 
     # Export: transformers loads it, with the checkpoint's tokenizer files (not a tokenizer of the project's).
     export = Path(res["train"]["hf_dir"])

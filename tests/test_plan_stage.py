@@ -260,7 +260,7 @@ def test_estimate_for_run_against_autograd_saved_tensors():
     from tasks.model.loss import lm_loss
     from tasks.planner import estimate_for_run
     from tasks.planner.calibrate import saved_activation_bytes
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
     from tasks.planner.memory import estimate, shape_of
 
     tcfg = get_preset("demo")

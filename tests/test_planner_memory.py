@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.parallel.layout import Layout
+from tasks.layout import Layout
 from tasks.planner.memory import (
     ModelShape,
     estimate,

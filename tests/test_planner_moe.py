@@ -8,7 +8,7 @@ import pytest
 from tasks.model import get_preset
 from tasks.planner.cluster import get_cluster
 from tasks.units import GB
-from tasks.parallel.layout import Layout
+from tasks.layout import Layout
 from tasks.planner.moe import MoeProblem, memory, moe_shape_of, search, step_time
 
 
@@ -110,7 +110,7 @@ def test_plan_stage_sizes_a_moe_preset_and_hands_ep_to_training(tmp_path, capsys
     import json
 
     from tasks.cli import main
-    from tasks.parallel.layout import resolve
+    from tasks.layout import resolve
 
     rc = main(
         [

@@ -106,7 +106,7 @@ def test_step_time_model_by_hand():
 
 
 def test_bubble_and_comm_terms():
-    from tasks.parallel.layout import Layout
+    from tasks.layout import Layout
 
     c = get_cluster("910b", nodes=2)
     pb = Problem(c, LLAMA3_70B, 4096, 64)

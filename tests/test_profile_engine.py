@@ -63,6 +63,19 @@ def test_msprof_analyze_breakdown_is_primary_and_agrees_within_one_percent(tmp_p
     assert "analysis.disagreement" not in {f["rule"] for f in r["findings"]}
 
 
+def test_msprof_analyze_db_output_is_read(tmp_path):
+    """CANN >= 8.5: torch_npu writes ascend_pytorch_profiler_{rank}.db beside the text export, msprof-analyze 26.2.0
+    then takes the db input and writes only cluster_analysis_output/cluster_analysis.db (table ClusterStepTraceTime).
+    The fixture is that file as msprof-analyze itself wrote it (tests/fixtures/profiling/generate.py cluster_db)."""
+    src = FIX / "ascend_pt_new_healthy"
+    run = _cluster_output("cluster_db_healthy")
+    r = engine.apply("msprof-analyze", analyze(src), src, tmp_path, run=run)
+    assert not list((tmp_path / "cluster_analysis_output").glob("*.csv"))
+    eng = r["engine"]
+    assert eng["used"] == "msprof-analyze" and eng["agreement"]["within"], eng["agreement"]
+    assert r["step"]["step_us"] == pytest.approx((100000 + 100500 + 100400 + 100902) / 4)
+
+
 def test_a_disagreement_is_a_finding(tmp_path):
     src = FIX / "ascend_pt_new_healthy"
     r = engine.apply(
@@ -79,3 +92,24 @@ def test_real_msprof_analyze_agrees_with_builtin(tmp_path):
     assert run_msprof_analyze(src, tmp_path / "probe")["status"] in ("ok", "failed")
     r = engine.apply("msprof-analyze", analyze(src), src, tmp_path / "out")
     assert r["engine"]["used"] == "msprof-analyze" and r["engine"]["agreement"]["within"], r["engine"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TOOL, reason="needs the PyPI package msprof-analyze on PATH (requirements.txt installs it)")
+def test_real_msprof_analyze_on_a_db_export(tmp_path):
+    """The whole path on a CANN >= 8.5 folder: the fixture plus torch_npu's db export (formats.torch_npu_db, schema of
+    torch-npu 2.13.0), the real msprof-analyze, its db output read by the engine."""
+    import sys
+
+    sys.path.insert(0, str(FIX))
+    import formats
+
+    src = tmp_path / "data"
+    shutil.copytree(FIX / "ascend_pt_new_healthy", src)
+    for r, rank_dir in enumerate(sorted(src.glob("rank*_ascend_pt"))):
+        formats.torch_npu_db(rank_dir, r)
+    r = engine.apply("msprof-analyze", analyze(src), src, tmp_path / "out")
+    out = tmp_path / "out" / "cluster_analysis_output"
+    assert (out / "cluster_analysis.db").is_file() and not list(out.glob("*.csv"))
+    assert r["engine"]["used"] == "msprof-analyze" and r["engine"]["agreement"]["within"], r["engine"]
+    assert r["step"]["step_us"] == pytest.approx((100000 + 100500 + 100400 + 100902) / 4)

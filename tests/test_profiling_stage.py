@@ -18,7 +18,7 @@ import pytest
 from tasks import cli
 from tasks.device import BackendUnavailable
 from tasks.errors import StageError
-from tasks.profiling.collect import make_profiler, steps_needed, trace_path
+from tasks.profiling.collect import make_profiler, trace_path
 from tasks.profiling.msprof import msprof_wrap, run_msprof_analyze
 from tasks.runner import run_stage
 
@@ -130,7 +130,7 @@ def test_make_profiler_cpu_trace_and_npu_unavailable(cfg, tmp_path):
 
     pcfg = cfg.profile
     with make_profiler(pcfg, "cpu", tmp_path / "traces", rank=0) as prof:
-        for _ in range(steps_needed(pcfg)):
+        for _ in range(pcfg.steps_needed()):
             torch.randn(64, 64) @ torch.randn(64, 64)
             prof.step()
     events = json.loads(trace_path(tmp_path / "traces", 0).read_text())["traceEvents"]
@@ -147,11 +147,11 @@ def test_msprof_tools_are_optional(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as on a host without the Ascend tools: skipped cleanly
     assert shutil.which("msprof-analyze") is None
     assert run_msprof_analyze(FIX / "ascend_pt_new_healthy", tmp_path / "out")["status"] == "skipped"
-    cmd = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "tasks.parallel.worker"]
+    cmd = ["python", "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "tasks.train.worker"]
     assert msprof_wrap(cmd, tmp_path / "m", None) == cmd
     assert msprof_wrap(cmd, tmp_path / "m", "/opt/msprof") == [
         "/opt/msprof",
-        "--application=python -m torch.distributed.run --nproc-per-node 8 -m tasks.parallel.worker",
+        "--application=python -m torch.distributed.run --nproc-per-node 8 -m tasks.train.worker",
         f"--output={tmp_path / 'm'}",
     ]
 

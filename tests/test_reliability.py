@@ -545,9 +545,36 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
         assert plan.returncode == 0, plan.stderr[-2000:]
         run_id = json.loads((run / "train.json").read_text())["mlflow_run_id"]
         history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train/loss")
+        ended = mlflow.MlflowClient(uri).get_run(run_id)
     finally:
         _kill_group(server)
     want = {json.loads(ln)["step"]: json.loads(ln)["loss"] for ln in metrics.read_text().splitlines()}
     assert sorted(m.step for m in history) == list(range(1, steps + 1)), f"killed at step {killed_at}"
     assert all(m.value == pytest.approx(want[m.step]) for m in history)
     assert not (run / "tracking-pending.json").exists()
+    # dead through the end of the stage: its final metrics and its status were kept pending and sent too
+    assert ended.info.status == "FINISHED" and ended.info.end_time
+    assert ended.data.metrics["train.final_loss"] == pytest.approx(want[steps])
+
+
+def test_pending_final_metrics_and_status_are_replayed_in_order(tmp_path, mlflow_uri):
+    """What a dead MLflow could not take at the end of a stage (final metrics, then the run's status) is sent by
+    flush_pending; an entry that still fails keeps the later entries of the same run pending (status last)."""
+    import mlflow
+
+    from tasks import tracking
+
+    client = mlflow.MlflowClient(mlflow_uri)
+    exp = client.create_experiment("pending-replay")
+    done, stuck = client.create_run(exp).info.run_id, client.create_run(exp).info.run_id
+    dead = "http://127.0.0.1:9"  # discard port: nothing answers
+    tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "final": {"train.final_loss": 1.5}})
+    tracking.defer(tmp_path, {"uri": dead, "run_id": stuck, "final": {"train.final_loss": 2.0}})
+    tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": stuck, "status": "FINISHED", "end_ms": 2000})
+    tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "status": "FAILED", "end_ms": 1000})
+    tracking.flush_pending(tmp_path)
+    r = client.get_run(done)
+    assert (r.info.status, r.info.end_time, r.data.metrics["train.final_loss"]) == ("FAILED", 1000, 1.5)
+    assert client.get_run(stuck).info.status == "RUNNING"
+    left = json.loads((tmp_path / tracking.PENDING).read_text())
+    assert [e["run_id"] for e in left] == [stuck, stuck] and left[-1]["status"] == "FINISHED"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +47,10 @@ def shard_cfg(out: Path, inputs=None, **kw) -> ShardConfig:
 def tar_samples(path: Path) -> list[tuple[str, np.ndarray]]:
     with tarfile.open(path) as tar:
         return [(m.name, np.load(io.BytesIO(tar.extractfile(m).read()))) for m in tar.getmembers()]
+
+
+def visible(root: Path) -> list[str]:
+    return [p.name for p in root.iterdir() if not p.name.startswith(".")]
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
@@ -92,7 +98,7 @@ def test_split_by_document_hash_is_stable(tmp_path):
 
 
 def test_byte_identical_across_runs_and_processes_then_cache_hit(tmp_path, built):
-    a = build_shard_set(shard_cfg(tmp_path / "a", tokenize_processes=2))  # spawned workers, same bytes
+    a = build_shard_set(shard_cfg(tmp_path / "a", tokenize_processes=2))  # tokenizer threads, same bytes
     assert not a.cache_hit and a.shard_dir.name == built.shard_dir.name
     assert tree_bytes(a.shard_dir) == tree_bytes(built.shard_dir)
     before = {p.name: p.stat().st_mtime_ns for p in a.shard_dir.iterdir()}
@@ -101,7 +107,7 @@ def test_byte_identical_across_runs_and_processes_then_cache_hit(tmp_path, built
     assert {p.name: p.stat().st_mtime_ns for p in a.shard_dir.iterdir()} == before  # nothing rewritten
     changed = build_shard_set(shard_cfg(tmp_path / "a", seq_len=24))
     assert not changed.cache_hit and changed.shard_dir != a.shard_dir and a.shard_dir.is_dir()
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == sorted([a.shard_dir.name, changed.shard_dir.name])
+    assert sorted(visible(tmp_path / "a")) == sorted([a.shard_dir.name, changed.shard_dir.name])
 
 
 def test_gzip_jsonl_and_parquet_inputs(tmp_path):
@@ -137,7 +143,7 @@ def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
         cmd + [a for s in sets for a in ("--set", s)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
     deadline = time.time() + 90
-    while time.time() < deadline and proc.poll() is None and not list(out.glob(".tmp-*/train-*.tar")):
+    while time.time() < deadline and proc.poll() is None and not list(out.glob(".tmp-*/set/*train-*")):
         time.sleep(0.005)
     assert proc.poll() is None, f"finished before it could be killed: {proc.stderr.read().decode()[-500:]}"
     workers = psutil.Process(proc.pid).children(recursive=True)
@@ -145,7 +151,7 @@ def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
     assert proc.wait() == -signal.SIGKILL
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, f"worker processes outlived the killed builder: {alive}"  # they would hold the lock
-    assert [p.name for p in out.iterdir() if not p.name.startswith(".tmp-")] == []  # nothing half-written visible
+    assert visible(out) == []  # nothing half-written visible
     leftovers = list(out.glob(".tmp-*"))
     assert leftovers
     cfg = ShardConfig.from_dict(
@@ -159,7 +165,7 @@ def test_killed_mid_write_leaves_nothing_visible_and_rerun_completes(tmp_path):
     )
     result = build_shard_set(cfg)
     assert not result.cache_hit and not any(p.exists() for p in leftovers)
-    assert [p.name for p in out.iterdir()] == [result.shard_dir.name]
+    assert visible(out) == [result.shard_dir.name] and not list(out.glob(".tmp-*"))
     for split in ("train", "val"):
         check_files(result.shard_dir, result.manifest, split, sha256=True)
     again = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], cwd=REPO, capture_output=True, text=True)
@@ -322,3 +328,177 @@ def test_model_directory_tokenizer_uses_its_eos(tmp_path):
     (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     r2 = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
     assert r2.shard_dir != r.shard_dir and r2.manifest["eos_token"] == "<|endoftext|>"
+
+
+# --- integrity and identity -----------------------------------------------------------------------------------
+
+
+def test_tar_writer_is_byte_for_byte_webdatasets():
+    """The shard writer's tars equal webdataset's own TarWriter output for the same samples (any count)."""
+    import webdataset as wds
+
+    from data_prep.tarfast import TarSamples
+
+    rng = np.random.default_rng(0)
+    for n, size in ((1, 1154), (40, 1154), (3, 512), (25, 200)):
+        samples = [(f"{int(k):010d}", rng.bytes(size)) for k in rng.integers(0, 10**9, n)]
+        theirs, ours = io.BytesIO(), io.BytesIO()
+        with wds.TarWriter(theirs, user="llm", group="llm", mode=0o444, mtime=0) as w:
+            for key, payload in samples:
+                w.write({"__key__": key, "tokens.npy": payload})
+        tar = TarSamples(ours, "tokens.npy", size, 10)
+        for key, payload in samples:
+            tar.write(key, payload)
+        tar.close()
+        assert ours.getvalue() == theirs.getvalue() and tar.offset == len(ours.getvalue())
+
+
+def test_manifest_records_the_tokenizer_identity_and_every_shards_crc(built):
+    from data_prep.tarfast import sample_crc32
+    from data_prep.tokenizer import dir_identity
+
+    tok = built.manifest["tokenizer"]
+    assert tok["file_sha256"] == {"tokenizer.json": tok["sha256"]}
+    assert tok["identity"] == dir_identity(built.shard_dir)
+    for entry in built.manifest["splits"]["train"]["shards"]:
+        with tarfile.open(built.shard_dir / entry["name"]) as tar:
+            pairs = [(m.name.split(".")[0], tar.extractfile(m).read()) for m in tar.getmembers()]
+        assert sample_crc32(pairs) == entry["samples_crc32"]
+
+
+def verify_cli(shard_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "data_prep", "verify", str(shard_dir)], cwd=REPO, capture_output=True, text=True
+    )
+
+
+def test_verify_refuses_a_swapped_tokenizer_or_companion(tmp_path):
+    """A tokenizer of the same size swapped in (or its tokenizer_config.json edited) after sharding: one line."""
+    from data_prep.tokenizer import train_bpe
+
+    texts = [p.read_text() for p in sorted(CORPUS.glob("[abdg]*.txt"))]
+    (tmp_path / "model").mkdir()
+    train_bpe(iter(texts), 300).save(str(tmp_path / "model" / "tokenizer.json"))
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    r = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
+    assert set(r.manifest["tokenizer"]["file_sha256"]) == {"tokenizer.json", "tokenizer_config.json"}
+    assert verify_cli(r.shard_dir).returncode == 0
+    config = r.shard_dir / "tokenizer_config.json"
+    config.write_text(json.dumps({"eos_token": "</s>"}))
+    out = verify_cli(r.shard_dir)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "tokenizer_config.json was changed after sharding" in out.stderr and "rebuild the shard set" in out.stderr
+    config.write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    other = train_bpe(iter(texts[::-1] + ["another corpus entirely"]), 300)  # the same vocabulary size
+    assert other.get_vocab_size() == 300
+    other.save(str(r.shard_dir / "tokenizer.json"))
+    out = verify_cli(r.shard_dir)
+    assert out.returncode == 2 and "tokenizer.json was changed after sharding (sha256 " in out.stderr
+    (r.shard_dir / "tokenizer.json").unlink()
+    assert "tokenizer file tokenizer.json is missing" in verify_cli(r.shard_dir).stderr
+
+
+def test_cache_key_is_the_inputs_contents_not_their_mtime(tmp_path):
+    """A file rewritten with its size and mtime kept is read again and gives a new version; a file only touched
+    (or copied) is read again, found equal, and the published set is reused untouched."""
+    src = tmp_path / "in"
+    shutil.copytree(CORPUS, src)
+    first = build_shard_set(shard_cfg(tmp_path / "o", [src]))
+    victim = src / "gamma.txt"
+    st = victim.stat()
+    text = victim.read_text()
+    victim.write_text(text.replace("a", "b", 1) if "a" in text else "x" + text[1:])
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert victim.stat().st_size == st.st_size and victim.stat().st_mtime_ns == st.st_mtime_ns
+    changed = build_shard_set(shard_cfg(tmp_path / "o", [src]))
+    assert not changed.cache_hit and changed.shard_dir != first.shard_dir
+    assert changed.manifest["source"]["fingerprint"] != first.manifest["source"]["fingerprint"]
+    victim.write_text(text)  # back to the first contents, a new mtime
+    before = {p.name: p.stat().st_mtime_ns for p in first.shard_dir.iterdir()}
+    again = build_shard_set(shard_cfg(tmp_path / "o", [src]))
+    assert again.cache_hit and again.shard_dir == first.shard_dir and again.digest == first.digest
+    assert {p.name: p.stat().st_mtime_ns for p in first.shard_dir.iterdir()} == before
+    assert build_shard_set(shard_cfg(tmp_path / "o", [src])).cache_hit  # now found without reading
+
+
+def run_cli(*args: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "data_prep", "shard", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+    )
+
+
+SMALL = ["--set", "vocab_size=300", "seq_len=16", "shard_size_mb=0.02", "progress=false"]
+
+
+def test_a_glob_through_a_symlink_loop_finishes_with_one_line(tmp_path):
+    (tmp_path / "c" / "a").mkdir(parents=True)
+    shutil.copy(CORPUS / "alpha.txt", tmp_path / "c" / "a" / "x.txt")
+    shutil.copy(CORPUS / "beta.txt", tmp_path / "c" / "y.txt")
+    os.symlink("..", tmp_path / "c" / "a" / "up")  # two loops: glob.glob's ** would walk them for ever
+    os.symlink("../..", tmp_path / "c" / "a" / "up2")
+    out = run_cli("--input", str(tmp_path / "c" / "**" / "*.txt"), "--out", str(tmp_path / "o"), *SMALL)
+    lines = [line for line in out.stderr.splitlines() if "symlinked" in line]
+    assert len(lines) == 1 and "2 skipped, e.g." in lines[0] and str(tmp_path / "c" / "a" / "up") in lines[0]
+    assert out.returncode == 0, out.stderr
+    assert load_manifest(out.stdout.split()[1])["source"]["files"] == 2  # "built <dir> …"
+
+
+def test_mixed_encodings_get_one_line_with_the_count_and_first_file(tmp_path):
+    shutil.copytree(CORPUS, tmp_path / "in")
+    (tmp_path / "in" / "latin1-again.txt").write_bytes(b"caf\xe9 " * 10)
+    for mode in ("replace", "skip"):
+        out = run_cli("--input", str(tmp_path / "in"), "--out", str(tmp_path / mode), *SMALL, f"on_decode_error={mode}")
+        assert out.returncode == 0, out.stderr
+        lines = [line for line in out.stderr.splitlines() if "UTF-8" in line]
+        assert len(lines) == 1, out.stderr
+        assert f"2 document(s) are not valid UTF-8 (first in {tmp_path / 'in' / 'latin1-again.txt'})" in lines[0]
+        assert ("skipped" if mode == "skip" else "U+FFFD") in lines[0]
+
+
+def test_an_empty_val_split_gets_one_line(tmp_path):
+    out = run_cli("--input", str(CORPUS), "--out", str(tmp_path / "a"), *SMALL, "val_fraction=0")
+    assert out.returncode == 0 and "val split is empty (data.val_fraction is 0)" in out.stderr
+    out = run_cli("--input", str(CORPUS / "alpha.txt"), "--out", str(tmp_path / "b"), *SMALL, "val_fraction=0.01")
+    lines = [line for line in out.stderr.splitlines() if "val split is empty" in line]
+    assert out.returncode == 0 and len(lines) == 1 and "raise data.val_fraction" in lines[0]
+
+
+def test_files_and_directories_have_explicit_modes_whatever_the_umask(tmp_path):
+    for umask in (0o000, 0o077):
+        out = run_cli("--input", str(CORPUS), "--out", str(tmp_path / str(umask)), *SMALL, umask=umask)
+        assert out.returncode == 0, out.stderr
+        for p in [tmp_path / str(umask), *(tmp_path / str(umask)).rglob("*")]:
+            mode = p.stat().st_mode & 0o777
+            assert mode == (0o755 if p.is_dir() else 0o644), (umask, p, oct(mode))
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, capsys):
+    """ENOSPC while the shards are written (the 3rd file created): one line with the path and the errno, exit 2,
+    nothing published; the rerun keeps the finished steps and completes."""
+    import errno
+
+    from data_prep import __main__ as cli
+    from data_prep import fsio
+
+    real, calls = fsio.create, []
+
+    def full(path, *a, **kw):
+        calls.append(path)
+        if path.name.startswith(".train-") and len(calls) > 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, *a, **kw)
+
+    argv = ["shard", "--input", str(CORPUS), "--out", str(tmp_path / "o"), *SMALL, "shard_multiple=4"]
+    monkeypatch.setattr(fsio, "create", full)
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("WARNING")]
+    assert len(err) == 1 and "No space left on device (ENOSPC)" in err[0] and ".partial" in err[0]
+    assert visible(tmp_path / "o") == []
+    monkeypatch.setattr(fsio, "create", real)
+    assert cli.main(argv) == 0
+    assert len(visible(tmp_path / "o")) == 1 and not list((tmp_path / "o").glob(".tmp-*"))

@@ -27,7 +27,10 @@ def test_shard_stage_logs_to_mlflow_and_caches(shard_cfg, tmp_path):
     first = run_stage("shard", shard_cfg, tmp_path / "run1")
     shard_dir = Path(first["shard_dir"])
     manifest = json.loads(Path(first["manifest"]).read_text())
-    assert first["status"] == "ok" and not first["cache_hit"] and first["asset_uri"] == shard_dir.as_uri()
+    assert not first["cache_hit"] and first["asset_uri"] == shard_dir.as_uri()
+    assert first["status"] == "warn" and first["warnings"] == manifest["warnings"]  # latin1.txt: one line
+    assert "1 document(s) are not valid UTF-8 (first in " in first["warnings"][0]
+    assert first["tokenizer_identity"] == manifest["tokenizer"]["identity"] and first["partitions"] == 1
     assert manifest["shard_multiple"] == 2  # demo: 2 processes × 1 loader worker
     assert len(manifest["splits"]["train"]["shards"]) % 2 == 0 and first["vocab_size"] == manifest["vocab_size"]
     assert json.loads((tmp_path / "run1" / "shard.json").read_text())["manifest_digest"] == first["manifest_digest"]
@@ -57,3 +60,32 @@ def test_shard_stage_bad_input_is_one_line_stage_error(shard_cfg, tmp_path):
     with pytest.raises(StageError, match=r"^shard: input .*missing.jsonl does not exist$"):
         run_stage("shard", shard_cfg, tmp_path / "run")
     assert json.loads((tmp_path / "run" / "shard.json").read_text())["status"] == "failed"
+
+
+def test_the_dag_steps_then_the_reduce_publish_one_set(tmp_path, monkeypatch):
+    """The fanned-out tasks' bodies (tasks.pipeline.shard_step) in order, then the shard stage with --reduce:
+    XCom-sized answers (paths and indices), the set of `python -m data_prep shard`; a bad input fails in one line
+    and leaves the stage's failure record for the run summary."""
+    from tasks.pipeline import run_for_dag_run
+    from tasks.pipeline import shard_step
+
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
+    params = {"preset": "ci-tiny", "data_inputs": [str(CORPUS)], "partitions": 3, "seq_len": 16, "vocab_size": 300}
+    parts = shard_step("prepare", params, "llm_data", "r1")
+    assert [p["index"] for p in parts] == [0, 1, 2] and len(json.dumps(parts)) < 1000
+    assert [shard_step("partition", params, "llm_data", "r1", p)["partition"] for p in reversed(parts)] == [2, 1, 0]
+    writes = shard_step("layout", params, "llm_data", "r1", parts)
+    assert writes and all(shard_step("write", params, "llm_data", "r1", w)["shards"] for w in writes)
+    result = run_for_dag_run("shard", params, "llm_data", "r1", args={"reduce": True})
+    assert not result["cache_hit"] and result["partitions"] == 3
+    assert shard_step("prepare", params, "llm_data", "r2") == []  # published: the next run's fan-out is empty
+    assert shard_step("layout", params, "llm_data", "r2", []) == []
+    again = run_for_dag_run("shard", params, "llm_data", "r2", args={"reduce": True})
+    assert again["cache_hit"] and again["manifest_digest"] == result["manifest_digest"]
+
+    bad = {**params, "data_inputs": [str(tmp_path / "missing.txt")]}
+    with pytest.raises(StageError, match=r"^shard: input .*missing.txt does not exist$"):
+        shard_step("prepare", bad, "llm_data", "r3")
+    record = json.loads((tmp_path / "var" / "runs" / "llm_data" / "r3" / "shard.json").read_text())
+    assert record["status"] == "failed" and record["error"].endswith("missing.txt does not exist")

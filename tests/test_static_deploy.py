@@ -1,16 +1,17 @@
 """Static checks of the deployment files: Dockerfiles, compose file and Kubernetes manifests parse, name files that
 exist, pin torch/torch_npu as a published pair, take secrets only from the environment and bind to 127.0.0.1."""
 
-import importlib.util
+import importlib
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tasks import k8s_job
+from tasks.launch import k8s_job
 from tasks.errors import ConfigError, StageError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,7 +138,7 @@ def test_local_ui_binds_loopback_and_scripts_parse():
     ui = (REPO / "scripts" / "ui.sh").read_text()
     assert "host=127.0.0.1" in ui and '--host "$host"' in ui and "--app-name basic-auth" in ui
     assert re.search(r"^\[api\][^\[]*^host = 127\.0\.0\.1", (REPO / "airflow.cfg").read_text(), re.M | re.S)
-    for script in ("ui.sh", "stop.sh", "install-browser.sh", "airflow-env.sh"):
+    for script in ("ui.sh", "stop.sh", "install-browser.sh", "install-services.sh", "airflow-env.sh"):
         out = subprocess.run(["bash", "-n", str(REPO / "scripts" / script)], capture_output=True, text=True)
         assert out.returncode == 0, f"{script}: {out.stderr}"
     assert "SIGINT" in (REPO / "scripts" / "stop.sh").read_text()
@@ -191,11 +192,59 @@ def test_render_for_a_dag_run(cfg, tmp_path):
         k8s_job.render(cfg, tmp_path / "run", name)
 
 
-def test_kubernetes_launcher_without_the_provider_says_what_to_install(cfg):
-    if importlib.util.find_spec("airflow.providers.cncf") is not None:
-        pytest.skip("the cncf provider is installed here")
-    spec = importlib.util.spec_from_file_location("k8s_launch", REPO / "dags" / "k8s_launch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # importing the module needs no provider
-    with pytest.raises(StageError, match="requirements-k8s.txt"):
+def test_kubernetes_launcher_without_the_provider_says_what_to_install(cfg, monkeypatch):
+    """A worker without the cncf provider (an image built from another requirements file): one line, what to do."""
+    monkeypatch.setitem(sys.modules, "airflow.providers.cncf.kubernetes.hooks.kubernetes", None)  # import fails
+    module = importlib.reload(importlib.import_module("tasks.launch.k8s_submit"))  # importing it needs no provider
+    with pytest.raises(StageError, match="needs the cncf provider .*pip install -r requirements.txt"):
         module.run_stage_job("train", cfg, "llm_pipeline", "manual__1")
+
+
+def test_compose_is_the_celery_profile_with_scalable_workers_and_flower():
+    services = compose()["services"]
+    env = services["airflow-scheduler"]["environment"]
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert env["AIRFLOW__CELERY__POOL"] == "solo"  # prefork children are daemonic: no process pools in a stage
+    assert (
+        env["AIRFLOW__CELERY__BROKER_URL"].startswith("redis://:${REDIS_PASSWORD:?")
+        and "@redis:6379/" in (env["AIRFLOW__CELERY__BROKER_URL"])
+    )
+    assert env["AIRFLOW__CELERY__RESULT_BACKEND"].startswith("db+postgresql+psycopg2://airflow:")
+    assert "@postgres:5432/airflow" in env["AIRFLOW__CELERY__RESULT_BACKEND"]
+    worker = services["celery-worker"]
+    assert "container_name" not in worker and "ports" not in worker  # `--scale celery-worker=N` needs both absent
+    assert worker["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert "exec airflow celery worker --queues" in worker["command"][-1]
+    assert {"redis", "airflow-init"} <= set(worker["depends_on"])
+    assert services["flower"]["command"] == ["airflow", "celery", "flower"]
+    assert services["redis"]["healthcheck"] and "ports" not in services["redis"]
+    required = set(re.findall(r"\$\{([A-Z_]+):\?", (DOCKER / "docker-compose.yml").read_text()))
+    assert {"REDIS_PASSWORD", "FLOWER_PASSWORD"} <= required
+
+
+def test_compose_components_check_their_services_first():
+    services = compose()["services"]
+    for name in ("airflow-scheduler", "celery-worker"):
+        command = " ".join(services[name]["command"])
+        assert "python scripts/check_services.py && exec airflow" in command, name
+    assert (REPO / "scripts" / "check_services.py").is_file()
+    assert ("COPY", "scripts ./scripts") in instructions(DOCKER / "Dockerfile.cpu")
+
+
+def test_every_postgres_url_names_the_installed_driver():
+    """SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which is not installed: the URLs say psycopg2."""
+    text = (DOCKER / "docker-compose.yml").read_text()
+    urls = re.findall(r"postgresql[+\w]*://", text)
+    assert urls and set(urls) == {"postgresql+psycopg2://"}, urls
+    pins = (REPO / "requirements.txt").read_text()
+    assert "psycopg2-binary==" in pins and "asyncpg==" in pins  # asyncpg: Airflow 3's async engine on PostgreSQL
+
+
+def test_mlflow_server_keeps_runs_in_postgres_and_serves_the_artifacts():
+    services = compose()["services"]
+    command = services["mlflow"]["command"]
+    assert "--backend-store-uri postgresql+psycopg2://" in command and "@postgres:5432/mlflow" in command
+    assert "--serve-artifacts" in command and "--artifacts-destination /mlartifacts" in command
+    assert "mlartifacts:/mlartifacts" in services["mlflow"]["volumes"]
+    assert services["celery-worker"]["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    assert "CREATE DATABASE mlflow" in (DOCKER / "postgres-init.sql").read_text()

@@ -75,7 +75,7 @@ def test_tied_embeddings_train_under_tp_like_one_process_and_export_tied(cfg, tm
 
 def test_pipeline_split_of_tied_embeddings_is_refused_with_the_fix():
     from tasks.model import get_preset
-    from tasks.parallel.layout import Layout, check
+    from tasks.layout import Layout, check
 
     tcfg = get_preset("qwen2-0.5b")
     assert not check(Layout(dp=2, tp=2, global_batch=4), tcfg, 128, 4, "test")

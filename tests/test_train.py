@@ -1,5 +1,6 @@
 """The training stage end to end: kill -9 of a rank and automatic resume, two torchrun agents (--nnodes 2), bad
-configs rejected before any worker starts, failure diagnosis, and the schedule/split arithmetic."""
+configs rejected before any worker starts, failure diagnosis, the divergence guard (a blown-up or dead model stops,
+is never exported, and a resume with a lowered lr follows the new schedule), and the schedule/split arithmetic."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from tasks.errors import ConfigError, StageError
 from train_fixture import (
+    BASE,
     assert_same_curve,
     configure,
     context,
@@ -137,6 +139,84 @@ def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, sh
     assert json.loads((tmp_path / "train" / "failures" / "timeout-rank-0.json").read_text())["step"] == 3
 
 
+# ---- the divergence guard (issue 26; its rules: tests/test_divergence.py) --------------------------------------------
+
+DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2}
+BLOW_UP = {**DP2, "train.lr": 1000.0, "train.steps": 4, "train.checkpoint_every": 1}  # step 2's loss: ~5e6
+
+
+@pytest.mark.slow
+def test_lr_1000_stops_in_one_line_and_exports_nothing(tmp_path, shards, capsys):
+    """The CLI, a 4-step run that exports: on main it reported `train: ok` and exported the dead model."""
+    from tasks.cli import main
+
+    run = tmp_path / "run"
+    sets = [a for k, v in {**BASE, **BLOW_UP}.items() for a in ("--set", f"{k}={v}")]
+    rc = main(["train", "--no-tracking", "--run-dir", str(run), "--shard-dir", str(shards), *sets])
+    out = capsys.readouterr()
+    err = [ln for ln in out.err.strip().splitlines() if not ln.startswith("warning: ")]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: loss diverged (") and "× median 6.2" in err[0] and ") at step 2 (loss " in err[0]
+    assert "stopped before the update, last good checkpoint none; set aside as diverged: step-1" in err[0]
+    assert "train: ok" not in out.out + out.err
+    assert not (run / "hf").exists() and not (run / "train" / "summary.json").exists()
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-1.diverged"]  # never resumed
+    diag = json.loads((run / "train" / "diagnosis.json").read_text())
+    assert (diag["step"], diag["bad_from"], diag["last_good_checkpoint"]) == (2, 1, None)
+    assert sorted(losses(run)) == [1]  # the diverged step is not logged
+
+
+@pytest.mark.slow
+def test_zero_gradient_norm_stops_a_dead_model(cfg, tmp_path, shards):
+    """The loss rules off (divergence_factor 0): step 2's loss passes, step 3's model is dead (norm exactly 0)."""
+    from tasks.stages import train
+
+    c = configure(cfg, **BLOW_UP, **{"train.divergence_factor": 0})
+    with pytest.raises(StageError) as err:
+        train.run(c, context(tmp_path, shards, no_export=False))
+    msg = str(err.value)
+    assert not err.value.retryable and "\n" not in msg
+    assert msg.startswith("gradient norm is 0 (a dead model: nothing learns) at step 3 (loss ")
+    assert f"last good checkpoint {tmp_path / 'checkpoints' / 'step-1'}; set aside as diverged: step-2" in msg
+    assert sorted(losses(tmp_path)) == [1, 2] and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_the_guard_remembers_the_losses_before_a_resume(cfg, tmp_path, shards):
+    """A 1-step run at lr 1000 ends "ok" (its only update is judged by the next step's loss); extended to 3 steps it
+    resumes from step-1 and step 2's loss is compared with step 1's, read back from metrics.jsonl."""
+    from tasks.stages import train
+
+    assert train.run(configure(cfg, **{**BLOW_UP, "train.steps": 1}), context(tmp_path, shards))["steps"] == 1
+    with pytest.raises(StageError) as err:
+        train.run(configure(cfg, **{**BLOW_UP, "train.steps": 3}), context(tmp_path, shards))
+    msg = str(err.value)
+    assert msg.startswith("loss diverged (") and "× median 6.2" in msg and ") at step 2 (loss " in msg
+    assert "last good checkpoint none; set aside as diverged: step-1" in msg
+
+
+@pytest.mark.slow
+def test_resume_with_a_lowered_lr_follows_the_new_schedule_and_does_not_re_explode(cfg, tmp_path, shards):
+    """Checkpoint step-2 was saved by a schedule heading for lr 1000 (its long warm-up kept steps 1–2 healthy); the
+    resume with lr 3e-3 must use that lr from step 3 on. On main the old base lr came back with the scheduler state:
+    step 3 used 0.006, step 4 ~870, and the loss blew up again."""
+    from tasks.parallel.metrics import read_metrics
+    from tasks.parallel.optim import lr_factor
+    from tasks.stages import train
+
+    high = configure(cfg, **DP2, **{"train.lr": 1000.0, "train.warmup_steps": 500_000, "train.steps": 2})
+    train.run(high, context(tmp_path, shards))
+    low = configure(cfg, **DP2, **{"train.steps": 6})  # BASE: lr 3e-3, min_lr 3e-4, warm-up 2
+    result = train.run(low, context(tmp_path, shards))
+    t = low.train
+    want = {k: t.lr * lr_factor(k - 1, t.warmup_steps, t.steps, t.lr, t.min_lr) for k in range(3, 7)}
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert {r["step"]: r["lr"] for r in rows if r["step"] > 2} == pytest.approx(want)
+    assert result["steps"] == 6 and max(r["loss"] for r in rows) < 6.3
+    log = (tmp_path / "logs" / "rank-0.log").read_text()
+    assert "resumed at step 2 with the schedule of this run's config: lr 0.006 → 0.003" in log
+
+
 @pytest.mark.parametrize(
     "sets, expected",
     [
@@ -243,7 +323,7 @@ def test_lr_schedule_and_pipeline_split():
 
 
 def test_unpinned_degrees_come_from_the_plan(cfg):
-    from tasks.parallel.layout import resolve
+    from tasks.layout import resolve
 
     c = configure(cfg, **{"parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
     plan = {
@@ -269,17 +349,17 @@ def test_unpinned_degrees_come_from_the_plan(cfg):
 
 
 def test_cpu_world_size_comes_from_the_layout_unless_nproc_is_pinned(cfg):
-    from tasks.stages.train import _world
+    from tasks.launch.torchrun import world
 
     plan = {"parallel": {"dp": 2, "tp": 2, "pp": 1}}
     c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
-    assert _world(c, None)[1:] == (1, 1)  # pinned dp1: one rank, not 2
+    assert world(c, None)[1:] == (1, 1)  # pinned dp1: one rank, not 2
     c = configure(cfg, **{"hardware.nproc_per_node": 0, "parallel.dp": 0, "parallel.tp": 0, "parallel.pp": 0})
-    assert _world(c, plan)[1:] == (4, 4) and _world(c, None)[1:] == (2, 2)  # the plan's 2×2; no plan: 2
+    assert world(c, plan)[1:] == (4, 4) and world(c, None)[1:] == (2, 2)  # the plan's 2×2; no plan: 2
     c = configure(
         cfg,
         **{"hardware.nproc_per_node": 0, "hardware.nnodes": 2, "parallel.dp": 4, "parallel.tp": 1, "parallel.pp": 1},
     )
-    assert _world(c, None)[1:] == (2, 4)  # 4 ranks over 2 nodes
+    assert world(c, None)[1:] == (2, 4)  # 4 ranks over 2 nodes
     c = configure(cfg, **{"hardware.nproc_per_node": 2, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1})
-    assert _world(c, None)[1:] == (2, 2)  # pinned: kept, and the check explains
+    assert world(c, None)[1:] == (2, 2)  # pinned: kept, and the check explains

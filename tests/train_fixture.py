@@ -1,4 +1,5 @@
-"""Helpers shared by the training tests: a tiny real shard set, launch specs, and the single-process reference."""
+"""Helpers shared by the training tests: a tiny real shard set, launch specs, the single-process reference (loss,
+gradient norm and parameters per step) and the comparison of a run with it."""
 
 from __future__ import annotations
 
@@ -67,23 +68,44 @@ def write_spec(cfg, run_dir: Path, shards: Path, **extra) -> Path:
 
 def torchrun(cfg, nproc: int, specs: list[Path], log: Path, env_extra: dict | None = None):
     """One real torchrun launch of the worker over several specs; returns (rc, torchrun output)."""
-    from tasks.stages import train
+    from tasks.launch import torchrun as launch
 
-    argv = train.torchrun_argv(cfg, nproc, specs, rdzv_id="test")
-    env = train.launch_env(cfg, "cpu", nproc, None)
+    argv = launch.argv(cfg, nproc, specs, rdzv_id="test")
+    env = launch.env(cfg, "cpu", nproc, None)
     env.update(env_extra or {})
-    return train.launch(argv, env, log)
+    return launch.run(argv, env, log)
+
+
+# Plain SGD without clipping, momentum, weight decay or LR schedule: each step's update is −lr × the gradient, so a
+# wrong gradient scale (a missing 1/dp, 1/ep, a double count) shows in the update and in the gradient norm, where
+# AdamW and clipping normalise it away. A checkpoint every step gives the parameters after each step.
+SGD = {
+    "train.optimizer": "sgd",
+    "train.lr": 0.05,
+    "train.min_lr": 0.05,
+    "train.warmup_steps": 0,
+    "train.weight_decay": 0.0,
+    "train.grad_clip": 0.0,
+    "train.steps": 3,
+    "train.checkpoint_every": 1,
+    "train.keep_checkpoints": 3,
+}
+
+
+def metrics(run_dir: Path) -> dict[int, dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+    return {step: r["loss"] for step, r in metrics(run_dir).items()}
 
 
-def reference_losses(cfg, shards: Path, steps: int) -> dict[int, float]:
-    """One process, one plain model, one loader of the whole global batch: the curve every layout must reproduce
-    (the loader's global sample order gives every dp degree the same samples per step). With model.hf_path the
-    weights start from that checkpoint, as the trainer's do."""
+def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
+    """One process, one plain model, one loader of the whole global batch: the run every layout must reproduce
+    (the loader's global sample order gives every dp degree the same samples per step). Per step: the loss, the
+    pre-clip gradient norm and (params=True) the parameters after it, step 0 being the initial ones. With
+    model.hf_path the weights start from that checkpoint, as the trainer's do."""
     from data_prep.loader import ShardLoader
     from data_prep.manifest import load_manifest
     from tasks.model import build_model, from_pipeline, lm_loss, materialize
@@ -96,17 +118,48 @@ def reference_losses(cfg, shards: Path, steps: int) -> dict[int, float]:
     model = materialize(build_model(tcfg, "meta"), "cpu", t.seed, source=source)
     [(opt, sched)] = build_optimizers([model], t)
     stream = ShardLoader(shards, "train", batch_size=t.global_batch, num_workers=0, seed=t.seed).batches()
-    out = {}
+
+    def snapshot():
+        return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+    out = {"loss": {}, "grad_norm": {}, "params": {0: snapshot()} if params else {}}
     for step in range(1, steps + 1):
         x, y = next(stream)
         loss = lm_loss(model(x), y)
         loss.backward()
-        grad_norm_and_clip(list(model.parameters()), t.grad_clip)
+        out["grad_norm"][step] = grad_norm_and_clip(list(model.parameters()), t.grad_clip).item()
         opt.step()
         sched.step()
         opt.zero_grad()
-        out[step] = loss.item()
+        out["loss"][step] = loss.item()
+        if params:
+            out["params"][step] = snapshot()
     return out
+
+
+def reference_losses(cfg, shards: Path, steps: int) -> dict[int, float]:
+    return reference_run(cfg, shards, steps)["loss"]
+
+
+def checkpoint_params(ckpt: Path) -> dict:
+    """The model's tensors in a DCP checkpoint, read into plain tensors in this process (no process group)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model = {
+        k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in md.items()
+        if k.startswith("model.") and isinstance(v, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "torch.distributed is … uninitialized": one process is the intent here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": model}, checkpoint_id=str(ckpt), no_dist=True)
+    return model
 
 
 def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, rel: float = 1e-4, steps=None) -> None:
@@ -115,3 +168,32 @@ def assert_same_curve(got: dict[int, float], want: dict[int, float], what: str, 
     assert sorted(got) == steps, f"{what}: logged steps {sorted(got)} != {steps}"
     for step, loss in got.items():
         assert abs(loss - want[step]) <= rel * abs(want[step]), f"{what} step {step}: {loss} vs {want[step]}"
+
+
+def assert_same_run(
+    run_dir: Path, ref: dict, what: str, rel: float = 1e-4, steps=None, updates: bool = False, norm_rel=None
+):
+    """Per step: the loss of the run equals the reference's within `rel`, the pre-clip gradient norm within
+    `norm_rel` (default rel / 10: a norm's float32 sums agree to ~1e-7 across layouts; a small term counted wrong —
+    the norms' weights under TP, 3e-5 of the norm — must show); with `updates`, each parameter's update of each
+    step (from the checkpoint of every step; step 0 = the reference's initial weights, bit-identical on every
+    layout) within `rel` of its norm."""
+    got = metrics(run_dir)
+    assert_same_curve({s: r["loss"] for s, r in got.items()}, ref["loss"], what, rel, steps)
+    norm_rel = rel / 10 if norm_rel is None else norm_rel
+    for step, r in got.items():
+        want = ref["grad_norm"][step]
+        assert abs(r["grad_norm"] - want) <= norm_rel * want, (
+            f"{what} step {step}: grad norm {r['grad_norm']} vs {want}"
+        )
+    if not updates:
+        return
+    before = ref["params"][0]
+    for step in sorted(got):
+        after = checkpoint_params(Path(run_dir) / "checkpoints" / f"step-{step}")
+        assert set(after) == set(before), f"{what} step {step}: parameters {sorted(set(after) ^ set(before))}"
+        for name, p in after.items():
+            delta, want = p - before[name], ref["params"][step][name] - ref["params"][step - 1][name]
+            err, scale = (delta - want).norm().item(), want.norm().item()
+            assert err <= rel * scale + 1e-12, f"{what} step {step}: update of {name} off by {err:.3g} of {scale:.3g}"
+        before = after

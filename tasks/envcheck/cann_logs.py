@@ -20,7 +20,6 @@ from tasks.fsutil import atomic_write_json
 
 CODES_FILE = Path(__file__).with_name("cann_error_codes.yaml")
 CODE_RE = re.compile(r"(?<![A-Za-z0-9])(E[0-9A-Z]\d{4})(?![A-Za-z0-9])")
-LOG_LEVELS = {0: "DEBUG", 1: "INFO", 2: "WARNING", 3: "ERROR", 4: "NULL"}
 PER_FILE_BYTES = 2 * 1024 * 1024
 
 
@@ -147,15 +146,3 @@ def on_failure(cfg, stage: str, run_dir: Path, cause: str, started: float, env: 
     if manifest["copied"]:
         cause = f"{cause} (CANN logs: {dest})"
     return cause, facts
-
-
-def log_env(hardware) -> dict[str, str]:
-    """ASCEND_GLOBAL_LOG_LEVEL / ASCEND_SLOG_PRINT_TO_STDOUT for the ranks from the config (-1 / false = leave the
-    environment alone); an explicit variable in the environment wins."""
-    env = {}
-    level = getattr(hardware, "ascend_log_level", -1)
-    if level is not None and level >= 0:
-        env["ASCEND_GLOBAL_LOG_LEVEL"] = str(level)
-    if getattr(hardware, "ascend_log_stdout", False):
-        env["ASCEND_SLOG_PRINT_TO_STDOUT"] = "1"
-    return {k: os.environ.get(k, v) for k, v in env.items()}

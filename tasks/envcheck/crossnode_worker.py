@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tasks import collectives
 from tasks import device as devlayer
 from tasks.envcheck.probe_worker import _bandwidth, _correctness
 from tasks.fsutil import atomic_write_json
@@ -35,9 +36,11 @@ def _matmul_ms(dev, n: int = 256, iters: int = 5) -> float:
 
 
 def _clock_and_link(dev, rank: int, leaders: list[int], size_mb: float, samples: int = 5) -> dict:
-    """Rank 0 against each other node's leader, one at a time: clock offset (ms) and link bandwidth (GB/s)."""
+    """Rank 0 against each other node's leader, one at a time: clock offset (ms) and link bandwidth (GB/s). The
+    peer's clock travels as int64 nanoseconds (time.time_ns): exact, and no float64 on the wire (HCCL's reductions
+    refuse fp64 and this project keeps it off every collective: tasks/collectives.py)."""
     out = {}
-    stamp = torch.zeros(1, dtype=torch.float64, device=dev)
+    stamp = torch.zeros(1, dtype=torch.int64, device=dev)
     numel = max(1, int(size_mb * 2**20) // 4)
     buf = torch.ones(numel, dtype=torch.float32, device=dev)
     for peer in leaders:
@@ -46,34 +49,34 @@ def _clock_and_link(dev, rank: int, leaders: list[int], size_mb: float, samples:
         if rank == 0:
             best = None
             for _ in range(samples):
-                t0 = time.time()
-                dist.send(stamp, peer)
-                dist.recv(stamp, peer)
-                t1 = time.time()
-                sample = (t1 - t0, float(stamp.item()) - (t0 + t1) / 2)
+                t0 = time.time_ns()
+                collectives.send(stamp, peer)
+                collectives.recv(stamp, peer)
+                t1 = time.time_ns()
+                sample = (t1 - t0, int(stamp.item()) - (t0 + t1) // 2)  # (round trip, offset) in ns
                 best = sample if best is None or sample[0] < best[0] else best
-            dist.send(buf, peer)  # warm-up of the data path
-            dist.recv(buf, peer)
+            collectives.send(buf, peer)  # warm-up of the data path
+            collectives.recv(buf, peer)
             devlayer.synchronize(dev)
             start = time.perf_counter()
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
+            collectives.send(buf, peer)
+            collectives.recv(buf, peer)
             devlayer.synchronize(dev)
             seconds = (time.perf_counter() - start) / 2
             out[peer] = {
-                "rtt_ms": best[0] * 1e3,
-                "clock_offset_ms": best[1] * 1e3,
+                "rtt_ms": best[0] / 1e6,
+                "clock_offset_ms": best[1] / 1e6,
                 "link_gbps": numel * 4 / seconds / 1e9,
             }
         elif rank == peer:
             for _ in range(samples):
-                dist.recv(stamp, 0)
-                stamp.fill_(time.time())
-                dist.send(stamp, 0)
+                collectives.recv(stamp, 0)
+                stamp.fill_(time.time_ns())
+                collectives.send(stamp, 0)
             for _ in range(2):
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-        dist.barrier()
+                collectives.recv(buf, 0)
+                collectives.send(buf, 0)
+        collectives.barrier()
     return out
 
 
@@ -89,7 +92,7 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     dev = devlayer.torch_device(args.kind, local_rank)
-    dist.init_process_group(devlayer.DIST_BACKEND[args.kind], timeout=datetime.timedelta(seconds=args.timeout_s))
+    dist.init_process_group(devlayer.dist_backend(args.kind), timeout=datetime.timedelta(seconds=args.timeout_s))
     # The configured node rank (hardware.node_rank), not torchrun's arrival order: what the operator calls the node.
     node = int(os.environ.get("LLM_NODE_RANK", os.environ["GROUP_RANK"]))
     me = {
@@ -100,7 +103,7 @@ def main() -> None:
         "matmul_ms": _matmul_ms(dev),
     }
     ranks: list = [None] * world
-    dist.all_gather_object(ranks, me)
+    collectives.all_gather_object(ranks, me)
     leaders = sorted({r["node"]: r["rank"] for r in sorted(ranks, key=lambda r: -r["rank"])}.values())
     links = _clock_and_link(dev, rank, leaders, args.link_mb)
     result = {
@@ -121,10 +124,10 @@ def main() -> None:
             n["clock_offset_ms"] -= base
         result.update(ranks=ranks, nodes=[nodes[k] for k in sorted(nodes)], reference_rank0_node=ranks[0]["node"])
     shared = [result]
-    dist.broadcast_object_list(shared, src=0)  # every node gets the report, shared run directory or not
+    collectives.broadcast_object_list(shared, src=0)  # every node gets the report, shared run directory or not
     if local_rank == 0:
         atomic_write_json(args.out, shared[0])
-    dist.barrier()
+    collectives.barrier()
     dist.destroy_process_group()
     os._exit(0)  # see probe_worker: a rare SIGABRT at exit after destroy_process_group fails torchrun
 

@@ -13,25 +13,38 @@ import time
 import torch
 import torch.distributed as dist
 
+from tasks import collectives
 from tasks import device as devlayer
 from tasks.fsutil import atomic_write_json
 
-# What HCCL's all_reduce accepts (Ascend/pytorch ProcessGroupHCCL.cpp, checkSupportedDataTypeOfAllReduce): no fp64,
-# no uint8/bool — "HCCL AllReduce & Reduce: Unsupported data type" otherwise. The probe only uses these, on every
-# backend, so what passes on gloo/NCCL also passes on HCCL.
-HCCL_ALLREDUCE_DTYPES = frozenset(
-    {torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.bfloat16}
-)
+CHECK_ELEMS = 4096
+CYCLE = 16  # element i of rank r is (i + r) % CYCLE
+
+
+def contribution(rank: int, n: int = CHECK_ELEMS, dev=None):
+    """What rank `rank` puts into the correctness all_reduce: small integers in float32. Every partial sum of W
+    ranks is an integer below 15·W, so it is exact in fp32 (24-bit mantissa) for any world below 2^24 / 15 ≈ 1.1
+    million ranks, whatever order the backend adds in — the result can be compared exactly. ((rank+1)·arange(4096)
+    summed over 91+ ranks passes 2^24 and rounds.) A missing or doubled rank changes 15 of every 16 elements."""
+    return ((torch.arange(n, device=dev) + rank) % CYCLE).to(torch.float32)
+
+
+def expected(world: int, n: int = CHECK_ELEMS, dev=None):
+    """The exact all_reduce SUM of every rank's contribution (computed in int64, then float32: exact below 2^24)."""
+    i = torch.arange(n, dtype=torch.int64, device=dev)
+    full, rest = divmod(world, CYCLE)  # each full cycle of ranks adds 0 + 1 + … + 15 to every element
+    total = torch.full((n,), full * (CYCLE - 1) * CYCLE // 2, dtype=torch.int64, device=dev)
+    for r in range(rest):
+        total += (i + full * CYCLE + r) % CYCLE
+    return total.to(torch.float32)
 
 
 def _correctness(dev, world: int, rank: int) -> dict:
-    """Each rank contributes (rank+1)·arange(n): the sum must be exactly arange(n)·world(world+1)/2 everywhere."""
-    n = 4096
-    t = torch.arange(n, dtype=torch.float32, device=dev) * (rank + 1)
-    dist.all_reduce(t)
-    expected = torch.arange(n, dtype=torch.float32, device=dev) * (world * (world + 1) / 2)
-    err = (t - expected).abs().max()
-    dist.all_reduce(err, op=dist.ReduceOp.MAX)  # every rank must be right, not only rank 0
+    """all_reduce of contribution(rank) must equal expected(world) exactly, on every rank (then a MAX of the error)."""
+    t = contribution(rank, dev=dev)
+    collectives.all_reduce(t)
+    err = (t - expected(world, dev=dev)).abs().max()
+    collectives.all_reduce(err, op=dist.ReduceOp.MAX)  # every rank must be right, not only rank 0
     return {"allreduce_ok": bool(err.item() == 0.0), "allreduce_max_error": float(err.item())}
 
 
@@ -40,16 +53,16 @@ def _bandwidth(dev, world: int, size_mb: float, iters: int) -> dict:
     numel = max(1, int(size_mb * 2**20) // 4)
     t = torch.ones(numel, dtype=torch.float32, device=dev)
     for _ in range(2):  # warm-up: connection set-up and allocator
-        dist.all_reduce(t)
+        collectives.all_reduce(t)
     devlayer.synchronize(dev)
-    dist.barrier()
+    collectives.barrier()
     start = time.perf_counter()
     for _ in range(iters):
-        dist.all_reduce(t)
+        collectives.all_reduce(t)
     devlayer.synchronize(dev)
     # float32: HCCL on A2 (910B) rejects float64 all_reduce; µs resolution is plenty for a mean step time.
     elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float32, device=dev)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    collectives.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     seconds = float(elapsed.item())
     algbw = numel * 4 / seconds / 1e9
     return {"size_mb": size_mb, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world}
@@ -65,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dev = devlayer.torch_device(args.kind, int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(devlayer.DIST_BACKEND[args.kind], timeout=datetime.timedelta(seconds=args.timeout_s))
+    dist.init_process_group(devlayer.dist_backend(args.kind), timeout=datetime.timedelta(seconds=args.timeout_s))
     result = {
         "world_size": world,
         "backend": dist.get_backend(),
@@ -74,7 +87,7 @@ def main() -> None:
     }
     if rank == 0:
         atomic_write_json(args.out, result)
-    dist.barrier()
+    collectives.barrier()
     dist.destroy_process_group()
     # A rare SIGABRT at interpreter exit after destroy_process_group fails torchrun; the work is done and saved.
     os._exit(0)

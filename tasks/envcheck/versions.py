@@ -7,13 +7,14 @@ tried in a subprocess (`import_torch_status`).
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tasks.device import package_version
 
 DEFAULT_ASCEND_ROOT = "/usr/local/Ascend"
 INSTALL_INFO = "/etc/ascend_install.info"  # written by the driver installer: where the driver went
@@ -45,13 +46,6 @@ def parse_ranges(value: str) -> list[list[str]]:
         elif len(items) == 2:
             out.append(items)
     return out
-
-
-def package_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _toolkit_dirs(root: Path, home: str | None) -> list[tuple[Path, str]]:

@@ -4,8 +4,9 @@ Runs inside the training job: every rank of the world writes some of the output 
 tensor alone from the DCP checkpoint (`dcp.load(..., no_dist=True)` of one key; the checkpoint's metadata read once)
 and appending its bytes to a safetensors file whose header was written up front from the checkpoint's metadata. A
 process therefore holds at most one full tensor at a time, never the model. Rank 0 writes config.json, the index and
-the tokenizer, then swaps the finished directory in (tasks.fsutil.swap_dir: a crash leaves the old export or a `.tmp`
-directory, never neither; the next export cleans up).
+the tokenizer and `llm-pipeline.json` (every file's size and sha256, hashed as written, and the tokenizer identity:
+tasks.model.model_dir), then swaps the finished directory in (tasks.fsutil.swap_dir: a crash leaves the old export
+or a `.tmp` directory, never neither; the next export cleans up).
 """
 
 from __future__ import annotations
@@ -20,19 +21,9 @@ from pathlib import Path
 import torch
 
 from tasks.model.config import TransformerConfig
+from tasks.model.safetensors_io import NAMES as _ST_DTYPES
 
 FILE_BYTES = 2 * 1024**3  # per output file (transformers' own default shard size is 5 GB; smaller spreads ranks)
-_ST_DTYPES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float64: "F64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 
 
 def checkpoint_tensors(ckpt: Path, tcfg: TransformerConfig) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -149,7 +140,10 @@ def _read_tensor(storage, name: str, shape, dtype) -> torch.Tensor:
 
 def write_streaming(path: Path, entries: list[tuple], read) -> int:
     """One safetensors file: the header from (hf name, shape, dtype) entries, then each tensor from `read(i)`
-    appended in order. Returns the bytes written."""
+    appended in order, hashed on the way out (its size and sha256 go to `.<name>.sha256`, which the export's
+    manifest collects). Returns the tensor bytes written."""
+    from tasks.model.model_dir import HashingWriter
+
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for hf_name, shape, dtype in entries:
         nbytes = _numel(shape) * dtype.itemsize
@@ -157,7 +151,7 @@ def write_streaming(path: Path, entries: list[tuple], read) -> int:
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
+    with HashingWriter(path) as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for i, (_, shape, dtype) in enumerate(entries):
@@ -166,8 +160,7 @@ def write_streaming(path: Path, entries: list[tuple], read) -> int:
             if t.numel():
                 f.write(t.view(-1).view(torch.uint8).numpy().data)
             del t
-        f.flush()
-        os.fsync(f.fileno())
+    (path.parent / f".{path.name}.sha256").write_text(json.dumps(f.entry()))
     return offset
 
 
@@ -189,6 +182,7 @@ def export_from_checkpoint(
     largest_tensor_bytes."""
     from tasks.fsutil import recover_dir, swap_dir
     from tasks.model.hf_io import _copy_tokenizer, to_hf_config
+    from tasks.model.model_dir import write_manifest
 
     ckpt, out = Path(ckpt), Path(out)
     tmp = out.parent / f".{out.name}.tmp"
@@ -230,6 +224,11 @@ def export_from_checkpoint(
             )
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
+        hashed = {}  # every rank's files, hashed as they were written
+        for side in tmp.glob(".*.sha256"):
+            hashed[side.name[1 : -len(".sha256")]] = json.loads(side.read_text())
+            side.unlink()
+        write_manifest(tmp, hashed, tokenizer_dir)  # last: sizes, sha256 and the tokenizer the weights belong to
         swap_dir(tmp, out)  # the old export stays until the new one is complete
     barrier()
     return out

@@ -28,6 +28,7 @@ from tasks.model.hf_config import (  # noqa: F401 (re-exported: the HF-facing AP
     to_hf_config,
 )
 from tasks.model.init import HFWeights
+from tasks.model.model_dir import verify, write_manifest
 from tasks.model.transformer import Transformer, build_model, materialize
 
 TOKENIZER_FILES = (
@@ -56,6 +57,7 @@ def load_hf(path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.fl
 
     One process, whole model: for a sharded model, `materialize(model, device, source=HFWeights(path))` after
     parallelising reads only each rank's slices (tasks.model.init)."""
+    verify(path)  # sizes + sha256 from our export's manifest, every safetensors header against its file
     source = HFWeights(path)
     model = build_model(source.tcfg, device="meta").to(dtype)
     return materialize(model, device, source=source)
@@ -88,6 +90,7 @@ def save_hf(
         _write_safetensors(tensors, tmp, save_file)
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
+        write_manifest(tmp, {}, tokenizer_dir)
         swap_dir(tmp, path)  # old aside, new in, old deleted: never a moment without an export
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -118,10 +121,19 @@ def _write_safetensors(tensors: dict, out: Path, save_file) -> None:
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def tokenizer_problem(hf_dir: str | os.PathLike, shard_dir: str | os.PathLike) -> str | None:
-    """One line when the checkpoint `hf_dir` has a tokenizer.json that is not the shard set's: its embedding rows are
-    its own tokenizer's ids, so tokens of another tokenizer would index the wrong rows (silently, when they fit)."""
+def tokenizer_problem(
+    hf_dir: str | os.PathLike, shard_dir: str | os.PathLike, what: str = "model.hf_path"
+) -> str | None:
+    """One line when the checkpoint `hf_dir` belongs to another tokenizer than the shard set: its embedding rows are
+    its own tokenizer's ids, so tokens of another tokenizer would index the wrong rows (silently, when they fit).
+    Our exports recorded the identity (tasks.model.model_dir); a transformers-saved directory is compared by its
+    tokenizer.json."""
     from tokenizers import Tokenizer
+
+    from tasks.model import model_dir
+
+    if model_dir.read_manifest(hf_dir) is not None:
+        return model_dir.tokenizer_problem(hf_dir, shard_dir, what)
 
     own, theirs = Path(hf_dir) / "tokenizer.json", Path(shard_dir) / "tokenizer.json"
     if not own.is_file() or not theirs.is_file() or own.read_bytes() == theirs.read_bytes():
@@ -130,9 +142,23 @@ def tokenizer_problem(hf_dir: str | os.PathLike, shard_dir: str | os.PathLike) -
     if a.to_str() == b.to_str():  # the same tokenizer, serialised differently
         return None
     return (
-        f"model.hf_path: its tokenizer ({a.get_vocab_size()} tokens, {own}) is not the shard set's "
+        f"{what}: its tokenizer ({a.get_vocab_size()} tokens, {own}) is not the shard set's "
         f"({b.get_vocab_size()} tokens, {theirs}); shard with data.tokenizer={hf_dir} (the checkpoint's own)"
     )
+
+
+def check_tokenizers(
+    model_dir: str | os.PathLike, shard_dir: str | os.PathLike, stage: str, quant_meta=None, quant_dir=None
+) -> None:
+    """Where a model (and its quantized artifact) meets a shard set: one StageError line unless they share the
+    tokenizer (same-size vocabularies of two tokenizers index the embedding silently)."""
+    from tasks.model.model_dir import identity_problem
+
+    problem = tokenizer_problem(model_dir, shard_dir, f"{stage}: the model")
+    if problem is None and quant_meta is not None:
+        problem = identity_problem(quant_meta.get("tokenizer"), shard_dir, f"{stage}: the quantized model {quant_dir}")
+    if problem:
+        raise StageError(problem)
 
 
 def _copy_tokenizer(src: Path, out: Path) -> None:

@@ -11,14 +11,14 @@ layout (and one process) gets bit-identical weights, with memory bounded by one 
 (DTensor's own RNG cannot do this on CPU: every shard gets the same values.)
 
 The HF source reads each box's rows straight from the safetensors file (header offsets, plain reads in bounded
-chunks, no mmap): only those bytes leave the file, and nothing stays mapped.
+chunks, no mmap): only those bytes leave the file, and nothing stays mapped. Headers and reads are checked against
+the file (tasks.model.safetensors_io): a truncated or lying file is one line, never rows of zeros.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import struct
 import zlib
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from tasks.model.hf_config import (
     ours_to_hf,
     read_hf_config,
 )
+from tasks.model.safetensors_io import Header, read_exact, read_header
 
 CHUNK_ELEMS = 1 << 20  # elements per generator chunk (fixed by the full shape only: layout-free)
 STD = 0.02
@@ -134,16 +135,12 @@ class HFWeights:
         single = self.path / "model.safetensors"
         if not single.is_file():
             raise StageError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
-        return {single: [k for k in self._header(single) if not k.startswith("__")]}
+        return {single: list(self._header(single))}
 
-    def _header(self, file: Path) -> dict:
-        """The safetensors header (name → dtype, shape, data_offsets), read once per file."""
+    def _header(self, file: Path) -> Header:
+        """The file's checked safetensors header (bounded size, offsets inside the file, known dtypes), read once."""
         if file not in self._handles:
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            header["__data_start__"] = 8 + n
-            self._handles[file] = header
+            self._handles[file] = read_header(file)
         return self._handles[file]
 
     def check(self, names) -> None:
@@ -174,15 +171,16 @@ class HFWeights:
     def _copy(self, name, where, dest, full_shape, offset) -> None:
         file, hf_name = where
         header = self._header(file)
+        if hf_name not in header:
+            raise StageError(f"{file}: tensor {hf_name!r} listed in model.safetensors.index.json is not in the file")
         entry = header[hf_name]
-        shape = tuple(entry["shape"])
+        shape = entry.shape
         if shape != tuple(full_shape):
             raise StageError(
                 f"{self.path}: tensors do not match config.json (size mismatch for {name}: "
                 f"checkpoint {list(shape)}, model {list(full_shape)})"
             )
-        dtype = _ST_DTYPES[entry["dtype"]]
-        start = header["__data_start__"] + entry["data_offsets"][0]
+        dtype, start = entry.dtype, entry.start
         if not shape:
             shape, dest, offset = (1,), dest.view(1), (0,)
         row_elems = math.prod(shape[1:])
@@ -195,26 +193,13 @@ class HFWeights:
                 b = min(r1, a + step)
                 buf = bytearray((b - a) * row_bytes)
                 f.seek(start + a * row_bytes)
-                f.readinto(buf)
+                read_exact(f, buf, file, hf_name)  # a file cut since its header was read: named, not zeros
                 rows = (
                     torch.frombuffer(buf, dtype=dtype).view(b - a, *shape[1:])
                     if buf
                     else torch.empty((0, *shape[1:]), dtype=dtype)
                 )
                 dest[a - r0 : b - r0].copy_(rows[(slice(None), *rest)])
-
-
-_ST_DTYPES = {
-    "F32": torch.float32,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @torch.no_grad()

@@ -4,8 +4,10 @@ A checkpoint counts only once complete: every rank writes into `step-N.tmp/`, al
 rank 0 writes `meta.json` and renames the directory to `step-N` — a crash at any point leaves only a `.tmp`
 directory that is ignored and removed later. Model and optimizer tensors are saved by parameter name (DCP), so a
 checkpoint loads into any other dp/tp/pp layout (reshard on load). Per-rank state that has no name-based form —
-the loader position (global: any layout resumes it) and the RNG state (per rank, restored when the world size
-is the same) — sits beside it. For multi-node runs the directory must be on a filesystem every node sees.
+the loader position (global: any layout resumes it; JSON) and the RNG state (per rank, restored when the world size
+is the same; tensors only) — sits beside it, every file loadable with `torch.load(weights_only=True)`: nothing in a
+checkpoint runs code. meta.json records the shard set's tokenizer identity (checked on resume). For multi-node runs
+the directory must be on a filesystem every node sees.
 
 Verification: meta.json records every file's size and sha256 at save (`files`). Before a resume the launcher picks
 the newest checkpoint that verifies (`latest_verified`), says which newer ones it skipped and why, and rank 0 hands
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 
 from tasks.fsutil import atomic_write_json, fsync_dir, sha256_file
+from tasks.model.model_dir import shard_tokenizer
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -54,7 +57,9 @@ def read_meta(path: Path) -> dict:
 
 # Config that shapes the training trajectory: changed between a checkpoint and its resume, the curve differs from
 # an uninterrupted run (a warning, not an error: extending steps or changing the layout is legitimate).
-_NOT_SHAPING = {"train": {"steps", "checkpoint_every", "keep_checkpoints", "timeout_s", "micro_batch"}}
+_NOT_SHAPING = {
+    "train": {"steps", "checkpoint_every", "keep_checkpoints", "timeout_s", "micro_batch", "divergence_factor"}
+}
 SHAPING_SECTIONS = ("model", "train", "data")
 _DATA_SHAPING = {"seq_len", "vocab_size", "tokenizer", "inputs", "max_documents"}
 
@@ -168,16 +173,18 @@ class CheckpointManager:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
+        from tasks import collectives
+
         tmp = self.dir / f"step-{step}.tmp"
         final = self.dir / f"step-{step}"
         dcp.save(_app_state(parts, optimizers), checkpoint_id=str(tmp))
         if self.coords["tp"] == 0 and self.coords["pp"] == 0:  # one writer per data-parallel replica
-            torch.save(loader.state_dict(), tmp / f"loader-dp{self.coords['dp']}.pt")
-        torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")
-        dist.barrier()
+            atomic_write_json(tmp / f"loader-dp{self.coords['dp']}.json", loader.state_dict())
+        torch.save(_rng_state(), tmp / f"rng-rank{self.rank}.pt")  # tensors and ints only: loads weights_only
+        collectives.barrier()
         # Every rank hashes a share of the files (rank 0 alone hashed Qwen2-0.5B's 6.5 GB on 4 ranks in ~10 s).
         shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, file_table(tmp, dist.get_rank(), dist.get_world_size()))
+        collectives.all_gather_object(shares, file_table(tmp, dist.get_rank(), dist.get_world_size()))
         if self.rank == 0:
             sched = optimizers[0][1].state_dict()
             files = dict(sorted((k, v) for share in shares for k, v in share.items()))
@@ -189,6 +196,7 @@ class CheckpointManager:
                     "dp": self.dp,
                     "world": self.world,
                     "lr_scheduler": sched,
+                    "tokenizer": shard_tokenizer(loader.shard_dir),  # the token ids' meaning (checked on resume)
                     "saved_at": time.time(),
                     "files": files,
                 },
@@ -200,7 +208,7 @@ class CheckpointManager:
             fsync_dir(self.dir)
             shutil.rmtree(old, ignore_errors=True)
             self._prune(step)
-        dist.barrier()
+        collectives.barrier()
         return final
 
     def _prune(self, saved: int) -> None:
@@ -211,8 +219,8 @@ class CheckpointManager:
                 shutil.rmtree(path, ignore_errors=True)
 
     def load(self, path: Path, parts, optimizers, loader) -> tuple[int, list[str]]:
-        """Restore everything; returns (step, notes about state that could not be restored for this layout)."""
-        import torch
+        """Restore everything (the lr schedule: this run's, from the saved step on — optim.load_schedule); returns
+        (step, notes: the lr change, state that could not be restored for this layout)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -220,37 +228,89 @@ class CheckpointManager:
             set_optimizer_state_dict,
         )
 
+        from tasks.parallel.optim import load_schedule
+
         path = Path(path)
         meta = read_meta(path)
         state = _app_state(parts, optimizers)
         dcp.load(state, checkpoint_id=str(path))
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+        changed = None
         for part, (opt, sched) in zip(parts, optimizers):
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=opts)
-            sched.load_state_dict(meta["lr_scheduler"])
-        notes = []
+            changed = load_schedule(opt, sched, meta["lr_scheduler"]) or changed
+        notes = [changed] if changed else []
         # The loader position is global (the same on every dp rank, valid for any layout): dp rank 0's file.
         from data_prep.errors import DataPrepError
 
         try:
-            loader.load_state_dict(torch.load(path / "loader-dp0.pt", weights_only=False))
+            loader.load_state_dict(load_loader_state(path))
         except DataPrepError as e:  # e.g. a per-rank position from an older checkpoint: the weights still resume
             notes.append(str(e))
         rng = path / f"rng-rank{self.rank}.pt"
         if meta["world"] == self.world and rng.is_file():
-            _set_rng_state(torch.load(rng, weights_only=False))
+            _set_rng_state(safe_load(rng))
         else:
             notes.append("world size changed: RNG states not restored")
         return int(meta["step"]), notes
 
 
+def safe_load(path: Path):
+    """torch.load with weights_only=True (tensors, numbers, strings, lists, dicts: no code runs); a file that needs
+    pickle's full power is refused in one line (anyone able to write the run directory could run code through it)."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))  # torch's WeightsUnpickler names the class
+        what = f"it holds {found.group(1)}" if found else re.sub(r"\x1b\[[0-9;]*m", "", str(e).splitlines()[0])[:160]
+        raise UnsafeCheckpointError(
+            f"{path}: refused, loading it needs unsafe unpickling ({what}); resume from a checkpoint written by this "
+            "version, or start over with --fresh"
+        ) from None
+
+
+class UnsafeCheckpointError(RuntimeError):
+    pass
+
+
+def load_loader_state(path: Path) -> dict:
+    """The loader position: loader-dp0.json, or an older checkpoint's loader-dp0.pt (a dict of plain values, which
+    weights_only loads)."""
+    path = Path(path)
+    if (path / "loader-dp0.json").is_file():
+        return json.loads((path / "loader-dp0.json").read_text(encoding="utf-8"))
+    return safe_load(path / "loader-dp0.pt")
+
+
+def unsafe_state(path: Path) -> str | None:
+    """Launcher side, before a resume: the one-line refusal when the checkpoint's loader or RNG files cannot be read
+    without unsafe unpickling (the ranks would fail on them one by one), else None."""
+    path = Path(path)
+    try:
+        if not (path / "loader-dp0.json").is_file() and (path / "loader-dp0.pt").is_file():
+            safe_load(path / "loader-dp0.pt")
+        for rng in sorted(path.glob("rng-rank*.pt")):
+            safe_load(rng)
+    except UnsafeCheckpointError as e:
+        return f"checkpoint {e}"
+    return None
+
+
 def _rng_state() -> dict:
+    """RNG states as tensors and ints (Python's Mersenne Twister: its 625 words as an int64 tensor)."""
     import random
 
     import torch
 
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    version, words, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python_version": version, "python": torch.tensor(words)}
+    if gauss is not None:
+        state["python_gauss"] = gauss
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -262,6 +322,9 @@ def _set_rng_state(state: dict) -> None:
     import torch
 
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    py = state["python"]
+    if isinstance(py, torch.Tensor):
+        py = (state["python_version"], tuple(py.tolist()), state.get("python_gauss"))
+    random.setstate(py)  # older checkpoints stored random.getstate()'s tuple itself
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

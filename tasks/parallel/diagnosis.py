@@ -1,6 +1,6 @@
 """Why a training launch failed, in one line for the operator (after the seeds' troubleshooting tables).
 
-Workers leave evidence in `<run-dir>/train/`: `diagnosis.json` (non-finite loss/gradient, written by rank 0),
+Workers leave evidence in `<run-dir>/train/`: `diagnosis.json` (the divergence guard's verdict, written by rank 0),
 `failures/oom-rank-K.json` and `failures/timeout-rank-K.json` (written by the rank that hit it) and heartbeats.
 The launcher turns that evidence, torchrun's exit report and the planner's result into a StageError.
 """
@@ -30,23 +30,26 @@ def is_timeout(exc: BaseException) -> bool:
 
 def oom_advice(stats: dict, kind: str = "npu", alloc_conf: str = "") -> str:
     """Fragmentation (reserved ≫ allocated) may be cured by allocator settings — advice valid for the settings in
-    force: `max_split_size_mb` and `garbage_collection_threshold` only work with `expandable_segments:False`
-    (Ascend/pytorch docs PYTORCH_NPU_ALLOC_CONF.md), and the launcher already sets `expandable_segments:True` on NPU.
-    Otherwise the plan must change."""
-    from tasks.device import ALLOC_CONF_ENV, parse_alloc_conf
+    force: `max_split_size_mb` and `garbage_collection_threshold` together with `expandable_segments:True` are an
+    error at start-up, not ignored (Ascend/pytorch v2.12.0 torch_npu/csrc/core/npu/NPUAllocatorConfig.cpp parseArgs:
+    "cannot be enabled with `expandable_segments`"), and the launcher already sets `expandable_segments:True` on
+    NPU. The variable named is the one the workers read (tasks.device.alloc_conf_var). Otherwise the plan must
+    change."""
+    from tasks.device import alloc_conf_var, parse_alloc_conf
 
     plan_advice = "raise zero to 3, recompute to full, tp/pp, or lower train.micro_batch"
     alloc, reserved = stats.get("allocated_bytes", 0), stats.get("reserved_bytes", 0)
     if not (reserved and (reserved - alloc) > 0.2 * reserved):
         return f"memory is really in use: {plan_advice}"
-    var = ALLOC_CONF_ENV.get(kind, "PYTORCH_NPU_ALLOC_CONF")
+    var = alloc_conf_var(kind) or "PYTORCH_NPU_ALLOC_CONF"
     conf = parse_alloc_conf(alloc_conf)
     frag = f"{(reserved - alloc) / GB:.1f} GB reserved but unallocated (fragmentation)"
     if conf.get("expandable_segments", "False").lower() == "true":
         return (
             f"{frag} although {var}={alloc_conf} already uses expandable segments: {plan_advice}; or switch to "
             f"{var}=expandable_segments:False,max_split_size_mb:128,garbage_collection_threshold:0.6 "
-            "(max_split_size_mb and garbage_collection_threshold are ignored with expandable_segments:True)"
+            "(with expandable_segments:True, torch_npu refuses max_split_size_mb and garbage_collection_threshold: "
+            "an error at start-up)"
         )
     shown = f" (now {var}={alloc_conf})" if alloc_conf else ""
     return f"{frag}{shown}: set {var}=expandable_segments:True, or keep it False and add max_split_size_mb:128"
@@ -96,9 +99,19 @@ def explain(
     diag = train_dir / "diagnosis.json"
     if diag.is_file():
         d = json.loads(diag.read_text())
+        last_good, aside = d["last_good_checkpoint"], ""
+        if d.get("bad_from") is not None:  # the divergence guard condemned the weights from that step on
+            from tasks.parallel.checkpoint import latest
+            from tasks.parallel.divergence import quarantine
+
+            moved = quarantine(train_dir.parent / "checkpoints", int(d["bad_from"]))
+            found = latest(train_dir.parent / "checkpoints")
+            last_good = str(found[1]) if found else None
+            aside = f"; set aside as diverged: {', '.join(moved)}" if moved else ""
+            aside += "; lower train.lr or raise train.warmup_steps and rerun (the schedule follows the new config)"
         return StageError(
-            f"{d['what']} at step {d['step']} (loss {d['loss']}, grad norm {d['grad_norm']}); "
-            f"stopped before the update, last good checkpoint {d['last_good_checkpoint'] or 'none'}; "
+            f"{d['what']} at step {d['step']} (loss {d['loss']:.4g}, grad norm {d['grad_norm']:.4g}); "
+            f"stopped before the update, last good checkpoint {last_good or 'none'}{aside}; "
             f"see {diag}",
             retryable=False,
         )

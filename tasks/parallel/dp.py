@@ -20,8 +20,9 @@ def _local(t):
 
 def all_reduce_grads(params, group, dp: int) -> None:
     """Average the local gradients over the dp group (bucketed, per dtype)."""
-    import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from tasks import collectives
 
     grads = [_local(p.grad) for p in params if p.grad is not None]
     by_dtype: dict = {}
@@ -35,7 +36,7 @@ def all_reduce_grads(params, group, dp: int) -> None:
                 size += g.numel()
             if bucket and (g is None or size >= BUCKET_ELEMS):
                 flat = _flatten_dense_tensors(bucket)
-                dist.all_reduce(flat, group=group)
+                collectives.all_reduce(flat, group=group)
                 flat.div_(dp)
                 for dst, src in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                     dst.copy_(src)
@@ -56,8 +57,9 @@ def owners(named_params, dp: int) -> dict[str, int]:
 def broadcast_params(named_params, owner: dict[str, int], group) -> None:
     """After a ZeRO-1 update: each parameter's new value from its owner to the other dp ranks."""
     import torch
-    import torch.distributed as dist
+
+    from tasks import collectives
 
     with torch.no_grad():
         for name, p in named_params:
-            dist.broadcast(_local(p).data, group=group, group_src=owner[name])
+            collectives.broadcast(_local(p).data, group=group, group_src=owner[name])

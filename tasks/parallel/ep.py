@@ -15,7 +15,7 @@ Gradients: an expert's gradient on its owner sums the contributions of all ep ra
 averages over dp / ep ranks only, so the expert weights' gradient is scaled by 1 / ep in the expert computation —
 every layout then reproduces the single-process step (tests/test_moe_train.py). ZeRO 0/1 (replicated parameters,
 tasks/parallel/dp.py) average the experts' gradients over "dp_rep" the same way, and ZeRO-1 picks each expert
-weight's owner among those replicas (tasks.parallel.worker.dp_replica_groups).
+weight's owner among those replicas (tasks.train.build.dp_replica_groups).
 
 Composition: the mesh is (pp, dp_rep, ep, tp), so each pipeline stage carves its own EP groups from its dp ranks,
 and under TP every TP coordinate has its own EP groups: the attention and the shared expert are TP-split, the
@@ -37,10 +37,10 @@ A2A_LOG: list | None = None
 
 
 def _timed_all_to_all(out, x, out_splits, in_splits, group) -> None:
-    import torch.distributed as dist
+    from tasks import collectives
 
     t0 = time.perf_counter()
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    collectives.all_to_all_single(out, x, out_splits, in_splits, group=group)
     t1 = time.perf_counter()
     A2A_SECONDS[0] += t1 - t0
     if A2A_LOG is not None:
@@ -73,7 +73,6 @@ class AllToAllDispatcher:
     def __init__(self, group, n_experts: int, ep: int):
         self.group, self.n_experts, self.ep = group, n_experts, ep
         self.local = n_experts // ep
-        self.bytes_sent = 0  # all-to-all payload of this rank since the last reset (benchmarks, profiling)
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts) -> torch.Tensor:
         ep, local = self.ep, self.local
@@ -99,7 +98,6 @@ class AllToAllDispatcher:
         perm = perm.to(recv.device)
         ys = experts(recv[perm], recv_by.sum(0).tolist())
         back = torch.empty_like(ys).index_copy(0, perm, ys)
-        self.bytes_sent += 2 * xs.numel() * xs.element_size()
         return all_to_all(back, send, recv_by.sum(1).tolist(), self.group)
 
 

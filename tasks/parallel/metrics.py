@@ -75,7 +75,6 @@ class MlflowSender:
         bound_http()
         self.uri, self.run_id, self.attempts, self.pause_s = uri, run_id, attempts, pause_s
         self.q: "queue.Queue" = queue.Queue(maxsize=queue_size)
-        self.sent = self.failed = 0
         self.thread = threading.Thread(target=self._run, name="mlflow-sender", daemon=True)
         self.thread.start()
 
@@ -85,7 +84,7 @@ class MlflowSender:
         try:
             self.q.put_nowait(record)
         except queue.Full:  # MLflow far behind: dropped here, backfilled later from metrics.jsonl
-            self.failed += 1
+            pass
 
     def _run(self) -> None:
         import mlflow
@@ -100,7 +99,6 @@ class MlflowSender:
             if record is None:
                 return
             if time.time() < down_until:
-                self.failed += 1
                 continue
             metrics = [
                 Metric(metric_key(k), float(v), int(record["time"] * 1000), int(record["step"]))
@@ -113,12 +111,10 @@ class MlflowSender:
             for attempt in range(self.attempts):
                 try:
                     client.log_batch(self.run_id, metrics=metrics, synchronous=True)
-                    self.sent += 1
                     break
                 except Exception:
                     time.sleep(0.5 * (attempt + 1))
             else:
-                self.failed += 1
                 down_until = time.time() + self.pause_s
 
     def close(self, flush_s: float) -> None:

@@ -9,12 +9,6 @@ from __future__ import annotations
 
 import copy
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
-
-
-def stages_per_rank(schedule: str, virtual_stages: int) -> int:
-    return virtual_stages if schedule == "interleaved1f1b" else 1
-
 
 def layer_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     """Contiguous layer ranges, as even as possible; earlier stages take the remainder (later ones hold the

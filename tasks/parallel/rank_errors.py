@@ -150,6 +150,43 @@ def collect(
     return out
 
 
+# An OS error that no retry can fix: the disk is full, read-only or over quota. PyTorch's own writer reports ENOSPC
+# as "PytorchStreamWriter failed writing file …: file write failed" (caffe2/serialize/inline_container.cc).
+_DISK = re.compile(
+    r"No space left on device|Read-only file system|Disk quota exceeded|\[Errno (?:28|30|122)\]|file write failed",
+    re.I,
+)
+PROBE_BYTES = 1 << 20
+
+
+def disk_fault(run_dir: Path, failures: list[RankFailure]) -> str | None:
+    """After a failed launch, before anything is cleaned up: the one-line cause when the run directory's filesystem
+    is full or read-only (a probe write of 1 MB fails), or a rank died of ENOSPC/EROFS/EDQUOT. A full disk often
+    leaves no error file and no rank log (they live on the same disk), so the probe comes first."""
+    import errno
+    import os
+
+    from tasks.errors import os_error_cause
+
+    run_dir = Path(run_dir)
+    probe = run_dir / f".disk-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * PROBE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EACCES):
+            e.filename = str(run_dir)
+            return os_error_cause(e)
+    finally:
+        probe.unlink(missing_ok=True)
+    for f in failures:
+        if _DISK.search(f.message):
+            return f"{run_dir}: rank {f.rank}: {f.exc_type}: {f.message}"
+    return None
+
+
 def log_offsets(logs_dir: Path) -> dict[str, int]:
     """Sizes of the rank logs before a launch (they are appended to): causes are read after these offsets."""
     return {p.name: p.stat().st_size for p in Path(logs_dir).glob("rank-*.log")}

@@ -6,7 +6,7 @@ search.py   enumeration of (dp, tp, pp, zero, recompute, micro-batch, schedule),
 table.py    the ranked table with rejection reasons
 """
 
-from tasks.parallel.layout import Layout
+from tasks.layout import Layout
 from tasks.planner import moe
 from tasks.planner.memory import ModelShape, dense_estimate_for_run, estimate, shape_of
 from tasks.units import GB

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from tasks.parallel.layout import Layout
+from tasks.layout import Layout
 from tasks.planner.cluster import Cluster
 from tasks.planner.memory import (
     PRECISION_BYTES,

@@ -24,7 +24,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
-from tasks.parallel.layout import Layout
+from tasks.layout import Layout
 from tasks.planner.memory import PRECISION_BYTES, ModelShape, estimate, flops_per_token
 from tasks.units import GB
 
@@ -72,7 +72,7 @@ def layout_problem(pb: Problem, dp: int, tp: int, pp: int) -> str | None:
             return f"tp {tp} does not divide {sh.kv_heads} KV heads"
         if sh.layers % pp:
             return f"pp {pp} does not divide {sh.layers} layers"
-        if sh.tied and pp > 1:  # the trainer (tasks/parallel/layout.check) keeps a tied embedding on one stage
+        if sh.tied and pp > 1:  # the trainer (tasks/layout.check) keeps a tied embedding on one stage
             return f"tied embeddings need pp = 1 (pp {pp})"
     if pb.sequence_parallel and tp > 1 and pb.seq_len % tp:
         return f"tp {tp} does not divide seq len {pb.seq_len} (sequence parallel)"

@@ -306,14 +306,59 @@ def _rank_id(root: Path, fallback: int) -> int:
     return devices[0] if len(devices) == 1 else fallback
 
 
+# msprof-analyze's DB output (26.2.0: cluster_analyse/analysis/step_trace_time_analysis.py writes table
+# ClusterStepTraceTime into cluster_analysis_output/cluster_analysis.db when its input was torch_npu's db export;
+# columns from cluster_analyse/common_func/tables_config.py ClusterStepTraceTimeMap) → the CSV's header names.
+CLUSTER_DB = "cluster_analysis.db"
+CLUSTER_DB_COLUMNS = {
+    "step": "Step",
+    "type": "Type",
+    "index": "Index",
+    "computing": "Computing",
+    "communication_not_overlapped": "Communication(Not Overlapped)",
+    "overlapped": "Overlapped",
+    "communication": "Communication",
+    "free": "Free",
+    "stage": "Stage",
+    "bubble": "Bubble",
+    "communication_not_overlapped_and_exclude_receive": "Communication(Not Overlapped and Exclude Receive)",
+    "preparing": "Preparing",
+}
+
+
+def cluster_db_rows(path: Path) -> list[dict]:
+    """ClusterStepTraceTime of a cluster_analysis.db as cluster_step_trace_time.csv rows ([] without the table)."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            cur = con.execute("SELECT * FROM ClusterStepTraceTime")
+            names = [CLUSTER_DB_COLUMNS.get(d[0], d[0]) for d in cur.description]
+            return [{k: ("" if v is None else str(v)) for k, v in zip(names, row)} for row in cur.fetchall()]
+        finally:
+            con.close()
+    except sqlite3.OperationalError as e:
+        if "no such table" in str(e):
+            return []
+        raise StageError(f"{path}: not a readable SQLite database ({e}); run msprof-analyze again") from None
+
+
 def read_cluster(root: Path) -> tuple[list[RankData], list[str]]:
-    """msprof-analyze's cluster_analysis_output: cluster_step_trace_time.csv (+ cluster_communication.json)."""
+    """msprof-analyze's cluster_analysis_output: cluster_step_trace_time.csv (+ cluster_communication.json) from a
+    text input, or its cluster_analysis.db (ClusterStepTraceTime) from a db input — what msprof-analyze ≥ 8.x
+    writes when the profiling folders hold ascend_pytorch_profiler_{rank}.db, which torch_npu on CANN ≥ 8.5 writes
+    with the text export too (msprof-analyze cluster_data_preprocess/prof_data_allocate.py prefers the db)."""
     files = Files([p for p in root.iterdir() if p.is_file() and p.suffix == ".csv"])
-    rows = [r for r in files.rows("cluster_step_trace") if tables.text(r.get("Type")).lower() == "rank"]
+    rows = files.rows("cluster_step_trace")
+    if not rows and (root / CLUSTER_DB).is_file():
+        rows = cluster_db_rows(root / CLUSTER_DB)
+        files.variants.append(f"{CLUSTER_DB}: ClusterStepTraceTime")
+    rows = [r for r in rows if tables.text(r.get("Type")).lower() == "rank"]
     if not rows:
         raise StageError(
-            f"{root}: cluster_step_trace_time.csv missing or without rank rows — run "
-            "`msprof-analyze -m all -d <profiling dir>` again"
+            f"{root}: neither cluster_step_trace_time.csv nor {CLUSTER_DB} (ClusterStepTraceTime) has rank rows — "
+            "run `msprof-analyze cluster -m all -d <profiling dir>` again"
         )
     by_rank = defaultdict(list)
     for r in rows:

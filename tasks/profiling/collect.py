@@ -25,11 +25,6 @@ from pathlib import Path
 from tasks.config import ProfileConfig
 
 
-def steps_needed(pcfg: ProfileConfig) -> int:
-    """Training steps that complete one profiling cycle (the trace is written at the end of the last active step)."""
-    return pcfg.skip_first + pcfg.wait + pcfg.warmup + pcfg.active
-
-
 def trace_path(out_dir: str | os.PathLike, rank: int) -> Path:
     return Path(out_dir) / f"rank{rank}.pt.trace.json"
 

@@ -1,8 +1,11 @@
 """Which engine gives the step breakdown of Ascend data (`profile.analyzer`):
 
 - msprof-analyze: Huawei's own analysis (`msprof-analyze -m all -d DATA -o OUT`, PyPI package msprof-analyze,
-  version matching the CANN that collected the data); its cluster_step_trace_time.csv becomes the report's step
-  breakdown. Required: a missing or failing tool fails the stage in one line.
+  version matching the CANN that collected the data); its step trace becomes the report's step breakdown —
+  cluster_step_trace_time.csv from a text export, or table ClusterStepTraceTime of cluster_analysis.db when the
+  folders hold torch_npu's db export (CANN >= 8.5 writes ascend_pytorch_profiler_{rank}.db even with the text
+  export, and msprof-analyze 26.2.0 then reads the db: cluster_data_preprocess/prof_data_allocate.py;
+  tasks.profiling.ascend.read_cluster reads both). Required: a missing or failing tool fails the stage in one line.
 - builtin: this project's readers only (tasks/profiling/ascend.py).
 - auto (default): msprof-analyze when it is on PATH and succeeds, else builtin with the reason in the notes.
 Where both ran, their mean step breakdowns are compared: every part (computing, communication not overlapped,

@@ -1,5 +1,5 @@
 """Mixture-of-experts rule: expert load imbalance, from the router statistics the trainer logs per step
-(metrics.jsonl: moe_tokens_per_expert {layer: [tokens per expert]}, moe_load_max_over_mean; tasks/parallel/worker.py).
+(metrics.jsonl: moe_tokens_per_expert {layer: [tokens per expert]}, moe_load_max_over_mean; tasks/train/trainer.py).
 
 An expert that receives far more than the mean number of tokens sets the pace of its layer (dropless: its grouped
 matmul is the longest; with expert parallelism its rank's all-to-all and compute are the longest — the other ranks

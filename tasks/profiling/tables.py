@@ -59,6 +59,45 @@ def num(value) -> float | None:
         return None
 
 
+# Columns that hold a time span or an amount (≥ 0, finite): a negative, NaN or non-numeric value means a corrupt or
+# hand-edited file, and summing it would report NaN or a negative step time as a result.
+_SPAN_COLUMNS = {
+    "Computing",
+    "Communication(Not Overlapped)",
+    "Overlapped",
+    "Communication",
+    "Free",
+    "Bubble",
+    "Preparing",
+    "Stage",
+    "Communication(Not Overlapped and Exclude Receive)",
+    "Count",
+}
+
+
+def _is_span(column: str) -> bool:
+    c = column.strip()
+    return c in _SPAN_COLUMNS or (
+        c.endswith("(us)") and ("Duration" in c or c.endswith(" Time(us)")) and "Wait" not in c
+    )
+
+
+def check_spans(path: Path, header: list[str], rows: list[dict]) -> None:
+    """One line naming the file, row and column of the first duration that is negative, NaN/inf or not a number."""
+    cols = [h for h in header if _is_span(h)]
+    for i, row in enumerate(rows, start=2):  # line 1 is the header
+        for c in cols:
+            raw = row.get(c)
+            if raw is None or str(raw).strip().strip('"').strip() in _MISSING:
+                continue
+            v = num(raw)
+            if v is None or v != v or v in (float("inf"), float("-inf")) or v < 0:
+                raise StageError(
+                    f"{path}: line {i}, column {c!r}: {str(raw).strip()!r} is not a duration (must be a finite "
+                    "number >= 0); the file is corrupt or was edited: export the profile again"
+                )
+
+
 def text(value) -> str:
     return "" if value is None else str(value).strip().strip('"').strip()
 
@@ -84,6 +123,7 @@ def read_csv(path: Path) -> tuple[list[str], list[dict]]:
             rows = [dict(zip(header, row)) for row in reader if any(cell.strip() for cell in row)]
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise StageError(f"{path}: unreadable CSV ({type(e).__name__}: {e})") from None
+    check_spans(path, header, rows)
     return header, rows
 
 

@@ -35,7 +35,13 @@ def load_trace(path: Path) -> tuple[dict, list[dict]]:
                 try:
                     e[key] = float(e[key].strip())
                 except ValueError:
-                    e[key] = None
+                    e[key] = None if key == "ts" else e[key]
+        dur = e.get("dur") if isinstance(e, dict) and e.get("ph") == "X" else 0
+        if dur is not None and not (isinstance(dur, (int, float)) and 0 <= dur < float("inf")):
+            raise StageError(
+                f"{path}: event {str(e.get('name', '?'))[:80]!r} has duration {dur!r} (must be a finite number "
+                ">= 0); the trace is corrupt or was edited: collect the profile again"
+            )
     return meta, events
 
 

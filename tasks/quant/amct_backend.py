@@ -1,10 +1,11 @@
 """AMCT (Ascend Model Compression Toolkit) flows. `amct_pytorch` ships with CANN and is imported lazily: on a host
 without it, `amct_import_error()` names the cause and the plan refuses the backend in one line.
 
-The API differs by release (hicann/amct): 8.5.0 offers only the LLM flow (`amct.quantize` / `amct.convert`); master
-(9.x) adds the classic graph-based flow (`create_quant_config` / `quantize_model` / `save_model` and the QAT
-`create_quant_retrain_config`) behind a lazy `__getattr__`. A flow is used only when the installed package exposes
-every function it needs (`available_flows`), else it is refused in one line naming what is missing.
+The API differs by release (hicann/amct): 8.5.0 offers only the LLM flow (`amct.quantize` / `amct.convert`);
+9.0.0 and later (branches 9.0.0, 9.1.0, master) add the classic graph-based flow (`create_quant_config` /
+`quantize_model` / `save_model` and the QAT `create_quant_retrain_config`) behind a lazy `__getattr__`. A flow is used
+only when the installed package exposes every function it needs (`available_flows`), else it is refused in one line
+naming what is missing.
 
 - LLM flow (A2/A3 NPU): `amct.quantize(model, cfg)` → calibration forwards → `amct.convert(model)`, in place.
 - Classic PTQ: `create_quant_config` → `quantize_model` → calibration → `save_model`, which writes
@@ -54,7 +55,7 @@ def require_flow(module, flow: str) -> None:
         raise StageError(
             f"AMCT ({version}) does not offer the {flow} flow (no amct_pytorch.{missing[0]}); "
             f"it offers: {', '.join(offered) or 'none'} — set quantize.amct_flow accordingly "
-            f"(8.5.0 has only llm; ptq/qat need AMCT from hicann/amct master)"
+            f"(8.5.0 has only llm; ptq/qat need AMCT 9.0.0 or later: hicann/amct branches 9.0.0, 9.1.0)"
         )
 
 

@@ -73,7 +73,7 @@ def pip_requirements(meta: dict) -> list[str]:
 
         reqs.append(f"torchao=={torchao.__version__}")
     elif meta.get("backend") == "amct":
-        from tasks.envcheck.versions import package_version
+        from tasks.device import package_version
 
         npu = package_version("torch-npu")
         reqs.append(f"torch-npu=={npu}" if npu else "torch-npu")
@@ -100,9 +100,14 @@ def load_quantized(quant_dir: str | Path, device="cpu") -> torch.nn.Module:
         raise StageError(f"{problem}; rerun the quantize stage (it rebuilds it)")
     try:
         if meta["format"] == "torch_module":
-            # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory (trusted input).
+            # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory, and its sha256 was
+            # checked above against quant_meta.json. Not weights_only: AMCT's deploy classes are not registered as
+            # safe globals (an Ascend host could add them with torch.serialization.add_safe_globals).
             return torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=False).eval()
-        import torchao  # noqa: F401  (registers torchao's tensor subclasses for weights_only loading)
+        # torchao registers its tensor subclasses and their enums as safe globals on import (torchao 0.18:
+        # torch.serialization.add_safe_globals in quantization/granularity.py, quant_primitives.py, …), so the INT8
+        # state dict loads with weights_only=True: no code runs from the file.
+        import torchao  # noqa: F401
 
         state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # truncated/corrupt, no checksum

@@ -2,8 +2,9 @@
 
 AMCT's `quantize_model` / `create_quant_retrain_config` export the model to ONNX at opset 11, where
 `aten::scaled_dot_product_attention` has no symbolic (it needs opset >= 14). While `export_friendly(model)` is
-active every Attention block computes the same causal softmax(QKᵀ/√d)·V with plain matmul/softmax ops that opset 11
-exports; the numerics match SDPA (tests/test_ascend_paths.py compares them).
+active (the `math_attention` model converter, tasks/model/converters.py) every Attention block computes the same
+causal softmax(QKᵀ/√d)·V with plain matmul/softmax ops that opset 11 exports; the numerics match SDPA
+(tests/test_ascend_paths.py compares them).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 
 import torch
 
+from tasks.model.converters import ConvertContext, register, restore, swap_classes
 from tasks.model.transformer import Attention
 
 
@@ -29,16 +31,28 @@ class MathAttention(Attention):
         return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
+@register("math_attention")
+class MathAttentionConverter:
+    """The `math_attention` converter: every Attention computes with MathAttention's opset-11 ops (parameters and
+    names untouched); `revert` gives the blocks their SDPA back."""
+
+    def __init__(self, ctx: ConvertContext | None = None):
+        self.swapped = []
+
+    def convert(self, model: torch.nn.Module) -> None:
+        self.swapped += swap_classes(model, {Attention: MathAttention})
+
+    def revert(self) -> None:
+        restore(self.swapped)
+        self.swapped = []
+
+
 @contextlib.contextmanager
 def export_friendly(model: torch.nn.Module):
-    """Swap every Attention's class to MathAttention for the duration (parameters and names untouched)."""
-    swapped = []
-    for module in model.modules():
-        if type(module) is Attention:
-            module.__class__ = MathAttention
-            swapped.append(module)
+    """The math_attention converter for the duration (AMCT's ONNX export), then SDPA again."""
+    converter = MathAttentionConverter()
+    converter.convert(model)
     try:
         yield model
     finally:
-        for module in swapped:
-            module.__class__ = Attention
+        converter.revert()

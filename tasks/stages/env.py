@@ -12,9 +12,9 @@ import argparse
 import os
 import sys
 
-from tasks import device, tracking
+from tasks import device, npu_smi, tracking
 from tasks.config import PipelineConfig, repo_path
-from tasks.envcheck import check, compat, npu_smi, probe, system, versions, worst
+from tasks.envcheck import check, compat, npu_health, probe, system, versions, worst
 from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_write_json
 
@@ -234,7 +234,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     text = npu_smi.run()
     if text:
         facts["npu_smi"] = npu_smi.parse(text)
-        checks.extend(npu_smi.checks(facts["npu_smi"]))
+        checks.extend(npu_health.checks(facts["npu_smi"]))
     backend = _backend_checks(cfg, facts, checks) if imp["ok"] else None
     _system_checks(cfg, ctx, backend, facts, checks)
     if backend is not None:

@@ -305,6 +305,7 @@ def _log_stage(m: dict, prefix: str) -> None:
 def run(cfg: PipelineConfig, ctx) -> dict:
     from tokenizers import Tokenizer
 
+    from tasks.model.hf_io import check_tokenizers
     from tasks.quant.artifact import load_quantized
 
     max_drop = registry.check_threshold(cfg.evaluate.max_drop_pct)
@@ -315,6 +316,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
     shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
+    check_tokenizers(model_dir, shard_dir, "evaluate", quant_meta=meta, quant_dir=quant_dir)
     digest = inputs.manifest_digest(shard_dir)
     measurer = Measurer(cfg, model_dir, shard_dir, meta.get("dtype", "bf16"))
     ptq_model = load_quantized(quant_dir, device=measurer.device)

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from tasks import tracking
+from tasks import device, npu_smi, tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
-from tasks.envcheck import check, npu_smi, system, versions, worst
+from tasks.envcheck import check, npu_health, system, versions, worst
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
 
@@ -45,8 +45,8 @@ def collect(cfg: PipelineConfig) -> dict:
         "time": time.time(),
         "host": system.host_facts(),
         "versions": {
-            "torch": versions.package_version("torch"),
-            "torch_npu": versions.package_version("torch-npu"),
+            "torch": device.package_version("torch"),
+            "torch_npu": device.package_version("torch-npu"),
             "cann": (versions.find_cann() or {}).get("version"),
         },
         "clock": system.clock_status(),
@@ -118,7 +118,7 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
     if backend.get("error"):
         out.append(check("backend", "fail", backend["error"]))
     if info:
-        out += [c for c in npu_smi.checks(info) if c["name"] == "npu-health"]  # busy chips are normal here
+        out += [c for c in npu_health.checks(info) if c["name"] == "npu-health"]  # busy chips are normal here
         busy = {(p["npu"], p["chip"]) for p in info["processes"]}
         devices = [
             Device(

@@ -21,7 +21,6 @@ from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
 from tasks.profiling import baseline, charts
 from tasks.profiling.advisor import advise
-from tasks.profiling.collect import steps_needed
 from tasks.profiling.loader import load_profile
 from tasks.profiling.msprof import find_msprof, msprof_wrap
 from tasks.profiling.render import render_markdown
@@ -89,7 +88,7 @@ def msprof_source(msprof_dir: Path) -> Path:
 def _npu_option_checks(cfg: PipelineConfig) -> list[str]:
     """Refuse profiler options the installed torch_npu lacks (one line), return the warnings as notes."""
     from tasks.envcheck.compat import torchnpu_release
-    from tasks.envcheck.versions import package_version
+    from tasks.device import package_version
     from tasks.profiling.collect import npu_option_problems
 
     errors, warnings = npu_option_problems(cfg.profile, torchnpu_release(package_version("torch-npu")))
@@ -105,6 +104,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     Same trainer, model, shard set and layout (train.prepare resolves them exactly as the train stage does);
     its checkpoints and metrics go under <run-dir>/profile/run so the training run is untouched.
     """
+    from tasks.launch import torchrun
     from tasks.stages import train
 
     runner.shard_set(cfg, ctx)  # before the digest below: data.seq_len follows the shard set (as train.prepare)
@@ -117,10 +117,10 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     notes = _npu_option_checks(cfg) if spec["backend"] == "npu" else []
     work = out_dir / "run"
     shutil.rmtree(work, ignore_errors=True)
-    spec["config"]["train"].update(steps=steps_needed(cfg.profile), checkpoint_every=0)
+    spec["config"]["train"].update(steps=cfg.profile.steps_needed(), checkpoint_every=0)
     spec.update(run_dir=str(work), resume=False)
     spec_path = atomic_write_json(work / "launch.json", spec)
-    argv = train.torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile")
+    argv = torchrun.argv(cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile")
     argv += ["--profile-dir", str(traces)]
     msprof = find_msprof() if cfg.profile.use_msprof and spec["backend"] == "npu" else None
     if cfg.profile.use_msprof:
@@ -131,16 +131,16 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
         )
     shutil.rmtree(out_dir / "msprof", ignore_errors=True)
     log_path = out_dir / "logs" / "torchrun.log"
-    rc, log = train.launch(
+    rc, log = torchrun.run(
         msprof_wrap(argv, out_dir / "msprof", msprof),
-        train.launch_env(cfg, spec["backend"], spec["nproc"], None),
+        torchrun.env(cfg, spec["backend"], spec["nproc"], None),
         log_path,
         timeout=stage_timeout("profile", cfg, ctx.run_dir),
     )
     if rc != 0:
         if "unrecognized arguments: --profile-dir" in log:
             raise StageError(
-                "the training worker does not accept --profile-dir (tasks/parallel/worker.py must call "
+                "the training worker does not accept --profile-dir (tasks/train/trainer.py must call "
                 "tasks.profiling.collect.make_profiler); analyse existing traces with "
                 "`python -m tasks profile analyze PATH`"
             )
@@ -151,7 +151,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
         source = msprof_source(out_dir / "msprof")
     elif not traces.is_dir() or not any(traces.iterdir()):
         raise StageError(
-            f"the profiled run wrote no traces to {traces}: with {steps_needed(cfg.profile)} steps the "
+            f"the profiled run wrote no traces to {traces}: with {cfg.profile.steps_needed()} steps the "
             "schedule (profile.skip_first/wait/warmup/active) never reached an active step"
         )
     else:
@@ -160,7 +160,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
         marker,
         {
             "config_hash": cfg.digest(),
-            "steps": steps_needed(cfg.profile),
+            "steps": cfg.profile.steps_needed(),
             "backend": spec["backend"],
             "world": spec["world"],
             "source": str(source),

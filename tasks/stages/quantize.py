@@ -44,11 +44,13 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     import torch
 
     from tasks import device as devices
-    from tasks.model.hf_io import load_hf
+    from tasks.model.hf_io import check_tokenizers, load_hf
+    from tasks.model.model_dir import accepted_tokenizers
     from tasks.quant import metrics
 
     q = cfg.quantize
     model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_set(cfg, ctx)
+    check_tokenizers(model_dir, shard_dir, "quantize")  # calibrating on another tokenizer's ids is silent otherwise
     kind = devices.detect(cfg.hardware.device).kind
     amct_error = None
     if q.backend != "torchao":
@@ -92,6 +94,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         layer_types={layer.name: layer.type for layer in layers if layer.name in names},
         fp32_bytes=fp32_bytes,
         bf16_bytes=bf16_bytes,
+        tokenizer=accepted_tokenizers(model_dir),  # checked by evaluate against its shard set
     )
     try:
         if backend == "torchao":

@@ -3,9 +3,15 @@
 The work is data_prep.build_shard_set (also `python -m data_prep shard`); this module maps PipelineConfig.data
 onto it, logs to MLflow (counters, the manifest and tokenizer as artifacts, the shard set as a dataset input with
 the manifest digest) and returns the shard set's path and `asset_uri`, which the DAG emits as an Airflow Asset.
+
+In the DAGs the build fans out (`tasks.pipeline.shard_step`): prepare → one task per partition → layout → one task
+per write range → this stage with `--reduce`, which publishes what those tasks built and names any that is missing
+or fails its check. Every step's state lives in the build's directory under data.out_dir, so a step can run on
+any worker.
 """
 
 from __future__ import annotations
+
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
@@ -52,6 +58,11 @@ def add_cli_args(parser) -> None:
         default=None,
         metavar="SHA256",
         help="with --shard-dir: the manifest.json sha256 the set must have (refused otherwise)",
+    )
+    parser.add_argument(
+        "--reduce",
+        action="store_true",
+        help="publish what the DAG's mapped shard tasks built (each step must be done; a missing or bad one is named)",
     )
 
 
@@ -105,6 +116,7 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
         "seq_len": m["seq_len"],
         "vocab_size": m["vocab_size"],
         "tokenizer": str(shard_dir / "tokenizer.json"),
+        "tokenizer_identity": m["tokenizer"]["identity"],
         "shards": n_shards,
         "train_samples": splits["train"]["samples"],
         "val_samples": splits["val"]["samples"],
@@ -119,7 +131,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         return adopt(cfg, ctx)
     scfg = shard_config(cfg)
     try:
-        result = build_shard_set(scfg)
+        result = build_shard_set(scfg, reduce_only=getattr(ctx.args, "reduce", False))
     except DataPrepError as e:
         raise StageError(f"shard: {e}") from None
     m, stats = result.manifest, result.manifest["stats"]
@@ -134,6 +146,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             "shard.vocab_size": m["vocab_size"],
             "shard.shard_multiple": m["shard_multiple"],
             "shard.inputs": ",".join(scfg.inputs),
+            "shard.tokenizer_identity": m["tokenizer"]["identity"],
         }
     )
     metrics = {
@@ -146,7 +159,13 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         **{f"shard.{s}_samples": v["samples"] for s, v in splits.items()},
     }
     if not result.cache_hit:
-        metrics.update({"shard.tokens_per_s": result.tokens_per_s, "shard.tokenizer_seconds": result.tokenizer_seconds})
+        metrics.update(
+            {
+                "shard.tokens_per_s": result.tokens_per_s,
+                "shard.tokenizer_seconds": result.tokenizer_seconds,
+                "shard.partitions": result.partitions,
+            }
+        )
     tracking.log_metrics(metrics)
     tracking.log_artifact(result.shard_dir / "manifest.json", "shards")
     tracking.log_artifact(result.shard_dir / "tokenizer.json", "shards")
@@ -171,6 +190,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         "tokenizer": str(result.shard_dir / "tokenizer.json"),
         "tokens": result.tokens,
         "shards": n_shards,
+        "partitions": result.partitions,
+        "tokenizer_identity": m["tokenizer"]["identity"],
         "train_samples": splits["train"]["samples"],
         "val_samples": splits["val"]["samples"],
     }

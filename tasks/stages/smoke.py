@@ -1,4 +1,10 @@
-"""Smoke stage: one device, the configured model, N steps in FP32 then N in BF16 from the same weights and batches.
+"""Smoke stage: one device, N steps in FP32 then N in BF16 (FP16 where the device has no BF16, or where
+train.precision is fp16) from the same weights and batches.
+
+The model is `smoke.model` (tasks/model/sibling.py): by default the configured model when it fits one device, else
+a small sibling of it (same family and block structure, the shard set's vocabulary), recorded as `smoke_model`.
+With model.hf_path the checkpoint's own first forward on the shard set runs first (tasks/model/checkpoint_check.py):
+its loss must be far below ln(vocab), or the stage fails in one line before any training.
 
 Passes when every loss is finite, the loss falls and the two curves agree; otherwise it names the first layer that
 went non-finite, with likely causes, and raises a non-retryable StageError so training never starts on a broken set-up.
@@ -67,41 +73,91 @@ def check_batches(batches, tcfg) -> None:
         raise StageError(f"data: sequences of {seq} tokens exceed model max_seq_len {tcfg.max_seq_len}")
 
 
-def initial_model(cfg, vocab: int):
-    """(TransformerConfig, CPU state dict): random init from train.seed, or the weights of model.hf_path."""
-    from tasks.model import build_model, from_pipeline, materialize
+def initial_model(cfg, tcfg, own_weights: bool):
+    """The CPU state dict smoke starts from: the weights of model.hf_path when smoke trains the checkpoint's own
+    model (`own_weights`), else random init from train.seed."""
+    from tasks.model import build_model, materialize
     from tasks.model.hf_io import load_hf
 
-    tcfg = from_pipeline(cfg, vocab_size=vocab)
-    model = (
-        load_hf(repo_path(cfg.model.hf_path))
-        if cfg.model.hf_path
-        else materialize(build_model(tcfg), "cpu", cfg.train.seed)
+    if own_weights and cfg.model.hf_path:
+        return load_hf(repo_path(cfg.model.hf_path)).state_dict()
+    return materialize(build_model(tcfg), "cpu", cfg.train.seed).state_dict()
+
+
+def low_precision(kind: str, train_precision: str, bf16_ok: bool, fp16_ok: bool) -> tuple[str | None, str | None]:
+    """(the 16-bit precision the smoke compares with FP32, or None; one line when train.precision cannot run here).
+
+    train.precision fp16 compares FP16 (also on CPU, where autocast fp16 runs, so CI covers it); otherwise BF16, or
+    FP16 where the device has no BF16 (Ascend 910 A1 parts: the guides' answer there is FP16 with loss scaling)."""
+    if train_precision == "fp16":
+        if fp16_ok:
+            return "fp16", None
+        return None, f"train.precision: fp16 is not supported on this {kind} device (no FP16 kernels): use bf16 or fp32"
+    if bf16_ok:
+        return "bf16", None
+    return ("fp16" if fp16_ok else None), None
+
+
+def checkpoint_first_loss(cfg, tcfg, batch, dev, defer_nonfinite: bool) -> dict:
+    """model.hf_path's own first forward on the first batch (its embedding, smoke.hf_layers blocks, norm, head),
+    logged as smoke.checkpoint.*; a loss not far below ln(vocab) fails in one line. A non-finite loss is left to the
+    FP32 curve's layer diagnosis when that curve trains the checkpoint itself (`defer_nonfinite`)."""
+    from tasks.model import checkpoint_check
+
+    path = repo_path(cfg.model.hf_path)
+    result = checkpoint_check.initial_loss(path, tcfg, batch[0], batch[1], cfg.smoke.hf_layers, dev)
+    tracking.log_metrics(
+        {f"smoke.checkpoint.{k}": result[k] for k in ("loss", "ln_vocab", "ratio", "layers") if result[k] is not None}
     )
-    return model.config, model.state_dict()
+    nonfinite = result["nonfinite_layer"] or not math.isfinite(result["loss"])
+    if nonfinite and defer_nonfinite:
+        return result
+    problem = checkpoint_check.problem(result, cfg.smoke.hf_max_loss_ratio, path)
+    if problem:
+        raise StageError(problem)
+    return result
+
+
+def choose_model(cfg, vocab: int, seq_len: int):
+    """(the configured model, the one smoke trains, its `smoke_model` record)."""
+    from tasks.model import from_pipeline
+    from tasks.model.sibling import choose
+
+    full = from_pipeline(cfg, vocab_size=vocab)  # checks the configured model against the shard set first
+    tcfg, record = choose(cfg, full, vocab, seq_len)
+    return full, tcfg, record
+
+
+def smoke_lr(cfg, tcfg) -> float:
+    """smoke.lr, scaled by smoke.lr_width / hidden for a model wider than smoke.lr_width."""
+    width = cfg.smoke.lr_width
+    return cfg.smoke.lr * (width / tcfg.dim if width and tcfg.dim > width else 1.0)
 
 
 def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool) -> Curve:
     import torch
 
-    from tasks.model import build_model
+    from tasks.model import build_model, converters
     from tasks.model.diagnose import diagnose_non_finite
-    from tasks.model.npu_kernels import convert as convert_npu_kernels
-    from tasks.model.step import train_step
+    from tasks.train.step import single_process
 
     model = build_model(tcfg).to_empty(device=dev)
-    convert_npu_kernels(model, dev.type, cfg.model.npu_kernels)  # the kernels training uses; identity off the NPU
+    convs = converters.build(cfg.model.converters, converters.ConvertContext(dev.type, tcfg, cfg))
+    converters.apply(model, convs)  # the converters training uses (NPU kernels: identity off the NPU)
     model.tie_weights()
     model.load_state_dict(state)
     model.init_rope()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.smoke.lr, weight_decay=cfg.train.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=smoke_lr(cfg, tcfg), weight_decay=cfg.train.weight_decay)
     autocast = devices.autocast(dev, precision)
+    # The trainer's step, in one process.
+    train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast, converters=convs)
     curve = Curve(precision)
     devices.reset_peak(dev)
     start, timed_tokens = time.perf_counter(), 0
     for step, (x, y) in enumerate(batches):
         x, y = x.to(dev), y.to(dev)
-        loss, norm = train_step(model, opt, x, y, autocast, cfg.train.grad_clip)
+        result = train_step(x, y)
+        loss, norm = result.loss, result.grad_norm
         curve.losses.append(loss)
         tracking.log_metrics({f"smoke.{precision}.loss": loss, f"smoke.{precision}.grad_norm": norm}, step=step)
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -118,32 +174,38 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
     return curve
 
 
-def verdict(curves: dict, cfg) -> tuple[list[str], dict]:
-    """Failures (one line each) and the figures behind them."""
+def verdict(curves: dict, cfg, pretrained: bool = False) -> tuple[list[str], dict]:
+    """Failures (one line each) and the figures behind them. From random weights the loss must fall by
+    smoke.min_drop; from a trained checkpoint (`pretrained`: model.hf_path's own weights), whose loss a few steps
+    barely move, it must not rise by more than that. The 16-bit curve (BF16 or FP16) is compared with FP32 within
+    smoke.bf16_tolerance."""
     k = max(1, min(cfg.smoke.window, cfg.smoke.steps // 2))
+    need = -cfg.smoke.min_drop if pretrained else cfg.smoke.min_drop
     problems, figures = [], {}
     for name, c in curves.items():
         first, last = sum(c.losses[:k]) / k, sum(c.losses[-k:]) / k
         drop = (first - last) / abs(first)
         figures[f"{name}.loss_drop"] = drop
-        if drop < cfg.smoke.min_drop:
+        if drop < need:
+            what = "rose from the checkpoint's" if pretrained else "did not fall"
             problems.append(
-                f"{name.upper()} loss did not fall: mean of first {k} {first:.4f} → last {k} "
-                f"{last:.4f} ({drop:.1%} < smoke.min_drop {cfg.smoke.min_drop:.0%}); check smoke.lr "
-                f"and the data"
+                f"{name.upper()} loss {what}: mean of first {k} {first:.4f} → last {k} "
+                f"{last:.4f} ({drop:.1%} < {'−' if pretrained else ''}smoke.min_drop {cfg.smoke.min_drop:.0%}); "
+                f"check smoke.lr{' (a trained model wants a small one)' if pretrained else ''} and the data"
             )
-    if "bf16" in curves:
+    low = next((name for name in curves if name != "fp32"), None)
+    if low:
         # Compare rolling means over the window: single-batch losses are noisy, and tiny weight differences shift
         # which batch looks hard; a real precision problem moves the whole curve.
-        fp32, bf16 = _rolling(curves["fp32"].losses, k), _rolling(curves["bf16"].losses, k)
-        gaps = [abs(b - f) / abs(f) for f, b in zip(fp32, bf16)]
+        fp32, half = _rolling(curves["fp32"].losses, k), _rolling(curves[low].losses, k)
+        gaps = [abs(b - f) / abs(f) for f, b in zip(fp32, half)]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
-        figures["bf16.max_rel_gap"] = gaps[worst]
+        figures[f"{low}.max_rel_gap"] = gaps[worst]
         if gaps[worst] > cfg.smoke.bf16_tolerance:
+            fix = "keep norms/loss in FP32, clip gradients" if low == "bf16" else "FP16 range: use loss scaling"
             problems.append(
-                f"BF16 curve departs from FP32 by {gaps[worst]:.1%} over steps {worst}-{worst + k - 1} "
-                f"(smoke.bf16_tolerance {cfg.smoke.bf16_tolerance:.0%}); BF16 range: keep norms/loss in "
-                f"FP32, clip gradients"
+                f"{low.upper()} curve departs from FP32 by {gaps[worst]:.1%} over steps {worst}-{worst + k - 1} "
+                f"(smoke.bf16_tolerance {cfg.smoke.bf16_tolerance:.0%}); {fix}"
             )
     return problems, figures
 
@@ -161,7 +223,7 @@ def plot_curves(curves: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, c in curves.items():
         ax.plot(range(len(c.losses)), c.losses, marker=".", label=name.upper())
-    ax.set(xlabel="step", ylabel="loss", title="Smoke run: FP32 vs BF16 autocast")
+    ax.set(xlabel="step", ylabel="loss", title=f"Smoke run: {' vs '.join(n.upper() for n in curves)} autocast")
     ax.legend()
     atomic_save_figure(fig, path)
     tracking.log_artifact(path, "smoke")
@@ -184,7 +246,7 @@ def compare_precision(cfg, tcfg, state: dict, tokens, dev) -> dict:
 
     precision = cfg.smoke.compare_precision
     if precision == "bf16" and not devices.bf16_supported(dev.type):
-        precision = "fp32"
+        precision = "fp16" if devices.fp16_supported(dev.type) else "fp32"
     return cmp.compare_with_cpu(tcfg, state, tokens, dev, precision, cfg.smoke.compare_tolerance)
 
 
@@ -204,7 +266,7 @@ def log_compare(result: dict) -> None:
     )
 
 
-def _run_curves(precisions, tcfg, state, batches, dev, cfg) -> dict:
+def _run_curves(precisions, tcfg, state, batches, dev, cfg, what: str) -> dict:
     from tasks.model import num_params
 
     curves: dict[str, Curve] = {}
@@ -216,9 +278,9 @@ def _run_curves(precisions, tcfg, state, batches, dev, cfg) -> dict:
             if "out of memory" not in str(e).lower():
                 raise
             raise StageError(
-                f"smoke: {num_params(tcfg) / 1e9:.2f}B-parameter model does not fit one {dev} with "
+                f"smoke: {num_params(tcfg) / 1e9:.2f}B-parameter {what} does not fit one {dev} with "
                 f"micro_batch {cfg.smoke.micro_batch} (AdamW, FP32); smoke is single-device: lower "
-                f"smoke.micro_batch or use a smaller model.preset"
+                f"smoke.micro_batch, or raise smoke.memory_margin with smoke.model=auto (a smaller sibling)"
             ) from None
         if curve.failure:
             break
@@ -245,30 +307,43 @@ def run(cfg, ctx) -> dict:
         problem = tokenizer_problem(repo_path(cfg.model.hf_path), shard_dir)
         if problem:
             raise ConfigError(problem)
-    tcfg, state = initial_model(cfg, tokenizer_vocab(shard_dir))
+    vocab = tokenizer_vocab(shard_dir)
     batches = load_batches(shard_dir, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed, cfg.data.verify_sha256)
-    check_batches(batches, tcfg)
+    full, tcfg, smoke_model = choose_model(cfg, vocab, cfg.data.seq_len)
     backend = devices.detect(cfg.hardware.device)
     dev = devices.torch_device(backend.kind, 0)
+    low, bad_precision = low_precision(
+        backend.kind, cfg.train.precision, devices.bf16_supported(backend.kind), devices.fp16_supported(backend.kind)
+    )
+    if bad_precision:
+        raise ConfigError(bad_precision)
+    check_batches(batches, tcfg)
     tracking.log_params(
         {
             "smoke.device": str(dev),
             "smoke.params": num_params(tcfg),
             "smoke.family": tcfg.family,
+            "smoke.lr": smoke_lr(cfg, tcfg),
             "smoke.shard_dir": str(shard_dir),
+            **{f"smoke_model.{k}": v for k, v in smoke_model.items()},
         }
     )
-    precisions = ["fp32"] + (["bf16"] if devices.bf16_supported(backend.kind) else [])
+    tracking.log_json_artifact(smoke_model, "smoke/smoke_model.json")
+    own = tcfg is full  # smoke trains the configured model itself (the checkpoint's, with model.hf_path)
+    checkpoint = checkpoint_first_loss(cfg, full, batches[0], dev, defer_nonfinite=own) if cfg.model.hf_path else None
+    state = initial_model(cfg, tcfg, own)
+    precisions = ["fp32"] + ([low] if low else [])
     (ctx.run_dir / "smoke_report.json").unlink(missing_ok=True)  # a rerun must not show an old failure
     recorder = warnings.catch_warnings(record=True) if backend.kind == "npu" else contextlib.nullcontext([])
     with recorder as seen:  # torch_npu's CPU-fallback warnings, for the operator-support report
         if backend.kind == "npu":
             warnings.simplefilter("always")
-        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg)
+        what = "model" if own else f"smoke model (smoke.model={cfg.smoke.model})"
+        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg, what)
     op_report = log_op_support(backend.kind, [str(w.message) for w in seen])
     plot_curves(curves, ctx.run_dir / "smoke_loss.png")
     failure = next((c.failure for c in curves.values() if c.failure), None)
-    problems, figures = ([], {}) if failure else verdict(curves, cfg)
+    problems, figures = ([], {}) if failure else verdict(curves, cfg, pretrained=own and bool(cfg.model.hf_path))
     compared = None
     if cfg.smoke.compare_with_cpu:
         compared = compare_precision(cfg, tcfg, state, batches[0][0][:1], dev)  # one sequence of the first batch
@@ -286,6 +361,7 @@ def run(cfg, ctx) -> dict:
         report = failure or {"cause": "; ".join(problems), "layers": []}
         report["losses"] = {name: c.losses for name, c in curves.items()}
         report["op_support"] = op_report
+        report["smoke_model"] = smoke_model
         if compared:
             report["compare"] = compared
         report_path = atomic_write_json(ctx.run_dir / "smoke_report.json", report)
@@ -294,7 +370,7 @@ def run(cfg, ctx) -> dict:
         raise StageError(f"smoke failed: {report['cause']}{advice} (per-layer report: {report_path})")
     ratio = log_memory_estimate(cfg, tcfg, batches[0][0].shape[1], curves["fp32"].peak_bytes)
     fp32 = curves["fp32"].losses
-    gap = figures.get("bf16.max_rel_gap")
+    gap = figures.get(f"{low}.max_rel_gap")
     extra = {}
     if compared:
         from tasks.model.compare import summary as compare_summary
@@ -314,16 +390,23 @@ def run(cfg, ctx) -> dict:
         }
         extra["compare"]["summary"] = compare_summary(compared)
         extra["compare"]["report"] = str(ctx.run_dir / "smoke_report.json")
+    if checkpoint:
+        extra["checkpoint"] = checkpoint
+    on = "" if own else f" on {smoke_model['params'] / 1e6:.0f}M-param sibling of {smoke_model['derived_from']}"
     return {
-        "status": "ok" if "bf16" in curves and not (compared and compared["first_beyond"]) else "warn",
+        "status": "ok" if low and not (compared and compared["first_beyond"]) else "warn",
         "summary": (
-            f"FP32 loss {fp32[0]:.3f}→{fp32[-1]:.3f}"
-            + (f", BF16 within {gap:.1%}" if gap is not None else ", BF16 unsupported: skipped")
-            + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}"
+            (f"checkpoint loss {checkpoint['loss']:.2f} ({checkpoint['ratio']:.0%} of ln V); " if checkpoint else "")
+            + f"FP32 loss {fp32[0]:.3f}→{fp32[-1]:.3f}"
+            + (f", {low.upper()} within {gap:.1%}" if gap is not None else ", no 16-bit precision on this device")
+            + f", {tokens_per_s['fp32']:.0f} tok/s on {dev}{on}"
             + (f"; compare: {extra['compare']['summary']}" if compared else "")
         ),
         "op_support": op_report,
         **extra,
+        "smoke_model": smoke_model,
+        "precisions": precisions,
+        "lr": smoke_lr(cfg, tcfg),
         "device": str(dev),
         "shard_dir": str(shard_dir),
         "params": num_params(tcfg),

@@ -1,5 +1,5 @@
-"""Hybrid-parallel training: checks the layout, then starts torchrun (one process per device) running
-tasks.parallel.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
+"""Hybrid-parallel training: checks the layout, then starts torchrun (one process per device; tasks/launch/) running
+tasks.train.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automatically; per-step metrics in
 <run-dir>/metrics.jsonl and MLflow; the final model exported to <run-dir>/hf in HF format by the workers themselves
 (streamed from the final checkpoint, a few tensors per rank at a time).
 
@@ -11,46 +11,36 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import re
 import shutil
 import sys
 from pathlib import Path
 
+from tasks import layout as layouts
 from tasks import runner, tracking
-from tasks.config import REPO_ROOT, PipelineConfig
+from tasks.config import PipelineConfig
 from tasks.errors import ConfigError, StageError
-from tasks.fsutil import atomic_save_figure, atomic_write_json, read_json
+from tasks.fsutil import atomic_save_figure, atomic_write_json, fsync_dir, read_json
+from tasks.launch import binding, torchrun
+from tasks.model.model_dir import identity_problem
 from tasks.parallel import checkpoint as ckpt
-from tasks.parallel import layout as layouts
 from tasks.parallel import rank_errors
 from tasks.parallel.mesh import layout_name
 from tasks.parallel.metrics import read_metrics
-from tasks.parallel.worker import FAULT_ENV, parse_fault
+from tasks.train.hooks import FAULT_ENV, parse_fault
 from tasks.units import GB
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     runner.add_shard_dir_arg(parser)
     parser.add_argument(
-        "--fresh", action="store_true", help="delete this run's checkpoints and metrics and start from step 0"
+        "--fresh",
+        action="store_true",
+        help="start from step 0: this run's checkpoints, metrics and train/ are set aside (.fresh-old) and deleted "
+        "once the new run writes its first checkpoint",
     )
     parser.add_argument("--no-export", action="store_true", help="skip the HF export to <run-dir>/hf")
-
-
-def _world(cfg: PipelineConfig, plan: dict | None = None):
-    """(backend, processes per node, world size): hardware.nproc_per_node when pinned (> 0); else one per device,
-    and on CPU the layout's dp × tp × pp (pinned degrees or the plan's; 2 when the dp degree is open)."""
-    from tasks.device import detect
-
-    hw = cfg.hardware
-    backend = detect(hw.device)
-    nproc = hw.nproc_per_node or (backend.device_count if backend.is_accelerator else 0)
-    if not nproc:
-        ranks = layouts.known_world(cfg, plan)
-        nproc = ranks // hw.nnodes if ranks and ranks % hw.nnodes == 0 else 2
-    return backend, nproc, nproc * hw.nnodes
 
 
 def prepare(cfg: PipelineConfig, ctx) -> dict:
@@ -66,8 +56,11 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
+    from tasks.model.converters import check_names
+
+    check_names(cfg.model.converters)  # an unknown model converter fails here, not in every rank
     plan = ctx.inputs.get("plan")
-    backend, nproc, world = _world(cfg, plan)
+    backend, nproc, world = torchrun.world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
     hw = cfg.hardware
     hint = (
@@ -78,20 +71,17 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     problems = layouts.check(
         lay, tcfg, cfg.data.seq_len, world, f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}"
     )
-    try:
-        parse_fault(os.environ.get(FAULT_ENV, ""))
-    except ValueError as e:
-        problems.append(str(e))
+    problems.extend(filter(None, [fault_problem(os.environ.get(FAULT_ENV, ""), world)]))
     from tasks.device import precision_problem
 
     bad_precision = precision_problem(backend.kind, cfg.train.precision)
     if bad_precision:
         problems.append(bad_precision)
-    if getattr(ctx.args, "fresh", False):
-        for p in ("checkpoints", "train", "metrics.jsonl"):
-            target = ctx.run_dir / p
-            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
-    last, warnings_ = _resume_point(cfg, ctx.run_dir / "checkpoints")
+    fresh = getattr(ctx.args, "fresh", False)
+    if cfg.hardware.node_rank == 0:
+        drop_set_aside(ctx.run_dir)  # an earlier --fresh run has written its first checkpoint: the old run can go
+    # With --fresh the old checkpoints are not resumed (nor compared); they are set aside only once all is checked.
+    last, warnings_ = (None, []) if fresh else _resume_point(cfg, ctx.run_dir / "checkpoints")
     model = dataclasses.asdict(tcfg)
     if last:
         changes = ckpt.config_changes(last[1], cfg.to_dict())
@@ -101,20 +91,42 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
                 f"saved: {'; '.join(changes)} (the curve will differ from an uninterrupted run; use "
                 f"--fresh to start over)"
             )
-        saved = ckpt.read_meta(last[1])["model"]
+        meta = ckpt.read_meta(last[1])
+        problems.extend(
+            filter(
+                None,
+                [
+                    ckpt.unsafe_state(last[1]),
+                    identity_problem(
+                        meta.get("tokenizer"),
+                        shard_dir,
+                        f"checkpoint {last[1]}",
+                        "resume on the shard set it was trained on, or start over with --fresh",
+                    ),
+                ],
+            )
+        )
+        saved = meta["model"]
         diff = [f"{k} {saved.get(k)} vs {v}" for k, v in model.items() if saved.get(k) != v]
         if diff:
             problems.append(
                 f"checkpoint {last[1]}: written for another model shape ({', '.join(diff[:3])}); "
                 f"use --fresh or another --run-dir"
             )
-    init_from = _init_from(cfg, tcfg, problems)
+    init_from = _init_from(cfg, tcfg, problems)  # its files verified (sizes + sha256, safetensors headers)
     if init_from:
         from tasks.model.hf_io import tokenizer_problem
 
         problems.extend(filter(None, [tokenizer_problem(init_from, shard_dir)]))
     if problems:
         raise ConfigError(problems)
+    if fresh and cfg.hardware.node_rank == 0:  # every check passed: only now is anything of the old run moved
+        kept = set_aside(ctx.run_dir)
+        if kept:
+            warnings_.append(
+                f"--fresh: the earlier run's {', '.join(kept)} are kept in {ctx.run_dir / ASIDE} until this run "
+                "writes its first checkpoint"
+            )
     for w in warnings_:
         print(f"warning: {w}", file=sys.stderr, flush=True)
     return {
@@ -134,6 +146,60 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         "nproc": nproc,
         "world": world,
     }
+
+
+FRESH_OUTPUTS = ("checkpoints", "train", "metrics.jsonl")  # what --fresh starts over (logs/ and hf/ stay)
+ASIDE = ".fresh-old"
+
+
+def set_aside(run_dir: Path) -> list[str]:
+    """--fresh, after every check: the old run's outputs are renamed into <run-dir>/.fresh-old (renames within one
+    directory: nothing is copied, nothing deleted) and removed only once the new run has a complete checkpoint
+    (drop_set_aside). A set-aside that is still waiting holds the last real run: it is kept, and what the
+    interrupted fresh attempt left (no complete checkpoint, else the set-aside would be gone) is discarded."""
+    run_dir = Path(run_dir)
+    aside = run_dir / ASIDE
+    present = [name for name in FRESH_OUTPUTS if (run_dir / name).exists()]
+    if aside.exists():
+        for name in present:
+            p = run_dir / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+        return sorted(p.name for p in aside.iterdir())
+    if not present:
+        return []
+    tmp = run_dir / f"{ASIDE}.tmp"
+    tmp.mkdir(exist_ok=True)
+    for name in present:
+        os.rename(run_dir / name, tmp / name)
+    os.rename(tmp, aside)  # complete: from here on the set-aside is what a crash or a retry sees
+    fsync_dir(run_dir)
+    return present
+
+
+def drop_set_aside(run_dir: Path) -> None:
+    """Delete the set-aside old run once this run has a complete checkpoint; put back a set-aside interrupted
+    halfway (.fresh-old.tmp: some outputs moved, the new run never started)."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / f"{ASIDE}.tmp"
+    if tmp.is_dir():
+        for p in tmp.iterdir():
+            if not (run_dir / p.name).exists():
+                os.rename(p, run_dir / p.name)
+        shutil.rmtree(tmp)
+    if (run_dir / ASIDE).is_dir() and ckpt.latest(run_dir / "checkpoints"):
+        shutil.rmtree(run_dir / ASIDE)
+
+
+def fault_problem(text: str, world: int) -> str | None:
+    """$LLM_PIPELINE_FAULT checked before launch: malformed (tasks.train.hooks.parse_fault), or a rank outside the
+    world (the drill would silently run without its fault)."""
+    try:
+        fault = parse_fault(text)
+    except ValueError as e:
+        return str(e)
+    if fault and fault[0] >= world:
+        return f"{FAULT_ENV}={text!r}: rank {fault[0]} does not exist (world size {world}); use a rank below {world}"
+    return None
 
 
 _WEIGHT_SHAPE = (
@@ -157,8 +223,10 @@ def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
         return None
     from tasks.config import repo_path
     from tasks.model.hf_io import read_hf_config
+    from tasks.model.model_dir import verify
 
     path = repo_path(cfg.model.hf_path)
+    verify(path)  # every rank reads it next: a truncated or altered file is one line here, not zeros there
     hf = read_hf_config(path)
     for key in _WEIGHT_SHAPE:
         if getattr(hf, key) != getattr(tcfg, key):
@@ -220,67 +288,6 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> i
     )
 
 
-def torchrun_argv(
-    cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str, log_dir: Path | None = None
-) -> list[str]:
-    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes. `log_dir` keeps the ranks'
-    @record error files (tasks.parallel.rank_errors reads them)."""
-    hw = cfg.hardware
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
-    if log_dir is not None:
-        argv += ["--log-dir", str(log_dir)]
-    if hw.nnodes == 1:
-        argv.append("--standalone")
-    else:
-        argv += [
-            "--nnodes",
-            str(hw.nnodes),
-            "--node-rank",
-            str(hw.node_rank),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            hw.rdzv_endpoint,
-            "--rdzv-id",
-            rdzv_id,
-        ]
-    from tasks.parallel import binding  # ranks on the cores nearest their device (hardware.bind_cpus)
-
-    argv += binding.launch_args(cfg) + ["-m", binding.entry_module(cfg)]
-    for p in spec_paths:
-        argv += ["--spec", str(p)]
-    return argv
-
-
-def launch_env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id: str | None) -> dict:
-    from tasks.device import DIST_BACKEND, Backend
-    from tasks.device import launch_env as device_env
-
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
-    # OMP_NUM_THREADS is left to torchrun (1 unless set): more OpenMP threads than free cores makes CPU ranks
-    # spin-wait, measured 10-30x slower steps on a busy 2-core host.
-    env.update(device_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
-    env.pop("MLFLOW_RUN_ID", None)
-    from tasks.parallel import binding
-
-    binding.prepare(cfg, backend_kind, nproc, env)
-    if cfg.tracking.enabled and cfg.hardware.node_rank == 0 and mlflow_run_id:
-        env.update(tracking.subprocess_env(cfg, mlflow_run_id))
-    return env
-
-
-def launch(argv: list[str], env: dict, log_path: Path, timeout: tuple[int, str] | None = None) -> tuple[int, str]:
-    """Run torchrun to completion within `timeout` (seconds, how derived; tasks/bounds.py), in its own process
-    group that dies with this process (tasks.procs); its own output (rendezvous, failure report) goes to log_path.
-    On expiry the whole torchrun tree is killed, with the cause."""
-    from tasks.bounds import run_bounded
-
-    seconds, how = timeout or (None, "")
-    rc = run_bounded(argv, env=env, cwd=REPO_ROOT, log_path=log_path, timeout_s=seconds, what="torchrun", how=how)
-    return rc, log_path.read_text(encoding="utf-8", errors="replace")
-
-
 def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks.parallel import diagnosis
 
@@ -319,24 +326,34 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     shutil.rmtree(elastic_dir, ignore_errors=True)
     elastic_dir.mkdir(parents=True, exist_ok=True)
     offsets = rank_errors.log_offsets(logs)
-    argv = torchrun_argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
+    argv = torchrun.argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
-    env = launch_env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
-    _record_binding(env, train_dir)
-    rc, log_text = launch(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
+    env = torchrun.env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
+    binding.record(env, train_dir)
+    rc, log_text = torchrun.run(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
+    if node == 0:
+        drop_set_aside(run_dir)  # a --fresh run that wrote a checkpoint (even if it failed later) replaces the old one
     if rc != 0:
         from tasks.device import alloc_conf_in_force
 
-        resume = ckpt.latest(run_dir / "checkpoints")
-        plans = _plans(ctx.inputs.get("plan"))
         failures = rank_errors.collect(log_text, logs, node, spec["nproc"], offsets)
+        disk = rank_errors.disk_fault(run_dir, failures)  # probed before the cleanup below frees anything
+        if node == 0:
+            ckpt.cleanup_partial(run_dir / "checkpoints")  # a save cut short (step-N.tmp) is garbage, never trusted
+        resume = ckpt.latest(run_dir / "checkpoints")
+        where = f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)"
+        if disk:  # a full or read-only disk fails every retry the same way
+            raise StageError(
+                f"training stopped: {disk}; not retried: fix the disk, then rerun (it resumes from {where})"
+            )
+        plans = _plans(ctx.inputs.get("plan"))
         raise diagnosis.explain(
             train_dir,
             rc,
             log_text,
             plans,
             spec["layout"],
-            f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)",
+            where,
             failures=failures,
             kind=spec["backend"],
             alloc_conf=alloc_conf_in_force(spec["backend"], env),
@@ -347,18 +364,6 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             f"{run_dir / 'logs'}/rank-0.log, rerun to export again"
         )
     return _result(cfg, ctx, spec, reused=False)
-
-
-def _record_binding(env: dict, train_dir: Path) -> None:
-    """The per-rank CPU binding (tasks/parallel/binding.py) → train/binding.json and MLflow."""
-    from tasks.parallel.binding import PLAN_ENV
-
-    path = train_dir / "binding.json"
-    if env.get(PLAN_ENV):
-        atomic_write_json(path, json.loads(env[PLAN_ENV]))
-        tracking.log_artifact(path, "train")
-    else:
-        path.unlink(missing_ok=True)
 
 
 def _plans(plan_result: dict | None) -> list[dict]:
@@ -475,8 +480,8 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
     )
     final.update(memory_headline(memory))
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
-    with tracking.best_effort("final training metrics, tags and artifacts"):
-        tracking.log_metrics(final)
+    tracking.log_final_metrics(ctx.run_dir, tracking.tracking_uri(cfg), final)  # kept pending while MLflow is down
+    with tracking.best_effort("final training tags and artifacts"):
         tracking.log_table(memory_table(memory), "train/memory.json")
         tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
         tracking.log_artifact(result["metrics"])

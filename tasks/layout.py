@@ -1,13 +1,17 @@
 """The parallel layout: one `Layout` type for the planner's candidates (tasks.planner) and the training run
 (resolved from the config when pinned, else from the plan, and checked before any worker starts — every problem
-one line). Its field names are the `parallel.*` config keys; no torch here (the planner imports it)."""
+one line). Its field names are the `parallel.*` config keys. A shared layer: torch-free and importing no other
+project module, so the planner, the trainer and the stages all stand on it."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from tasks.parallel.pp import stages_per_rank
+
+def stages_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Pipeline stages each pp rank holds: `virtual_stages` with interleaved 1F1B, else one."""
+    return virtual_stages if schedule == "interleaved1f1b" else 1
 
 
 @dataclass

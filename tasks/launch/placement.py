@@ -3,15 +3,15 @@
 With kubernetes every device stage (env probe, smoke, train, profile, quantize, evaluate) runs as a Job in the
 training image on the Ascend nodes; shard, plan and the summary stay on the Airflow worker, which only orchestrates:
 it submits the Job, waits within the stage's bound (tasks/bounds.py) and reads `<stage>.json` back from the run
-directory on the shared volume. Nothing here imports Airflow or talks to a cluster (dags/k8s_launch.py does).
+directory on the shared volume. Nothing here imports Airflow or talks to a cluster (tasks/launch/k8s_submit.py does).
 """
 
 from __future__ import annotations
 
 from tasks.config import PipelineConfig
+from tasks.device import DEVICE_STAGES  # the stages that need the accelerator (defined in the device layer)
 
-# Stages that need the accelerator (or, for env, must check the nodes that have it).
-DEVICE_STAGES = ("env", "smoke", "train", "profile", "quantize", "evaluate")
+__all__ = ["DEVICE_STAGES", "MULTI_NODE_STAGES", "celery_queue", "runs_on_kubernetes"]
 # Stages that run on every node (one pod per node, torchrun c10d rendezvous at pod 0); the others use one pod.
 MULTI_NODE_STAGES = ("env", "train", "profile")
 
@@ -20,9 +20,19 @@ def runs_on_kubernetes(stage: str, cfg: PipelineConfig) -> bool:
     return cfg.hardware.launcher == "kubernetes" and stage in DEVICE_STAGES
 
 
+def celery_queue(stage: str, cfg: PipelineConfig) -> str | None:
+    """The Celery queue of a stage's Airflow task: hardware.device_queue for a device stage that runs on the
+    worker itself (launcher local); None (Airflow's default queue) otherwise — a Kubernetes-launched stage's task
+    only submits and waits, any worker can do that."""
+    if stage in DEVICE_STAGES and cfg.hardware.launcher == "local" and cfg.hardware.device_queue:
+        return cfg.hardware.device_queue
+    return None
+
+
 def where(stage: str, cfg: PipelineConfig) -> str:
     """What runs where, in words (README table, task logs)."""
     if not runs_on_kubernetes(stage, cfg):
-        return "the Airflow worker"
+        queue = celery_queue(stage, cfg)
+        return f"the Airflow worker of queue {queue}" if queue else "the Airflow worker"
     pods = cfg.hardware.nnodes if stage in MULTI_NODE_STAGES else 1
     return f"a Kubernetes Job ({pods} pod{'s' if pods > 1 else ''}) on the training nodes"

@@ -1,17 +1,16 @@
-"""Host binding: each rank on the CPU cores nearest its device, and the data loader sized from those cores.
+"""Host binding, the launcher's side: which CPU cores each local rank gets, nearest its device.
 
 Where the cores come from:
 - NPU: the `CPU Affinity` column of `npu-smi info -t topo`; else sysfs (`/sys/bus/pci/devices/<bus-id>/
-  local_cpulist`, bus ids from `npu-smi info`).
+  local_cpulist`, bus ids from `npu-smi info`, parsed by tasks/npu_smi.py).
 - CUDA: torchrun's own `--numa-binding` (torch.distributed.run in torch ≥ 2.9; torch/numa/binding.py computes the
   cores from the GPU's PCI NUMA node, CUDA only) — passed as `--numa-binding=exclusive`, which splits each NUMA
   node's cores evenly among its GPUs; `nvidia-smi topo -m` gives the same split for the per-rank report.
 - CPU: the usable cores split evenly among the ranks.
-Ranks sharing an affinity set split it evenly. Applied per rank by this module as torchrun's entry point
-(`python -m tasks.parallel.binding <worker args>`): `numactl --physcpubind=… --localalloc` when numactl is on PATH
-(exec, same PID), else the taskset equivalent os.sched_setaffinity; then the worker module runs.
-`hardware.bind_cpus=false` turns it off. The plan travels in $LLM_PIPELINE_CPU_BINDING (JSON, one entry per local
-rank) and is reported per rank (train result, MLflow train/binding.json, each rank's log).
+Ranks sharing an affinity set split it evenly. `prepare()` puts the plan into $LLM_PIPELINE_CPU_BINDING for torchrun's
+entry point in each rank (tasks/parallel/affinity.py, which binds and then runs the worker);
+`hardware.bind_cpus=false` turns it off. The plan is reported per rank (train result, MLflow train/binding.json,
+each rank's log).
 """
 
 from __future__ import annotations
@@ -19,15 +18,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import runpy
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-ENV = "LLM_PIPELINE_CPU_BINDING"  # the plan the entry shim applies
+import tasks.parallel.affinity as rank_entry
+from tasks.parallel.affinity import ENV
+
 PLAN_ENV = "LLM_PIPELINE_CPU_BINDING_PLAN"  # the plan for the report (also when torchrun binds itself)
-WORKER = "tasks.parallel.worker"
+ENTRY = rank_entry.__name__  # torchrun's entry point in each rank when binding
+WORKER = "tasks.train.worker"  # what the ranks run
 _ANSI = re.compile(r"\x1b\[[0-9;]*m|\[\d+m")
 
 
@@ -109,7 +109,7 @@ def device_affinity(kind: str) -> tuple[dict[int, list[int]], str]:
         found = parse_topo(text or "")
         if found:
             return found, "npu-smi info -t topo"
-        from tasks.envcheck import npu_smi
+        from tasks import npu_smi
 
         info = _run(["npu-smi", "info"])
         chips = npu_smi.parse(info).get("chips", []) if info else []
@@ -180,8 +180,10 @@ def launch_args(cfg, kind: str | None = None) -> list[str]:
     return []
 
 
-def entry_module(cfg) -> str:
-    return __name__ if cfg.hardware.bind_cpus else WORKER
+def entry(cfg) -> list[str]:
+    """What torchrun runs in each rank: the worker through the binding entry point, or the worker itself when not
+    binding."""
+    return ["-m", ENTRY, "--worker", WORKER] if cfg.hardware.bind_cpus else ["-m", WORKER]
 
 
 def prepare(cfg, kind: str, nproc: int, env: dict) -> list[dict] | None:
@@ -196,78 +198,21 @@ def prepare(cfg, kind: str, nproc: int, env: dict) -> list[dict] | None:
     if kind == "cuda" and torchrun_numa_flag():
         for e in entries:
             e["source"] = f"torchrun --numa-binding=exclusive (report from {e['source']})"
-        env.pop(ENV, None)  # torchrun binds; the shim only runs the worker
+        env.pop(ENV, None)  # torchrun binds; the entry point only runs the worker
     else:
         env[ENV] = json.dumps(entries)
     env[PLAN_ENV] = json.dumps(entries)
     return entries
 
 
-def loader_options(cfg, device) -> dict:
-    """ShardLoader keywords for this rank: workers from its cores (after binding), pinned memory on accelerators,
-    the configured prefetch factor."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = loader_workers(cfg, cores)
-    return {
-        "num_workers": workers,
-        "pin_memory": device.type != "cpu",
-        "prefetch_factor": cfg.data.prefetch_factor if workers > 0 else None,
-    }
+def record(env: dict, train_dir: Path) -> None:
+    """The per-rank plan prepare() made → <train_dir>/binding.json and MLflow (none when not binding)."""
+    from tasks import tracking
+    from tasks.fsutil import atomic_write_json
 
-
-def loader_workers(cfg, cores_per_rank: int) -> int:
-    """data.loader_workers: an explicit value (>= 0) wins; -1 = one worker per spare core of the rank (the rank's
-    own thread keeps one), at most 4, at least 0."""
-    if cfg.data.loader_workers >= 0:
-        return cfg.data.loader_workers
-    return max(0, min(4, cores_per_rank - 1))
-
-
-def apply(entry: dict, argv: list[str], worker: str = WORKER) -> None:
-    """Bind this process (numactl exec when available, else sched_setaffinity) and run the worker."""
-    if os.environ.get("LLM_PIPELINE_BOUND"):  # already under numactl (this module exec'd itself)
-        return
-    cpus = entry.get("cpus") or []
-    print(
-        f"[binding] local rank {entry.get('local_rank')} → CPUs {entry.get('cpulist')} ({entry.get('source')})",
-        file=sys.stderr,
-        flush=True,
-    )
-    numactl = shutil.which("numactl")
-    if cpus and numactl:
-        os.environ["LLM_PIPELINE_BOUND"] = "1"
-        os.execv(
-            numactl,
-            [
-                numactl,
-                f"--physcpubind={entry['cpulist']}",
-                "--localalloc",
-                sys.executable,
-                "-m",
-                __name__,
-                "--worker",
-                worker,
-                *argv,
-            ],
-        )
-    if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)
-
-
-def main(argv: list[str] | None = None, worker: str = WORKER) -> None:
-    """torchrun entry point: bind this rank per $LLM_PIPELINE_CPU_BINDING, then run the worker module with argv."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        worker, argv = argv[1], argv[2:]
-    raw = os.environ.get(ENV)
-    if raw:
-        entries = json.loads(raw)
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if local < len(entries):
-            apply(entries[local], argv, worker)
-    sys.argv = [worker, *argv]
-    runpy.run_module(worker, run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    main()
+    path = Path(train_dir) / "binding.json"
+    if env.get(PLAN_ENV):
+        atomic_write_json(path, json.loads(env[PLAN_ENV]))
+        tracking.log_artifact(path, "train")
+    else:
+        path.unlink(missing_ok=True)

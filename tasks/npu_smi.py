@@ -2,6 +2,8 @@
 
 The table has two rows per chip and its columns vary by chip generation: 910B/910C show HBM-Usage, 310P/310B
 only Memory-Usage; older 910 cards list two chips per NPU ("Chip Phy-ID"), 310B a "Chip Device" column.
+The device layer's view of Ascend hosts (as tasks/nvidia_smi.py of CUDA ones): the env and health stages and the host
+binding read it; the checks over these facts are tasks/envcheck/npu_health.py.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import re
 import shutil
 import subprocess
 
-from tasks.envcheck import check
 from tasks.units import GB, MIB
 
 _VERSION = re.compile(r"npu-smi\s+(\S+)\s+Version:\s*(\S+)")
@@ -94,36 +95,6 @@ def run(timeout: float = 30.0) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout if proc.returncode == 0 else None
-
-
-def checks(info: dict) -> list[dict]:
-    """Chip health (Warning → warn, anything but OK/Warning → fail) and chips already busy with processes."""
-
-    def label(c: dict) -> str:
-        return f"NPU {c['npu']} chip {c['chip']} ({c['name']}) is {c['health']}"
-
-    out = []
-    bad = [c for c in info["chips"] if c["health"] not in ("OK", "Warning")]
-    warned = [c for c in info["chips"] if c["health"] == "Warning"]
-    if bad:
-        out.append(
-            check(
-                "npu-health",
-                "fail",
-                "; ".join(map(label, bad)) + ": see `npu-smi info` and the device logs before training",
-            )
-        )
-    elif warned:
-        out.append(check("npu-health", "warn", "; ".join(map(label, warned))))
-    else:
-        out.append(check("npu-health", "ok", f"{len(info['chips'])} chip(s) OK"))
-    if info["processes"]:
-        busy = ", ".join(
-            f"NPU {p['npu']} chip {p['chip']}: pid {p['pid']} {p['name']} {p['memory_mb']} MB"
-            for p in info["processes"]
-        )
-        out.append(check("npu-idle", "warn", f"processes already hold NPU memory ({busy})"))
-    return out
 
 
 def summary(info: dict) -> str:

@@ -1,0 +1,85 @@
+"""The shard build fanned out with dynamic task mapping, shared by llm_data and llm_pipeline (not a DAG itself).
+
+shard_prepare → shard_partition.expand(one per partition) → shard_layout → shard_write.expand(one per write range)
+→ the DAG's own `shard` task (the shard stage with --reduce: checks every output, writes the manifest, publishes).
+A mapped task keeps nothing outside the build's directory under data.out_dir and carries only paths and indices in
+XCom, so it can run on any worker that sees that directory; a worker killed mid-task is retried and the step is
+redone from its start (tasks.pipeline.shard_step, data_prep.job).
+"""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule, task
+
+# A killed worker is retried; a known cause (bad input: tasks.pipeline.StageFailure) fails at once.
+KNOWN_CAUSE_FAILS = ExceptionRetryPolicy(
+    rules=[RetryRule(exception="tasks.pipeline.StageFailure", action=RetryAction.FAIL, reason="a known cause")]
+)
+RETRIES = dict(retries=2, retry_delay=pendulum.duration(seconds=5), retry_policy=KNOWN_CAUSE_FAILS)
+
+
+def _call(step: str, arg=None, skip=None):
+    """One shard step for this DAG run (imports stay inside: parse time stays light). Output keeps its level in the
+    task log, a known cause is its one ERROR line (as the stage tasks: dags/llm_pipeline.run_stage_task)."""
+    from airflow.sdk import get_current_context
+
+    from tasks.errors import StageError, os_error_cause
+    from tasks.logs import to_logging
+    from tasks.pipeline import failure, shard_step
+
+    ctx = get_current_context()
+    if skip is not None and skip(ctx):
+        return []
+    with to_logging():
+        try:
+            return shard_step(step, dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], arg)
+        except StageError as e:
+            raise failure(str(e)) from None
+        except OSError as e:  # a full or read-only disk: the path and the errno's meaning, not retried
+            raise failure(os_error_cause(e)) from None
+
+
+def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
+    """Add the fan-out before `reduce` (the DAG's `shard` task, already made, trigger_rule none_failed: it runs when
+    the mapped tasks were skipped, a cache hit); return (first task, `reduce`). `skip(ctx)`: true when this run
+    does not shard (llm_pipeline triggered by a published set: it adopts it). `task_kwargs` go to every task."""
+    common = dict(execution_timeout=pendulum.duration(seconds=timeout_s), **task_kwargs)
+
+    @task(
+        task_id="shard_prepare",
+        doc_md="Resolve the corpus, plan partitions (files, size-balanced), train or "
+        "copy the tokenizer; nothing when the shard set is already published (cache hit).",
+        **common,
+    )
+    def prepare() -> list[dict]:
+        return _call("prepare", skip=skip)
+
+    @task(
+        task_id="shard_partition",
+        doc_md="One partition: read, clean, de-duplicate, tokenize its files.",
+        **common,
+        **RETRIES,
+    )
+    def partition(part: dict) -> dict:
+        return _call("partition", part)
+
+    @task(
+        task_id="shard_layout",
+        trigger_rule="none_failed",
+        doc_md="Every partition → global de-duplication and the shard plan (the same for any number of partitions).",
+        **common,
+    )
+    def layout(parts: list[dict]) -> list[dict]:
+        return _call("layout", list(parts))
+
+    @task(task_id="shard_write", doc_md="One range of shards of the plan → WebDataset tars.", **common, **RETRIES)
+    def write(w: dict) -> dict:
+        return _call("write", w)
+
+    parts = prepare()
+    tokenized = partition.expand(part=parts)
+    writes = layout(parts)
+    tokenized >> writes
+    write.expand(w=writes) >> reduce
+    return parts, reduce

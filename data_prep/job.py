@@ -1,0 +1,242 @@
+"""A build's shared state: `<out_dir>/.tmp-<key>/`, everything a step needs and leaves, nothing anywhere else.
+
+Steps (each idempotent, each under its own lock, each leaving its output by one rename or not at all):
+  prepare     inputs → partitions (files, size-balanced) + the tokenizer (trained or copied) → job.json
+  partition i its files → cleaned, de-duplicated documents → token streams + document records (parts/NNNN/)
+  layout      every partition → global de-duplication, the document cut, the window plan and write ranges
+  write r     its shards of the plan → set/<split>-NNNNNN.tar + a record (writes/NNNN.json)
+  publish     every record checked → manifest.json → set/ renamed to <out_dir>/<version>
+The data DAG maps one task per partition and per write range; `python -m data_prep shard` runs the same steps one
+after the other (build.build_shard_set). A step can run on any worker that sees the output directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from data_prep import fsio
+from data_prep.config import ShardConfig
+from data_prep.corpus import resolve_inputs, stat_key
+from data_prep.errors import DataPrepError
+from data_prep.manifest import FORMAT, MANIFEST
+from data_prep.tokenizer import (
+    find_eos,
+    load_tokenizer,
+    token_dtype,
+    tokenizer_companions,
+    tokenizer_file,
+    tokenizer_identity,
+)
+
+log = logging.getLogger(__name__)
+JOB, PUBLISHED, INDEX = "job.json", "published", ".index"
+PARTITION_BYTES = 128_000_000  # data.partitions = 0: one partition per this much input
+FAULT_ENV = "DATA_PREP_FAULT"  # tests: "partition:I" / "write:I" kills the process in that step's first attempt
+
+
+def fault(step: str, index: int) -> None:
+    """$DATA_PREP_FAULT = "<step>:<index>": SIGKILL this process mid-step (the caller calls it only in an attempt
+    that found no leftovers of an earlier one, so the retry completes) — a worker killed mid-partition, for tests."""
+    if os.environ.get(FAULT_ENV) == f"{step}:{index}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def plan_partitions(sizes: list[int], wanted: int) -> list[tuple[int, int]]:
+    """Contiguous runs of files [a, b) with about equal bytes: `wanted` of them (0: one per PARTITION_BYTES), at
+    most one per file. Contiguous, so the corpus order is the partitions' order."""
+    total = sum(sizes)
+    n = wanted or math.ceil(total / PARTITION_BYTES)
+    n = max(1, min(n, len(sizes)))
+    bounds, acc, k = [0], 0, 1
+    for i, size in enumerate(sizes):
+        acc += size
+        left_files, left_parts = len(sizes) - (i + 1), n - k
+        if k < n and (acc >= total * k / n or left_files == left_parts) and left_files >= left_parts:
+            bounds.append(i + 1)
+            k += 1
+    bounds.append(len(sizes))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass
+class Job:
+    dir: Path
+    data: dict  # job.json
+    tokenizer: object = None  # the prepared Tokenizer, when this process prepared the job (else read from set/)
+
+    @property
+    def cfg(self) -> ShardConfig:
+        return ShardConfig.model_validate(self.data["config"])
+
+    @property
+    def files(self) -> list[str]:
+        return self.data["files"]
+
+    @property
+    def partitions(self) -> list[list[int]]:
+        return self.data["partitions"]
+
+    @property
+    def set_dir(self) -> Path:
+        """What becomes the shard set: the tokenizer, the shards, then the manifest."""
+        return self.dir / "set"
+
+    def part_dir(self, index: int) -> Path:
+        return self.dir / "parts" / f"{index:04d}"
+
+    @property
+    def out_dir(self) -> Path:
+        return self.dir.parent
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Job":
+        directory = Path(directory)
+        try:
+            return cls(directory, fsio.read_json(directory / JOB))
+        except FileNotFoundError:
+            raise DataPrepError(
+                f"{directory} holds no prepared build ({JOB} missing: removed, published or never prepared); "
+                "run the build again from its first step"
+            ) from None
+
+
+@dataclass
+class Prepared:
+    """prepare()'s answer: the job to run, or the published shard set (a cache hit)."""
+
+    job: Job | None
+    shard_dir: Path | None = None
+    key: str = ""
+
+
+def build_key(files: list[Path], cfg: ShardConfig, partitions: int, stats=None) -> str:
+    key = [FORMAT, stat_key(files, stats), cfg.config_hash(), tokenizer_identity(cfg.tokenizer), partitions]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
+def lookup(out_dir: Path, key: str) -> Path | None:
+    """The shard set published for this build key, if it is still there."""
+    try:
+        version = (out_dir / INDEX / key).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+    found = out_dir / version
+    return found if version and (found / MANIFEST).is_file() else None
+
+
+def remember(out_dir: Path, key: str, version: str) -> None:
+    fsio.make_dir(out_dir / INDEX)
+    fsio.write_atomic(out_dir / INDEX / key, f"{version}\n".encode())
+
+
+def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
+    """Resolve the inputs, find the published set (cache hit) or the build in progress, or (`create`) start one."""
+    started = time.time()
+    cfg.validate()
+    if not cfg.shard_multiple:  # 0 = automatic; alone, data_prep knows of one reader (the pipeline passes its own)
+        cfg = cfg.model_copy(update={"shard_multiple": 1})
+    files = resolve_inputs(cfg.inputs)
+    stats = [p.stat() for p in files]
+    sizes = [st.st_size for st in stats]
+    partitions = plan_partitions(sizes, cfg.partitions)
+    out_dir = Path(cfg.out_dir)
+    key = build_key(files, cfg, len(partitions), stats)
+    if found := lookup(out_dir, key):
+        return Prepared(None, found, key)
+    fsio.ensure_writable(out_dir)
+    directory = out_dir / f".tmp-{key}"
+    if (directory / PUBLISHED).is_file():  # published, then killed before it cleaned up
+        version = (directory / PUBLISHED).read_text().strip()
+        if ((out_dir / version) / MANIFEST).is_file():
+            remember(out_dir, key, version)
+            shutil.rmtree(directory, ignore_errors=True)
+            return Prepared(None, out_dir / version, key)
+    if not create and not (directory / JOB).is_file():
+        raise DataPrepError(
+            f"no build of these inputs in progress under {out_dir} (an input changed after the build's first task, "
+            "or its directory was removed); run the build again"
+        )
+    fsio.make_dir(directory)
+    _warn_stale(out_dir, directory)
+    with fsio.lock(directory, "prepare"):
+        if (directory / JOB).is_file():  # a build of the same inputs in progress (or killed): resumed
+            return Prepared(Job.load(directory), None, key)
+        set_dir = directory / "set"
+        shutil.rmtree(set_dir, ignore_errors=True)
+        fsio.make_dir(set_dir)
+        t0 = time.perf_counter()
+        tokenizer, tok = _tokenizer(cfg, files, set_dir)
+        data = {
+            "format": FORMAT,
+            "key": key,
+            "created": started,
+            "config": cfg.key_fields(),
+            "inputs": list(cfg.inputs),
+            "files": [str(p) for p in files],
+            "bytes": sum(sizes),
+            "partitions": partitions,
+            "tokenizer": tokenizer,
+            "tokenizer_seconds": time.perf_counter() - t0,
+        }
+        fsio.write_json(directory / JOB, data)  # last: its presence means "prepared"
+    return Prepared(Job(directory, data, tok), None, key)
+
+
+def _tokenizer(cfg: ShardConfig, files: list[Path], set_dir: Path):
+    """Train the BPE (on the train split only: nothing of val leaks into the vocabulary) or copy the given
+    tokenizer, byte for byte, with its companion files (tokenizer_config.json …), into the shard set."""
+    from data_prep.clean import TRAIN, clean_documents
+    from data_prep.corpus import CorpusStats
+    from data_prep.tokenizer import train_bpe
+
+    names = ["tokenizer.json"]
+    if cfg.tokenizer == "train":
+        train_texts = (t for split, t in clean_documents(files, cfg, CorpusStats()) if split == TRAIN)
+        tok = train_bpe(train_texts, cfg.vocab_size, cfg.eos_token or "<|endoftext|>")
+        partial = set_dir / ".tokenizer.json.partial"
+        tok.save(str(partial))
+        fsio.chmod_file(partial)
+        os.replace(partial, set_dir / "tokenizer.json")
+        source = "train"
+    else:
+        tok = load_tokenizer(cfg.tokenizer)
+        source = str(tokenizer_file(cfg.tokenizer).resolve())
+        fsio.copy(tokenizer_file(cfg.tokenizer), set_dir / "tokenizer.json")
+        for f in tokenizer_companions(cfg.tokenizer):
+            fsio.copy(f, set_dir / f.name)
+            names.append(f.name)
+    eos_name, eos_id = find_eos(tok, cfg.tokenizer, cfg.eos_token)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    info = {
+        "source": source,
+        "key": tokenizer_identity(cfg.tokenizer),
+        "files": names,
+        "eos_token": eos_name,
+        "eos_id": eos_id,
+        "vocab_size": vocab,
+        "dtype": token_dtype(vocab, cfg.token_dtype).name,
+    }
+    return info, tok
+
+
+def _warn_stale(out_dir: Path, mine: Path, age_s: float = 86400) -> None:
+    """Builds left by killed runs of other inputs/configs (a rerun of the same ones resumes its own)."""
+    now = time.time()
+    stale = [p for p in out_dir.glob(".tmp-*") if p != mine and now - p.stat().st_mtime > age_s]
+    if stale:
+        log.warning(
+            "%d unfinished build(s) older than a day in %s (e.g. %s): a rerun with the same inputs and config "
+            "resumes one; otherwise remove them",
+            len(stale),
+            out_dir,
+            stale[0].name,
+        )

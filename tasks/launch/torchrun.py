@@ -1,0 +1,90 @@
+"""torchrun for a stage's ranks on this node: how many processes, the argv, the environment, the bounded run.
+
+The train and profile stages call these; the test fixtures too. One node: `--standalone`; several: torchrun's c10d
+rendezvous at hardware.rdzv_endpoint (every node runs the same stage with its hardware.node_rank). Each rank starts
+in the host-binding entry point (tasks/launch/binding.py) unless hardware.bind_cpus is off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tasks import tracking
+from tasks.config import REPO_ROOT, PipelineConfig
+from tasks.launch import binding
+
+
+def world(cfg: PipelineConfig, plan: dict | None = None):
+    """(backend, processes per node, world size): hardware.nproc_per_node when pinned (> 0); else one per device,
+    and on CPU the layout's dp × tp × pp (pinned degrees or the plan's; 2 when the dp degree is open)."""
+    from tasks.device import detect
+    from tasks.layout import known_world
+
+    hw = cfg.hardware
+    backend = detect(hw.device)
+    nproc = hw.nproc_per_node or (backend.device_count if backend.is_accelerator else 0)
+    if not nproc:
+        ranks = known_world(cfg, plan)
+        nproc = ranks // hw.nnodes if ranks and ranks % hw.nnodes == 0 else 2
+    return backend, nproc, nproc * hw.nnodes
+
+
+def argv(
+    cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str, log_dir: Path | None = None
+) -> list[str]:
+    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes. `log_dir` keeps the ranks'
+    @record error files (tasks.parallel.rank_errors reads them)."""
+    hw = cfg.hardware
+    out = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    if log_dir is not None:
+        out += ["--log-dir", str(log_dir)]
+    if hw.nnodes == 1:
+        out.append("--standalone")
+    else:
+        out += [
+            "--nnodes",
+            str(hw.nnodes),
+            "--node-rank",
+            str(hw.node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            hw.rdzv_endpoint,
+            "--rdzv-id",
+            rdzv_id,
+        ]
+    # ranks on the cores nearest their device (hardware.bind_cpus)
+    out += binding.launch_args(cfg) + binding.entry(cfg)
+    for p in spec_paths:
+        out += ["--spec", str(p)]
+    return out
+
+
+def env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id: str | None) -> dict:
+    """torchrun's environment: this one, the repository on PYTHONPATH, the backend's variables (HCCL, allocator,
+    CANN logs; tasks.device.launch_env), the binding plan, and rank 0's MLflow run on node 0."""
+    from tasks.device import DIST_BACKEND, Backend, launch_env
+
+    out = dict(os.environ)
+    out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), out.get("PYTHONPATH", "")]))
+    # OMP_NUM_THREADS is left to torchrun (1 unless set): more OpenMP threads than free cores makes CPU ranks
+    # spin-wait, measured 10-30x slower steps on a busy 2-core host.
+    out.update(launch_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
+    out.pop("MLFLOW_RUN_ID", None)
+    binding.prepare(cfg, backend_kind, nproc, out)
+    if cfg.tracking.enabled and cfg.hardware.node_rank == 0 and mlflow_run_id:
+        out.update(tracking.subprocess_env(cfg, mlflow_run_id))
+    return out
+
+
+def run(argv: list[str], env: dict, log_path: Path, timeout: tuple[int, str] | None = None) -> tuple[int, str]:
+    """Run torchrun to completion within `timeout` (seconds, how derived; tasks/bounds.py), in its own process
+    group that dies with this process (tasks.procs); its own output (rendezvous, failure report) goes to log_path.
+    On expiry the whole torchrun tree is killed, with the cause. Returns (exit code, log_path's text)."""
+    from tasks.bounds import run_bounded
+
+    seconds, how = timeout or (None, "")
+    rc = run_bounded(argv, env=env, cwd=REPO_ROOT, log_path=log_path, timeout_s=seconds, what="torchrun", how=how)
+    return rc, log_path.read_text(encoding="utf-8", errors="replace")

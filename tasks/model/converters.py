@@ -1,0 +1,108 @@
+"""Model converters: named changes to a built model, applied in the order `model.converters` lists them — one
+mechanism for kernel swaps, fake quantization and export-friendly modules (torchtitan's `ModelConverter` protocol,
+torchtitan/protocols/model_converter.py; torchtitan-npu registers its NPU kernels the same way).
+
+The trainer builds the model on the meta device and calls `convert(model)` on each converter before any parallelism
+(tasks/train/build.py); the smoke stage does the same on its single-process model. A converter that keeps state in
+step with the weights (a fake-quant scale, an amax history) also defines `post_optimizer_hook(models)`, which the
+train step calls after every optimizer step.
+
+Adding one (docs/trainer.md): a class taking a `ConvertContext`, decorated `@register("name")`, in a module listed in
+PROVIDERS; then `model.converters: [npu_fused, name]`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tasks.errors import ConfigError
+
+# Modules whose import registers converters (the registry imports them on first use).
+PROVIDERS = ("tasks.model.npu_kernels", "tasks.quant.export")
+
+REGISTRY: dict[str, type] = {}
+
+
+class ModelConverter(Protocol):
+    def convert(self, model) -> None:
+        """Change `model` in place (it may be on the meta device: swap classes, wrap modules; no weights yet)."""
+
+    # Optional: def post_optimizer_hook(self, models: list) -> None — after each optimizer step.
+
+
+@dataclass(frozen=True)
+class ConvertContext:
+    """What a converter may look at when it is built: the device type ("npu" | "cuda" | "cpu"), the model shape and
+    the run's PipelineConfig (None outside a pipeline run, e.g. a benchmark)."""
+
+    device_type: str = "cpu"
+    tcfg: Any = None
+    cfg: Any = None
+
+
+def register(name: str):
+    """Class decorator: `@register("npu_fused") class NpuFused: ...` makes it buildable by that name."""
+
+    def add(cls):
+        if name in REGISTRY and REGISTRY[name] is not cls:
+            raise ValueError(f"model converter {name!r} registered twice: {REGISTRY[name].__name__}, {cls.__name__}")
+        REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def known() -> list[str]:
+    for module in PROVIDERS:
+        importlib.import_module(module)
+    return sorted(REGISTRY)
+
+
+def check_names(names) -> None:
+    """ConfigError (one line) for a name no provider registers or a name listed twice."""
+    names_known = known()
+    unknown = [n for n in names if n not in names_known]
+    if unknown:
+        raise ConfigError(f"model.converters: unknown converter {unknown[0]!r}; known: {', '.join(names_known)}")
+    twice = sorted({n for n in names if list(names).count(n) > 1})
+    if twice:
+        raise ConfigError(f"model.converters: {twice[0]!r} is listed twice; list each converter once")
+
+
+def build(names, ctx: ConvertContext) -> list[ModelConverter]:
+    """The converters `names` (config order), each built with `ctx`."""
+    check_names(names)
+    return [REGISTRY[n](ctx) for n in names]
+
+
+def apply(model, converters) -> None:
+    for converter in converters:
+        converter.convert(model)
+
+
+def post_optimizer(converters, models: list) -> None:
+    """Each converter's post_optimizer_hook, if it has one (the train step calls this after the optimizer step)."""
+    for converter in converters:
+        hook = getattr(converter, "post_optimizer_hook", None)
+        if hook is not None:
+            hook(models)
+
+
+def swap_classes(model, swaps: dict[type, type]) -> list[tuple[Any, type]]:
+    """Give every module whose type is exactly a key of `swaps` the mapped class (a subclass with other kernels:
+    parameters, names and state dict unchanged); returns (module, old class) pairs for `restore`."""
+    done = []
+    for module in model.modules():
+        new = swaps.get(type(module))
+        if new is not None:
+            done.append((module, type(module)))
+            module.__class__ = new
+    return done
+
+
+def restore(swapped: list[tuple[Any, type]]) -> None:
+    """Undo `swap_classes`."""
+    for module, old in swapped:
+        module.__class__ = old

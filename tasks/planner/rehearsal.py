@@ -1,0 +1,122 @@
+"""The rehearsal's judgement (issue 24 item 3; the trainer runs it): the first steps of the real model on the planned
+layout against the plan's estimate, and, when they disagree, the next feasible plan — in one line.
+
+Pure: figures in, a verdict out. The train stage's launcher puts `spec()` in the launch spec (the plan's estimate
+for the layout it runs, the device's capacity, the planner's ranked alternatives); the trainer measures each rank's
+peak memory and the step time over `steps` rehearsal steps and calls `verdict()`; a failed verdict stops the run
+with `verdict()["cause"]` before hours of cluster time are spent on a layout that will run out of memory or run far
+slower than planned. Measured and estimated figures go to MLflow as `rehearsal.*` (`figures()`).
+"""
+
+from __future__ import annotations
+
+from tasks.units import GB
+
+LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "zero", "recompute", "micro_batch", "microbatches", "pp_schedule")
+ALTERNATIVES = 20  # ranked plans carried in the spec: enough to find one that fits at the measured ratio
+
+
+def layout_name(p: dict) -> str:
+    ep = f"·ep{p['ep']}" if p.get("ep", 1) > 1 else ""
+    sched = f" {p['pp_schedule']}" if p.get("pp", 1) > 1 else ""
+    return (
+        f"dp{p['dp']}{ep} tp{p['tp']} pp{p['pp']} zero{p['zero']} {p['recompute']} "
+        f"mb{p['micro_batch']}×{p['microbatches']}{sched}"
+    )
+
+
+def pins(p: dict) -> str:
+    """The --set flags that pin plan `p` (the planner then verifies it instead of searching)."""
+    keys = ["dp", "tp", "pp", "zero", "recompute"] + (["ep"] if p.get("ep", 1) > 1 else [])
+    sets = [f"parallel.{k}={p[k]}" for k in keys] + [f"train.micro_batch={p['micro_batch']}"]
+    return " ".join(f"--set {s}" for s in sets)
+
+
+def spec(plan_doc: dict, estimate_bytes: float, capacity_bytes: float, steps: int, tolerance: float) -> dict:
+    """The launch spec's `rehearsal` entry: what the trainer needs to judge the first `steps` steps.
+    `estimate_bytes`: the planner's per-rank peak for the layout being run (as the train stage computes it);
+    `capacity_bytes`: what a rank may allocate (device memory, less the runtime reserve the allocator never sees)."""
+    chosen = plan_doc.get("chosen") or {}
+    ranked = plan_doc.get("plans") or []
+    return {
+        "steps": steps,
+        "tolerance": tolerance,
+        "estimate_bytes": float(estimate_bytes),
+        "estimate_step_s": float(chosen.get("step_s") or 0.0),
+        "capacity_bytes": float(capacity_bytes),
+        "chosen": {k: chosen[k] for k in LAYOUT_KEYS if k in chosen},
+        "alternatives": [
+            {**{k: p[k] for k in LAYOUT_KEYS if k in p}, "total_bytes": p["total_bytes"], "step_s": p["step_s"]}
+            for p in ranked[:ALTERNATIVES]
+        ],
+    }
+
+
+def next_plan(sp: dict, memory_ratio: float) -> dict | None:
+    """The best-ranked alternative other than the layout being run whose estimate, scaled by how far the measured
+    peak exceeded the estimate (`memory_ratio`, at least 1), still fits the capacity."""
+    k = max(1.0, memory_ratio)
+    same = {key: sp["chosen"].get(key) for key in sp["chosen"]}
+    for p in sp["alternatives"]:
+        if {key: p.get(key) for key in same} == same:
+            continue
+        if p["total_bytes"] * k <= sp["capacity_bytes"]:
+            return p
+    return None
+
+
+def verdict(sp: dict, peaks: list[float], step_s: float) -> dict:
+    """`peaks`: each rank's measured peak bytes over the rehearsal; `step_s`: the measured step time (the first step,
+    which pays for allocation and kernel selection, left out). Stops (`ok` False, `cause` one line) when a rank's
+    peak exceeds the capacity or the estimate by more than the tolerance, or steps run slower than the estimate by
+    more than the tolerance."""
+    peak = max(peaks)
+    rank = peaks.index(peak)
+    est, cap, tol = sp["estimate_bytes"], sp["capacity_bytes"], sp["tolerance"]
+    est_s = sp["estimate_step_s"]
+    out = {
+        "peak_bytes": peak,
+        "peak_rank": rank,
+        "estimate_bytes": est,
+        "estimate_over_measured": est / peak if peak else 0.0,
+        "step_s": step_s,
+        "estimate_step_s": est_s,
+        "step_estimate_over_measured": est_s / step_s if step_s and est_s else 0.0,
+        "ok": True,
+        "cause": None,
+    }
+    what = None
+    if peak > cap:
+        what = f"rank {rank} peaked at {peak / GB:.2f} GB, over the {cap / GB:.2f} GB a device holds"
+    elif peak > est * (1 + tol):
+        what = (
+            f"rank {rank} peaked at {peak / GB:.2f} GB against the plan's {est / GB:.2f} GB estimate "
+            f"(+{peak / est - 1:.0%}, beyond plan.tolerance {tol:.0%})"
+        )
+    elif est_s and step_s > est_s * (1 + tol):
+        what = (
+            f"steps take {step_s:.3g} s against the plan's {est_s:.3g} s estimate (+{step_s / est_s - 1:.0%}, beyond "
+            f"plan.tolerance {tol:.0%}; the step-time model is off: lower plan.efficiency and re-plan)"
+        )
+    if what is None:
+        return out
+    alt = next_plan(sp, peak / est if est else 1.0)
+    if alt is None:
+        then = "no other planned layout fits at the measured ratio: lower train.micro_batch or add devices"
+    else:
+        scaled = alt["total_bytes"] * max(1.0, peak / est if est else 1.0)
+        then = f"next feasible plan {layout_name(alt)} (~{scaled / GB:.1f} GB at the measured ratio): {pins(alt)}"
+    out.update(ok=False, cause=f"rehearsal at {layout_name(sp['chosen'])}: {what}; {then}")
+    return out
+
+
+def figures(v: dict) -> dict:
+    """The MLflow metrics of a verdict."""
+    return {
+        "rehearsal.peak_gb": v["peak_bytes"] / GB,
+        "rehearsal.estimate_gb": v["estimate_bytes"] / GB,
+        "rehearsal.estimate_over_measured": v["estimate_over_measured"],
+        "rehearsal.step_s": v["step_s"],
+        "rehearsal.step_estimate_over_measured": v["step_estimate_over_measured"],
+        "rehearsal.ok": float(v["ok"]),
+    }

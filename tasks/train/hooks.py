@@ -1,0 +1,174 @@
+"""Step hooks: what runs around the training loop without living inside the step.
+
+A hook subclasses `Hook` and overrides the points it needs; the trainer calls every hook at each point, on every rank
+(a hook that runs a collective must do it on all ranks; rank-0-only work checks `trainer.rank`). Points, in order:
+
+    on_start(trainer)                      built and resumed, before the first step
+    on_phase(trainer, step, phase)         "data" (first thing of a step) → "compute" → ("checkpoint"); "done" at
+                                           the end
+    before_step(trainer, step)             after on_phase "data", before the batch is fetched
+    after_update(trainer, step)            the optimizer stepped; gradients still held (released right after)
+    after_step(trainer, step, metrics)     a finite step's metrics (every rank, global values), before rank 0 logs
+                                           them: add keys to log them; raise StopTraining to end the run
+    on_checkpoint(trainer, step, path)     a complete checkpoint of `step` is at `path`
+    on_end(trainer, summary)               training finished: add keys to summary.json (rank 0 writes it)
+
+Built-in hooks (tasks.train.trainer.default_hooks): `Heartbeats` (per-rank phase files the launcher reads after a
+timeout), `FaultInjection` ($LLM_PIPELINE_FAULT, resilience tests and drills) and `ShardingEvidence` (what each rank
+holds at the end of the last step: the ZeRO stage's proof in summary.json).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+# Fault injection for resilience tests: "RANK:STEP" makes that rank SIGKILL itself at the start of that step,
+# "RANK:STEP:hang" makes it stop responding there (the others then hit the collective timeout).
+FAULT_ENV = "LLM_PIPELINE_FAULT"
+
+
+class StopTraining(Exception):
+    """Raised by a hook (every rank, same decision) to end the run with exit `code` after naming the cause."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Hook:
+    """No-op at every point; override the ones you need."""
+
+    def on_start(self, trainer) -> None:
+        pass
+
+    def before_step(self, trainer, step: int) -> None:
+        pass
+
+    def on_phase(self, trainer, step: int, phase: str) -> None:
+        pass
+
+    def after_update(self, trainer, step: int) -> None:
+        pass
+
+    def after_step(self, trainer, step: int, metrics: dict) -> None:
+        pass
+
+    def on_checkpoint(self, trainer, step: int, path: Path) -> None:
+        pass
+
+    def on_end(self, trainer, summary: dict) -> None:
+        pass
+
+
+class Heartbeats(Hook):
+    """`<train>/heartbeat/rank-K.json` rewritten at each phase: after a collective timeout the launcher names the
+    rank that fell behind (tasks.parallel.diagnosis)."""
+
+    def __init__(self, directory: Path, rank: int):
+        from tasks.parallel.metrics import Heartbeat
+
+        self.beat = Heartbeat(directory, rank)
+
+    def on_phase(self, trainer, step: int, phase: str) -> None:
+        self.beat.beat(step, phase)
+
+
+def parse_fault(text: str) -> tuple[int, int, str] | None:
+    """$LLM_PIPELINE_FAULT → (rank, step, "kill" | "hang"), None when unset; ValueError (one line) when malformed —
+    a typo must not silently run without the fault a test or drill asked for. ASCII digits only: str.isdigit takes
+    '²' (which int() refuses), and re's digit class without re.ASCII takes other scripts' digits."""
+    if not text.strip():
+        return None
+    if not re.fullmatch(r"\d+:\d+(?::(?:kill|hang))?", text.strip(), re.ASCII):
+        raise ValueError(
+            f"{FAULT_ENV}={text!r} is malformed: expected RANK:STEP or RANK:STEP:kill|hang in ASCII digits "
+            f"(e.g. 1:4); unset it for a normal run"
+        )
+    rank, step, *kind = text.strip().split(":")
+    return int(rank), int(step), kind[0] if kind else "kill"
+
+
+class FaultInjection(Hook):
+    """At the start of `step` this rank SIGKILLs itself ("kill") or stops responding ("hang")."""
+
+    def __init__(self, step: int, kind: str):
+        self.step, self.kind = step, kind
+
+    @classmethod
+    def from_env(cls, rank: int, env=None) -> "FaultInjection | None":
+        fault = parse_fault((env if env is not None else os.environ).get(FAULT_ENV, ""))
+        return cls(fault[1], fault[2]) if fault and fault[0] == rank else None
+
+    def before_step(self, trainer, step: int) -> None:
+        if step != self.step:
+            return
+        print(
+            f"[{time.strftime('%H:%M:%S')} rank {trainer.rank}] fault injection: {self.kind} at step {step}", flush=True
+        )
+        if self.kind == "hang":
+            time.sleep(24 * 3600)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def local(t):
+    """This rank's part of a tensor (a DTensor's local shard, or the tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardingEvidence(Hook):
+    """What this rank holds (elements of its local tensors) at the end of the last step — parameters, gradients,
+    optimizer state, and one layer between forward and backward (pp = 1) — gathered into summary.json's
+    `sharding_per_rank`: the evidence of the ZeRO stage (tests/test_parallel.py checks it)."""
+
+    def __init__(self, last_step: int):
+        self.last_step, self.record, self._probe, self._after_forward = last_step, None, None, None
+
+    def before_step(self, trainer, step: int) -> None:
+        if step != self.last_step or trainer.lay.pp > 1:
+            return
+        root = trainer.parts[0]
+        block = next(iter(root.layers.values()))
+
+        def after_forward(*_):  # how much of one layer this rank holds between forward and backward (ZeRO 2 vs 3)
+            self._after_forward = sum(local(p).numel() for p in block.parameters())
+
+        self._probe = (block, root.register_forward_hook(after_forward))
+
+    def after_update(self, trainer, step: int) -> None:
+        if step != self.last_step:
+            return
+        from torch.distributed.tensor import DTensor
+
+        params = trainer.params
+        block = None
+        if self._probe is not None:
+            block, handle = self._probe
+            handle.remove()
+        self.record = {
+            "param_elems": sum(local(p).numel() for p in params),
+            "grad_elems": sum(local(p.grad).numel() for p in params if p.grad is not None),
+            "optim_elems": sum(
+                local(t).numel()
+                for opt, _ in trainer.optimizers
+                for st in opt.state.values()
+                for t in st.values()
+                if hasattr(t, "numel") and t.dim() > 0
+            ),
+            "full_elems": sum(p.numel() for p in params),
+            "layer_elems_after_forward": self._after_forward,
+            "layer_elems_at_rest": sum(local(p).numel() for p in block.parameters()) if block is not None else None,
+            "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+        }
+
+    def on_end(self, trainer, summary: dict) -> None:
+        from tasks import collectives
+
+        everyone = [None] * trainer.world
+        collectives.all_gather_object(everyone, self.record)
+        summary["sharding_per_rank"] = everyone

@@ -1,0 +1,162 @@
+"""The one training step, shared by the smoke stage (one process) and the trainer (every rank of a torchrun job).
+
+`TrainStep` = forward and backward (`PlainStep`: gradient accumulation over micro-batches; `PipelineStep`: a
+pipeline schedule) → the global loss → gradient sync over data-parallel replicas (ZeRO 0/1) → global gradient norm
+and clipping → optimizer and LR-schedule step → `after_update` callbacks (ZeRO-1 broadcast, converters'
+post_optimizer_hook, the trainer's hooks) → gradients released. Before the update, `check(loss, grad_norm)` (the
+trainer's divergence guard; by default: both finite) may return a verdict: the update is skipped and the gradients that
+produced it kept, for diagnosis (the caller zeroes them before going on). The loss and the norm are read to the host
+there, once (where the finite check read them before the guard existed); the caller logs those floats.
+
+Each stage is a small method so later work replaces one without touching the rest: e.g. FP16 loss scaling scales the
+loss in the forward/backward and unscales in `clip` (skipping on inf), overlapped DP replaces `grad_sync` by
+bucket hooks registered before the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from tasks.model.loss import lm_loss
+from tasks.parallel.optim import grad_norm_and_clip
+
+
+class PlainStep:
+    """No pipeline: accumulate gradients over the micro-batches of this rank's share of the global batch."""
+
+    def __init__(self, model, n_microbatches: int, autocast=None):
+        from tasks.model.moe import set_aux_scale
+
+        self.model, self.n = model, n_microbatches
+        self.autocast = autocast or contextlib.nullcontext
+        set_aux_scale(model, 1.0 / n_microbatches)  # MoE load-balancing loss divided like the LM loss below
+
+    def __call__(self, x, y) -> torch.Tensor:
+        total = torch.zeros((), device=x.device)
+        for i, (xi, yi) in enumerate(zip(x.chunk(self.n), y.chunk(self.n))):
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                # FSDP reduce-scatters gradients only after the last micro-batch.
+                self.model.set_requires_gradient_sync(i == self.n - 1)
+            with self.autocast():
+                logits = self.model(xi)
+            loss = lm_loss(logits, yi) / self.n
+            loss.backward()
+            total += loss.detach()
+        return total
+
+
+class PipelineStep:
+    """A pipeline schedule: the first stage feeds tokens, the last computes the loss per micro-batch (the
+    schedule scales gradients by 1/n_microbatches, so the result is the mean, as without a pipeline)."""
+
+    def __init__(self, schedule, stage_indices: list[int], n_stages: int, autocast=None):
+        self.schedule = schedule
+        self.autocast = autocast or contextlib.nullcontext
+        self.first = 0 in stage_indices
+        self.last = n_stages - 1 in stage_indices
+
+    def __call__(self, x, y) -> torch.Tensor:
+        losses = [] if self.last else None
+        target = y if self.last else None
+        with self.autocast():
+            if self.first:
+                self.schedule.step(x, target=target, losses=losses)
+            else:
+                self.schedule.step(target=target, losses=losses)
+        if self.last:
+            return torch.stack([loss.detach().float() for loss in losses]).mean()
+        return torch.zeros((), device=x.device)
+
+
+def global_loss(local: torch.Tensor, dp: int, tp: int) -> torch.Tensor:
+    """The global batch's mean loss on every rank: ranks holding a loss (all of them, or the last pipeline
+    stage) contribute; the TP ranks of one replica hold the same value, hence the division by dp · tp."""
+    from tasks import collectives
+
+    total = local.detach().float().clone()
+    collectives.all_reduce(total)
+    return total / (dp * tp)
+
+
+def finite(loss: float, grad_norm: float) -> str | None:
+    """The default check: a non-finite loss or gradient norm stops the update."""
+    return None if math.isfinite(loss) and math.isfinite(grad_norm) else "non-finite loss or gradient norm"
+
+
+@dataclass
+class StepResult:
+    loss: float  # the global batch's mean loss
+    grad_norm: float  # global pre-clip gradient norm
+    lr: float  # the learning rate this step used
+    verdict: object = None  # what `check` returned: update skipped, gradients kept (None: updated)
+
+    @property
+    def updated(self) -> bool:
+        return self.verdict is None
+
+
+@dataclass
+class TrainStep:
+    """One optimizer step. `forward_backward(x, y)` returns this rank's loss with gradients accumulated;
+    `optimizers` are (optimizer, LR scheduler or None) per model part; `reduce_loss` (distributed runs) turns the
+    local loss into the global one; `grad_sync` averages gradients over replicas; `pp_group` adds the pipeline
+    stages' gradient norms; `check(loss, grad_norm)` → None to update, else a verdict that skips it (global values:
+    every rank decides the same); `after_update` runs after the optimizers stepped, gradients still held."""
+
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizers: list
+    params: list
+    grad_clip: float
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
+    grad_sync: Callable[[], None] | None = None
+    pp_group: object = None
+    check: Callable[[float, float], object] = finite
+    after_update: list[Callable[[], None]] = field(default_factory=list)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
+        loss = self.forward_backward(x, y)
+        loss = self.reduce_loss(loss) if self.reduce_loss else loss.detach().float()
+        if self.grad_sync is not None:
+            self.grad_sync()
+        norm = self.clip()
+        lr = self.optimizers[0][0].param_groups[0]["lr"]
+        result = StepResult(loss.item(), norm.item(), lr)
+        result.verdict = self.check(result.loss, result.grad_norm)
+        if result.verdict is None:
+            self.update()
+        return result
+
+    def clip(self) -> torch.Tensor:
+        """Global gradient norm (exact across FSDP, TP and PP), gradients scaled to at most grad_clip (0 = off)."""
+        return grad_norm_and_clip(self.params, self.grad_clip, self.pp_group)
+
+    def update(self) -> None:
+        for opt, sched in self.optimizers:
+            opt.step()
+            if sched is not None:
+                sched.step()
+        for callback in self.after_update:
+            callback()
+        for p in self.params:  # a ZeRO-1 optimizer holds only the parameters it owns: clear every gradient here
+            p.grad = None
+
+    def zero_grad(self) -> None:
+        """After a skipped step, once its gradients have been looked at."""
+        for p in self.params:
+            p.grad = None
+
+
+def single_process(model, optimizer, grad_clip: float, autocast=None, scheduler=None, converters=()) -> TrainStep:
+    """The step in one process (smoke stage, benchmarks): the whole batch as one micro-batch, no collectives.
+    `autocast`: a factory of the autocast context (None = fp32); `converters`: the model converters applied to
+    `model`, whose post_optimizer_hook runs after each update."""
+    from tasks.model.converters import post_optimizer
+
+    after = [lambda: post_optimizer(converters, [model])] if converters else []
+    params = list(model.parameters())
+    return TrainStep(PlainStep(model, 1, autocast), [(optimizer, scheduler)], params, grad_clip, after_update=after)

@@ -1,0 +1,344 @@
+"""The per-rank Trainer: built from the small steps of tasks/train/build.py, runs the loop, checkpoints, summarises.
+
+`Trainer.__init__` reads as the list of what a rank builds; `train_step` does one step (batch → TrainStep → metrics →
+checkpoint); everything optional sits in hooks (tasks/train/hooks.py) or contexts entered around the loop (the
+profiler). Exit codes of `fit`: 0 done, 3 stopped by the divergence guard (non-finite, diverged or dead: the update of
+that step is skipped, diagnosis.json written), 4 out of memory, 5 collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from tasks.train.hooks import FaultInjection, Heartbeats, Hook, ShardingEvidence, StopTraining
+from tasks.units import GB
+
+if TYPE_CHECKING:
+    import torch
+    from data_prep.loader import ShardLoader
+    from tasks.config import PipelineConfig
+    from tasks.model import TransformerConfig
+    from tasks.parallel.checkpoint import CheckpointManager
+    from tasks.layout import Layout
+    from tasks.parallel.divergence import Divergence, DivergenceGuard
+    from tasks.parallel.metrics import MetricsLog, PhasePeaks
+    from tasks.train.build import ModelParts, Optimizers
+    from tasks.train.step import StepResult, TrainStep
+
+EXIT_DIVERGED, EXIT_OOM, EXIT_TIMEOUT = 3, 4, 5
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} rank {os.environ.get('RANK', '0')}] {msg}", flush=True)
+
+
+def redirect_output(log_path: Path) -> None:
+    """stdout/stderr of this rank (including C++ warnings and tracebacks) go to <run-dir>/logs/rank-K.log."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layout"]:
+    """The launch spec (written by tasks/stages/train.py) → the run's config, model shape and layout."""
+    from tasks.config import PipelineConfig, apply_overrides
+    from tasks.model import TransformerConfig
+    from tasks.layout import Layout
+
+    cfg = apply_overrides(PipelineConfig(), {k: v for k, v in spec["config"].items() if k != "preset"})
+    return cfg, TransformerConfig(**spec["model"]), Layout(**spec["layout"])
+
+
+def default_hooks(trainer: "Trainer") -> list[Hook]:
+    """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence."""
+    fault = FaultInjection.from_env(trainer.rank)
+    return [
+        Heartbeats(trainer.train_dir / "heartbeat", trainer.rank),
+        *([fault] if fault else []),
+        ShardingEvidence(trainer.cfg.train.steps),
+    ]
+
+
+class Trainer:
+    """One rank of a training run (torchrun started it; the process group is up)."""
+
+    spec: dict
+    device: "torch.device"
+    cfg: "PipelineConfig"
+    tcfg: "TransformerConfig"
+    lay: "Layout"
+    run_dir: Path
+    train_dir: Path
+    rank: int
+    world: int
+    phases: "PhasePeaks"
+    mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    coords: dict[str, int]
+    ckpt: "CheckpointManager"
+    model: "ModelParts"
+    opts: "Optimizers"
+    step_fn: "TrainStep"
+    loader: "ShardLoader"
+    batches: Iterator  # (inputs, targets) from the resumed position, epochs looped
+    start: int
+    last_good: str | None
+    metrics: "MetricsLog | None"  # rank 0 only
+    guard: "DivergenceGuard"  # checks each step's loss and gradient norm before its update
+    flops_tok: float  # training FLOPs per token (MFU)
+    peak: float | None  # the device's peak FLOP/s (None: unknown, no MFU)
+    hooks: list[Hook]
+    step: int  # the step running (or last run)
+
+    def __init__(self, spec: dict, device, hooks: tuple[Hook, ...] = ()):
+        import torch
+        import torch.distributed as dist
+        from tasks import collectives
+
+        from tasks.model.converters import ConvertContext
+        from tasks.model.converters import build as build_converters
+        from tasks.parallel.checkpoint import CheckpointManager
+        from tasks.parallel.mesh import coords, layout_name
+        from tasks.parallel.metrics import PhasePeaks
+        from tasks.train.build import build_loader, build_mesh, build_model, build_optimizer, build_step, choose_resume
+
+        self.spec, self.device = spec, device
+        self.cfg, self.tcfg, self.lay = read_spec(spec)
+        self.run_dir = Path(spec["run_dir"])
+        self.train_dir = self.run_dir / "train"
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        redirect_output(self.run_dir / "logs" / f"rank-{self.rank}.log")
+        self.phases = PhasePeaks(device)
+        self.phases.enter("init")
+        self.mesh = build_mesh(self.lay, device.type)
+        self.coords = coords(self.mesh)
+        ep = f"·ep{self.lay.ep}" if self.lay.ep > 1 else ""
+        log(f"layout {layout_name(self.lay.dp, self.lay.tp, self.lay.pp)}{ep} coords {self.coords} device {device}")
+        torch.manual_seed(self.cfg.train.seed)
+        t = self.cfg.train
+        self.ckpt = CheckpointManager(
+            self.run_dir / "checkpoints", t.keep_checkpoints, self.rank, self.coords, self.lay.dp, self.world
+        )
+        source = choose_resume(spec, self.ckpt, self.rank, log)
+        # A training checkpoint wins; without one, model.hf_path's weights (if set) are the starting point.
+        init_from = None if source else spec.get("init_from")
+        if init_from:
+            log(f"initialising from {init_from}")
+        converters = build_converters(self.cfg.model.converters, ConvertContext(device.type, self.tcfg, self.cfg))
+        self.model = build_model(self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters)
+        if converters:
+            log(f"model converters: {', '.join(map(repr, converters))}")
+        named = [(n, p) for part in self.parts for n, p in part.named_parameters()]
+        self.opts = build_optimizer(self.parts, named, self.mesh, self.lay, t)
+        self.step_fn = build_step(self.model, self.opts, self.mesh, self.lay, device, t.precision, t.grad_clip)
+        self.step_fn.after_update.append(lambda: self.call("after_update", self.step))
+        self.loader = build_loader(spec, self.cfg, self.lay, self.coords["dp"], device)
+        self.start, self.last_good = self.resume(source)
+        self.step = self.start
+        self.batches = self.loader.batches()
+        self.metrics = self.build_metrics()
+        self.guard = self.build_guard()
+        self.step_fn.check = lambda loss, norm: self.guard.check(self.step, loss, norm)
+        self.hooks = [*default_hooks(self), *hooks]
+        collectives.barrier()
+        self.phases.enter("train")
+
+    @property
+    def parts(self) -> list:
+        return self.model.modules
+
+    @property
+    def params(self) -> list:
+        return self.step_fn.params
+
+    @property
+    def optimizers(self) -> list:
+        return self.opts.pairs
+
+    def call(self, point: str, *args) -> None:
+        """Every hook's `point` (tasks/train/hooks.py), in order."""
+        for hook in self.hooks:
+            getattr(hook, point)(self, *args)
+
+    def resume(self, source: str | None) -> tuple[int, str | None]:
+        """Model, optimizer, LR schedule, loader position and RNG from checkpoint `source` → (its step, its path)."""
+        from data_prep.errors import DataPrepError
+
+        if not source:
+            return 0, None
+        start = 0
+        try:
+            start, notes = self.ckpt.load(Path(source), self.parts, self.optimizers, self.loader)
+        except DataPrepError as e:  # e.g. loader workers changed: the weights resume, the data stream restarts
+            notes = [str(e)]
+        log(f"resumed from {source} at step {start}" + "".join(f"; {n}" for n in notes))
+        return start, str(source)
+
+    def build_metrics(self) -> "MetricsLog | None":
+        """Rank 0's metrics.jsonl (+ MLflow), truncated to the resumed step; MFU's FLOPs per token and device peak."""
+        from tasks.model import flops_per_token
+        from tasks.parallel.metrics import MetricsLog, peak_flops
+
+        self.flops_tok = flops_per_token(self.tcfg, self.cfg.data.seq_len)
+        self.peak = peak_flops(self.device, self.cfg.hardware.peak_tflops)
+        if self.rank != 0:
+            return None
+        return MetricsLog(self.run_dir / "metrics.jsonl", self.start, self.cfg.tracking.enabled)
+
+    def build_guard(self) -> "DivergenceGuard":
+        """The divergence guard (tasks/parallel/divergence.py), its median and best loss carried over a resume: rank 0
+        reads the losses of steps <= start from metrics.jsonl and every rank hears them (one broadcast, here: while
+        rank 0 truncates the file nobody else reads it). Each step's loss and gradient norm are global values, the
+        same on every rank, so every rank's guard then reaches the same verdict without a collective."""
+        from tasks import collectives
+        from tasks.parallel.divergence import DivergenceGuard
+        from tasks.parallel.metrics import read_metrics
+
+        history = [None]
+        if self.rank == 0:
+            path = self.run_dir / "metrics.jsonl"
+            rows = read_metrics(path) if self.start and path.is_file() else []
+            history[0] = [r["loss"] for r in rows if r["step"] <= self.start]
+        collectives.broadcast_object_list(history, src=0)
+        return DivergenceGuard(self.tcfg.vocab_size, self.cfg.train.divergence_factor, history[0])
+
+    def fit(self, profile_dir: str | None = None) -> int:
+        """Steps start+1 … train.steps inside the profiler context; the exit code (module docstring)."""
+        from tasks.device import memory_stats
+        from tasks.parallel import diagnosis
+        from tasks.profiling.collect import make_profiler
+
+        self.call("on_start")
+        try:
+            with make_profiler(self.cfg.profile, self.device.type, profile_dir, self.rank) as prof:
+                for step in range(self.start + 1, self.cfg.train.steps + 1):
+                    self.train_step(step)
+                    prof.step()
+        except StopTraining as stop:
+            log(f"stopping: {stop}")
+            return stop.code
+        except Exception as e:  # OOM and timeouts leave evidence for the launcher; anything else is a bug
+            kind = "oom" if diagnosis.is_oom(e) else "timeout" if diagnosis.is_timeout(e) else None
+            if kind is None:
+                raise
+            from tasks.train.failures import write_failure
+
+            log(f"{kind}: {e}")
+            mem = memory_stats(self.device)
+            write_failure(self.train_dir, kind, self.rank, self.step, mem, self.spec.get("estimate_bytes"), str(e))
+            return EXIT_OOM if kind == "oom" else EXIT_TIMEOUT
+        self.finish()
+        return 0
+
+    def train_step(self, step: int) -> None:
+        """One step: batch → TrainStep (the divergence guard checks it before the update) → metrics (hooks, then rank
+        0 logs) → checkpoint when due. A verdict of the guard stops the run (`stop`)."""
+        from tasks.device import synchronize
+
+        self.step = step
+        self.call("on_phase", step, "data")  # first: a rank that dies in before_step is seen at this step
+        self.call("before_step", step)
+        t0 = time.perf_counter()
+        x, y = next(self.batches)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        t_data = time.perf_counter() - t0
+        self.call("on_phase", step, "compute")
+        result = self.step_fn(x, y)
+        if result.verdict is not None:
+            self.stop(result.verdict)
+        synchronize(self.device)
+        metrics = self.step_metrics(step, result, time.perf_counter() - t0, t_data)
+        self.call("after_step", step, metrics)
+        if self.metrics is not None:
+            self.metrics.log(metrics)
+        t = self.cfg.train
+        if (t.checkpoint_every and step % t.checkpoint_every == 0) or step == t.steps:
+            self.checkpoint(step)
+
+    def stop(self, verdict: "Divergence") -> None:
+        """The guard's verdict (every rank has the same): rank 0 writes diagnosis.json naming the last good checkpoint
+        (the newest before the condemned weights: the launcher sets those aside), then the run ends — no summary, no
+        export. Raises StopTraining."""
+        from tasks.parallel.checkpoint import complete_checkpoints
+        from tasks.train.failures import write_diagnosis
+
+        good = [str(p) for s, p in complete_checkpoints(self.ckpt.dir) if s < verdict.bad_from]
+        last_good = good[-1] if good else None
+        write_diagnosis(self.train_dir, self.rank, verdict, self.parts, last_good)
+        raise StopTraining(
+            EXIT_DIVERGED, f"{verdict.what} at step {verdict.step}; last good checkpoint {last_good or 'none'}"
+        )
+
+    def step_metrics(self, step: int, result: "StepResult", dt: float, t_data: float) -> dict:
+        """The step's record for metrics.jsonl (every rank computes it: the MoE statistics are a collective)."""
+        from tasks.device import memory_stats
+        from tasks.train.router_stats import moe_metrics
+
+        moe_layers = [f"layers.{i}.moe" for i in range(self.tcfg.n_layers) if self.tcfg.is_moe_layer(i)]
+        moe = moe_metrics(self.parts, moe_layers, self.tcfg.n_experts, self.lay.tp, self.device)
+        tps = self.lay.global_batch * self.cfg.data.seq_len / dt
+        return {
+            **moe,
+            "step": step,
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "data_wait_s": t_data,
+            "mfu": self.flops_tok * tps / (self.peak * self.world) if self.peak else None,
+            "peak_mem_gb": memory_stats(self.device)["peak_bytes"] / GB,
+        }
+
+    def checkpoint(self, step: int) -> Path:
+        """A complete DCP checkpoint of this step (tasks/parallel/checkpoint.py); its memory is its own phase."""
+        from tasks.parallel.checkpoint import shaping_config
+
+        self.call("on_phase", step, "checkpoint")
+        self.phases.enter("checkpoint")
+        meta = {
+            "model": self.spec["model"],
+            "layout": self.spec["layout"],
+            "config_hash": self.spec.get("config_hash", ""),
+            "shaping": shaping_config(self.spec["config"]),
+        }
+        path = self.ckpt.save(step, self.parts, self.optimizers, self.loader, meta)
+        self.last_good = str(path)
+        self.phases.enter("train")
+        self.call("on_checkpoint", step, path)
+        return path
+
+    def finish(self) -> None:
+        """Every rank's memory (per phase) gathered; hooks add their parts; rank 0 writes train/summary.json."""
+        from tasks import collectives
+
+        from tasks.device import memory_stats
+        from tasks.fsutil import atomic_write_json
+
+        self.call("on_phase", self.step, "done")
+        train_mem = memory_stats(self.device)
+        phases = self.phases.result()
+        train_mem["peak_bytes"] = train_mem["peak_reserved_bytes"] = phases.get("train", train_mem["peak_bytes"])
+        peaks, by_phase = [None] * self.world, [None] * self.world
+        collectives.all_gather_object(peaks, train_mem)
+        collectives.all_gather_object(by_phase, phases)
+        summary = {
+            "final_step": self.step,
+            "start_step": self.start,
+            "checkpoint": self.last_good,
+            "memory_per_rank": peaks,
+            "memory_phases_per_rank": by_phase,
+            "layout": self.spec["layout"],
+        }
+        self.call("on_end", summary)
+        if self.rank == 0:
+            self.metrics.close()
+            atomic_write_json(self.train_dir / "summary.json", summary)
+        log(f"done at step {self.step}")

@@ -1,0 +1,89 @@
+"""The model-converter registry (tasks/model/converters.py): names resolve to the registered classes, an unknown or
+repeated name is one config line, every registration is reachable, and the train step calls post_optimizer_hook
+after each update (not after a skipped one)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from tasks.errors import ConfigError
+from tasks.model import build_model, converters, get_preset, materialize
+from train_fixture import shards  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_names_build_registered_converters_in_config_order():
+    built = converters.build(["math_attention", "npu_fused"], converters.ConvertContext("cpu"))
+    assert [type(c).__name__ for c in built] == ["MathAttentionConverter", "NpuFused"]
+    assert {"npu_fused", "math_attention"} <= set(converters.known())
+    with pytest.raises(ConfigError, match=r"model.converters: unknown converter 'npu_fuse'; known: math_attention, "):
+        converters.build(["npu_fuse"], converters.ConvertContext("cpu"))
+    with pytest.raises(ConfigError, match="'npu_fused' is listed twice"):
+        converters.check_names(["npu_fused", "npu_fused"])
+
+
+def test_every_registration_lives_in_a_provider_module():
+    """A converter registered in a module the registry never imports could not be named in the config."""
+    registering = set()
+    for path in (REPO / "tasks").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(d, ast.Call) and getattr(d.func, "id", "") == "register" for d in node.decorator_list
+            ):
+                registering.add(".".join(path.relative_to(REPO).with_suffix("").parts))
+    assert registering == set(converters.PROVIDERS)
+
+
+def test_math_attention_converter_swaps_and_reverts():
+    from tasks.model.transformer import Attention
+    from tasks.quant.export import MathAttention
+
+    model = materialize(build_model(get_preset("debug")), "cpu", seed=0)
+    [conv] = converters.build(["math_attention"], converters.ConvertContext("cpu"))
+    conv.convert(model)
+    assert {type(m) for m in model.modules() if isinstance(m, Attention)} == {MathAttention}
+    conv.revert()
+    assert {type(m) for m in model.modules() if isinstance(m, Attention)} == {Attention}
+
+
+class _Counting:
+    def __init__(self):
+        self.calls = []
+
+    def convert(self, model):
+        pass
+
+    def post_optimizer_hook(self, models):
+        self.calls.append(float(models[0].norm.weight.detach().sum()))  # sees the updated weights
+
+
+def test_train_step_runs_post_optimizer_hooks_after_each_update_only():
+    from tasks.train.step import single_process
+
+    c = get_preset("debug")
+    model = materialize(build_model(c), "cpu", seed=0)
+    conv = _Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = single_process(model, opt, grad_clip=1.0, converters=[conv])
+    x = torch.randint(0, c.vocab_size, (2, 8))
+    before = float(model.norm.weight.detach().sum())
+    assert step(x, x).updated and conv.calls and conv.calls[0] != before
+    with torch.no_grad():
+        model.norm.weight.fill_(float("nan"))
+    result = step(x, x)
+    assert not result.updated and len(conv.calls) == 1  # skipped: no update, no hook, gradients kept
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_unknown_converter_fails_before_any_worker_starts(cfg, tmp_path, shards):
+    from tasks.stages import train
+    from train_fixture import configure, context
+
+    with pytest.raises(ConfigError, match="model.converters: unknown converter 'fp8'; known: ") as e:
+        train.prepare(configure(cfg, **{"model.converters": ["npu_fused", "fp8"]}), context(tmp_path, shards))
+    assert "\n" not in str(e.value) and not (tmp_path / "logs").exists()
