@@ -132,11 +132,14 @@ def wait_for_task(ui, run_id: str, task_id: str, state: str) -> None:
 
 
 def task_log(ui, run_id: str, task_id: str) -> list[dict]:
-    """The task's last attempt as Airflow stored it: one JSON object per line (level, event, logger, …)."""
+    """The task's last attempt as Airflow stored it (of every map index, for a mapped task: map_index=N/): one JSON
+    object per line (level, event, logger, …)."""
     folder = ui["var"] / "logs" / "dag_id=llm_pipeline" / f"run_id={run_id}" / f"task_id={task_id}"
-    attempts = sorted(folder.glob("attempt=*.log"), key=lambda p: int(p.stem.split("=")[1]))
-    assert attempts, f"no log for {task_id} in {folder}"
-    return [json.loads(line) for line in attempts[-1].read_text().splitlines() if line.startswith("{")]
+    last: dict[Path, Path] = {}
+    for log in sorted(folder.rglob("attempt=*.log"), key=lambda p: int(p.stem.split("=")[1])):
+        last[log.parent] = log
+    assert last, f"no log for {task_id} in {folder}"
+    return [json.loads(ln) for log in last.values() for ln in log.read_text().splitlines() if ln.startswith("{")]
 
 
 def trigger(ui, conf: dict) -> str:
@@ -197,7 +200,7 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             dialog.get_by_text("Quantization", exact=True).click()
             expect(dialog.get_by_text("Max INT8 drop on the gate metric (%)")).to_be_visible()
             expect(dialog.get_by_text("perplexity drop", exact=False)).to_have_count(0)
-            expect(dialog.get_by_text("(ci-tiny: 2.0; demo-cpu: 2.0)", exact=False)).to_be_visible()
+            expect(dialog.get_by_text("(ci-tiny: 2.0; demo-cpu: 2.0;", exact=False)).to_be_visible()
             switch = dialog.locator("label:has([name=element_require_approval])")  # the input itself is hidden
             switch.click()
             expect(dialog.locator("[name=element_require_approval]")).to_be_checked()

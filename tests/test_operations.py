@@ -229,7 +229,7 @@ def test_device_stages_get_system_metrics_with_npu(cfg, fake_npu_smi):
 
 
 def test_npu_metrics_from_every_chip_generation():
-    from tasks.envcheck import npu_smi
+    from tasks import npu_smi
     from tasks.sysmetrics import npu_metrics
 
     for name in ("910b2c.txt", "910-two-chips.txt", "310p3.txt", "910b3-one-card.txt"):
