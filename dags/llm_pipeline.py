@@ -280,7 +280,7 @@ def llm_pipeline():
         "evaluate.approval_timeout_h: the champion stays. Answer under Browse → Required actions.",
     )
 
-    @task(task_id="promote", doc_md="Sets the alias champion on the approved version (tasks.tracking.promote).")
+    @task(task_id="promote", doc_md="Sets the alias champion on the approved version (tasks.quant.registry.promote).")
     def promote() -> dict:
         from airflow.sdk import get_current_context
 
