@@ -38,23 +38,25 @@ def llm_health():
     @task(task_id="health", doc_md="Sample devices and host, log to MLflow, fail with the cause on an alarm.")
     def health() -> dict:
         from airflow.sdk import get_current_context
-        from airflow.sdk.exceptions import AirflowFailException
 
         from tasks.config import load_config
         from tasks.errors import StageError
+        from tasks.logs import to_logging
+        from tasks.pipeline import failure
         from tasks.stages.health import run_health
         from tasks.runner import default_run_dir
 
         ctx = get_current_context()
-        try:
-            cfg = load_config(ctx["params"]["preset"])
-            return run_health(
-                cfg,
-                default_run_dir(ctx["dag"].dag_id, ctx["run_id"]),
-                tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]},
-            )
-        except StageError as e:
-            raise AirflowFailException(str(e)) from None  # an alarm: a retry an hour later is the next run
+        with to_logging():  # the task log keeps each line's level (Airflow logs stderr at ERROR)
+            try:
+                cfg = load_config(ctx["params"]["preset"])
+                return run_health(
+                    cfg,
+                    default_run_dir(ctx["dag"].dag_id, ctx["run_id"]),
+                    tags={"airflow.dag_id": ctx["dag"].dag_id, "airflow.run_id": ctx["run_id"]},
+                )
+            except StageError as e:
+                raise failure(str(e)) from None  # an alarm, one line: a retry an hour later is the next run
 
     health()
 

@@ -6,18 +6,40 @@ environment validation → WebDataset sharding → smoke run (FP32 then BF16) �
 training → profiling → INT8 quantization → evaluation & registry gate. A stage that fails stops the run with a
 one-line cause (task log, the stage's `<stage>.json`, and the MLflow run tag `pipeline.error`).
 
-Runs weekly (no catch-up) and whenever the `llm_data` DAG publishes a new shard set (data-aware retraining).
+Runs whenever the `llm_data` DAG publishes a new shard set (data-aware retraining), by hand (Trigger), and on a
+timetable only when `LLM_PIPELINE_SCHEDULE` (a cron expression, e.g. `0 3 * * 1`) is set where the DAG is parsed.
+When the evaluation asks for it (`evaluate.require_approval`, or an inconclusive champion comparison), the
+`approve` task waits for a person (Browse → Required actions); Approve makes the new version the champion.
 Results: `var/runs/llm_pipeline/<run_id>/`; MLflow: one parent run per DAG run, one child run per stage
 (each task's **MLflow run** link opens it).
 """
 
 from __future__ import annotations
 
+import datetime
+
 import pendulum
-from airflow.sdk import AssetAlias, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
+from airflow.providers.standard.operators.hitl import ApprovalOperator
+from airflow.sdk import (
+    AssetAlias,
+    AssetOrTimeSchedule,
+    CronTriggerTimetable,
+    ExceptionRetryPolicy,
+    Param,
+    RetryAction,
+    RetryRule,
+    dag,
+    task,
+)
 
 from dags.shard_fanout import shard_fanout
-from tasks.pipeline import end_parent_run, param_schemas  # light: no torch, no mlflow
+from tasks.pipeline import (  # light: no torch, no mlflow
+    RetryableStageFailure,
+    StageFailure,
+    end_parent_run,
+    param_schemas,
+    time_schedule,
+)
 from tasks.stages import STAGES
 
 SHARD_SET = AssetAlias("llm-shard-set")  # the llm_data DAG attaches each newly published shard set to it
@@ -75,36 +97,41 @@ def adopts_published_set(ctx) -> bool:
 
 def run_stage_task(stage: str, args: dict | None = None) -> dict:
     """Body of every stage task: Params → config → the stage on its launcher (imports stay inside: parse time
-    stays light). hardware.launcher=kubernetes runs the device stages as Jobs on the training nodes."""
+    stays light). hardware.launcher=kubernetes runs the device stages as Jobs on the training nodes.
+
+    What the stage prints reaches the task log at the level it names (tasks.logs.to_logging: Airflow would log
+    every stderr line at ERROR). A known failure (StageError, OSError) is one ERROR line with the cause and a
+    StageFailure, which Airflow records without a traceback; a bug keeps its traceback."""
     from airflow.sdk import get_current_context
     from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.errors import StageError, os_error_cause
     from tasks.launch.placement import runs_on_kubernetes
-    from tasks.pipeline import config_for_run, published_shard_set, run_for_dag_run
+    from tasks.logs import to_logging
+    from tasks.pipeline import config_for_run, failure, join_dag_run, published_shard_set, run_for_dag_run
     from tasks.runner import default_run_dir
 
     ctx = get_current_context()
     params, dag_id, run_id, try_number = dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], ctx["ti"].try_number
     published = published_shard_set(triggering_shard_sets(ctx)) if stage == "shard" else None
-    try:
-        cfg = config_for_run(params, default_run_dir(dag_id, run_id))
-        if runs_on_kubernetes(stage, cfg):
-            from tasks.launch.k8s_submit import run_stage_job  # imports the cncf provider itself
+    with to_logging():
+        try:
+            cfg = config_for_run(params, default_run_dir(dag_id, run_id))
+            if runs_on_kubernetes(stage, cfg):
+                from tasks.launch.k8s_submit import run_stage_job  # imports the cncf provider itself
 
-            return run_stage_job(stage, cfg, dag_id, run_id, try_number)
-        return run_for_dag_run(stage, params, dag_id, run_id, try_number, published=published, args=args)
-    except StageError as e:
-        if e.retryable:
-            raise  # e.g. a rank died: Airflow's retry resumes training from the last checkpoint
-        raise AirflowFailException(str(e)) from None  # bad input: retrying cannot help
-    except OSError as e:  # read-only or full var dir, a file in the way: the path and the errno's meaning
-        raise AirflowFailException(os_error_cause(e)) from None
-    except Exception as e:  # a Python exception in the stage itself: a retry would fail the same way
-        first = str(e).splitlines()[0] if str(e) else ""
-        raise AirflowFailException(
-            f"{stage}: {type(e).__name__}: {first} (traceback in the task log and <run-dir>/{stage}.json)"
-        ) from e
+                join_dag_run(cfg, dag_id, run_id, try_number)  # the pods' `python -m tasks` runs nest under it
+                return run_stage_job(stage, cfg, dag_id, run_id, try_number)
+            return run_for_dag_run(stage, params, dag_id, run_id, try_number, published=published, args=args)
+        except StageError as e:  # retryable: e.g. a rank died, the retry resumes training from the last checkpoint
+            raise failure(str(e), e.retryable) from None
+        except OSError as e:  # read-only or full var dir, a file in the way: the path and the errno's meaning
+            raise failure(os_error_cause(e)) from None
+        except Exception as e:  # a Python exception in the stage itself: a retry would fail the same way
+            first = str(e).splitlines()[0] if str(e) else ""
+            cause = f"{stage}: {type(e).__name__}: {first} (traceback below and in <run-dir>/{stage}.json)"
+            failure(cause)
+            raise AirflowFailException(cause) from e
 
 
 def bound_from_run_config(context) -> None:
@@ -135,8 +162,25 @@ def notify_failure(context) -> None:
 
 # The train task retries only what a retry can fix (StageError.retryable: a rank killed by a signal, a lost peer, a
 # collective timeout); a retry resumes from the newest verified checkpoint. Everything else fails at once.
-RETRIES = {"train": dict(retries=2, retry_delay=pendulum.duration(seconds=15))}
+RETRY_ONLY_RETRYABLE = ExceptionRetryPolicy(
+    rules=[
+        RetryRule(exception=RetryableStageFailure, action=RetryAction.RETRY),
+        RetryRule(exception=StageFailure, action=RetryAction.FAIL, reason="a retry cannot fix this cause"),
+    ]
+)
+RETRIES = {
+    "train": dict(retries=2, retry_delay=pendulum.duration(seconds=15), retry_policy=RETRY_ONLY_RETRYABLE),
+}
 SHARD_REDUCE = {"reduce": True}  # the shard task publishes what its fan-out (dags/shard_fanout.py) built
+
+
+def _approval_timeout_h() -> int:
+    from tasks.config import load_config
+
+    return load_config().evaluate.approval_timeout_h
+
+
+APPROVAL_TIMEOUT_H = _approval_timeout_h()  # the default preset's, at parse time (an operator argument)
 
 
 def stage_task(stage_id: str):
@@ -166,9 +210,14 @@ def stage_task(stage_id: str):
     )(body)
 
 
+CRON = time_schedule()  # LLM_PIPELINE_SCHEDULE: timed runs are opt-in (see tasks.pipeline.time_schedule)
+
+
 @dag(
     dag_id="llm_pipeline",
-    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 1", timezone="UTC"), assets=SHARD_SET),
+    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable(CRON, timezone="UTC"), assets=SHARD_SET)
+    if CRON
+    else SHARD_SET,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -180,14 +229,73 @@ def stage_task(stage_id: str):
     on_failure_callback=end_parent_run(success=False),
 )
 def llm_pipeline():
-    @task(task_id="summary", trigger_rule="all_done", doc_md="The one-screen summary of the run (all stages).")
+    @task(
+        task_id="summary",
+        trigger_rule="all_done",
+        doc_md="The one-screen summary of the run (all stages, the model's outcome and the approval, in full).",
+    )
     def summary() -> str:
         from airflow.sdk import get_current_context
 
-        from tasks.pipeline import print_summary
+        from tasks.errors import StageError
+        from tasks.logs import to_logging
+        from tasks.pipeline import failure, print_summary
 
         ctx = get_current_context()
-        return print_summary(dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"])
+        answer = ctx["ti"].xcom_pull(task_ids="approve")
+        with to_logging():
+            try:
+                return print_summary(dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], answer=answer)
+            except StageError as e:  # Params the first task refused already: the same one line
+                raise failure(str(e)) from None
+
+    @task.short_circuit(
+        task_id="approval_needed",
+        ignore_downstream_trigger_rules=False,  # skip only `approve` (and so `promote`), never the summary
+        doc_md="Asks for a person's approval when evaluate.require_approval is set or the evaluation says the "
+        "champion comparison is inconclusive (evaluate.json `approval`); otherwise `approve` and `promote` are "
+        "skipped.",
+    )
+    def approval_needed() -> dict:
+        from airflow.sdk import get_current_context
+
+        from tasks.errors import StageError
+        from tasks.logs import to_logging
+        from tasks.pipeline import approval_request, failure
+
+        ctx = get_current_context()
+        with to_logging():
+            try:
+                return approval_request(dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"])
+            except StageError as e:
+                raise failure(str(e)) from None
+
+    approve = ApprovalOperator(
+        task_id="approve",
+        subject="{{ ti.xcom_pull(task_ids='approval_needed')['subject'] }}",
+        body="{{ ti.xcom_pull(task_ids='approval_needed')['body'] }}",
+        defaults="Reject",  # what an unanswered request becomes after response_timeout
+        # a datetime.timedelta: the task runner's msgpack encoder refuses pendulum's Duration
+        response_timeout=datetime.timedelta(hours=APPROVAL_TIMEOUT_H),
+        doc_md="Approve: the new version becomes the champion (the promote task). Reject, or no answer within "
+        "evaluate.approval_timeout_h: the champion stays. Answer under Browse → Required actions.",
+    )
+
+    @task(task_id="promote", doc_md="Sets the alias champion on the approved version (tasks.quant.registry.promote).")
+    def promote() -> dict:
+        from airflow.sdk import get_current_context
+
+        from tasks.errors import StageError
+        from tasks.logs import to_logging
+        from tasks.pipeline import failure, promote_approved
+
+        ctx = get_current_context()
+        with to_logging():
+            try:
+                answer = ctx["ti"].xcom_pull(task_ids="approve")
+                return promote_approved(dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], answer)
+            except StageError as e:
+                raise failure(str(e)) from None
 
     @task(
         task_id="pipeline_ok",
@@ -209,7 +317,10 @@ def llm_pipeline():
     )
     for upstream, downstream in zip(STAGES, list(STAGES)[1:]):
         by_stage[upstream] >> (fanout if downstream == "shard" else by_stage[downstream])
-    by_stage[list(STAGES)[-1]] >> [summary(), pipeline_ok()]
+    last = by_stage[list(STAGES)[-1]]
+    promoted = last >> approval_needed() >> approve >> promote()
+    [last, promoted] >> summary()
+    last >> pipeline_ok()
 
 
 llm_pipeline()

@@ -10,28 +10,34 @@ redone from its start (tasks.pipeline.shard_step, data_prep.job).
 from __future__ import annotations
 
 import pendulum
-from airflow.sdk import task
+from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule, task
 
-RETRIES = dict(retries=2, retry_delay=pendulum.duration(seconds=5))  # a killed worker; bad input fails at once
+# A killed worker is retried; a known cause (bad input: tasks.pipeline.StageFailure) fails at once.
+KNOWN_CAUSE_FAILS = ExceptionRetryPolicy(
+    rules=[RetryRule(exception="tasks.pipeline.StageFailure", action=RetryAction.FAIL, reason="a known cause")]
+)
+RETRIES = dict(retries=2, retry_delay=pendulum.duration(seconds=5), retry_policy=KNOWN_CAUSE_FAILS)
 
 
 def _call(step: str, arg=None, skip=None):
-    """One shard step for this DAG run (imports stay inside: parse time stays light)."""
+    """One shard step for this DAG run (imports stay inside: parse time stays light). Output keeps its level in the
+    task log, a known cause is its one ERROR line (as the stage tasks: dags/llm_pipeline.run_stage_task)."""
     from airflow.sdk import get_current_context
-    from airflow.sdk.exceptions import AirflowFailException
 
     from tasks.errors import StageError, os_error_cause
-    from tasks.pipeline import shard_step
+    from tasks.logs import to_logging
+    from tasks.pipeline import failure, shard_step
 
     ctx = get_current_context()
     if skip is not None and skip(ctx):
         return []
-    try:
-        return shard_step(step, dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], arg)
-    except StageError as e:
-        raise AirflowFailException(str(e)) from None
-    except OSError as e:  # a full or read-only disk: the path and the errno's meaning, not retried
-        raise AirflowFailException(os_error_cause(e)) from None
+    with to_logging():
+        try:
+            return shard_step(step, dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], arg)
+        except StageError as e:
+            raise failure(str(e)) from None
+        except OSError as e:  # a full or read-only disk: the path and the errno's meaning, not retried
+            raise failure(os_error_cause(e)) from None
 
 
 def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):

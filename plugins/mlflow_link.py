@@ -7,8 +7,9 @@ there (the same way Airflow's own XComOperatorLink does). Tasks without a run id
 
 The MLflow UI address is `tasks.tracking.ui_url()` of the pipeline's preset (LLM_PIPELINE_PRESET, else the
 default) — the one setting the end-of-run summary also prints: tracking.ui_url when set, else MLFLOW_UI_URL (the API
-server's environment; `make ui` sets it), else http://127.0.0.1:5000. The link is `tasks.tracking.run_url()`,
-MLflow's experiment-free route `#/runs/<run_id>`, so the API server needs no access to the tracking store.
+server's environment; `make ui` sets it), else http://127.0.0.1:5000. The link is `tasks.tracking.run_url()` with
+the run's experiment from the same result (`mlflow_experiment_id`): the API server needs no access to the tracking
+store.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from airflow.sdk import BaseOperatorLink
 RUN_ID_KEY = "mlflow_run_id"
 
 
-def mlflow_run_url(run_id: str) -> str:
-    """The run's MLflow page on the preset's tracking.ui_url() (a preset that does not load: the env/default)."""
+def mlflow_run_url(run_id: str, experiment_id: str | None = None) -> str:
+    """The run's MLflow page on the preset's tracking.ui_url() (a preset that does not load: the env/default), in
+    the model-training view when the stage's result names the run's experiment."""
     from tasks.config import load_config
     from tasks.errors import ConfigError
     from tasks.tracking import run_url
@@ -29,7 +31,7 @@ def mlflow_run_url(run_id: str) -> str:
         cfg = load_config()
     except ConfigError:
         cfg = None
-    return run_url(run_id, cfg)
+    return run_url(run_id, cfg, experiment_id)
 
 
 def run_id_from_result(value) -> str | None:
@@ -61,8 +63,9 @@ class MLflowRunLink(BaseOperatorLink):
     name = "MLflow run"
 
     def get_link(self, operator, *, ti_key) -> str:
-        run_id = run_id_from_result(stage_result(ti_key))
-        return mlflow_run_url(run_id) if run_id else ""
+        result = stage_result(ti_key)
+        run_id = run_id_from_result(result)
+        return mlflow_run_url(run_id, result.get("mlflow_experiment_id")) if run_id else ""
 
 
 class MLflowLinkPlugin(AirflowPlugin):

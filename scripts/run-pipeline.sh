@@ -39,17 +39,24 @@ if ! flock -n 9; then
   flock 9
 fi
 echo "pid $$, log $log" > "$var/logs/.make-run.holder"
-airflow dags test llm_pipeline --conf "$conf" 2>&1 | tee "$log" | \
-  sed -nuE 's/.*\[DAG TEST\] starting task_id=([a-z_]+).*/  … \1/p; s/.*(AirflowFailException|StageError): (.*)/  ! \2/p'
+# On screen: each task as it starts, the stages' progress lines, a failure's one-line cause (the task's ERROR line
+# from tasks.pipeline.failure), and once, that an approval waits for a person.
+airflow dags test llm_pipeline --conf "$conf" 2>&1 | tee "$log" | awk '
+  /\[DAG TEST\] starting task_id=/ { sub(/.*task_id=/, ""); sub(/ .*/, ""); print "  … " $0; fflush(); next }
+  / progress: .*\[tasks\.progress\]/ { sub(/.* progress: /, "    progress: "); sub(/ +\[tasks\.progress\].*/, ""); print; fflush(); next }
+  /\[error +\] .*\[tasks\.pipeline\]/ { sub(/.*\[error +\] /, "  ! "); sub(/ +\[tasks\.pipeline\].*/, ""); print; fflush(); next }
+  /Waiting for Human-in-the-loop input/ && !asked { asked = 1
+    print "  ? the approve task waits for a person: make ui, then Airflow → Browse → Required actions"; fflush() }'
 status=${PIPESTATUS[0]}
 run=$(cat "$LLM_PIPELINE_RUN_DIR_FILE" 2>/dev/null); rm -f "$LLM_PIPELINE_RUN_DIR_FILE"
 echo
 if [ -z "$run" ]; then
-  cause=$(grep -m1 -oE "(ParamValidationError|ConfigError|StageError|AirflowFailException): .*" "$log" | cut -c1-300)
+  cause=$(grep -m1 -oE "(ParamValidationError|ConfigError|StageError|AirflowFailException): .*|\[error +\] .* \[tasks\.pipeline\]" "$log" \
+    | sed -E 's/^\[error +\] //; s/ +\[tasks\.pipeline\]$//' | cut -c1-300)
   echo "error: no stage ran: ${cause:-see $log}"; exit 1
 fi
 python -m tasks summary --run-dir "$run" --check || status=1
 echo
 echo "Took $(( $(date +%s) - start )) s. Run directory: $run  Log: $log"
-echo "MLflow UI: .venv/bin/mlflow ui --backend-store-uri ${MLFLOW_TRACKING_URI} --host 127.0.0.1 --port 5000"
+python -c 'from tasks.tracking import ui_hint; print(ui_hint())'
 exit $status

@@ -8,9 +8,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from tasks.errors import StageError, os_error_cause
 from tasks.stages import OWN_SCHEDULE, STAGES
+
+CLI_EXPERIMENT_SUFFIX = "-cli"
+
+
+def tracking_home(cfg, run_dir) -> tuple[str | None, dict]:
+    """(parent run id, tags) of a stage run started from the command line. In a DAG run's directory (a
+    Kubernetes Job's pod, a rerun by hand: tasks.pipeline.DAG_RUN_FILE) it joins that DAG run's MLflow parent;
+    anywhere else it goes to the experiment `<tracking.experiment>-cli`, so the pipeline's experiment lists the
+    DAG runs only."""
+    from tasks.fsutil import read_json
+    from tasks.pipeline import DAG_RUN_FILE
+
+    marker = Path(run_dir) / DAG_RUN_FILE
+    record = read_json(marker) if marker.is_file() else {}
+    if record.get("parent_run_id"):
+        return record["parent_run_id"], {"pipeline.origin": "cli"}
+    cfg.tracking.experiment += CLI_EXPERIMENT_SUFFIX
+    return None, {"pipeline.origin": "cli", "pipeline.run_dir": str(run_dir)}
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +55,9 @@ def main(argv=None) -> int:
         return 0
     stage = argv.pop(0)
     run_dir = None
+    from tasks.logs import console
+
+    console()  # the stages' log lines (progress, warnings) on stderr
     try:
         if stage == "summary":
             from tasks.summary import main as summary_main
@@ -58,7 +80,8 @@ def main(argv=None) -> int:
                 "--run-dir is empty: give a directory, or leave --run-dir out for a new var/runs/cli-<time>"
             )
         run_dir = args.run_dir or default_run_dir()
-        result = run_stage(stage, cfg, run_dir, args=args)
+        parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
+        result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
     except StageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

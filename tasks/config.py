@@ -84,7 +84,7 @@ class HardwareConfig(Section):
     # an even split on CPU; tasks/launch/binding.py). false = let the OS schedule them.
     bind_cpus: bool = True
     launcher: Literal["local", "kubernetes"] = "local"
-    # CeleryExecutor: the Celery queue that the device stages (tasks.launch.placement.DEVICE_STAGES) go to when they
+    # CeleryExecutor: the Celery queue that the device stages (tasks.device.DEVICE_STAGES) go to when they
     # run on the Airflow worker (launcher local), e.g. the queue that only the NPU node's worker consumes
     # (`airflow celery worker --queues npu-node-1`); "" = Airflow's default queue. Read when the DAG file is parsed
     # (the $LLM_PIPELINE_PRESET preset): a run's Params cannot move a task to another queue (docs/scale-out.md).
@@ -295,6 +295,10 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(24, ge=1, le=1 << 20)
     registered_model: str = "llm-pipeline-demo"
     fail_on_gate: bool = True
+    # a person approves the champion in Airflow (the DAG's `approve` task) instead of evaluate promoting it; the
+    # approval task waits at most approval_timeout_h hours (read when the DAG is parsed), then takes "Reject"
+    require_approval: bool = False
+    approval_timeout_h: int = Field(72, ge=1, le=24 * 90)
 
 
 class TrackingConfig(Section):
@@ -303,8 +307,11 @@ class TrackingConfig(Section):
     # "" = <repo>/var/mlartifacts (new experiments only); with an http(s) tracking URI, the server's default
     # (`mlflow server --serve-artifacts`: the server stores them, whichever host logs them)
     artifact_root: str = ""
-    ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:5000 (tracking.ui_url())
+    ui_url: str = ""  # "" = $MLFLOW_UI_URL or http://127.0.0.1:$MLFLOW_PORT (5000) (tracking.ui_url())
     enabled: bool = True
+    # MLflow system metrics (CPU, memory, disk, network, GPU; NPU from npu-smi) on the device stages' runs, sampled
+    # every this many seconds; 0 = off
+    system_metrics_s: float = Field(5.0, ge=0.0, le=3600.0)
 
 
 class TimeoutConfig(Section):

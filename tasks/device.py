@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from tasks.errors import StageError
 
 DIST_BACKEND = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+# Stages that need the accelerator (or, for env, must check the nodes that have it): where the launcher places them
+# (tasks.launch.placement) and which stage runs get system metrics (tasks.sysmetrics).
+DEVICE_STAGES = ("env", "smoke", "train", "profile", "quantize", "evaluate")
 
 
 def dist_backend(kind: str) -> str:

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 
 from tasks import tracking
 from tasks.errors import ConfigError
-from tasks.fsutil import atomic_write_text
+from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
 from tasks.config import CONFIG_DIR, DEFAULT_PRESET, PipelineConfig, get, load_config
 from tasks.runner import default_run_dir, run_stage
+from tasks.summary import APPROVAL_FILE
+
+log = logging.getLogger("tasks.pipeline")
 
 # (param name, config key, form section, title, description). The order is the form's order.
 PARAMS = [
@@ -112,6 +116,13 @@ PARAMS = [
         "Weight-only INT8, dynamic W8A8, or SmoothQuant (AMCT on Ascend).",
     ),
     (
+        "gate_metric",
+        "evaluate.gate_metric",
+        "Quantization",
+        "Gate metric",
+        "What the INT8 model is judged on against the unquantized one.",
+    ),
+    (
         "max_drop_pct",
         "evaluate.max_drop_pct",
         "Quantization",
@@ -124,6 +135,14 @@ PARAMS = [
         "Quantization",
         "Registered model name",
         "MLflow Model Registry name; versions get the alias candidate, and champion when better.",
+    ),
+    (
+        "require_approval",
+        "evaluate.require_approval",
+        "Quantization",
+        "Approve the champion in Airflow",
+        "A person promotes the new version to champion in the approve task (Required actions) instead of the "
+        "evaluation doing it.",
     ),
 ]
 
@@ -141,6 +160,11 @@ LABELS = {  # readable labels for enum values in the trigger form
     },
     "train.precision": {"fp32": "FP32", "bf16": "BF16 (autocast)", "fp16": "FP16 (autocast)"},
     "parallel.recompute": {"none": "none", "selective": "selective (attention)", "full": "full"},
+    "evaluate.gate_metric": {
+        "accuracy_drop_pct": "relative next-token top-1 accuracy drop",
+        "ppl_drop_pct": "relative perplexity rise",
+        "greedy_disagreement_pct": "greedy-continuation disagreement",
+    },
 }
 
 FROM_PRESET = "from the preset"  # how an empty (null) field reads in the trigger form
@@ -154,29 +178,35 @@ def field_schema(key: str) -> dict:
     return PipelineConfig.model_fields[section].annotation.model_json_schema()["properties"][name]
 
 
+def _shown(value) -> str:
+    return ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     """name → Param kwargs (default, type, title, description, section, enum/values_display, minimum/maximum).
 
     The constraints are the config model's (`field_schema`), each made nullable: every field but the preset defaults
     to null, "from the preset": only what the user sets overrides the chosen preset, and an explicit value always
-    wins, even one equal to some preset's default. The description names the default preset's value, so the form
-    still tells what an empty field means.
+    wins, even one equal to some preset's default. A static form cannot change its hints when another preset is
+    picked, so each description names every preset's value, the default preset first ("Empty = the chosen
+    preset's value (demo-cpu: 300; ci-tiny: 6)").
     """
     cfg = cfg or load_config()
     preset, out = cfg.preset or DEFAULT_PRESET, {}
+    presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    others = [load_config(p) for p in presets if p != preset]
+    presets += [] if preset in presets else [preset]  # a site's own file ($LLM_PIPELINE_PRESET=/etc/…yaml)
     for name, key, section, title, desc in PARAMS:
         if key is None:
-            presets = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-            presets += [] if preset in presets else [preset]  # a site's own file ($LLM_PIPELINE_PRESET=/etc/…yaml)
             out[name] = dict(
                 default=preset, type="string", enum=presets, title=title, section=section, description=desc
             )
             continue
-        model, value = field_schema(key), get(cfg, key)
-        shown = ", ".join(map(str, value)) if isinstance(value, list) else value
+        model = field_schema(key)
         schema = {k: model[k] for k in FORM_KEYS if k in model}
         schema.update(default=None, type=[model["type"], "null"], title=title, section=section)
-        schema["description"] = f"{desc} Empty = {FROM_PRESET} ({preset}: {shown})."
+        values = "; ".join(f"{c.preset or preset}: {_shown(get(c, key))}" for c in [cfg, *others])
+        schema["description"] = f"{desc} Empty = the chosen preset's value ({values})."
         if "enum" in model:
             labels = {k if isinstance(k, str) else json.dumps(k): v for k, v in LABELS.get(key, {}).items()}
             schema.update(enum=[*model["enum"], None], values_display={**labels, "null": FROM_PRESET})
@@ -294,7 +324,7 @@ def run_for_dag_run(
     if report:
         atomic_write_text(report, f"{run_dir}\n")
     cfg = config_for_run(params, run_dir)
-    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
+    parent = join_dag_run(cfg, dag_id, run_id, try_number)
     if parent and published and stage == "shard":
         tracking.record_asset_event(cfg, parent, published)
     result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published, args), parent_run_id=parent)
@@ -346,8 +376,9 @@ def end_parent_run(success: bool):
     return callback
 
 
-def print_summary(params: dict, dag_id: str, run_id: str) -> str:
-    """Print the end-of-run table (stage, status, key figure, MLflow link); return the run directory."""
+def print_summary(params: dict, dag_id: str, run_id: str, answer: dict | None = None) -> str:
+    """Print the end-of-run table (stage, status, key figure, MLflow link) and the model's outcome; return the run
+    directory. `answer`: the approve task's response (HITL payload), None when it did not run."""
     from tasks.summary import render
 
     cfg = config_for_params(params)
@@ -358,12 +389,198 @@ def print_summary(params: dict, dag_id: str, run_id: str) -> str:
 
         exp = mlflow.MlflowClient(tracking.tracking_uri(cfg)).get_experiment_by_name(cfg.tracking.experiment)
         experiment_id = exp.experiment_id if exp else None
+    if answer is not None:
+        record_answer(run_dir, answer)
     print(render(run_dir, cfg, experiment_id))
-    print(
-        f"\nRun directory: {run_dir}\nMLflow UI: mlflow ui --backend-store-uri {tracking.tracking_uri(cfg)} "
-        f"--host 127.0.0.1 --port 5000  (then open {tracking.ui_url(cfg)})"
-    )
+    print(f"\nRun directory: {run_dir}\n{tracking.ui_hint(cfg, experiment_id)}")
     return str(run_dir)
+
+
+# --- A task's end on a known cause --------------------------------------------------------------------------------
+
+
+class StageFailure(SystemExit):
+    """A task's end on a known cause (a StageError), raised by the DAG's task bodies after `failure()` logged the
+    cause as the task log's one ERROR line.
+
+    Airflow 3.3's task runner records an exception with its traceback: for AirflowFailException a dozen frames of
+    its own machinery under a one-line summary the log panel cuts at its width. A SystemExit is recorded as
+    "Task exited exit_code=1" without frames (`task_runner._run_task_and_map_outcome`), so the log shows the cause
+    in full, once, and nothing under it. Retries follow the DAG's retry policy: RetryableStageFailure retries (a
+    rank killed by a signal, a lost peer), StageFailure fails at once. str() is the cause (failure notifications).
+    """
+
+    def __init__(self, cause: str):
+        super().__init__(1)
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return self.cause
+
+
+class RetryableStageFailure(StageFailure):
+    """A cause a retry can fix (StageError.retryable): the train task resumes from its last checkpoint."""
+
+
+def failure(cause: str, retryable: bool = False) -> StageFailure:
+    """Log the cause at ERROR (the task log's failure line) and return the exception that ends the task."""
+    log.error(cause)
+    return (RetryableStageFailure if retryable else StageFailure)(cause)
+
+
+# --- Scheduling ---------------------------------------------------------------------------------------------------
+
+SCHEDULE_ENV = "LLM_PIPELINE_SCHEDULE"
+
+
+def time_schedule(env: str = SCHEDULE_ENV) -> str | None:
+    """The cron expression of a DAG's timed runs, read when the DAG is parsed: `$LLM_PIPELINE_SCHEDULE` (e.g.
+    "0 3 * * 1"), None when unset, empty or "off". Timed runs are opt-in: with catchup off, Airflow still starts
+    the most recent missed time as soon as a DAG is unpaused, so a schedule nobody asked for would start a full
+    training run on first use."""
+    value = os.environ.get(env, "").strip()
+    return None if value.lower() in ("", "off", "none") else value
+
+
+# --- The DAG run's directory and the CLI ----------------------------------------------------------------------------
+
+DAG_RUN_FILE = "dag-run.json"
+
+
+def join_dag_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 1) -> str | None:
+    """The DAG run's MLflow parent run (get or create; None with tracking off), recorded in its run directory."""
+    parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
+    mark_dag_run(default_run_dir(dag_id, run_id), dag_id, run_id, parent)
+    return parent
+
+
+def mark_dag_run(run_dir, dag_id: str, run_id: str, parent_run_id: str | None) -> None:
+    """<run-dir>/dag-run.json: which DAG run (and MLflow parent run) this directory belongs to, so a stage run by
+    `python -m tasks <stage> --run-dir <it>` (a Kubernetes Job's pod, a rerun by hand) joins that DAG run's MLflow
+    parent instead of the CLI's own experiment (tasks/cli.py)."""
+    from pathlib import Path
+
+    record = {"dag_id": dag_id, "run_id": run_id, "parent_run_id": parent_run_id}
+    path = Path(run_dir) / DAG_RUN_FILE
+    if not path.is_file() or read_json(path) != record:
+        atomic_write_json(path, record)
+
+
+# --- Approval -------------------------------------------------------------------------------------------------------
+
+
+def approval_of(result: dict, cfg: PipelineConfig) -> dict:
+    """evaluate.json's `approval` contract {"needed": bool, "reason": str, "version": str}, with
+    evaluate.require_approval folded in: needed when the evaluation says so (an inconclusive champion
+    comparison) or the config asks for it, and only for a registered version that is not already the champion."""
+    a = dict(result.get("approval") or {})
+    version = str(a.get("version") or result.get("version") or "")
+    reason = str(a.get("reason") or "")
+    needed = bool(a.get("needed"))
+    if cfg.evaluate.require_approval and version and not result.get("champion") and not needed:
+        said = reason or result.get("champion_reason")
+        needed, reason = True, "evaluate.require_approval is set" + (f"; the comparison says: {said}" if said else "")
+    return {"needed": needed and bool(version), "reason": reason, "version": version}
+
+
+def _evaluation(params: dict, dag_id: str, run_id: str):
+    run_dir = default_run_dir(dag_id, run_id)
+    cfg = config_for_run(params, run_dir)
+    path = run_dir / "evaluate.json"
+    return run_dir, cfg, (read_json(path) if path.is_file() else {})
+
+
+def approval_request(params: dict, dag_id: str, run_id: str) -> dict:
+    """What the approve task shows: {"subject", "body" (Markdown: the reason, the gate's figures, the comparison
+    table), "registered_model", "version", "reason"}; {} when no approval is needed (the task is skipped)."""
+    run_dir, cfg, result = _evaluation(params, dag_id, run_id)
+    a = approval_of(result, cfg)
+    if not a["needed"]:
+        log.info(f"no approval needed: {result.get('champion_reason') or 'no version registered'}")
+        return {}
+    name, version = result.get("registered_model", cfg.evaluate.registered_model), a["version"]
+    comparison = run_dir / "evaluate" / "comparison.md"
+    body = [
+        f"**Why a person decides:** {a['reason']}",
+        "",
+        f"**Evaluation:** {result.get('summary', '')}",
+        "",
+        f"**Champion comparison:** {result.get('champion_reason', '(none)')}",
+    ]
+    if result.get("mlflow_run_id"):
+        body += [
+            "",
+            f"Evaluation run: {tracking.run_url(result['mlflow_run_id'], cfg, result.get('mlflow_experiment_id'))}",
+        ]
+    if comparison.is_file():
+        body += ["", comparison.read_text(encoding="utf-8")]
+    body += [
+        "",
+        f"**Approve** sets the alias `champion` on {name} v{version}; **Reject** leaves the champion as it is.",
+    ]
+    log.info(f"approval needed for {name} v{version}: {a['reason']}")
+    return {
+        "subject": f"Promote {name} v{version} to champion?",
+        "body": "\n".join(body),
+        "registered_model": name,
+        "version": version,
+        "reason": a["reason"],
+    }
+
+
+def _responder(answer: dict | None) -> str:
+    user = (answer or {}).get("responded_by_user") or {}
+    return str(user.get("name") or user.get("id") or "?") if isinstance(user, dict) else str(user)
+
+
+def promote_approved(params: dict, dag_id: str, run_id: str, answer: dict | None) -> dict:
+    """The promote task (runs only on "Approve"): the `champion` alias on the approved version
+    (quant.registry.promote), and <run-dir>/approval.json recording who approved what and why."""
+    run_dir, cfg, result = _evaluation(params, dag_id, run_id)
+    a = approval_of(result, cfg)
+    name = result.get("registered_model", cfg.evaluate.registered_model)
+    if not a["version"]:
+        raise ConfigError(f"promote: {run_dir / 'evaluate.json'} names no registered version to promote")
+    from tasks.quant import registry
+
+    by = _responder(answer)
+    tracking.bound_http()
+    registry.promote(tracking.tracking_uri(cfg), name, a["version"], by=by, reason=a["reason"])
+    record = {
+        "outcome": "approved",
+        "by": by,
+        "at": str((answer or {}).get("responded_at") or ""),
+        "registered_model": name,
+        "version": a["version"],
+        "reason": a["reason"],
+    }
+    atomic_write_json(run_dir / APPROVAL_FILE, record)
+    log.info(f"{name} v{a['version']} is the champion now (approved by {by})")
+    return record
+
+
+def record_answer(run_dir, answer: dict) -> None:
+    """A rejection (or an unanswered request that timed out) into <run-dir>/approval.json for the summary; an
+    approval is recorded by the promote task itself."""
+    from pathlib import Path
+
+    chosen = (answer or {}).get("chosen_options") or []
+    path = Path(run_dir) / APPROVAL_FILE
+    if "Approve" in chosen or path.is_file():
+        return
+    evaluate = Path(run_dir) / "evaluate.json"
+    result = read_json(evaluate) if evaluate.is_file() else {}
+    atomic_write_json(
+        path,
+        {
+            "outcome": "rejected",
+            "by": _responder(answer),
+            "at": str(answer.get("responded_at") or ""),
+            "registered_model": result.get("registered_model", ""),
+            "version": str(result.get("version") or ""),
+            "reason": str((result.get("approval") or {}).get("reason") or ""),
+        },
+    )
 
 
 def shard_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):

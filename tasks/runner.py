@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import re
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -17,6 +17,8 @@ from tasks.errors import ConfigError, StageError, os_error_cause
 from tasks.fsutil import atomic_write_json, atomic_write_text, make_dirs, read_json, set_umask
 from tasks.procs import RunDirLock
 from tasks.stages import OWN_SCHEDULE, STAGES
+
+log = logging.getLogger("tasks.runner")
 
 
 @dataclass
@@ -238,6 +240,7 @@ def _run_locked(
         result.setdefault("summary", "")
         result.update(stage=stage, mlflow_run_id=run_id, seconds=round(time.time() - started, 2))
         if run_id:
+            result["mlflow_experiment_id"] = tracking.active_experiment_id()
             with tracking.best_effort("the stage status tag"):
                 tracking.set_tags({"pipeline.status": result["status"]})
     atomic_write_json(result_path, result)
@@ -280,7 +283,7 @@ def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, 
             },
         )
     except OSError as e:
-        print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr, flush=True)
+        log.warning(f"could not write the failure record ({os_error_cause(e)})")
 
 
 def _tag_error(run_id, cause: str) -> None:
@@ -289,4 +292,4 @@ def _tag_error(run_id, cause: str) -> None:
     try:
         tracking.set_tags({"pipeline.error": cause[:5000]})
     except Exception as e:  # MLflow down: the stage's cause matters more than the tag
-        print(f"warning: could not tag the MLflow run with the error ({type(e).__name__})", file=sys.stderr)
+        log.warning(f"could not tag the MLflow run with the error ({type(e).__name__})")

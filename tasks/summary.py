@@ -11,6 +11,8 @@ from tasks.runner import load_inputs
 from tasks.stages import STAGES, TITLES
 from tasks.tracking import run_url
 
+APPROVAL_FILE = "approval.json"  # <run-dir>/approval.json: the approve task's outcome (tasks.pipeline writes it)
+
 
 def render(run_dir, cfg=None, experiment_id: str | None = None) -> str:
     """The table; MLflow links on tracking.ui_url() of `cfg` (None: $MLFLOW_UI_URL or the default)."""
@@ -28,8 +30,38 @@ def render(run_dir, cfg=None, experiment_id: str | None = None) -> str:
         if r.get("summary_detail"):  # a second figure line (evaluate: task accuracy per model)
             lines.append(f"{'':<46}{str(r['summary_detail'])[:80]}")
         if r.get("mlflow_run_id"):
-            lines.append(f"{'':<46}MLflow: {run_url(r['mlflow_run_id'], cfg, experiment_id)}")
+            exp = r.get("mlflow_experiment_id") or experiment_id
+            lines.append(f"{'':<46}MLflow: {run_url(r['mlflow_run_id'], cfg, exp)}")
+    lines += model_lines(results.get("evaluate") or {}, run_dir)
     return "\n".join(lines)
+
+
+def model_lines(evaluate: dict, run_dir) -> list[str]:
+    """The registered version, why it is or is not the champion, and the approval: each reason in full (the
+    table's key figure is cut at 80 characters)."""
+    from pathlib import Path
+
+    from tasks.fsutil import read_json
+
+    if not evaluate.get("version"):
+        return []
+    name, version = evaluate.get("registered_model", "?"), evaluate["version"]
+    path = Path(run_dir) / APPROVAL_FILE
+    answer = read_json(path) if path.is_file() else None
+    approved = (answer or {}).get("outcome") == "approved"
+    role = "champion" if evaluate.get("champion") or approved else "candidate"
+    out = ["", f"Model: {name} v{version} ({role}): {evaluate.get('champion_reason', '')}"]
+    approval = evaluate.get("approval") or {}
+    if approval.get("needed") or answer:
+        reason = approval.get("reason") or (answer or {}).get("reason", "")
+        if answer is None:
+            outcome = "waiting for a person (Airflow: Browse → Required actions), or not answered"
+        elif answer["outcome"] == "approved":
+            outcome = f"approved by {answer['by']}: v{answer['version']} is the champion"
+        else:
+            outcome = f"rejected by {answer['by']}: the champion is unchanged"
+        out.append(f"Approval: {reason} → {outcome}")
+    return out
 
 
 def main(argv=None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -17,6 +18,21 @@ from tasks.errors import StageError
 from tasks.fsutil import read_jsonl
 
 _KEY_BAD = re.compile(r"[^/\w.\- ]")  # MLflow accepts ^[/\w.\- ]*$
+log = logging.getLogger("tasks.tracking")
+
+# The MLflow UI's view of an experiment. MLflow 3.17 reads the experiment tag `mlflow.experimentKind`
+# (values in mlflow/server/js: genai_development, custom_model_development, finetuning, …) and its GenAI / Model
+# training switch, which it takes from the URL's `workflowType` (genai | machine_learning) before the browser's
+# remembered choice (React context keyed "mlflow.workflowType"): the experiment carries the tag and every link
+# printed here carries the parameter, so a first visit opens the run list, not the GenAI overview.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+UI_VIEW = "workflowType=machine_learning"
+# MLflow's limits (mlflow/utils/validation.py): a param value holds 6000 characters, a key 250.
+MAX_PARAM_VALUE, TRUNCATED = 6000, "…[truncated]"
+# The figures a person looks at first. The UI groups a run's charts by the key's part before "/", sections in
+# alphabetical order and before the ungrouped "Model metrics": these go in the "train" section, the rest of the
+# trainer's figures stay ungrouped (`train.lr`, `train.grad_norm`, …) below them.
+HEADLINE = ("loss", "val_loss", "tokens_per_s")
 
 
 def sanitize_key(key: str) -> str:
@@ -57,16 +73,33 @@ DEFAULT_UI_URL = "http://127.0.0.1:5000"
 def ui_url(cfg: PipelineConfig | None = None) -> str:
     """The MLflow UI's base URL, one setting read by everything that prints or serves a run link (the end-of-run
     summary, the pipeline's closing hint, plugins/mlflow_link.py): tracking.ui_url when set, else $MLFLOW_UI_URL
-    (`make ui` and docker-compose export it), else http://127.0.0.1:5000 — as tracking_uri() does for the store."""
+    (`make ui` and docker-compose export it), else http://127.0.0.1:5000 on port $MLFLOW_PORT when set (the port
+    `make ui` serves on) — as tracking_uri() does for the store."""
     if cfg is not None and cfg.tracking.ui_url:
         return cfg.tracking.ui_url.rstrip("/")
-    return (os.environ.get("MLFLOW_UI_URL") or DEFAULT_UI_URL).rstrip("/")
+    default = DEFAULT_UI_URL
+    if os.environ.get("MLFLOW_PORT", "").strip().isdigit():
+        default = f"{DEFAULT_UI_URL.rsplit(':', 1)[0]}:{os.environ['MLFLOW_PORT'].strip()}"
+    return (os.environ.get("MLFLOW_UI_URL") or default).rstrip("/")
 
 
 def run_url(run_id: str, cfg: PipelineConfig | None = None, experiment_id: str | None = None) -> str:
-    """A run's page in the MLflow UI; without the experiment id MLflow's experiment-free route `#/runs/<id>`."""
-    exp = f"experiments/{experiment_id}/" if experiment_id else ""
-    return f"{ui_url(cfg)}/#/{exp}runs/{run_id}"
+    """A run's page in the MLflow UI, in the model-training view. Without the experiment id MLflow's
+    experiment-free route `#/runs/<id>` (it redirects to the run, dropping the view parameter)."""
+    if experiment_id:
+        return f"{ui_url(cfg)}/#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
+    return f"{ui_url(cfg)}/#/runs/{run_id}"
+
+
+def experiment_url(experiment_id: str, cfg: PipelineConfig | None = None) -> str:
+    return f"{ui_url(cfg)}/#/experiments/{experiment_id}?{UI_VIEW}"
+
+
+def ui_hint(cfg: PipelineConfig | None = None, experiment_id: str | None = None) -> str:
+    """Where to look at the runs: the configured UI, and `make ui` to start it (with a login) when nothing serves
+    it — never a bare `mlflow ui`, which would serve the store to anyone who can reach the port."""
+    where = experiment_url(experiment_id, cfg) if experiment_id else ui_url(cfg)
+    return f"MLflow: {where}  (not running? `make ui` starts it with a login; `make stop` stops it)"
 
 
 def is_rank0() -> bool:
@@ -121,7 +154,9 @@ def _configure(cfg: PipelineConfig):
         if not cfg.tracking.artifact_root and uri.startswith(("http://", "https://")):
             root = None  # a tracking server's own default: `--serve-artifacts` stores them, whichever host logs
         try:
-            exp_id = client.create_experiment(cfg.tracking.experiment, artifact_location=root)
+            exp_id = client.create_experiment(
+                cfg.tracking.experiment, artifact_location=root, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
         except Exception as e:  # created concurrently by another task: use theirs
             exp = client.get_experiment_by_name(cfg.tracking.experiment)
             if exp is None:
@@ -132,6 +167,8 @@ def _configure(cfg: PipelineConfig):
             exp_id = exp.experiment_id
     else:
         exp_id = exp.experiment_id
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # made by an older version; a kind someone chose stays
+            client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     mlflow.set_experiment(experiment_id=exp_id)
     return mlflow, client, exp_id
 
@@ -194,8 +231,25 @@ def parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 
             "config.preset": cfg.preset,
         },
     )
+    from mlflow.entities import Param
+
+    client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in config_params(cfg).items()])
     client.log_text(run.info.run_id, json.dumps(cfg.to_dict(), indent=2), "config.json")
     return run.info.run_id
+
+
+def param_value(value) -> str:
+    """A value as an MLflow param: text, cut to MLflow's 6000 characters with a visible marker."""
+    text = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - len(TRUNCATED)] + TRUNCATED
+
+
+def config_params(cfg: PipelineConfig) -> dict[str, str]:
+    """The run's whole config, flattened: `train.lr`, `model.preset`, `parallel.dp`, … (the preset as
+    `config.preset`): what makes runs comparable side by side in MLflow."""
+    flat = {"config.preset": cfg.preset or ""}
+    flat.update({sanitize_key(k): param_value(v) for k, v in _flatten(cfg.to_dict()).items()})
+    return flat
 
 
 def record_asset_event(cfg: PipelineConfig, parent_run_id: str, event: dict) -> None:
@@ -296,10 +350,15 @@ def stage_run(
 ):
     """Start (and end) the MLflow child run of one stage; yields the run id, or None with tracking off. When the
     server is gone at the end, the run's status and end time wait in <run_dir>/tracking-pending.json (flush_pending
-    sets them once it answers, after the metrics that were pending before them)."""
+    sets them once it answers, after the metrics that were pending before them).
+
+    The run gets the flattened config as params (`train.lr`, …) and, for a device stage, MLflow's system metrics
+    (tasks.sysmetrics: CPU, memory, disk, network, GPU, and `system/npu_*` from npu-smi)."""
     if not cfg.tracking.enabled or not is_rank0() or cfg.hardware.node_rank != 0:
         yield None  # one MLflow run per stage: node 0's
         return
+    from tasks import sysmetrics
+
     mlflow, client, exp_id = _configure(cfg)
     all_tags = {
         "pipeline.stage": stage,
@@ -314,12 +373,20 @@ def stage_run(
         for k in ("airflow.dag_id", "airflow.run_id"):
             if k in parent.data.tags:
                 all_tags[k] = parent.data.tags[k]
-    run = mlflow.start_run(run_name=stage, tags=all_tags)
+    run = mlflow.start_run(run_name=stage, tags=all_tags, log_system_metrics=False)  # ours: sysmetrics below
     status = "FAILED"
+    monitor = None
     try:
+        with best_effort("the config as params"):
+            log_params(config_params(cfg))
+        with best_effort("system metrics"):
+            monitor = sysmetrics.start(cfg, stage, run.info.run_id, tracking_uri(cfg))
         yield run.info.run_id
         status = "FINISHED"
     finally:
+        if monitor is not None:
+            with best_effort("the last system metrics"):
+                monitor.finish()
         import time as _time
 
         ended = int(_time.time() * 1000)
@@ -340,9 +407,7 @@ def _short(e: BaseException) -> str:
 
 
 def _warn(msg: str) -> None:
-    import sys
-
-    print(f"warning: tracking: {msg}", file=sys.stderr, flush=True)
+    log.warning(f"tracking: {msg}")
 
 
 @contextlib.contextmanager
@@ -365,7 +430,9 @@ def _metric_batches(records: list[dict], prefix: str, have: set[int], timestamp_
         for k, v in r.items():
             if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None:
                 batch.append(
-                    Metric(f"{prefix}{k}", float(v), int(r.get("time", 0) * 1000) or timestamp_ms, int(r["step"]))
+                    Metric(
+                        metric_key(k, prefix), float(v), int(r.get("time", 0) * 1000) or timestamp_ms, int(r["step"])
+                    )
                 )
                 if len(batch) == 900:  # log_batch takes at most 1000 metrics
                     yield batch
@@ -375,20 +442,21 @@ def _metric_batches(records: list[dict], prefix: str, have: set[int], timestamp_
 
 
 def backfill_metrics(
-    uri: str, run_id: str, metrics_path: str | os.PathLike, prefix: str = "train.", key: str = "loss"
+    uri: str, run_id: str, metrics_path: str | os.PathLike, prefix: str = "train", key: str = "loss"
 ) -> int:
-    """Send every step of metrics.jsonl that MLflow lacks (by `<prefix><key>` history); returns how many steps
-    were sent. Raises when the server is still unreachable (the caller keeps it pending)."""
+    """Send every step of metrics.jsonl that MLflow lacks (by the history of `metric_key(key, prefix)`); returns
+    how many steps were sent. Raises when the server is still unreachable (the caller keeps it pending)."""
     import time as _time
 
     import mlflow
 
     bound_http()
+    prefix = prefix.rstrip(".")  # pending entries written before the keys were split by `metric_key`
     records = read_jsonl(metrics_path)
     if not records:
         return 0
     client = mlflow.MlflowClient(uri)
-    have = {m.step for m in client.get_metric_history(run_id, f"{prefix}{key}")}
+    have = {m.step for m in client.get_metric_history(run_id, metric_key(key, prefix))}
     missing = [r for r in records if r["step"] not in have]
     for batch in _metric_batches(missing, prefix, set(), int(_time.time() * 1000)):
         client.log_batch(run_id, metrics=batch, synchronous=True)
@@ -421,7 +489,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def settle_metrics(run_dir: Path, uri: str, run_id: str, metrics_path, prefix: str = "train.") -> None:
+def settle_metrics(run_dir: Path, uri: str, run_id: str, metrics_path, prefix: str = "train") -> None:
     """At stage end: backfill what the trainer's asynchronous sender could not send; when MLflow is down, record
     it in <run-dir>/tracking-pending.json for the next stage (flush_pending) and warn, never fail."""
     try:
@@ -505,13 +573,38 @@ def active_run_id() -> str | None:
     return run.info.run_id if run else None
 
 
+def active_experiment_id() -> str | None:
+    import mlflow
+
+    run = mlflow.active_run()
+    return run.info.experiment_id if run else None
+
+
 def log_params(params: dict) -> None:
-    if not is_rank0() or active_run_id() is None:
+    """Params on the active run (values cut to MLflow's limit with a marker). MLflow refuses to change a param:
+    a key the run already holds with another value (a stage's resolved `parallel.dp` beside the config's 0 =
+    "planner decides") is logged as `<key>.resolved` instead of failing the stage."""
+    run_id = active_run_id() if is_rank0() else None
+    if run_id is None:
         return
     import mlflow
 
-    flat = {sanitize_key(k): str(v)[:6000] for k, v in _flatten(params).items()}
-    mlflow.log_params(flat)
+    flat = {sanitize_key(k): param_value(v) for k, v in _flatten(params).items()}
+    have = mlflow.MlflowClient().get_run(run_id).data.params
+    out = {}
+    for k, v in flat.items():
+        if k in have and have[k] != v:
+            k = sanitize_key(f"{k}.resolved")
+        if have.get(k) != v:
+            out[k] = v
+    if out:
+        mlflow.log_params(out)
+
+
+def metric_key(name: str, prefix: str = "train") -> str:
+    """A trainer figure's MLflow key: the headline ones (loss, val_loss, tokens_per_s) `train/<name>` so the UI
+    shows them first, the others `train.<name>`."""
+    return f"{prefix}/{name}" if name in HEADLINE else f"{prefix}.{name}"
 
 
 def log_metrics(metrics: dict, step: int | None = None) -> None:
@@ -543,6 +636,15 @@ def log_json_artifact(obj, name: str) -> None:
     import mlflow
 
     mlflow.log_text(json.dumps(obj, indent=2, sort_keys=True, default=str), name)
+
+
+def log_table(columns: dict[str, list], name: str) -> None:
+    """A table artifact (MLflow's log_table: the UI shows it as a table, `mlflow.load_table` reads it back)."""
+    if not is_rank0() or active_run_id() is None or not any(columns.values()):
+        return
+    import mlflow
+
+    mlflow.log_table(data=columns, artifact_file=name)
 
 
 def log_figure(fig, name: str) -> None:

@@ -1,10 +1,13 @@
 """The operator's path through real UIs in headless Chromium: `make ui` (airflow standalone + mlflow server with
-auth), log in, open the main DAG's trigger form, see its sections and fields, trigger a run with a changed Param,
-wait for success, follow the task's "MLflow run" link and see that run in the MLflow UI.
+auth), log in, open the main DAG's trigger form, see its sections and fields, trigger a run with a changed Param and
+an approval, approve the new version on Airflow's Required-actions page, wait for success, read the task logs (no
+ERROR line in a successful task), follow the task's "MLflow run" link into MLflow's model-training view (params,
+headline charts first, system metrics), then a run that fails: its log's failure is the one-line cause, in full.
 
 Chromium is Debian's (scripts/install-browser.sh), driven by Playwright. The servers run from scripts/ui.sh on free
 ports with every piece of state in a temp dir; the DAG's Params default to the ci-tiny preset (LLM_PIPELINE_PRESET)
-so the run takes minutes, and cron scheduling is off so the manual run is the only one.
+so the run takes minutes, and cron scheduling is off so the manual runs are the only ones. Screenshots of every page
+land in the test's tmp_path (screens/, the path is printed).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -38,7 +42,7 @@ CHROMIUM_ARGS = [
     "--disable-dev-shm-usage",
 ]
 SECTIONS = ["Hardware", "Data", "Model", "Parallelism", "Training", "Quantization"]
-RUN_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 1500  # a bound on a hung run, not a timing: a busy 2-core host needs ~15 min for the two runs
 
 
 def free_port() -> int:
@@ -90,22 +94,78 @@ def wait_for_run(ui, run_id: str) -> dict:
     token = api_token(ui)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:
-        run = api(ui, f"/api/v2/dags/llm_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}", token)
+        try:
+            run = api(ui, f"/api/v2/dags/llm_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}", token)
+        except (TimeoutError, urllib.error.URLError):  # a busy 2-core host: ask again
+            continue
         if run["state"] in ("success", "failed"):
-            tis = api(
-                ui, f"/api/v2/dags/llm_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}/taskInstances", token
-            )["task_instances"]
-            run["tasks"] = {t["task_id"]: t["state"] for t in tis}
-            return run
+            run["tasks"] = task_states(ui, run_id, token)
+            if run["tasks"]:
+                return run
         time.sleep(1)
     pytest.fail(f"run {run_id} did not finish in {RUN_TIMEOUT_S} s")
 
 
-def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
+def run_dir_of(ui, run_id: str) -> Path:
+    return ui["var"] / "runs" / "llm_pipeline" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_")
+
+
+def task_states(ui, run_id: str, token: str) -> dict:
+    """{task: state}, or {} when the API server did not answer this poll in time (a busy 2-core host)."""
+    try:
+        tis = api(ui, f"/api/v2/dags/llm_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}/taskInstances", token)
+    except (TimeoutError, urllib.error.URLError):
+        return {}
+    return {t["task_id"]: t["state"] for t in tis["task_instances"]}
+
+
+def wait_for_task(ui, run_id: str, task_id: str, state: str) -> None:
+    token = api_token(ui)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        states = task_states(ui, run_id, token)
+        if states.get(task_id) == state:
+            return
+        assert "failed" not in states.values() and "upstream_failed" not in states.values(), states
+        time.sleep(2)
+    pytest.fail(f"{task_id} of {run_id} did not reach {state} in {RUN_TIMEOUT_S} s")
+
+
+def task_log(ui, run_id: str, task_id: str) -> list[dict]:
+    """The task's last attempt as Airflow stored it (of every map index, for a mapped task: map_index=N/): one JSON
+    object per line (level, event, logger, …)."""
+    folder = ui["var"] / "logs" / "dag_id=llm_pipeline" / f"run_id={run_id}" / f"task_id={task_id}"
+    last: dict[Path, Path] = {}
+    for log in sorted(folder.rglob("attempt=*.log"), key=lambda p: int(p.stem.split("=")[1])):
+        last[log.parent] = log
+    assert last, f"no log for {task_id} in {folder}"
+    return [json.loads(ln) for log in last.values() for ln in log.read_text().splitlines() if ln.startswith("{")]
+
+
+def trigger(ui, conf: dict) -> str:
+    body = json.dumps({"logical_date": None, "conf": conf}).encode()
+    req = urllib.request.Request(
+        ui["airflow"] + "/api/v2/dags/llm_pipeline/dagRuns",
+        data=body,
+        headers={"Authorization": f"Bearer {api_token(ui)}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)["dag_run_id"]
+
+
+@pytest.mark.timeout(3600)  # two pipeline runs: ~10 min on an idle 2-core host, more when it is busy
+def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: run scripts/install-browser.sh (make test does)")
+    import mlflow
     from playwright.sync_api import expect, sync_playwright
 
+    from tasks import tracking
+
+    shots = Path(os.environ.get("BROWSER_SCREENSHOTS") or tmp_path / "screens")  # to keep them past pytest's cleanup
+    shots.mkdir(parents=True, exist_ok=True)
+    print(f"screenshots: {shots}")
+    store = mlflow.MlflowClient(f"sqlite:///{ui['var'] / 'mlflow.db'}")  # the server's store, read directly
     expect.set_options(timeout=60_000)  # a 2-core machine under load renders slowly
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
@@ -136,40 +196,113 @@ def test_trigger_form_run_and_mlflow_link(ui, tmp_path):
             expect(dialog.locator("[name=element_micro_batch]")).to_be_visible()
             steps.fill("4")
             steps.blur()
+            # The gate's label names what it gates on; hints name every preset's value, not the default's only.
+            dialog.get_by_text("Quantization", exact=True).click()
+            expect(dialog.get_by_text("Max INT8 drop on the gate metric (%)")).to_be_visible()
+            expect(dialog.get_by_text("perplexity drop", exact=False)).to_have_count(0)
+            expect(dialog.get_by_text("(ci-tiny: 2.0; demo-cpu: 2.0;", exact=False)).to_be_visible()
+            switch = dialog.locator("label:has([name=element_require_approval])")  # the input itself is hidden
+            switch.click()
+            expect(dialog.locator("[name=element_require_approval]")).to_be_checked()
+            dialog.get_by_text("Approve the champion in Airflow").scroll_into_view_if_needed()
+            page.screenshot(path=str(shots / "1-trigger-form.png"))
             dialog.get_by_role("button", name="Trigger").click()
             page.wait_for_url(re.compile(r".*/dags/llm_pipeline/runs/.+"))
             run_id = urllib.parse.unquote(page.url.split("/runs/", 1)[1].split("/")[0].split("?")[0])
+
+            # The evaluation registers a version and leaves the champion alone; the approve task waits for a person.
+            wait_for_task(ui, run_id, "approve", "awaiting_input")
+            evaluate = json.loads((run_dir_of(ui, run_id) / "evaluate.json").read_text())
+            name, version = evaluate["registered_model"], evaluate["version"]
+            assert evaluate["approval"] == {
+                "needed": True,
+                "reason": evaluate["approval"]["reason"],
+                "version": version,
+            }
+            assert "champion" not in store.get_registered_model(name).aliases
+            run_path = f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}"
+            page.goto(f"{run_path}/tasks/approve/required_actions")
+            expect(page.get_by_text(f"Promote {name} v{version} to champion?").first).to_be_visible()
+            expect(page.get_by_text("evaluate.require_approval is set").first).to_be_visible()
+            page.screenshot(path=str(shots / "2-approval.png"))
+            page.get_by_role("button", name="Approve").click()
 
             run = wait_for_run(ui, run_id)
             assert run["conf"]["steps"] == 4, run["conf"]
             # Every task, not only the run: the summary task runs on all_done and is the run's only leaf.
             assert run["state"] == "success" and set(run["tasks"].values()) == {"success"}, run["tasks"]
-            train = json.loads(
-                (
-                    ui["var"]
-                    / "runs"
-                    / "llm_pipeline"
-                    / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_")
-                    / "train.json"
-                ).read_text()
-            )
+            assert str(store.get_model_version_by_alias(name, "champion").version) == version  # promoted on Approve
+            assert store.get_model_version(name, version).tags["champion.approved_by"] == "admin"
+
+            # A successful task's log has no ERROR line (Airflow logs stderr at ERROR: tasks.logs routes it).
+            for task_id in run["tasks"]:
+                errors = [r["event"] for r in task_log(ui, run_id, task_id) if r["level"] in ("error", "critical")]
+                assert errors == [], (task_id, errors)
+            env_log = task_log(ui, run_id, "env")
+            assert any(r["event"].strip().startswith("[  ok]") and r["level"] == "info" for r in env_log)
+            summary_text = "\n".join(r["event"] for r in task_log(ui, run_id, "summary"))
+            assert f"Approval: {evaluate['approval']['reason']} → approved by admin" in summary_text  # in full
+            page.goto(f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}/tasks/env")
+            expect(page.get_by_text("python-torch").first).to_be_visible()
+            page.screenshot(path=str(shots / "3-env-log.png"))
 
             # The train task's Details tab lists the plugin's "MLflow run" link to its stage run.
+            train = json.loads((run_dir_of(ui, run_id) / "train.json").read_text())
             page.goto(
                 f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}/tasks/train/details"
             )
             link = page.get_by_role("link", name="MLflow run")
-            assert link.get_attribute("href") == f"{ui['mlflow']}/#/runs/{train['mlflow_run_id']}"
-            page.screenshot(path=str(tmp_path / "airflow-task.png"))
+            exp_id = train["mlflow_experiment_id"]
+            want = f"{ui['mlflow']}/#/experiments/{exp_id}/runs/{train['mlflow_run_id']}?workflowType=machine_learning"
+            assert link.get_attribute("href") == want
+            page.screenshot(path=str(shots / "4-airflow-task.png"))
 
-            # Follow it (MLflow is another origin: a new tab) and log in to MLflow; it lands on the stage's run.
+            # Follow it (MLflow is another origin: a new tab) and log in to MLflow; it lands on the stage's run, in
+            # the model-training view, the headline charts (train/loss, train/tokens_per_s) in the first section.
             with context.expect_page() as opened:
                 link.click()
             mlflow_page = opened.value
             mlflow_page.wait_for_url(re.compile(rf".*/experiments/\d+/runs/{train['mlflow_run_id']}.*"))
-            expect(mlflow_page.get_by_text("train", exact=True).first).to_be_visible()
             expect(mlflow_page.get_by_text(train["mlflow_run_id"]).first).to_be_visible()
-            mlflow_page.screenshot(path=str(tmp_path / "mlflow-run.png"))
+            expect(mlflow_page.get_by_text("Model registry").first).to_be_visible()  # the model-training sidebar
+            expect(mlflow_page.get_by_text("Evaluation runs")).to_have_count(0)  # the GenAI sidebar's
+            mlflow_page.screenshot(path=str(shots / "5-mlflow-run.png"))
+            mlflow_page.get_by_text("Model metrics", exact=True).first.click()
+            expect(mlflow_page.get_by_text("memory.peak_gb").first).to_be_visible()
+            text = mlflow_page.locator("body").inner_text()
+            first, rest = re.search(r"train\s*\(\d+\)", text), re.search(r"Model metrics\s*\(\d+\)", text)
+            assert first and rest and first.start() < rest.start() < text.index("memory.peak_gb"), text[:2000]
+            assert first.start() < text.index("tokens_per_s") < rest.start()  # the headline charts come first
+            mlflow_page.screenshot(path=str(shots / "6-mlflow-metrics.png"))
+            mlflow_page.get_by_text("System metrics", exact=True).first.click()
+            expect(mlflow_page.get_by_text("cpu_utilization_percentage").first).to_be_visible()
+            mlflow_page.screenshot(path=str(shots / "7-mlflow-system-metrics.png"))
+            run_data = store.get_run(train["mlflow_run_id"]).data
+            assert {"train/loss", "train/tokens_per_s", "system/cpu_utilization_percentage"} <= set(run_data.metrics)
+
+            # The experiment opens in the model-training view (kind tag, link parameter); the parent run holds the
+            # flattened config as params.
+            exp = store.get_experiment(exp_id)
+            assert exp.tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+            parent = store.get_run(run_data.tags["mlflow.parentRunId"])
+            assert parent.data.params["train.lr"] and parent.data.params["train.steps"] == "4"
+            mlflow_page.goto(f"{ui['mlflow']}/#/experiments/{exp_id}?workflowType=machine_learning")
+            expect(mlflow_page.get_by_text(f"llm_pipeline/{run_id}").first).to_be_visible()
+            mlflow_page.screenshot(path=str(shots / "8-mlflow-experiment.png"))
+
+            # A run that fails (the first stage: no NPU here): its log's failure is the stage's one-line cause, in
+            # full, the first ERROR line (the failed checks above it are WARNING), with no traceback under it.
+            failing = trigger(ui, {"device": "npu"})
+            done = wait_for_run(ui, failing)
+            assert done["state"] == "failed" and done["tasks"]["env"] == "failed", done["tasks"]
+            cause = json.loads((run_dir_of(ui, failing) / "env.json").read_text())["error"]
+            records = task_log(ui, failing, "env")
+            errors = [r for r in records if r["level"] in ("error", "critical")]
+            assert errors[0]["event"] == cause and "torch_npu" in cause and "\n" not in cause, errors
+            assert not any("error_detail" in r for r in records)  # no framework frames
+            page.goto(f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(failing, safe='')}/tasks/env")
+            expect(page.get_by_text(cause).first).to_be_visible()
+            page.screenshot(path=str(shots / "9-failed-task.png"))
         finally:
             browser.close()
 

@@ -28,12 +28,34 @@ def test_main_dag_shape(dagbag):
     for up, down in zip(stages[1:], stages[2:]):
         assert dag.get_task(down).upstream_task_ids == {up}
     assert_shard_fanout(dag, after="env")
-    assert dag.catchup is False and "0 3 * * 1" in str(dag.timetable)
+    assert dag.catchup is False
     assert all(dag.get_task(t).doc_md for t in stages)
     assert dag.get_task("train").retries == 2  # a retry resumes from the last checkpoint
     assert dag.get_task("pipeline_ok").upstream_task_ids == {"evaluate"}
     assert dag.get_task("pipeline_ok").trigger_rule == "all_success"
+    # The approval chain after evaluate; the summary waits for it and runs whatever happened.
+    chain = ["evaluate", "approval_needed", "approve", "promote"]
+    for up, down in zip(chain, chain[1:]):
+        assert dag.get_task(down).upstream_task_ids == {up}
+    assert type(dag.get_task("approve")).__name__ == "ApprovalOperator"
+    assert dag.get_task("approve").defaults == ["Reject"]  # no answer within the timeout: the champion stays
+    assert dag.get_task("summary").upstream_task_ids == {"evaluate", "promote"}
     assert dag.get_task("summary").trigger_rule == "all_done"
+
+
+def test_timed_runs_are_opt_in(monkeypatch):
+    """No weekly run nobody asked for: without LLM_PIPELINE_SCHEDULE the DAG runs on new shard sets and by hand
+    only (unpausing it starts nothing); with it, on that cron as well."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tasks.pipeline import SCHEDULE_ENV
+
+    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
+    off = DagBag(dag_folder=str(REPO / "dags" / "llm_pipeline.py")).dags["llm_pipeline"]
+    assert type(off.timetable).__name__ == "AssetTriggeredTimetable", off.timetable
+    monkeypatch.setenv(SCHEDULE_ENV, "0 3 * * 1")
+    on = DagBag(dag_folder=str(REPO / "dags" / "llm_pipeline.py")).dags["llm_pipeline"]
+    assert "0 3 * * 1" in str(on.timetable) and "llm-shard-set" in str(on.timetable)
 
 
 def assert_shard_fanout(dag, after: str | None) -> None:
@@ -78,8 +100,10 @@ def test_every_param_schema_is_the_config_models_schema_of_its_field(dagbag):
     from tasks.config import PipelineConfig, load_config
     from tasks.pipeline import PARAMS
 
+    from tasks.config import CONFIG_DIR
+
     model = PipelineConfig.model_json_schema()
-    demo = load_config()
+    presets = {p.stem: load_config(p.stem) for p in sorted(CONFIG_DIR.glob("*.yaml"))}
     for pipeline_dag in (dagbag.dags["llm_pipeline"], dagbag.dags["llm_data"]):
         for name, key, *_ in PARAMS:
             if key is None or name not in pipeline_dag.params:
@@ -100,8 +124,11 @@ def test_every_param_schema_is_the_config_models_schema_of_its_field(dagbag):
             assert pipeline_dag.params.get_param(name).resolve(None) is None  # the default: from the preset
             default = want.get("default", getattr(getattr(PipelineConfig(), section), field))
             jsonschema.validate(default, pipeline_dag.params.get_param(name).schema)
-            shown = str(demo.model_dump()[section][field]).strip("[]").replace("'", "")
-            assert f"(demo-cpu: {shown})" in pipeline_dag.params.get_param(name).description
+            # The hint names every preset's value, the default preset first: it stays true when another is chosen.
+            desc = pipeline_dag.params.get_param(name).description
+            for preset, c in presets.items():
+                shown = str(c.model_dump()[section][field]).strip("[]").replace("'", "")
+                assert f"{'(' if preset == 'demo-cpu' else '; '}{preset}: {shown}" in desc, (name, desc)
 
 
 def test_dag_files_import_no_heavy_modules():

@@ -42,6 +42,8 @@ FLOORS = [
             "tasks.procs",
             "tasks.bounds",
             "tasks.tracking",
+            "tasks.sysmetrics",
+            "tasks.logs",
         ],
         True,
     ),

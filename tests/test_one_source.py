@@ -91,9 +91,13 @@ def test_one_mlflow_ui_url_setting(monkeypatch):
     assert tracking.ui_url(cfg) == "http://env.example:5001" and cfg.tracking.ui_url == ""
     assert tracking.run_url("r1", cfg) == "http://env.example:5001/#/runs/r1"
     cfg.tracking.ui_url = "http://cfg.example:5002"
-    assert tracking.run_url("r1", cfg, "7") == "http://cfg.example:5002/#/experiments/7/runs/r1"
+    assert tracking.run_url("r1", cfg, "7") == "http://cfg.example:5002/#/experiments/7/runs/r1?" + tracking.UI_VIEW
     monkeypatch.delenv("MLFLOW_UI_URL")
+    monkeypatch.delenv("MLFLOW_PORT", raising=False)
     assert tracking.ui_url(None) == tracking.DEFAULT_UI_URL
+    monkeypatch.setenv("MLFLOW_PORT", "5077")  # `make ui MLFLOW_PORT=5077`: the printed links follow the port
+    assert tracking.ui_url(None) == "http://127.0.0.1:5077"
+    monkeypatch.delenv("MLFLOW_PORT")
     sys.path.insert(0, str(REPO / "plugins"))
     try:
         import mlflow_link

@@ -26,7 +26,8 @@ from airflow.sdk import dag, task
 def link_probe():
     @task
     def train():
-        return {{"stage": "train", "status": "ok", "summary": "loss 2.1", "mlflow_run_id": "{RUN_ID}"}}
+        return {{"stage": "train", "status": "ok", "summary": "loss 2.1", "mlflow_run_id": "{RUN_ID}",
+                "mlflow_experiment_id": "3"}}
 
     @task
     def plain():
@@ -91,7 +92,9 @@ def test_link_resolves_from_the_stage_xcom(tmp_path):
     assert got["state"].endswith("success"), got
     status, body = got["links"]["train"]
     assert status == 200, body
-    assert body["extra_links"] == {"MLflow run": f"http://mlflow.example:5005/#/runs/{RUN_ID}"}
+    # The run's own page in its experiment, in the model-training view (tasks.tracking.UI_VIEW).
+    want = f"http://mlflow.example:5005/#/experiments/3/runs/{RUN_ID}?workflowType=machine_learning"
+    assert body["extra_links"] == {"MLflow run": want}
     # A task whose return value carries no run id shows the button disabled (no URL).
     status, body = got["links"]["plain"]
     assert status == 200 and body["extra_links"] == {"MLflow run": None}, body
@@ -104,6 +107,7 @@ def test_url_helpers_default_and_bad_values(monkeypatch):
     finally:
         sys.path.remove(str(REPO / "plugins"))
     monkeypatch.delenv("MLFLOW_UI_URL", raising=False)
+    monkeypatch.delenv("MLFLOW_PORT", raising=False)
     assert mlflow_link.mlflow_run_url("abc") == "http://127.0.0.1:5000/#/runs/abc"
     assert mlflow_link.run_id_from_result({"mlflow_run_id": " abc "}) == "abc"
     for value in (None, 42, "abc", {"mlflow_run_id": None}, {"mlflow_run_id": ""}, {"status": "ok"}):

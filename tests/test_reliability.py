@@ -546,7 +546,7 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
         )
         assert plan.returncode == 0, plan.stderr[-2000:]
         run_id = json.loads((run / "train.json").read_text())["mlflow_run_id"]
-        history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train.loss")
+        history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train/loss")
         ended = mlflow.MlflowClient(uri).get_run(run_id)
     finally:
         _kill_group(server)

@@ -61,7 +61,7 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 
     client = mlflow.MlflowClient(c.tracking.uri)
     run = client.get_run(result["mlflow_run_id"])
-    assert run.data.metrics["train.loss"] == pytest.approx(losses(run_dir)[6])
+    assert run.data.metrics["train/loss"] == pytest.approx(losses(run_dir)[6])
     assert run.data.params["parallel.dp"] == "2"
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "train")}
     assert "train/loss.png" in artifacts

@@ -9,9 +9,9 @@ directory on the shared volume. Nothing here imports Airflow or talks to a clust
 from __future__ import annotations
 
 from tasks.config import PipelineConfig
+from tasks.device import DEVICE_STAGES  # the stages that need the accelerator (defined in the device layer)
 
-# Stages that need the accelerator (or, for env, must check the nodes that have it).
-DEVICE_STAGES = ("env", "smoke", "train", "profile", "quantize", "evaluate")
+__all__ = ["DEVICE_STAGES", "MULTI_NODE_STAGES", "celery_queue", "runs_on_kubernetes"]
 # Stages that run on every node (one pod per node, torchrun c10d rendezvous at pod 0); the others use one pod.
 MULTI_NODE_STAGES = ("env", "train", "profile")
 

@@ -90,6 +90,8 @@ class MlflowSender:
         import mlflow
         from mlflow.entities import Metric
 
+        from tasks.tracking import metric_key
+
         client = mlflow.MlflowClient(self.uri)
         down_until = 0.0
         while True:
@@ -99,7 +101,7 @@ class MlflowSender:
             if time.time() < down_until:
                 continue
             metrics = [
-                Metric(f"train.{k}", float(v), int(record["time"] * 1000), int(record["step"]))
+                Metric(metric_key(k), float(v), int(record["time"] * 1000), int(record["step"]))
                 for k, v in record.items()
                 if k not in ("step", "time")
                 and isinstance(v, (int, float))

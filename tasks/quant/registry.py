@@ -149,5 +149,15 @@ def set_alias(uri: str, name: str, alias: str, version: str) -> None:
     _client(uri).set_registered_model_alias(name, alias, version)
 
 
+def promote(uri: str, name: str, version: str, by: str = "", reason: str = "") -> None:
+    """Make `version` of registered model `name` the champion (the alias, moved from whichever version held it);
+    the version records who promoted it and why (tags `champion.approved_by`, `champion.reason`)."""
+    client = _client(uri)
+    client.set_registered_model_alias(name, CHAMPION, str(version))
+    for key, value in (("champion.approved_by", by), ("champion.reason", reason)):
+        if value:
+            client.set_model_version_tag(name, str(version), key, str(value)[:5000])
+
+
 def aliases(uri: str, name: str) -> dict[str, str]:
     return {alias: str(v) for alias, v in _client(uri).get_registered_model(name).aliases.items()}

@@ -262,15 +262,22 @@ def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard
             uri, name, model, tags, pip_requirements(meta), _extra_files(model_dir), description
         )
     registry.set_alias(uri, name, registry.CANDIDATE, version)
-    if decision.promote:
+    already = champion is not None and champion["version"] == version
+    # evaluate.json's `approval` (docs/ARCHITECTURE.md): a person decides in the DAG's approve task
+    ask = cfg.evaluate.require_approval and not already
+    if decision.promote and not ask:
         registry.set_alias(uri, name, registry.CHAMPION, version)
+    approval = {"needed": ask, "reason": "", "version": version}
+    if ask:
+        approval["reason"] = f"evaluate.require_approval is set; the comparison says: {decision.reason}"
     out = {
         "registered_model": name,
         "version": version,
-        "champion": decision.promote,
+        "champion": decision.promote and not ask,
         "champion_reason": decision.reason,
         "comparable": decision.comparable,
         "aliases": registry.aliases(uri, name),
+        "approval": approval,
     }
     if champ:
         out["champion_compared"] = {"version": champ["version"], "macro": champ.get("macro")}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -503,6 +504,29 @@ def memory_figures(summary: dict, export_memory: dict | None, estimate_bytes: in
     return out
 
 
+def memory_headline(figures: dict) -> dict:
+    """The two memory metrics of the run: the worst rank's peak and the planner's estimate over the measured
+    training peak (the per-phase, per-rank figures go to the table artifact, memory_table)."""
+    peaks = [v for k, v in figures.items() if re.fullmatch(r"memory\.peak_gb\.rank\d+", k)]
+    out = {"memory.peak_gb": max(peaks)} if peaks else {}
+    if "memory.estimate_over_measured" in figures:
+        out["memory.estimate_over_measured"] = figures["memory.estimate_over_measured"]
+    return out
+
+
+def memory_table(figures: dict) -> dict[str, list]:
+    """memory_figures() as columns for MLflow's table artifact: one row per rank, a column per phase (GB)."""
+    cells: dict[int, dict[str, float]] = {}
+    for key, value in figures.items():
+        m = re.fullmatch(r"memory\.(?:(\w+)\.)?(peak_gb|peak_over_written)\.rank(\d+)", key)
+        if m:
+            column = f"{m[1] or 'overall'}_{m[2]}"
+            cells.setdefault(int(m[3]), {})[column] = round(value, 4)
+    columns = sorted({c for row in cells.values() for c in row})
+    ranks = sorted(cells)
+    return {"rank": ranks, **{c: [cells[r].get(c) for r in ranks] for c in columns}}
+
+
 def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: dict, summary: dict) -> None:
     """Stage-run extras from the launcher. Rank 0 sent the per-step metrics asynchronously; whatever it could not
     send (an MLflow outage mid-training) is backfilled from metrics.jsonl now, or left pending for the next stage.
@@ -513,17 +537,14 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
     if result["best_val_loss"] is not None:
         final.update({"train.val_loss_best": result["best_val_loss"], "train.val_loss_best_step": result["best_step"]})
     export_path = ctx.run_dir / "train" / "export_memory.json"
-    final.update(
-        memory_figures(
-            summary,
-            read_json(export_path) if export_path.is_file() else None,
-            spec.get("estimate_bytes"),
-            spec["backend"],
-        )
+    memory = memory_figures(
+        summary, read_json(export_path) if export_path.is_file() else None, spec.get("estimate_bytes"), spec["backend"]
     )
+    final.update(memory_headline(memory))
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
     tracking.log_final_metrics(ctx.run_dir, tracking.tracking_uri(cfg), final)  # kept pending while MLflow is down
     with tracking.best_effort("final training tags and artifacts"):
+        tracking.log_table(memory_table(memory), "train/memory.json")
         tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
         tracking.log_artifact(result["metrics"])
         tracking.log_artifact(plot, "train")
