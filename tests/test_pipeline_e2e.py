@@ -22,7 +22,7 @@ from tasks.stages import STAGES
 os.environ["HF_HUB_OFFLINE"] = "1"
 import transformers  # noqa: E402
 
-from test_orchestration import dags_test  # noqa: E402
+from tests.helpers.dags import dags_test  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,7 +8,7 @@ import torch
 from tasks.errors import StageError
 from tasks.quant import inputs
 from tasks.stages.evaluate import gate_figures
-from tests.quant_fixture import tiny_trained
+from tests.helpers.quant_fixture import tiny_trained
 
 
 @pytest.fixture(scope="module")
