@@ -26,6 +26,7 @@ def _quantize(cfg, tiny, run_dir, method):
     return run_stage("quantize", cfg, run_dir, args=_args(tiny))["quant_dir"]
 
 
+@pytest.mark.slow
 def test_gate_registry_and_champion(cfg, tiny, tmp_path):
     from mlflow import MlflowClient
 
@@ -83,6 +84,7 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path):
     assert r2["aliases"]["champion"] == (r2["version"] if r2["champion"] else r["version"])
 
 
+@pytest.mark.slow
 def test_gate_missed_fails_with_advice_and_qat_handoff(cfg, tiny, tmp_path):
     from mlflow import MlflowClient
 
