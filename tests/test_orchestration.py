@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
 
 from tests.helpers.dags import dags_test
@@ -17,6 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def parent_runs(tmp_path: Path, dag_id: str):
+    import mlflow
+
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     exp = client.get_experiment_by_name("llm-pipeline")
     runs = client.search_runs(

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
 from tests.helpers.models import logits_of_checkpoint
 from tests.helpers.train_fixture import configure, shards, torchrun, write_spec  # noqa: E402,F401
@@ -36,6 +35,8 @@ def _tokens(vocab: int) -> torch.Tensor:
 
 
 def _hf_logits(path, tokens) -> torch.Tensor:
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(tokens).logits
@@ -47,6 +48,8 @@ def _hf_logits(path, tokens) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.alone
 def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg, tmp_path, shards):  # noqa: F811
+    import transformers
+
     from tasks.model import TransformerConfig, get_preset, num_params
     from tasks.model.hf_io import to_hf_config
 

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
 from tests.helpers.models import logits_of_checkpoint, tiny_qwen2  # noqa: E402
 from tests.helpers.train_fixture import (
@@ -33,6 +32,8 @@ LAYOUTS = {  # name: (ranks, dp, tp, zero)
 
 @pytest.mark.slow
 def test_tied_embeddings_train_under_tp_like_one_process_and_export_tied(cfg, tmp_path, shards):  # noqa: F811
+    import transformers
+
     from tasks.model import TransformerConfig
 
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]

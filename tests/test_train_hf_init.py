@@ -12,7 +12,6 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
 from tests.helpers.models import tiny_qwen2
 from tests.helpers.train_fixture import shards  # noqa: E402,F401
@@ -20,6 +19,8 @@ from tests.helpers.train_fixture import shards  # noqa: E402,F401
 
 @pytest.mark.slow
 def test_train_starts_from_hf_path_weights(tmp_path, shards):  # noqa: F811
+    import transformers
+
     from safetensors.torch import load_file
 
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
