@@ -1,6 +1,6 @@
 """Sharding fanned out over Celery workers: the same corpus sharded by the data DAG (`llm_data`: shard_prepare →
 shard_partition.expand → shard_layout → shard_write.expand → shard) with 1 worker, then with 2, in one run on one
-real cluster (tests/celery_cluster.py: PostgreSQL, Redis, Airflow on the CeleryExecutor, solo-pool workers).
+real cluster (tests/helpers/celery_cluster.py: PostgreSQL, Redis, Airflow on the CeleryExecutor, solo-pool workers).
 
 - data.fanout_tokens_per_s_1_worker / _2_workers: tokens in the published shard set (manifest: train + val) over the
   DAG run's wall time (its start to its end, as Airflow records them: tokenizer training and the reduce included).
@@ -34,7 +34,7 @@ PRESET = {"data": {"tokenize_processes": 1}}  # over demo-cpu: one tokenizer thr
 
 
 def _cluster_module():
-    spec = importlib.util.spec_from_file_location("celery_cluster", REPO / "tests" / "celery_cluster.py")
+    spec = importlib.util.spec_from_file_location("celery_cluster", REPO / "tests" / "helpers" / "celery_cluster.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

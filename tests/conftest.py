@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -83,3 +84,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.path])  # stable: the order inside a file is kept
+
+
+# ---- unmarked slow tests fail (RULES: a test over 30 s on this host is marked slow) ---------------------------------
+# Measured in CPU seconds, not wall time: this process's and its reaped children's (torchrun, `airflow dags test`, …;
+# a child's own reaped children roll up into it), which a loaded host barely changes. Setup + call, in the process
+# that runs the test: under xdist these hooks run in each worker, and the failed report travels to the controller.
+# A module or session fixture's setup counts against the first test that needs it, as it does in that run.
+SLOW_CPU_S = float(os.environ.get("LLM_PIPELINE_SLOW_TEST_CPU_S", "30"))  # 0 turns the check off
+CPU_S = pytest.StashKey[float]()
+
+
+def _cpu_s() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    start = _cpu_s()
+    try:
+        return (yield)
+    finally:
+        item.stash[CPU_S] = _cpu_s() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    start = _cpu_s()
+    try:
+        return (yield)
+    finally:
+        item.stash[CPU_S] = item.stash.get(CPU_S, 0.0) + _cpu_s() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    cpu = item.stash.get(CPU_S, 0.0)
+    if report.when == "call" and report.passed and 0 < SLOW_CPU_S < cpu and not item.get_closest_marker("slow"):
+        report.outcome = "failed"
+        report.longrepr = f"{item.nodeid} took {cpu:.0f} s of CPU (over {SLOW_CPU_S:.0f} s): mark it @pytest.mark.slow"
+    return report

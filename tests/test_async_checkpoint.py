@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.errors import StageError
-from train_fixture import assert_same_curve, configure, context, losses, reference_losses, shards  # noqa: F401
+from tests.helpers.train_fixture import assert_same_curve, configure, context, losses, reference_losses, shards  # noqa: F401
 
 
 @pytest.mark.slow

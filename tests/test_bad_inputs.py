@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from train_fixture import BASE, shards  # noqa: F401
+from tests.helpers import REPO
+from tests.helpers.train_fixture import BASE, shards  # noqa: F401
 
 DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2}
 
@@ -533,7 +533,7 @@ MAKE_CASES = [
 
 @pytest.mark.parametrize("conf, expected", MAKE_CASES, ids=[c[0] for c in MAKE_CASES])
 def test_make_run_bad_conf(conf, expected, tmp_path):
-    from test_make_run import make_run
+    from tests.helpers.make import make_run
 
     out = make_run(conf, tmp_path)
     lines = [ln for ln in (out.stdout + out.stderr).strip().splitlines() if not ln.startswith("make: ***")]
@@ -584,7 +584,7 @@ def test_fresh_sets_old_outputs_aside_until_the_first_checkpoint(cfg, tmp_path, 
 
     from tasks.runner import StageContext
     from tasks.stages import train
-    from train_fixture import configure
+    from tests.helpers.train_fixture import configure
 
     run = _fake_run(tmp_path / "run")
     before = snapshot(run)
@@ -792,7 +792,7 @@ def test_evaluate_a_quantized_model_of_another_tokenizer(capsys, tmp_path, hf_di
 
 def test_resume_on_another_tokenizers_shard_set(cfg, capsys, tmp_path, shards, other_tokenizer):  # noqa: F811
     from tasks.stages import train
-    from train_fixture import configure, context
+    from tests.helpers.train_fixture import configure, context
 
     model = train.prepare(configure(cfg, **DP2), context(tmp_path / "probe", shards))["model"]
     step = tmp_path / "run" / "checkpoints" / "step-2"
@@ -837,7 +837,7 @@ def test_checkpoint_state_that_needs_pickle_is_refused(cfg, capsys, tmp_path, sh
     import torch
 
     from tasks.stages import train
-    from train_fixture import configure, context
+    from tests.helpers.train_fixture import configure, context
 
     model = train.prepare(configure(cfg, **DP2), context(tmp_path / "probe", shards))["model"]
     step = tmp_path / "run" / "checkpoints" / "step-2"

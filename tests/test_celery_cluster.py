@@ -34,9 +34,8 @@ from tasks.stages import STAGES
 from tasks.stages.shard import shard_multiple
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from celery_cluster import Cluster, free_port  # noqa: E402
-from test_shard_fanout import keys_from_manifest  # noqa: E402
+from tests.helpers.celery_cluster import Cluster, free_port  # noqa: E402
+from tests.helpers.shards import keys_from_manifest  # noqa: E402
 
 DEVICE_QUEUE = "npu-node-1"
 FAULT = "partition:4:stop"  # in every worker: the first try of a build's partition 4 stops itself mid-partition

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tasks.errors import ConfigError
-from train_fixture import assert_same_run, configure, context, reference_run, shards, torchrun, write_spec  # noqa: F401
+from tests.helpers.train_fixture import assert_same_run, configure, context, reference_run, shards, torchrun, write_spec  # noqa: F401
 
 COMPILED = {"train.compile": True, "hardware.nproc_per_node": 2}
 MOE = {"model.preset": "moe-demo", "model.n_layers": 2}
@@ -25,7 +25,7 @@ LAYOUTS = {  # name: config
 def test_compiled_blocks_train_the_eager_curve_on_every_layout(cfg, tmp_path, shards):
     from tasks.config import load_config
     from tasks.parallel.checkpoint import read_meta
-    from train_fixture import checkpoint_params
+    from tests.helpers.train_fixture import checkpoint_params
 
     specs = [write_spec(configure(cfg, **COMPILED, **sets), tmp_path / name, shards) for name, sets in LAYOUTS.items()]
     rc, out = torchrun(configure(cfg, **COMPILED), 2, specs, tmp_path / "torchrun.log")

@@ -12,7 +12,7 @@ import torch
 
 from tasks.errors import ConfigError
 from tasks.model import build_model, converters, get_preset, materialize
-from train_fixture import shards  # noqa: F401
+from tests.helpers.train_fixture import shards  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -82,7 +82,7 @@ def test_train_step_runs_post_optimizer_hooks_after_each_update_only():
 
 def test_unknown_converter_fails_before_any_worker_starts(cfg, tmp_path, shards):
     from tasks.stages import train
-    from train_fixture import configure, context
+    from tests.helpers.train_fixture import configure, context
 
     with pytest.raises(ConfigError, match="model.converters: unknown converter 'fp8'; known: ") as e:
         train.prepare(configure(cfg, **{"model.converters": ["npu_fused", "fp8"]}), context(tmp_path, shards))

@@ -54,6 +54,7 @@ def cli_run(tmp_path_factory):
     return tmp, json.loads(proc.stdout), proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_result_is_small_and_complete(cli_run):
     tmp, result, stderr = cli_run
     assert result["status"] == "ok" and result["backend"] == "cpu" and result["device_count"] >= 1
@@ -63,6 +64,7 @@ def test_cli_result_is_small_and_complete(cli_run):
     assert "env: OK — cpu ×2" in stderr and "[  ok] allreduce" in stderr
 
 
+@pytest.mark.slow
 def test_cli_probe_really_ran_two_gloo_ranks(cli_run):
     tmp, result, _ = cli_run
     report = read_json(result["env_json"])
@@ -92,6 +94,7 @@ def test_cli_probe_really_ran_two_gloo_ranks(cli_run):
     assert report["import_torch"] == {"ok": True, "torch": report["versions"]["torch"]}  # the subprocess check
 
 
+@pytest.mark.slow
 def test_cli_logged_to_mlflow(cli_run):
     import mlflow
 

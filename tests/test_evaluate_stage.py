@@ -13,7 +13,7 @@ import pytest
 from tasks import tracking
 from tasks.errors import ConfigError, StageError
 from tasks.runner import run_stage
-from tests.quant_fixture import grammar_task, tiny_trained, with_outlier_channels
+from tests.helpers.quant_fixture import grammar_task, tiny_trained, with_outlier_channels
 
 
 @pytest.fixture(scope="module")

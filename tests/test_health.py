@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlflow
 import pytest
 
 from tasks.stages import health
@@ -83,6 +82,8 @@ def test_clock_offset_alarm_on_multi_node(cfg):
 
 
 def test_real_sample_of_this_host_is_logged_to_mlflow(cfg, tmp_path, monkeypatch):
+    import mlflow
+
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
     cfg.hardware.min_host_memory_gb = 0.01
     cfg.hardware.min_free_disk_gb = 0.01

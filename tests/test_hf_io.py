@@ -9,7 +9,6 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402  (pinned test dependency: a broken install must fail, not skip)
 
 from tasks.errors import StageError  # noqa: E402
 from tasks.model import build_model, get_preset, materialize  # noqa: E402
@@ -26,22 +25,24 @@ SHAPE = dict(
 )
 CASES = {
     "llama-gqa-untied": (
-        transformers.LlamaConfig,
+        "LlamaConfig",
         dict(
             num_key_value_heads=2,
             tie_word_embeddings=False,
             rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         ),
     ),
-    "llama-mha-tied": (transformers.LlamaConfig, dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "qwen2-gqa-tied": (transformers.Qwen2Config, dict(num_key_value_heads=2, tie_word_embeddings=True)),
-    "qwen2-gqa-untied": (transformers.Qwen2Config, dict(num_key_value_heads=1, tie_word_embeddings=False)),
+    "llama-mha-tied": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen2-gqa-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen2-gqa-untied": ("Qwen2Config", dict(num_key_value_heads=1, tie_word_embeddings=False)),
 }
 
 
-def _hf_model(config_cls, extra):
+def _hf_model(config_cls: str, extra):
+    import transformers
+
     torch.manual_seed(0)
-    cfg = config_cls(**SHAPE, **extra)
+    cfg = getattr(transformers, config_cls)(**SHAPE, **extra)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():  # HF zero-inits biases: make them non-zero so the q/k/v bias mapping is really tested
         for name, p in model.named_parameters():
@@ -52,6 +53,8 @@ def _hf_model(config_cls, extra):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_import_export_parity(case, tmp_path):
+    import transformers
+
     hf = _hf_model(*CASES[case])
     hf.save_pretrained(tmp_path / "hf")
     tokens = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
@@ -93,6 +96,8 @@ def test_unsupported_architecture_names_supported(tmp_path):
 
 
 def test_export_with_tokenizer_loads_in_transformers(tmp_path):
+    import transformers
+
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -132,6 +137,7 @@ def test_shapes_contradicting_config_fail_in_one_line(tmp_path):
 
 def test_export_from_dcp_checkpoint_streams_sharded_files_that_transformers_loads(tmp_path):
     """The training job's export: DCP checkpoint → several safetensors files + index + config, one tensor at a time."""
+    import transformers
     import torch.distributed.checkpoint as dcp
 
     from tasks.model.hf_export import export_from_checkpoint

@@ -6,11 +6,9 @@ the official client's models (tests/fixtures/k8s/generate_schema.py); the submit
 cncf provider's KubernetesHook and the client's request layer against a loopback endpoint (tests/k8s_api.py)."""
 
 import dataclasses
-import functools
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -22,69 +20,10 @@ from tasks.bounds import stage_timeout_s
 from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES, runs_on_kubernetes
 from tasks.stages import STAGES
 
+from tests.helpers.k8s_api import FakeApi, _cond
+from tests.helpers.k8s_schema import validate
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from k8s_api import FakeApi, _cond  # noqa: E402
-
-FIXTURES = REPO / "tests" / "fixtures" / "k8s"
-K8S = json.loads((FIXTURES / "k8s-api-schema.json").read_text())
-PODGROUP = json.loads((FIXTURES / "volcano-podgroup-v1beta1.schema.json").read_text())
-CRDS = {
-    "PyTorchJob": json.loads((FIXTURES / "kubeflow-pytorchjob-v1.schema.json").read_text()),
-    "TrainJob": json.loads((FIXTURES / "kubeflow-trainjob-v1alpha1.schema.json").read_text()),
-}
-
-
-@functools.cache
-def validator(name: str):
-    """A validator for one of the Kubernetes API's models (V1Job, V1PodTemplateSpec, V1EnvVar, …) or a CRD's kind,
-    built once (jsonschema.validate would check the large schema against the metaschema on every call)."""
-    if name in CRDS:
-        return jsonschema.Draft7Validator(CRDS[name])
-    if name == "PodGroup":
-        return jsonschema.Draft7Validator(PODGROUP)
-    return jsonschema.Draft7Validator({"$ref": f"#/definitions/{name}", "definitions": K8S["definitions"]})
-
-
-def check(name: str, obj) -> None:
-    error = jsonschema.exceptions.best_match(validator(name).iter_errors(obj))
-    if error is not None:
-        raise error
-
-
-def k8s_model(name: str, obj) -> None:
-    check(name, obj)
-
-
-def validate(manifest: dict) -> None:
-    """Validate one manifest against its kind's API schema (strict: unknown fields fail, as `--validate=strict`).
-    A Kubeflow kind: its CRD's schema, and the Kubernetes parts inside it against the API's own models too."""
-    if manifest["kind"] == "PodGroup":
-        check("PodGroup", manifest)
-        return
-    if manifest["kind"] in CRDS:
-        check(manifest["kind"], manifest)
-        k8s_model("V1ObjectMeta", manifest["metadata"])
-        spec = manifest["spec"]
-        for replica in spec.get("pytorchReplicaSpecs", {}).values():
-            k8s_model("V1PodTemplateSpec", replica["template"])
-        if "trainer" in spec:
-            k8s_model("V1ResourceRequirements", spec["trainer"]["resourcesPerNode"])
-            for env in spec["trainer"]["env"]:
-                k8s_model("V1EnvVar", env)
-            for patch in spec["runtimePatches"]:
-                for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
-                    pod = job["template"]["spec"]["template"]["spec"]
-                    for volume in pod["volumes"]:
-                        k8s_model("V1Volume", volume)
-                    if "affinity" in pod:
-                        k8s_model("V1Affinity", pod["affinity"])
-                    for mount in pod["containers"][0]["volumeMounts"]:
-                        k8s_model("V1VolumeMount", mount)
-        return
-    api = f"{manifest['apiVersion']}/{manifest['kind']}"
-    check(K8S["roots"][api], manifest)
-    assert manifest["metadata"]["name"]
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from tests.helpers.make import REPO, make_run
 
 PAYLOADS = [  # each would create `pwned` in the temp dir if it reached a shell or make's expansion
     "x'; touch {d}/pwned; echo '",
@@ -20,21 +20,6 @@ PAYLOADS = [  # each would create `pwned` in the temp dir if it reached a shell 
     "$$(touch {d}/pwned)",
     '{{"preset": "$(touch {d}/pwned)"}}',
 ]
-
-
-def make_run(conf: str, tmp_path, timeout: int = 120) -> subprocess.CompletedProcess:
-    """`make run CONF=…` without the venv/db prerequisites (-o db: already made), in a temp var dir."""
-    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
-    for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a user's top-level make, even under make test
-        env.pop(var, None)
-    return subprocess.run(
-        ["make", "-s", "-o", "db", "run", f"CONF={conf}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
 from tasks.errors import ConfigError, StageError  # noqa: E402
 from tasks.model import build_model, get_preset, materialize, num_params  # noqa: E402
@@ -43,6 +42,8 @@ TOKENS = torch.randint(0, SHAPE["vocab_size"], (2, 24), generator=torch.Generato
 
 
 def _hf_model(extra):
+    import transformers
+
     torch.manual_seed(0)
     cfg = transformers.Qwen2MoeConfig(**{**SHAPE, **extra})
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -55,6 +56,8 @@ def _hf_model(extra):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_hf_import_export_parity(case, tmp_path):
+    import transformers
+
     hf = _hf_model(CASES[case])
     assert type(hf).__name__ == "Qwen2MoeForCausalLM"
     hf.save_pretrained(tmp_path / "hf")
@@ -79,6 +82,8 @@ def test_hf_import_export_parity(case, tmp_path):
 
 def test_ours_to_hf_from_random_init(tmp_path):
     """Our seeded init → HF directory → transformers gives our logits (the other direction's start point)."""
+    import transformers
+
     tcfg = get_preset("moe-demo")
     tcfg.vocab_size, tcfg.n_layers, tcfg.mlp_only_layers, tcfg.norm_topk_prob = 256, 3, [2], True
     ours = materialize(build_model(tcfg), "cpu", seed=3).eval()
@@ -118,6 +123,7 @@ def test_sharded_import_and_missing_expert(tmp_path):
 
 def test_export_from_dcp_checkpoint(tmp_path):
     """The training job's streamed export writes one HF tensor per expert that transformers loads."""
+    import transformers
     import torch.distributed.checkpoint as dcp
 
     from tasks.model.hf_export import export_from_checkpoint

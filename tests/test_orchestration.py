@@ -8,24 +8,16 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
 import pytest
+
+from tests.helpers.dags import dags_test
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def dags_test(dag_id: str, conf: dict, tmp_path: Path, extra_env: dict | None = None, timeout: int = 600):
-    env = {
-        **os.environ,
-        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
-        **(extra_env or {}),
-    }
-    cmd = f"source scripts/airflow-env.sh && airflow dags test {dag_id} --conf '{json.dumps(conf)}'"
-    return subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
-
-
 def parent_runs(tmp_path: Path, dag_id: str):
+    import mlflow
+
     client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     exp = client.get_experiment_by_name("llm-pipeline")
     runs = client.search_runs(

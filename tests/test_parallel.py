@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from train_fixture import (
+from tests.helpers.train_fixture import (
     SGD,
     assert_same_run,
     configure,

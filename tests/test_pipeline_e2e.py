@@ -13,16 +13,14 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-import mlflow
 import pytest
 import torch
 
 from tasks.stages import STAGES
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
-from test_orchestration import dags_test  # noqa: E402
+from tests.helpers.dags import dags_test  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,6 +33,7 @@ def tiny_checkpoint(path: Path, vocab: int = 384, steps: int = 150):
     """A byte-level BPE trained on a few local files, wrapped and saved by transformers, beside a tiny Qwen2 whose
     embedding is exactly that vocabulary, trained for `steps` steps on standard-library sources (as the shard set
     is): a real checkpoint, whose first loss on the shard set is far below ln(vocab), as smoke checks."""
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -104,6 +103,8 @@ def checkpoint_run(tmp_path_factory, airflow_db):
 
 @pytest.mark.slow
 def test_dags_test_runs_every_stage(checkpoint_run):
+    import mlflow
+
     tmp_path, out, *_ = checkpoint_run
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     log = out.stdout + out.stderr
@@ -129,6 +130,7 @@ def test_dags_test_runs_every_stage(checkpoint_run):
 def test_dag_continues_training_a_checkpoint_with_its_own_tokenizer(checkpoint_run):
     """Continued training from a pretrained checkpoint uses the checkpoint's own tokenizer end to end: the shard
     set, the starting weights, the HF export, quantize and evaluate all carry them."""
+    import transformers
     from data_prep.loader import ShardLoader
     from data_prep.manifest import digest
     from tasks.config import load_config
@@ -196,6 +198,7 @@ def test_dags_test_runs_moe_demo_with_expert_parallelism(tmp_path, airflow_db):
     training, training runs dp2·ep2 and logs the load-balancing loss to MLflow, the profile counts the all-to-alls
     as communication and evaluates the expert-imbalance rule on the router statistics, quantization puts every
     layer's experts in INT8 weight-only, and evaluation gates and registers that model."""
+    import mlflow
     from tasks.quant.artifact import WEIGHTS, load_quantized
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -12,7 +12,6 @@ import sys
 from argparse import Namespace
 from pathlib import Path
 
-import mlflow
 import pytest
 
 from tasks import cli
@@ -44,6 +43,8 @@ def slowed_copy(src: Path, dst: Path, factor: float) -> Path:
 
 
 def test_analyze_stage_writes_report_and_logs_to_mlflow(cfg, tmp_path, monkeypatch):
+    import mlflow
+
     bin_dir = tmp_path / "bin"  # python only: no Ascend tools (msprof, msprof-analyze) on PATH
     bin_dir.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)

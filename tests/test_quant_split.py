@@ -8,7 +8,7 @@ import torch
 from tasks.errors import StageError
 from tasks.quant import inputs
 from tasks.quant.quality import drops
-from tests.quant_fixture import tiny_trained
+from tests.helpers.quant_fixture import tiny_trained
 
 
 @pytest.fixture(scope="module")

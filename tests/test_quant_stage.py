@@ -9,7 +9,7 @@ import torch
 
 from tasks.errors import StageError
 from tasks.runner import run_stage
-from tests.quant_fixture import grammar_task, tiny_trained
+from tests.helpers.quant_fixture import grammar_task, tiny_trained
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tasks.device import Backend, launch_env
 from tasks.launch.placement import MULTI_NODE_STAGES
 from tasks.model import from_pipeline, num_params
 from tasks.model.sibling import budget_of, choose, estimator
-from test_k8s_launcher import validate as validate_manifest
+from tests.helpers.k8s_schema import validate as validate_manifest
 
 # preset → (world size, a check of the planner's layout family on the chosen plan)
 PRESETS = {

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from tasks.errors import StageError
-from train_fixture import configure, context, shards  # noqa: F401
+from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
 
 DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2}
 
@@ -90,7 +90,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, 
     and the curve equals an uninterrupted run; changed training-shaping config is warned about on resume."""
     from tasks.stages import train
     from tasks.parallel import checkpoint as ckpt
-    from train_fixture import assert_same_curve, losses, reference_losses
+    from tests.helpers.train_fixture import assert_same_curve, losses, reference_losses
 
     c = configure(cfg, **DP2, **{"train.steps": 4, "train.checkpoint_every": 2, "train.keep_checkpoints": 3})
     run = tmp_path / "run"
@@ -151,7 +151,7 @@ def cli(*argv, env=None, timeout=180):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from tests.helpers import REPO
 
     out = subprocess.run(
         [sys.executable, "-m", "tasks", *argv],
@@ -234,7 +234,7 @@ def test_disk_full_names_enospc_even_when_the_failure_record_cannot_be_written(t
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from tests.quant_fixture import tiny_trained
+    from tests.helpers.quant_fixture import tiny_trained
 
     return tiny_trained(tmp_path_factory.getbasetemp())
 
@@ -326,7 +326,7 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from tests.helpers import REPO
 
     run = tmp_path / "run"
     run.mkdir()
@@ -366,8 +366,8 @@ def test_kill_9_of_the_train_stage_leaves_no_orphans(tmp_path, shards):
     import sys
     import time
 
-    from conftest import REPO
-    from train_fixture import BASE
+    from tests.helpers import REPO
+    from tests.helpers.train_fixture import BASE
 
     run = tmp_path / "run"
     sets = {**BASE, **DP2, "train.steps": 100000, "train.checkpoint_every": 0}
@@ -486,8 +486,8 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
 
     import mlflow
 
-    from conftest import REPO
-    from train_fixture import BASE
+    from tests.helpers import REPO
+    from tests.helpers.train_fixture import BASE
 
     port, store, art = _free_port(), tmp_path / "mlflow.db", tmp_path / "mlartifacts"
     uri = f"http://127.0.0.1:{port}"

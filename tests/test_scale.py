@@ -12,9 +12,9 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
-from train_fixture import configure, shards, torchrun, write_spec  # noqa: E402,F401
+from tests.helpers.models import logits_of_checkpoint
+from tests.helpers.train_fixture import configure, shards, torchrun, write_spec  # noqa: E402,F401
 
 SCALE = {
     "model.preset": "qwen2-0.5b",
@@ -34,23 +34,9 @@ def _tokens(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(7))
 
 
-def _logits_of_checkpoint(ckpt, tcfg, tokens) -> torch.Tensor:
-    """Our model, loaded whole from the training checkpoint in this process (the reference for the export)."""
-    import torch.distributed.checkpoint as dcp
-
-    from tasks.model import build_model
-
-    model = build_model(tcfg, "meta").to_empty(device="cpu")  # no random init: every weight is read below
-    model.tie_weights()
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    model.load_state_dict(state["model"])
-    model.init_rope()
-    with torch.no_grad():
-        return model(tokens)
-
-
 def _hf_logits(path, tokens) -> torch.Tensor:
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(tokens).logits
@@ -62,6 +48,8 @@ def _hf_logits(path, tokens) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.alone
 def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg, tmp_path, shards):  # noqa: F811
+    import transformers
+
     from tasks.model import TransformerConfig, get_preset, num_params
     from tasks.model.hf_io import to_hf_config
 
@@ -102,7 +90,7 @@ def test_qwen2_0_5b_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg
     # From meta init, one real step: the export reproduces the trained checkpoint's logits.
     trained = TransformerConfig(**json.loads((tmp_path / "meta" / "train" / "launch.json").read_text())["model"])
     ckpt = tmp_path / "meta" / "checkpoints" / "step-1"
-    want_trained = _logits_of_checkpoint(ckpt, trained, tokens)
+    want_trained = logits_of_checkpoint(ckpt, trained, tokens)
     gc.collect()
     torch.testing.assert_close(_hf_logits(tmp_path / "meta" / "hf", tokens), want_trained, atol=1e-4, rtol=1e-4)
     full_bytes = num_params(tcfg) * 4  # the whole fp32 model

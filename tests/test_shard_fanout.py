@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
@@ -22,9 +21,10 @@ from data_prep.config import ShardConfig
 from data_prep.errors import DataPrepError
 from data_prep.job import FAULT_ENV, plan_partitions, prepare
 from data_prep.layout import run_layout
-from data_prep.manifest import digest, load_manifest
+from data_prep.manifest import digest
 from data_prep.partition import run_partition
 from data_prep.writer import run_write
+from tests.helpers.shards import keys_from_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
@@ -57,22 +57,6 @@ def cfg_for(out: Path, corpus: Path, **kw) -> ShardConfig:
 
 def tree(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def keys_from_manifest(shard_dir: Path) -> dict[str, list[str]]:
-    """Every sample key of every shard the manifest lists, per split, read from the tars themselves."""
-    m = load_manifest(shard_dir)
-    out = {}
-    for split, s in m["splits"].items():
-        keys = []
-        for e in s["shards"]:
-            with tarfile.open(shard_dir / e["name"]) as tar:
-                names = [t.name.split(".")[0] for t in tar.getmembers()]
-            assert len(names) == e["samples"]
-            keys += names
-        assert len(keys) == s["samples"]
-        out[split] = keys
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ def _mlflow(cfg):
     return mlflow.MlflowClient(cfg.tracking.uri)
 
 
+@pytest.mark.slow
 def test_smoke_passes_on_demo_model(cfg, tmp_path, shards):
     assert (cfg.model.preset, cfg.smoke.steps, cfg.data.seq_len) == ("demo", 15, SEQ)
     result = run_stage("smoke", cfg, tmp_path / "run", args=_args(shards))

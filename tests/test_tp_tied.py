@@ -11,11 +11,9 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
-from test_scale import _logits_of_checkpoint  # noqa: E402
-from test_train_hf_init import tiny_qwen2  # noqa: E402
-from train_fixture import (
+from tests.helpers.models import logits_of_checkpoint, tiny_qwen2  # noqa: E402
+from tests.helpers.train_fixture import (
     assert_same_curve,
     configure,
     losses,
@@ -34,6 +32,8 @@ LAYOUTS = {  # name: (ranks, dp, tp, zero)
 
 @pytest.mark.slow
 def test_tied_embeddings_train_under_tp_like_one_process_and_export_tied(cfg, tmp_path, shards):  # noqa: F811
+    import transformers
+
     from tasks.model import TransformerConfig
 
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
@@ -68,7 +68,7 @@ def test_tied_embeddings_train_under_tp_like_one_process_and_export_tied(cfg, tm
         back = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()  # tied on load
         trained = TransformerConfig(**json.loads((tmp_path / name / "train" / "launch.json").read_text())["model"])
-        ours = _logits_of_checkpoint(tmp_path / name / "checkpoints" / "step-5", trained, tokens)
+        ours = logits_of_checkpoint(tmp_path / name / "checkpoints" / "step-5", trained, tokens)
         with torch.no_grad():
             torch.testing.assert_close(back(tokens).logits, ours, atol=1e-4, rtol=1e-4)
 

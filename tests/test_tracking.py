@@ -4,7 +4,6 @@ import json
 import sys
 import types
 
-import mlflow
 import pytest
 
 from tasks import runner, tracking
@@ -31,6 +30,8 @@ def toy_stage(monkeypatch):
 
 
 def test_parent_and_child_runs_with_tags(cfg, tmp_path, toy_stage):
+    import mlflow
+
     parent = tracking.parent_run(cfg, "llm_pipeline", "manual__t1", 1)
     assert tracking.parent_run(cfg, "llm_pipeline", "manual__t1", 2) == parent  # idempotent on retry
     (tmp_path / "env.json").write_text(json.dumps({"status": "ok"}))
@@ -48,6 +49,8 @@ def test_parent_and_child_runs_with_tags(cfg, tmp_path, toy_stage):
 
 
 def test_failure_is_recorded_as_one_line(cfg, tmp_path, toy_stage):
+    import mlflow
+
     args = types.SimpleNamespace(fail=True)
     with pytest.raises(StageError, match="^the input is bad second line folded$"):
         runner.run_stage("toy", cfg, tmp_path, args=args)

@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from tasks.errors import ConfigError, StageError
-from train_fixture import (
+from tests.helpers.train_fixture import (
     BASE,
     assert_same_curve,
     configure,

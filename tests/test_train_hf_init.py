@@ -12,40 +12,15 @@ import pytest
 import torch
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-import transformers  # noqa: E402
 
-from train_fixture import shards  # noqa: E402,F401
-
-
-def tiny_qwen2(path, vocab: int, seed: int = 0, **shape):
-    """A small random Qwen2 saved by transformers (biases made non-zero, so the q/k/v bias mapping is tested)."""
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(
-        **{
-            **dict(
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=vocab,
-                max_position_embeddings=128,
-                tie_word_embeddings=False,
-            ),
-            **shape,
-        }
-    )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return model
+from tests.helpers.models import tiny_qwen2
+from tests.helpers.train_fixture import shards  # noqa: E402,F401
 
 
 @pytest.mark.slow
 def test_train_starts_from_hf_path_weights(tmp_path, shards):  # noqa: F811
+    import transformers
+
     from safetensors.torch import load_file
 
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
@@ -99,7 +74,7 @@ def test_train_starts_from_hf_path_weights(tmp_path, shards):  # noqa: F811
 def test_shape_override_that_cannot_load_hf_path_is_refused(cfg, tmp_path, shards):  # noqa: F811
     from tasks.stages import train
     from tasks.errors import ConfigError
-    from train_fixture import configure, context
+    from tests.helpers.train_fixture import configure, context
 
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
     tiny_qwen2(tmp_path / "ckpt", vocab)
@@ -126,7 +101,7 @@ def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_pa
     from data_prep.tokenizer import train_bpe
     from tasks.stages import train
     from tasks.errors import ConfigError
-    from train_fixture import configure, context
+    from tests.helpers.train_fixture import configure, context
 
     vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
     tiny_qwen2(tmp_path / "ckpt", vocab)

@@ -25,7 +25,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORKER_ENV = "LLM_CELERY_WORKER"  # each worker's name, read by worker_hostname()
 
 
@@ -106,7 +106,7 @@ class Cluster:
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
             "AIRFLOW__CORE__PARALLELISM": "8",
             "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "4",
-            "AIRFLOW__CORE__HOSTNAME_CALLABLE": "tests.celery_cluster.worker_hostname",
+            "AIRFLOW__CORE__HOSTNAME_CALLABLE": "tests.helpers.celery_cluster.worker_hostname",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.api_url}/execution/",
             "AIRFLOW__API__HOST": "127.0.0.1",

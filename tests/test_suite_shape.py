@@ -1,0 +1,60 @@
+"""The test suite's own shape: a test module never imports another test module (nor conftest); what tests share
+lives in tests/helpers/. Function-level imports count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _imported(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every import in a file, `from . import x` and `from .x import y` resolved to `x`."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module:
+                out.append((node.lineno, node.module))
+            if node.level or node.module in ("tests", None):
+                out += [(node.lineno, a.name) for a in node.names]
+    return out
+
+
+def test_no_test_module_imports_another():
+    forbidden = {p.stem for p in TESTS.glob("test_*.py")} | {"conftest"}
+    bad = []
+    for path in sorted([*TESTS.glob("*.py"), *(TESTS / "helpers").glob("*.py")]):
+        for line, module in _imported(ast.parse(path.read_text(), str(path))):
+            parts = module.split(".")
+            name = parts[1] if parts[0] == "tests" and len(parts) > 1 else parts[0]
+            if name in forbidden:
+                bad.append(f"{path.relative_to(TESTS.parent)}:{line} imports {module}")
+    assert not bad, "move what is shared into tests/helpers/:\n" + "\n".join(bad)
+
+
+# Slow to import and needed by few tests: imported inside the test or fixture, so that collecting the suite (once per
+# xdist worker) does not pay for them. torch is not here: the project's own modules the tests import load it anyway.
+LAZY = ("transformers", "mlflow", "airflow", "lm_eval")
+
+
+def _at_import_time(tree: ast.Module) -> ast.Module:
+    """The statements that run when the module is imported: all but the bodies of functions."""
+    keep, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            keep.append(node)
+            todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+    return ast.Module(body=[n for n in keep if isinstance(n, (ast.Import, ast.ImportFrom))], type_ignores=[])
+
+
+def test_test_modules_import_slow_libraries_lazily():
+    bad = []
+    for path in sorted([*TESTS.glob("*.py"), *(TESTS / "helpers").glob("*.py")]):
+        for line, module in _imported(_at_import_time(ast.parse(path.read_text(), str(path)))):
+            if module.split(".")[0] in LAZY:
+                bad.append(f"{path.relative_to(TESTS.parent)}:{line} imports {module} at the top level")
+    assert not bad, "import it inside the test or fixture that needs it:\n" + "\n".join(bad)
