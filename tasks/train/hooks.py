@@ -184,3 +184,46 @@ class ShardingEvidence(Hook):
         everyone = [None] * trainer.world
         collectives.all_gather_object(everyone, self.record)
         summary["sharding_per_rank"] = everyone
+
+
+class Rehearsal(Hook):
+    """The first `spec["steps"]` steps of this launch against the plan (tasks/planner/rehearsal.py): each rank's peak
+    memory over those steps (the allocator's peak on an accelerator; on CPU the RSS high-water mark, also compared
+    less what the process held before the model existed) and the step time (the first step left out). Every rank
+    hears every rank's figures, so all reach the same verdict; rank 0 writes train/rehearsal.json; a failed verdict
+    raises StopTraining with its one-line cause (before the step's checkpoint: nothing half-trusted is written)."""
+
+    def __init__(self, spec: dict, start: int, last_step: int):
+        self.sp, self.peak, self.times = spec, 0, []
+        self.judge_at = min(start + spec["steps"], last_step)
+
+    def after_step(self, trainer, step: int, metrics: dict) -> None:
+        if step > self.judge_at:
+            return
+        from tasks.device import memory_stats
+
+        # a checkpoint resets the peak counter (its own phase): the max over the steps' readings is their peak
+        self.peak = max(self.peak, memory_stats(trainer.device)["peak_bytes"])
+        self.times.append(metrics["step_time_s"])
+        if step == self.judge_at:
+            self.judge(trainer)
+
+    def judge(self, trainer) -> None:
+        from tasks import collectives
+        from tasks.fsutil import atomic_write_json
+        from tasks.planner import rehearsal
+
+        times = self.times[1:] or self.times
+        base = trainer.phases.base_bytes if trainer.device.type == "cpu" else 0
+        everyone = [None] * trainer.world
+        collectives.all_gather_object(everyone, (self.peak, self.peak - base, sum(times) / len(times)))
+        peaks, held, step_s = [e[0] for e in everyone], [e[1] for e in everyone], max(e[2] for e in everyone)
+        v = rehearsal.verdict(self.sp, peaks, step_s, held)
+        record = {**v, "steps": len(self.times), "peaks_per_rank": peaks, "held_per_rank": held}
+        if trainer.rank == 0:
+            atomic_write_json(trainer.train_dir / "rehearsal.json", record)
+        if not v["ok"]:
+            raise StopTraining(EXIT_REHEARSAL, v["cause"])
+
+
+EXIT_REHEARSAL = 6  # the rehearsal stopped the run (train/rehearsal.json holds the verdict)

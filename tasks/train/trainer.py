@@ -3,7 +3,8 @@
 `Trainer.__init__` reads as the list of what a rank builds; `train_step` does one step (batch → TrainStep → metrics →
 checkpoint); everything optional sits in hooks (tasks/train/hooks.py) or contexts entered around the loop (the
 profiler). Exit codes of `fit`: 0 done, 3 stopped by the divergence guard (non-finite, diverged or dead: the update of
-that step is skipped, diagnosis.json written), 4 out of memory, 5 collective timeout.
+that step is skipped, diagnosis.json written), 4 out of memory, 5 collective timeout, 6 stopped by the rehearsal
+(train/rehearsal.json).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from tasks.train.hooks import FaultInjection, Heartbeats, Hook, ShardingEvidence, StopTraining
+from tasks.train.hooks import FaultInjection, Heartbeats, Hook, Rehearsal, ShardingEvidence, StopTraining
 from tasks.units import GB
 
 if TYPE_CHECKING:
@@ -58,12 +59,19 @@ def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layou
 
 
 def default_hooks(trainer: "Trainer") -> list[Hook]:
-    """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence."""
+    """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence, the
+    rehearsal when the launch spec carries one (the train stage's, with train.rehearsal_steps > 0)."""
     fault = FaultInjection.from_env(trainer.rank)
+    sp = trainer.spec.get("rehearsal")
     return [
         Heartbeats(trainer.train_dir / "heartbeat", trainer.rank),
         *([fault] if fault else []),
         ShardingEvidence(trainer.cfg.train.steps),
+        *(
+            [Rehearsal(sp, trainer.start, trainer.cfg.train.steps)]
+            if sp and trainer.start < trainer.cfg.train.steps
+            else []
+        ),
     ]
 
 
@@ -116,6 +124,10 @@ class Trainer:
         self.train_dir = self.run_dir / "train"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         redirect_output(self.run_dir / "logs" / f"rank-{self.rank}.log")
+        if self.rank == 0 and self.cfg.tracking.enabled and os.environ.get("MLFLOW_RUN_ID"):
+            # Rank 0's metrics sender (tasks.parallel.metrics.MlflowSender) imports MLflow in any case; imported
+            # now, its ~110 MB of RSS are part of the base a CPU run's memory is measured from, not of the model's.
+            import mlflow  # noqa: F401
         self.phases = PhasePeaks(device)
         self.phases.enter("init")
         self.mesh = build_mesh(self.lay, device.type)
