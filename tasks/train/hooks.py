@@ -30,7 +30,8 @@ from pathlib import Path
 # checkpoint started before it is complete (what a rerun resumes from is then known); "RANK:STEP:hang" makes it stop
 # responding there (the others then hit the collective timeout); "RANK:STEP:ckpt" SIGKILLs it while it writes the
 # checkpoint of that step (its files written, the checkpoint not yet complete; in the background with
-# train.async_checkpoint).
+# train.async_checkpoint); "RANK:STEP:inf" puts an inf into that rank's gradients after that step's gradient sync
+# (the FP16 overflow drill: every rank must skip the step).
 FAULT_ENV = "LLM_PIPELINE_FAULT"
 
 
@@ -80,7 +81,7 @@ class Heartbeats(Hook):
         self.beat.beat(step, phase)
 
 
-FAULT_KINDS = ("kill", "hang", "ckpt")
+FAULT_KINDS = ("kill", "hang", "ckpt", "inf")
 
 
 def parse_fault(text: str) -> tuple[int, int, str] | None:
@@ -117,6 +118,9 @@ class FaultInjection(Hook):
     def before_step(self, trainer, step: int) -> None:
         if step != self.step or self.kind == "ckpt":
             return
+        if self.kind == "inf":
+            self.poison(trainer.step_fn)
+            return
         trainer.ckpt.wait()  # this rank's part of a background save in flight is written and agreed first
         print(
             f"[{time.strftime('%H:%M:%S')} rank {trainer.rank}] fault injection: {self.kind} at step {step}", flush=True
@@ -124,6 +128,20 @@ class FaultInjection(Hook):
         if self.kind == "hang":
             time.sleep(24 * 3600)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    @staticmethod
+    def poison(step_fn) -> None:
+        """This rank's first gradient becomes inf after this step's gradient sync (once): the FP16 overflow drill —
+        only this rank sees it, every rank must skip the step."""
+        sync = step_fn.grad_sync
+
+        def poisoned():
+            if sync is not None:
+                sync()
+            next(local(p.grad) for p in step_fn.params if p.grad is not None).view(-1)[0] = float("inf")
+            step_fn.grad_sync = sync
+
+        step_fn.grad_sync = poisoned
 
 
 def local(t):

@@ -202,8 +202,19 @@ class Trainer:
             start, notes = self.ckpt.load(Path(source), self.parts, self.optimizers, self.loader)
         except DataPrepError as e:  # e.g. loader workers changed: the weights resume, the data stream restarts
             notes = [str(e)]
+        notes = list(notes)
+        scaler_state = self.ckpt_meta(source).get("loss_scaler")
+        if self.step_fn.scaler is not None and scaler_state:
+            self.step_fn.scaler.load_state_dict(scaler_state)
+            notes.append(f"loss scale {self.step_fn.scaler.scale:g}")
         log(f"resumed from {source} at step {start}" + "".join(f"; {n}" for n in notes))
         return start, str(source)
+
+    @staticmethod
+    def ckpt_meta(source: str) -> dict:
+        from tasks.parallel.checkpoint import read_meta
+
+        return read_meta(Path(source))
 
     def build_metrics(self) -> "MetricsLog | None":
         """Rank 0's metrics.jsonl (+ MLflow), truncated to the resumed step; MFU's FLOPs per token and device peak."""
@@ -322,7 +333,15 @@ class Trainer:
             "data_wait_s": t_data,
             "mfu": self.flops_tok * tps / (self.peak * self.world) if self.peak else None,
             "peak_mem_gb": memory_stats(self.device)["peak_bytes"] / GB,
+            **self.scaler_metrics(result),
         }
+
+    def scaler_metrics(self, result: "StepResult") -> dict:
+        """FP16: the loss scale the next step uses and the steps skipped so far (train.loss_scale in MLflow)."""
+        scaler = self.step_fn.scaler
+        if scaler is None:
+            return {}
+        return {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped, "overflow": result.overflow}
 
     def checkpoint(self, step: int) -> Path:
         """A complete DCP checkpoint of this step (tasks/parallel/checkpoint.py); its memory is its own phase. With
@@ -338,6 +357,7 @@ class Trainer:
             "layout": self.spec["layout"],
             "config_hash": self.spec.get("config_hash", ""),
             "shaping": shaping_config(self.spec["config"]),
+            **({"loss_scaler": self.step_fn.scaler.state_dict()} if self.step_fn.scaler else {}),  # same on every rank
         }
         if self.cfg.train.async_checkpoint:
             self.harvest(wait=True)
