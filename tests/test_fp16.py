@@ -51,5 +51,9 @@ def test_an_overflow_on_one_rank_is_skipped_by_all_counted_and_checkpointed(cfg,
     # rank 0 skipped and counted it although its own gradients were finite; the checkpoint carries the scaler's state
     meta = read_meta(tmp_path / "checkpoints" / "step-5")
     assert meta["loss_scaler"]["scale"] == 2.0**15 and meta["loss_scaler"]["skipped_steps"] == 1
-    summary = json.loads((tmp_path / "train" / "summary.json").read_text())
-    assert summary["final_step"] == 5
+    # a resume takes the scale up where the checkpoint left it (a fresh scaler would start at 2^16 again)
+    more = configure(cfg, **DP2, **{"parallel.zero": 1, "train.precision": "fp16", "train.steps": 6})
+    rc, out = torchrun(more, 2, [write_spec(more, tmp_path, shards)], tmp_path / "torchrun2.log")
+    assert rc == 0, out[-3000:]
+    assert (metrics(tmp_path)[6]["loss_scale"], metrics(tmp_path)[6]["skipped_steps"]) == (2.0**15, 1)
+    assert json.loads((tmp_path / "train" / "summary.json").read_text())["start_step"] == 5
