@@ -206,8 +206,8 @@ class ShardingEvidence(Hook):
 
 class Rehearsal(Hook):
     """The first `spec["steps"]` steps of this launch against the plan (tasks/planner/rehearsal.py): each rank's peak
-    memory over those steps (the allocator's peak on an accelerator; on CPU the RSS high-water mark, also compared
-    less what the process held before the model existed) and the step time (the first step left out). Every rank
+    memory over those steps (the allocator's peak on an accelerator; on CPU the RSS high-water mark less what the
+    process held before the model existed) and the step time (the first step left out). Every rank
     hears every rank's figures, so all reach the same verdict; rank 0 writes train/rehearsal.json; a failed verdict
     raises StopTraining with its one-line cause (before the step's checkpoint: nothing half-trusted is written)."""
 
@@ -236,7 +236,9 @@ class Rehearsal(Hook):
         everyone = [None] * trainer.world
         collectives.all_gather_object(everyone, (self.peak, self.peak - base, sum(times) / len(times)))
         peaks, held, step_s = [e[0] for e in everyone], [e[1] for e in everyone], max(e[2] for e in everyone)
-        v = rehearsal.verdict(self.sp, peaks, step_s, held)
+        # On CPU what a rank held beyond its pre-model RSS (interpreter, torch, gloo: host memory on a real device)
+        # is its device memory, the planner's estimate's and hardware.device_memory_gb's counterpart.
+        v = rehearsal.verdict(self.sp, held if trainer.device.type == "cpu" else peaks, step_s, held)
         record = {**v, "steps": len(self.times), "peaks_per_rank": peaks, "held_per_rank": held}
         if trainer.rank == 0:
             atomic_write_json(trainer.train_dir / "rehearsal.json", record)
