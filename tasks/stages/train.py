@@ -384,11 +384,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 def rehearsal_spec(cfg: PipelineConfig, ctx, spec: dict, lay: layouts.Layout) -> dict | None:
     """The launch spec's `rehearsal` entry (tasks/planner/rehearsal.py): the estimate for the layout being run, what
     one device holds (hardware.device_memory_gb when set, else the cluster preset's; on an accelerator less the
-    runtime reserve the allocator never sees, on CPU all of it: the RSS holds everything), plan.tolerance
-    (plan.cpu_tolerance on CPU), the plan's
-    step time when the plan chose this very layout, and the plan's ranked alternatives. None when
-    train.rehearsal_steps is 0 or the planner does not size this layout. On CPU the step time is reported, not
-    judged (docs/real-size.md: the planner's CPU step time is a nominal figure, and the host is shared)."""
+    runtime reserve the allocator never sees; on CPU all of it: what a rank holds beyond its pre-model RSS includes
+    the runtime's share, as the estimate does), plan.tolerance (plan.cpu_tolerance on CPU), the plan's step time
+    when the plan chose this very layout, and the plan's ranked alternatives. None when train.rehearsal_steps is 0
+    or the planner does not size this layout. On CPU the step time is reported, not judged (docs/real-size.md: the
+    planner's CPU step time is a nominal figure, and the host is shared)."""
     if not cfg.train.rehearsal_steps or spec["estimate_bytes"] is None:
         return None
     from tasks.planner import rehearsal
