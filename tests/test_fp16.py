@@ -42,7 +42,7 @@ def test_an_overflow_on_one_rank_is_skipped_by_all_counted_and_checkpointed(cfg,
         **{"parallel.zero": 1, "train.precision": "fp16", "train.checkpoint_every": 1, "train.timeout_s": 120},
     )
     spec = write_spec(c, tmp_path, shards)
-    rc, out = torchrun(c, 2, [spec], tmp_path / "torchrun.log", {"LLM_PIPELINE_FAULT": "1:3:inf"})
+    rc, out = torchrun(c, 2, [spec], tmp_path / "torchrun.log", {"LLM_PIPELINE_FAULT": "1:3:overflow"})
     assert rc == 0, out[-3000:]
     rows = metrics(tmp_path)  # rank 0's record: its own gradients were finite at step 3
     assert [rows[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]

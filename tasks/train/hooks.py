@@ -30,8 +30,8 @@ from pathlib import Path
 # checkpoint started before it is complete (what a rerun resumes from is then known); "RANK:STEP:hang" makes it stop
 # responding there (the others then hit the collective timeout); "RANK:STEP:ckpt" SIGKILLs it while it writes the
 # checkpoint of that step (its files written, the checkpoint not yet complete; in the background with
-# train.async_checkpoint); "RANK:STEP:inf" puts an inf into that rank's gradients after that step's gradient sync
-# (the FP16 overflow drill: every rank must skip the step).
+# train.async_checkpoint); "RANK:STEP:overflow" puts an inf into that rank's gradients after that step's gradient
+# sync (the FP16 overflow drill: every rank must skip the step).
 FAULT_ENV = "LLM_PIPELINE_FAULT"
 
 
@@ -81,7 +81,7 @@ class Heartbeats(Hook):
         self.beat.beat(step, phase)
 
 
-FAULT_KINDS = ("kill", "hang", "ckpt", "inf")
+FAULT_KINDS = ("kill", "hang", "ckpt", "overflow")
 
 
 def parse_fault(text: str) -> tuple[int, int, str] | None:
@@ -101,7 +101,8 @@ def parse_fault(text: str) -> tuple[int, int, str] | None:
 
 class FaultInjection(Hook):
     """At the start of `step` this rank SIGKILLs itself ("kill") or stops responding ("hang"); "ckpt": it dies while
-    writing the checkpoint of `step` (tasks.parallel.checkpoint.CheckpointManager.crash_at)."""
+    writing the checkpoint of `step` (tasks.parallel.checkpoint.CheckpointManager.crash_at); "overflow": an inf in
+    its gradients at `step`."""
 
     def __init__(self, step: int, kind: str):
         self.step, self.kind = step, kind
@@ -118,7 +119,7 @@ class FaultInjection(Hook):
     def before_step(self, trainer, step: int) -> None:
         if step != self.step or self.kind == "ckpt":
             return
-        if self.kind == "inf":
+        if self.kind == "overflow":
             self.poison(trainer.step_fn)
             return
         trainer.ckpt.wait()  # this rank's part of a background save in flight is written and agreed first
