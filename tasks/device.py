@@ -156,19 +156,16 @@ def fp16_supported(kind: str) -> bool:
     return out.dtype == torch.float16
 
 
-def precision_problem(kind: str, precision: str, training: bool = True) -> str | None:
-    """One line when `precision` cannot run on this backend (checked before any step, never mid-run). `training`:
-    fp16 training needs the trainer's loss scaler (issue 24, wave 2); the smoke stage's FP16 comparison does not."""
+def precision_problem(kind: str, precision: str) -> str | None:
+    """One line when `precision` cannot run on this backend (checked before any step, never mid-run); fp16 trains
+    with the trainer's dynamic loss scaler (tasks/train/loss_scale.py)."""
     if precision == "bf16" and kind != "cpu" and not bf16_supported(kind):
         what = "this Ascend SoC (910 A1 parts have no bf16; 910B/910C do)" if kind == "npu" else "this GPU"
         return (
-            f"train.precision: bf16 is not supported by {what}: set train.precision=fp32 "
-            "(fp16 training needs a loss scaler, not implemented)"
+            f"train.precision: bf16 is not supported by {what}: set train.precision=fp16 (dynamic loss scaling) or fp32"
         )
     if precision == "fp16" and not fp16_supported(kind):
         return f"train.precision: fp16 is not supported on this {kind} device (no FP16 kernels): use bf16 or fp32"
-    if precision == "fp16" and training:
-        return "train.precision: fp16 training needs a loss scaler (not implemented); use bf16 or fp32"
     return None
 
 

@@ -409,7 +409,6 @@ def test_shard_stage_missing_input(capsys, intact, tmp_path):
 TRAIN_CASES = [
     ({"parallel.tp": 3, "hardware.nproc_per_node": 3, "parallel.dp": 1}, "parallel.tp: 3 does not divide"),
     ({"parallel.dp": 2, "parallel.tp": 2}, "≠ world size 2"),
-    ({"train.precision": "fp16"}, "train.precision: fp16 training needs a loss scaler"),
     ({"parallel.pp": 4, "hardware.nproc_per_node": 4, "parallel.dp": 1}, "pipeline stages exceed the model's"),
 ]
 

@@ -3,7 +3,11 @@ tasks.planner.search. The trainer (issue 24, wave 2) measures; this decides, in 
 
 from __future__ import annotations
 
+import json
+
 import pytest
+
+from tasks.errors import StageError
 
 from tasks.model.config import get_preset
 from tasks.planner import rehearsal
@@ -11,6 +15,7 @@ from tasks.planner.cluster import get_cluster
 from tasks.planner.memory import shape_of
 from tasks.planner.search import Problem, search
 from tasks.units import GB
+from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +62,57 @@ def test_over_the_device_slow_steps_and_nothing_left(spec):
     assert huge["cause"].endswith(
         "no other planned layout fits at the measured ratio: lower train.micro_batch or add devices"
     )
+
+
+def test_cpu_judges_what_a_rank_held_against_its_own_tolerance_and_reports_the_step_time(spec):
+    """On CPU the RSS peak is checked against the device, what the rank held beyond its pre-model RSS against the
+    estimate (plan.cpu_tolerance), and the step time is reported only."""
+    est = spec["estimate_bytes"]
+    cpu = {**spec, "tolerance": 0.08, "tolerance_key": "plan.cpu_tolerance", "judge_step_time": False}
+    top = [1.15 * est, 1.15 * est]  # under the device's capacity (1.17 × the estimate)
+    ok = rehearsal.verdict(cpu, top, 10 * spec["estimate_step_s"], held=[1.07 * est, 0.9 * est])
+    assert ok["ok"] and ok["held_bytes"] == 1.07 * est and ok["step_estimate_over_measured"] == pytest.approx(0.1)
+    bad = rehearsal.verdict(cpu, top, spec["estimate_step_s"], held=[0.9 * est, 1.1 * est])
+    assert not bad["ok"] and f"rank 1 peaked at {1.1 * est / GB:.2f} GB against the plan's" in bad["cause"]
+    assert "(+10%, beyond plan.cpu_tolerance 8%)" in bad["cause"]
+
+
+# ---- the rehearsal in a real run: the train stage on 2 gloo ranks (tests/train_fixture.py) ---------------------------
+
+DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2, "train.steps": 3}
+
+
+@pytest.mark.slow
+def test_a_run_rehearses_passes_and_records_its_figures(cfg, tmp_path, shards):
+    from tasks.stages import train
+
+    result = train.run(configure(cfg, **DP2), context(tmp_path, shards))
+    got = json.loads((tmp_path / "train" / "rehearsal.json").read_text())
+    assert got["ok"] and got["steps"] == 3 and len(got["peaks_per_rank"]) == 2
+    base = [p - h for p, h in zip(got["peaks_per_rank"], got["held_per_rank"])]
+    assert all(b > 50e6 for b in base) and all(h > 0 for h in got["held_per_rank"])  # RSS before the model, held after
+    assert result["rehearsal"]["rehearsal.ok"] == 1.0 and result["rehearsal"]["cause"] is None
+    assert result["rehearsal"]["rehearsal.peak_gb"] == pytest.approx(max(got["held_per_rank"]) / GB)
+
+
+@pytest.mark.slow
+def test_device_memory_below_the_measured_peak_stops_in_one_line(cfg, tmp_path, shards):
+    """The device holds less than what a rank measured (on CPU: its RSS peak less its RSS before the model): the run
+    stops at the rehearsal's last step, in one line, before that step's checkpoint; the completed ones are kept and
+    nothing is exported."""
+    from tasks.stages import train
+
+    c = configure(cfg, **DP2, **{"hardware.device_memory_gb": 0.08, "train.checkpoint_every": 1})
+    with pytest.raises(StageError) as err:
+        train.run(c, context(tmp_path, shards, no_export=False))
+    msg = str(err.value)
+    got = json.loads((tmp_path / "train" / "rehearsal.json").read_text())
+    assert "\n" not in msg and not err.value.retryable and not got["ok"]
+    top = max(got["held_per_rank"])
+    assert msg.startswith("rehearsal at dp2 tp1 pp1 zero3 none mb2×2: rank ")
+    assert f"peaked at {top / GB:.2f} GB, over the 0.08 GB a device holds (the plan's estimate 0.12 GB)" in msg
+    assert msg.endswith("(checkpoints kept: checkpoint step-2)")
+    assert not (tmp_path / "hf").exists() and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-1",
+        "step-2",
+    ]

@@ -32,17 +32,29 @@ def pins(p: dict) -> str:
     return " ".join(f"--set {s}" for s in sets)
 
 
-def spec(plan_doc: dict, estimate_bytes: float, capacity_bytes: float, steps: int, tolerance: float) -> dict:
+def spec(
+    plan_doc: dict,
+    estimate_bytes: float,
+    capacity_bytes: float,
+    steps: int,
+    tolerance: float,
+    judge_step_time: bool = True,
+    tolerance_key: str = "plan.tolerance",
+) -> dict:
     """The launch spec's `rehearsal` entry: what the trainer needs to judge the first `steps` steps.
     `estimate_bytes`: the planner's per-rank peak for the layout being run (as the train stage computes it);
-    `capacity_bytes`: what a rank may allocate (device memory, less the runtime reserve the allocator never sees)."""
+    `capacity_bytes`: what a rank may allocate (device memory, less the runtime reserve the allocator never sees);
+    `judge_step_time` False: the step time is measured and reported, not judged (a CPU host, docs/real-size.md);
+    `tolerance_key`: the setting `tolerance` came from, named in the cause."""
     chosen = plan_doc.get("chosen") or {}
     ranked = plan_doc.get("plans") or []
     return {
         "steps": steps,
         "tolerance": tolerance,
+        "tolerance_key": tolerance_key,
         "estimate_bytes": float(estimate_bytes),
         "estimate_step_s": float(chosen.get("step_s") or 0.0),
+        "judge_step_time": judge_step_time,
         "capacity_bytes": float(capacity_bytes),
         "chosen": {k: chosen[k] for k in LAYOUT_KEYS if k in chosen},
         "alternatives": [
@@ -65,46 +77,54 @@ def next_plan(sp: dict, memory_ratio: float) -> dict | None:
     return None
 
 
-def verdict(sp: dict, peaks: list[float], step_s: float) -> dict:
+def verdict(sp: dict, peaks: list[float], step_s: float, held: list[float] | None = None) -> dict:
     """`peaks`: each rank's measured peak bytes over the rehearsal; `step_s`: the measured step time (the first step,
-    which pays for allocation and kernel selection, left out). Stops (`ok` False, `cause` one line) when a rank's
-    peak exceeds the capacity or the estimate by more than the tolerance, or steps run slower than the estimate by
-    more than the tolerance."""
-    peak = max(peaks)
-    rank = peaks.index(peak)
+    which pays for allocation and kernel selection, left out); `held`: what each rank's peak is compared with the
+    estimate as (default `peaks`; on CPU the RSS peak less what the process held before the model existed, like
+    tasks.stages.train.memory_figures). Stops (`ok` False, `cause` one line) when a rank's peak exceeds the capacity,
+    or what it held exceeds the estimate by more than the tolerance, or (where judged) steps run slower than the
+    estimate by more than the tolerance."""
+    held = list(peaks) if held is None else held
+    top, most = max(peaks), max(held)
     est, cap, tol = sp["estimate_bytes"], sp["capacity_bytes"], sp["tolerance"]
-    est_s = sp["estimate_step_s"]
+    key = sp.get("tolerance_key", "plan.tolerance")
+    est_s = sp["estimate_step_s"] if sp.get("judge_step_time", True) else 0.0
+    ratio = most / est if est else 1.0  # measured over estimated: what the alternatives are scaled by
     out = {
-        "peak_bytes": peak,
-        "peak_rank": rank,
+        "peak_bytes": top,
+        "held_bytes": most,
+        "peak_rank": peaks.index(top) if top > cap else held.index(most),
         "estimate_bytes": est,
-        "estimate_over_measured": est / peak if peak else 0.0,
+        "estimate_over_measured": est / most if most else 0.0,
         "step_s": step_s,
-        "estimate_step_s": est_s,
-        "step_estimate_over_measured": est_s / step_s if step_s and est_s else 0.0,
+        "estimate_step_s": sp["estimate_step_s"],
+        "step_estimate_over_measured": sp["estimate_step_s"] / step_s if step_s and sp["estimate_step_s"] else 0.0,
         "ok": True,
         "cause": None,
     }
-    what = None
-    if peak > cap:
-        what = f"rank {rank} peaked at {peak / GB:.2f} GB, over the {cap / GB:.2f} GB a device holds"
-    elif peak > est * (1 + tol):
+    rank, what = out["peak_rank"], None
+    if top > cap:
         what = (
-            f"rank {rank} peaked at {peak / GB:.2f} GB against the plan's {est / GB:.2f} GB estimate "
-            f"(+{peak / est - 1:.0%}, beyond plan.tolerance {tol:.0%})"
+            f"rank {rank} peaked at {top / GB:.2f} GB, over the {cap / GB:.2f} GB a device holds "
+            f"(the plan's estimate {est / GB:.2f} GB)"
+        )
+    elif most > est * (1 + tol):
+        what = (
+            f"rank {rank} peaked at {most / GB:.2f} GB against the plan's {est / GB:.2f} GB estimate "
+            f"(+{ratio - 1:.0%}, beyond {key} {tol:.0%})"
         )
     elif est_s and step_s > est_s * (1 + tol):
         what = (
             f"steps take {step_s:.3g} s against the plan's {est_s:.3g} s estimate (+{step_s / est_s - 1:.0%}, beyond "
-            f"plan.tolerance {tol:.0%}; the step-time model is off: lower plan.efficiency and re-plan)"
+            f"{key} {tol:.0%}; the step-time model is off: lower plan.efficiency and re-plan)"
         )
     if what is None:
         return out
-    alt = next_plan(sp, peak / est if est else 1.0)
+    alt = next_plan(sp, ratio)
     if alt is None:
         then = "no other planned layout fits at the measured ratio: lower train.micro_batch or add devices"
     else:
-        scaled = alt["total_bytes"] * max(1.0, peak / est if est else 1.0)
+        scaled = alt["total_bytes"] * max(1.0, ratio)
         then = f"next feasible plan {layout_name(alt)} (~{scaled / GB:.1f} GB at the measured ratio): {pins(alt)}"
     out.update(ok=False, cause=f"rehearsal at {layout_name(sp['chosen'])}: {what}; {then}")
     return out
@@ -114,6 +134,7 @@ def figures(v: dict) -> dict:
     """The MLflow metrics of a verdict."""
     return {
         "rehearsal.peak_gb": v["peak_bytes"] / GB,
+        "rehearsal.held_gb": v["held_bytes"] / GB,
         "rehearsal.estimate_gb": v["estimate_bytes"] / GB,
         "rehearsal.estimate_over_measured": v["estimate_over_measured"],
         "rehearsal.step_s": v["step_s"],

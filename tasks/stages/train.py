@@ -339,12 +339,20 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     )
     tracking.log_json_artifact(spec, "train/launch.json")
     if cfg.hardware.node_rank == 0:  # evidence of an earlier attempt (other nodes wait for node 0 to rendezvous)
-        for stale in ("failures", "heartbeat", "diagnosis.json", "summary.json", "export_memory.json"):
+        for stale in (
+            "failures",
+            "heartbeat",
+            "diagnosis.json",
+            "summary.json",
+            "export_memory.json",
+            "rehearsal.json",
+        ):
             p = train_dir / stale
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     # The HF export runs inside the job (every rank streams part of it), not in this (Airflow worker) process.
     # Every node's spec says the same (all ranks take part); node 0 checks the result.
     spec["export"] = None if getattr(ctx.args, "no_export", False) else {"tokenizer_dir": spec["shard_dir"]}
+    spec["rehearsal"] = rehearsal_spec(cfg, ctx, spec, lay)
     spec_path = atomic_write_json(train_dir / "launch.json", spec)
     from tasks.bounds import train_timeout
 
@@ -369,6 +377,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             ckpt.cleanup_partial(run_dir / "checkpoints")  # a save cut short (step-N.tmp) is garbage, never trusted
         resume = ckpt.latest(run_dir / "checkpoints")
         where = f"checkpoint step-{resume[0]}" if resume else "step 0 (no checkpoint yet)"
+        rehearsed = _rehearsed(run_dir)
+        if rehearsed and not rehearsed["ok"]:  # the same layout fails the same way: not retried
+            _log_rehearsal(rehearsed)
+            raise StageError(f"{rehearsed['cause']} (checkpoints kept: {where})")
         if disk:  # a full or read-only disk fails every retry the same way
             raise StageError(
                 f"training stopped: {disk}; not retried: fix the disk, then rerun (it resumes from {where})"
@@ -396,6 +408,56 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 def stopped_early(cfg: PipelineConfig, checkpoint) -> bool:
     """The checkpoint ends a run early stopping finished (with early stopping still on: off, a rerun trains on)."""
     return bool(cfg.train.early_stop_patience and ckpt.read_meta(checkpoint).get("early_stop"))
+
+
+def rehearsal_spec(cfg: PipelineConfig, ctx, spec: dict, lay: layouts.Layout) -> dict | None:
+    """The launch spec's `rehearsal` entry (tasks/planner/rehearsal.py): the estimate for the layout being run, what
+    one device holds (hardware.device_memory_gb when set, else the cluster preset's; on an accelerator less the
+    runtime reserve the allocator never sees; on CPU all of it: what a rank holds beyond its pre-model RSS includes
+    the runtime's share, as the estimate does), plan.tolerance (plan.cpu_tolerance on CPU), the plan's step time
+    when the plan chose this very layout, and the plan's ranked alternatives. None when train.rehearsal_steps is 0
+    or the planner does not size this layout. On CPU the step time is reported, not judged (docs/real-size.md: the
+    planner's CPU step time is a nominal figure, and the host is shared)."""
+    if not cfg.train.rehearsal_steps or spec["estimate_bytes"] is None:
+        return None
+    from tasks.planner import rehearsal
+    from tasks.planner.cluster import get_cluster
+
+    hw, cpu = cfg.hardware, spec["backend"] == "cpu"
+    c = get_cluster(hw.cluster, memory_gb=hw.device_memory_gb, reserve_gb=cfg.plan.runtime_reserve_gb)
+    path = (ctx.inputs.get("plan") or {}).get("plan_json")
+    doc = read_json(path) if path and Path(path).is_file() else {}
+    m = lay.n_microbatches
+    run = {
+        **{k: getattr(lay, k) for k in ("dp", "tp", "pp", "ep", "zero", "recompute", "pp_schedule")},
+        "micro_batch": lay.local_batch // m,
+        "microbatches": m,
+    }
+    planned = doc.get("chosen") or {}
+    same = all(planned.get(k) == run[k] for k in ("dp", "tp", "pp", "zero", "recompute", "micro_batch"))
+    chosen = {**run, "step_s": planned.get("step_s") if same else 0.0}
+    capacity = (c.memory_gb - (0.0 if cpu else c.reserve_gb)) * GB
+    return rehearsal.spec(
+        {"chosen": chosen, "plans": doc.get("plans") or []},
+        spec["estimate_bytes"],
+        capacity,
+        cfg.train.rehearsal_steps,
+        cfg.plan.cpu_tolerance if cpu else cfg.plan.tolerance,
+        judge_step_time=not cpu,
+        tolerance_key="plan.cpu_tolerance" if cpu else "plan.tolerance",
+    )
+
+
+def _rehearsed(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / "train" / "rehearsal.json"
+    return read_json(path) if path.is_file() else None
+
+
+def _log_rehearsal(rehearsed: dict) -> None:
+    from tasks.planner.rehearsal import figures
+
+    with tracking.best_effort("rehearsal figures"):
+        tracking.log_metrics(figures(rehearsed))
 
 
 def _plans(plan_result: dict | None) -> list[dict]:
@@ -438,6 +500,7 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         "checkpoint": str(last[1]) if last else None,
         "hf_dir": str(hf_dir) if hf_dir.is_dir() else None,
         "warnings": spec.get("warnings", []),
+        "rehearsal": _rehearsal_summary(run_dir),
         "binding": [
             f"local rank {e['local_rank']}: CPUs {e['cpulist']} ({e['source']})"
             for e in (
@@ -473,6 +536,14 @@ def validation_result(records: list[dict], ckpt_dir: Path) -> dict:
         "best_step": best_step,
         "best_checkpoint": str(path) if (path / "meta.json").is_file() else None,
     }
+
+
+def _rehearsal_summary(run_dir: Path) -> dict | None:
+    """train.json's `rehearsal`: the verdict's figures (tasks.planner.rehearsal.figures), None when none ran."""
+    from tasks.planner.rehearsal import figures
+
+    rehearsed = _rehearsed(run_dir)
+    return {**figures(rehearsed), "steps": rehearsed["steps"], "cause": rehearsed["cause"]} if rehearsed else None
 
 
 def _human(x: float) -> str:
@@ -541,6 +612,10 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
         summary, read_json(export_path) if export_path.is_file() else None, spec.get("estimate_bytes"), spec["backend"]
     )
     final.update(memory_headline(memory))
+    if result.get("rehearsal"):
+        from tasks.planner.rehearsal import figures
+
+        final.update(figures(_rehearsed(ctx.run_dir)))
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
     tracking.log_final_metrics(ctx.run_dir, tracking.tracking_uri(cfg), final)  # kept pending while MLflow is down
     with tracking.best_effort("final training tags and artifacts"):

@@ -163,11 +163,11 @@ def dp_replica_groups(named, mesh, lay) -> list[dict]:
 def build_step(
     model: ModelParts, opts: Optimizers, mesh, lay, device, precision: str, grad_clip: float, compiled: bool = False
 ):
-    """The TrainStep over this rank's parts: PlainStep (micro-batches) or PipelineStep (a schedule), bf16 autocast for
-    ZeRO 0/1 (fp32 parameters; FSDP's MixedPrecisionPolicy does it for 2/3), the loss function compiled with the
-    blocks (`compiled`, as torchtitan's compile components "model" and "loss"), the loss averaged over all ranks,
-    gradients averaged over the replica groups (bucketed, overlapping backward), ZeRO-1 owners broadcasting their
-    updated parameters."""
+    """The TrainStep over this rank's parts: PlainStep (micro-batches) or PipelineStep (a schedule), bf16/fp16 autocast
+    for ZeRO 0/1 (fp32 parameters; FSDP's MixedPrecisionPolicy does it for 2/3), fp16's loss scaler, the loss function
+    compiled with the blocks (`compiled`, as torchtitan's compile components "model" and "loss"), the loss averaged
+    over all ranks, gradients averaged over the replica groups (bucketed, overlapping backward), ZeRO-1 owners
+    broadcasting their updated parameters."""
     import torch
 
     from tasks.model import lm_loss
@@ -176,23 +176,33 @@ def build_step(
     from tasks.parallel.pp import build_schedule
     from tasks.train.step import PipelineStep, PlainStep, TrainStep, global_loss
 
-    bf16 = lay.zero < 2 and precision == "bf16"
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else None
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if lay.zero < 2 else None
+    autocast = (lambda: torch.autocast(device.type, dtype=low)) if low else None
     loss_fn = lm_loss
     if compiled:
         from tasks.parallel.compile import compile_loss
 
         loss_fn = compile_loss(lm_loss, device.type)
+    scaler, plain_loss = None, loss_fn  # PlainStep scales its backward itself
+    if precision == "fp16":
+        from tasks.train.loss_scale import LossScaler
+
+        scaler = LossScaler()
+
+        def loss_fn(logits, targets):  # the pipeline schedule's loss: scaled before its backward
+            return plain_loss(logits, targets) * scaler.scale
+
     scale = 1.0  # what the forward/backward multiplies the gradients by after backward
     if lay.pp > 1:
         pp_group = mesh["pp"].get_group()
         sched = build_schedule(
             lay.pp_schedule, model.stages, model.n_stages, device, pp_group, lay.n_microbatches, loss_fn
         )
-        forward_backward = PipelineStep(sched, [i for i, _ in model.stages], model.n_stages, autocast)
+        forward_backward = PipelineStep(sched, [i for i, _ in model.stages], model.n_stages, autocast, scaler)
         scale = 1.0 / lay.n_microbatches if getattr(sched, "scale_grads", False) else 1.0
     else:
-        pp_group, forward_backward = None, PlainStep(model.modules[0], lay.n_microbatches, autocast, loss_fn)
+        pp_group = None
+        forward_backward = PlainStep(model.modules[0], lay.n_microbatches, autocast, plain_loss, scaler)
 
     # Replicated data parallel: each replica group's gradients all-reduced in buckets from backward hooks (one
     # backward per micro-batch through every parameter), finished before clipping.
@@ -220,6 +230,7 @@ def build_step(
         grad_sync=grad_sync if opts.replicas else None,
         pp_group=pp_group,
         after_update=([broadcast_owned] if opts.owner else []) + ([converters_hook] if model.converters else []),
+        scaler=scaler,
     )
 
 

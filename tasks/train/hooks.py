@@ -31,7 +31,9 @@ from pathlib import Path
 # responding there (the others then hit the collective timeout); "RANK:STEP:ckpt" SIGKILLs it while it writes the
 # checkpoint of that step (its files written, the checkpoint not yet complete; in the background with
 # train.async_checkpoint); "RANK:STEP:inf" makes that rank's first parameter non-finite right after the update of that
-# step (an update that blew the weights up while the loss and gradient norm the guard saw were finite).
+# step (an update that blew the weights up while the loss and gradient norm the guard saw were finite);
+# "RANK:STEP:overflow" puts an inf into that rank's gradients after that step's gradient sync (the FP16 overflow drill:
+# every rank must skip the step).
 FAULT_ENV = "LLM_PIPELINE_FAULT"
 
 
@@ -81,7 +83,7 @@ class Heartbeats(Hook):
         self.beat.beat(step, phase)
 
 
-FAULT_KINDS = ("kill", "hang", "ckpt", "inf")
+FAULT_KINDS = ("kill", "hang", "ckpt", "inf", "overflow")
 
 
 def parse_fault(text: str) -> tuple[int, int, str] | None:
@@ -102,7 +104,8 @@ def parse_fault(text: str) -> tuple[int, int, str] | None:
 class FaultInjection(Hook):
     """At the start of `step` this rank SIGKILLs itself ("kill") or stops responding ("hang"); "ckpt": it dies while
     writing the checkpoint of `step` (tasks.parallel.checkpoint.CheckpointManager.crash_at); "inf": its first
-    parameter turns non-finite after the update of `step`."""
+    parameter turns non-finite after the update of `step`; "overflow": an inf
+    in its gradients at `step`."""
 
     def __init__(self, step: int, kind: str):
         self.step, self.kind = step, kind
@@ -126,6 +129,9 @@ class FaultInjection(Hook):
     def before_step(self, trainer, step: int) -> None:
         if step != self.step or self.kind in ("ckpt", "inf"):
             return
+        if self.kind == "overflow":
+            self.poison(trainer.step_fn)
+            return
         trainer.ckpt.wait()  # this rank's part of a background save in flight is written and agreed first
         print(
             f"[{time.strftime('%H:%M:%S')} rank {trainer.rank}] fault injection: {self.kind} at step {step}", flush=True
@@ -133,6 +139,20 @@ class FaultInjection(Hook):
         if self.kind == "hang":
             time.sleep(24 * 3600)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    @staticmethod
+    def poison(step_fn) -> None:
+        """This rank's first gradient becomes inf after this step's gradient sync (once): the FP16 overflow drill —
+        only this rank sees it, every rank must skip the step."""
+        sync = step_fn.grad_sync
+
+        def poisoned():
+            if sync is not None:
+                sync()
+            next(local(p.grad) for p in step_fn.params if p.grad is not None).view(-1)[0] = float("inf")
+            step_fn.grad_sync = sync
+
+        step_fn.grad_sync = poisoned
 
 
 def local(t):
@@ -193,3 +213,48 @@ class ShardingEvidence(Hook):
         everyone = [None] * trainer.world
         collectives.all_gather_object(everyone, self.record)
         summary["sharding_per_rank"] = everyone
+
+
+class Rehearsal(Hook):
+    """The first `spec["steps"]` steps of this launch against the plan (tasks/planner/rehearsal.py): each rank's peak
+    memory over those steps (the allocator's peak on an accelerator; on CPU the RSS high-water mark less what the
+    process held before the model existed) and the step time (the first step left out). Every rank
+    hears every rank's figures, so all reach the same verdict; rank 0 writes train/rehearsal.json; a failed verdict
+    raises StopTraining with its one-line cause (before the step's checkpoint: nothing half-trusted is written)."""
+
+    def __init__(self, spec: dict, start: int, last_step: int):
+        self.sp, self.peak, self.times = spec, 0, []
+        self.judge_at = min(start + spec["steps"], last_step)
+
+    def after_step(self, trainer, step: int, metrics: dict) -> None:
+        if step > self.judge_at:
+            return
+        from tasks.device import memory_stats
+
+        # a checkpoint resets the peak counter (its own phase): the max over the steps' readings is their peak
+        self.peak = max(self.peak, memory_stats(trainer.device)["peak_bytes"])
+        self.times.append(metrics["step_time_s"])
+        if step == self.judge_at:
+            self.judge(trainer)
+
+    def judge(self, trainer) -> None:
+        from tasks import collectives
+        from tasks.fsutil import atomic_write_json
+        from tasks.planner import rehearsal
+
+        times = self.times[1:] or self.times
+        base = trainer.phases.base_bytes if trainer.device.type == "cpu" else 0
+        everyone = [None] * trainer.world
+        collectives.all_gather_object(everyone, (self.peak, self.peak - base, sum(times) / len(times)))
+        peaks, held, step_s = [e[0] for e in everyone], [e[1] for e in everyone], max(e[2] for e in everyone)
+        # On CPU what a rank held beyond its pre-model RSS (interpreter, torch, gloo: host memory on a real device)
+        # is its device memory, the planner's estimate's and hardware.device_memory_gb's counterpart.
+        v = rehearsal.verdict(self.sp, held if trainer.device.type == "cpu" else peaks, step_s, held)
+        record = {**v, "steps": len(self.times), "peaks_per_rank": peaks, "held_per_rank": held}
+        if trainer.rank == 0:
+            atomic_write_json(trainer.train_dir / "rehearsal.json", record)
+        if not v["ok"]:
+            raise StopTraining(EXIT_REHEARSAL, v["cause"])
+
+
+EXIT_REHEARSAL = 6  # the rehearsal stopped the run (train/rehearsal.json holds the verdict)

@@ -8,9 +8,10 @@ trainer's divergence guard; by default: both finite) may return a verdict: the u
 produced it kept, for diagnosis (the caller zeroes them before going on). The loss and the norm are read to the host
 there, once (where the finite check read them before the guard existed); the caller logs those floats.
 
-Each stage is a small method so later work replaces one without touching the rest: e.g. FP16 loss scaling scales the
-loss in the forward/backward and unscales in `clip` (skipping on inf), overlapped DP replaces `grad_sync` by
-bucket hooks registered before the step.
+Each stage is a small method so later work replaces one without touching the rest: FP16 loss scaling
+(tasks/train/loss_scale.py) scales the loss in the forward/backward and unscales after the gradient sync, skipping
+the step when any rank's gradients overflowed; overlapped DP replaces `grad_sync` by bucket hooks registered before
+the step.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from tasks.parallel.optim import grad_norm_and_clip
 class PlainStep:
     """No pipeline: accumulate gradients over the micro-batches of this rank's share of the global batch."""
 
-    def __init__(self, model, n_microbatches: int, autocast=None, loss_fn=lm_loss):
+    def __init__(self, model, n_microbatches: int, autocast=None, loss_fn=lm_loss, scaler=None):
         from tasks.model.moe import set_aux_scale
 
-        self.model, self.n, self.loss_fn = model, n_microbatches, loss_fn
+        self.model, self.n, self.loss_fn, self.scaler = model, n_microbatches, loss_fn, scaler
         self.autocast = autocast or contextlib.nullcontext
         set_aux_scale(model, 1.0 / n_microbatches)  # MoE load-balancing loss divided like the LM loss below
 
@@ -45,7 +46,7 @@ class PlainStep:
             with self.autocast():
                 logits = self.model(xi)
             loss = self.loss_fn(logits, yi) / self.n
-            loss.backward()
+            (loss * self.scaler.scale if self.scaler else loss).backward()  # FP16: the scaled loss (loss_scale.py)
             total += loss.detach()
         return total
 
@@ -64,8 +65,8 @@ class PipelineStep:
     """A pipeline schedule: the first stage feeds tokens, the last computes the loss per micro-batch (the
     schedule scales gradients by 1/n_microbatches, so the result is the mean, as without a pipeline)."""
 
-    def __init__(self, schedule, stage_indices: list[int], n_stages: int, autocast=None):
-        self.schedule = schedule
+    def __init__(self, schedule, stage_indices: list[int], n_stages: int, autocast=None, scaler=None):
+        self.schedule, self.scaler = schedule, scaler  # with a scaler the schedule's loss_fn returns the scaled loss
         self.autocast = autocast or contextlib.nullcontext
         self.first = 0 in stage_indices
         self.last = n_stages - 1 in stage_indices
@@ -88,7 +89,8 @@ class PipelineStep:
             else:
                 run(target=target, losses=losses)
         if self.last:
-            return torch.stack([loss.detach().float() for loss in losses]).mean()
+            mean = torch.stack([loss.detach().float() for loss in losses]).mean()
+            return mean / self.scaler.scale if self.scaler else mean
         return torch.zeros((), device=x.device)
 
 
@@ -110,13 +112,14 @@ def finite(loss: float, grad_norm: float) -> str | None:
 @dataclass
 class StepResult:
     loss: float  # the global batch's mean loss
-    grad_norm: float  # global pre-clip gradient norm
+    grad_norm: float | None  # global pre-clip gradient norm (None: an FP16 step skipped for inf/NaN gradients)
     lr: float  # the learning rate this step used
     verdict: object = None  # what `check` returned: update skipped, gradients kept (None: updated)
+    overflow: bool = False  # FP16: some rank's gradients overflowed; the step was skipped, the loss scale lowered
 
     @property
     def updated(self) -> bool:
-        return self.verdict is None
+        return self.verdict is None and not self.overflow
 
 
 @dataclass
@@ -136,18 +139,25 @@ class TrainStep:
     pp_group: object = None
     check: Callable[[float, float], object] = finite
     after_update: list[Callable[[], None]] = field(default_factory=list)
+    scaler: object = None  # FP16: a tasks.train.loss_scale.LossScaler (the forward_backward scales with it too)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> StepResult:
         loss = self.forward_backward(x, y)
         loss = self.reduce_loss(loss) if self.reduce_loss else loss.detach().float()
         if self.grad_sync is not None:
             self.grad_sync()
-        norm = self.clip()
         lr = self.optimizers[0][0].param_groups[0]["lr"]
+        if self.scaler is not None and self.scaler.unscale_and_check(self.params):
+            self.scaler.update(found_inf=True)  # GradScaler's rule: skip the update, lower the scale
+            self.zero_grad()
+            return StepResult(loss.item(), None, lr, overflow=True)
+        norm = self.clip()
         result = StepResult(loss.item(), norm.item(), lr)
         result.verdict = self.check(result.loss, result.grad_norm)
         if result.verdict is None:
             self.update()
+            if self.scaler is not None:
+                self.scaler.update(found_inf=False)
         return result
 
     @torch.no_grad()

@@ -4,7 +4,7 @@
 checkpoint); everything optional sits in hooks (tasks/train/hooks.py) or contexts entered around the loop (the
 profiler). Exit codes of `fit`: 0 done (at the last step, or early: a hook's `finish_early`), 3 stopped by the
 divergence guard (non-finite, diverged or dead: the update of that step is skipped, diagnosis.json written), 4 out of
-memory, 5 collective timeout.
+memory, 5 collective timeout, 6 stopped by the rehearsal (train/rehearsal.json).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from tasks.train.hooks import FaultInjection, Heartbeats, Hook, ShardingEvidence, StopTraining
+from tasks.train.hooks import FaultInjection, Heartbeats, Hook, Rehearsal, ShardingEvidence, StopTraining
 from tasks.units import GB
 
 if TYPE_CHECKING:
@@ -60,16 +60,23 @@ def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layou
 
 def default_hooks(trainer: "Trainer") -> list[Hook]:
     """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence, the
-    validation loss (and early stopping) when the launch spec plans it."""
+    validation loss (and early stopping) when the launch spec plans it, the rehearsal when the launch spec carries one
+    (the train stage's, with train.rehearsal_steps > 0)."""
     from tasks.train.validation import Validation
 
     fault = FaultInjection.from_env(trainer.rank)
     plan = trainer.spec.get("validation")
+    sp = trainer.spec.get("rehearsal")
     return [
         Heartbeats(trainer.train_dir / "heartbeat", trainer.rank),
         *([fault] if fault else []),
         ShardingEvidence(trainer.cfg.train.steps),
         *([Validation(plan, trainer.cfg.train.early_stop_patience)] if plan else []),
+        *(
+            [Rehearsal(sp, trainer.start, trainer.cfg.train.steps)]
+            if sp and trainer.start < trainer.cfg.train.steps
+            else []
+        ),
     ]
 
 
@@ -128,6 +135,10 @@ class Trainer:
         self.train_dir = self.run_dir / "train"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         redirect_output(self.run_dir / "logs" / f"rank-{self.rank}.log")
+        if self.rank == 0 and self.cfg.tracking.enabled and os.environ.get("MLFLOW_RUN_ID"):
+            # Rank 0's metrics sender (tasks.parallel.metrics.MlflowSender) imports MLflow in any case; imported
+            # now, its ~110 MB of RSS are part of the base a CPU run's memory is measured from, not of the model's.
+            import mlflow  # noqa: F401
         self.phases = PhasePeaks(device)
         self.phases.enter("init")
         self.mesh = build_mesh(self.lay, device.type)
@@ -203,6 +214,11 @@ class Trainer:
             start, notes = self.ckpt.load(Path(source), self.parts, self.optimizers, self.loader)
         except DataPrepError as e:  # e.g. loader workers changed: the weights resume, the data stream restarts
             notes = [str(e)]
+        notes = list(notes)
+        scaler_state = self.ckpt_meta(source).get("loss_scaler")
+        if self.step_fn.scaler is not None and scaler_state:
+            self.step_fn.scaler.load_state_dict(scaler_state)
+            notes.append(f"loss scale {self.step_fn.scaler.scale:g}")
         log(f"resumed from {source} at step {start}" + "".join(f"; {n}" for n in notes))
         from tasks.parallel.checkpoint import read_meta
 
@@ -211,6 +227,12 @@ class Trainer:
             self.early_stop = stopped
             log(f"the run stopped early at step {stopped['step']}: not training on (--fresh starts over)")
         return start, str(source)
+
+    @staticmethod
+    def ckpt_meta(source: str) -> dict:
+        from tasks.parallel.checkpoint import read_meta
+
+        return read_meta(Path(source))
 
     def build_metrics(self) -> "MetricsLog | None":
         """Rank 0's metrics.jsonl (+ MLflow), truncated to the resumed step; MFU's FLOPs per token and device peak."""
@@ -368,7 +390,15 @@ class Trainer:
             "data_wait_s": t_data,
             "mfu": self.flops_tok * tps / (self.peak * self.world) if self.peak else None,
             "peak_mem_gb": memory_stats(self.device)["peak_bytes"] / GB,
+            **self.scaler_metrics(result),
         }
+
+    def scaler_metrics(self, result: "StepResult") -> dict:
+        """FP16: the loss scale the next step uses and the steps skipped so far (train.loss_scale in MLflow)."""
+        scaler = self.step_fn.scaler
+        if scaler is None:
+            return {}
+        return {"loss_scale": scaler.scale, "skipped_steps": scaler.skipped, "overflow": result.overflow}
 
     def checkpoint(self, step: int) -> Path:
         """A complete DCP checkpoint of this step (tasks/parallel/checkpoint.py); its memory is its own phase. With
@@ -385,6 +415,7 @@ class Trainer:
             "config_hash": self.spec.get("config_hash", ""),
             "shaping": shaping_config(self.spec["config"]),
             **({"early_stop": self.early_stop} if self.early_stop else {}),
+            **({"loss_scaler": self.step_fn.scaler.state_dict()} if self.step_fn.scaler else {}),  # same on every rank
         }
         if self.cfg.train.async_checkpoint:
             self.harvest(wait=True)

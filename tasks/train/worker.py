@@ -18,6 +18,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from tasks.train.hooks import EXIT_REHEARSAL
 from tasks.train.trainer import EXIT_DIVERGED, log
 
 
@@ -111,7 +112,7 @@ def _main(argv=None) -> int:
             export(spec, source)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code in (0, EXIT_DIVERGED):  # every rank reached the same point: a clean shutdown is possible
+    if code in (0, EXIT_DIVERGED, EXIT_REHEARSAL):  # every rank reached the same point: a clean shutdown is possible
         dist.destroy_process_group()
     # os._exit: skips interpreter teardown, which rarely SIGABRTs after destroy_process_group (gloo threads)
     # and would turn a finished run into a failed one.
