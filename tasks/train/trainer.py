@@ -60,7 +60,9 @@ def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layou
 
 def default_hooks(trainer: "Trainer") -> list[Hook]:
     """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence, the
-    validation loss (and early stopping) when the launch spec plans it."""
+    validation loss (and early stopping) when the launch spec plans it, rank 0's progress lines (after the
+    validation: they show its loss)."""
+    from tasks.train.progress import ProgressLines
     from tasks.train.validation import Validation
 
     fault = FaultInjection.from_env(trainer.rank)
@@ -70,6 +72,7 @@ def default_hooks(trainer: "Trainer") -> list[Hook]:
         *([fault] if fault else []),
         ShardingEvidence(trainer.cfg.train.steps),
         *([Validation(plan, trainer.cfg.train.early_stop_patience)] if plan else []),
+        ProgressLines(trainer.cfg.train.steps, trainer.cfg.train.log_every),
     ]
 
 
