@@ -29,3 +29,21 @@ def test_train_stage_relays_rank_0_progress_and_waits(cfg, tmp_path, shards, cap
         assert any(re.match(rf"progress: {what}.*: done after \d+s$", line) for line in lines), (what, lines)
     export = [line for line in lines if "HF export of step-4" in line]
     assert export[0].startswith("progress: waiting for the HF export of step-4 to ") and "done after" in export[-1]
+
+
+def test_shard_stage_reports_each_partition_and_write(tmp_path, caplog):
+    from data_prep.build import build_shard_set
+    from data_prep.config import ShardConfig
+    from tasks.stages import shard
+
+    caplog.set_level(logging.INFO, logger="tasks.progress")
+    cfg = ShardConfig(
+        inputs=["stdlib"], out_dir=str(tmp_path), max_documents=20, vocab_size=300, seq_len=32, partitions=2,
+        shard_size_mb=0.05, tokenize_processes=1, progress=False,
+    )  # fmt: skip
+    build_shard_set(cfg, report=shard.progress())
+    lines = [r.getMessage() for r in caplog.records if r.name == "tasks.progress"]
+    assert lines[:2] == ["progress: shard tokenize partition 1/2 (50%)", lines[1]], lines
+    assert re.fullmatch(r"progress: shard tokenize partition 2/2 \(100%\), done", lines[1]), lines
+    writes = [line for line in lines if line.startswith("progress: shard write range ")]
+    assert writes[0].startswith("progress: shard write range 1/") and writes[-1].endswith(", done"), lines
