@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import time
 
 from tasks.train.hooks import Hook
 
@@ -18,10 +20,9 @@ SECONDS = 30.0  # a progress line at least this often, whatever train.log_every
 
 
 class _Print(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        from tasks.train.trainer import log
-
-        log(record.getMessage())  # "[12:00:00 rank 0] progress: …" on this rank's stdout (its log file)
+    def emit(self, record: logging.LogRecord) -> None:  # as tasks.train.trainer.log (which imports this module)
+        rank = os.environ.get("RANK", "0")
+        print(f"[{time.strftime('%H:%M:%S')} rank {rank}] {record.getMessage()}", flush=True)
 
 
 def rank_logger() -> logging.Logger:
