@@ -52,9 +52,11 @@ def _hit(shard_dir: Path, started: float) -> BuildResult:
     return BuildResult(shard_dir, load_manifest(shard_dir), digest(shard_dir), True, time.perf_counter() - started)
 
 
-def build_shard_set(cfg: ShardConfig, reduce_only: bool = False) -> BuildResult:
+def build_shard_set(cfg: ShardConfig, reduce_only: bool = False, report=None) -> BuildResult:
     """Build (or find) the shard set. `reduce_only`: the DAG's last task — every step must already be done (by its
-    mapped tasks); a missing or failing one is named and nothing is published."""
+    mapped tasks); a missing or failing one is named and nothing is published. `report(step, done, total)` hears of
+    each partition ("tokenize") and shard write ("write") done (the shard stage's progress lines)."""
+    report = report or (lambda step, done, total: None)
     started = time.perf_counter()
     prepared = prepare(cfg, create=not reduce_only)
     if prepared.job is None:
@@ -63,9 +65,12 @@ def build_shard_set(cfg: ShardConfig, reduce_only: bool = False) -> BuildResult:
     if not reduce_only:
         for i in range(len(job.partitions)):
             run_partition(job, i, cfg.tokenize_processes, cfg.progress)
+            report("tokenize", i + 1, len(job.partitions))
         layout = run_layout(job)
-        for i in range(0 if layout["published"] else len(layout["writes"])):
+        writes = 0 if layout["published"] else len(layout["writes"])
+        for i in range(writes):
             run_write(job, i)
+            report("write", i + 1, writes)
     return publish(job, verify_sha256=cfg.verify_sha256, started=started)
 
 

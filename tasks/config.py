@@ -156,6 +156,9 @@ class TrainConfig(Section):
     compile: bool = False
     seed: int = Field(1234, ge=0, le=MAX_SEED)  # numpy's default_rng takes no negative seed
     checkpoint_every: int = Field(20, ge=0, le=MAX_STEPS)
+    # rank 0's progress line (step/total, loss, val loss, tokens/s, MFU, ETA) every log_every steps or 30 s,
+    # whichever comes first (0 = every 30 s only): in the train task's log and on `make run`'s screen
+    log_every: int = Field(20, ge=0, le=MAX_STEPS)
     keep_checkpoints: int = Field(2, ge=1, le=1000)
     # checkpoints written in the background (DCP async_save): a step waits only for the copy into host memory
     async_checkpoint: bool = True

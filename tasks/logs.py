@@ -276,15 +276,16 @@ class Progress:
 
 @contextlib.contextmanager
 def waiting(what: str, every_s: float = 30.0, logger: logging.Logger | None = None):
-    """Say what a long wait waits for: 'waiting for <what>…', every `every_s` 'still waiting for <what> (N s)',
-    and '<what>: done after N s' (or '… gave up after N s' when the block raises)."""
+    """Say what a long wait waits for: 'progress: waiting for <what>…', every `every_s` 'progress: still waiting for
+    <what> (N s)', and 'progress: <what>: done after N s' (or '… gave up after N s' when the block raises): progress
+    lines, which relay() and `make run` pick up."""
     logger = logger or PROGRESS
     start, stop = time.monotonic(), threading.Event()
-    logger.info(f"waiting for {what}…")
+    logger.info(f"{PROGRESS_MARK} waiting for {what}…")
 
     def remind() -> None:
         while not stop.wait(every_s):
-            logger.info(f"still waiting for {what} ({duration(time.monotonic() - start)})")
+            logger.info(f"{PROGRESS_MARK} still waiting for {what} ({duration(time.monotonic() - start)})")
 
     thread = threading.Thread(target=remind, name="waiting", daemon=True)
     thread.start()
@@ -296,7 +297,7 @@ def waiting(what: str, every_s: float = 30.0, logger: logging.Logger | None = No
         stop.set()
         thread.join(1.0)
         took = duration(time.monotonic() - start)
-        logger.info(f"{what}: {'done' if ok else 'gave up'} after {took}")
+        logger.info(f"{PROGRESS_MARK} {what}: {'done' if ok else 'gave up'} after {took}")
 
 
 @contextlib.contextmanager

@@ -140,10 +140,10 @@ def test_waiting_says_what_it_waits_for(caplog):
         with logs.waiting("checkpoint save", every_s=10):
             raise RuntimeError("disk full")
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs[0] == "waiting for the rendezvous of 2 nodes…"
-    assert any(m.startswith("still waiting for the rendezvous of 2 nodes (") for m in msgs)
-    assert "the rendezvous of 2 nodes: done after 0s" in msgs
-    assert msgs[-1] == "checkpoint save: gave up after 0s"
+    assert msgs[0] == "progress: waiting for the rendezvous of 2 nodes…"
+    assert any(m.startswith("progress: still waiting for the rendezvous of 2 nodes (") for m in msgs)
+    assert "progress: the rendezvous of 2 nodes: done after 0s" in msgs
+    assert msgs[-1] == "progress: checkpoint save: gave up after 0s"
 
 
 def test_relay_copies_a_child_logs_progress_lines(tmp_path, caplog):

@@ -72,6 +72,7 @@ _NOT_SHAPING = {
     "train": {
         "steps",
         "checkpoint_every",
+        "log_every",
         "keep_checkpoints",
         "timeout_s",
         "micro_batch",

@@ -123,6 +123,20 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
     }
 
 
+def progress():
+    """build_shard_set's `report`: a progress line per step (tokenize: partitions, write: shard ranges) at its
+    first and last item, every tenth of it, and every 30 s."""
+    from tasks.logs import Progress
+
+    bars: dict[str, Progress] = {}
+
+    def report(step: str, done: int, total: int) -> None:
+        unit = "partition" if step == "tokenize" else "range"
+        bars.setdefault(step, Progress(f"shard {step}", total, unit, every=max(1, total // 10))).update(done)
+
+    return report
+
+
 def run(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.build import build_shard_set
     from data_prep.errors import DataPrepError
@@ -131,7 +145,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         return adopt(cfg, ctx)
     scfg = shard_config(cfg)
     try:
-        result = build_shard_set(scfg, reduce_only=getattr(ctx.args, "reduce", False))
+        result = build_shard_set(scfg, reduce_only=getattr(ctx.args, "reduce", False), report=progress())
     except DataPrepError as e:
         raise StageError(f"shard: {e}") from None
     m, stats = result.manifest, result.manifest["stats"]

@@ -10,6 +10,7 @@ hardware.rdzv_endpoint (the first node's host:port) set; the nodes meet through 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -23,6 +24,7 @@ from tasks.config import PipelineConfig
 from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, fsync_dir, read_json
 from tasks.launch import binding, torchrun
+from tasks.logs import relay
 from tasks.model.model_dir import identity_problem
 from tasks.parallel import checkpoint as ckpt
 from tasks.parallel import rank_errors
@@ -365,7 +367,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
     env = torchrun.env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
     binding.record(env, train_dir)
-    rc, log_text = torchrun.run(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
+    with relay_progress(logs, log_name, node):
+        rc, log_text = torchrun.run(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
     if node == 0:
         drop_set_aside(run_dir)  # a --fresh run that wrote a checkpoint (even if it failed later) replaces the old one
     if rc != 0:
@@ -403,6 +406,18 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             f"{run_dir / 'logs'}/rank-0.log, rerun to export again"
         )
     return _result(cfg, ctx, spec, reused=False)
+
+
+@contextlib.contextmanager
+def relay_progress(logs_dir: Path, torchrun_log: str, node: int):
+    """Node 0: rank 0's progress lines (tasks/train/progress.py) into this stage's log while torchrun runs — from
+    torchrun's log until the rank has its own (the process group's rendezvous), then from logs/rank-0.log."""
+    if node != 0:
+        yield
+        return
+    (logs_dir / torchrun_log).unlink(missing_ok=True)  # torchrun.run rewrites it: relay it from its start
+    with relay(logs_dir / torchrun_log), relay(logs_dir / "rank-0.log"):
+        yield
 
 
 def stopped_early(cfg: PipelineConfig, checkpoint) -> bool:

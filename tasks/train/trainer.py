@@ -61,7 +61,9 @@ def read_spec(spec: dict) -> tuple["PipelineConfig", "TransformerConfig", "Layou
 def default_hooks(trainer: "Trainer") -> list[Hook]:
     """Heartbeats for the launcher, $LLM_PIPELINE_FAULT when set for this rank, the ZeRO sharding evidence, the
     validation loss (and early stopping) when the launch spec plans it, the rehearsal when the launch spec carries one
-    (the train stage's, with train.rehearsal_steps > 0)."""
+    (the train stage's, with train.rehearsal_steps > 0), rank 0's progress lines (after the validation: they show its
+    loss)."""
+    from tasks.train.progress import ProgressLines
     from tasks.train.validation import Validation
 
     fault = FaultInjection.from_env(trainer.rank)
@@ -77,6 +79,7 @@ def default_hooks(trainer: "Trainer") -> list[Hook]:
             if sp and trainer.start < trainer.cfg.train.steps
             else []
         ),
+        ProgressLines(trainer.cfg.train.steps, trainer.cfg.train.log_every),
     ]
 
 

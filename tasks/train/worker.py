@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from tasks.train.hooks import EXIT_REHEARSAL
+from tasks.train.progress import waiting
 from tasks.train.trainer import EXIT_DIVERGED, log
 
 
@@ -46,17 +47,18 @@ def export(spec: dict, source: str | None = None) -> None:
     if found is None:
         raise RuntimeError(f"export: no complete checkpoint in {run_dir / 'checkpoints'}")
     log(f"exporting {found[1]} to {run_dir / 'hf'}")
-    export_from_checkpoint(
-        found[1],
-        TransformerConfig(**spec["model"]),
-        run_dir / "hf",
-        tokenizer_dir=spec["export"].get("tokenizer_dir"),
-        rank=dist.get_rank(),
-        world=dist.get_world_size(),
-        barrier=collectives.barrier,
-        file_bytes=spec["export"].get("file_bytes"),
-        stats=stats,
-    )
+    with waiting(f"the HF export of {found[1].name} to {run_dir / 'hf'}", dist.get_rank()):
+        export_from_checkpoint(
+            found[1],
+            TransformerConfig(**spec["model"]),
+            run_dir / "hf",
+            tokenizer_dir=spec["export"].get("tokenizer_dir"),
+            rank=dist.get_rank(),
+            world=dist.get_world_size(),
+            barrier=collectives.barrier,
+            file_bytes=spec["export"].get("file_bytes"),
+            stats=stats,
+        )
     by_rank = [None] * dist.get_world_size()
     collectives.all_gather_object(by_rank, {**phases.result(), **stats})
     if dist.get_rank() == 0:
@@ -98,7 +100,11 @@ def _main(argv=None) -> int:
     hw = specs[0]["config"]["hardware"]
     backend = detect(hw["device"])
     device = torch_device(backend.kind, int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend.dist_backend, timeout=timedelta(seconds=specs[0]["config"]["train"]["timeout_s"]))
+    world = os.environ.get("WORLD_SIZE", "?")  # rank 0 says so in torchrun's log (relayed by the launcher)
+    with waiting(f"the process group ({world} ranks)", int(os.environ.get("RANK", "0"))):
+        dist.init_process_group(
+            backend.dist_backend, timeout=timedelta(seconds=specs[0]["config"]["train"]["timeout_s"])
+        )
     code = 0
     for spec in specs:
         trainer = Trainer(spec, device)
