@@ -1040,3 +1040,30 @@ def test_a_file_cut_after_its_header_was_read_is_named(tmp_path, hf_dirs):
     assert str(e.value) == (
         f"{f}: tensor {last!r}: read 10 of {header[last].nbytes} bytes (the file is truncated); re-export or re-copy it"
     )
+
+
+@pytest.mark.parametrize("with_sha", [False, True])
+def test_pickled_int8_module_is_never_unpickled_off_an_ascend_host(tmp_path, with_sha):
+    """A quant_meta.json that says "torch_module" (AMCT's pickled deploy model) beside a pickle that runs code: on a
+    host without AMCT it is refused before the file is opened, with or without a matching sha256 beside it."""
+    import pickle
+
+    from tasks.errors import StageError
+    from tasks.quant.artifact import META, WEIGHTS, load_quantized
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    (tmp_path / WEIGHTS).write_bytes(pickle.dumps(Payload()))
+    meta = {"format": "torch_module", "int8_bytes": (tmp_path / WEIGHTS).stat().st_size}
+    if with_sha:
+        meta["weights_sha256"] = hashlib.sha256((tmp_path / WEIGHTS).read_bytes()).hexdigest()
+    (tmp_path / META).write_text(json.dumps(meta))
+    with pytest.raises(StageError) as e:
+        load_quantized(tmp_path)
+    assert not marker.exists() and "\n" not in str(e.value)
+    want = "loads only where AMCT is installed" if with_sha else "without the sha256 its quantize stage records"
+    assert want in str(e.value)

@@ -80,6 +80,25 @@ def pip_requirements(meta: dict) -> list[str]:
     return reqs
 
 
+def _pickled_module_allowed(quant_dir: Path, meta: dict) -> None:
+    """An AMCT deploy model is a pickle (its modules are not safe globals): unpickling runs code from the file. It is
+    loaded only with the sha256 its quantize stage recorded and only where AMCT is importable (the Ascend host that
+    made it): anywhere else, a quant_meta.json saying "torch_module" is refused before the file is opened."""
+    if not meta.get("weights_sha256"):
+        raise StageError(
+            f"{quant_dir}: a pickled INT8 module without the sha256 its quantize stage records is not loaded "
+            "(unpickling runs code from the file); rerun the quantize stage"
+        )
+    from tasks.quant.amct_backend import amct_import_error
+
+    problem = amct_import_error()
+    if problem:
+        raise StageError(
+            f"{quant_dir}: an AMCT deploy model (pickled modules) loads only where AMCT is installed ({problem}); "
+            "evaluate it on the Ascend host that quantized it"
+        )
+
+
 def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True) -> torch.nn.Module:
     """The saved INT8 model on `device`, ready for evaluation. torchao is imported only for its own artifacts: an
     AMCT host has no torchao and must not need it. On the CPU, `pack` runs torchao's INT8 weight-only layers through
@@ -100,6 +119,8 @@ def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True) -> to
     problem = verify_output(quant_dir) if (quant_dir / WEIGHTS).is_file() else f"{quant_dir / WEIGHTS} is missing"
     if problem:
         raise StageError(f"{problem}; rerun the quantize stage (it rebuilds it)")
+    if meta["format"] == "torch_module":
+        _pickled_module_allowed(quant_dir, meta)
     try:
         if meta["format"] == "torch_module":
             # Pickled AMCT deploy module: our own quantize stage wrote it into this run directory, and its sha256 was
