@@ -120,8 +120,9 @@ def test_aliases_move_only_in_runs_of_the_models_own_dag(mlflow_uri):
 
 
 def test_int8_safetensors_round_trip_and_corruption(tmp_path):
-    """The torchao INT8 state dict as safetensors + quantization_config.json loads back into the same model (W8A8
-    and weight-only, tied embeddings); a flipped byte is refused with one line; the torch.save path still loads."""
+    """The torchao INT8 state dict as safetensors + quantization_config.json loads back into the same model
+    (weight-only, W8A8, SmoothQuant; tied embeddings); a flipped byte is refused with one line; the torch.save path
+    still loads."""
     import json
 
     from tasks.errors import StageError
@@ -136,13 +137,13 @@ def test_int8_safetensors_round_trip_and_corruption(tmp_path):
     tcfg.tie_embeddings = True
     save_hf(materialize(build_model(tcfg, "cpu"), "cpu", seed=0), tmp_path / "hf")
     tokens = torch.randint(0, tcfg.vocab_size, (2, 12))
-    for method in ("int8_weight_only", "int8_dynamic"):
+    for method in ("int8_weight_only", "int8_dynamic", "smoothquant"):
         from tasks.model.hf_io import load_hf
 
         model = load_hf(tmp_path / "hf").to(torch.bfloat16).eval()
         model.init_rope()
         names = [layer.name for layer in describe_layers(model) if layer.type == "Linear" and layer.name != "output"]
-        torchao_backend.quantize(model, method, names, [], "cpu")
+        torchao_backend.quantize(model, method, names, [(tokens, None)], "cpu")  # calibration: SmoothQuant
         out = tmp_path / method
         out.mkdir()
         artifact.save_model(model, out / artifact.WEIGHTS, "torch_state_dict")
