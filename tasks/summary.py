@@ -50,6 +50,8 @@ def model_lines(evaluate: dict, run_dir) -> list[str]:
     answer = read_json(path) if path.is_file() else None
     approved = (answer or {}).get("outcome") == "approved"
     role = "champion" if evaluate.get("champion") or approved else "candidate"
+    if not evaluate.get("aliases_moved", True) and role != "champion":
+        role = "registered, no alias moved"
     out = ["", f"Model: {name} v{version} ({role}): {evaluate.get('champion_reason', '')}"]
     approval = evaluate.get("approval") or {}
     if approval.get("needed") or answer:

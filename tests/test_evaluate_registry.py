@@ -36,9 +36,18 @@ def test_gate_drop_and_champion_rules():
 
 
 def _register(uri, name, macro, digest):
+    import numpy as np
+
     tags = {registry.TASKS_TAG: macro, registry.DIGEST_TAG: digest, "airflow.run_id": "manual__1", "train.run_id": "t1"}
+    example = np.arange(8, dtype=np.int64).reshape(1, 8)
     return registry.register(
-        uri, name, torch.nn.Linear(4, 2), tags, [f"torch=={torch.__version__.split('+')[0]}"], description="d"
+        uri,
+        name,
+        torch.nn.Linear(4, 2),
+        tags,
+        [f"torch=={torch.__version__.split('+')[0]}"],
+        description="d",
+        input_example=example,
     )
 
 
@@ -82,3 +91,84 @@ def test_candidate_and_champion_aliases_read_back(mlflow_uri, tmp_path):
         local = registry.download(champ["uri"], tmp_path / "champion")  # what evaluate runs again
         model = registry.load_registered(local, "cpu")
         assert isinstance(model, torch.nn.Linear) and model.weight.shape == (2, 4)
+        from mlflow.models import Model
+
+        mlmodel = Model.load(str(local))
+        example = mlmodel.load_input_example(str(local))
+        assert mlmodel.saved_input_example_info and list(example.values())[0].tolist() == [list(range(8))], {
+            k: type(v) for k, v in example.items()
+        }
+        assert mlmodel.signature.inputs.to_dict()[0]["tensor-spec"]["dtype"] == "int64"
+
+
+def test_aliases_move_only_in_runs_of_the_models_own_dag(mlflow_uri):
+    """The first DAG run that moves an alias makes that DAG the model's owner; a CLI/test run or another DAG's run
+    registers but moves nothing."""
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    mlflow.set_experiment("registry-tests")
+    name = "quant-owner-test"
+    with mlflow.start_run():
+        _register(mlflow_uri, name, 0.5, "d1")
+    cli = registry.may_move_aliases(mlflow_uri, name, None)
+    assert cli == (False, f"a run outside Airflow (CLI or test) registers {name} but moves no alias")
+    assert registry.may_move_aliases(mlflow_uri, name, "llm_pipeline") == (True, "")  # first DAG run: owner
+    assert registry.may_move_aliases(mlflow_uri, name, "llm_pipeline") == (True, "")
+    other, why = registry.may_move_aliases(mlflow_uri, name, "someone_elses_dag")
+    assert not other and "belongs to DAG llm_pipeline" in why
+
+
+def test_int8_safetensors_round_trip_and_corruption(tmp_path):
+    """The torchao INT8 state dict as safetensors + quantization_config.json loads back into the same model
+    (weight-only, W8A8, SmoothQuant; tied embeddings); a flipped byte is refused with one line; the torch.save path
+    still loads."""
+    import json
+
+    from tasks.errors import StageError
+    from tasks.fsutil import sha256_file
+    from tasks.model.config import get_preset
+    from tasks.model.hf_io import save_hf
+    from tasks.model.transformer import build_model, materialize
+    from tasks.quant import artifact, torchao_backend
+    from tasks.quant.artifact import describe_layers
+
+    tcfg = get_preset("debug")
+    tcfg.tie_embeddings = True
+    save_hf(materialize(build_model(tcfg, "cpu"), "cpu", seed=0), tmp_path / "hf")
+    tokens = torch.randint(0, tcfg.vocab_size, (2, 12))
+    for method in ("int8_weight_only", "int8_dynamic", "smoothquant"):
+        from tasks.model.hf_io import load_hf
+
+        model = load_hf(tmp_path / "hf").to(torch.bfloat16).eval()
+        model.init_rope()
+        names = [layer.name for layer in describe_layers(model) if layer.type == "Linear" and layer.name != "output"]
+        torchao_backend.quantize(model, method, names, [(tokens, None)], "cpu")  # calibration: SmoothQuant
+        out = tmp_path / method
+        out.mkdir()
+        artifact.save_model(model, out / artifact.WEIGHTS, "torch_state_dict")
+        meta = {
+            "format": "torch_state_dict",
+            "model_dir": str(tmp_path / "hf"),
+            "method": method,
+            "quantized_layers": names,
+            "skipped_layers": ["output"],
+            "dtype": "bf16",
+            "int8_bytes": (out / artifact.WEIGHTS).stat().st_size,
+            "weights_sha256": sha256_file(out / artifact.WEIGHTS),
+        }
+        meta.update(artifact.save_safetensors(model, out, meta))
+        (out / artifact.META).write_text(json.dumps(meta))
+        qc = json.loads((out / artifact.QUANT_CONFIG).read_text())
+        assert qc["quant_method"] == "torchao" and qc["method"] == method and qc["sha256"] == meta["safetensors_sha256"]
+        assert qc["tied_layers_stored_once"] == ["output.weight"]
+        with torch.no_grad():
+            want = artifact.load_quantized(out, pack=False)(tokens)
+            got = artifact.load_quantized(out, pack=False, source="safetensors")(tokens)
+        assert torch.equal(want, got) and torch.equal(model(tokens), got)
+    data = bytearray((out / artifact.SAFETENSORS).read_bytes())
+    data[-1] ^= 0xFF
+    (out / artifact.SAFETENSORS).write_bytes(bytes(data))
+    assert "model_int8.safetensors is missing or corrupt" in artifact.verify_output(out)
+    with pytest.raises(StageError, match=r"model_int8.safetensors is missing or corrupt .*; rerun the quantize stage"):
+        artifact.load_quantized(out, source="safetensors")

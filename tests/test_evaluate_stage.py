@@ -62,6 +62,20 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path):
     assert v1.tags["airflow.run_id"] == "manual__eval_test" and v1.tags["data.manifest_digest"] == r["data_digest"]
     assert v1.tags["eval.gate_metric"] == "task_accuracy_drop_pct" and v1.tags["quant.passed_by"] == "ptq"
     assert "| grammar | acc | 40 |" in v1.description and "macro task accuracy" in v1.description
+    assert "## Model card" in v1.description and f"manifest digest {r['data_digest']}" in v1.description
+    assert "| DAG run | llm_pipeline / manual__eval_test |" in v1.description
+    assert r["aliases_moved"] and v1.tags["bf16.registered_model"] == "evaluate-stage-test-bf16"
+    bf16 = client.get_model_version("evaluate-stage-test-bf16", v1.tags["bf16.version"])  # linked both ways
+    assert bf16.tags["int8.version"] == r["version"] and bf16.tags["airflow.run_id"] == "manual__eval_test"
+    assert bf16.description.startswith("BF16: the unquantized model") and "## Model card" in bf16.description
+    files = {
+        a.path.rsplit("/", 1)[-1] for a in client.list_logged_model_artifacts(v1.source.split("/")[1], "extra_files")
+    }
+    assert {"model_int8.safetensors", "quantization_config.json", "tokenizer.json"} <= files
+    files = {
+        a.path.rsplit("/", 1)[-1] for a in client.list_logged_model_artifacts(bf16.source.split("/")[1], "extra_files")
+    }
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= files
     run = client.get_run(r["mlflow_run_id"]).data
     assert run.metrics["eval.task.grammar.int8_acc"] == pytest.approx(grammar["int8"])
     assert run.metrics["eval.task.demo-continuation.bf16_acc_mutual_info"] == r["tasks"]["demo-continuation"]["bf16"]
@@ -86,11 +100,20 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path):
 
     again = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, q["quant_dir"]))  # rerun: same version
     assert again["version"] == r["version"] and again["champion"]
+    assert again["bf16_model"] == r["bf16_model"]
+
+    # A CLI run (no DAG) registers a new version but moves no alias, and says so.
+    q2 = _quantize(cfg, tiny, tmp_path / "b", "int8_dynamic")
+    cli = run_stage("evaluate", cfg, tmp_path / "b", args=_args(tiny, q2["quant_dir"]))
+    assert cli["version"] != r["version"] and not cli["aliases_moved"] and not cli["champion"]
+    assert cli["aliases"] == {"candidate": r["version"], "champion": r["version"]}
+    assert "a run outside Airflow (CLI or test) registers" in cli["champion_reason"]
+    assert "registered (no alias moved)" in cli["summary"]
 
     # A second candidate: the champion (v1) is scored again on the same tasks in this run, the rule applied to both.
-    q2 = _quantize(cfg, tiny, tmp_path / "b", "int8_dynamic")
-    r2 = run_stage("evaluate", cfg, tmp_path / "b", args=_args(tiny, q2["quant_dir"]))
-    assert r2["version"] != r["version"] and r2["aliases"]["candidate"] == r2["version"]
+    parent2 = tracking.parent_run(cfg, "llm_pipeline", "manual__eval_test_2")
+    r2 = run_stage("evaluate", cfg, tmp_path / "b", args=_args(tiny, q2["quant_dir"]), parent_run_id=parent2)
+    assert r2["version"] == cli["version"] and r2["aliases"]["candidate"] == r2["version"]
     assert r2["champion_compared"] == {
         "version": r["version"],
         "macro": pytest.approx(r["task_macro"]["int8"], abs=1e-4),
@@ -108,14 +131,15 @@ def test_retrain_on_other_data_becomes_champion_without_a_hand_step(cfg, tiny, t
     cfg.evaluate.registered_model = "evaluate-retrain-test"
     cfg.evaluate.tasks = [str(tiny["grammar"])]
     q = _quantize(cfg, tiny, tmp_path / "a", "int8_weight_only")
-    first = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, q["quant_dir"]))
+    dag = {"parent_run_id": tracking.parent_run(cfg, "llm_pipeline", "manual__retrain_test")}
+    first = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, q["quant_dir"]), **dag)
     assert first["champion"]
     other = tiny_trained(tiny["base"], vocab_size=300, name="retrain")
     assert other["shard_dir"] != tiny["shard_dir"]
     args = argparse.Namespace(model_dir=str(other["model_dir"]), shard_dir=str(other["shard_dir"]), quant_dir=None)
     cfg.evaluate.champion_margin = 100.0  # whatever the two tiny models score: comparable, so promoted
     run_stage("quantize", cfg, tmp_path / "b", args=args)
-    r = run_stage("evaluate", cfg, tmp_path / "b", args=args)
+    r = run_stage("evaluate", cfg, tmp_path / "b", args=args, **dag)
     assert r["data_digest"] != first["data_digest"] and r["status"] == "ok"
     assert r["champion"] and r["aliases"]["champion"] == r["version"] and "by hand" not in r["champion_reason"]
     assert r["champion_compared"]["version"] == first["version"] and r["champion_compared"]["macro"] is not None

@@ -1,6 +1,11 @@
 """The quantized model on disk: `model_int8.pt` (a plain state dict of int8 tensors + scales; it loads with
 `torch.load(weights_only=True)` once torchao is imported, which registers its tensor classes as safe) beside
-`quant_meta.json` (method, backend, layers, sizes, and the HF directory whose config rebuilds the skeleton)."""
+`quant_meta.json` (method, backend, layers, sizes, and the HF directory whose config rebuilds the skeleton).
+
+torchao artifacts also come as `model_int8.safetensors` + `quantization_config.json`: the same tensors flattened by
+torchao's own safetensors support (torchao/prototype/safetensors/safetensors_support.py, torchao 0.18: int8 qdata,
+scales and zero points as plain tensors, each subclass's type and attributes as JSON in the file's metadata) — no
+pickle; `load_quantized(..., source="safetensors")` rebuilds the model from them."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from tasks.fsutil import read_json
 from tasks.quant.plan import Layer
 
 WEIGHTS, META = "model_int8.pt", "quant_meta.json"
+SAFETENSORS, QUANT_CONFIG = "model_int8.safetensors", "quantization_config.json"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -44,6 +50,57 @@ def save_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
     torch.save(model.state_dict() if fmt == "torch_state_dict" else model, path)
 
 
+def save_safetensors(model: torch.nn.Module, quant_dir: Path, meta: dict) -> dict:
+    """The torchao INT8 state dict as `model_int8.safetensors` + `quantization_config.json` in `quant_dir`;
+    → {"safetensors_bytes", "safetensors_sha256"} for quant_meta.json."""
+    import torchao
+    from safetensors.torch import save_file
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    from tasks.fsutil import atomic_write_json, sha256_file
+
+    state, seen = {}, set()
+    for k, v in model.state_dict().items():  # a tied output/embedding pair: stored once (safetensors refuses both)
+        ptr = v.untyped_storage().data_ptr() if type(v) is torch.Tensor else id(v)
+        if ptr not in seen:
+            seen.add(ptr)
+            state[k] = v
+    tensors, metadata = flatten_tensor_state_dict(state)
+    path = quant_dir / SAFETENSORS
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    out = {"safetensors_bytes": path.stat().st_size, "safetensors_sha256": sha256_file(path)}
+    atomic_write_json(
+        quant_dir / QUANT_CONFIG,
+        {
+            "quant_method": "torchao",
+            "torchao_version": torchao.__version__,
+            "weights": SAFETENSORS,
+            "sha256": out["safetensors_sha256"],
+            "method": meta["method"],
+            "dtype": meta.get("dtype", "bf16"),
+            "quantized_layers": meta["quantized_layers"],
+            "skipped_layers": meta["skipped_layers"],
+            "tied_layers_stored_once": sorted(set(model.state_dict()) - set(state)),
+            "config": "config.json of the HF export (model_dir in quant_meta.json; registered beside it)",
+        },
+    )
+    return out
+
+
+def _read_safetensors(quant_dir: Path, device) -> dict:
+    """The torchao state dict back from `model_int8.safetensors` (its sha256 checked by verify_output)."""
+    from safetensors import safe_open
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    path = quant_dir / SAFETENSORS
+    if not read_json(quant_dir / META).get("safetensors_sha256"):
+        raise StageError(f"{path} is missing; rerun the quantize stage (it writes it for torchao artifacts)")
+    with safe_open(str(path), "pt", device=str(device)) as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    state, left = unflatten_tensor_state_dict(tensors, metadata)
+    return {**state, **left}
+
+
 def verify_output(quant_dir: str | Path) -> str | None:
     """None when the saved INT8 weights match the size and sha256 recorded at write, else the problem in one line
     (results written before checksums were recorded are trusted)."""
@@ -61,6 +118,9 @@ def verify_output(quant_dir: str | Path) -> str | None:
         return f"{path} is truncated or altered ({path.stat().st_size} bytes, {meta['int8_bytes']} recorded)"
     if sha256_file(path) != want:
         return f"{path} is corrupt (sha256 differs from the one recorded in {META})"
+    st = quant_dir / SAFETENSORS
+    if meta.get("safetensors_sha256") and (not st.is_file() or sha256_file(st) != meta["safetensors_sha256"]):
+        return f"{st} is missing or corrupt (sha256 differs from the one recorded in {META})"
     return None
 
 
@@ -99,11 +159,12 @@ def _pickled_module_allowed(quant_dir: Path, meta: dict) -> None:
         )
 
 
-def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True) -> torch.nn.Module:
+def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True, source: str = "pt") -> torch.nn.Module:
     """The saved INT8 model on `device`, ready for evaluation. torchao is imported only for its own artifacts: an
     AMCT host has no torchao and must not need it. On the CPU, `pack` runs torchao's INT8 weight-only layers through
     PyTorch's fused int8 kernels (torchao_backend.pack_for_cpu: same weights and scales, faster); pack=False keeps
-    torchao's own eager path (what the benchmark compares against)."""
+    torchao's own eager path (what the benchmark compares against). `source="safetensors"`: the torchao tensors from
+    `model_int8.safetensors` instead of the torch.save file."""
     from tasks.model.hf_io import read_hf_config
     from tasks.model.transformer import build_model, rope_table
 
@@ -132,7 +193,10 @@ def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True) -> to
         # state dict loads with weights_only=True: no code runs from the file.
         import torchao  # noqa: F401
 
-        state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
+        if source == "safetensors":
+            state = _read_safetensors(quant_dir, device)
+        else:
+            state = torch.load(quant_dir / WEIGHTS, map_location=device, weights_only=True)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:  # truncated/corrupt, no checksum
         raise StageError(
             f"{quant_dir / WEIGHTS} is unreadable ({str(e).splitlines()[0][:200]}); rerun the quantize "
@@ -140,6 +204,8 @@ def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True) -> to
         ) from None
     tcfg = read_hf_config(meta["model_dir"])
     model = build_model(tcfg, device="meta")  # no memory: every tensor is assigned from the file
+    if tcfg.tie_embeddings and "output.weight" not in state:  # stored once in the safetensors form
+        state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, assign=True)
     if tcfg.tie_embeddings and not {"output", "tok_embeddings"} & set(meta["quantized_layers"]):
         model.tie_weights()  # quantizing either one gave each its own weight in the file

@@ -10,6 +10,8 @@ shard set (whose tokenizer is then its own); otherwise the result says so and ho
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from tasks.errors import ConfigError, StageError
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 PPL_TAG, DIGEST_TAG, TASKS_TAG = "eval.int8_ppl", "data.manifest_digest", "eval.task_macro"
+OWNER_TAG = "airflow.dag_id"  # on the registered model: the DAG whose runs move its aliases
 EXTRA = "extra_files"  # where mlflow.pytorch.log_model puts `extra_files` inside the model's artifacts
 
 
@@ -113,9 +116,12 @@ def register(
     pip_requirements: list[str],
     extra_files: list[str] | None = None,
     description: str | None = None,
+    artifact: str = "int8_model",
+    input_example=None,
 ) -> str:
-    """Log the model as a LoggedModel in the active run (with `extra_files`: its tokenizer and config.json) and
-    register it, with `description`; returns the new version."""
+    """Log the model as a LoggedModel `artifact` in the active run (with `extra_files`: its tokenizer and config.json,
+    the safetensors forms) and an `input_example` (token ids) and register it, with `description`; → the new
+    version."""
     import mlflow
     import numpy as np
     from mlflow.models import ModelSignature
@@ -127,18 +133,59 @@ def register(
     # pt2 would freeze the example's shapes into a GraphModule. The signature is declared, not inferred from an
     # input example: inference runs the model and cannot represent BF16 logits in numpy.
     signature = ModelSignature(inputs=Schema([TensorSpec(np.dtype(np.int64), (-1, -1), "tokens")]))
-    info = mlflow.pytorch.log_model(
-        model,
-        name="int8_model",
-        serialization_format="pickle",
-        signature=signature,
-        pip_requirements=pip_requirements,
-        extra_files=extra_files or None,
-    )
+    # The example is stored with the model (MLmodel's saved_input_example_info). Model.log then tries to serve it
+    # (mlflow/models/model.py, _validate_serving_input) and can only warn: pyfunc's predict turns the output into
+    # numpy (mlflow/pytorch/__init__.py, _PyTorchWrapper.predict), which has no BF16 — that one warning is dropped.
+    with _quiet_serving_check():
+        info = mlflow.pytorch.log_model(
+            model,
+            name=artifact,
+            serialization_format="pickle",
+            signature=signature,
+            input_example=input_example,
+            pip_requirements=pip_requirements,
+            extra_files=extra_files or None,
+        )
     mv = mlflow.register_model(info.model_uri, name, tags={k: str(v) for k, v in tags.items()})
     if description:
         _client(uri).update_model_version(name, mv.version, description=description)
     return str(mv.version)
+
+
+@contextlib.contextmanager
+def _quiet_serving_check():
+    class Drop(logging.Filter):
+        def filter(self, record):
+            return not record.getMessage().startswith("Failed to validate serving input example")
+
+    log, drop = logging.getLogger("mlflow.models.model"), Drop()
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
+
+
+def link(uri: str, name: str, version: str, tags: dict) -> None:
+    """Tags on an existing version (the INT8 and BF16 versions name each other)."""
+    client = _client(uri)
+    for k, v in tags.items():
+        client.set_model_version_tag(name, str(version), k, str(v))
+
+
+def may_move_aliases(uri: str, name: str, dag_id: str | None) -> tuple[bool, str]:
+    """Aliases move only in runs of the registered model's own DAG: the DAG whose run first moved them (the model's
+    OWNER_TAG, set then). A CLI or test run (no DAG) or another DAG's run registers versions but moves nothing.
+    → (allowed, why not)."""
+    if not dag_id:
+        return False, f"a run outside Airflow (CLI or test) registers {name} but moves no alias"
+    client = _client(uri)
+    owner = client.get_registered_model(name).tags.get(OWNER_TAG)
+    if owner is None:
+        client.set_registered_model_tag(name, OWNER_TAG, dag_id)
+    elif owner != dag_id:
+        return False, f"a run of DAG {dag_id} registers {name} but moves no alias ({name} belongs to DAG {owner})"
+    return True, ""
 
 
 def describe(uri: str, name: str, version: str, description: str) -> None:

@@ -115,8 +115,20 @@ def markdown(rows: list[dict], stages: list[dict], generations: list[dict], spli
     return "\n".join(lines) + "\n"
 
 
-def description(tasks: dict, m: dict, champion: dict | None, reason: str) -> str:
-    """The registered version's description: the gate, the per-task table, the champion comparison."""
+CARD = {
+    "data": "Data",
+    "tokenizer": "Tokenizer",
+    "layout": "Parallel layout",
+    "steps": "Training steps",
+    "dag": "DAG run",
+    "train_run": "Training run (MLflow)",
+    "evaluate_run": "Evaluation run (MLflow)",
+}
+
+
+def description(tasks: dict, m: dict, champion: dict | None, reason: str, card: dict | None = None) -> str:
+    """The registered version's description, a model card: the gate, the per-task table, the champion comparison,
+    then data, tokenizer, training and lineage (`card`, keys of CARD)."""
     lines = [
         f"INT8 {m['method']} ({m['backend']}, {m['stage'].upper()}): `{m['gate_metric']}` "
         f"{m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']:g}%) against {m['reference'].upper()}; macro task "
@@ -129,7 +141,17 @@ def description(tasks: dict, m: dict, champion: dict | None, reason: str) -> str
         f"Supplementary (val tokens): perplexity {m['ref_ppl']:.4f} → {m['int8_ppl']:.4f}, next-token top-1 "
         f"{m['ref_accuracy']:.4f} → {m['int8_accuracy']:.4f}; size {m['size_ratio_vs_bf16']:.2f}x BF16.",
     ]
+    if card:
+        lines += ["", "## Model card", "", *_table(["", ""], [[CARD[k], card[k]] for k in CARD if k in card])]
     return "\n".join(lines) + "\n"
+
+
+def bf16_description(int8_description: str) -> str:
+    """The BF16 version's description: what it is, then the INT8 version's model card (same data, same lineage)."""
+    return (
+        "BF16: the unquantized model (the train stage's HF export, `extra_files/`: config.json, safetensors, "
+        "tokenizer) that the INT8 version below was quantized from and gated against.\n\n" + int8_description
+    )
 
 
 def figure(stages: list[dict]):

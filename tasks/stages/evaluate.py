@@ -219,19 +219,76 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict |
     }
     if ptq is not None:
         tags["eval.ptq_gate_value"] = f"{ptq['value']:.4f}"
-    if ctx.mlflow_run_id:
-        import mlflow
-
-        run_tags = mlflow.MlflowClient(uri).get_run(ctx.mlflow_run_id).data.tags
-        tags.update({k: run_tags[k] for k in ("airflow.dag_id", "airflow.run_id") if k in run_tags})
+    tags.update(_dag_tags(uri, ctx))
     return tags
 
 
-def _extra_files(model_dir: Path) -> list[str]:
-    """What runs the registered model on text later (a champion evaluation): its tokenizer and config.json."""
-    from tasks.harness.models import TOKENIZER_FILES
+def _dag_tags(uri: str, ctx) -> dict:
+    """The DAG run this evaluation belongs to ({} for a CLI or test run): the parent run's airflow tags."""
+    if not ctx.mlflow_run_id:
+        return {}
+    import mlflow
 
-    return [str(model_dir / f) for f in (*TOKENIZER_FILES, "config.json") if (model_dir / f).is_file()]
+    run_tags = mlflow.MlflowClient(uri).get_run(ctx.mlflow_run_id).data.tags
+    return {k: run_tags[k] for k in ("airflow.dag_id", "airflow.run_id") if k in run_tags}
+
+
+def _card(ctx, shard_dir: Path, digest: str, dag: dict) -> dict:
+    """The model card's facts besides the figures: data, tokenizer, training, lineage."""
+    manifest = read_json(shard_dir / "manifest.json")
+    tok = manifest.get("tokenizer", {})
+    train = ctx.inputs.get("train", {})
+    return {
+        "data": f"shard set {shard_dir.name}, manifest digest {digest}",
+        "tokenizer": f"{tok.get('source', '?')}, vocab {manifest.get('vocab_size', '?')}, "
+        f"sha256 {str(tok.get('sha256', '?'))[:16]}",
+        "layout": train.get("layout") or "unknown (not trained in this run)",
+        "steps": train.get("steps") or "unknown (not trained in this run)",
+        "dag": f"{dag['airflow.dag_id']} / {dag.get('airflow.run_id', '?')}" if dag else "none (CLI or test run)",
+        "train_run": train.get("mlflow_run_id") or "unknown",
+        "evaluate_run": ctx.mlflow_run_id or "",
+    }
+
+
+def _register_bf16(uri, ctx, cfg, digest, model_dir: Path, measurer, description: str, tags: dict) -> tuple[str, str]:
+    """The unquantized model (the train stage's HF export, run in BF16) as a version of `<registered_model>-bf16`,
+    with the export's files (config.json, safetensors, tokenizer) beside it; the same export and data → the same
+    version on a rerun. → (name, version)."""
+    from tasks.quant.artifact import pip_requirements
+
+    name = f"{cfg.evaluate.registered_model}-bf16"
+    key = hashlib.sha256(f"{inputs.fingerprint(model_dir)}/{digest}".encode()).hexdigest()[:16]
+    existing = registry.find_version(uri, name, "bf16.key", key)
+    if existing is not None:
+        registry.describe(uri, name, str(existing.version), description)
+        return name, str(existing.version)
+    files = [str(f) for f in sorted(model_dir.iterdir()) if f.is_file()]
+    example = measurer.data.batches[0][0][:1, :16].long().numpy()
+    version = registry.register(
+        uri,
+        name,
+        measurer.bf16,
+        dict(tags, **{"bf16.key": key}),
+        pip_requirements({}),
+        files,
+        description,
+        artifact="bf16_model",
+        input_example=example,
+    )
+    return name, version
+
+
+def _extra_files(model_dir: Path, quant_dir: Path) -> list[str]:
+    """What runs the registered model on text later (a champion evaluation): its tokenizer and config.json; and
+    the INT8 weights without pickle (safetensors + quantization_config.json, torchao artifacts)."""
+    from tasks.harness.models import TOKENIZER_FILES
+    from tasks.quant.artifact import QUANT_CONFIG, SAFETENSORS
+
+    files = [model_dir / f for f in (*TOKENIZER_FILES, "config.json")] + [
+        quant_dir / SAFETENSORS,
+        quant_dir / QUANT_CONFIG,
+    ]
+    return [str(f) for f in files if f.is_file()]
 
 
 def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard_dir, measurer) -> dict:
@@ -252,29 +309,54 @@ def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard
         if champ and "scores" in champ:
             for entry, r in champ["scores"]["entries"].items():
                 rows[entry]["champion"] = r["value"]
-    description = report.description(rows, m, champ, decision.reason)
+    dag = _dag_tags(uri, ctx)
+    card = _card(ctx, shard_dir, digest, dag)
+    description = report.description(rows, m, champ, decision.reason, card)
+    lineage = {
+        "train.run_id": ctx.inputs.get("train", {}).get("mlflow_run_id") or "unknown",
+        registry.DIGEST_TAG: digest,
+        "eval.run_id": ctx.mlflow_run_id or "",
+        **dag,
+    }
+    bf16_name, bf16_version = _register_bf16(
+        uri, ctx, cfg, digest, model_dir, measurer, report.bf16_description(description), lineage
+    )
+    link = {"bf16.registered_model": bf16_name, "bf16.version": bf16_version}
     if existing is not None:
         version = str(existing.version)
         registry.describe(uri, name, version, description)
+        registry.link(uri, name, version, link)
     else:
-        tags = _tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks))
+        tags = dict(_tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks)), **link)
         version = registry.register(
-            uri, name, model, tags, pip_requirements(meta), _extra_files(model_dir), description
+            uri,
+            name,
+            model,
+            tags,
+            pip_requirements(meta),
+            _extra_files(model_dir, quant_dir),
+            description,
+            input_example=measurer.data.batches[0][0][:1, :16].long().numpy(),
         )
-    registry.set_alias(uri, name, registry.CANDIDATE, version)
+    registry.link(uri, bf16_name, bf16_version, {"int8.registered_model": name, "int8.version": version})
+    movable, why_not = registry.may_move_aliases(uri, name, dag.get("airflow.dag_id"))
     already = champion is not None and champion["version"] == version
     # evaluate.json's `approval` (docs/ARCHITECTURE.md): a person decides in the DAG's approve task
-    ask = cfg.evaluate.require_approval and not already
-    if decision.promote and not ask:
-        registry.set_alias(uri, name, registry.CHAMPION, version)
+    ask = movable and cfg.evaluate.require_approval and not already
+    if movable:
+        registry.set_alias(uri, name, registry.CANDIDATE, version)
+        if decision.promote and not ask:
+            registry.set_alias(uri, name, registry.CHAMPION, version)
     approval = {"needed": ask, "reason": "", "version": version}
     if ask:
         approval["reason"] = f"evaluate.require_approval is set; the comparison says: {decision.reason}"
     out = {
         "registered_model": name,
         "version": version,
-        "champion": decision.promote and not ask,
-        "champion_reason": decision.reason,
+        "bf16_model": {"registered_model": bf16_name, "version": bf16_version},
+        "champion": already or (movable and decision.promote and not ask),
+        "champion_reason": decision.reason if movable else f"{decision.reason}; {why_not}",
+        "aliases_moved": movable,
         "comparable": decision.comparable,
         "aliases": registry.aliases(uri, name),
         "approval": approval,
@@ -464,7 +546,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         return dict(result, status="warn", summary=f"not registered (tracking off): {figures}")
     tracking.set_tags({"registry.version": reg["version"], "registry.champion": reg["champion"]})
     status = "ok" if reg.pop("comparable") else "warn"
-    role = "champion" if reg["champion"] else "candidate"
+    role = "champion" if reg["champion"] else "candidate" if reg["aliases_moved"] else "registered (no alias moved)"
     return dict(
         result,
         **reg,

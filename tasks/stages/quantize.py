@@ -23,7 +23,7 @@ from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json, recover_dir, sha256_file, swap_dir
 from tasks.quant import inputs
 from tasks.quant.amct_config import jsonable
-from tasks.quant.artifact import DTYPES, META, WEIGHTS, describe_layers, save_model, verify_output
+from tasks.quant.artifact import DTYPES, META, WEIGHTS, describe_layers, save_model, save_safetensors, verify_output
 from tasks.quant.plan import choose_backend, select_layers
 
 
@@ -105,7 +105,10 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
     out = ctx.run_dir / "quantize"
     recover_dir(out)
     if (out / META).is_file() and {k: read_json(out / META).get(k) for k in settings} == settings:
+        old = read_json(out / META)
         problem = verify_output(out)
+        if problem is None and old.get("format") == "torch_state_dict" and "safetensors_sha256" not in old:
+            problem = "written before the safetensors form was"
         if problem is None:
             return read_json(out / META), out, True
         print(f"warning: quantize: {problem}; rebuilding it", file=sys.stderr, flush=True)
@@ -161,6 +164,8 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
             meta["weights_sha256"] = sha256_file(tmp / WEIGHTS)  # checked whenever the file is reused
+            if meta["format"] == "torch_state_dict":  # the same tensors without pickle, + quantization_config.json
+                meta.update(save_safetensors(model, tmp, meta))
         else:
             meta["int8_bytes"] = metrics.size_on_disk(meta["deploy_onnx"])
         atomic_write_json(tmp / META, meta)
