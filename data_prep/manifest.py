@@ -61,8 +61,19 @@ def shards(manifest: dict, split: str) -> list[dict]:
 
 def check_tokenizer(shard_dir: str | Path, manifest: dict) -> None:
     """tokenizer.json and its companion files are the ones the shards were tokenized with (sha256 each): the token
-    ids mean nothing under another tokenizer, even one of the same size."""
-    for name, want in manifest["tokenizer"].get("file_sha256", {}).items():
+    ids mean nothing under another tokenizer, even one of the same size. A companion file the manifest does not
+    record (added after sharding, e.g. a tokenizer_config.json naming another EOS) is refused too: an HF export of a
+    model trained on the shard set would carry it."""
+    from data_prep.tokenizer import COMPANION_FILES
+
+    recorded = manifest["tokenizer"].get("file_sha256")
+    for name in COMPANION_FILES if recorded is not None else ():
+        if name not in recorded and (Path(shard_dir) / name).is_file():
+            raise DataPrepError(
+                f"shard set {shard_dir}: {name} was added after sharding (the manifest records "
+                f"{', '.join(recorded)}); the shards were tokenized without it: remove it or rebuild the shard set"
+            )
+    for name, want in (recorded or {}).items():
         path = Path(shard_dir) / name
         try:
             have = hashlib.sha256(path.read_bytes()).hexdigest()

@@ -396,6 +396,12 @@ def test_verify_refuses_a_swapped_tokenizer_or_companion(tmp_path):
     assert out.returncode == 2 and "tokenizer.json was changed after sharding (sha256 " in out.stderr
     (r.shard_dir / "tokenizer.json").unlink()
     assert "tokenizer file tokenizer.json is missing" in verify_cli(r.shard_dir).stderr
+    shutil.copy(tmp_path / "model" / "tokenizer.json", r.shard_dir / "tokenizer.json")
+    assert verify_cli(r.shard_dir).returncode == 0
+    (r.shard_dir / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>"}))  # added afterwards
+    out = verify_cli(r.shard_dir)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "special_tokens_map.json was added after sharding (the manifest records tokenizer.json, " in out.stderr
 
 
 def test_cache_key_is_the_inputs_contents_not_their_mtime(tmp_path):
