@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     verify.add_argument("--split", action="append", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cfg = None
     try:
         if args.command == "verify":
             from data_prep.manifest import check_files, load_manifest
@@ -72,10 +73,20 @@ def main(argv=None) -> int:
         return 2
     except OSError as e:  # a full or read-only disk: the path and the errno; a rerun resumes the build
         name = errno.errorcode.get(e.errno or 0, "")
-        where = f"{e.filename}: " if e.filename else ""
+        # a write's flush/fsync error carries no file name: then the output directory is where it happened
+        target = e.filename or (
+            f"under {cfg.out_dir}" if cfg is not None else (args.shard_dir if "shard_dir" in args else "")
+        )
+        where = f"{target}: " if target else ""
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space there"
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            fix = "make it writable"
+        else:
+            fix = "fix the cause"
         print(
-            f"error: {where}{e.strerror or e}{f' ({name})' if name else ''}; free space or fix permissions, then "
-            "rerun (finished steps are kept)",
+            f"error: {where}{e.strerror or e}{f' ({name})' if name else ''}; {fix}, then rerun (finished steps are "
+            "kept)",
             file=sys.stderr,
         )
         return 2

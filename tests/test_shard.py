@@ -508,3 +508,23 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(tmp_path, monkeypatch, ca
     monkeypatch.setattr(fsio, "create", real)
     assert cli.main(argv) == 0
     assert len(visible(tmp_path / "o")) == 1 and not list((tmp_path / "o").glob(".tmp-*"))
+
+
+def test_a_full_disk_at_fsync_names_the_output_directory(tmp_path, monkeypatch, capsys):
+    """ENOSPC from a flush/fsync carries no file name (a real full tmpfs gave "error: No space left on device"): the
+    line names the output directory and says to free space, not to fix permissions."""
+    import errno
+
+    from data_prep import __main__ as cli
+    from data_prep import partition
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(partition.os, "fsync", full)
+    assert cli.main(["shard", "--input", str(CORPUS), "--out", str(tmp_path / "o"), *SMALL]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("WARNING")]
+    assert err == [
+        f"error: under {tmp_path / 'o'}: No space left on device (ENOSPC); free space there, then rerun (finished "
+        "steps are kept)"
+    ]
