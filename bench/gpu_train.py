@@ -171,7 +171,7 @@ def main(argv=None) -> dict:
         result = step(tokens[:, :-1], tokens[:, 1:])
         synchronize(device)
         times.append(time.perf_counter() - t0)
-        losses.append(result.loss.item())
+        losses.append(float(result.loss))  # StepResult.loss: the global loss, already read to the host
         if rank == 0:
             print(f"step {i + 1}: loss {losses[-1]:.3f}, {times[-1]:.3f} s", flush=True)
     step_s = statistics.median(times[args.warmup :] or times)

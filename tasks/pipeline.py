@@ -126,8 +126,8 @@ PARAMS = [
         "max_drop_pct",
         "evaluate.max_drop_pct",
         "Quantization",
-        "Max INT8 accuracy drop (%)",
-        "The gate: a larger INT8 drop (default: macro task accuracy vs BF16) means QAT, then no registration.",
+        "Max INT8 drop on the gate metric (%)",
+        "The gate: how far the INT8 model may fall behind on the gate metric, in percent; more refuses registration.",
     ),
     (
         "registered_model",
