@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
-from tasks.errors import ConfigError
+from tasks.errors import ConfigError, StageError
 from tasks.quant import registry
 
 
@@ -89,8 +91,8 @@ def test_candidate_and_champion_aliases_read_back(mlflow_uri, tmp_path):
         assert mv.source.startswith("models:/")  # registered from the LoggedModel
         champ = registry.current_champion(mlflow_uri, name)
         local = registry.download(champ["uri"], tmp_path / "champion")  # what evaluate runs again
-        model = registry.load_registered(local, "cpu")
-        assert isinstance(model, torch.nn.Linear) and model.weight.shape == (2, 4)
+        with pytest.raises(StageError, match=r"only as a pickled module, which is not loaded: unpickling runs code"):
+            registry.load_registered(local, "cpu")  # no safetensors extra files: the pickle is never opened
         from mlflow.models import Model
 
         mlmodel = Model.load(str(local))
@@ -162,10 +164,16 @@ def test_int8_safetensors_round_trip_and_corruption(tmp_path):
         qc = json.loads((out / artifact.QUANT_CONFIG).read_text())
         assert qc["quant_method"] == "torchao" and qc["method"] == method and qc["sha256"] == meta["safetensors_sha256"]
         assert qc["tied_layers_stored_once"] == ["output.weight"]
+        # what a registered version carries as extra files: config.json + the safetensors + its config, no pickle
+        reg = tmp_path / f"registered-{method}"
+        reg.mkdir()
+        for f in (tmp_path / "hf" / "config.json", out / artifact.SAFETENSORS, out / artifact.QUANT_CONFIG):
+            shutil.copy(f, reg)
         with torch.no_grad():
             want = artifact.load_quantized(out, pack=False)(tokens)
             got = artifact.load_quantized(out, pack=False, source="safetensors")(tokens)
-        assert torch.equal(want, got) and torch.equal(model(tokens), got)
+            registered = artifact.load_registered_files(reg, pack=False)(tokens)
+        assert torch.equal(want, got) and torch.equal(model(tokens), got) and torch.equal(registered, got)
     data = bytearray((out / artifact.SAFETENSORS).read_bytes())
     data[-1] ^= 0xFF
     (out / artifact.SAFETENSORS).write_bytes(bytes(data))

@@ -89,12 +89,16 @@ def save_safetensors(model: torch.nn.Module, quant_dir: Path, meta: dict) -> dic
 
 def _read_safetensors(quant_dir: Path, device) -> dict:
     """The torchao state dict back from `model_int8.safetensors` (its sha256 checked by verify_output)."""
-    from safetensors import safe_open
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-
     path = quant_dir / SAFETENSORS
     if not read_json(quant_dir / META).get("safetensors_sha256"):
         raise StageError(f"{path} is missing; rerun the quantize stage (it writes it for torchao artifacts)")
+    return _unflatten(path, device)
+
+
+def _unflatten(path: Path, device) -> dict:
+    from safetensors import safe_open
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
     with safe_open(str(path), "pt", device=str(device)) as f:
         metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     state, left = unflatten_tensor_state_dict(tensors, metadata)
@@ -166,7 +170,6 @@ def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True, sourc
     torchao's own eager path (what the benchmark compares against). `source="safetensors"`: the torchao tensors from
     `model_int8.safetensors` instead of the torch.save file."""
     from tasks.model.hf_io import read_hf_config
-    from tasks.model.transformer import build_model, rope_table
 
     quant_dir = Path(quant_dir)
     if not (quant_dir / META).is_file():
@@ -202,12 +205,36 @@ def load_quantized(quant_dir: str | Path, device="cpu", pack: bool = True, sourc
             f"{quant_dir / WEIGHTS} is unreadable ({str(e).splitlines()[0][:200]}); rerun the quantize "
             "stage (it rebuilds it)"
         ) from None
-    tcfg = read_hf_config(meta["model_dir"])
+    return _assemble(state, read_hf_config(meta["model_dir"]), meta["quantized_layers"], device, pack)
+
+
+def load_registered_files(directory: Path, device="cpu", pack: bool = True) -> torch.nn.Module:
+    """A registered INT8 version's model without unpickling anything: the extra files evaluate registers with it
+    (config.json, model_int8.safetensors, quantization_config.json; the safetensors' sha256 checked against the
+    config's). What a champion comparison loads: a registry entry is data, never code."""
+    from tasks.fsutil import sha256_file
+    from tasks.model.hf_io import read_hf_config
+
+    directory = Path(directory)
+    qc = read_json(directory / QUANT_CONFIG)
+    path = directory / SAFETENSORS
+    if sha256_file(path) != qc.get("sha256"):
+        raise StageError(f"{path} is corrupt (sha256 differs from {QUANT_CONFIG}'s); register the version again")
+    import torchao  # noqa: F401  (its tensor subclasses, rebuilt from the flattened tensors)
+
+    state = _unflatten(path, device)
+    return _assemble(state, read_hf_config(directory), qc["quantized_layers"], device, pack)
+
+
+def _assemble(state: dict, tcfg, quantized_layers: list, device, pack: bool) -> torch.nn.Module:
+    """Our skeleton on the meta device with the INT8 state assigned, ties and RoPE restored, packed on CPU."""
+    from tasks.model.transformer import build_model, rope_table
+
     model = build_model(tcfg, device="meta")  # no memory: every tensor is assigned from the file
     if tcfg.tie_embeddings and "output.weight" not in state:  # stored once in the safetensors form
         state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, assign=True)
-    if tcfg.tie_embeddings and not {"output", "tok_embeddings"} & set(meta["quantized_layers"]):
+    if tcfg.tie_embeddings and not {"output", "tok_embeddings"} & set(quantized_layers):
         model.tie_weights()  # quantizing either one gave each its own weight in the file
     model.rope_cache = rope_table(tcfg.head_dim, tcfg.max_seq_len, tcfg.rope_theta, device=device)
     if pack and torch.device(device).type == "cpu":

@@ -85,16 +85,19 @@ def download(model_uri: str, dst: Path) -> Path:
 
 
 def load_registered(local: Path, device):
-    """The registered (pickled) INT8 module from a downloaded model folder, on `device`."""
-    import mlflow
+    """The registered INT8 model from a downloaded model folder, on `device`, from its safetensors extra files
+    (artifact.load_registered_files): the pickled module MLflow's pytorch flavour also stores is never unpickled
+    (that would run code from whoever can write to the registry). A version registered before the safetensors form
+    cannot be loaded here: one line saying so."""
+    from tasks.quant.artifact import QUANT_CONFIG, SAFETENSORS, load_registered_files
 
-    try:
-        import torchao  # noqa: F401  (torchao's tensor subclasses inside the pickle)
-    except ImportError:
-        pass
-    # The pickle is our own module, registered by our evaluate stage (trusted, as artifact.load_quantized's AMCT
-    # module): torch.load's weights_only default (True since torch 2.6) would refuse a module.
-    return mlflow.pytorch.load_model(str(local), map_location=device, weights_only=False).eval()
+    extra = Path(local) / EXTRA
+    if not all((extra / f).is_file() for f in (SAFETENSORS, QUANT_CONFIG, "config.json")):
+        raise StageError(
+            f"registered without {SAFETENSORS} + {QUANT_CONFIG} (only as a pickled module, which is not loaded: "
+            "unpickling runs code); evaluate a newer version or register it again"
+        )
+    return load_registered_files(extra, device)
 
 
 def find_version(uri: str, name: str, tag: str, value: str):

@@ -188,7 +188,10 @@ def _champion_scores(cfg, ctx, champion: dict, digest: str, shard_dir: Path, mea
                 "problem": "registered without its tokenizer (before task evaluation) and measured on other data "
                 f"({champion.get('digest') or '?'}), so it cannot be run on text here",
             }
-        model = registry.load_registered(local, measurer.device)
+        try:
+            model = registry.load_registered(local, measurer.device)
+        except StageError as e:
+            return {"version": v, "problem": str(e)}
     try:
         suites.check_generation(measurer.suite, model.config.max_seq_len, f"champion v{v}")
     except StageError as e:
