@@ -260,10 +260,16 @@ def test_amct_artifact_loads_and_registers_without_torchao(tmp_path):
 
     from tasks.quant.artifact import META, WEIGHTS
 
+    from tasks.fsutil import sha256_file
+
     torch.save(torch.nn.Linear(4, 4), tmp_path / WEIGHTS)
-    (tmp_path / META).write_text(json.dumps({"format": "torch_module", "backend": "amct", "model_dir": "x"}))
+    meta = {"format": "torch_module", "backend": "amct", "model_dir": "x"}
+    meta.update(int8_bytes=(tmp_path / WEIGHTS).stat().st_size, weights_sha256=sha256_file(tmp_path / WEIGHTS))
+    (tmp_path / META).write_text(json.dumps(meta))  # what the quantize stage records beside AMCT's pickle
     code = (
         "import sys; sys.modules['torchao'] = None\n"  # any `import torchao` now raises ImportError
+        # the Ascend host that quantized it has AMCT (a pickled deploy module is opened only there)
+        "import types; sys.modules['amct_pytorch'] = types.ModuleType('amct_pytorch')\n"
         "from tasks.quant.artifact import load_quantized, pip_requirements\n"
         f"m = load_quantized({str(tmp_path)!r})\n"
         "print(type(m).__name__, pip_requirements({'backend': 'amct'})[0].split('==')[0])\n"
