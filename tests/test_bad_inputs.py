@@ -80,7 +80,7 @@ def run_cli(capsys, *argv) -> tuple[int, list[str]]:
 
     capsys.readouterr()
     rc = main([str(a) for a in argv])
-    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("warning: ")]
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith(("warning: ", "progress: "))]
     return rc, err
 
 
@@ -947,7 +947,7 @@ def test_disk_full_during_training(tmp_path, shards):  # noqa: F811
             env={**os.environ, "PYTHONPATH": str(REPO)},
             timeout=600,
         )
-        err = [ln for ln in out.stderr.strip().splitlines() if not ln.startswith("warning: ")]
+        err = [ln for ln in out.stderr.strip().splitlines() if not ln.startswith(("warning: ", "progress: "))]
         one_line(
             out.returncode,
             err,

@@ -154,7 +154,7 @@ def test_lr_1000_stops_in_one_line_and_exports_nothing(tmp_path, shards, capsys)
     sets = [a for k, v in {**BASE, **BLOW_UP}.items() for a in ("--set", f"{k}={v}")]
     rc = main(["train", "--no-tracking", "--run-dir", str(run), "--shard-dir", str(shards), *sets])
     out = capsys.readouterr()
-    err = [ln for ln in out.err.strip().splitlines() if not ln.startswith("warning: ")]
+    err = [ln for ln in out.err.strip().splitlines() if not ln.startswith(("warning: ", "progress: "))]
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("error: loss diverged (") and "× median 6.2" in err[0] and ") at step 2 (loss " in err[0]
     assert "stopped before the update, last good checkpoint none; set aside as diverged: step-1" in err[0]

@@ -144,7 +144,7 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
     the in-memory retrained model)."""
     from tasks.model.hf_io import load_hf
     from tasks.quant import metrics
-    from tasks.quant.artifact import DTYPES, META, WEIGHTS, save_model
+    from tasks.quant.artifact import DTYPES, META, WEIGHTS, save_model, save_safetensors
 
     q, t = cfg.quantize, cfg.train
     started = time.time()
@@ -158,7 +158,16 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
     meta = {
         k: v
         for k, v in ptq_meta.items()
-        if k not in ("int8_bytes", "deploy_onnx", "fake_quant_onnx", "amct_config", "weights_sha256")
+        if k
+        not in (
+            "int8_bytes",
+            "deploy_onnx",
+            "fake_quant_onnx",
+            "amct_config",
+            "weights_sha256",
+            "safetensors_bytes",
+            "safetensors_sha256",
+        )
     }
     meta.update(stage="qat", qat_steps=q.qat_steps, qat_lr=t.min_lr)
     out = {}
@@ -180,6 +189,7 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
             meta["weights_sha256"] = sha256_file(tmp / WEIGHTS)  # checked whenever the file is loaded (evaluate)
+            meta.update(save_safetensors(model, tmp, meta))  # the same tensors without pickle, as PTQ's
         else:
             from tasks.quant.amct_backend import quantize_retrain
 
