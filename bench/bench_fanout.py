@@ -69,9 +69,15 @@ def timings(tis: list[dict], run: dict) -> dict:
 
 
 def shard_tokens(var: Path) -> int:
-    manifests = [p for p in var.rglob("manifest.json") if not any(part.startswith(".tmp-") for part in p.parts)]
+    # the published set: its manifest beside its shards (not a half-built .tmp- set, not the copy MLflow keeps as an
+    # artifact of the shard run)
+    manifests = [
+        p
+        for p in var.rglob("manifest.json")
+        if not any(part.startswith(".tmp-") for part in p.parts) and any(p.parent.glob("train-*.tar"))
+    ]
     if len(manifests) != 1:
-        raise RuntimeError(f"expected one published shard set under {var}, found {len(manifests)}")
+        raise RuntimeError(f"expected one published shard set under {var}, found {[str(p) for p in manifests]}")
     splits = json.loads(manifests[0].read_text())["splits"]
     return sum(s["tokens"] for s in splits.values())
 
