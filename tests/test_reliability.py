@@ -83,6 +83,16 @@ def test_rank_cause_from_log_and_retry_policy(tmp_path):
     e = explain(tmp_path / "train", 1, "", [], {}, "step 0", failures=killed[:1])
     assert e.retryable and "Connection closed by peer" in str(e)
 
+    # torch elastic's agent crashed reading a survivor's half-written error file (ProcessFailure.__post_init__ logs
+    # "Failed to parse reply file: %s" and re-raises): no end-of-run report; one line says so, not a traceback tail.
+    crashed = (
+        "E1201 19:02:11.123000 4242 torch/distributed/elastic/multiprocessing/errors/__init__.py:132] Failed to parse "
+        "reply file: /r/logs/torchelastic-node0/none_x/attempt_0/0/error.json\nTraceback (most recent call last):\n"
+        '  File "/v/bin/torchrun", line 8, in <module>\njson.decoder.JSONDecodeError: Expecting value: line 1 column 1'
+    )
+    e = explain(tmp_path / "train", 1, crashed, [], {}, "step 0", failures=[])
+    assert e.retryable and "crashed reading local rank 0's error file" in str(e) and "JSONDecodeError" not in str(e)
+
 
 @pytest.mark.slow
 def test_corrupt_latest_checkpoint_falls_back_to_newest_verified(cfg, tmp_path, shards, capsys):

@@ -8,6 +8,7 @@ The launcher turns that evidence, torchrun's exit report and the planner's resul
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -16,6 +17,11 @@ from tasks.parallel import rank_errors
 from tasks.parallel.metrics import read_heartbeats
 from tasks.units import GB
 
+# torch elastic's agent reading a survivor's @record error file while the rank still writes it (after another rank
+# died and the agent SIGTERMed the rest) fails on its own JSONDecodeError and prints no end-of-run report:
+# torch/distributed/elastic/multiprocessing/errors/__init__.py, ProcessFailure.__post_init__ ("Failed to parse reply
+# file: %s", then `raise`).
+_AGENT_CRASH = re.compile(r"Failed to parse reply file: (\S*?/attempt_\d+/(\d+)/error\.json)")
 PHASES = ("data", "compute", "validate", "checkpoint", "done")  # heartbeat phases within a step, in order
 
 
@@ -170,6 +176,15 @@ def explain(
         return StageError(
             f"rank {rank} died ({_exit_text(code)}) at step {step}; see logs/rank-{rank}.log; "
             f"a retry resumes from {resume_from}",
+            retryable=True,
+        )
+    crash = _AGENT_CRASH.search(torchrun_log)
+    if crash:  # no end-of-run report to read: name what happened and where the dead rank's own lines are
+        local = crash.group(2)
+        return StageError(
+            f"a rank stopped, then torchrun's elastic agent crashed reading local rank {local}'s error file while "
+            f"that rank was still writing it (a torch elastic race), so torchrun named no failed rank: see "
+            f"logs/rank-*.log and logs/torchrun.log; a retry resumes from {resume_from}",
             retryable=True,
         )
     tail = " | ".join(torchrun_log.strip().splitlines()[-3:])

@@ -345,8 +345,10 @@ class Trainer:
         from tasks.parallel.divergence import Divergence
         from tasks.train.hooks import local
 
-        bad = sum(int((~torch.isfinite(local(p).detach())).sum()) for p in self.params)
-        flag = torch.tensor(min(bad, 2**30), dtype=torch.int32, device=self.device)
+        # Counted on the device and summed there: one host sync (the all-reduce's), not one `.item()` per parameter.
+        counts = [(~torch.isfinite(local(p).detach())).sum().to(self.device) for p in self.params]
+        bad = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64, device=self.device)
+        flag = bad.clamp(max=2**30).to(torch.int32)
         collectives.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if flag.item():
             what = "the weights became non-finite in the update (its loss and gradient norm were finite)"
