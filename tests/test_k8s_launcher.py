@@ -3,7 +3,8 @@ torchrun stages as a Kubeflow PyTorchJob / TrainJob), valid against the Kubernet
 (Volcano's PodGroup, training-operator's PyTorchJob, Trainer's TrainJob; tests/fixtures/k8s, sources named in each
 file's $comment), and the DAG's tasks route to that launcher. No API server can run here: the Kubernetes schemas are
 the official client's models (tests/fixtures/k8s/generate_schema.py); the submit/wait/collect path runs through the
-cncf provider's KubernetesHook and the client's request layer against a loopback endpoint (tests/k8s_api.py)."""
+cncf provider's KubernetesHook and the client's request layer against a loopback endpoint that answers with real
+responses recorded upstream (tests/helpers/k8s_api.py, tests/data/k8s: each file names its source)."""
 
 import dataclasses
 import json
@@ -20,7 +21,7 @@ from tasks.bounds import stage_timeout_s
 from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES, runs_on_kubernetes
 from tasks.stages import STAGES
 
-from tests.helpers.k8s_api import FakeApi, _cond
+from tests.helpers.k8s_api import DATA, POD_NAMES, RecordedApi, recorded
 from tests.helpers.k8s_schema import validate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,23 +230,49 @@ def test_the_pod_command_gets_its_rank_and_rendezvous_from_the_operator(k8s_cfg,
     assert words[-1] == "RANK=unset"
 
 
-def test_final_state_reads_each_kinds_conditions():
-    assert k8s_job.final_state("pytorchjob", {"status": {"conditions": [_cond("Running", "R")]}}) == (False, "")
-    done = [_cond("Running", "R", "False"), _cond("Succeeded", "PyTorchJobSucceeded")]
-    assert k8s_job.final_state("pytorchjob", {"status": {"conditions": done}}) == (True, "")
-    failed = {"status": {"conditions": [_cond("Failed", "DeadlineExceeded")]}}
-    assert k8s_job.final_state("trainjob", failed) == (True, "DeadlineExceeded")
-    assert k8s_job.final_state("trainjob", {"status": {"conditions": [_cond("Complete", "JobsCompleted")]}}) == (
-        True,
-        "",
-    )
-    assert k8s_job.final_state(
-        "job", {"status": {"conditions": [_cond("Failed", "BackoffLimitExceeded", "False")]}}
-    ) == (
-        False,
-        "",
-    )  # a condition that is not "True" ends nothing
-    assert k8s_job.final_state("trainjob", {}) == (False, "")
+KIND = {"job": "Job", "pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}
+SUCCEEDS = {"job": ["job-running", "job-complete"], "pytorchjob": [None, "pytorchjob-succeeded"],
+            "trainjob": [None, "trainjob-complete"]}  # fmt: skip
+FAILS = {"job": ["job-running", "job-failed"], "pytorchjob": [None, "pytorchjob-failed"],
+         "trainjob": [None, "trainjob-failed"]}  # fmt: skip
+FAILED_REASON = {  # the recorded Failed condition's reason: message, as final_state reports it
+    "job": "FailedIndexes: Job has failed indexes",
+    "pytorchjob": "JobFailed: PyTorchJob pytorch-tcp-dist-mnist is failed because 1 Worker replica(s) failed.",
+    "trainjob": "DeadlineExceeded: TrainJob exceeded its active deadline",
+}
+
+
+def test_every_recording_names_its_source_and_has_the_apis_shape():
+    """Each recorded reply cites where it comes from, says whether it is verbatim, and its status is valid against
+    the kind's own schema (the Kubernetes API's V1JobStatus, the CRDs' status schemas)."""
+    from tests.helpers.k8s_schema import CRDS, check
+
+    files = sorted(DATA.glob("*.json"))
+    assert len(files) == 10
+    for path in files:
+        rec = recorded(path.stem)
+        assert rec["source"] and rec["recorded"] and rec["adjusted"] and rec["code"] in (200, 403, 409), path.name
+        body = rec["body"]
+        if body["kind"] == "Job":
+            check("V1JobStatus", body["status"])
+        elif body["kind"] in CRDS:  # the status schema only: the 2018 PyTorchJob's spec predates runPolicy
+            jsonschema.Draft7Validator(CRDS[body["kind"]]["properties"]["status"]).validate(body["status"])
+        elif body["kind"] == "Status":
+            assert body["code"] == rec["code"] and body["status"] == "Failure"
+
+
+@pytest.mark.parametrize("kind", KIND)
+def test_final_state_reads_each_kinds_recorded_conditions(kind):
+    """The recorded replies, as the client hands them over: a running or just-created object is not done, the
+    success condition (after a Job's SuccessCriteriaMet) ends it cleanly, the failure condition (after a Job's
+    FailureTarget) ends it with the controller's reason and message."""
+    for reply in SUCCEEDS[kind][:-1]:
+        assert k8s_job.final_state(kind, recorded(reply)["body"] if reply else {}) == (False, "")
+    assert k8s_job.final_state(kind, recorded(SUCCEEDS[kind][-1])["body"]) == (True, "")
+    assert k8s_job.final_state(kind, recorded(FAILS[kind][-1])["body"]) == (True, FAILED_REASON[kind])
+    target = recorded("job-failed")["body"]  # a Job between FailureTarget and Failed: its pods still terminate
+    target["status"]["conditions"] = target["status"]["conditions"][:1]
+    assert k8s_job.final_state("job", target) == (False, "")
 
 
 def test_the_config_offers_exactly_the_kinds_there_are():
@@ -257,16 +284,9 @@ def test_the_config_offers_exactly_the_kinds_there_are():
     assert set(get_args(HardwareConfig.model_fields["k8s_kind"].annotation)) == set(k8s_job.KINDS)
 
 
-FINAL = {  # each controller's success condition (k8s_api._cond: status "True")
-    "Job": [_cond("Complete", "CompletionsReached")],
-    "PyTorchJob": [_cond("Succeeded", "PyTorchJobSucceeded")],
-    "TrainJob": [_cond("Complete", "JobsCompleted")],
-}
-
-
 @pytest.fixture
 def api_server(tmp_path, monkeypatch):
-    api = FakeApi(validate, FINAL)
+    api = RecordedApi(validate, {KIND[k]: v for k, v in SUCCEEDS.items()})
     kubeconfig = tmp_path / "kubeconfig.json"
     kubeconfig.write_text(json.dumps(api.kubeconfig()))
     conn = {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig), "namespace": "llm"}}
@@ -276,57 +296,112 @@ def api_server(tmp_path, monkeypatch):
     api.close()
 
 
-@pytest.mark.parametrize("kind", ["job", "pytorchjob", "trainjob"])
+def _run(cfg, kind, run_id):
+    cfg.hardware.k8s_kind = kind
+    cfg.tracking.enabled = False
+    return k8s_submit.run_stage_job("train", cfg, "llm_pipeline", run_id, conn_id="k8s_loopback", poll_s=0.05)
+
+
+@pytest.mark.parametrize("kind", KIND)
 def test_submit_wait_collect_through_the_hook_and_the_client(k8s_cfg, api_server, kind):
-    """The provider's KubernetesHook and the kubernetes client, over HTTP: the job is created (its body accepted by
-    the strict schema check), polled until the controller's final condition, the result the pods wrote collected,
-    and the rendezvous Service removed. Unrun here: a real API server's admission (Trainer's webhook, CEL rules),
-    the operators themselves, and pods on nodes."""
+    """The provider's KubernetesHook and the kubernetes client, over HTTP, on recorded replies: the job is created
+    (its body accepted by the strict schema check), polled through the controller's recorded states until its
+    success condition, the result the pods wrote collected, and the rendezvous Service removed. Unrun here: a real
+    API server's admission (Trainer's webhook, CEL rules), the operators themselves, and pods on nodes."""
     from tasks.runner import default_run_dir
 
-    k8s_cfg.hardware.k8s_kind = kind
-    k8s_cfg.tracking.enabled = False
     run_dir = default_run_dir("llm_pipeline", "manual__1")
 
     def pods_finish(obj):  # node 0's stage result on the shared volume
         (run_dir / "train.json").write_text(json.dumps({"status": "ok", "summary": f"done as {obj['kind']}"}))
 
     api_server.on_done = pods_finish
-    result = k8s_submit.run_stage_job(
-        "train", k8s_cfg, "llm_pipeline", "manual__1", conn_id="k8s_loopback", poll_s=0.05
-    )
-    expected = {"job": "Job", "pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}[kind]
-    assert result["summary"] == f"done as {expected}" and result["launcher"] == "kubernetes"
+    result = _run(k8s_cfg, kind, "manual__1")
+    assert result["summary"] == f"done as {KIND[kind]}" and result["launcher"] == "kubernetes"
     name = result["k8s_job"]
     paths = [(m, p.split("?")[0]) for m, p in api_server.requests]
     if kind == "job":
-        assert ("POST", "/api/v1/namespaces/llm/services") in paths and (
-            "POST",
-            "/apis/batch/v1/namespaces/llm/jobs",
-        ) in paths
+        assert ("POST", "/api/v1/namespaces/llm/services") in paths
+        assert ("POST", "/apis/batch/v1/namespaces/llm/jobs") in paths
         assert ("GET", f"/apis/batch/v1/namespaces/llm/jobs/{name}/status") in paths
         assert ("DELETE", f"/api/v1/namespaces/llm/services/{name}") in paths  # the Service only served the Job
     else:
         group, version, plural, _ = k8s_job.KINDS[kind].api
         assert paths[0] == ("POST", f"/apis/{group}/{version}/namespaces/llm/{plural}")
         assert paths[-1] == ("GET", f"/apis/{group}/{version}/namespaces/llm/{plural}/{name}")
-        assert len(paths) == 1 + api_server.polls_to_finish  # created once, polled until done, nothing else
+        assert len(paths) == 1 + len(SUCCEEDS[kind])  # created once, polled until done, nothing else
+    assert api_server.polls[(k8s_job.KINDS[kind].api or ("", "", "jobs"))[2], name] == len(SUCCEEDS[kind])
 
 
-def test_a_failed_kubeflow_job_names_its_reason_and_node_0_s_cause(k8s_cfg, api_server):
+@pytest.mark.parametrize("kind", KIND)
+def test_a_failed_job_names_the_controllers_reason_and_the_failed_pod(k8s_cfg, api_server, kind):
+    """The recorded failure: one line with the controller's reason and message and, node 0 having written nothing
+    (an OOM kill), the failed pod from the recorded pod list with its exit code, and where its logs are."""
+    from tasks.errors import StageError
+
+    api_server.replies = {KIND[k]: v for k, v in FAILS.items()}
+    api_server.pods = "podlist-failed"
+    with pytest.raises(StageError) as err:
+        _run(k8s_cfg, kind, "manual__2")
+    line = str(err.value)
+    name = k8s_job.job_name("llm_pipeline", "manual__2")
+    running_pod, failed_pod = (f"{name}-{suffix}" for suffix in POD_NAMES[KIND[kind]])
+    assert line.startswith(f"train job {name} failed ({FAILED_REASON[kind]}); ") and "\n" not in line
+    assert f"{failed_pod} Failed (exit 137 OOMKilled)" in line and running_pod + " " not in line
+    assert f"kubectl logs -l {k8s_job.KINDS[kind].pod_selector}={name}`" in line and err.value.retryable
+
+
+def test_node_0s_own_cause_comes_before_the_pods(k8s_cfg, api_server):
     from tasks.errors import StageError
     from tasks.runner import default_run_dir
 
-    k8s_cfg.hardware.k8s_kind = "pytorchjob"
-    k8s_cfg.tracking.enabled = False
     run_dir = default_run_dir("llm_pipeline", "manual__2")
-    api_server.final["PyTorchJob"] = [_cond("Failed", "PyTorchJobFailed", message="pod llm-x-worker-0 failed")]
+    api_server.replies = {KIND[k]: v for k, v in FAILS.items()}
     api_server.on_done = lambda obj: (run_dir / "train.json").write_text(
         json.dumps({"status": "failed", "error": "train: rank 3 killed by SIGKILL (out of memory?)"})
     )
     with pytest.raises(StageError) as err:
-        k8s_submit.run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__2", conn_id="k8s_loopback", poll_s=0.05)
-    assert "failed (PyTorchJobFailed): train: rank 3 killed by SIGKILL" in str(err.value) and err.value.retryable
+        _run(k8s_cfg, "pytorchjob", "manual__2")
+    assert f"failed ({FAILED_REASON['pytorchjob']}): train: rank 3 killed by SIGKILL" in str(err.value)
+
+
+@pytest.mark.parametrize("kind", KIND)
+def test_a_name_that_already_exists_is_one_line_with_the_fix(k8s_cfg, api_server, kind):
+    """The recorded 409 AlreadyExists Status, through the client's ApiException (a Job's through create_from_yaml's
+    FailToCreateError): one line naming the object and the kubectl command that removes it; nothing is polled."""
+    from tasks.errors import StageError
+
+    api_server.refuse["POST"] = "status-409-alreadyexists"
+    with pytest.raises(StageError) as err:
+        _run(k8s_cfg, kind, "manual__3")
+    name = k8s_job.job_name("llm_pipeline", "manual__3")
+    group, _, plural, _ = k8s_job.KINDS[kind].api or ("batch", "v1", "jobs", "Job")
+    assert str(err.value) == (
+        f'train job {name} in namespace llm: {plural}.{group} "{name}" already exists (409 AlreadyExists: left by '
+        f"an earlier submission of this try); delete it (kubectl delete {plural}.{group} {name} -n llm) and clear "
+        "the task"
+    )
+    assert not [m for m, _ in api_server.requests if m == "GET"]
+
+
+@pytest.mark.parametrize("kind", KIND)
+@pytest.mark.parametrize("method", ["POST", "GET"])
+def test_a_forbidden_request_names_the_verb_the_resource_and_the_role_to_grant(k8s_cfg, api_server, kind, method):
+    """The recorded 403 Forbidden Status (RBAC's message): one line naming who may not do what on which resource,
+    and the Role and RoleBinding that let the launcher create, read and delete what it submits."""
+    from tasks.errors import StageError
+
+    api_server.refuse[method] = "status-403-forbidden"
+    with pytest.raises(StageError) as err:
+        _run(k8s_cfg, kind, "manual__4")
+    line = str(err.value)
+    group, _, plural, _ = k8s_job.KINDS[kind].api or ("batch", "v1", "jobs", "Job")
+    user = "system:serviceaccount:helm-test:prefect-worker-dev"  # the recorded identity
+    # the recording's verb ("create") even on a GET: its message is served as recorded, only names adjusted
+    assert f"the cluster does not let {user} create {plural}.{group} (403 Forbidden: " in line
+    assert "kubectl create role llm-pipeline-launcher -n llm --verb=create,get,list,delete --resource=" in line
+    assert f"{plural}.{group}" in line.split("--resource=")[1] and "pods" in line.split("--resource=")[1]
+    assert line.endswith("--role=llm-pipeline-launcher --serviceaccount=helm-test:prefect-worker-dev")
 
 
 def test_a_body_the_api_would_refuse_is_refused_over_the_wire(k8s_cfg, api_server, monkeypatch):
@@ -334,13 +409,12 @@ def test_a_body_the_api_would_refuse_is_refused_over_the_wire(k8s_cfg, api_serve
     client's ApiException (422 Invalid) — the strict check sits on the request path, not only in these tests."""
     from kubernetes.client.exceptions import ApiException
 
-    k8s_cfg.hardware.k8s_kind = "trainjob"
     real = k8s_job.KINDS["trainjob"]
     monkeypatch.setitem(
         k8s_job.KINDS, "trainjob", dataclasses.replace(real, convert=lambda *a: {**real.convert(*a), "sepc": {}})
     )
     with pytest.raises(ApiException) as err:
-        k8s_submit.run_stage_job("train", k8s_cfg, "llm_pipeline", "manual__3", conn_id="k8s_loopback", poll_s=0.05)
+        _run(k8s_cfg, "trainjob", "manual__5")
     assert err.value.status == 422 and "sepc" in err.value.body
 
 

@@ -324,27 +324,32 @@ KINDS = {
 
 def final_state(kind: str, obj: dict) -> tuple[bool, str]:
     """(done, failure reason or "") from a Job/PyTorchJob/TrainJob as the API returns it (a dict): done once its
-    success or failure condition is "True" (the operators' condition types, Kind.final)."""
+    success or failure condition is "True" (the controllers' condition types, Kind.final). The reason is the
+    condition's reason and message ("FailedIndexes: Job has failed indexes", "JobFailed: PyTorchJob x is failed
+    because 1 Worker replica(s) failed."): the message is where a controller names what failed. A Job's
+    FailureTarget/SuccessCriteriaMet (Kubernetes >= 1.31) come before Failed/Complete, while pods still terminate;
+    waiting for the terminal condition means node 0 has finished writing its result (tests/data/k8s)."""
     ok, failed = KINDS[kind].final
     for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("status") != "True":
             continue
         if c.get("type") == failed:
-            return True, c.get("reason") or c.get("message") or failed
+            return True, ": ".join(filter(None, (c.get("reason"), c.get("message")))) or failed
         if c.get("type") == ok:
             return True, ""
     return False, ""
 
 
-def failure_cause(run_dir: str | Path, name: str, reason: str, stage: str = "train") -> str:
-    """Node 0's own one-line cause (its <stage>.json on the shared volume) when it wrote one."""
+def failure_cause(
+    run_dir: str | Path, name: str, reason: str, stage: str = "train", pods: str = "", selector: str = "job-name"
+) -> str:
+    """One line: node 0's own cause (its <stage>.json on the shared volume) when it wrote one, else the failed
+    pods (`pods`, e.g. "x-1-abcde Failed (exit 137 OOMKilled)") and where their logs are."""
     path = Path(run_dir) / f"{stage}.json"
     error = read_json(path).get("error") if path.is_file() else None
-    return (
-        f"{stage} job {name} failed ({reason}): {error}"
-        if error
-        else f"{stage} job {name} failed ({reason}); see `kubectl logs -l job-name={name}`"
-    )
+    if error:
+        return f"{stage} job {name} failed ({reason}): {error}"
+    return f"{stage} job {name} failed ({reason}){'; ' + pods if pods else ''}; see `kubectl logs -l {selector}={name}`"
 
 
 def collect_result(

@@ -1,27 +1,41 @@
-"""A Kubernetes API endpoint on 127.0.0.1 for the launcher's submit/wait/collect path (tests/test_k8s_launcher.py).
+"""A Kubernetes API endpoint on 127.0.0.1 that answers with recorded responses (tests/test_k8s_launcher.py).
 
 No kube-apiserver can run here (no package registry ships one, no Docker), so the `kubernetes` client and the cncf
-provider's KubernetesHook talk HTTP to this server instead: their whole request layer runs (kubeconfig loading,
-URL building, serialisation, urllib3, response decoding into V1Job / dicts). It answers the REST paths the launcher
-uses the way the API server does: POST create → 201 with the object plus server-set metadata (uid, resourceVersion,
-creationTimestamp, generation), GET → the stored object (200) or a `Status` 404, DELETE → a `Status` 200, pod list
-→ a `PodList`. The responses are built to the API's own schemas (k8s-api-schema.json and the CRDs' status
-schemas), not recorded from a live server. Each created body is validated strictly against its kind's schema
-(`validate`), as `kubectl --validate=strict` / fieldValidation=Strict would. `advance(kind, name)` plays the
-controller: it sets the status a Job/PyTorchJob/TrainJob reaches (Running, then Succeeded/Complete or Failed) and
-runs `on_done` (the pods writing <stage>.json onto the shared volume).
+provider's KubernetesHook talk HTTP to this server: their whole request layer runs (kubeconfig loading, URL building,
+serialisation, urllib3, response decoding into V1Job / V1PodList / dicts, ApiException from a non-2xx reply).
+
+What it answers with is recorded, not written here: the Job, PyTorchJob and TrainJob bodies a poll returns, the pod
+list, and the 409/403 `Status` replies are tests/data/k8s/*.json, each naming its upstream source (repository, path,
+commit or URL), whether it is verbatim or assembled, and what was adjusted (the object's name and namespace). Only
+the echo of a create (201: the posted object plus server-set uid/resourceVersion/creationTimestamp/generation) and
+a DELETE's `Status` Success are the server's own. Every created body is validated strictly against its kind's
+schema (`validate`), as `kubectl --validate=strict` would; a body it refuses is a 422 `Status`.
+
+`replies[kind]` is what successive GETs of the created object return, the last one repeated: a recording's name,
+or None for the object as created (no status yet: the controller has not acted). `on_done(obj)` runs when the last
+reply is first served (the pods writing <stage>.json onto the shared volume before the job is marked finished).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+DATA = Path(__file__).resolve().parents[1] / "data" / "k8s"
 NOW = "2026-12-01T12:00:00Z"
 PATH = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/?]+)")
+# where each kind's pods' names come from: the Job controller's Indexed pods, training-operator's replicas, JobSet's
+POD_NAMES = {"Job": ("0", "1"), "PyTorchJob": ("master-0", "worker-0"), "TrainJob": ("node-0-0", "node-0-1")}
+
+
+def recorded(name: str) -> dict:
+    """One recording: {"source", "recorded", "adjusted", "code", "body"}."""
+    return json.loads((DATA / f"{name}.json").read_text())
 
 
 def _status(code: int, reason: str, message: str) -> dict:
@@ -29,16 +43,32 @@ def _status(code: int, reason: str, message: str) -> dict:
             "reason": reason, "code": code}  # fmt: skip
 
 
-class FakeApi:
-    def __init__(self, validate, conditions: dict[str, list[dict]]):
-        """validate(manifest) raises on an invalid body; conditions: kind → the status.conditions it ends with."""
-        self.validate, self.final = validate, conditions
-        self.objects: dict[tuple[str, str], dict] = {}  # (plural, name) → stored object
+def refusal(name: str, job: str, namespace: str, group: str, plural: str) -> tuple[int, dict]:
+    """A recorded Status reply made about this job: the recording's (redacted) job name and namespace become the
+    test's, and for a Kubeflow kind the resource jobs.batch becomes its plural.group (tests/data/k8s, "adjusted")."""
+    rec = recorded(name)
+    body = copy.deepcopy(rec["body"])
+    msg = body["message"].replace("<<job_name>>", job).replace('namespace "prefect"', f'namespace "{namespace}"')
+    if plural != "jobs":
+        msg = msg.replace("jobs.batch", f"{plural}.{group}").replace('resource "jobs"', f'resource "{plural}"')
+        msg = msg.replace('API group "batch"', f'API group "{group}"')
+        body["details"].update(group=group, kind=plural)
+    if "name" in body["details"]:
+        body["details"]["name"] = job
+    body["message"] = msg
+    return rec["code"], body
+
+
+class RecordedApi:
+    def __init__(self, validate, replies: dict[str, list[str | None]]):
+        self.validate, self.replies = validate, replies
+        self.objects: dict[tuple[str, str], dict] = {}  # (plural, name) → the object as created
         self.requests: list[tuple[str, str]] = []  # (method, path)
         self.polls: dict[tuple[str, str], int] = {}
         self.finished: set[tuple[str, str]] = set()
         self.on_done = lambda obj: None
-        self.polls_to_finish = 2
+        self.refuse: dict[str, str] = {}  # "POST"/"GET" → a recorded Status the job's own resource is answered with
+        self.pods: str | None = None  # the recorded pod list; None: no pods
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -60,31 +90,31 @@ class FakeApi:
                     return self._reply(404, _status(404, "NotFound", f"the server could not find {self.path}"))
                 rest = self.path[m.end() :].split("?")[0].strip("/").split("/")
                 plural, name = m["plural"], (rest[0] if rest and rest[0] else None)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"]))) if method == "POST" else {}
+                if method in api.refuse and plural not in ("services", "pods", "podgroups"):
+                    job = name or body["metadata"]["name"]
+                    return self._reply(*refusal(api.refuse[method], job, m["ns"], m["group"] or "", plural))
                 if method == "POST":
-                    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                     try:
                         api.validate(body)
                     except Exception as e:
                         msg = f"{body.get('kind')} in version {body.get('apiVersion')} cannot be handled: {e}"
                         return self._reply(422, _status(422, "Invalid", msg.splitlines()[0]))
                     key = (plural, body["metadata"]["name"])
-                    if key in api.objects:
-                        return self._reply(409, _status(409, "AlreadyExists", f'{plural} "{key[1]}" already exists'))
                     body["metadata"].update(
                         uid=str(uuid.uuid4()), resourceVersion="1", creationTimestamp=NOW, generation=1
                     )
                     api.objects[key] = body
                     return self._reply(201, body)
                 if plural == "pods" and method == "GET":
-                    return self._reply(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": []})
+                    return self._reply(200, api.pod_list(m["ns"]))
                 obj = api.objects.get((plural, name))
                 if obj is None:
                     return self._reply(404, _status(404, "NotFound", f'{plural} "{name}" not found'))
                 if method == "DELETE":
                     api.objects.pop((plural, name))
                     return self._reply(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
-                api.advance(plural, name)
-                return self._reply(200, obj)
+                return self._reply(200, api.poll(plural, name))
 
             def do_GET(self):
                 self._route("GET")
@@ -99,19 +129,29 @@ class FakeApi:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def advance(self, plural: str, name: str) -> None:
-        """The controller's part: Running on the first poll, the final conditions on the `polls_to_finish`-th."""
+    def poll(self, plural: str, name: str) -> dict:
+        """The n-th reply to a GET of the created object: replies[kind][n] (the last one repeated)."""
         obj = self.objects[(plural, name)]
         n = self.polls[(plural, name)] = self.polls.get((plural, name), 0) + 1
-        kind = obj["kind"]
-        if n < self.polls_to_finish:
-            running = {"Job": [], "PyTorchJob": [_cond("Running", "PyTorchJobRunning")], "TrainJob": []}[kind]
-            obj["status"] = {"conditions": running, **({"active": 1} if kind == "Job" else {})}
-            return
-        if (plural, name) not in self.finished:
+        script = self.replies[obj["kind"]]
+        reply = script[min(n, len(script)) - 1]
+        if n >= len(script) and (plural, name) not in self.finished:
             self.finished.add((plural, name))
             self.on_done(obj)
-            obj["status"] = {"conditions": self.final[kind]}
+        if reply is None:
+            return obj
+        body = recorded(reply)["body"]
+        body["metadata"].update(name=name, namespace=obj["metadata"]["namespace"])
+        return body
+
+    def pod_list(self, namespace: str) -> dict:
+        if self.pods is None:
+            return {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": []}
+        body = recorded(self.pods)["body"]
+        job = next(o for (plural, _), o in self.objects.items() if plural not in ("services", "podgroups"))
+        for pod, suffix in zip(body["items"], POD_NAMES[job["kind"]]):
+            pod["metadata"].update(name=f"{job['metadata']['name']}-{suffix}", namespace=namespace)
+        return body
 
     def kubeconfig(self) -> dict:
         return {
@@ -126,7 +166,3 @@ class FakeApi:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def _cond(type_: str, reason: str, status: str = "True", message: str = "") -> dict:
-    return {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": NOW}
