@@ -318,7 +318,7 @@ class EvaluateConfig(Section):
     # lm-eval task/group/tag names (read offline from the HF datasets cache), paths of task YAML files in lm-eval's
     # format, or demo-continuation (written from the val split): docs/evaluation.md
     tasks: list[str] = Field(default_factory=lambda: ["demo-continuation"], min_length=1)
-    limit: int | None = Field(None, ge=1)  # examples per task at most (None: all)
+    limit: int | None = Field(None, ge=1, le=1 << 30)  # examples per task at most (None: all)
     num_fewshot: dict[str, int] = Field(default_factory=dict)  # task/group/entry → shots (else the YAML's, or 0)
     # a task is scored by the first of these it reports (demo-continuation reports acc_mutual_info only)
     task_metrics: list[str] = Field(default_factory=lambda: ["acc", "exact_match", "acc_mutual_info"], min_length=1)
