@@ -194,7 +194,7 @@ def run() -> dict:
     from tasks.model.moe import GroupedExperts
     from tasks.planner.cluster import get_cluster
     from tasks.layout import Layout
-    from tasks.planner.moe import MoeProblem, moe_shape_of, step_time
+    from tasks.planner.moe import MoeProblem, step_time
 
     moe, dense = TransformerConfig(**MOE), _dense()
     # equal but for the router and the shared-expert gate (dim · (E + 1) per layer, < 0.5 %)
@@ -205,7 +205,7 @@ def run() -> dict:
         loop_tps = _tokens_per_s(moe)
     finally:
         GroupedExperts.use_grouped_mm = True
-    pb = MoeProblem(get_cluster("cpu-laptop"), moe_shape_of(moe), SEQ, BATCH, precision="fp32")
+    pb = MoeProblem(get_cluster("cpu-laptop"), moe, SEQ, BATCH, precision="fp32")
     predicted = step_time(pb, Layout(dp=2, ep=2, zero=3, recompute="none", micro_batch=BATCH // 2, microbatches=1))
     ep = _ep_share()
     return {

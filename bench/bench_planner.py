@@ -18,7 +18,7 @@ def run() -> dict:
     from tasks.planner.calibrate import saved_activation_bytes
     from tasks.planner.cluster import get_cluster
     from tasks.layout import Layout
-    from tasks.planner.memory import estimate, shape_of
+    from tasks.planner.memory import estimate
     from tasks.units import GB
     from tasks.planner.search import Problem, search
 
@@ -38,10 +38,10 @@ def run() -> dict:
             measured = saved_activation_bytes(net, tokens, lm_loss, cast)
             key = f"planner.act_estimate_over_saved.{preset}_s{s}_b{b}_{label}"
             for flash, suffix in ((True, ""), (False, "_unfused_formula")):
-                est = estimate(shape_of(tcfg), s, Layout(micro_batch=b, flash_attention=flash), precision)
+                est = estimate(tcfg, s, Layout(micro_batch=b, flash_attention=flash), precision)
                 figures[key + suffix] = round(est["activations_bytes"] / measured, 3)
 
-    seventy = shape_of(get_preset("llama3-70b"))
+    seventy = get_preset("llama3-70b")
     result = search(Problem(get_cluster("910b", nodes=8), seventy, 4096, 512))
     best = result["plans"][0]
     figures["planner.llama3_70b_8x8x910b.best_layout"] = (

@@ -107,7 +107,6 @@ def planner_step_s(zero: int, peak_flops: float = 0.0) -> float:
     from tasks.model import get_preset
     from tasks.layout import Layout
     from tasks.planner.cluster import get_cluster
-    from tasks.planner.memory import shape_of
     from tasks.planner.search import Problem, step_time
 
     cfg = load_config("demo-cpu")
@@ -115,7 +114,7 @@ def planner_step_s(zero: int, peak_flops: float = 0.0) -> float:
     tcfg = get_preset("demo")
     pb = Problem(
         get_cluster(cfg.hardware.cluster, peak_tflops=peak_flops / 1e12),
-        shape_of(tcfg),
+        tcfg,
         cfg.data.seq_len,
         cfg.train.global_batch,
         precision=cfg.train.precision,

@@ -82,7 +82,11 @@ def _literal(annotation) -> tuple:
 def from_text(value: Any, annotation) -> Any:
     """Read a YAML/JSON/CLI value as `annotation` before pydantic's strict check: text for a non-string field is a
     YAML scalar (`"64"` → 64), for a list YAML (`[1, 2.5]`) or comma-separated items (`0,1`), each read as the item
-    type; a number for a string field is its text; 2.0 for an int is 2; true for a number stays text."""
+    type; a number for a string field is its text; 2.0 for an int is 2; true for a number stays text. An optional
+    field (`int | None`) reads as its type; `null` is None."""
+    args = typing.get_args(annotation)
+    if type(None) in args and len(args) == 2:
+        annotation = next(a for a in args if a is not type(None))
     if typing.get_origin(annotation) is list:
         if isinstance(value, str):
             parsed = _yaml(value)

@@ -98,30 +98,55 @@ class HardwareConfig(Section):
     k8s_scheduler: Literal["default", "volcano"] = "default"
 
 
+SHAPE_OVERRIDES = (  # ModelConfig's fields that override the preset's TransformerConfig fields of the same name
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "rope_theta",
+    "max_seq_len",
+    "n_experts",
+    "top_k",
+    "moe_ffn_dim",
+    "aux_loss_coef",
+    "capacity_factor",
+)
+
+
 class ModelConfig(Section):
-    preset: str = "demo"  # tasks.model presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
+    """What the user sets about the model; tasks.model.resolve turns it into the one shape type,
+    `TransformerConfig.from_preset(preset, **overrides())` or `from_hf_config(hf_path, **overrides())`."""
+
+    preset: str = "demo"  # tasks.shape presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
     hf_path: str = ""  # initialise from a local HF directory instead of random weights
-    # Shape overrides (0 / "" = the preset's value).
-    dim: int = Field(0, ge=0, le=1 << 20)
-    n_layers: int = Field(0, ge=0, le=4096)
-    n_heads: int = Field(0, ge=0, le=4096)
-    n_kv_heads: int = Field(0, ge=0, le=4096)
-    ffn_dim: int = Field(0, ge=0, le=1 << 22)
-    vocab_size: int = Field(0, ge=0, le=1 << 22)  # 0 = preset, or the tokenizer's size when the preset allows
-    rope_theta: float = Field(0.0, ge=0.0, le=1e12)
-    max_seq_len: int = Field(0, ge=0, le=1 << 24)
+    # Shape overrides; unset (None) = the preset's (or hf_path's config.json's). vocab_size unset on a CPU-sized
+    # preset (debug, demo, moe-demo, which have no vocabulary of their own): the shard set's tokenizer's.
+    dim: int | None = Field(None, ge=1, le=1 << 20)
+    n_layers: int | None = Field(None, ge=1, le=4096)
+    n_heads: int | None = Field(None, ge=1, le=4096)
+    n_kv_heads: int | None = Field(None, ge=1, le=4096)
+    ffn_dim: int | None = Field(None, ge=1, le=1 << 22)
+    vocab_size: int | None = Field(None, ge=1, le=1 << 22)
+    rope_theta: float | None = Field(None, gt=0.0, le=1e12)
+    max_seq_len: int | None = Field(None, ge=1, le=1 << 24)
     # Mixture of experts (MoE presets: moe-demo, qwen1.5-moe-a2.7b, qwen2-57b-a14b; tasks/model/moe.py)
-    n_experts: int = Field(0, ge=0, le=4096)
-    top_k: int = Field(0, ge=0, le=4096)
-    moe_ffn_dim: int = Field(0, ge=0, le=1 << 22)
-    aux_loss_coef: float = Field(-1.0, ge=-1.0, le=100.0)  # router load-balancing loss (-1 = the preset's, 0 = off)
-    capacity_factor: float = Field(-1.0, ge=-1.0, le=1000.0)  # -1 = the preset's (dropless); > 0 drops above it
+    n_experts: int | None = Field(None, ge=1, le=4096)
+    top_k: int | None = Field(None, ge=1, le=4096)
+    moe_ffn_dim: int | None = Field(None, ge=1, le=1 << 22)
+    aux_loss_coef: float | None = Field(None, ge=0.0, le=100.0)  # router load-balancing loss (0 = off)
+    capacity_factor: float | None = Field(None, ge=0.0, le=1000.0)  # 0 = dropless; > 0 drops above it
     # Model converters applied in this order to the built model, before any parallelism (tasks/model/converters.py,
     # docs/trainer.md); npu_fused = the NPU fused kernels below (the identity off an NPU).
     converters: list[str] = Field(default_factory=lambda: ["npu_fused"])
     # npu_fused's kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu): auto = on an NPU, those the
     # installed torch_npu has and the SoC supports; off = plain PyTorch everywhere (tasks/model/npu_kernels.py)
     npu_kernels: Literal["auto", "off"] = "auto"
+
+    def overrides(self) -> dict:
+        """The shape fields the user set ({name: value}): the `**overrides` of TransformerConfig.from_preset."""
+        return {k: v for k, v in self.model_dump(include=set(SHAPE_OVERRIDES)).items() if v is not None}
 
 
 class ParallelConfig(Section):
@@ -293,7 +318,7 @@ class EvaluateConfig(Section):
     # lm-eval task/group/tag names (read offline from the HF datasets cache), paths of task YAML files in lm-eval's
     # format, or demo-continuation (written from the val split): docs/evaluation.md
     tasks: list[str] = Field(default_factory=lambda: ["demo-continuation"], min_length=1)
-    limit: int | None = Field(None, ge=1)  # examples per task at most (None: all)
+    limit: int | None = Field(None, ge=1, le=1 << 30)  # examples per task at most (None: all)
     num_fewshot: dict[str, int] = Field(default_factory=dict)  # task/group/entry → shots (else the YAML's, or 0)
     # a task is scored by the first of these it reports (demo-continuation reports acc_mutual_info only)
     task_metrics: list[str] = Field(default_factory=lambda: ["acc", "exact_match", "acc_mutual_info"], min_length=1)

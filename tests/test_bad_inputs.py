@@ -199,6 +199,9 @@ def test_every_numeric_field_is_bounded_on_both_sides():
                 ann, meta = typing.get_args(item)[0], [m for i in typing.get_args(item)[1:] for m in i.metadata]
             else:
                 meta = f.metadata
+            optional = [a for a in typing.get_args(ann) if a is not type(None)]
+            if len(optional) == 1 and len(typing.get_args(ann)) == 2:  # `int | None`: unset, or a bounded int
+                ann = optional[0]
             if ann not in (int, float):
                 continue
             lo = any(getattr(m, k, None) is not None for m in meta for k in ("ge", "gt"))

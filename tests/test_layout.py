@@ -35,6 +35,7 @@ FLOORS = [
             "tasks.fsutil",
             "tasks.config",
             "tasks.layout",
+            "tasks.shape",
             "tasks.collectives",
             "tasks.device",
             "tasks.npu_smi",

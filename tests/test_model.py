@@ -71,7 +71,7 @@ def test_from_pipeline_vocab_and_overrides(cfg):
     cfg.model.preset, cfg.model.vocab_size = "demo", 1000
     with pytest.raises(ConfigError, match="tokenizer has 1999 tokens but the model embedding only 1000"):
         from_pipeline(cfg, vocab_size=1999)
-    cfg.model.vocab_size, cfg.data.seq_len = 0, 4096
+    cfg.model.vocab_size, cfg.data.seq_len = None, 4096
     with pytest.raises(ConfigError, match="data.seq_len: 4096 exceeds model max_seq_len 512"):
         from_pipeline(cfg, vocab_size=1999)
 

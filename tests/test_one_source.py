@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -27,9 +28,30 @@ def test_one_parallel_layout_type_for_planner_and_trainer():
     from tasks.model.config import get_preset
     from tasks.planner.cluster import get_cluster
 
-    pb = moe.MoeProblem(get_cluster("cpu-laptop"), moe.moe_shape_of(get_preset("moe-demo")), 64, 8, tp=2)
+    pb = moe.MoeProblem(get_cluster("cpu-laptop"), get_preset("moe-demo"), 64, 8, tp=2)
     plan = moe.search(pb)["plans"][0]
     assert set(layout.Layout.__dataclass_fields__) <= set(plan) and plan["tp"] * plan["dp"] == pb.cluster.world
+
+
+def test_one_model_shape_type_for_model_planner_and_config():
+    """tasks.shape.TransformerConfig is the model's, the dense and MoE planners' and the config's one shape type; the
+    config's model section holds only what the user set (None = unset, no 0/-1 "use the preset" sentinels)."""
+    assert defined(r"^class \w*(Shape|TransformerConfig)\b") == ["tasks/shape.py"]
+    assert defined(r"VOCAB_FROM_TOKENIZER|\bshape_of\(|_OVERRIDES_SIGNED") == []
+    from tasks.config import SHAPE_OVERRIDES, ModelConfig
+    from tasks.model import TransformerConfig as model_type
+    from tasks.planner import moe, search
+    from tasks.shape import PRESETS, TransformerConfig
+
+    assert model_type is TransformerConfig
+    assert search.Problem.__dataclass_fields__["shape"].type == "TransformerConfig | None"
+    assert moe.MoeProblem.__dataclass_fields__["shape"].type == "TransformerConfig"
+    assert set(SHAPE_OVERRIDES) <= set(TransformerConfig.__dataclass_fields__)
+    assert all(ModelConfig.model_fields[k].default is None for k in SHAPE_OVERRIDES)
+    mc = ModelConfig(preset="qwen2-0.5b", n_layers=2, aux_loss_coef=0.0)  # 0 is a value (loss off), not "unset"
+    assert mc.overrides() == {"n_layers": 2, "aux_loss_coef": 0.0}
+    want = dataclasses.replace(PRESETS["qwen2-0.5b"], n_layers=2, aux_loss_coef=0.0)
+    assert TransformerConfig.from_preset(mc.preset, **mc.overrides()) == want
 
 
 def test_one_flop_per_token_formula():
@@ -40,15 +62,15 @@ def test_one_flop_per_token_formula():
     ]
     from tasks.model import flops_per_token as model_flops
     from tasks.model.config import get_preset
-    from tasks.planner.memory import flops_per_token, shape_of
+    from tasks.planner.memory import flops_per_token
     from tasks.planner.search import Problem, step_time
     from tasks.planner.cluster import get_cluster
     from tasks.layout import Layout
 
     tcfg = get_preset("llama3-8b")
-    assert model_flops is flops_per_token and flops_per_token(tcfg, 2048) == flops_per_token(shape_of(tcfg), 2048)
+    assert model_flops is flops_per_token
     c = get_cluster("h100-80g")
-    pb = Problem(c, shape_of(tcfg), 2048, 64, efficiency=1.0)
+    pb = Problem(c, tcfg, 2048, 64, efficiency=1.0)
     t = step_time(pb, Layout(dp=8, micro_batch=1, microbatches=8))
     assert t["compute_s"] == 64 * 2048 * flops_per_token(tcfg, 2048) / (8 * c.peak_tflops * 1e12)
 

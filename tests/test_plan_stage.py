@@ -121,14 +121,13 @@ def test_hf_config_and_explicit_shape(cfg, tmp_path):
 
 def test_a_partial_architecture_takes_the_family_rule_not_the_config_preset(cfg, tmp_path):
     """--hidden/--layers/--heads alone once planned a 14.9B model with the demo preset's ffn 384, called "demo"."""
-    from tasks.model.config import PRESETS
-    from tasks.planner.memory import shape_of
+    from tasks.model.config import PRESETS, num_params
 
     cfg.tracking.enabled = False
     what_if = ("--cluster", "910b", "--nodes", "8")
     args = plan_args("--hidden", "8192", "--layers", "80", "--heads", "64", *what_if)
     model = read_json(run_stage("plan", cfg, tmp_path / "a", args=args)["plan_json"])["model"]
-    published = shape_of(PRESETS["llama3-70b"]).num_params  # the llama3 rule rebuilds Llama-3-70B exactly
+    published = num_params(PRESETS["llama3-70b"])  # the llama3 rule rebuilds Llama-3-70B exactly
     assert model.startswith(
         f"custom ({published / 1e9:.2f}B params, h 8192, L 80, heads 64/8 kv, ffn 28672, vocab 128256; llama3 rule"
     )
@@ -261,17 +260,17 @@ def test_estimate_for_run_against_autograd_saved_tensors():
     from tasks.planner import estimate_for_run
     from tasks.planner.calibrate import saved_activation_bytes
     from tasks.layout import Layout
-    from tasks.planner.memory import estimate, shape_of
+    from tasks.planner.memory import estimate, num_params
 
     tcfg = get_preset("demo")
     model = materialize(build_model(tcfg), "cpu")
     tokens = torch.randint(0, tcfg.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     measured = saved_activation_bytes(model, tokens, lm_loss)
-    est = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash_attention=True), "fp32")
+    est = estimate(tcfg, 128, Layout(micro_batch=4, flash_attention=True), "fp32")
     assert 0.75 < est["activations_bytes"] / measured < 1.25  # 0.93 when written
     # The unfused formula counts s×s scores the fused SDPA never keeps.
-    unfused = estimate(shape_of(tcfg), 128, Layout(micro_batch=4, flash_attention=False), "fp32")
+    unfused = estimate(tcfg, 128, Layout(micro_batch=4, flash_attention=False), "fp32")
     assert unfused["activations_bytes"] > est["activations_bytes"]
     total = estimate_for_run(tcfg, 128, 4, precision="fp32")
     assert total == int(est["total_bytes"])
-    assert total == pytest.approx(est["activations_bytes"] + 16 * shape_of(tcfg).num_params)
+    assert total == pytest.approx(est["activations_bytes"] + 16 * num_params(tcfg))

@@ -6,13 +6,14 @@ import pytest
 
 from tasks.layout import Layout
 from tasks.planner.memory import (
-    ModelShape,
     estimate,
     in_flight,
     layer_activation_bytes,
     model_state_bytes,
+    num_params,
     state_bytes_per_param,
 )
+from tasks.shape import TransformerConfig
 
 
 @pytest.mark.parametrize("zero,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
@@ -102,22 +103,25 @@ def test_in_flight_micro_batches_per_schedule():
         )
 
 
-def test_shape_parameter_count_matches_the_model_package():
-    from tasks.model.config import PRESETS, num_params
-    from tasks.planner.memory import shape_of
+def test_planner_sizes_the_model_package_type():
+    """The planner takes tasks.shape's TransformerConfig itself (no planner-side shape type): the expert part it
+    splits over ep is the built model's routed experts, the rest its other parameters."""
+    import torch
 
-    from tasks.planner.moe import moe_shape_of
+    from tasks.model import build_model
+    from tasks.model.config import PRESETS, get_preset
 
-    for name, tcfg in PRESETS.items():
-        if tcfg.n_experts:  # MoE presets are sized by planner/moe.py's MoeShape (experts, router, shared expert)
-            assert moe_shape_of(tcfg).total_params == num_params(tcfg), name
-            continue
-        assert shape_of(tcfg).num_params == num_params(tcfg), name
-    assert 69e9 < shape_of(PRESETS["llama3-70b"]).num_params < 72e9
+    tcfg = get_preset("moe-demo")
+    with torch.device("meta"):
+        params = dict(build_model(tcfg).named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".moe.experts." in n)
+    assert tcfg.expert_params == experts > 0
+    assert num_params(tcfg) - tcfg.expert_params == sum(p.numel() for p in params.values()) - experts
+    assert 69e9 < num_params(PRESETS["llama3-70b"]) < 72e9
 
 
 def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
-    sh = ModelShape(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256)
+    sh = TransformerConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256)
     lay = Layout(
         dp=1,
         tp=1,
@@ -139,7 +143,7 @@ def test_pipeline_estimate_takes_the_worse_stage_and_adds_the_reserve():
     )
     # ZeRO-3 over 8 ranks shards all model states (fp32) and adds the two-layer bf16 all-gather buffer.
     z3 = estimate(sh, 4096, Layout(dp=8, zero=3, micro_batch=1, recompute="full", flash_attention=False))
-    assert z3["params_bytes"] == pytest.approx(4 * sh.num_params / 8)
+    assert z3["params_bytes"] == pytest.approx(4 * num_params(sh) / 8)
     # + FSDP2's root unit (embedding and output) gathered in bf16 with its whole fp32 gradient until backward ends.
     assert z3["buffers_bytes"] == 2 * 2 * sh.layer_params + 2 * sh.embedding_params * (2 + 4)
 
@@ -178,14 +182,13 @@ def test_recompute_never_increases_the_activation_estimate(model, cluster, nodes
 
     from tasks.model.config import get_preset
     from tasks.planner.cluster import get_cluster
-    from tasks.planner.memory import shape_of
     from tasks.planner.search import Problem, candidates
 
-    sh = shape_of(get_preset(model))
+    sh = get_preset(model)
     pb = Problem(
         cluster=get_cluster(cluster, nodes=nodes),
         shape=sh,
-        n_params=sh.num_params,
+        n_params=num_params(sh),
         seq_len=seq,
         global_batch=512,
         recompute=["none"],
@@ -224,10 +227,14 @@ def test_tied_embedding_adds_its_second_gradient():
     from tasks.planner.memory import stage_breakdown
 
     def buffers(vocab=151936, tied=True, precision="fp32", **lay):
-        shape = ModelShape(896, 24, 14, 2, 4864, vocab, tied=tied)
+        shape = TransformerConfig(
+            dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=vocab, tie_embeddings=tied
+        )
         return stage_breakdown(shape, 128, Layout(**{"dp": 4, "micro_batch": 1, **lay}), 0, precision)["buffers_bytes"]
 
-    sh = ModelShape(896, 24, 14, 2, 4864, 151936, tied=True)
+    sh = TransformerConfig(
+        dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936, tie_embeddings=True
+    )
     emb = sh.embedding_params
     for zero in (0, 1, 2, 3):
         # The untied root unit also counts the output projection's gathered weight and gradient, tied does not.
@@ -262,7 +269,9 @@ def test_tp_embedding_backward_holds_the_whole_vocabulary_gradient_twice():
     from tasks.planner.memory import stage_breakdown
 
     for tied in (True, False):
-        sh = ModelShape(896, 24, 14, 2, 4864, 151936, tied=tied)
+        sh = TransformerConfig(
+            dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936, tie_embeddings=tied
+        )
         for zero in (0, 3):
             for tp in (2, 4):
                 lay = Layout(dp=2, tp=tp, zero=zero, micro_batch=1)

@@ -9,11 +9,12 @@ from tasks.model import get_preset
 from tasks.planner.cluster import get_cluster
 from tasks.units import GB
 from tasks.layout import Layout
-from tasks.planner.moe import MoeProblem, memory, moe_shape_of, search, step_time
+from tasks.planner.memory import num_params
+from tasks.planner.moe import MoeProblem, memory, search, step_time
 
 
 def _pb(preset, nodes, batch=64, **kw):
-    return MoeProblem(get_cluster("910b", nodes=nodes), moe_shape_of(get_preset(preset)), 4096, batch, **kw)
+    return MoeProblem(get_cluster("910b", nodes=nodes), get_preset(preset), 4096, batch, **kw)
 
 
 def test_qwen2_57b_a14b_on_four_910b_nodes_prefers_ep_inside_a_node():
@@ -54,22 +55,22 @@ def test_all_to_all_time_is_alpha_beta_with_the_clusters_latency():
 
     from tasks.model.config import get_preset
 
-    sh = moe_shape_of(get_preset("moe-demo"))
+    sh = get_preset("moe-demo")
     base = get_cluster("cpu-laptop")
     lay = Layout(dp=2, ep=2, zero=3, recompute="none", micro_batch=4, microbatches=2)
     pb = MoeProblem(base, sh, 128, 16, precision="fp32")
     t = step_time(pb, lay)
-    leaving = 4 * 128 * sh.top_k * sh.hidden * 4 / 2  # one transfer of one micro-batch, half leaving the rank
-    assert t["all_to_all_calls"] == sh.moe_layers * 2 * 5
-    assert t["all_to_all_latency_s"] == pytest.approx(sh.moe_layers * 2 * 5 * base.intra_latency_us * 1e-6)
-    assert t["all_to_all_transfer_s"] == pytest.approx(sh.moe_layers * 2 * 4 * leaving / (base.intra_gbps * 1e9))
+    leaving = 4 * 128 * sh.top_k * sh.dim * 4 / 2  # one transfer of one micro-batch, half leaving the rank
+    assert t["all_to_all_calls"] == sh.n_moe_layers * 2 * 5
+    assert t["all_to_all_latency_s"] == pytest.approx(sh.n_moe_layers * 2 * 5 * base.intra_latency_us * 1e-6)
+    assert t["all_to_all_transfer_s"] == pytest.approx(sh.n_moe_layers * 2 * 4 * leaving / (base.intra_gbps * 1e9))
     assert t["all_to_all_s"] == pytest.approx(t["all_to_all_latency_s"] + t["all_to_all_transfer_s"])
     slow = step_time(
         MoeProblem(replace(base, intra_latency_us=2 * base.intra_latency_us), sh, 128, 16, precision="fp32"), lay
     )
     assert slow["all_to_all_s"] - t["all_to_all_s"] == pytest.approx(t["all_to_all_latency_s"])
     full = step_time(pb, Layout(dp=2, ep=2, zero=3, recompute="full", micro_batch=4, microbatches=2))
-    assert full["all_to_all_calls"] == sh.moe_layers * 2 * 8
+    assert full["all_to_all_calls"] == sh.n_moe_layers * 2 * 8
     assert full["all_to_all_transfer_s"] == pytest.approx(t["all_to_all_transfer_s"] * 6 / 4)
     assert (
         step_time(pb, Layout(dp=2, ep=1, zero=3, recompute="none", micro_batch=4, microbatches=2))["all_to_all_s"]
@@ -85,7 +86,7 @@ def test_memory_terms():
         memory(pb, Layout(dp=32, ep=ep, zero=1, recompute="none", micro_batch=1, microbatches=4)) for ep in (1, 8)
     )  # the formula at ZeRO-1
     # expert optimizer states split over ep (ZeRO-1 shards them over dp / ep replicas): 12 B × experts / 32
-    assert eight["optimizer_bytes"] == sh.dense_params * 12 / 32 + sh.expert_params * 12 / 8 / 4
+    assert eight["optimizer_bytes"] == (num_params(sh) - sh.expert_params) * 12 / 32 + sh.expert_params * 12 / 8 / 4
     assert one["params_bytes"] - eight["params_bytes"] == sh.expert_params * 2 * (1 - 1 / 8)
     assert one["all_to_all_bytes"] == 0 < eight["all_to_all_bytes"]
     # tokens × top-k × capacity: a capacity factor of 2 doubles the routed activations and buffers
@@ -95,7 +96,7 @@ def test_memory_terms():
     )
     assert roomy["all_to_all_bytes"] == 2 * eight["all_to_all_bytes"]
     assert roomy["activations_bytes"] > eight["activations_bytes"]
-    assert 56e9 < sh.total_params < 58e9 and 13.5e9 < sh.active_params < 14.5e9
+    assert 56e9 < num_params(sh) < 58e9 and 13.5e9 < num_params(sh, active=True) < 14.5e9
 
 
 def test_pins_and_batch_refusals():

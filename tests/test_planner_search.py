@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tasks.planner.cluster import get_cluster
-from tasks.planner.memory import ModelShape
+from tasks.shape import TransformerConfig
 from tasks.planner.search import Problem, search, step_time
 from tasks.planner.table import render
 
-LLAMA3_70B = ModelShape(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672, vocab=128256)
+LLAMA3_70B = TransformerConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256)
 
 
 def test_13b_on_one_64gb_card_is_infeasible():
@@ -48,7 +48,7 @@ def test_70b_does_not_fit_one_node():
 
 
 def test_rejection_reasons():
-    shape = ModelShape(hidden=4096, layers=30, heads=32, kv_heads=2, ffn=11008, vocab=32000)
+    shape = TransformerConfig(dim=4096, n_layers=30, n_heads=32, n_kv_heads=2, ffn_dim=11008, vocab_size=32000)
     pb = Problem(get_cluster("910b", devices_per_node=6), shape, 1024, 12)
     reasons = {r["reason"] for r in search(pb)["rejected"]}
     assert "tp 3 does not divide 32 heads" in reasons
@@ -61,7 +61,14 @@ def test_rejection_reasons():
     assert "pp 4 does not divide 30 layers" in reasons
     assert "1f1b needs >= 2 micro-batches per rank, got 1" in reasons
     assert "interleaved: pp 2 × 2 virtual stages does not divide 30 layers" in reasons
-    pb = Problem(get_cluster("910b"), ModelShape(896, 24, 14, 2, 4864, 151936, tied=True), 1000, 16)
+    pb = Problem(
+        get_cluster("910b"),
+        TransformerConfig(
+            dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936, tie_embeddings=True
+        ),
+        1000,
+        16,
+    )
     reasons = {r["reason"] for r in search(pb)["rejected"]}
     assert "tied embeddings need pp = 1 (pp 2)" in reasons
     # TP keeps the tied weight on every stage's one part (hidden-sharded for both uses): tp 2 is planned.
@@ -128,7 +135,7 @@ def test_zero3_under_pp_keeps_layers_gathered():
     from tasks.layout import Layout
     from tasks.planner.memory import estimate
 
-    shape = ModelShape(hidden=1024, layers=8, heads=8, kv_heads=8, ffn=4096, vocab=32000)
+    shape = TransformerConfig(dim=1024, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=4096, vocab_size=32000)
     pb = Problem(get_cluster("a100-80g"), shape, 1024, 32)
     kw = dict(dp=4, pp=2, micro_batch=1, global_batch=32, pp_schedule="gpipe")
     z2, z3 = Layout(zero=2, **kw), Layout(zero=3, **kw)
@@ -158,7 +165,7 @@ def test_bubble_and_comm_terms():
 
 
 def test_ranking_prefers_faster_then_smaller_and_table_renders():
-    shape = ModelShape(hidden=1024, layers=8, heads=8, kv_heads=8, ffn=4096, vocab=32000)
+    shape = TransformerConfig(dim=1024, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=4096, vocab_size=32000)
     pb = Problem(get_cluster("a100-80g"), shape, 1024, 32)
     result = search(pb)
     steps = [float(f"{p['step_s']:.3g}") for p in result["plans"]]

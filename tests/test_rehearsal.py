@@ -12,7 +12,6 @@ from tasks.errors import StageError
 from tasks.model.config import get_preset
 from tasks.planner import rehearsal
 from tasks.planner.cluster import get_cluster
-from tasks.planner.memory import shape_of
 from tasks.planner.search import Problem, search
 from tasks.units import GB
 from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
@@ -21,7 +20,7 @@ from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
 @pytest.fixture(scope="module")
 def spec():
     cluster = get_cluster("910b")
-    result = search(Problem(cluster, shape_of(get_preset("qwen2-7b")), seq_len=4096, global_batch=256))
+    result = search(Problem(cluster, get_preset("qwen2-7b"), seq_len=4096, global_batch=256))
     doc = {"chosen": result["plans"][0], "plans": result["plans"]}
     capacity = (cluster.memory_gb - cluster.reserve_gb) * GB
     return rehearsal.spec(doc, result["plans"][0]["total_bytes"] - cluster.reserve_gb * GB, capacity, 3, 0.05)

@@ -116,7 +116,7 @@ def test_bad_inputs_fail_in_one_line(smoke_cfg, tmp_path, shards):
     smoke_cfg.model.vocab_size = 1000  # the shard set's tokenizer has 2048 tokens
     with pytest.raises(StageError, match="tokenizer has 2048 tokens but the model embedding only 1000"):
         run_stage("smoke", smoke_cfg, tmp_path / "run1", args=_args(shards))
-    smoke_cfg.model.vocab_size = 0
+    smoke_cfg.model.vocab_size = None
     (tmp_path / "empty").mkdir()
     with pytest.raises(StageError, match=r"empty is not a shard set \(no manifest.json\)$"):
         run_stage("smoke", smoke_cfg, tmp_path / "run2", args=_args(tmp_path / "empty"))

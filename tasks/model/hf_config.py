@@ -1,17 +1,16 @@
-"""Hugging Face names and config.json: our parameter names ↔ HF's (Llama / Qwen2 / Qwen2-MoE) and
-TransformerConfig ↔ config.json. Torch-free: tensors are read and written by tasks.model.init / hf_io / hf_export."""
+"""Hugging Face names and config.json: our parameter names ↔ HF's (Llama / Qwen2 / Qwen2-MoE) and TransformerConfig
+→ config.json (config.json → TransformerConfig is tasks.shape's `from_hf_config`, re-exported here as read_hf_config).
+Torch-free: tensors are read and written by tasks.model.init / hf_io / hf_export."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-from pathlib import Path
 
 from tasks.errors import StageError
-from tasks.model.config import TransformerConfig
+from tasks.shape import ARCHITECTURES, TransformerConfig, config_from_hf  # noqa: F401 (re-exported)
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe"}
+
 _FAMILY_ARCH = {v: k for k, v in ARCHITECTURES.items()}
 # HF name (layer part after "model.layers.{i}.") → ours (after "layers.{i}.")
 _LAYER_NAMES = {
@@ -81,64 +80,6 @@ def ours_to_hf(name: str) -> str:
     return f"model.layers.{m.group(1)}.{inverse[m.group(2)]}.{m.group(3)}"
 
 
-def config_from_hf(hf: dict) -> TransformerConfig:
-    """TransformerConfig from a config.json dict; anything this model cannot represent fails in one line."""
-    arch = (hf.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise StageError(
-            f"unsupported architecture {arch or hf.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)})"
-        )
-    family = ARCHITECTURES[arch]
-    moe = _moe_from_hf(hf) if family == "qwen2_moe" else {}
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    heads = hf["num_attention_heads"]
-    unsupported = {
-        f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") != "silu",
-        f"rope_type {rope_type!r}": rope_type != "default",
-        "attention_bias (o_proj bias)": family == "llama" and hf.get("attention_bias", False),
-        "mlp_bias": hf.get("mlp_bias", False),
-        "head_dim != hidden_size / heads": hf.get("head_dim") not in (None, hf["hidden_size"] // heads),
-        "use_sliding_window": hf.get("use_sliding_window", False),
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise StageError(f"{arch}: unsupported setting {', '.join(bad)}")
-    return TransformerConfig(
-        family=family,
-        dim=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads,
-        ffn_dim=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        **moe,
-    )
-
-
-def _moe_from_hf(hf: dict) -> dict:
-    if hf.get("num_experts", 60) < 1:
-        raise StageError("Qwen2MoeForCausalLM: num_experts 0 (a dense model) is not supported; export it as Qwen2")
-    if not hf.get("shared_expert_intermediate_size", 5632):
-        raise StageError("Qwen2MoeForCausalLM: shared_expert_intermediate_size 0 is not supported")
-    # Defaults are Qwen2MoeConfig's own (transformers), used when a key is absent.
-    return dict(
-        n_experts=hf.get("num_experts", 60),
-        top_k=hf.get("num_experts_per_tok", 4),
-        moe_ffn_dim=hf.get("moe_intermediate_size", 1408),
-        shared_ffn_dim=hf.get("shared_expert_intermediate_size", 5632),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
-        mlp_only_layers=list(hf.get("mlp_only_layers") or []),
-        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-    )
-
-
 def to_hf_config(tcfg: TransformerConfig, dtype="float32") -> dict:
     """config.json for `tcfg`; `dtype` a torch.dtype or its name."""
     if tcfg.family == "llama" and tcfg.qkv_bias:
@@ -190,10 +131,4 @@ def to_hf_config(tcfg: TransformerConfig, dtype="float32") -> dict:
 
 
 def read_hf_config(path: str | os.PathLike) -> TransformerConfig:
-    cfg_path = Path(path) / "config.json"
-    if not cfg_path.is_file():
-        raise StageError(f"{path}: not a Hugging Face model directory (no config.json)")
-    try:
-        return config_from_hf(json.loads(cfg_path.read_text()))
-    except (json.JSONDecodeError, KeyError) as e:
-        raise StageError(f"{cfg_path}: unreadable config ({type(e).__name__}: {e})") from None
+    return TransformerConfig.from_hf_config(path)

@@ -1,49 +1,24 @@
-"""The model of a pipeline run: a preset (or a local HF directory's config.json) plus the `model.*` overrides."""
+"""The model of a pipeline run: `model.*` resolved to the one shape type (tasks.shape.TransformerConfig)."""
 
 from __future__ import annotations
 
 from tasks.config import repo_path
 from tasks.errors import ConfigError
-from tasks.model.config import VOCAB_FROM_TOKENIZER, TransformerConfig, get_preset
-from tasks.model.hf_config import read_hf_config
-
-_OVERRIDES = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "vocab_size",
-    "rope_theta",
-    "max_seq_len",
-    "n_experts",
-    "top_k",
-    "moe_ffn_dim",
-)
-# Set even when 0 (0 is meaningful): applied when the pipeline config gives a value >= 0 (-1 = the preset's).
-_OVERRIDES_SIGNED = ("aux_loss_coef", "capacity_factor")
+from tasks.shape import TransformerConfig
 
 
 def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
-    """The model of a PipelineConfig: preset (or HF config.json) + non-zero `model.*` overrides.
+    """The model of a PipelineConfig: `TransformerConfig.from_preset(model.preset, **overrides)`, or
+    `from_hf_config(model.hf_path, **overrides)`, checked against the shard set.
 
-    `vocab_size` is the tokenizer's size: it fills the embedding of small presets and must fit in any model.
+    `vocab_size` is the tokenizer's size: it fills the embedding of a preset without a vocabulary of its own (debug,
+    demo, moe-demo) and must fit in any model.
     """
     mc = cfg.model
     if mc.hf_path:
-        tcfg = read_hf_config(repo_path(mc.hf_path))
+        tcfg = TransformerConfig.from_hf_config(repo_path(mc.hf_path), **mc.overrides())
     else:
-        tcfg = get_preset(mc.preset)
-        if vocab_size and mc.preset in VOCAB_FROM_TOKENIZER:
-            tcfg.vocab_size = vocab_size
-    for name in _OVERRIDES:
-        value = getattr(mc, name)
-        if value:
-            setattr(tcfg, name, type(getattr(tcfg, name))(value))
-    for name in _OVERRIDES_SIGNED:
-        value = getattr(mc, name, -1)
-        if value >= 0:
-            setattr(tcfg, name, float(value))
+        tcfg = TransformerConfig.from_preset(mc.preset, tokenizer_vocab=vocab_size, **mc.overrides())
     tcfg.validate()
     if vocab_size and vocab_size > tcfg.vocab_size and mc.hf_path:
         raise ConfigError(
@@ -54,7 +29,7 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
     if vocab_size and vocab_size > tcfg.vocab_size:
         raise ConfigError(
             f"model.vocab_size: tokenizer has {vocab_size} tokens but the model embedding only "
-            f"{tcfg.vocab_size}; set model.vocab_size >= {vocab_size} (or 0 for a small preset)"
+            f"{tcfg.vocab_size}; set model.vocab_size >= {vocab_size} (or leave it unset on a CPU-sized preset)"
         )
     seq_len = cfg.data.seq_len
     if seq_len > tcfg.max_seq_len:

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable
 
 from tasks.errors import ConfigError
-from tasks.model.config import PRESETS, VOCAB_FROM_TOKENIZER, TransformerConfig, get_preset, num_params
+from tasks.model.config import PRESETS, TransformerConfig, num_params
 from tasks.units import GB
 
 AUTO, SAME = "auto", "same"
@@ -168,15 +168,13 @@ def named(tcfg: TransformerConfig, name: str, preset: str, vocab: int) -> tuple[
     another vocabulary than the shard set's tokenizer (its embedding rows would be another tokenizer's)."""
     if preset not in PRESETS:
         raise ConfigError(f"smoke.model: unknown preset {preset!r} (auto, same, or one of: {', '.join(PRESETS)})")
-    sib = get_preset(preset)
+    sib = TransformerConfig.from_preset(preset, tokenizer_vocab=vocab)  # a CPU-sized preset: the shard set's vocab
     if sib.family != tcfg.family:
         raise ConfigError(
             f"smoke.model: preset {preset!r} is family {sib.family}, the configured model {name} is {tcfg.family}: "
             f"a smoke model must share the family (or use smoke.model=auto)"
         )
-    if preset in VOCAB_FROM_TOKENIZER:
-        sib.vocab_size = vocab
-    elif not (vocab <= sib.vocab_size <= vocab + VOCAB_PADDING or sib.vocab_size == tcfg.vocab_size >= vocab):
+    if not (vocab <= sib.vocab_size <= vocab + VOCAB_PADDING or sib.vocab_size == tcfg.vocab_size >= vocab):
         raise ConfigError(
             f"smoke.model: preset {preset!r} has a {sib.vocab_size}-row embedding, the shard set's tokenizer "
             f"{vocab} tokens: it is another tokenizer's vocabulary (use smoke.model=auto, which takes the shard "

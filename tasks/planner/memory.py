@@ -24,9 +24,8 @@ With ffn = 4h and a GeLU MLP the formulas are exactly Table 2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tasks.layout import Layout
+from tasks.shape import TransformerConfig
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_STATE_BYTES = {  # (mixed precision, pure fp32) bytes per parameter: see the module docstring
@@ -35,52 +34,11 @@ OPTIMIZER_STATE_BYTES = {  # (mixed precision, pure fp32) bytes per parameter: s
 }
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    tied: bool = False  # output projection shares the embedding
-    qkv_bias: bool = False
-    gated: bool = True  # SwiGLU MLP (Llama, Qwen2); False = the paper's GeLU MLP
-
-    @property
-    def layer_params(self) -> int:
-        h, kv = self.hidden, self.kv_heads * (self.hidden // self.heads)
-        attn = 2 * h * h + 2 * h * kv + (h + 2 * kv if self.qkv_bias else 0)
-        mlp = (3 if self.gated else 2) * h * self.ffn
-        return attn + mlp + 2 * h  # + two norm weights
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden
-
-    @property
-    def num_params(self) -> int:
-        out = 0 if self.tied else self.embedding_params
-        return self.layers * self.layer_params + self.embedding_params + out + self.hidden  # + final norm
-
-
-def shape_of(tcfg) -> ModelShape:
-    """ModelShape of a tasks.model TransformerConfig (duck-typed, so this module imports nothing heavy)."""
-    return ModelShape(
-        hidden=tcfg.dim,
-        layers=tcfg.n_layers,
-        heads=tcfg.n_heads,
-        kv_heads=tcfg.n_kv_heads,
-        ffn=tcfg.ffn_dim,
-        vocab=tcfg.vocab_size,
-        tied=tcfg.tie_embeddings,
-        qkv_bias=tcfg.qkv_bias,
-    )
-
-
-def flops_per_token(shape, seq_len: int, n_params: float = 0.0, causal: bool = False) -> float:
+def flops_per_token(
+    shape: TransformerConfig | None, seq_len: int, n_params: float = 0.0, causal: bool = False
+) -> float:
     """Training FLOPs per token (forward + backward), the one formula behind the planner's step time and the
-    trainer's/benchmarks' MFU. `shape`: a ModelShape, a TransformerConfig, or None (then 6 × `n_params`).
+    trainer's/benchmarks' MFU. `shape`: a TransformerConfig, or None (then 6 × `n_params`).
 
     6 × the parameters that multiply (every weight but the embedding lookup; the output projection multiplies tied
     or not) + attention scores and values, 12 · L · h · seq (Kaplan et al. 2020, §2.1; Narayanan et al. 2021, eq. 3
@@ -88,15 +46,14 @@ def flops_per_token(shape, seq_len: int, n_params: float = 0.0, causal: bool = F
     (seq + 1) / 2 keys on average, so the attention term is scaled by (seq + 1) / (2 · seq)."""
     if shape is None:
         return 6.0 * n_params
-    sh = shape if isinstance(shape, ModelShape) else shape_of(shape)
-    matmul_params = sh.layers * sh.layer_params + sh.hidden + sh.embedding_params
-    n_moe = getattr(shape, "n_moe_layers", 0)
-    if n_moe:  # MoE (a TransformerConfig): a token multiplies its top-k experts, the router and the shared expert
+    matmul_params = shape.n_layers * shape.layer_params + shape.dim + shape.embedding_params
+    n_moe = shape.n_moe_layers
+    if n_moe:  # MoE: a token multiplies its top-k experts, the router and the shared expert
         matmul_params += n_moe * (moe_layer_params(shape, active=True) - 3 * shape.dim * shape.ffn_dim)
-    return token_flops(matmul_params, sh.layers, sh.hidden, seq_len, causal)
+    return token_flops(matmul_params, shape.n_layers, shape.dim, seq_len, causal)
 
 
-def moe_layer_params(tcfg, active: bool = False) -> int:
+def moe_layer_params(tcfg: TransformerConfig, active: bool = False) -> int:
     """One MoE layer's feed-forward parameters: router, routed experts (all, or the top-k a token uses), shared
     expert and its gate."""
     d = tcfg.dim
@@ -105,16 +62,16 @@ def moe_layer_params(tcfg, active: bool = False) -> int:
     return d * tcfg.n_experts + experts * 3 * d * tcfg.moe_ffn_dim + shared
 
 
-def num_params(tcfg, include_embedding: bool = True, active: bool = False) -> int:
-    """Parameter count of a TransformerConfig (a tied output projection counts once): ModelShape's count of its
-    shape, with each MoE layer's feed-forward replaced by its router, experts (all, or the top-k a token uses:
+def num_params(tcfg: TransformerConfig, include_embedding: bool = True, active: bool = False) -> int:
+    """Parameter count (a tied output projection counts once): the dense layers, embedding, output projection and
+    final norm, with each MoE layer's feed-forward replaced by its router, experts (all, or the top-k a token uses:
     `active`) and shared expert."""
-    shape = shape_of(tcfg)
-    total = shape.num_params - (0 if include_embedding else shape.embedding_params)
-    n_moe = getattr(tcfg, "n_moe_layers", 0)
+    emb = tcfg.embedding_params
+    total = tcfg.n_layers * tcfg.layer_params + emb + (0 if tcfg.tie_embeddings else emb) + tcfg.dim  # + final norm
+    total -= 0 if include_embedding else emb
+    n_moe = tcfg.n_moe_layers
     if n_moe:
-        dense_mlp = 3 * tcfg.dim * tcfg.ffn_dim
-        total += n_moe * (moe_layer_params(tcfg, active) - dense_mlp)
+        total += n_moe * (moe_layer_params(tcfg, active) - 3 * tcfg.dim * tcfg.ffn_dim)
     return total
 
 
@@ -240,19 +197,19 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
 
 
 def stage_breakdown(
-    shape: ModelShape, seq_len: int, lay: Layout, stage: int, precision: str = "bf16", optimizer: str = "adamw"
+    shape: TransformerConfig, seq_len: int, lay: Layout, stage: int, precision: str = "bf16", optimizer: str = "adamw"
 ) -> dict[str, float]:
     """Bytes on one device of pipeline stage `stage` (0 = holds the embedding, pp-1 = holds the output layer)."""
     t, p, A = lay.tp, lay.pp, PRECISION_BYTES[precision]
     first, last = stage == 0, stage == p - 1
-    layers = shape.layers / p
-    h, v = shape.hidden, shape.vocab
+    layers = shape.n_layers / p
+    h, v = shape.dim, shape.vocab_size
     # Matrices and the vocabulary are split by TP; norm weights are replicated (2h per layer, h final norm).
     n = layers * ((shape.layer_params - 2 * h) / t + 2 * h)
     if first:
         n += shape.embedding_params / t
     if last:  # final norm + output projection (a tied one is the embedding itself unless the stages differ)
-        n += h + (0 if shape.tied and p == 1 else shape.embedding_params / t)
+        n += h + (0 if shape.tie_embeddings and p == 1 else shape.embedding_params / t)
     # ZeRO-3 under PP keeps each layer gathered through the step (Layout.reshard_after_forward): ZeRO-2's memory.
     zero = 2 if lay.zero >= 3 and not lay.reshard_after_forward else lay.zero
     states = runtime_state_bytes(n, precision, optimizer, zero, lay.dp)
@@ -263,15 +220,15 @@ def stage_breakdown(
         s,
         b,
         h,
-        shape.heads,
+        shape.n_heads,
         t,
         lay.sequence_parallel,
         lay.recompute,
-        shape.ffn,
-        shape.gated,
+        shape.ffn_dim,
+        True,
         A,
         lay.flash_attention,
-        shape.kv_heads,
+        shape.n_kv_heads,
     )
     act = per_layer * layers * flight
     if lay.recompute == "full":  # backward of one layer re-creates all of that layer's activations; its kept input
@@ -281,15 +238,15 @@ def stage_breakdown(
                 s,
                 b,
                 h,
-                shape.heads,
+                shape.n_heads,
                 t,
                 lay.sequence_parallel,
                 "none",
-                shape.ffn,
-                shape.gated,
+                shape.ffn_dim,
+                True,
                 A,
                 lay.flash_attention,
-                shape.kv_heads,
+                shape.n_kv_heads,
             )
             - per_layer
         )
@@ -304,10 +261,12 @@ def stage_breakdown(
         # FSDP2's root unit (embedding, output projection) stays gathered from forward through backward
         # (tasks/parallel/fsdp.py; under ZeRO 2 already in params_bytes), and its fp32 gradient is whole until the
         # reduce-scatter at the end of backward.
-        root = (shape.embedding_params / t) * ((1 if first else 0) + (1 if last and not (shape.tied and p == 1) else 0))
+        root = (shape.embedding_params / t) * (
+            (1 if first else 0) + (1 if last and not (shape.tie_embeddings and p == 1) else 0)
+        )
         gather += root * (4 + (A if zero >= 3 else 0))
     g = A if zero >= 2 else 4  # gradient bytes: FSDP2's compute dtype (ZeRO 2/3), the fp32 parameter's (0/1)
-    if first and t > 1 and not shape.tied:
+    if first and t > 1 and not shape.tie_embeddings:
         # TP's vocabulary-sharded embedding (RowwiseParallel, tasks/parallel/tp.py; untied models): DTensor has no
         # vocab-sharded strategy for aten::embedding_dense_backward (torch/distributed/tensor/_ops/
         # _embedding_ops.py lists the column-wise and batch-sharded ones), so the backward builds the whole
@@ -315,7 +274,7 @@ def stage_breakdown(
         # shapes with the vocabulary split, dp2×tp2, gloo): two whole-vocabulary gradients at once. (A tied
         # embedding is split along the hidden dimension instead, whose backward stays local.)
         gather += 2 * shape.embedding_params * g
-    elif shape.tied and first and last:
+    elif shape.tie_embeddings and first and last:
         # A tied embedding's two gradients: the output projection's (the linear backward's vocab × hidden weight
         # gradient, handed on as a copy by tasks/model/transformer.TiedOutput) waits in autograd's input buffer
         # while aten::embedding_dense_backward allocates the embedding's dense vocab × hidden gradient; autograd
@@ -326,7 +285,7 @@ def stage_breakdown(
 
 
 def estimate(
-    shape: ModelShape | None,
+    shape: TransformerConfig | None,
     seq_len: int,
     lay: Layout,
     precision: str = "bf16",
@@ -354,7 +313,7 @@ def estimate(
 
 
 def dense_estimate_for_run(
-    tcfg,
+    tcfg: TransformerConfig,
     seq_len: int,
     micro_batch: int,
     dp: int = 1,
@@ -386,4 +345,4 @@ def dense_estimate_for_run(
         sequence_parallel=sequence_parallel,
         flash_attention=flash_attention,
     )
-    return int(estimate(shape_of(tcfg), seq_len, lay, precision, optimizer)["total_bytes"])
+    return int(estimate(tcfg, seq_len, lay, precision, optimizer)["total_bytes"])

@@ -28,7 +28,7 @@ ZeRO-3 gathers of the non-expert states over dp and of the expert states over dp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 from tasks.layout import Layout
 from tasks.planner.cluster import Cluster
@@ -37,58 +37,17 @@ from tasks.planner.memory import (
     layer_activation_bytes,
     model_state_bytes,
     num_params,
-    shape_of,
     token_flops,
 )
 from tasks.planner.search import GRAD_REDUCE_BYTES, _ring, _row, achieved_flops, feasible
+from tasks.shape import TransformerConfig
 from tasks.units import GB
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int  # dense layers' SwiGLU width
-    vocab: int
-    n_experts: int
-    top_k: int
-    moe_ffn: int
-    shared_ffn: int
-    moe_layers: int
-    total_params: int
-    active_params: int
-    tied: bool = False
-
-    @property
-    def expert_params(self) -> int:
-        """Routed experts of all MoE layers (the part expert parallelism splits)."""
-        return self.moe_layers * self.n_experts * 3 * self.hidden * self.moe_ffn
-
-    @property
-    def dense_params(self) -> int:
-        return self.total_params - self.expert_params
-
-
-def moe_shape_of(tcfg) -> MoeShape:
-    dense = {k: v for k, v in asdict(shape_of(tcfg)).items() if k in MoeShape.__dataclass_fields__}
-    return MoeShape(
-        **dense,
-        n_experts=tcfg.n_experts,
-        top_k=tcfg.top_k,
-        moe_ffn=tcfg.moe_ffn_dim,
-        shared_ffn=tcfg.shared_ffn_dim,
-        moe_layers=tcfg.n_moe_layers,
-        total_params=num_params(tcfg),
-        active_params=num_params(tcfg, active=True),
-    )
 
 
 @dataclass
 class MoeProblem:
     cluster: Cluster
-    shape: MoeShape
+    shape: TransformerConfig  # a mixture of experts (n_experts > 0)
     seq_len: int
     global_batch: int
     precision: str = "bf16"
@@ -110,32 +69,38 @@ class MoeProblem:
 
 def memory(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     sh, A = pb.shape, PRECISION_BYTES[pb.precision]
-    dense = model_state_bytes(sh.dense_params, pb.precision, pb.optimizer, lay.zero, lay.dp)
-    experts = model_state_bytes(sh.expert_params / lay.ep, pb.precision, pb.optimizer, lay.zero, lay.dp // lay.ep)
+    expert_params, moe_layers = sh.expert_params, sh.n_moe_layers
+    dense_params = num_params(sh) - expert_params  # attention, norms, embeddings, routers, shared experts, dense MLPs
+    dense = model_state_bytes(dense_params, pb.precision, pb.optimizer, lay.zero, lay.dp)
+    experts = model_state_bytes(expert_params / lay.ep, pb.precision, pb.optimizer, lay.zero, lay.dp // lay.ep)
     states = {k: dense[k] + experts[k] for k in dense}
-    s, b, h = pb.seq_len, lay.micro_batch, sh.hidden
+    s, b, h = pb.seq_len, lay.micro_batch, sh.dim
     cap = pb.capacity_factor or 1.0
     assignments = s * b * sh.top_k * cap
-    routed = 0.0 if lay.recompute == "full" else assignments * A * (2 * h + 4 * sh.moe_ffn) + s * b * 8 * sh.n_experts
+    routed = (
+        0.0 if lay.recompute == "full" else assignments * A * (2 * h + 4 * sh.moe_ffn_dim) + s * b * 8 * sh.n_experts
+    )
     moe_layer = (
         layer_activation_bytes(
-            s, b, h, sh.heads, 1, False, lay.recompute, sh.shared_ffn, True, A, pb.flash_attention, sh.kv_heads
+            s, b, h, sh.n_heads, 1, False, lay.recompute, sh.shared_ffn_dim, True, A, pb.flash_attention, sh.n_kv_heads
         )
         + routed
     )
     dense_layer = layer_activation_bytes(
-        s, b, h, sh.heads, 1, False, lay.recompute, sh.ffn, True, A, pb.flash_attention, sh.kv_heads
+        s, b, h, sh.n_heads, 1, False, lay.recompute, sh.ffn_dim, True, A, pb.flash_attention, sh.n_kv_heads
     )
-    act = sh.moe_layers * moe_layer + (sh.layers - sh.moe_layers) * dense_layer
+    act = moe_layers * moe_layer + (sh.n_layers - moe_layers) * dense_layer
     if lay.recompute == "full":  # one layer's activations re-created in backward
         act += layer_activation_bytes(
-            s, b, h, sh.heads, 1, False, "none", sh.shared_ffn, True, A, pb.flash_attention, sh.kv_heads
-        ) + assignments * A * (2 * h + 4 * sh.moe_ffn)
-    act += 8 * s * b + s * b * h + 4 * s * b * h + 4 * s * b * sh.vocab  # ids, embedding out, final norm, fp32 logits
+            s, b, h, sh.n_heads, 1, False, "none", sh.shared_ffn_dim, True, A, pb.flash_attention, sh.n_kv_heads
+        ) + assignments * A * (2 * h + 4 * sh.moe_ffn_dim)
+    act += (
+        8 * s * b + s * b * h + 4 * s * b * h + 4 * s * b * sh.vocab_size
+    )  # ids, embedding out, final norm, fp32 logits
     a2a = 2 * assignments * h * A if lay.ep > 1 else 0.0
-    layer_params = (sh.dense_params - sh.vocab * h * (1 if sh.tied else 2)) / sh.layers + sh.expert_params / max(
-        1, sh.moe_layers
-    ) / lay.ep
+    layer_params = (dense_params - sh.embedding_params * (1 if sh.tie_embeddings else 2)) / sh.n_layers + (
+        expert_params / max(1, moe_layers) / lay.ep
+    )
     gather = 2 * layer_params * A if lay.zero >= 3 and lay.dp > 1 else 0.0
     out = {
         **states,
@@ -149,7 +114,7 @@ def memory(pb: MoeProblem, lay: Layout) -> dict[str, float]:
 
 
 def estimate_for_run(
-    tcfg,
+    tcfg: TransformerConfig,
     seq_len: int,
     micro_batch: int,
     dp: int = 1,
@@ -166,7 +131,7 @@ def estimate_for_run(
     cluster = replace(get_cluster("cpu-laptop"), reserve_gb=0.0)  # only the reserve is read from the cluster
     pb = MoeProblem(
         cluster,
-        moe_shape_of(tcfg),
+        tcfg,
         seq_len,
         micro_batch * microbatches * dp,
         precision=precision,
@@ -188,10 +153,11 @@ def a2a_per_layer(recompute: str) -> tuple[int, int]:
 
 def step_time(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     c, sh, s = pb.cluster, pb.shape, pb.seq_len
+    moe_layers = sh.n_moe_layers
     A = PRECISION_BYTES[pb.precision]
     tokens = pb.global_batch * s
     peak = achieved_flops(c, pb.precision, pb.efficiency)
-    per_token = token_flops(sh.active_params, sh.layers, sh.hidden, s)  # the one formula (planner.memory)
+    per_token = token_flops(num_params(sh, active=True), sh.n_layers, sh.dim, s)  # the one formula (planner.memory)
     if lay.recompute == "full":
         per_token *= 4 / 3  # one more forward: (2N + 4·L·h·s) on top of 6N + 12·L·h·s
     compute = tokens * per_token / (c.world * peak)
@@ -201,15 +167,17 @@ def step_time(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     if lay.ep > 1:
         a2a_bw = c.intra_gbps if inside else c.inter_gbps
         alpha = (c.intra_latency_us if inside else c.inter_latency_us) * 1e-6
-        per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.hidden * A
-        a2a_lat = sh.moe_layers * lay.n_microbatches * calls * alpha
-        a2a_bw_s = sh.moe_layers * lay.n_microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+        per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.dim * A
+        a2a_lat = moe_layers * lay.n_microbatches * calls * alpha
+        a2a_bw_s = moe_layers * lay.n_microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
     a2a = a2a_lat + a2a_bw_s
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     rep = lay.dp // lay.ep
     rep_bw = c.inter_gbps if lay.dp > c.devices_per_node else c.intra_gbps  # replicas are ep apart
     dp_s = 0.0
-    for n_params, n, bw in ((sh.dense_params, lay.dp, dp_bw), (sh.expert_params / lay.ep, rep, rep_bw)):
+    expert_params = sh.expert_params
+    dense_params = num_params(sh) - expert_params
+    for n_params, n, bw in ((dense_params, lay.dp, dp_bw), (expert_params / lay.ep, rep, rep_bw)):
         grads = _ring(n_params * GRAD_REDUCE_BYTES, n, bw, 1.0)
         gather = _ring(n_params * A, n, bw, 1.0)
         dp_s += grads + (gather if lay.zero < 3 else 2 * lay.n_microbatches * gather)
@@ -220,7 +188,7 @@ def step_time(pb: MoeProblem, lay: Layout) -> dict[str, float]:
         "all_to_all_s": a2a,
         "all_to_all_latency_s": a2a_lat,
         "all_to_all_transfer_s": a2a_bw_s,
-        "all_to_all_calls": sh.moe_layers * lay.n_microbatches * calls if lay.ep > 1 else 0,
+        "all_to_all_calls": moe_layers * lay.n_microbatches * calls if lay.ep > 1 else 0,
         "dp_comm_s": dp_s,
         "all_to_all_share": a2a / total if total else 0.0,
         "ep_intra_node": inside,

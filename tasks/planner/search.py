@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
 from tasks.layout import DP_BUCKET_BYTES, DP_FIRST_BUCKET_BYTES, Layout
-from tasks.planner.memory import PRECISION_BYTES, ModelShape, estimate, flops_per_token
+from tasks.planner.memory import PRECISION_BYTES, estimate, flops_per_token
+from tasks.shape import TransformerConfig
 from tasks.units import GB
 
 FP32_PEAK_FRACTION = 0.5  # fp32 matmuls run as TF32/HF32 at about half the 16-bit peak on A100/H100/910B
@@ -41,7 +42,7 @@ BACKWARD_SHARE = 2 / 3  # of a step's compute: backward costs twice the forward 
 @dataclass
 class Problem:
     cluster: Cluster
-    shape: ModelShape | None  # None: only `n_params` is known (model-state sums)
+    shape: TransformerConfig | None  # None: only `n_params` is known (model-state sums)
     seq_len: int
     global_batch: int
     n_params: float = 0.0
@@ -72,13 +73,13 @@ def layout_problem(pb: Problem, dp: int, tp: int, pp: int) -> str | None:
     if c.devices_per_node % tp:
         return f"tp {tp} does not divide {c.devices_per_node} devices per node"
     if sh is not None:
-        if sh.heads % tp:
-            return f"tp {tp} does not divide {sh.heads} heads"
-        if sh.kv_heads % tp:
-            return f"tp {tp} does not divide {sh.kv_heads} KV heads"
-        if sh.layers % pp:
-            return f"pp {pp} does not divide {sh.layers} layers"
-        if sh.tied and pp > 1:  # the trainer (tasks/layout.check) keeps a tied embedding on one stage
+        if sh.n_heads % tp:
+            return f"tp {tp} does not divide {sh.n_heads} heads"
+        if sh.n_kv_heads % tp:
+            return f"tp {tp} does not divide {sh.n_kv_heads} KV heads"
+        if sh.n_layers % pp:
+            return f"pp {pp} does not divide {sh.n_layers} layers"
+        if sh.tie_embeddings and pp > 1:  # the trainer (tasks/layout.check) keeps a tied embedding on one stage
             return f"tied embeddings need pp = 1 (pp {pp})"
     if pb.sequence_parallel and tp > 1 and pb.seq_len % tp:
         return f"tp {tp} does not divide seq len {pb.seq_len} (sequence parallel)"
@@ -92,8 +93,10 @@ def schedule_problem(pb: Problem, lay: Layout) -> str | None:
     if lay.pp_schedule == "1f1b" and m < p:  # torch.distributed.pipelining.Schedule1F1B refuses it
         return f"1f1b needs >= {p} micro-batches per rank, got {m}"
     if lay.pp_schedule == "interleaved1f1b":
-        if pb.shape is not None and pb.shape.layers % (p * lay.virtual_stages):
-            return f"interleaved: pp {p} × {lay.virtual_stages} virtual stages does not divide {pb.shape.layers} layers"
+        if pb.shape is not None and pb.shape.n_layers % (p * lay.virtual_stages):
+            return (
+                f"interleaved: pp {p} × {lay.virtual_stages} virtual stages does not divide {pb.shape.n_layers} layers"
+            )
         rounds = max(1, m // p)  # ScheduleInterleaved1F1B's own check
         if m % rounds:
             return f"interleaved: {m} micro-batches is not a multiple of {rounds} rounds"
@@ -131,7 +134,7 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     if sh is None:
         layer_params = 0.0
     else:
-        L, h = sh.layers, sh.hidden
+        L, h = sh.n_layers, sh.dim
         attention_fwd = 4.0 * L * h * s
         # Recompute: full repeats the forward; selective the attention core (paper) or, with fused attention, only
         # element-wise ops (the project's policy keeps matmul and attention outputs), whose FLOPs we neglect.
@@ -150,13 +153,13 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
 
     tp_s = pp_s = 0.0
     if sh is not None:
-        act = s * lay.micro_batch * sh.hidden * A
+        act = s * lay.micro_batch * sh.dim * A
         per_mb = 4 + (2 if lay.recompute == "full" else 0)
-        tp_s = per_mb * m * (sh.layers / p) * _ring(act, lay.tp, c.intra_gbps)
+        tp_s = per_mb * m * (sh.n_layers / p) * _ring(act, lay.tp, c.intra_gbps)
         pp_bw = c.inter_gbps if lay.tp * p > c.devices_per_node else c.intra_gbps
         chunks = lay.virtual_stages if lay.pp_schedule == "interleaved1f1b" else 1
         pp_s = 0.0 if p == 1 else 2 * m * chunks * act / (pp_bw * GB)
-    shard = (sh.layers / p * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
+    shard = (sh.n_layers / p * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     grads = _ring(shard * GRAD_REDUCE_BYTES, lay.dp, dp_bw, 1.0)  # one reduce-scatter
     if lay.zero < 2:

@@ -22,7 +22,7 @@ from tasks.fsutil import atomic_write_json, atomic_write_text
 from tasks.planner.cluster import PRESETS as CLUSTERS
 from tasks.planner.cluster import get_cluster
 from tasks.planner.families import FAMILIES, custom_fields
-from tasks.planner.memory import PRECISION_BYTES, shape_of
+from tasks.planner.memory import PRECISION_BYTES, num_params
 from tasks.planner.search import Problem, search
 from tasks.planner.table import render
 from tasks.units import GB
@@ -102,12 +102,12 @@ def _arg(ctx, name):
 
 
 def _model(cfg: PipelineConfig, ctx, seq_len: int):
-    """(ModelShape or None, parameter count, description) from the flags or the config."""
+    """(TransformerConfig or None, parameter count, description) from the flags or the config."""
     if _arg(ctx, "params") is not None:
         n = _arg(ctx, "params")
         return None, n, f"{_count(n)} params (model states only: no shape, so no activations)"
-    from tasks.model.config import TransformerConfig, get_preset
     from tasks.model.resolve import from_pipeline
+    from tasks.shape import TransformerConfig
 
     shape = {field: _arg(ctx, flag) for flag, field in _SHAPE_FLAGS.items() if _arg(ctx, flag) is not None}
     family = _arg(ctx, "family")
@@ -119,7 +119,7 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
     if _arg(ctx, "hf_config"):
         tcfg, name = _hf_config(Path(_arg(ctx, "hf_config"))), _arg(ctx, "hf_config")
     elif _arg(ctx, "model"):
-        tcfg, name = get_preset(_arg(ctx, "model")), _arg(ctx, "model")
+        tcfg, name = TransformerConfig.from_preset(_arg(ctx, "model")), _arg(ctx, "model")
     elif shape:  # a custom architecture: nothing comes from the config's model preset
         missing = [f"--{flag}" for flag, field in _REQUIRED_SHAPE if field not in shape]
         if missing:
@@ -133,7 +133,7 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
     else:
         c = copy.deepcopy(cfg)
         c.data.seq_len = seq_len  # the planned length need not fit the preset's RoPE table: only its shape matters
-        c.model.max_seq_len = max(c.model.max_seq_len, seq_len)
+        c.model.max_seq_len = max(c.model.max_seq_len or 0, seq_len)
         shard = ctx.inputs.get("shard") or {}
         vocab = shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
         tcfg, name = from_pipeline(c, vocab_size=vocab), cfg.model.hf_path or cfg.model.preset
@@ -141,14 +141,16 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
         if "n_heads" in shape and "n_kv_heads" not in shape:
             shape["n_kv_heads"] = shape["n_heads"]  # explicit heads without --kv-heads: plain multi-head attention
         rule, name = f"from {name}", "custom"
+    if tcfg.n_experts:  # shape flags describe dense models (_moe_model): a MoE preset's dense part, its dense MLPs
+        shape.update(family="qwen2", n_experts=0)
     tcfg = dataclasses.replace(tcfg, **shape).validate()
-    sh = shape_of(tcfg)
+    n = num_params(tcfg)
     return (
-        sh,
-        sh.num_params,
+        tcfg,
+        n,
         (
-            f"{name} ({_count(sh.num_params)} params, h {sh.hidden}, L {sh.layers}, "
-            f"heads {sh.heads}/{sh.kv_heads} kv, ffn {sh.ffn}, vocab {sh.vocab}"
+            f"{name} ({_count(n)} params, h {tcfg.dim}, L {tcfg.n_layers}, "
+            f"heads {tcfg.n_heads}/{tcfg.n_kv_heads} kv, ffn {tcfg.ffn_dim}, vocab {tcfg.vocab_size}"
             f"{'; ' + rule if rule else ''})"
         ),
     )
@@ -159,7 +161,7 @@ def _count(n: float) -> str:
 
 
 def _hf_config(path: Path):
-    from tasks.model.hf_io import config_from_hf
+    from tasks.shape import config_from_hf
 
     path = path / "config.json" if path.is_dir() else path
     try:
@@ -268,16 +270,16 @@ def _moe_model(cfg: PipelineConfig, ctx):
     else None. Shape flags and --params describe dense models."""
     if any(_arg(ctx, f) is not None for f in ("params", "family", *_SHAPE_FLAGS)):
         return None
-    from tasks.model.config import get_preset
     from tasks.model.resolve import from_pipeline
+    from tasks.shape import TransformerConfig
 
     if _arg(ctx, "hf_config"):
         tcfg = _hf_config(Path(_arg(ctx, "hf_config")))
     elif _arg(ctx, "model"):
-        tcfg = get_preset(_arg(ctx, "model"))
+        tcfg = TransformerConfig.from_preset(_arg(ctx, "model"))
     else:
         c = copy.deepcopy(cfg)
-        c.model.max_seq_len = max(c.model.max_seq_len, c.data.seq_len)
+        c.model.max_seq_len = max(c.model.max_seq_len or 0, c.data.seq_len)
         shard = ctx.inputs.get("shard") or {}
         tcfg = from_pipeline(
             c, vocab_size=shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
@@ -318,7 +320,7 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
     global_batch = _arg(ctx, "global_batch") or cfg.train.global_batch
     pb = moe.MoeProblem(
         _cluster(cfg, ctx),
-        moe.moe_shape_of(tcfg),
+        tcfg,
         seq_len,
         global_batch,
         precision=_arg(ctx, "precision") or cfg.train.precision,
@@ -335,7 +337,7 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
     result = moe.search(pb)
     desc = (
         f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
-        f"{pb.shape.total_params / 1e9:.3g}B params, {pb.shape.active_params / 1e9:.3g}B active)"
+        f"{num_params(tcfg) / 1e9:.3g}B params, {num_params(tcfg, active=True) / 1e9:.3g}B active)"
     )
     header = f"model: {desc}\ncluster: {pb.cluster.describe()}\ntraining: seq {seq_len}, global batch {global_batch}"
     doc = {"model": desc, "moe": True, "pins": pins, "chosen": (result["plans"] or [None])[0], **result}

@@ -285,7 +285,7 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> i
     the allocator's peak does not see. None for a mixture-of-experts layout with tp or pp > 1, which the MoE
     planner does not size."""
     from tasks.planner.cluster import RESERVE_GB
-    from tasks.planner.memory import estimate, shape_of
+    from tasks.planner.memory import estimate
 
     m = lay.n_microbatches
     reserve = RESERVE_GB["cpu"] * GB if backend == "cpu" else 0.0
@@ -311,9 +311,7 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> i
             else None
         )
     run = dataclasses.replace(lay, micro_batch=lay.local_batch // m, microbatches=m)
-    return int(
-        estimate(shape_of(tcfg), cfg.data.seq_len, run, cfg.train.precision, reserve_bytes=reserve)["total_bytes"]
-    )
+    return int(estimate(tcfg, cfg.data.seq_len, run, cfg.train.precision, reserve_bytes=reserve)["total_bytes"])
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
