@@ -28,9 +28,10 @@ EXAMPLES, BATCH, ROUNDS = 300, 16, 2
 
 
 def _model(shards: Path, out: Path) -> Path:
-    import torch
     import transformers
     from tokenizers import Tokenizer
+
+    from tests.helpers.models import tiny_qwen2  # the tests' Qwen2 builder (bench runs from the checkout)
 
     if (out / "config.json").is_file():
         return out
@@ -38,21 +39,18 @@ def _model(shards: Path, out: Path) -> Path:
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_file(str(shards / "tokenizer.json")), eos_token=eos
     )
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
+    tmp = Path(tempfile.mkdtemp(dir=out.parent))
+    tiny_qwen2(
+        tmp,
+        tokenizer=fast,
+        bias_std=0,
         hidden_size=256,
         intermediate_size=704,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,
-        vocab_size=len(fast),
         max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=fast.eos_token_id,
     )
-    tmp = Path(tempfile.mkdtemp(dir=out.parent))
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp)
-    fast.save_pretrained(tmp)
     tmp.rename(out)
     return out
 

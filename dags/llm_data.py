@@ -14,10 +14,10 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
-from dags.shard_fanout import shard_fanout
 from tasks.bounds import task_timeout_s
 from tasks.config import load_config
 from tasks.pipeline import end_parent_run, param_schemas
+from tasks.shard_fanout import shard_fanout
 
 SHARD_SET = AssetAlias("llm-shard-set")
 DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_size", "seq_len", "partitions")

@@ -32,7 +32,6 @@ from airflow.sdk import (
     task,
 )
 
-from dags.shard_fanout import shard_fanout
 from tasks.pipeline import (  # light: no torch, no mlflow
     RetryableStageFailure,
     StageFailure,
@@ -40,6 +39,7 @@ from tasks.pipeline import (  # light: no torch, no mlflow
     param_schemas,
     time_schedule,
 )
+from tasks.shard_fanout import shard_fanout
 from tasks.stages import STAGES
 
 SHARD_SET = AssetAlias("llm-shard-set")  # the llm_data DAG attaches each newly published shard set to it
@@ -171,7 +171,7 @@ RETRY_ONLY_RETRYABLE = ExceptionRetryPolicy(
 RETRIES = {
     "train": dict(retries=2, retry_delay=pendulum.duration(seconds=15), retry_policy=RETRY_ONLY_RETRYABLE),
 }
-SHARD_REDUCE = {"reduce": True}  # the shard task publishes what its fan-out (dags/shard_fanout.py) built
+SHARD_REDUCE = {"reduce": True}  # the shard task publishes what its fan-out (tasks/shard_fanout.py) built
 
 
 def _approval_timeout_h() -> int:

@@ -53,6 +53,16 @@ def airflow_db() -> Path:
 
 
 @pytest.fixture(scope="session")
+def checkpoint_run(tmp_path_factory, airflow_db):
+    """The session's one full `airflow dags test llm_pipeline` (ci-tiny from a tiny Qwen2 checkpoint with its own
+    tokenizer, every stage), run once even under xdist (a file lock): read it, never write into it
+    (tests/helpers/dags.py: tmp, out, ckpt, hf, fast)."""
+    from tests.helpers.dags import shared_checkpoint_run
+
+    return shared_checkpoint_run(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> str:
     """A real SQLite-backed MLflow store shared by the session's tests."""
     path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"

@@ -22,6 +22,12 @@ def test_dags_import_without_errors(dagbag):
     assert {"llm_pipeline", "llm_data", "llm_health"} <= set(dagbag.dags)
 
 
+def test_dags_folder_holds_only_dag_files(dagbag):
+    """What the DAGs share lives in tasks/ (e.g. tasks/shard_fanout.py): every file in dags/ defines a DAG."""
+    files = {p.name for p in (REPO / "dags").iterdir() if p.name != "__pycache__"}
+    assert files == {Path(d.fileloc).name for d in dagbag.dags.values()}
+
+
 def test_main_dag_shape(dagbag):
     dag = dagbag.dags["llm_pipeline"]
     stages = ["env", "shard", "smoke", "plan", "train", "profile", "quantize", "evaluate"]

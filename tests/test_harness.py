@@ -16,49 +16,15 @@ from tasks.errors import StageError
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def _checkpoint(path: Path) -> Path:
-    """A byte-level BPE trained on three stdlib files, wrapped and saved by transformers, beside a tiny random
-    Qwen2 (biases on the q/k/v projections, grouped-query attention) whose embedding is that vocabulary."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384,
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train([str(STDLIB / n) for n in ("textwrap.py", "string.py", "bisect.py")], trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    fast.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(fast),
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        eos_token_id=fast.eos_token_id,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # HF zero-inits biases: non-zero, so the bias mapping is really exercised
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.1)
-    model.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return _checkpoint(tmp_path_factory.mktemp("hf-tiny"))
+    """A byte-level BPE trained on three stdlib files, saved by transformers beside a tiny random Qwen2 (biases on
+    the q/k/v projections, grouped-query attention) whose embedding is that vocabulary."""
+    from tests.helpers.models import stdlib_bpe, tiny_qwen2
+
+    path = tmp_path_factory.mktemp("hf-tiny")
+    tiny_qwen2(path, tokenizer=stdlib_bpe(384))
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,11 @@ FLOORS = [
     ("stage runner", ["tasks.runner", "tasks.stages"], True),
     ("launch", ["tasks.launch"], True),
     ("stages", _stage_modules(), True),
-    ("entry points", ["tasks.__main__", "tasks.cli", "tasks.pipeline", "tasks.summary", "tasks.notify"], True),
+    (
+        "entry points",
+        ["tasks.__main__", "tasks.cli", "tasks.pipeline", "tasks.shard_fanout", "tasks.summary", "tasks.notify"],
+        True,
+    ),
     ("DAGs and plugins", ["dags", "plugins"], True),
 ]
 EXACT = {"tasks", "tasks.stages"}  # package roots whose modules live on other floors: the unit is the root alone

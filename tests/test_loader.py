@@ -16,28 +16,17 @@ import pytest
 import torch
 
 from data_prep.build import build_shard_set
-from data_prep.config import ShardConfig
 from data_prep.errors import CorruptShardError, DataPrepError
 from data_prep.loader import ShardLoader
+from tests.helpers.shards import shard_cfg
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
 
 
 @pytest.fixture(scope="module")
 def shard_set(tmp_path_factory) -> Path:
     """~600 train windows of 9 tokens in 16 equal shards (a multiple of 2 ranks × 2 workers)."""
-    cfg = ShardConfig(
-        inputs=[str(CORPUS)],
-        out_dir=str(tmp_path_factory.mktemp("shards")),
-        vocab_size=300,
-        seq_len=8,
-        val_fraction=0.2,
-        shard_size_mb=0.04,
-        shard_multiple=4,
-        tokenize_processes=1,
-        progress=False,
-    )
+    cfg = shard_cfg(tmp_path_factory.mktemp("shards"), seq_len=8, shard_size_mb=0.04)
     return build_shard_set(cfg).shard_dir
 
 

@@ -181,7 +181,8 @@ def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path,
     wins) publishes a shard set the pipeline's own Params (ci-tiny, seq_len 64) would never shard; llm_data's
     parent run ends FINISHED with its duration and the set as its input. The scheduler's own code turns the asset
     event into an llm_pipeline run; its shard task adopts that set (digest equal, nothing re-sharded), train trains
-    on it, and the run's MLflow parent run records the event."""
+    on it, and the run's MLflow parent run records the event. The same llm_data run again is a cache hit that
+    publishes nothing."""
     from tasks.config import load_config
     from airflow.jobs.job import Job
     from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
@@ -252,3 +253,18 @@ def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path,
     local = client.download_artifacts(parents[0].info.run_id, "trigger/asset_event.json", str(tmp_path))
     event = json.loads(Path(local).read_text())
     assert event["extra"]["manifest_digest"] == published["manifest_digest"]
+
+    # The same llm_data run again: a cache hit publishes nothing, so a re-shard that changed nothing never starts a
+    # retraining (the only asset event of this test's data is the first run's).
+    from airflow.models.asset import AssetEvent
+
+    out = dags_test("llm_data", {"preset": "ci-tiny", "seq_len": 128}, tmp_path, env)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    again = max((tmp_path / "var" / "runs" / "llm_data").iterdir(), key=lambda p: p.stat().st_mtime)
+    again = json.loads((again / "shard.json").read_text())
+    assert again["cache_hit"] and again["manifest_digest"] == published["manifest_digest"]
+    with create_session() as session:
+        events = [e for e in session.scalars(select(AssetEvent)) if str(tmp_path) in e.asset.uri]
+        assert [(e.asset.uri, e.extra.get("manifest_digest")) for e in events] == [
+            (published["asset_uri"], published["manifest_digest"])
+        ]

@@ -1,7 +1,8 @@
 """The whole main DAG through `airflow dags test` on CPU (the ci-tiny preset), read back from MLflow.
 
-One full run is shared by two tests (a module fixture; each reads it only): ci-tiny continuing the training of a tiny
-Qwen2 saved by `transformers` with its own tokenizer (`tokenizer` and `hf_path` Params = that directory). The default
+One full run is shared by the session's DAG-level tests (the session fixture `checkpoint_run`, tests/conftest.py: run
+once, also under xdist; each test reads it only): ci-tiny continuing the training of a tiny Qwen2 saved by
+`transformers` with its own tokenizer (`tokenizer` and `hf_path` Params = that directory). The default
 path (a BPE trained on the corpus, random init) runs every task of the DAG in tests/test_browser.py (through the
 scheduler) and its shard and train tasks in tests/test_orchestration.py."""
 
@@ -10,7 +11,6 @@ import json
 import math
 import os
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -20,62 +20,12 @@ from tasks.stages import STAGES
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from tests.helpers.dags import dags_test  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def tiny_checkpoint(path: Path, vocab: int = 384, steps: int = 150):
-    """A byte-level BPE trained on a few local files, wrapped and saved by transformers, beside a tiny Qwen2 whose
-    embedding is exactly that vocabulary, trained for `steps` steps on standard-library sources (as the shard set
-    is): a real checkpoint, whose first loss on the shard set is far below ln(vocab), as smoke checks."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=["<|endoftext|>"],
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    tok.train([str(stdlib / name) for name in ("textwrap.py", "string.py", "bisect.py")], trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    fast.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(fast),
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        eos_token_id=fast.eos_token_id,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    ids = torch.tensor(
-        [i for f in sorted(stdlib.glob("*.py"))[:40] for i in fast(f.read_text(errors="replace"))["input_ids"]]
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        starts = torch.randint(0, len(ids) - 65, (8,), generator=gen)
-        window = torch.stack([ids[i : i + 65] for i in starts.tolist()])
-        logits = model(window[:, :-1]).logits
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten()).backward()
-        opt.step()
-        opt.zero_grad()
-    model.eval().save_pretrained(path)
-    return model, fast
 
 
 def _nll(model, batches) -> float:
@@ -89,23 +39,11 @@ def _nll(model, batches) -> float:
     return total / n
 
 
-@pytest.fixture(scope="module")
-def checkpoint_run(tmp_path_factory, airflow_db):
-    """One `airflow dags test llm_pipeline` of ci-tiny from a checkpoint with its own tokenizer, through every
-    stage: (tmp dir, output, checkpoint dir, transformers model, tokenizer)."""
-    tmp = tmp_path_factory.mktemp("checkpoint-run")
-    ckpt = tmp / "ckpt"
-    hf, fast = tiny_checkpoint(ckpt)
-    conf = {"preset": "ci-tiny", "tokenizer": str(ckpt), "hf_path": str(ckpt), "precision": "fp32", "steps": 4}
-    out = dags_test("llm_pipeline", conf, tmp, extra_env={"HF_HUB_OFFLINE": "1"}, timeout=1200)
-    return tmp, out, ckpt, hf, fast
-
-
 @pytest.mark.slow
 def test_dags_test_runs_every_stage(checkpoint_run):
     import mlflow
 
-    tmp_path, out, *_ = checkpoint_run
+    tmp_path, out = checkpoint_run.tmp, checkpoint_run.out
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
@@ -136,7 +74,8 @@ def test_dag_continues_training_a_checkpoint_with_its_own_tokenizer(checkpoint_r
     from tasks.config import load_config
     from tasks.quant import inputs
 
-    tmp_path, out, ckpt, hf, fast = checkpoint_run
+    run = checkpoint_run
+    tmp_path, out, ckpt, hf, fast = run.tmp, run.out, run.ckpt, run.hf, run.fast
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     run_dir = next((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())
     res = {s: json.loads((run_dir / f"{s}.json").read_text()) for s in ("shard", "train", "quantize", "evaluate")}
@@ -261,31 +200,3 @@ def test_failed_stage_stops_the_run_and_notifies_its_cause(tmp_path, airflow_db)
     notes = [json.loads(line) for line in (var / "notifications.jsonl").read_text().splitlines()]
     assert [(n["stage"], n["cause"]) for n in notes] == [("shard", shard["error"])]
     assert "Evaluation & registry" in out.stdout + out.stderr  # the summary still printed
-
-
-@pytest.mark.slow
-def test_data_dag_publishes_only_new_shard_sets(tmp_path, airflow_db):
-    """llm_data attaches a new shard set to the asset alias that schedules llm_pipeline; a cache hit publishes
-    nothing, so a re-shard that changed nothing never starts a retraining."""
-    from airflow.models.asset import AssetEvent
-    from airflow.utils.session import create_session
-    from sqlalchemy import select
-
-    env = {
-        **os.environ,
-        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
-    }
-    cmd = 'source scripts/airflow-env.sh && airflow dags test llm_data --conf \'{"preset": "ci-tiny"}\''
-    results = []
-    for _ in range(2):
-        out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
-        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-        run_dir = max((tmp_path / "var" / "runs" / "llm_data").iterdir(), key=lambda p: p.stat().st_mtime)
-        results.append(json.loads((run_dir / "shard.json").read_text()))
-    assert [r["cache_hit"] for r in results] == [False, True]
-    with create_session() as session:
-        events = [e for e in session.scalars(select(AssetEvent)) if str(tmp_path) in e.asset.uri]
-        assert [(e.asset.uri, e.extra.get("manifest_digest")) for e in events] == [
-            (results[0]["asset_uri"], results[0]["manifest_digest"])
-        ]

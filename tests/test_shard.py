@@ -24,24 +24,9 @@ from data_prep.config import ShardConfig
 from data_prep.corpus import CorpusStats, resolve_inputs
 from data_prep.errors import DataPrepError
 from data_prep.manifest import check_files, load_manifest
+from tests.helpers.shards import CORPUS, shard_cfg, tree_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
-
-
-def shard_cfg(out: Path, inputs=None, **kw) -> ShardConfig:
-    base = dict(
-        inputs=[str(p) for p in (inputs or [CORPUS])],
-        out_dir=str(out),
-        vocab_size=300,
-        seq_len=16,
-        val_fraction=0.2,
-        shard_size_mb=0.02,
-        shard_multiple=4,
-        tokenize_processes=1,
-        progress=False,
-    )
-    return ShardConfig(**{**base, **kw})
 
 
 def tar_samples(path: Path) -> list[tuple[str, np.ndarray]]:
@@ -51,10 +36,6 @@ def tar_samples(path: Path) -> list[tuple[str, np.ndarray]]:
 
 def visible(root: Path) -> list[str]:
     return [p.name for p in root.iterdir() if not p.name.startswith(".")]
-
-
-def tree_bytes(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,15 @@ from pathlib import Path
 import pytest
 
 from data_prep.build import build_shard_set, publish
-from data_prep.config import ShardConfig
 from data_prep.errors import DataPrepError
 from data_prep.job import FAULT_ENV, plan_partitions, prepare
 from data_prep.layout import run_layout
 from data_prep.manifest import digest
 from data_prep.partition import run_partition
 from data_prep.writer import run_write
-from tests.helpers.shards import keys_from_manifest
+from tests.helpers.shards import CORPUS, keys_from_manifest, shard_cfg, tree_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = REPO / "tests" / "fixtures" / "data" / "corpus"
 
 
 @pytest.fixture(scope="module")
@@ -40,29 +38,10 @@ def corpus(tmp_path_factory) -> Path:
     return root
 
 
-def cfg_for(out: Path, corpus: Path, **kw) -> ShardConfig:
-    base = dict(
-        inputs=[str(corpus)],
-        out_dir=str(out),
-        vocab_size=300,
-        seq_len=16,
-        val_fraction=0.2,
-        shard_size_mb=0.02,
-        shard_multiple=4,
-        tokenize_processes=1,
-        progress=False,
-    )
-    return ShardConfig(**{**base, **kw})
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory):
     """One partition, one process: the single-process build every other must equal."""
-    return build_shard_set(cfg_for(tmp_path_factory.mktemp("ref"), corpus, partitions=1))
+    return build_shard_set(shard_cfg(tmp_path_factory.mktemp("ref"), [corpus], partitions=1))
 
 
 def test_partitions_are_contiguous_size_balanced_and_at_most_one_per_file():
@@ -80,25 +59,25 @@ def test_the_same_bytes_for_any_partitioning(reference, corpus, tmp_path):
     m = reference.manifest
     assert m["stats"]["duplicates"] == 2 and m["stats"]["documents_out"] == 17  # both copies of alpha dropped
     for n in (3, 8):
-        r = build_shard_set(cfg_for(tmp_path / f"p{n}", corpus, partitions=n, tokenize_processes=2))
+        r = build_shard_set(shard_cfg(tmp_path / f"p{n}", [corpus], partitions=n, tokenize_processes=2))
         assert r.partitions == min(n, len(list(corpus.iterdir()))) and not r.cache_hit
         assert r.shard_dir.name == reference.shard_dir.name and r.digest == reference.digest
-        assert tree(r.shard_dir) == tree(reference.shard_dir)
+        assert tree_bytes(r.shard_dir) == tree_bytes(reference.shard_dir)
     keys = keys_from_manifest(reference.shard_dir)
     assert all(len(k) == len(set(k)) for k in keys.values())
 
 
 def test_max_documents_cuts_the_same_corpus_for_any_partitioning(corpus, tmp_path):
     """The cut after N kept documents lands inside a later partition; counters are a single reader's."""
-    one = build_shard_set(cfg_for(tmp_path / "one", corpus, partitions=1, max_documents=9))
-    many = build_shard_set(cfg_for(tmp_path / "many", corpus, partitions=8, max_documents=9))
+    one = build_shard_set(shard_cfg(tmp_path / "one", [corpus], partitions=1, max_documents=9))
+    many = build_shard_set(shard_cfg(tmp_path / "many", [corpus], partitions=8, max_documents=9))
     assert one.manifest["stats"]["documents_out"] == 9 and many.partitions == 8
-    assert many.digest == one.digest and tree(many.shard_dir) == tree(one.shard_dir)
+    assert many.digest == one.digest and tree_bytes(many.shard_dir) == tree_bytes(one.shard_dir)
 
 
 def test_steps_in_any_order_in_fresh_processes_give_the_reference(reference, corpus, tmp_path):
     """The DAG's tasks may run in any order on any worker: each step reads only the build's directory."""
-    cfg = cfg_for(tmp_path, corpus, partitions=4)
+    cfg = shard_cfg(tmp_path, [corpus], partitions=4)
     job = prepare(cfg).job
     for i in reversed(range(len(job.partitions))):
         code = (
@@ -142,7 +121,7 @@ def test_a_partition_or_write_killed_midway_is_redone_exactly_once(reference, co
 
 
 def test_the_reduce_names_a_bad_output_and_publishes_nothing(reference, corpus, tmp_path):
-    cfg = cfg_for(tmp_path, corpus, partitions=3)
+    cfg = shard_cfg(tmp_path, [corpus], partitions=3)
     job = prepare(cfg).job
     run_partition(job, 0)
     with pytest.raises(DataPrepError, match=r"no layout yet"):
@@ -172,7 +151,7 @@ def test_the_reduce_names_a_bad_output_and_publishes_nothing(reference, corpus, 
 
 
 def test_a_failing_reduce_with_verify_sha256_names_the_shard(corpus, tmp_path):
-    cfg = cfg_for(tmp_path, corpus, verify_sha256=True)
+    cfg = shard_cfg(tmp_path, [corpus], verify_sha256=True)
     job = prepare(cfg).job
     run_partition(job, 0)
     for i in range(len(run_layout(job)["writes"])):

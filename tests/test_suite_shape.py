@@ -58,3 +58,34 @@ def test_test_modules_import_slow_libraries_lazily():
             if module.split(".")[0] in LAZY:
                 bad.append(f"{path.relative_to(TESTS.parent)}:{line} imports {module} at the top level")
     assert not bad, "import it inside the test or fixture that needs it:\n" + "\n".join(bad)
+
+
+ONCE = """
+import os, sys, time
+from pathlib import Path
+from tests.helpers.dags import once
+
+def make(d):
+    with open(d.parent / "calls", "a") as f:
+        f.write("x")
+    time.sleep(0.5)  # the others arrive while it runs
+    return {"pid": os.getpid()}
+
+print(once(Path(sys.argv[1]), "run", make)["pid"])
+"""
+
+
+def test_a_session_run_is_made_once_whichever_worker_asks(tmp_path):
+    """tests/helpers/dags.py once(): three processes (as xdist workers) ask together; one makes, all read its result."""
+    import subprocess
+    import sys
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ONCE, str(tmp_path)], cwd=TESTS.parent, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    pids = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert (tmp_path / "calls").read_text() == "x" and len(pids) == 1, pids

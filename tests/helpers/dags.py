@@ -1,11 +1,14 @@
-"""`airflow dags test` of one DAG in a temporary var dir and MLflow store (the orchestration and e2e tests)."""
+"""`airflow dags test` of one DAG in a temporary var dir and MLflow store (the orchestration and e2e tests), and the
+session's one shared full run of llm_pipeline that the DAG-level assertions read."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -19,3 +22,49 @@ def dags_test(dag_id: str, conf: dict, tmp_path: Path, extra_env: dict | None = 
     }
     cmd = f"source scripts/airflow-env.sh && airflow dags test {dag_id} --conf '{json.dumps(conf)}'"
     return subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def session_root(tmp_path_factory) -> Path:
+    """A directory of this test session that every xdist worker sees (their base temps' parent; without xdist the
+    session's own base temp)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once(root: Path, name: str, make) -> dict:
+    """`make(root / name)` (returning a JSON-able dict) run once per session, whichever process asks first: the
+    others (xdist workers) wait on the file lock and read its recorded result."""
+    (root / name).mkdir(parents=True, exist_ok=True)
+    done = root / name / "result.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if make() raised
+        if not done.is_file():
+            done.write_text(json.dumps(make(root / name)))
+    return json.loads(done.read_text())
+
+
+def checkpoint_run(tmp: Path) -> dict:
+    """One `airflow dags test llm_pipeline` of ci-tiny continuing the training of a tiny Qwen2 saved by transformers
+    with its own tokenizer (`tokenizer` and `hf_path` = that directory, tmp/ckpt), through every stage."""
+    from tests.helpers.models import stdlib_bpe, trained_tiny_qwen2
+
+    ckpt = tmp / "ckpt"
+    trained_tiny_qwen2(ckpt, stdlib_bpe(384))
+    conf = {"preset": "ci-tiny", "tokenizer": str(ckpt), "hf_path": str(ckpt), "precision": "fp32", "steps": 4}
+    out = dags_test("llm_pipeline", conf, tmp, extra_env={"HF_HUB_OFFLINE": "1"}, timeout=1200)
+    return {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
+
+
+def shared_checkpoint_run(tmp_path_factory) -> SimpleNamespace:
+    """The session's checkpoint run (checkpoint_run, once): tmp (its var/ and m.db), out (returncode, stdout,
+    stderr), ckpt, and the checkpoint as transformers reads it back (hf, its tokenizer `fast`)."""
+    import torch
+    import transformers
+
+    root = session_root(tmp_path_factory)
+    out = SimpleNamespace(**once(root, "checkpoint-run", checkpoint_run))
+    tmp = root / "checkpoint-run"
+    ckpt = tmp / "ckpt"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(ckpt / "tokenizer.json"), eos_token="<|endoftext|>")
+    return SimpleNamespace(tmp=tmp, out=out, ckpt=ckpt, hf=hf, fast=fast)

@@ -3,34 +3,89 @@ torch and transformers are imported inside the functions, so importing this modu
 
 from __future__ import annotations
 
+from pathlib import Path
 
-def tiny_qwen2(path, vocab: int, seed: int = 0, **shape):
-    """A small random Qwen2 saved by transformers (biases made non-zero, so the q/k/v bias mapping is tested)."""
+
+def stdlib_bpe(vocab: int = 384):
+    """A byte-level BPE of `vocab` tokens trained on three standard-library files, as transformers' fast tokenizer
+    (eos `<|endoftext|>`): a tokenizer of a checkpoint's own, built in a second."""
+    import sysconfig
+
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<|endoftext|>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tok.train([str(stdlib / name) for name in ("textwrap.py", "string.py", "bisect.py")], trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def tiny_qwen2(path, vocab: int = 0, seed: int = 0, tokenizer=None, bias_std: float = 0.1, **shape):
+    """A small random Qwen2 built and saved by transformers (dim 64, 2 layers, GQA 4/2 unless `shape` says
+    otherwise). With `tokenizer` (a fast tokenizer), its vocabulary and eos are the model's and it is saved beside.
+    Biases ~ N(0, bias_std) (HF zero-inits them: non-zero, the q/k/v bias mapping is really exercised; 0 keeps
+    them zero)."""
     import torch
     import transformers
 
+    if tokenizer is not None:
+        vocab = len(tokenizer)
+        shape.setdefault("eos_token_id", tokenizer.eos_token_id)
+        tokenizer.save_pretrained(path)
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(
-        **{
-            **dict(
-                hidden_size=64,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                vocab_size=vocab,
-                max_position_embeddings=128,
-                tie_word_embeddings=False,
-            ),
-            **shape,
-        }
+    base = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
     )
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.1)
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen2Config(**{**base, **shape}), dtype=torch.float32
+    ).eval()
+    if bias_std:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, bias_std)
     model.save_pretrained(path)
+    return model
+
+
+def trained_tiny_qwen2(path, tokenizer, steps: int = 150):
+    """tiny_qwen2 (zero biases) on `tokenizer`'s vocabulary, trained for `steps` steps on standard-library sources
+    (as the demo shard set is) and saved again: a real checkpoint, whose first loss on the shard set is far below
+    ln(vocab), as smoke checks."""
+    import sysconfig
+
+    import torch
+
+    model = tiny_qwen2(path, tokenizer=tokenizer, bias_std=0).train()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    ids = torch.tensor(
+        [i for f in sorted(stdlib.glob("*.py"))[:40] for i in tokenizer(f.read_text(errors="replace"))["input_ids"]]
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - 65, (8,), generator=gen)
+        window = torch.stack([ids[i : i + 65] for i in starts.tolist()])
+        logits = model(window[:, :-1]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval().save_pretrained(path)
     return model
 
 

@@ -1,4 +1,5 @@
-"""The shard build fanned out with dynamic task mapping, shared by llm_data and llm_pipeline (not a DAG itself).
+"""The shard build fanned out with dynamic task mapping, shared by llm_data and llm_pipeline (not a DAG itself: it
+lives here, not in dags/, and imports Airflow only inside shard_fanout(), which the DAG files call at parse time).
 
 shard_prepare → shard_partition.expand(one per partition) → shard_layout → shard_write.expand(one per write range)
 → the DAG's own `shard` task (the shard stage with --reduce: checks every output, writes the manifest, publishes).
@@ -8,15 +9,6 @@ redone from its start (tasks.pipeline.shard_step, data_prep.job).
 """
 
 from __future__ import annotations
-
-import pendulum
-from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule, task
-
-# A killed worker is retried; a known cause (bad input: tasks.pipeline.StageFailure) fails at once.
-KNOWN_CAUSE_FAILS = ExceptionRetryPolicy(
-    rules=[RetryRule(exception="tasks.pipeline.StageFailure", action=RetryAction.FAIL, reason="a known cause")]
-)
-RETRIES = dict(retries=2, retry_delay=pendulum.duration(seconds=5), retry_policy=KNOWN_CAUSE_FAILS)
 
 
 def _call(step: str, arg=None, skip=None):
@@ -44,7 +36,15 @@ def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
     """Add the fan-out before `reduce` (the DAG's `shard` task, already made, trigger_rule none_failed: it runs when
     the mapped tasks were skipped, a cache hit); return (first task, `reduce`). `skip(ctx)`: true when this run
     does not shard (llm_pipeline triggered by a published set: it adopts it). `task_kwargs` go to every task."""
+    import pendulum
+    from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule, task
+
     common = dict(execution_timeout=pendulum.duration(seconds=timeout_s), **task_kwargs)
+    # A killed worker is retried; a known cause (bad input: tasks.pipeline.StageFailure) fails at once.
+    known_cause_fails = ExceptionRetryPolicy(
+        rules=[RetryRule(exception="tasks.pipeline.StageFailure", action=RetryAction.FAIL, reason="a known cause")]
+    )
+    retry = dict(retries=2, retry_delay=pendulum.duration(seconds=5), retry_policy=known_cause_fails)
 
     @task(
         task_id="shard_prepare",
@@ -59,7 +59,7 @@ def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
         task_id="shard_partition",
         doc_md="One partition: read, clean, de-duplicate, tokenize its files.",
         **common,
-        **RETRIES,
+        **retry,
     )
     def partition(part: dict) -> dict:
         return _call("partition", part)
@@ -73,7 +73,7 @@ def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
     def layout(parts: list[dict]) -> list[dict]:
         return _call("layout", list(parts))
 
-    @task(task_id="shard_write", doc_md="One range of shards of the plan → WebDataset tars.", **common, **RETRIES)
+    @task(task_id="shard_write", doc_md="One range of shards of the plan → WebDataset tars.", **common, **retry)
     def write(w: dict) -> dict:
         return _call("write", w)
 
