@@ -10,7 +10,7 @@ question) prefill it once and score every choice against that cache; the output 
 positions that are scored.
 
 Progress: lm-eval hands over every task's requests of one type at once; they run task by task, each with progress
-lines (tasks.logs.Progress: `progress: evaluate INT8 demo_continuation request 600/1200 (50%), 410 requests/s, ETA
+lines (tasks.logs.Progress: `progress: evaluate INT8 demo-continuation request 600/1200 (50%), 410 requests/s, ETA
 2s`) at the first and last batch and every `log_every` requests or 30 s, instead of lm-eval's tqdm bars.
 """
 
