@@ -324,6 +324,8 @@ class EvaluateConfig(Section):
     task_metrics: list[str] = Field(default_factory=lambda: ["acc", "exact_match", "acc_mutual_info"], min_length=1)
     demo_examples: int = Field(300, ge=10, le=100_000)  # demo-continuation's size
     batch_size: int = Field(16, ge=1, le=4096)  # sequences per forward in the lm-eval wrapper
+    # a progress line per model and task every this many requests (0 = by time only) or 30 s, and at the last
+    log_every: int = Field(1000, ge=0, le=10_000_000)
     # the candidate becomes champion unless its macro task accuracy is lower than the champion's (same tasks, same
     # run) by more than this many percent (relative)
     champion_margin: float = Field(0.0, ge=0.0, le=100.0)

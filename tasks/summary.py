@@ -49,10 +49,10 @@ def model_lines(evaluate: dict, run_dir) -> list[str]:
     path = Path(run_dir) / APPROVAL_FILE
     answer = read_json(path) if path.is_file() else None
     approved = (answer or {}).get("outcome") == "approved"
-    role = "champion" if evaluate.get("champion") or approved else "candidate"
-    if not evaluate.get("aliases_moved", True) and role != "champion":
+    role = "the champion" if evaluate.get("champion") or approved else "a candidate, not the champion"
+    if not evaluate.get("aliases_moved", True) and role != "the champion":
         role = "registered, no alias moved"
-    out = ["", f"Model: {name} v{version} ({role}): {evaluate.get('champion_reason', '')}"]
+    out = ["", f"Model: {name} v{version} is {role} ({evaluate.get('champion_reason', '')})"]
     approval = evaluate.get("approval") or {}
     if approval.get("needed") or answer:
         reason = approval.get("reason") or (answer or {}).get("reason", "")

@@ -32,7 +32,7 @@ MAX_PARAM_VALUE, TRUNCATED = 6000, "…[truncated]"
 # The figures a person looks at first. The UI groups a run's charts by the key's part before "/", sections in
 # alphabetical order and before the ungrouped "Model metrics": these go in the "train" section, the rest of the
 # trainer's figures stay ungrouped (`train.lr`, `train.grad_norm`, …) below them.
-HEADLINE = ("loss", "val_loss", "tokens_per_s")
+HEADLINE = ("loss", "val.loss", "tokens_per_s")
 
 
 def sanitize_key(key: str) -> str:
@@ -127,8 +127,14 @@ _BOUNDED_HTTP = {
 PENDING = "tracking-pending.json"
 
 
+# MLflow's artifact transfers draw tqdm bars on stderr (mlflow/utils/file_utils.py, ArtifactProgressBar: one
+# "Downloading artifacts: 100%|…| 1/1 [00:00<00:00, 457.59it/s]" per file of a registered champion) — noise in the
+# task log, read by MLflow at each transfer.
+_NO_BARS = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false"}
+
+
 def bound_http() -> None:
-    for k, v in _BOUNDED_HTTP.items():
+    for k, v in {**_BOUNDED_HTTP, **_NO_BARS}.items():
         os.environ.setdefault(k, v)
 
 
@@ -602,7 +608,7 @@ def log_params(params: dict) -> None:
 
 
 def metric_key(name: str, prefix: str = "train") -> str:
-    """A trainer figure's MLflow key: the headline ones (loss, val_loss, tokens_per_s) `train/<name>` so the UI
+    """A trainer figure's MLflow key: the headline ones (loss, val.loss, tokens_per_s) `train/<name>` so the UI
     shows them first, the others `train.<name>`."""
     return f"{prefix}/{name}" if name in HEADLINE else f"{prefix}.{name}"
 

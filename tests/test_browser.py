@@ -1,8 +1,10 @@
 """The operator's path through real UIs in headless Chromium: `make ui` (airflow standalone + mlflow server with
 auth), log in, open the main DAG's trigger form, see its sections and fields, trigger a run with a changed Param and
-an approval, approve the new version on Airflow's Required-actions page, wait for success, read the task logs (no
-ERROR line in a successful task), follow the task's "MLflow run" link into MLflow's model-training view (params,
-headline charts first, system metrics), then a run that fails: its log's failure is the one-line cause, in full.
+an approval, watch the train task's log while it runs (progress lines), approve the new version on Airflow's
+Required-actions page, wait for success, read the task logs (no ERROR line in a successful task; progress lines of
+train, quantize and evaluate, no tqdm bar), follow the task's "MLflow run" link into MLflow's model-training view
+(params, headline charts first, system metrics), open the registered INT8 and BF16 versions (model cards as their
+descriptions), then a run that fails: its log's failure is the one-line cause, in full.
 
 Chromium is Debian's (scripts/install-browser.sh), driven by Playwright. The servers run from scripts/ui.sh on free
 ports with every piece of state in a temp dir; the DAG's Params default to the ci-tiny preset (LLM_PIPELINE_PRESET)
@@ -142,6 +144,37 @@ def task_log(ui, run_id: str, task_id: str) -> list[dict]:
     return [json.loads(ln) for log in last.values() for ln in log.read_text().splitlines() if ln.startswith("{")]
 
 
+def log_records(ui, run_id: str, task_id: str) -> list[dict]:
+    """The task's log as far as Airflow has written it (a running task's: its last line may be half written)."""
+    folder = ui["var"] / "logs" / "dag_id=llm_pipeline" / f"run_id={run_id}" / f"task_id={task_id}"
+    out = []
+    for log in sorted(folder.rglob("attempt=*.log")):
+        for ln in log.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(ln))
+            except ValueError:
+                continue
+    return out
+
+
+def progress_while_running(ui, run_id: str, task_id: str, what: str) -> list[str]:
+    """The log's lines starting with `what`, read while the task is running (before and after the read, the API says
+    `running`): Airflow writes a task's log as the task goes. [] when the task ended before one was seen."""
+    token = api_token(ui)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        before = task_states(ui, run_id, token).get(task_id)
+        if before == "running":
+            lines = [r.get("event", "") for r in log_records(ui, run_id, task_id)]
+            lines = [x for x in lines if x.startswith(what)]
+            if lines and task_states(ui, run_id, token).get(task_id) == "running":
+                return lines
+        elif before in ("success", "failed", "upstream_failed", "skipped"):
+            return []
+        time.sleep(1)
+    pytest.fail(f"{task_id} of {run_id} did not run in {RUN_TIMEOUT_S} s")
+
+
 def trigger(ui, conf: dict) -> str:
     body = json.dumps({"logical_date": None, "conf": conf}).encode()
     req = urllib.request.Request(
@@ -209,6 +242,15 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             dialog.get_by_role("button", name="Trigger").click()
             page.wait_for_url(re.compile(r".*/dags/llm_pipeline/runs/.+"))
             run_id = urllib.parse.unquote(page.url.split("/runs/", 1)[1].split("/")[0].split("?")[0])
+            run_path = f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}"
+
+            # Training says how far it is while it runs: rank 0's progress lines, relayed into the task's log.
+            live = progress_while_running(ui, run_id, "train", "progress: train step ")
+            assert live, "no progress line in the train task's log while it ran"
+            assert re.match(r"progress: train step \d+/4 \(\d+%\), loss \d+\.\d{3}, ", live[0]), live
+            page.goto(f"{run_path}/tasks/train")
+            expect(page.get_by_text("progress: train step").first).to_be_visible()
+            page.screenshot(path=str(shots / "2-train-log-progress.png"))
 
             # The evaluation registers a version and leaves the champion alone; the approve task waits for a person.
             wait_for_task(ui, run_id, "approve", "awaiting_input")
@@ -220,11 +262,10 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
                 "version": version,
             }
             assert "champion" not in store.get_registered_model(name).aliases
-            run_path = f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}"
             page.goto(f"{run_path}/tasks/approve/required_actions")
             expect(page.get_by_text(f"Promote {name} v{version} to champion?").first).to_be_visible()
             expect(page.get_by_text("evaluate.require_approval is set").first).to_be_visible()
-            page.screenshot(path=str(shots / "2-approval.png"))
+            page.screenshot(path=str(shots / "3-approval.png"))
             page.get_by_role("button", name="Approve").click()
 
             run = wait_for_run(ui, run_id)
@@ -238,13 +279,27 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             for task_id in run["tasks"]:
                 errors = [r["event"] for r in task_log(ui, run_id, task_id) if r["level"] in ("error", "critical")]
                 assert errors == [], (task_id, errors)
+            # Progress lines at INFO: training (every step of 4, log_every permitting, and the last), the
+            # gate's and evaluation's scoring per model and task; lm-eval's tqdm bars are not in the logs.
+            train_log = [r["event"] for r in task_log(ui, run_id, "train") if r["level"] == "info"]
+            assert any(re.match(r"progress: train step 4/4 \(100%\), loss .*, done$", x) for x in train_log)
+            scoring = {
+                task_id: [r["event"] for r in task_log(ui, run_id, task_id) if r["level"] == "info"]
+                for task_id in ("quantize", "evaluate")
+            }
+            lines = scoring["quantize"] + scoring["evaluate"]  # the gate on tasks scores BF16 and INT8 in quantize
+            for model in ("FP32", "BF16", "INT8"):
+                mine = [x for x in lines if re.match(rf"progress: (quantize|evaluate) {model} demo-continuation ", x)]
+                assert mine and mine[-1].endswith(", done") and "requests/s" in mine[-1], (model, lines)
+            for task_id, events in scoring.items():
+                assert not [x for x in events if "it/s]" in x or re.search(r"\| *\d+/\d+ \[", x)], task_id
             env_log = task_log(ui, run_id, "env")
             assert any(r["event"].strip().startswith("[  ok]") and r["level"] == "info" for r in env_log)
             summary_text = "\n".join(r["event"] for r in task_log(ui, run_id, "summary"))
             assert f"Approval: {evaluate['approval']['reason']} → approved by admin" in summary_text  # in full
             page.goto(f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}/tasks/env")
             expect(page.get_by_text("python-torch").first).to_be_visible()
-            page.screenshot(path=str(shots / "3-env-log.png"))
+            page.screenshot(path=str(shots / "4-env-log.png"))
 
             # The train task's Details tab lists the plugin's "MLflow run" link to its stage run.
             train = json.loads((run_dir_of(ui, run_id) / "train.json").read_text())
@@ -255,7 +310,7 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             exp_id = train["mlflow_experiment_id"]
             want = f"{ui['mlflow']}/#/experiments/{exp_id}/runs/{train['mlflow_run_id']}?workflowType=machine_learning"
             assert link.get_attribute("href") == want
-            page.screenshot(path=str(shots / "4-airflow-task.png"))
+            page.screenshot(path=str(shots / "5-airflow-task.png"))
 
             # Follow it (MLflow is another origin: a new tab) and log in to MLflow; it lands on the stage's run, in
             # the model-training view, the headline charts (train/loss, train/tokens_per_s) in the first section.
@@ -266,19 +321,20 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             expect(mlflow_page.get_by_text(train["mlflow_run_id"]).first).to_be_visible()
             expect(mlflow_page.get_by_text("Model registry").first).to_be_visible()  # the model-training sidebar
             expect(mlflow_page.get_by_text("Evaluation runs")).to_have_count(0)  # the GenAI sidebar's
-            mlflow_page.screenshot(path=str(shots / "5-mlflow-run.png"))
+            mlflow_page.screenshot(path=str(shots / "6-mlflow-run.png"))
             mlflow_page.get_by_text("Model metrics", exact=True).first.click()
             expect(mlflow_page.get_by_text("memory.peak_gb").first).to_be_visible()
             text = mlflow_page.locator("body").inner_text()
             first, rest = re.search(r"train\s*\(\d+\)", text), re.search(r"Model metrics\s*\(\d+\)", text)
             assert first and rest and first.start() < rest.start() < text.index("memory.peak_gb"), text[:2000]
             assert first.start() < text.index("tokens_per_s") < rest.start()  # the headline charts come first
-            mlflow_page.screenshot(path=str(shots / "6-mlflow-metrics.png"))
+            mlflow_page.screenshot(path=str(shots / "7-mlflow-metrics.png"))
             mlflow_page.get_by_text("System metrics", exact=True).first.click()
             expect(mlflow_page.get_by_text("cpu_utilization_percentage").first).to_be_visible()
-            mlflow_page.screenshot(path=str(shots / "7-mlflow-system-metrics.png"))
+            mlflow_page.screenshot(path=str(shots / "8-mlflow-system-metrics.png"))
             run_data = store.get_run(train["mlflow_run_id"]).data
             assert {"train/loss", "train/tokens_per_s", "system/cpu_utilization_percentage"} <= set(run_data.metrics)
+            assert "train/val.loss" in run_data.metrics  # issue 27's val.loss, in the headline section
 
             # The experiment opens in the model-training view (kind tag, link parameter); the parent run holds the
             # flattened config as params.
@@ -288,7 +344,18 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             assert parent.data.params["train.lr"] and parent.data.params["train.steps"] == "4"
             mlflow_page.goto(f"{ui['mlflow']}/#/experiments/{exp_id}?workflowType=machine_learning")
             expect(mlflow_page.get_by_text(f"llm_pipeline/{run_id}").first).to_be_visible()
-            mlflow_page.screenshot(path=str(shots / "8-mlflow-experiment.png"))
+            mlflow_page.screenshot(path=str(shots / "9-mlflow-experiment.png"))
+
+            # The registered INT8 version and its linked BF16 version: each has a model card as its description.
+            bf16 = evaluate["bf16_model"]
+            versions = [("int8", name, version, "INT8 "), ("bf16", bf16["registered_model"], bf16["version"], "BF16: ")]
+            for n, (kind, model, v, first) in enumerate(versions):
+                assert store.get_model_version(model, v).description.startswith(first), (model, v)
+                mlflow_page.goto(f"{ui['mlflow']}/#/models/{urllib.parse.quote(model)}/versions/{v}")
+                expect(mlflow_page.get_by_text(f"Version {v}").first).to_be_visible()
+                expect(mlflow_page.get_by_role("heading", name="Model card").first).to_be_visible()
+                expect(mlflow_page.get_by_text(f"llm_pipeline / {run_id}").first).to_be_visible()  # its lineage
+                mlflow_page.screenshot(path=str(shots / f"{10 + n}-mlflow-{kind}-version.png"))
 
             # A run that fails (the first stage: no NPU here): its log's failure is the stage's one-line cause, in
             # full, the first ERROR line (the failed checks above it are WARNING), with no traceback under it.
@@ -302,7 +369,7 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             assert not any("error_detail" in r for r in records)  # no framework frames
             page.goto(f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(failing, safe='')}/tasks/env")
             expect(page.get_by_text(cause).first).to_be_visible()
-            page.screenshot(path=str(shots / "9-failed-task.png"))
+            page.screenshot(path=str(shots / "12-failed-task.png"))
         finally:
             browser.close()
 

@@ -34,8 +34,12 @@ def _quantize(cfg, tiny, run_dir, method):
 
 
 @pytest.mark.slow
-def test_gate_registry_and_champion(cfg, tiny, tmp_path):
+def test_gate_registry_and_champion(cfg, tiny, tmp_path, caplog):
+    import logging
+
     from mlflow import MlflowClient
+
+    caplog.set_level(logging.INFO, logger="tasks.progress")
 
     cfg.evaluate.registered_model = "evaluate-stage-test"
     cfg.evaluate.max_new_tokens = 6
@@ -122,6 +126,13 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path):
     assert r2["aliases"]["champion"] == (r2["version"] if r2["champion"] else r["version"])
     assert "champion" in r2["tasks"][str(tiny["grammar"])] and " vs champion v" in r2["champion_reason"]
     assert r2["summary_detail"].endswith(f", champion v{r['version']} {r['task_macro']['int8']:.3f}")
+    # Progress lines per model and task (issue 28), from quantize's gate and evaluate, ending with "done"
+    lines = [x.getMessage() for x in caplog.records if x.name == "tasks.progress"]
+    for who in ("quantize BF16", "quantize INT8", "evaluate FP32", f"evaluate champion v{r['version']}"):
+        for task in ("demo-continuation", "grammar"):
+            mine = [x for x in lines if x.startswith(f"progress: {who} {task} request ")]
+            assert mine and re.fullmatch(rf"progress: {who} {task} request 0/\d+ \(0%\)", mine[0]), (who, task, lines)
+            assert mine[-1].endswith(", done") and "requests/s" in mine[-1], (who, task, lines)
 
 
 @pytest.mark.slow

@@ -151,6 +151,35 @@ def test_task_yaml_from_a_temp_dir_scores_as_with_hflm(lms, tmp_path):
     assert ours_r["macro"] == ours_r["entries"][str(path)]["value"]
 
 
+def test_progress_lines_per_model_and_task_and_no_bars(lms, tmp_path, caplog, capfd):
+    """Issue 28: a model's scoring prints progress lines per task (what runs, requests done/total, rate, ETA) at the
+    start, every log_every requests and at the end, through logging (tasks.progress: Airflow's task log, `make
+    run`); lm-eval's tqdm bar over the task's documents (Task.build_all_requests) writes nothing to stderr."""
+    import logging
+    import re
+
+    from tasks.harness import suite
+    from tasks.harness.lm import ProjectLM
+
+    ours, _ = lms
+    rows = [dict(q, question=f"# {i}\n{q['question']}") for i, q in enumerate(QA * 5)]  # 20 distinct contexts
+    s = suite.load([str(_yaml_task(tmp_path, "py_quiz", rows))], None, None, {}, ["acc"])
+    lm = ProjectLM(ours.model, ours.tok, "cpu", batch_size=4, label="evaluate INT8", log_every=24)
+    caplog.set_level(logging.INFO, logger="tasks.progress")
+    capfd.readouterr()
+    suite.score(lm, s)
+    err = capfd.readouterr().err
+    lines = [r.getMessage() for r in caplog.records if r.name == "tasks.progress"]
+    # 20 questions of 3 choices: 60 requests, each question's choices one batch after its shared context
+    done = [int(re.match(r"progress: evaluate INT8 py_quiz request (\d+)/60\b", x)[1]) for x in lines]
+    assert done == [0, 24, 48, 60], lines
+    assert lines[0] == "progress: evaluate INT8 py_quiz request 0/60 (0%)", lines
+    rate = r"[\d.]+[kM]? requests/s"
+    assert re.fullmatch(rf"progress: evaluate INT8 py_quiz request 24/60 \(40%\), {rate}, ETA \d+s", lines[1]), lines
+    assert re.fullmatch(rf"progress: evaluate INT8 py_quiz request 60/60 \(100%\), {rate}, done", lines[3]), lines
+    assert "20/20" not in err and "it/s" not in err, err  # no tqdm bar
+
+
 def test_bad_task_inputs_are_one_line(tmp_path, ckpt):
     from tasks.harness import suite
 
@@ -173,6 +202,32 @@ def test_bad_task_inputs_are_one_line(tmp_path, ckpt):
         r"lost_data.yaml: its dataset is not on disk \(FileNotFoundError: .*lost_data.jsonl.*nothing is downloaded",
         [str(missing)],
     )
+    # A new user's YAML as lm-eval's task guide writes one ("Using Local Datasets": `data_files: /path/to/my/json`):
+    # a data file named relative to the YAML (datasets reads it from the cwd), a test split that one path does not have.
+    (tmp_path / "guide.jsonl").write_text("".join(json.dumps(r) + "\n" for r in QA))
+    guide = tmp_path / "guide.yaml"
+    guide.write_text(
+        good.read_text()
+        .replace("task: good_quiz", "task: guide")
+        .replace("  data_files:\n    test: " + str(tmp_path / "good_quiz.jsonl"), "  data_files: guide.jsonl")
+    )
+    fails(
+        rf"guide.yaml: dataset_kwargs.data_files 'guide.jsonl' is a relative path, which datasets reads from the "
+        r"current directory \(.*\), not from the YAML's folder; write its absolute path "
+        rf"\({tmp_path}/guide.jsonl exists",
+        [str(guide)],
+    )
+    guide.write_text(guide.read_text().replace("data_files: guide.jsonl", f"data_files: {tmp_path / 'guide.jsonl'}"))
+    fails(
+        r"guide.yaml: test_split 'test' is not a split of its dataset, which has train \(datasets calls .*'train'\); "
+        r"set test_split: train, or name the split in data_files \(\{test: PATH\}\)",
+        [str(guide)],
+    )
+    guide.write_text(guide.read_text().replace("test_split: test", "test_split: train"))
+    from tasks.config import load_config
+
+    tasks = load_config("ci-tiny", sets=[f"evaluate.tasks=[{guide}]"]).evaluate.tasks  # as `--set` passes it
+    assert suite.load(tasks, None, None, {}, ["acc"]).data_files == {"guide": [str(tmp_path / "guide.jsonl")]}
     # a standard task whose dataset is not in the HF datasets cache: offline, one line, no download attempted
     fails(r"evaluate.tasks: arc_easy: its dataset is not on disk \(.*Hub.*HF datasets cache", ["arc_easy"])
     fails(r"evaluate.num_fewshot: 'mmlu' is none of evaluate.tasks", [str(good)], fewshot={"mmlu": 5})

@@ -240,12 +240,14 @@ def test_npu_metrics_from_every_chip_generation():
 
 
 def test_headline_metric_names_sort_first():
-    assert [tracking.metric_key(k) for k in ("loss", "val_loss", "tokens_per_s", "lr", "mfu")] == [
+    keys = ("loss", "val.loss", "tokens_per_s", "lr", "mfu", "val.time_s")
+    assert [tracking.metric_key(k) for k in keys] == [
         "train/loss",
-        "train/val_loss",
+        "train/val.loss",  # issue 27's `val.loss`, in the UI's first section beside train/loss (issue 28)
         "train/tokens_per_s",
         "train.lr",
         "train.mfu",
+        "train.val.time_s",
     ]
 
 

@@ -192,6 +192,6 @@ def test_dp2_tp2_pp2_on_8_ranks(cfg, tmp_path, shards, ref):
     sgd = write_spec(configure(cfg, **dims, **SGD), tmp_path / "sgd_dp2_tp2_pp2", shards)
     rc, out = torchrun(c, 8, [spec, sgd], tmp_path / "torchrun8.log")
     assert rc == 0, out[-3000:]
-    # The reference of a 4-step run: its lr schedule (and so the weights its step-4 val_loss sees) is a 4-step one.
+    # The reference of a 4-step run: its lr schedule (and so the weights its step-4 val.loss sees) is a 4-step one.
     check(tmp_path / "dp2_tp2_pp2", ref, "dp2×tp2×pp2", {"train.steps": 4}, steps=range(1, 5))
     check(tmp_path / "sgd_dp2_tp2_pp2", ref, "dp2×tp2×pp2 sgd", SGD)

@@ -1,4 +1,4 @@
-"""The validation loss during training (tasks/train/validation.py): dp2, tp2 and pp2 log the val_loss one plain process
+"""The validation loss during training (tasks/train/validation.py): dp2, tp2 and pp2 log the val.loss one plain process
 computes on the same weights and val slice (train_fixture.reference_run: the dp1 value) at the same steps, without
 changing the training curve; early stopping ends the run cleanly after `patience` evaluations without a new best and
 exports the best checkpoint, not the last; the best step reaches train.json; a val split too small for one global batch
@@ -60,17 +60,17 @@ def test_val_loss_same_in_every_layout_and_early_stop(cfg, tmp_path, shards):
     assert rc == 0, out[-3000:]
 
     ref = reference_run(configure(load_config("demo-cpu"), **VAL), shards, 4)
-    assert sorted(ref["val_loss"]) == [3, 4]
-    # Loss and gradient norm per step as the reference's; val_loss at steps 3 and 4 within 1e-6 (measured: 8e-8; the
+    assert sorted(ref["val.loss"]) == [3, 4]
+    # Loss and gradient norm per step as the reference's; val.loss at steps 3 and 4 within 1e-6 (measured: 8e-8; the
     # dp2 value of rank 0's half of the slice alone is 1.3e-4 off).
     for name in LAYOUTS:
         assert_same_run(tmp_path / name, ref, name, steps=range(1, 5), val_rel=1e-6)
 
     run = tmp_path / "early"
     got = metrics(run)
-    assert sorted(got) == [1, 2, 3] and all("val_loss" in r for r in got.values()), got
-    assert got[1]["val_loss"] < got[2]["val_loss"] < got[3]["val_loss"], got
-    assert all(r["val_time_s"] > 0 for r in got.values()), got  # the evaluation's own cost, logged with it
+    assert sorted(got) == [1, 2, 3] and all("val.loss" in r for r in got.values()), got
+    assert got[1]["val.loss"] < got[2]["val.loss"] < got[3]["val.loss"], got
+    assert all(r["val.time_s"] > 0 for r in got.values()), got  # the evaluation's own cost, logged with it
     summary = json.loads((run / "train" / "summary.json").read_text())
     assert summary["early_stop"]["step"] == 3 and "train.early_stop_patience 2" in summary["early_stop"]["reason"]
     best = run / "checkpoints" / "step-1"
@@ -88,8 +88,9 @@ def test_val_loss_same_in_every_layout_and_early_stop(cfg, tmp_path, shards):
     ctx = context(run, shards, no_export=False)
     result = train.run(early_cfg, ctx)
     assert result["reused"] and result["steps"] == 3, result
-    assert (result["best_step"], result["best_checkpoint"], result["exported_from"]) == (1, str(best), str(best))
-    assert result["best_val_loss"] == got[1]["val_loss"] and result["val_loss"] == got[3]["val_loss"]
+    best_of = (result["val.best_step"], result["val.best_checkpoint"], result["exported_from"])
+    assert best_of == (1, str(best), str(best)), result
+    assert result["val.best_loss"] == got[1]["val.loss"] and result["val.loss"] == got[3]["val.loss"]
     assert "early stop at step 3" in result["summary"] and "best 6.50 at step 1" in result["summary"], result
 
 
@@ -140,10 +141,25 @@ def test_loss_plot_draws_both_curves():
     from tasks.stages.train import loss_figure
 
     records = [
-        {"step": s, "loss": 6.0 - s / 10, **({"val_loss": 6.5 - s / 20} if s % 2 == 0 else {})} for s in (1, 2, 3, 4)
+        {"step": s, "loss": 6.0 - s / 10, **({"val.loss": 6.5 - s / 20} if s % 2 == 0 else {})} for s in (1, 2, 3, 4)
     ]
     fig = loss_figure(records, plt)
     labels = [line.get_label() for line in fig.axes[0].lines]
     assert labels == ["train loss", "val loss", "best val 6.300 (step 4)"], labels
     assert list(fig.axes[0].lines[1].get_xdata()) == [2, 4]
     plt.close(fig)
+
+
+def test_metrics_written_before_the_rename_are_read_under_todays_names(tmp_path):
+    """A run resumed across issue 27's rename: its earlier records (`val_loss`, `val_time_s`) count as `val.loss` —
+    the resume's history (best step, early stopping, progress), train.json and the loss plot."""
+    from tasks.parallel.metrics import read_metrics
+    from tasks.stages.train import validation_result
+
+    path = tmp_path / "metrics.jsonl"
+    old = [{"step": 1, "loss": 6.0, "val_loss": 6.4, "val_time_s": 0.1}, {"step": 2, "loss": 5.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*old, {"step": 3, "loss": 4.0, "val.loss": 6.5}]))
+    records = read_metrics(path)
+    assert records[0] == {"step": 1, "loss": 6.0, "val.loss": 6.4, "val.time_s": 0.1}, records
+    got = validation_result(records, tmp_path)
+    assert (got["val.loss"], got["val.best_loss"], got["val.best_step"]) == (6.5, 6.4, 1), got

@@ -8,10 +8,15 @@ and greedy generation until a stop sequence (models.utils.normalize_gen_kwargs /
 postprocess_generated_text). Faster where it can be: requests that share a context (the choices of a multiple-choice
 question) prefill it once and score every choice against that cache; the output projection runs only on the
 positions that are scored.
+
+Progress: lm-eval hands over every task's requests of one type at once; they run task by task, each with progress
+lines (tasks.logs.Progress: `progress: evaluate INT8 demo-continuation request 600/1200 (50%), 410 requests/s, ETA
+2s`) at the first and last batch and every `log_every` requests or 30 s, instead of lm-eval's tqdm bars.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -26,14 +31,25 @@ from tasks.model.generate import hidden_cached
 class ProjectLM(TemplateLM):
     backend = "causal"
 
-    def __init__(self, model, tokenizer, device, batch_size: int = 16, max_length: int | None = None):
-        """`tokenizer`: a tasks.harness.models.TextTokenizer; `max_length`: default the model's max_seq_len."""
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device,
+        batch_size: int = 16,
+        max_length: int | None = None,
+        label: str = "evaluate",
+        log_every: int = 0,
+    ):
+        """`tokenizer`: a tasks.harness.models.TextTokenizer; `max_length`: default the model's max_seq_len;
+        `label`: what the progress lines say is running ("evaluate INT8"); `log_every`: requests between them."""
         super().__init__()
         self.model = model.eval()
         self.tok = tokenizer
         self._device = torch.device(device)
         self.batch_size = batch_size
         self.max_length = max_length or model.config.max_seq_len
+        self.label, self.log_every, self._task = label, log_every, None
 
     @property
     def eot_token_id(self) -> int:
@@ -57,7 +73,27 @@ class ProjectLM(TemplateLM):
         return self.tok.encode(string, add_special_tokens)
 
     def loglikelihood(self, requests, disable_tqdm: bool = True) -> list[tuple[float, bool]]:
-        return super().loglikelihood(requests, disable_tqdm=disable_tqdm)  # no progress bar in the stage's log
+        # TemplateLM's (tokenize, then _loglikelihood_tokens) without its tqdm bar: our progress lines instead
+        return self._each_task(requests, lambda reqs: TemplateLM.loglikelihood(self, reqs, disable_tqdm=True))
+
+    def _each_task(self, requests, run) -> list:
+        """`run` on each task's requests in turn (their progress lines name the task); answers in request order."""
+        by_task = defaultdict(list)
+        for i, req in enumerate(requests):
+            by_task[getattr(req, "task_name", None)].append(i)
+        out: list = [None] * len(requests)
+        try:
+            for task, idx in by_task.items():
+                self._task = task
+                for i, answer in zip(idx, run([requests[i] for i in idx])):
+                    out[i] = answer
+        finally:
+            self._task = None
+        return out
+
+    def _meter(self, total: int, unit: str) -> "Meter":
+        what = f"{self.label} {self._task}" if self._task else self.label
+        return Meter(what, total, unit, self.log_every)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.log_softmax(self.model.output(hidden).float(), dim=-1)
@@ -68,8 +104,11 @@ class ProjectLM(TemplateLM):
         target = torch.tensor(cont, device=logp.device)
         return float(logp.gather(1, target[:, None]).sum()), bool((logp.argmax(-1) == target).all())
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, unit: str = "request", **kwargs
+    ) -> list[tuple[float, bool]]:
         """requests: [(cache key, context ids, continuation ids)] → [(log-probability, is greedy)] in order."""
+        meter = self._meter(len(requests), unit)
         out: list = [None] * len(requests)
         shared, plain = defaultdict(list), []
         for i, (_, ctx, cont) in enumerate(requests):
@@ -81,15 +120,15 @@ class ProjectLM(TemplateLM):
             if len(idx) == 1:
                 plain += idx
             else:
-                self._shared_context(list(ctx), [(i, requests[i][2]) for i in idx], out)
-        self._plain(sorted(plain, key=lambda i: -len(requests[i][1]) - len(requests[i][2])), requests, out)
+                self._shared_context(list(ctx), [(i, requests[i][2]) for i in idx], out, meter)
+        self._plain(sorted(plain, key=lambda i: -len(requests[i][1]) - len(requests[i][2])), requests, out, meter)
         for (key, _, _), answer in zip(requests, out):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return out
 
     @torch.no_grad()
-    def _shared_context(self, ctx: list[int], conts: list[tuple[int, list[int]]], out: list) -> None:
+    def _shared_context(self, ctx: list[int], conts: list[tuple[int, list[int]]], out: list, meter) -> None:
         """Prefill ctx[:-1] once (batch 1), then every continuation as a row after that cache: row = ctx[-1] +
         cont[:-1], right-padded (padding after the real tokens is never attended to by them)."""
         cache: dict = {}
@@ -105,9 +144,10 @@ class ProjectLM(TemplateLM):
             h = hidden_cached(self.model, rows, dict(cache), start)
             for r, (i, cont) in enumerate(chunk):
                 out[i] = self._score(h[r, : len(cont)], cont)
+            meter.advance(len(chunk))
 
     @torch.no_grad()
-    def _plain(self, order: list[int], requests, out: list) -> None:
+    def _plain(self, order: list[int], requests, out: list, meter) -> None:
         """Whole sequences, right-padded in batches (longest first, as HFLM), left-truncated to max_length + 1."""
         for j in range(0, len(order), self.batch_size):
             chunk = order[j : j + self.batch_size]
@@ -119,8 +159,12 @@ class ProjectLM(TemplateLM):
             for r, i in enumerate(chunk):
                 cont = requests[i][2]
                 out[i] = self._score(h[r, len(seqs[r]) - len(cont) : len(seqs[r])], cont)
+            meter.advance(len(chunk))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        return self._each_task(requests, self._rolling)
+
+    def _rolling(self, requests) -> list[float]:
         windows, owner = [], []
         for n, (string,) in enumerate(req.args for req in requests):
             for ctx, cont in map(
@@ -135,7 +179,7 @@ class ProjectLM(TemplateLM):
                 windows.append((None, ctx, cont))
                 owner.append(n)
         totals = [0.0] * len(requests)
-        for n, (logp, _) in zip(owner, self._loglikelihood_tokens(windows)):
+        for n, (logp, _) in zip(owner, self._loglikelihood_tokens(windows, unit="window")):
             totals[n] += logp
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
@@ -143,6 +187,10 @@ class ProjectLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy, batched (left-padded prompts, KV cache), until a stop sequence, EOS or max_gen_toks."""
+        return self._each_task(requests, self._generate)
+
+    def _generate(self, requests) -> list[str]:
+        meter = self._meter(len(requests), "request")
         batches = Collator(
             [req.args for req in requests],
             sort_fn=lambda x: (-len(self.tok_encode(x[0])), x[0]),
@@ -165,6 +213,7 @@ class ProjectLM(TemplateLM):
                 text = postprocess_generated_text(self.tok.decode(toks), until, None)
                 res.append(text)
                 self.cache_hook.add_partial("generate_until", (context, all_kwargs[0]), text)
+            meter.advance(len(chunk))
         return batches.get_original(res)
 
     @torch.no_grad()
@@ -186,6 +235,24 @@ class ProjectLM(TemplateLM):
                 break
             h = hidden_cached(self.model, nxt[:, None], cache, width + step, pad)
         return gen
+
+
+class Meter:
+    """The progress lines of one model on one task: at the start, every `every` items (0: by time only) or 30 s, and
+    at the last, with the rate so far (tasks.logs.Progress adds the ETA)."""
+
+    def __init__(self, what: str, total: int, unit: str, every: int):
+        from tasks.logs import Progress
+
+        self.progress, self.unit = Progress(what, total, unit, every), unit
+        self.done, self.t0 = 0, time.monotonic()
+        if total:
+            self.progress.update(0)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        took = time.monotonic() - self.t0
+        self.progress.update(self.done, **{f"{self.unit}s_per_s": self.done / took if took > 0 else None})
 
 
 def default_max_gen_toks(max_length: int) -> int:

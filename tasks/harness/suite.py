@@ -31,6 +31,22 @@ def offline() -> None:
     datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
     datasets.disable_progress_bars()  # "Generating test split" bars on stderr would bury a stage's one-line cause
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # its per-task INFO/WARNING lines would flood stage logs
+    quiet_request_bars()
+
+
+def quiet_request_bars() -> None:
+    """No tqdm bar while lm-eval builds a task's requests: tasks.harness.lm prints progress lines instead. lm-eval
+    0.4.13 offers no switch for that bar (lm_eval/api/task.py, Task.build_all_requests: `tqdm(doc_id_docs,
+    total=num_docs)`; lm_eval.evaluator.evaluate passes nothing that reaches it) and tqdm's own, TQDM_DISABLE, is read
+    once when tqdm is imported (tqdm/utils.py, envwrap): the bar went to stderr, a stray "0/300" line in the stage's
+    log (above a one-line cause when a task failed mid-build). The model's own bars are off through lm-eval's
+    `disable_tqdm` (tasks.harness.lm)."""
+    import functools
+
+    import lm_eval.api.task
+    from tqdm import tqdm
+
+    lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)
 
 
 def is_path(entry: str) -> bool:
@@ -65,9 +81,11 @@ def _manager(entries: list[str], extra_paths: list[Path]):
 def _load_one(tm, entry: str, spec: str):
     try:
         return tm.load([spec])
-    except KeyError:
-        if is_path(entry):
-            raise StageError(f"evaluate.tasks: {entry}: no such task YAML file") from None
+    except KeyError as e:
+        if is_path(entry):  # the file exists (load checked): a key its dataset lacks, e.g. a split
+            problem = _split_problem(spec, e.args[0] if e.args else None)
+            problem = problem or f"lm-eval rejects this task ({_first_line(e)})"
+            raise StageError(f"evaluate.tasks: {entry}: {problem}") from None
         close = difflib.get_close_matches(entry, tm.all_tasks, n=3)
         raise StageError(
             f"evaluate.tasks: {entry!r} is not an lm-eval task, group or tag"
@@ -75,6 +93,14 @@ def _load_one(tm, entry: str, spec: str):
             + "; give a name from `lm-eval ls tasks` or the path of a task YAML"
         ) from None
     except (FileNotFoundError, ConnectionError) as e:  # offline datasets: not in the cache / data_files missing
+        relative = [p for p in _relative_data_files(spec) if not Path(p).exists()] if is_path(entry) else []
+        if relative:  # lm-eval passes data_files to datasets as they are: a relative path is the cwd's
+            beside = Path(spec).parent / relative[0]
+            raise StageError(
+                f"evaluate.tasks: {entry}: dataset_kwargs.data_files {relative[0]!r} is a relative path, which "
+                f"datasets reads from the current directory ({Path.cwd()}), not from the YAML's folder; write its "
+                "absolute path" + (f" ({beside.resolve()} exists)" if beside.exists() else "")
+            ) from None
         raise StageError(
             f"evaluate.tasks: {entry}: its dataset is not on disk ({_first_line(e)}); nothing is downloaded at run "
             "time: fetch it once into the HF datasets cache on this host (datasets.load_dataset with the task's "
@@ -83,6 +109,38 @@ def _load_one(tm, entry: str, spec: str):
         ) from None
     except Exception as e:  # noqa: BLE001 — lm-eval raises what its config and YAML readers raise
         raise StageError(f"evaluate.tasks: {entry}: lm-eval rejects this task ({_first_line(e)})") from None
+
+
+def _yaml(spec: str) -> dict:
+    """A task YAML as lm-eval's own loader reads it (includes merged, !function tags not imported); {} if it can't."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        return load_yaml(spec, resolve_func=False)
+    except Exception:  # noqa: BLE001 — lm-eval reports its own problem with this YAML
+        return {}
+
+
+def _relative_data_files(spec: str) -> list[str]:
+    """The relative paths among a task YAML's dataset_kwargs.data_files."""
+    files = (_yaml(spec).get("dataset_kwargs") or {}).get("data_files")
+    return [p for p in _paths(files) if "://" not in p and not Path(p).is_absolute()]
+
+
+def _split_problem(spec: str, key) -> str | None:
+    """A task YAML's split its dataset lacks, and the splits it has: datasets names the one split of data_files given
+    as a path or a list `train` (datasets.load_dataset), of a mapping its keys."""
+    cfg = _yaml(spec)
+    fields = [f for f in ("test_split", "validation_split", "training_split", "fewshot_split") if cfg.get(f) == key]
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    if not fields or files is None:
+        return None
+    splits = sorted(files) if isinstance(files, dict) else ["train"]
+    why = "" if isinstance(files, dict) else " (datasets calls the split of data_files given as a path or list 'train')"
+    return (
+        f"{fields[0]} {key!r} is not a split of its dataset, which has {', '.join(splits)}{why}; set {fields[0]}: "
+        f"{splits[0]}, or name the split in data_files ({{{key}: PATH}})"
+    )
 
 
 def _first_line(e: BaseException) -> str:
@@ -128,12 +186,17 @@ def load(entries: list[str], demo_yaml: Path | None, limit: int | None, fewshot:
     return suite
 
 
-def _local_files(data_files) -> list[str]:
-    """The local paths among a YAML's dataset_kwargs.data_files (a path, a list, or split → path(s))."""
+def _paths(data_files) -> list[str]:
+    """Every path of a YAML's dataset_kwargs.data_files (a path, a list, or split → path(s))."""
     if isinstance(data_files, dict):
-        return [p for v in data_files.values() for p in _local_files(v)]
+        return [p for v in data_files.values() for p in _paths(v)]
     items = data_files if isinstance(data_files, list) else [data_files] if data_files else []
-    return sorted(str(p) for p in items if isinstance(p, str) and Path(p).is_file())
+    return [p for p in items if isinstance(p, str)]
+
+
+def _local_files(data_files) -> list[str]:
+    """The local files among a YAML's dataset_kwargs.data_files."""
+    return sorted(p for p in _paths(data_files) if Path(p).is_file())
 
 
 def _check_metrics(suite: Suite, metrics: list[str]) -> None:

@@ -8,8 +8,16 @@ import os
 import time
 from pathlib import Path
 
-from tasks.fsutil import atomic_write_text
-from tasks.fsutil import read_jsonl as read_metrics  # noqa: F401 (metrics.jsonl: one record per line)
+from tasks.fsutil import atomic_write_text, read_jsonl
+
+# Keys metrics.jsonl had before issue 27's names (`val.loss`, as MLflow's `train/val.loss`): a run resumed across the
+# rename reads its earlier records under the new names.
+RENAMED = {"val_loss": "val.loss", "val_time_s": "val.time_s"}
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """metrics.jsonl's records (one per optimizer step), under today's keys; [] when the file does not exist."""
+    return [{RENAMED.get(k, k): v for k, v in r.items()} for r in read_jsonl(path)]
 
 
 def peak_flops(device, configured_tflops: float) -> float | None:

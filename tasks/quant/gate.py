@@ -80,11 +80,13 @@ def suite_key(s, cfg) -> dict:
     }
 
 
-def score(model, tokenizer, s, cfg, device) -> dict:
+def score(model, tokenizer, s, cfg, device, label: str) -> dict:
+    """`label`: what the progress lines say is running ("evaluate INT8")."""
     from tasks.harness import suite
     from tasks.harness.lm import ProjectLM
 
-    return suite.score(ProjectLM(model, tokenizer, device, cfg.evaluate.batch_size), s)
+    e = cfg.evaluate
+    return suite.score(ProjectLM(model, tokenizer, device, e.batch_size, label=label, log_every=e.log_every), s)
 
 
 class Gate:
@@ -100,7 +102,8 @@ class Gate:
             self.tokenizer = load_tokenizer(model_dir)
         self.ref = full_precision(model_dir, cfg.quantize.dtype, device)
         if self.metric == TASK_GATE:
-            self.ref_figures = score(self.ref, self.tokenizer, self.suite, cfg, device)
+            label = f"quantize {cfg.quantize.dtype.upper()}"
+            self.ref_figures = score(self.ref, self.tokenizer, self.suite, cfg, device, label)
         else:
             from tasks.quant import quality
 
@@ -110,7 +113,7 @@ class Gate:
     def judge(self, model) -> dict:
         """{"metric", "value", "passed", "figures"}: the INT8 model's figures and its drop against the reference."""
         if self.metric == TASK_GATE:
-            figures = score(model, self.tokenizer, self.suite, self.cfg, self.device)
+            figures = score(model, self.tokenizer, self.suite, self.cfg, self.device, "quantize INT8")
             value = relative_drop(self.ref_figures["macro"], figures["macro"])
         else:
             from tasks.quant import quality

@@ -47,7 +47,7 @@ def champion_decision(candidate: float, champion: dict | None, margin_pct: float
     the same tasks (or {"version", "problem"} when it could not be), or None. Promote unless the candidate is lower
     by more than `margin_pct` percent of the champion's."""
     if champion is None:
-        return Promotion(True, "no champion yet")
+        return Promotion(True, "no earlier champion to compare with")
     v = champion["version"]
     if champion.get("macro") is None:
         return Promotion(False, f"champion v{v}: {champion['problem']}; promote by hand after review", False)

@@ -97,10 +97,11 @@ class Measurer:
         self.data = quality.eval_data(cfg, shard_dir, self.fp32.config.max_seq_len)
         self.ref_q = quality.quality(self.ref, self.data, self.device)
         self.fp_q = self.ref_q if self.ref is self.fp32 else quality.quality(self.fp32, self.data, self.device)
-        self.scores = {"fp32": self.score(self.fp32)}
+        self.scores = {"fp32": self.score(self.fp32, "FP32")}
 
-    def score(self, model, tokenizer=None) -> dict:
-        return gate.score(model, tokenizer or self.tokenizer, self.suite, self.cfg, self.device)
+    def score(self, model, name: str, tokenizer=None) -> dict:
+        """The model's task scores; `name` ("INT8") in its progress lines."""
+        return gate.score(model, tokenizer or self.tokenizer, self.suite, self.cfg, self.device, f"evaluate {name}")
 
     def measure(self, model, meta: dict, stage: str, reused: dict | None) -> dict:
         """The INT8 model's figures beside the references'; the gate value under evaluate.gate_metric."""
@@ -111,8 +112,9 @@ class Measurer:
             self.scores[ref_key] = self.scores.get(ref_key) or reused["ref"]
             self.scores["int8"] = reused["int8"]
         else:
-            self.scores.setdefault(ref_key, self.score(self.ref))
-            self.scores["int8"] = self.score(model)
+            if ref_key not in self.scores:
+                self.scores[ref_key] = self.score(self.ref, self.ref_name.upper())
+            self.scores["int8"] = self.score(model, "INT8")
         mb = 1024**2
         m = {
             "stage": stage,
@@ -196,7 +198,7 @@ def _champion_scores(cfg, ctx, champion: dict, digest: str, shard_dir: Path, mea
         suites.check_generation(measurer.suite, model.config.max_seq_len, f"champion v{v}")
     except StageError as e:
         return {"version": v, "problem": str(e)}
-    scores = measurer.score(model, tok)
+    scores = measurer.score(model, f"champion v{v}", tok)
     return {"version": v, "macro": scores["macro"], "scores": scores}
 
 

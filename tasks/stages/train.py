@@ -522,8 +522,8 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         ],
         "summary": f"{records[-1]['step']} steps, loss {records[0]['loss']:.2f}→{records[-1]['loss']:.2f}, "
         + (
-            f"val {val['val_loss']:.2f} (best {val['best_val_loss']:.2f} at step {val['best_step']}), "
-            if val["val_loss"] is not None
+            f"val {val['val.loss']:.2f} (best {val['val.best_loss']:.2f} at step {val['val.best_step']}), "
+            if val["val.loss"] is not None
             else ""
         )
         + (f"early stop at step {stop['step']}, " if stop else "")
@@ -536,18 +536,18 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
 
 
 def validation_result(records: list[dict], ckpt_dir: Path) -> dict:
-    """train.json's validation figures from metrics.jsonl: the last and the best val_loss (the first step reaching
+    """train.json's validation figures from metrics.jsonl: the last and the best val.loss (the first step reaching
     it) and the best step's checkpoint when one exists (always, with early stopping: that is what was exported)."""
-    evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    evals = [(r["step"], r["val.loss"]) for r in records if r.get("val.loss") is not None]
     if not evals:
-        return {"val_loss": None, "best_val_loss": None, "best_step": None, "best_checkpoint": None}
+        return {"val.loss": None, "val.best_loss": None, "val.best_step": None, "val.best_checkpoint": None}
     best_step, best = min(evals, key=lambda e: (e[1], e[0]))
     path = Path(ckpt_dir) / f"step-{best_step}"
     return {
-        "val_loss": evals[-1][1],
-        "best_val_loss": best,
-        "best_step": best_step,
-        "best_checkpoint": str(path) if (path / "meta.json").is_file() else None,
+        "val.loss": evals[-1][1],
+        "val.best_loss": best,
+        "val.best_step": best_step,
+        "val.best_checkpoint": str(path) if (path / "meta.json").is_file() else None,
     }
 
 
@@ -618,8 +618,8 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
     if ctx.mlflow_run_id:
         tracking.settle_metrics(ctx.run_dir, tracking.tracking_uri(cfg), ctx.mlflow_run_id, result["metrics"])
     final = {"train.final_loss": result["final_loss"], "train.mean_tokens_per_s": result["tokens_per_s"]}
-    if result["best_val_loss"] is not None:
-        final.update({"train.val_loss_best": result["best_val_loss"], "train.val_loss_best_step": result["best_step"]})
+    if result["val.best_loss"] is not None:
+        final.update({"train.val.best_loss": result["val.best_loss"], "train.val.best_step": result["val.best_step"]})
     export_path = ctx.run_dir / "train" / "export_memory.json"
     memory = memory_figures(
         summary, read_json(export_path) if export_path.is_file() else None, spec.get("estimate_bytes"), spec["backend"]
@@ -651,7 +651,7 @@ def loss_figure(records: list[dict], plt):
     """The training loss per step and, where evaluated, the validation loss (its best step marked)."""
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
-    evals = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    evals = [(r["step"], r["val.loss"]) for r in records if r.get("val.loss") is not None]
     if evals:
         ax.plot(*zip(*evals), marker="o", markersize=3, label="val loss")
         best = min(evals, key=lambda e: (e[1], e[0]))

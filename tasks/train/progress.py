@@ -50,7 +50,7 @@ class ProgressLines(Hook):
 
     def __init__(self, total: int, every: int, seconds: float = SECONDS):
         self.total, self.every, self.seconds = total, every, seconds
-        self.progress, self.val_loss, self._wait = None, None, contextlib.ExitStack()
+        self.progress, self.val, self._wait = None, None, contextlib.ExitStack()
 
     def on_start(self, trainer) -> None:
         if trainer.rank != 0:
@@ -58,18 +58,18 @@ class ProgressLines(Hook):
         from tasks.logs import Progress
 
         self.progress = Progress("train", self.total, "step", self.every, self.seconds, logger=rank_logger())
-        known = [r["val_loss"] for r in trainer.history if r.get("val_loss") is not None]
-        self.val_loss = known[-1] if known else None  # a resumed run: the last evaluation before its first step
+        known = [r["val.loss"] for r in trainer.history if r.get("val.loss") is not None]
+        self.val = known[-1] if known else None  # a resumed run: the last evaluation before its first step
 
     def after_step(self, trainer, step: int, metrics: dict) -> None:
         if self.progress is None:
             return
-        if metrics.get("val_loss") is not None:  # the Validation hook, before this one, set it at this step
-            self.val_loss = metrics["val_loss"]
+        if metrics.get("val.loss") is not None:  # the Validation hook, before this one, set it at this step
+            self.val = metrics["val.loss"]
         self.progress.update(
             step,
             loss=metrics["loss"],
-            val_loss=self.val_loss,
+            val_loss=self.val,  # the label "val loss"
             tokens_per_s=metrics["tokens_per_s"],
             mfu=metrics.get("mfu"),
         )

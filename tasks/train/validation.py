@@ -55,13 +55,13 @@ def due(step: int, every: int, last: int) -> bool:
 
 
 class Validation(Hook):
-    """`metrics["val_loss"]` at every evaluation step (every rank, before rank 0 logs); the best (step, loss) over the
+    """`metrics["val.loss"]` at every evaluation step (every rank, before rank 0 logs); the best (step, loss) over the
     run — a resumed run starts from the evaluations logged up to its step — into summary.json; early stopping."""
 
     def __init__(self, plan: dict, patience: int = 0):
         self.every, self.n_batches, self.patience = plan["every"], plan["batches"], patience
         self.batches: list = []  # this rank's share of the slice, on the device
-        self.best: tuple[int, float] | None = None  # (step, val_loss)
+        self.best: tuple[int, float] | None = None  # (step, val.loss)
         self.since_best = 0  # evaluations since the best
 
     def on_start(self, trainer) -> None:
@@ -80,8 +80,8 @@ class Validation(Hook):
         stream = iter(loader)
         self.batches = [tuple(t.to(trainer.device) for t in next(stream)) for _ in range(self.n_batches)]
         for row in trainer.history:  # a resumed run: the evaluations before its first step
-            if row.get("val_loss") is not None:
-                self.record(row["step"], row["val_loss"])
+            if row.get("val.loss") is not None:
+                self.record(row["step"], row["val.loss"])
         if self.patience and self.best:
             trainer.ckpt.pinned = self.best[0]
 
@@ -110,8 +110,8 @@ class Validation(Hook):
             return
         trainer.call("on_phase", step, "validate")
         t0 = time.perf_counter()
-        metrics["val_loss"] = loss = self.evaluate(trainer)
-        metrics["val_time_s"] = time.perf_counter() - t0  # not in step_time_s: the evaluation's own cost
+        metrics["val.loss"] = loss = self.evaluate(trainer)
+        metrics["val.time_s"] = time.perf_counter() - t0  # not in step_time_s: the evaluation's own cost
         improved = self.record(step, loss)
         if not self.patience:
             return
@@ -121,7 +121,7 @@ class Validation(Hook):
         elif self.since_best >= self.patience:
             best_step, best = self.best
             trainer.finish_early(
-                f"val_loss {loss:.4f} has not improved on {best:.4f} (step {best_step}) for {self.since_best} "
+                f"val.loss {loss:.4f} has not improved on {best:.4f} (step {best_step}) for {self.since_best} "
                 f"evaluations (train.early_stop_patience {self.patience})"
             )
 
@@ -137,7 +137,7 @@ class Validation(Hook):
             "every": self.every,
             "samples": self.n_batches * trainer.lay.global_batch,
             "best_step": self.best[0] if self.best else None,
-            "best_val_loss": self.best[1] if self.best else None,
+            "best_loss": self.best[1] if self.best else None,
             "best_checkpoint": str(best) if best else None,
             "early_stop_patience": self.patience,
         }

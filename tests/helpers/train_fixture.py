@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 # The debug model on 32-token windows, fp32 (parity), 5 steps of 8 sequences; the validation loss on one global batch
-# of the val split after every step (train.steps // 10 < 1): every layout's val_loss is checked with its loss.
+# of the val split after every step (train.steps // 10 < 1): every layout's val.loss is checked with its loss.
 BASE = {
     "model.preset": "debug",
     "data.seq_len": 32,
@@ -127,7 +127,7 @@ def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
     """One process, one plain model, one loader of the whole global batch: the run every layout must reproduce
     (the loader's global sample order gives every dp degree the same samples per step). Per step: the loss, the
     pre-clip gradient norm and (params=True) the parameters after it, step 0 being the initial ones; at the
-    validation steps the mean loss over the validation slice (`val_loss`, forward only). With model.hf_path the
+    validation steps the mean loss over the validation slice (`val.loss`, forward only). With model.hf_path the
     weights start from that checkpoint, as the trainer's do."""
     import torch
 
@@ -148,7 +148,7 @@ def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
         return {n: p.detach().clone() for n, p in model.state_dict().items()}
 
     val, evals = val_slice(cfg, shards), val_steps(cfg, range(1, steps + 1))
-    out = {"loss": {}, "grad_norm": {}, "params": {0: snapshot()} if params else {}, "val_loss": {}}
+    out = {"loss": {}, "grad_norm": {}, "params": {0: snapshot()} if params else {}, "val.loss": {}}
     for step in range(1, steps + 1):
         x, y = next(stream)
         loss = lm_loss(model(x), y)
@@ -162,7 +162,7 @@ def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
             out["params"][step] = snapshot()
         if step in evals:
             with torch.no_grad():
-                out["val_loss"][step] = sum(lm_loss(model(x), y).item() for x, y in val) / len(val)
+                out["val.loss"][step] = sum(lm_loss(model(x), y).item() for x, y in val) / len(val)
     return out
 
 
@@ -211,7 +211,7 @@ def assert_same_run(
 ):
     """Per step: the loss of the run equals the reference's within `rel`, the pre-clip gradient norm within
     `norm_rel` (default rel / 10: a norm's float32 sums agree to ~1e-7 across layouts; a small term counted wrong —
-    the norms' weights under TP, 3e-5 of the norm — must show); the val_loss at the reference's validation steps
+    the norms' weights under TP, 3e-5 of the norm — must show); the val.loss at the reference's validation steps
     within `val_rel` (default rel); with `updates`, each parameter's update of each
     step (from the checkpoint of every step; step 0 = the reference's initial weights, bit-identical on every
     layout) within `rel` of its norm."""
@@ -219,11 +219,11 @@ def assert_same_run(
     assert_same_curve({s: r["loss"] for s, r in got.items()}, ref["loss"], what, rel, steps)
     val_rel = rel if val_rel is None else val_rel
     for step, r in got.items():  # the validation loss: at the same steps, the same value
-        want = ref["val_loss"].get(step)
-        assert ("val_loss" in r) == (want is not None), f"{what} step {step}: val_loss {r.get('val_loss')} vs {want}"
+        want = ref["val.loss"].get(step)
+        assert ("val.loss" in r) == (want is not None), f"{what} step {step}: val.loss {r.get('val.loss')} vs {want}"
         if want is not None:
-            assert abs(r["val_loss"] - want) <= val_rel * want, (
-                f"{what} step {step}: val_loss {r['val_loss']} vs {want}"
+            assert abs(r["val.loss"] - want) <= val_rel * want, (
+                f"{what} step {step}: val.loss {r['val.loss']} vs {want}"
             )
     norm_rel = rel / 10 if norm_rel is None else norm_rel
     for step, r in got.items():
