@@ -32,6 +32,23 @@ def tracking_home(cfg, run_dir) -> tuple[str | None, dict]:
     return None, {"pipeline.origin": "cli", "pipeline.run_dir": str(run_dir)}
 
 
+def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None, dict | None]:
+    """(preset, overrides) to load: --config when given, else the config of the DAG run whose directory --run-dir is
+    (dag-run.json: its preset and Params; a rerun by hand must not register under the default preset's model name),
+    else the default preset."""
+    from tasks.fsutil import read_json
+    from tasks.pipeline import DAG_RUN_FILE
+
+    marker = Path(run_dir) / DAG_RUN_FILE if run_dir and run_dir.strip() else None
+    recorded = (read_json(marker).get("config") if marker and marker.is_file() else None) or {}
+    if config is not None or not recorded.get("preset"):
+        return config, None
+    from tasks.logs import log
+
+    log.info(f"config: the DAG run's ({recorded['preset']} with its Params, from {marker}); --config to choose another")
+    return recorded["preset"], recorded.get("overrides") or {}
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="preset name in configs/ or a YAML file (default demo-cpu)")
     parser.add_argument(
@@ -72,7 +89,7 @@ def main(argv=None) -> int:
         if hasattr(module, "add_cli_args"):
             module.add_cli_args(parser)
         args = parser.parse_args(argv)
-        cfg = load_config(args.config, sets=args.sets)
+        cfg = load_config(*dag_run_config(args.run_dir, args.config), sets=args.sets)
         if args.no_tracking:
             cfg.tracking.enabled = False
         if args.run_dir is not None and not args.run_dir.strip():  # `--run-dir ''` (an unset variable): not a new run

@@ -450,17 +450,21 @@ DAG_RUN_FILE = "dag-run.json"
 def join_dag_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 1) -> str | None:
     """The DAG run's MLflow parent run (get or create; None with tracking off), recorded in its run directory."""
     parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
-    mark_dag_run(default_run_dir(dag_id, run_id), dag_id, run_id, parent)
+    config = {"preset": cfg.preset, "overrides": dict(cfg.explicit)}
+    mark_dag_run(default_run_dir(dag_id, run_id), dag_id, run_id, parent, config)
     return parent
 
 
-def mark_dag_run(run_dir, dag_id: str, run_id: str, parent_run_id: str | None) -> None:
+def mark_dag_run(run_dir, dag_id: str, run_id: str, parent_run_id: str | None, config: dict | None = None) -> None:
     """<run-dir>/dag-run.json: which DAG run (and MLflow parent run) this directory belongs to, so a stage run by
     `python -m tasks <stage> --run-dir <it>` (a Kubernetes Job's pod, a rerun by hand) joins that DAG run's MLflow
-    parent instead of the CLI's own experiment (tasks/cli.py)."""
+    parent instead of the CLI's own experiment, and — without --config — runs with that DAG run's config (its
+    preset and Params) rather than the default preset's (tasks/cli.py)."""
     from pathlib import Path
 
     record = {"dag_id": dag_id, "run_id": run_id, "parent_run_id": parent_run_id}
+    if config is not None:
+        record["config"] = config
     path = Path(run_dir) / DAG_RUN_FILE
     if not path.is_file() or read_json(path) != record:
         atomic_write_json(path, record)

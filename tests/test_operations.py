@@ -280,6 +280,21 @@ def test_cli_runs_go_to_their_own_experiment_unless_in_a_dag_runs_directory(cfg,
     assert cfg.tracking.experiment == name
 
 
+def test_cli_in_a_dag_runs_directory_uses_that_runs_config(tmp_path):
+    """A stage rerun by hand in a DAG run's directory, without --config, runs with that run's preset and Params (it
+    registered under the default preset's model name and moved that model's aliases); --config still wins."""
+    from tasks.cli import dag_run_config
+    from tasks.config import load_config
+    from tasks.pipeline import mark_dag_run
+
+    mark_dag_run(tmp_path, "llm_pipeline", "manual__x", None, {"preset": "ci-tiny", "overrides": {"train.steps": 7}})
+    cfg = load_config(*dag_run_config(str(tmp_path), None), sets=["train.lr=0.01"])
+    assert (cfg.preset, cfg.train.steps, cfg.train.lr) == ("ci-tiny", 7, 0.01)
+    assert cfg.evaluate.registered_model == load_config("ci-tiny").evaluate.registered_model
+    assert dag_run_config(str(tmp_path), "demo-cpu") == ("demo-cpu", None)
+    assert dag_run_config(str(tmp_path / "elsewhere"), None) == (None, None)
+
+
 def _evaluation(run_dir: Path, **extra) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     result = {
