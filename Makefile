@@ -40,7 +40,7 @@ TEST_WORKERS ?= 2
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
 test: lint db browser services
-	@$(ENV) a=0; python -m pytest -q $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
+	@$(ENV) a=0; python -m pytest -q --durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
 	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
 	b=0; python -m pytest -q -m alone $(PYTEST_ARGS) || b=$$?; \
 	if [ $$a$$b = 55 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; exit 5; fi; \
