@@ -253,7 +253,7 @@ class BufferStager:
 
         staged: list = []  # (called under stage's no_grad)
         _walk(_create_cpu_state_dict(state_dict, pin_memory=self.pin_memory), staged)
-        if any(buf.data_ptr() == t.data_ptr() for (buf, _), (t, _) in zip(staged, live)):
+        if any(buf is t for (buf, _), (t, _) in zip(staged, live)):
             # _create_cpu_state_dict hands 0-dim DTensors back as they are: a staged copy that training would change
             raise RuntimeError("checkpoint staging: a tensor of the state was not copied (0-dim DTensor?)")
         self._buffers = [buf for buf, _ in staged]
