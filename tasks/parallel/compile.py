@@ -27,10 +27,10 @@ import shutil
 # Inductor on CPU: up to this sequence length the compiled blocks compute attention through SDPA's math backend
 # (scores, causal mask, softmax, weighted values as ops inductor fuses) instead of torch's CPU flash kernel, which
 # inductor can only call as an opaque fallback (torch/_inductor/lowering.py make_fallback of
-# _scaled_dot_product_flash_attention_for_cpu). Measured (bf16, batch 8 × 4 heads × head dim 32, one thread,
-# forward + backward): sequence 128 — flash 15.5 ms, compiled math 8.8 ms; 512 — flash 72 ms, compiled math 131 ms
-# (the math path materialises the [b, h, s, s] scores, quadratic in s). Eager keeps the flash kernel.
-MATH_ATTENTION_MAX_SEQ = 256
+# _scaled_dot_product_flash_attention_for_cpu). Measured (torch 2.13, bf16, batch 8 × 4 heads × head dim 32, one
+# thread, forward + backward, flash vs compiled math): sequence 128 15.5 vs 8.8 ms, 192 15.4 vs 15.3, 256 21.4 vs
+# 23.4, 512 72 vs 131 (the math path materialises the [b, h, s, s] scores, quadratic in s). Eager keeps flash.
+MATH_ATTENTION_MAX_SEQ = 128
 
 
 def backend(device_type: str) -> str:
