@@ -46,3 +46,26 @@ def test_compile_with_tensor_parallelism_is_refused_before_launch(cfg, tmp_path,
     c = configure(cfg, **COMPILED, **{"parallel.dp": 1, "parallel.tp": 2})
     with pytest.raises(ConfigError, match=r"train.compile: not with tensor parallelism \(parallel.tp 2\)"):
         train.prepare(c, context(tmp_path, shards))
+
+
+@pytest.mark.parametrize("seq", [128, 320])  # the math backend, and SDPA's own choice above MATH_ATTENTION_MAX_SEQ
+def test_compiled_blocks_attention_is_causal_sdpa(seq):
+    import torch
+    import torch.nn.functional as F
+
+    from tasks.model import build_model, get_preset
+    from tasks.model.transformer import Attention
+    from tasks.parallel.compile import MATH_ATTENTION_MAX_SEQ, apply_compile, math_attention
+
+    assert (seq <= MATH_ATTENTION_MAX_SEQ) == (seq == 128)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, seq, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    got, want = math_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    prefix = math_attention(q[:, :, :8], k[:, :, :8], v[:, :, :8])  # causal: the first 8 see only the first 8
+    torch.testing.assert_close(got[:, :, :8], prefix, atol=2e-2, rtol=2e-2)
+
+    model = build_model(get_preset("debug"), "cpu")
+    apply_compile(model, "cpu")  # the blocks' attention, not converters' (their own `attend` stays)
+    assert all(b.attention.attend is math_attention for b in model.layers.values())
+    assert Attention.attend is not math_attention

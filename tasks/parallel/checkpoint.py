@@ -210,18 +210,94 @@ def save_group(timeout_s: float):
     return _SAVE_GROUPS[key]
 
 
-def staging_options(device_type: str):
-    """DCP's staging of an asynchronous save: a blocking copy into host memory, pinned on CUDA (torch's
-    _state_dict_stager.StateDictStager pins through torch.cuda only and warns elsewhere; torch_npu does not patch
-    it), reused from one save to the next."""
-    from torch.distributed.checkpoint.staging import StagingOptions
+class BufferStager:
+    """The staging of an asynchronous save (dcp.async_save's `async_stager`): the state's tensors copied into host
+    buffers allocated at the first save and reused by every later one (pinned on CUDA only, as torch's
+    StateDictStager pins through torch.cuda alone; torch_npu does not patch it) — torchtitan's pattern
+    (`_create_cpu_state_dict` once, then a copy per save): one `copy_` per tensor, nothing else.
 
-    return StagingOptions(
-        use_pinned_memory=device_type == "cuda",
-        use_shared_memory=False,
-        use_async_staging=False,
-        use_non_blocking_copy=False,
-    )
+    Why not torch's DefaultStager (torch 2.13, _state_dict_stager.StateDictStager): it reuses its storages too, but
+    walks the state through a deepcopy at every save, and on the dp2 FSDP demo model (274 tensors, 8.5 MB a rank)
+    that walk — DTensor.new_empty through DTensor's dispatch, grad-mode context managers — took 0.07-0.12 s per save
+    on rank 0 for a 0.002 s copy (cProfile), 0.43× the whole synchronous save. Reusing the buffers is safe: a save
+    starts only after the one before it completed (save_async waits). A state whose structure changed (keys,
+    shapes, dtypes, DTensor layouts) gets new buffers. Non-tensor leaves (the optimizer's hyper-parameters: ints,
+    floats, strings) are immutable and staged as they are, the containers around them rebuilt at each save."""
+
+    def __init__(self, pin_memory: bool = False):
+        self.pin_memory = pin_memory
+        self._key, self._buffers, self._staged = None, [], []  # per tensor: host buffer, what the save sees
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:  # stage() returns a finished copy: nothing to wait for
+        return False
+
+    def stage(self, state_dict: dict) -> dict:
+        import torch
+
+        with torch.no_grad():  # DTensor.to_local outside autograd: the local tensor itself, no view through a Function
+            live: list = []
+            key = _walk(state_dict, live)
+            if key != self._key:
+                self._allocate(state_dict, live)
+                self._key = key
+            for buf, (t, _) in zip(self._buffers, live):
+                buf.copy_(t)
+        staged = iter(self._staged)
+        return _rebuild(state_dict, lambda: next(staged))
+
+    def _allocate(self, state_dict: dict, live: list) -> None:
+        """Host copies of every tensor (DTensors: their local shard, same mesh and placements), by torch's own
+        helper (torchtitan's components/checkpoint.py uses it so: `_create_cpu_state_dict(..., pin_memory=True)`)."""
+        from torch.distributed._state_dict_utils import _create_cpu_state_dict
+
+        staged: list = []  # (called under stage's no_grad)
+        _walk(_create_cpu_state_dict(state_dict, pin_memory=self.pin_memory), staged)
+        if any(buf is t for (buf, _), (t, _) in zip(staged, live)):
+            # _create_cpu_state_dict hands 0-dim DTensors back as they are: a staged copy that training would change
+            raise RuntimeError("checkpoint staging: a tensor of the state was not copied (0-dim DTensor?)")
+        self._buffers = [buf for buf, _ in staged]
+        self._staged = [buf if dt is None else dt for buf, dt in staged]
+
+    def close(self) -> None:
+        self._key, self._buffers, self._staged = None, [], []
+
+
+def _walk(obj, tensors: list):
+    """What the staging buffers depend on (keys, each tensor's shape, dtype and DTensor layout); appends each tensor
+    (local tensor, the DTensor or None) to `tensors`, depth first."""
+    from torch import Tensor
+    from torch.distributed.tensor import DTensor
+
+    return _walk_in(obj, tensors, Tensor, DTensor)
+
+
+def _walk_in(obj, tensors: list, Tensor, DTensor):
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        tensors.append((local, obj))
+        return (tuple(obj.shape), obj.dtype, tuple(obj.placements), tuple(local.shape), id(obj.device_mesh))
+    if isinstance(obj, Tensor):
+        tensors.append((obj, None))
+        return (tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return tuple((k, _walk_in(v, tensors, Tensor, DTensor)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_walk_in(v, tensors, Tensor, DTensor) for v in obj))
+    return None
+
+
+def _rebuild(obj, staged, Tensor=None):
+    """`obj` with each tensor replaced by `staged()` (depth first, as _walk), everything else as it is."""
+    if Tensor is None:
+        from torch import Tensor
+    if isinstance(obj, Tensor):
+        return staged()
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, staged, Tensor) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, staged, Tensor) for v in obj)
+    return obj
 
 
 class CheckpointManager:
@@ -262,13 +338,12 @@ class CheckpointManager:
         from concurrent.futures import ThreadPoolExecutor
 
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.staging import DefaultStager
 
         self.wait()
         group = save_group(self.timeout_s)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-            self._stager = DefaultStager(staging_options(self.device_type))
+            self._stager = BufferStager(pin_memory=self.device_type == "cuda")
         t0 = time.perf_counter()
         tmp, final, meta = self._begin(step, optimizers, loader, meta)
         upload = dcp.async_save(
