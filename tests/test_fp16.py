@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tasks.parallel.checkpoint import read_meta
 from tests.helpers.train_fixture import configure, losses, metrics, shards, torchrun, write_spec  # noqa: F401
@@ -57,3 +58,36 @@ def test_an_overflow_on_one_rank_is_skipped_by_all_counted_and_checkpointed(cfg,
     assert rc == 0, out[-3000:]
     assert (metrics(tmp_path)[6]["loss_scale"], metrics(tmp_path)[6]["skipped_steps"]) == (2.0**15, 1)
     assert json.loads((tmp_path / "train" / "summary.json").read_text())["start_step"] == 5
+
+
+@pytest.mark.slow
+def test_fp16_under_pp_and_tp_follows_fp32_and_skips_an_overflow_on_every_rank(cfg, tmp_path, shards):
+    """pp2 (1F1B: the last stage's loss function returns the scaled loss) and tp2 (each rank unscales its own
+    shards), on 2 gloo ranks: rank 1 alone overflows at step 4 (`1:4:overflow`). Up to it the FP16 curve follows the
+    single-process FP32 reference (which every fp32 layout reproduces, tests/test_parallel.py); rank 0's record
+    shows the skip, the halved scale and the count; no rank's parameters moved at step 4 (checkpoints step-3 and
+    step-4 hold the same tensors: both ranks' shards or stages), and step 5 updates again."""
+    from tests.helpers.train_fixture import checkpoint_params, reference_losses
+
+    fp16 = {"train.precision": "fp16", "train.checkpoint_every": 1, "train.keep_checkpoints": 5}
+    layouts = {"pp2": {"parallel.pp": 2, "parallel.pp_schedule": "1f1b"}, "tp2": {"parallel.tp": 2}}
+    runs = {name: configure(cfg, **{**DP2, "parallel.dp": 1, **fp16, **extra}) for name, extra in layouts.items()}
+    specs = [write_spec(c, tmp_path / name, shards) for name, c in runs.items()]
+    rc, out = torchrun(runs["pp2"], 2, specs, tmp_path / "torchrun.log", {"LLM_PIPELINE_FAULT": "1:4:overflow"})
+    assert rc == 0, out[-3000:]
+    want = reference_losses(runs["pp2"], shards, 4)
+    for name in runs:
+        rows = metrics(tmp_path / name)
+        for step in range(1, 5):  # step 4's loss is computed before its gradients overflow
+            assert rows[step]["loss"] == pytest.approx(want[step], rel=5e-3), (name, step, rows[step], want[step])
+        assert [rows[s]["loss_scale"] for s in range(1, 6)] == [2.0**16] * 3 + [2.0**15] * 2, (name, rows)
+        assert [rows[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 0, 1, 1], (name, rows)
+        assert [rows[s]["overflow"] for s in range(1, 6)] == [False, False, False, True, False], (name, rows)
+        ckpts = {s: checkpoint_params(tmp_path / name / "checkpoints" / f"step-{s}") for s in (2, 3, 4, 5)}
+
+        def moved(a: int, b: int) -> set:
+            return {k for k in ckpts[a] if not torch.equal(ckpts[a][k], ckpts[b][k])}
+
+        assert moved(3, 4) == set(), (name, sorted(moved(3, 4)))  # every rank skipped step 4
+        assert moved(4, 5) == moved(2, 3) and len(moved(2, 3)) > 4, name  # and every rank updated at step 5
+        assert read_meta(tmp_path / name / "checkpoints" / "step-5")["loss_scaler"]["skipped_steps"] == 1

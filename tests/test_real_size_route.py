@@ -5,6 +5,8 @@ ranks, the rehearsal at that layout passes, train runs it, and export, quantize 
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -43,3 +45,70 @@ def test_a_model_too_big_for_one_device_goes_the_whole_route(tmp_path, airflow_d
     assert max(rehearsal["held_per_rank"]) <= 0.22e9 and res["train"]["steps"] == 4
     assert res["quantize"]["model_dir"] == res["evaluate"]["model_dir"] == res["train"]["hf_dir"]
     assert all(r["status"] in ("ok", "warn") for r in res.values()), {s: r["summary"] for s, r in res.items()}
+
+
+# ci-tiny (the debug model on a pinned dp2 ZeRO-3 layout, 2 gloo ranks) on a device of FAIL_GB: the plan's estimate
+# (0.12 GB, mostly the CPU runtime reserve) fits it and plan passes, while what rank 0 really holds beyond its
+# pre-model RSS (measured 0.18-0.19 GB in DAG runs: the model, optimizer, gloo, the loader, the MLflow client) is
+# above it. Only the rehearsal can tell; it stops train at its third step, before that step's checkpoint.
+FAIL_GB = 0.14
+FAILING = {
+    "hardware": {"device_memory_gb": FAIL_GB},
+    "train": {"steps": 6, "checkpoint_every": 1, "rehearsal_steps": 3},
+    "smoke": {"steps": 6, "model": "same"},  # the debug model itself (auto would keep 25 % of the device free)
+}
+BEFORE_TRAIN = ("env.json", "shard.json", "smoke.json", "plan.json", "plan/plan.json")
+
+
+@pytest.mark.slow
+def test_a_failing_rehearsal_stops_the_dag_at_train_in_one_line_and_loses_nothing(tmp_path, airflow_db):
+    from data_prep.manifest import check_files, check_tokenizer, digest, load_manifest
+    from tasks.parallel import checkpoint as ckpt
+
+    cfg = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
+    for section, values in FAILING.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    preset = tmp_path / "failing.yaml"
+    preset.write_text(yaml.safe_dump(cfg))
+    out = dags_test("llm_pipeline", {}, tmp_path, extra_env={"LLM_PIPELINE_PRESET": str(preset)}, timeout=900)
+    log = out.stdout + out.stderr
+    run_dir = next((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())
+    train = json.loads((run_dir / "train.json").read_text())
+    rehearsal = json.loads((run_dir / "train" / "rehearsal.json").read_text())
+
+    # The train task failed with the rehearsal's one line: the device, the measured and the estimated figures.
+    cause = train["error"]
+    assert train["status"] == "failed" and "\n" not in cause and not rehearsal["ok"], log[-4000:]
+    top = max(rehearsal["held_per_rank"])
+    assert cause.startswith("rehearsal at dp2 tp1 pp1 zero3 none mb2×1: rank "), cause
+    assert f"peaked at {top / 1e9:.2f} GB, over the {FAIL_GB:.2f} GB a device holds (the plan's estimate " in cause
+    assert cause.endswith("(checkpoints kept: checkpoint step-2)") and rehearsal["steps"] == 3, cause
+    assert FAIL_GB * 1e9 < top < 2 * FAIL_GB * 1e9  # the device is just below what a rank held
+    # The run's first error-level log line (the train task's; the stages before it passed) is the cause.
+    errors = [line for line in log.splitlines() if re.search(r"\[error\s*\]", line)]
+    assert errors and cause in errors[0], errors[:3] or log[-4000:]
+    notes = [json.loads(line) for line in (tmp_path / "var" / "notifications.jsonl").read_text().splitlines()]
+    assert [(n["stage"], n["cause"]) for n in notes] == [("train", cause)]
+    # The plan passed (its estimate fit the device); only the measurement did not.
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["status"] in ("ok", "warn") and json.loads((run_dir / "smoke.json").read_text())["status"] == "ok"
+    assert rehearsal["estimate_bytes"] < FAIL_GB * 1e9 < top
+
+    # Nothing after train ran; nothing exported.
+    assert not [s for s in ("profile", "quantize", "evaluate") if (run_dir / f"{s}.json").exists()]
+    assert not (run_dir / "hf").exists()
+    # The checkpoints before the rehearsal's verdict are complete and verify; none of the judged step, no partial one.
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1", "step-2"]
+    assert [ckpt.verify(p) for _, p in ckpt.complete_checkpoints(ckpts)] == [None, None]
+    assert ckpt.latest_verified(ckpts) == ((2, ckpts / "step-2"), [])
+    # Everything completed before train is intact and was not written again once train started.
+    started = (run_dir / "train" / "launch.json").stat().st_mtime_ns
+    shard_dir = Path(json.loads((run_dir / "shard.json").read_text())["shard_dir"])
+    earlier = [run_dir / name for name in BEFORE_TRAIN] + [p for p in shard_dir.rglob("*") if p.is_file()]
+    assert all(p.stat().st_mtime_ns < started for p in earlier), [p for p in earlier if p.stat().st_mtime_ns >= started]
+    manifest = load_manifest(shard_dir)
+    check_tokenizer(shard_dir, manifest)
+    for split in ("train", "val"):
+        check_files(shard_dir, manifest, split, sha256=True)
+    assert digest(shard_dir) == json.loads((run_dir / "shard.json").read_text())["manifest_digest"]

@@ -77,6 +77,47 @@ def test_fp16_is_the_16_bit_curve_when_training_asks_for_it(cfg, tmp_path, shard
     assert result["status"] == "ok" and result["precisions"] == ["fp32", "fp16"], result["summary"]
     assert result["figures"]["fp16.max_rel_gap"] <= cfg.smoke.bf16_tolerance and "FP16 within" in result["summary"]
     assert result["smoke_model"]["why"].startswith("the configured model fits")
+    import mlflow
+
+    # The FP16 curve ran with training's loss scaler (tasks/train/loss_scale.py): its state in smoke.json and MLflow.
+    assert result["loss_scaler"] == {
+        "fp16": {
+            "scale": 2.0**16,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 2000,
+            "_growth_tracker": cfg.smoke.steps,
+            "skipped_steps": 0,
+        }
+    }
+    assert json.loads((tmp_path / "run" / "smoke.json").read_text())["loss_scaler"] == result["loss_scaler"]
+    client = mlflow.MlflowClient(cfg.tracking.uri)
+    scales = client.get_metric_history(result["mlflow_run_id"], "smoke.fp16.loss_scale")
+    assert sorted(m.step for m in scales) == list(range(cfg.smoke.steps)) and {m.value for m in scales} == {2.0**16}
+
+
+def test_smoke_fp16_skips_overflowing_steps_as_training_does(cfg, shards):
+    """A loss scale far too high for FP16 (2^28: the scaled logits' gradient overflows FP16's 65504) makes the first
+    steps overflow: each is skipped, counted and halves the scale, as in training, until the scale fits; the curve
+    goes on with finite losses and no failure (without the scaler's skip it would stop at step 0 on a non-finite
+    gradient norm)."""
+    from tasks.model import from_pipeline
+    from tasks.stages.smoke import initial_model, load_batches, run_curve
+    from tasks.train.loss_scale import LossScaler
+
+    cfg = _small(cfg, **{"model.preset": "debug", "train.precision": "fp16"})
+    cfg.smoke.steps = 24
+    batches = load_batches(shards, cfg.smoke.steps, cfg.smoke.micro_batch, cfg.train.seed)
+    tcfg = from_pipeline(cfg, vocab_size=VOCAB)
+    state = initial_model(cfg, tcfg, own_weights=False)
+    scaler = LossScaler(scale=2.0**28)
+    curve = run_curve("fp16", tcfg, state, batches, torch.device("cpu"), cfg, fp32_clean=True, scaler=scaler)
+    skipped = curve.loss_scaler["skipped_steps"]
+    assert curve.failure is None and len(curve.losses) == cfg.smoke.steps and all(map(math.isfinite, curve.losses))
+    assert 4 <= skipped <= cfg.smoke.steps - 8 and curve.loss_scaler["scale"] == 2.0 ** (28 - skipped)
+    assert 1 <= curve.loss_scaler["_growth_tracker"] <= cfg.smoke.steps - skipped  # the last steps updated
+    k = 4
+    assert sum(curve.losses[-k:]) < sum(curve.losses[:k])  # and the loss fell once it trained
 
 
 def test_16_bit_precision_choice():

@@ -1,5 +1,5 @@
 """Smoke stage: one device, N steps in FP32 then N in BF16 (FP16 where the device has no BF16, or where
-train.precision is fp16) from the same weights and batches.
+train.precision is fp16; FP16 with training's dynamic loss scaler) from the same weights and batches.
 
 The model is `smoke.model` (tasks/model/sibling.py): by default the configured model when it fits one device, else
 a small sibling of it (same family and block structure, the shard set's vocabulary), recorded as `smoke_model`.
@@ -41,6 +41,7 @@ class Curve:
     tokens_per_s: float = 0.0
     peak_bytes: int = 0
     failure: dict | None = None
+    loss_scaler: dict | None = None  # FP16: the loss scaler's state after the last step (tasks/train/loss_scale.py)
 
 
 def tokenizer_vocab(shard_dir: Path) -> int:
@@ -134,11 +135,15 @@ def smoke_lr(cfg, tcfg) -> float:
     return cfg.smoke.lr * (width / tcfg.dim if width and tcfg.dim > width else 1.0)
 
 
-def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool) -> Curve:
+def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool, scaler=None) -> Curve:
+    """`precision`'s curve from `state` over `batches`. FP16 runs with training's dynamic loss scaler (`scaler`, by
+    default a fresh tasks.train.loss_scale.LossScaler as the trainer builds): the loss scaled before backward, the
+    gradients unscaled and checked, a step with inf/NaN gradients skipped (its loss kept) and counted."""
     import torch
 
     from tasks.model import build_model, converters
     from tasks.model.diagnose import diagnose_non_finite
+    from tasks.train.loss_scale import LossScaler
     from tasks.train.step import single_process
 
     model = build_model(tcfg).to_empty(device=dev)
@@ -149,8 +154,10 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
     model.init_rope()
     opt = torch.optim.AdamW(model.parameters(), lr=smoke_lr(cfg, tcfg), weight_decay=cfg.train.weight_decay)
     autocast = devices.autocast(dev, precision)
-    # The trainer's step, in one process.
-    train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast, converters=convs)
+    if precision == "fp16" and scaler is None:
+        scaler = LossScaler()
+    # The trainer's step, in one process (FP16: with its loss scaler).
+    train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast, converters=convs, scaler=scaler)
     curve = Curve(precision)
     devices.reset_peak(dev)
     start, timed_tokens = time.perf_counter(), 0
@@ -159,8 +166,16 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
         result = train_step(x, y)
         loss, norm = result.loss, result.grad_norm
         curve.losses.append(loss)
-        tracking.log_metrics({f"smoke.{precision}.loss": loss, f"smoke.{precision}.grad_norm": norm}, step=step)
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        figures = {f"smoke.{precision}.loss": loss, f"smoke.{precision}.grad_norm": norm}
+        if scaler is not None:  # the scale the next step uses (None grad norm: this step overflowed, skipped)
+            figures |= {
+                f"smoke.{precision}.loss_scale": scaler.scale,
+                f"smoke.{precision}.skipped_steps": scaler.skipped,
+            }
+        tracking.log_metrics({k: v for k, v in figures.items() if v is not None}, step=step)
+        # An FP16 overflow (inf/NaN gradients, finite loss) is skipped as training skips it, the scale lowered.
+        if not math.isfinite(loss) or not (result.overflow or math.isfinite(norm)):
+            norm = float("nan") if norm is None else norm
             curve.failure = diagnose_non_finite(model, x, autocast, precision, step, loss, norm, fp32_clean)
             break
         if step == 0:  # the first step pays for allocation and kernel selection: time the rest
@@ -171,6 +186,7 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
     devices.synchronize(dev)
     curve.tokens_per_s = timed_tokens / max(time.perf_counter() - start, 1e-9)
     curve.peak_bytes = devices.memory_stats(dev)["peak_bytes"]
+    curve.loss_scaler = scaler.state_dict() if scaler is not None else None
     return curve
 
 
@@ -202,12 +218,24 @@ def verdict(curves: dict, cfg, pretrained: bool = False) -> tuple[list[str], dic
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         figures[f"{low}.max_rel_gap"] = gaps[worst]
         if gaps[worst] > cfg.smoke.bf16_tolerance:
-            fix = "keep norms/loss in FP32, clip gradients" if low == "bf16" else "FP16 range: use loss scaling"
+            fix = "keep norms/loss in FP32, clip gradients" if low == "bf16" else _fp16_fix(curves[low])
             problems.append(
                 f"{low.upper()} curve departs from FP32 by {gaps[worst]:.1%} over steps {worst}-{worst + k - 1} "
                 f"(smoke.bf16_tolerance {cfg.smoke.bf16_tolerance:.0%}); {fix}"
             )
     return problems, figures
+
+
+def _fp16_fix(curve: Curve) -> str:
+    """What the FP16 departure points to, with the loss scaler's record (training's scaler ran the curve)."""
+    state = curve.loss_scaler or {}
+    skipped = state.get("skipped_steps", 0)
+    if not skipped:
+        return "FP16 range: keep norms/softmax/loss in FP32, or train in bf16/fp32"
+    return (
+        f"{skipped} of {len(curve.losses)} FP16 steps overflowed and were skipped (loss scale now {state['scale']:g}): "
+        "FP16's range is too narrow for this model; train in bf16 or fp32"
+    )
 
 
 def _rolling(values: list, k: int) -> list:
@@ -360,6 +388,7 @@ def run(cfg, ctx) -> dict:
     if failure or problems:
         report = failure or {"cause": "; ".join(problems), "layers": []}
         report["losses"] = {name: c.losses for name, c in curves.items()}
+        report["loss_scaler"] = {name: c.loss_scaler for name, c in curves.items() if c.loss_scaler}
         report["op_support"] = op_report
         report["smoke_model"] = smoke_model
         if compared:
@@ -411,6 +440,7 @@ def run(cfg, ctx) -> dict:
         "shard_dir": str(shard_dir),
         "params": num_params(tcfg),
         "losses": {name: [round(v, 5) for v in c.losses] for name, c in curves.items()},
+        "loss_scaler": {name: c.loss_scaler for name, c in curves.items() if c.loss_scaler},  # FP16's, as training's
         "figures": figures,
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": peak,

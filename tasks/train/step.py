@@ -189,12 +189,15 @@ class TrainStep:
             p.grad = None
 
 
-def single_process(model, optimizer, grad_clip: float, autocast=None, scheduler=None, converters=()) -> TrainStep:
+def single_process(
+    model, optimizer, grad_clip: float, autocast=None, scheduler=None, converters=(), scaler=None
+) -> TrainStep:
     """The step in one process (smoke stage, benchmarks): the whole batch as one micro-batch, no collectives.
     `autocast`: a factory of the autocast context (None = fp32); `converters`: the model converters applied to
-    `model`, whose post_optimizer_hook runs after each update."""
+    `model`, whose post_optimizer_hook runs after each update; `scaler`: FP16's LossScaler, as the trainer's."""
     from tasks.model.converters import post_optimizer
 
     after = [lambda: post_optimizer(converters, [model])] if converters else []
     params = list(model.parameters())
-    return TrainStep(PlainStep(model, 1, autocast), [(optimizer, scheduler)], params, grad_clip, after_update=after)
+    plain = PlainStep(model, 1, autocast, scaler=scaler)
+    return TrainStep(plain, [(optimizer, scheduler)], params, grad_clip, after_update=after, scaler=scaler)
