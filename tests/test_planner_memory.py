@@ -260,6 +260,10 @@ def test_cpu_training_estimate_adds_the_measured_runtime_reserve():
     tcfg = get_preset("demo")
     assert RESERVE_GB["cpu"] == 0.12
     assert _estimate(cfg, tcfg, lay, "cpu") - _estimate(cfg, tcfg, lay, "npu") == pytest.approx(0.12e9, abs=1)
+    # plan.runtime_reserve_gb set: the plan's reserve, not the built-in one (the rehearsal quoted 0.12 GB for a plan
+    # made with 0.001)
+    cfg.plan.runtime_reserve_gb = 0.001
+    assert _estimate(cfg, tcfg, lay, "cpu") - _estimate(cfg, tcfg, lay, "npu") == pytest.approx(0.001e9, abs=1)
 
 
 def test_tp_embedding_backward_holds_the_whole_vocabulary_gradient_twice():

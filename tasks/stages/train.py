@@ -281,14 +281,15 @@ def _resume_point(cfg: PipelineConfig, ckpt_dir: Path) -> tuple[tuple[int, Path]
 
 def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> int | None:
     """The planner's per-device peak for exactly this layout, to compare with the measured: on CPU with the runtime
-    reserve, which the measured RSS holds (tasks.planner.cluster.RESERVE_GB); on an accelerator without it, which
-    the allocator's peak does not see. None for a mixture-of-experts layout with tp or pp > 1, which the MoE
-    planner does not size."""
+    reserve, which the measured RSS holds (plan.runtime_reserve_gb, else tasks.planner.cluster.RESERVE_GB); on an
+    accelerator without it, which the allocator's peak does not see. None for a mixture-of-experts layout with tp or
+    pp > 1, which the MoE planner does not size."""
     from tasks.planner.cluster import RESERVE_GB
     from tasks.planner.memory import estimate
 
     m = lay.n_microbatches
-    reserve = RESERVE_GB["cpu"] * GB if backend == "cpu" else 0.0
+    # the plan's reserve (plan.runtime_reserve_gb; 0 = the backend's default), so the rehearsal judges the plan's figure
+    reserve = (cfg.plan.runtime_reserve_gb or RESERVE_GB["cpu"]) * GB if backend == "cpu" else 0.0
     if tcfg.n_experts:
         from tasks.planner import moe
 
