@@ -450,7 +450,11 @@ DAG_RUN_FILE = "dag-run.json"
 def join_dag_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 1) -> str | None:
     """The DAG run's MLflow parent run (get or create; None with tracking off), recorded in its run directory."""
     parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
-    config = {"preset": cfg.preset, "overrides": dict(cfg.explicit)}
+    from tasks.config import get
+
+    # the keys the run set (Params, overrides: cfg.explicit) with their values, JSON-safe (a path as its text)
+    overrides = {k: get(cfg, k) for k in sorted(cfg.explicit)}
+    config = {"preset": cfg.preset, "overrides": json.loads(json.dumps(overrides, default=str))}
     mark_dag_run(default_run_dir(dag_id, run_id), dag_id, run_id, parent, config)
     return parent
 

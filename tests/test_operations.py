@@ -280,18 +280,23 @@ def test_cli_runs_go_to_their_own_experiment_unless_in_a_dag_runs_directory(cfg,
     assert cfg.tracking.experiment == name
 
 
-def test_cli_in_a_dag_runs_directory_uses_that_runs_config(tmp_path):
+def test_cli_in_a_dag_runs_directory_uses_that_runs_config(tmp_path, monkeypatch):
     """A stage rerun by hand in a DAG run's directory, without --config, runs with that run's preset and Params (it
     registered under the default preset's model name and moved that model's aliases); --config still wins."""
     from tasks.cli import dag_run_config
     from tasks.config import load_config
-    from tasks.pipeline import mark_dag_run
+    from tasks.pipeline import config_for_params, join_dag_run
+    from tasks.runner import default_run_dir
 
-    mark_dag_run(tmp_path, "llm_pipeline", "manual__x", None, {"preset": "ci-tiny", "overrides": {"train.steps": 7}})
-    cfg = load_config(*dag_run_config(str(tmp_path), None), sets=["train.lr=0.01"])
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path))
+    dag = config_for_params({"preset": "ci-tiny", "steps": 7})  # as the DAG's tasks build it
+    dag.tracking.enabled = False
+    join_dag_run(dag, "llm_pipeline", "manual__x")
+    run_dir = default_run_dir("llm_pipeline", "manual__x")
+    cfg = load_config(*dag_run_config(str(run_dir), None), sets=["train.lr=0.01"])
     assert (cfg.preset, cfg.train.steps, cfg.train.lr) == ("ci-tiny", 7, 0.01)
     assert cfg.evaluate.registered_model == load_config("ci-tiny").evaluate.registered_model
-    assert dag_run_config(str(tmp_path), "demo-cpu") == ("demo-cpu", None)
+    assert dag_run_config(str(run_dir), "demo-cpu") == ("demo-cpu", None)
     assert dag_run_config(str(tmp_path / "elsewhere"), None) == (None, None)
 
 
