@@ -45,6 +45,7 @@ DOC_FIGURES = {
         "train_step.ratio_vs_transformers",
         "train_step.trainer_ratio_vs_plain_loop",
         "train_step.compile_speedup_vs_eager",
+        "train_step.compile_speedup_vs_eager_math_attention",
         "train_step.compile_first_step_s",
         "train.dp2_speedup_ratio",
         "train.planner_over_measured_dp2",
@@ -63,6 +64,11 @@ DOC_FIGURES = {
         "smoke.sibling_time_over_full",
         "smoke.demo_estimate_over_tracked",
         "smoke.llama3_8b_estimate_over_tracked",
+    ],
+    "Rehearsal (`rehearsal`)": [
+        "rehearsal.estimate_over_measured",
+        "rehearsal.estimate_gb",
+        "rehearsal.dp4_zero0_estimate_over_measured",
     ],
     "Evaluation (`eval`, lm-eval)": [
         "eval.0shot.wrapper_speedup_vs_hflm",
