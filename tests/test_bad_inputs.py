@@ -466,11 +466,9 @@ def test_evaluate_without_a_quantized_model(capsys, intact, shards):  # noqa: F8
 
 
 def test_unreachable_tracking_server(capsys, intact):
-    import socket
+    from tests.helpers.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     one_line(
         *run_cli(capsys, "plan", "--run-dir", intact, "--set", f"tracking.uri=http://127.0.0.1:{port}"),
         f"MLflow tracking server http://127.0.0.1:{port} is unreachable",

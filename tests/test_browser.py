@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import time
 import urllib.error
@@ -26,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.helpers.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -45,12 +45,6 @@ CHROMIUM_ARGS = [
 ]
 SECTIONS = ["Hardware", "Data", "Model", "Parallelism", "Training", "Quantization"]
 RUN_TIMEOUT_S = 1500  # a bound on a hung run, not a timing: a busy 2-core host needs ~15 min for the two runs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +125,28 @@ def wait_for_task(ui, run_id: str, task_id: str, state: str) -> None:
         assert "failed" not in states.values() and "upstream_failed" not in states.values(), states
         time.sleep(2)
     pytest.fail(f"{task_id} of {run_id} did not reach {state} in {RUN_TIMEOUT_S} s")
+
+
+def wait_for_parked_exit(ui, run_id: str, task_id: str) -> None:
+    """Until the scheduler has processed the exit of the runner that parked `task_id` in AWAITING_INPUT.
+
+    Airflow 3.3.2 race (scheduler_job_runner.process_executor_events): the resumed task keeps its try_number, so an
+    answer given before the scheduler reads the parked runner's exit event lets that stale "success" event meet the
+    resumed, running task instance; the scheduler then marks it failed ("task-state-changed-externally") and the
+    resumed runner is told to stop ("Server indicated the task shouldn't be running anymore"). A person answers
+    after minutes; this test answers within a second or two, on a host where a busy scheduler read that event 5 s
+    late (seen twice). The scheduler logs the event as "TaskInstance Finished: … state=awaiting_input"."""
+    log = ui["var"] / "logs" / "airflow-standalone.log"
+    done = re.compile(
+        rf"TaskInstance Finished: dag_id=llm_pipeline, task_id={task_id}, run_id={re.escape(run_id)}, "
+        r".*state=awaiting_input, .*executor_state=success"
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if done.search(log.read_text(errors="replace")):
+            return
+        time.sleep(1)
+    pytest.fail(f"the scheduler did not process the parked {task_id} runner's exit within 300 s (see {log})")
 
 
 def task_log(ui, run_id: str, task_id: str) -> list[dict]:
@@ -254,6 +270,7 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
 
             # The evaluation registers a version and leaves the champion alone; the approve task waits for a person.
             wait_for_task(ui, run_id, "approve", "awaiting_input")
+            wait_for_parked_exit(ui, run_id, "approve")
             evaluate = json.loads((run_dir_of(ui, run_id) / "evaluate.json").read_text())
             name, version = evaluate["registered_model"], evaluate["version"]
             assert evaluate["approval"] == {

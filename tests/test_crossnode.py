@@ -13,14 +13,9 @@ from pathlib import Path
 import pytest
 
 from tasks.envcheck import crossnode
+from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

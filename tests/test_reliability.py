@@ -11,6 +11,7 @@ import pytest
 
 from tasks.errors import StageError
 from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
+from tests.helpers.ports import free_port
 
 DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2}
 
@@ -427,14 +428,6 @@ def test_kill_9_of_the_train_stage_leaves_no_orphans(tmp_path, shards):
 # ---- class 3: an MLflow outage never blocks training --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _mlflow_server(port: int, store, artifacts):
     import subprocess
     import sys
@@ -499,7 +492,7 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
     from tests.helpers import REPO
     from tests.helpers.train_fixture import BASE
 
-    port, store, art = _free_port(), tmp_path / "mlflow.db", tmp_path / "mlartifacts"
+    port, store, art = free_port(), tmp_path / "mlflow.db", tmp_path / "mlartifacts"
     uri = f"http://127.0.0.1:{port}"
     server = _mlflow_server(port, store, art)
     run = tmp_path / "run"

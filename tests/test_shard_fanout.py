@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from data_prep.manifest import digest
 from data_prep.partition import run_partition
 from data_prep.writer import run_write
 from tests.helpers.shards import CORPUS, keys_from_manifest, shard_cfg, tree_bytes
+from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -165,12 +165,6 @@ def test_a_failing_reduce_with_verify_sha256_names_the_shard(corpus, tmp_path):
 
 
 # ---- through real Airflow: LocalExecutor, the execution API, a worker killed mid-partition ------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
+from tests.helpers.ports import free_port
 import threading
 
 import pytest
@@ -76,9 +76,7 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 def test_two_torchrun_agents_with_nnodes_2_train_together(cfg, tmp_path, shards):
     from tasks.stages import train
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sets = {
         "parallel.dp": 2,
         "parallel.tp": 1,

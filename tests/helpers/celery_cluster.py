@@ -24,6 +24,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from tests.helpers.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER_ENV = "LLM_CELERY_WORKER"  # each worker's name, read by worker_hostname()
@@ -32,12 +33,6 @@ WORKER_ENV = "LLM_CELERY_WORKER"  # each worker's name, read by worker_hostname(
 def worker_hostname() -> str:
     """[core] hostname_callable of the cluster: the worker's name (several workers share this host)."""
     return os.environ.get(WORKER_ENV) or socket.getfqdn()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pg_bin(name: str) -> str:
