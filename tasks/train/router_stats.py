@@ -32,9 +32,9 @@ def moe_metrics(parts, layer_names: list[str], n_exp: int, tp: int = 1, device="
 
     from tasks.model.moe import collect_stats, summarise
 
-    st = collect_stats(parts)
-    if not layer_names:
+    if not layer_names:  # a dense model: no module to scan (every step; the trainer's overhead, bench_trainer)
         return {}
+    st = collect_stats(parts)
     counts = torch.zeros(len(layer_names) * n_exp + 2, dtype=torch.int64)
     for i, name in enumerate(layer_names):
         if name in st["tokens"]:
