@@ -145,22 +145,12 @@ def _tokenizer_baseline(
     texts = [t for _, t in clean_documents([Path(f) for f in files], ShardConfig(), CorpusStats())]
     tok = Tokenizer.from_file(str(tokenizer))
     best = 0.0
-    # The builder sets TOKENIZERS_PARALLELISM=false in this process (its threads are the parallelism) and tokenizers
-    # reads the variable at every call: without this the baseline, measured after a build, ran on one core.
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    try:
-        for _ in range(repeats):
-            start, cpu0 = time.perf_counter(), _cpu_s()
-            tokens = sum(len(e.ids) for e in getattr(tok, api)(texts, add_special_tokens=False)) + len(texts)  # EOS
-            best = max(best, tokens / (time.perf_counter() - start))
-            if cpu is not None:
-                cpu.append((_cpu_s() - cpu0) / tokens)
-    finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
+    for _ in range(repeats):
+        start, cpu0 = time.perf_counter(), _cpu_s()
+        tokens = sum(len(e.ids) for e in getattr(tok, api)(texts, add_special_tokens=False)) + len(texts)  # + EOS
+        best = max(best, tokens / (time.perf_counter() - start))
+        if cpu is not None:
+            cpu.append((_cpu_s() - cpu0) / tokens)
     return best
 
 

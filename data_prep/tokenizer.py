@@ -155,14 +155,17 @@ def encode_docs(tok: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) 
 def encode_stream(
     tok: Tokenizer, eos_id: int, dtype: np.dtype, batches: Iterable[tuple[object, list[str]]], threads: int
 ) -> Iterator[tuple[object, np.ndarray, np.ndarray]]:
-    """(key, texts) batches → (key, ids, lengths) in the same order, encoded in `threads` threads."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per call: the threads are the parallelism
-    if threads <= 1:
-        for key, texts in batches:
-            yield key, *encode_docs(tok, texts, eos_id, dtype)
-        return
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+    """(key, texts) batches → (key, ids, lengths) in the same order, encoded in `threads` threads. tokenizers' own
+    thread pool is off while it runs (TOKENIZERS_PARALLELISM, read at every call: the threads are the parallelism)
+    and the variable is restored afterwards, so later encodes in the same process use every core again."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize") if threads > 1 else None
     try:
+        if pool is None:
+            for key, texts in batches:
+                yield key, *encode_docs(tok, texts, eos_id, dtype)
+            return
         pending: collections.deque = collections.deque()
         for key, texts in batches:
             pending.append((key, pool.submit(encode_docs, tok, texts, eos_id, dtype)))
@@ -173,4 +176,9 @@ def encode_stream(
             key, done = pending.popleft()
             yield key, *done.result()
     finally:
-        pool.shutdown(cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before

@@ -509,3 +509,23 @@ def test_a_full_disk_at_fsync_names_the_output_directory(tmp_path, monkeypatch, 
         f"error: under {tmp_path / 'o'}: No space left on device (ENOSPC); free space there, then rerun (finished "
         "steps are kept)"
     ]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_encoding_leaves_tokenizers_parallelism_as_it_was(monkeypatch, threads):
+    """encode_stream turns tokenizers' own thread pool off while it runs, then restores the variable: a later encode in
+    the same process (bench_data's baseline, an evaluation) uses every core again."""
+    from data_prep.tokenizer import encode_stream, train_bpe
+
+    tok = train_bpe(iter(["def f(x):\n    return x + 1\n"] * 50), 300)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    seen = []
+    for key, ids, lengths in encode_stream(
+        tok, 0, np.dtype("uint16"), [(i, ["x = 1", "y = 2"]) for i in range(3)], threads
+    ):
+        seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+        assert len(lengths) == 2 and ids.size == lengths.sum()
+    assert seen == ["false"] * 3 and "TOKENIZERS_PARALLELISM" not in os.environ
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    list(encode_stream(tok, 0, np.dtype("uint16"), [(0, ["z = 3"])], threads))
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
