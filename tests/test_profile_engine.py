@@ -85,6 +85,7 @@ def test_a_disagreement_is_a_finding(tmp_path):
     assert f["severity"] == "medium" and not r["engine"]["agreement"]["within"]
 
 
+@pytest.mark.slow  # ≈ 30 s of CPU (the real msprof-analyze over the fixture): 32 s in a make test-fast run
 @pytest.mark.skipif(not HAS_TOOL, reason="needs the PyPI package msprof-analyze on PATH (requirements.txt installs it)")
 def test_real_msprof_analyze_agrees_with_builtin(tmp_path):
     src = tmp_path / "data"
