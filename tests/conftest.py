@@ -132,7 +132,37 @@ def pytest_runtest_call(item):
 def pytest_runtest_makereport(item, call):
     report = yield
     cpu = item.stash.get(CPU_S, 0.0)
+    if report.when == "call":
+        report.user_properties.append(("cpu_s", cpu))  # travels to xdist's controller: --cpu-durations
     if report.when == "call" and report.passed and 0 < SLOW_CPU_S < cpu and not item.get_closest_marker("slow"):
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid} took {cpu:.0f} s of CPU (over {SLOW_CPU_S:.0f} s): mark it @pytest.mark.slow"
     return report
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="list the N tests that used the most CPU (setup + call, children included), beside their wall time",
+    )
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    n = config.getoption("--cpu-durations")
+    if not n:
+        return
+    rows: dict[str, list[float]] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if getattr(r, "when", None) in ("setup", "call") and hasattr(r, "nodeid"):
+                row = rows.setdefault(r.nodeid, [0.0, 0.0])
+                row[1] += r.duration
+                row[0] += dict(r.user_properties).get("cpu_s", 0.0)
+    terminalreporter.write_sep("=", f"most CPU {n} (cpu s, wall s)")
+    total = sum(c for c, _ in rows.values())
+    for nodeid, (c, w) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:n]:
+        terminalreporter.write_line(f"{c:7.2f} {w:7.2f}  {nodeid}")
+    terminalreporter.write_line(f"{total:7.1f} s of CPU in all {len(rows)} tests")
