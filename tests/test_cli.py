@@ -74,7 +74,7 @@ def run_with_shards_64(tmp_path_factory):
         "--set",
         "data.seq_len=64",
         "data.vocab_size=300",
-        "data.max_documents=80",
+        "data.max_documents=10",
         "data.shard_size_mb=0.05",
         f"data.out_dir={tmp / 'data'}",
     )

@@ -18,15 +18,17 @@ import torch
 from data_prep.build import build_shard_set
 from data_prep.errors import CorruptShardError, DataPrepError
 from data_prep.loader import ShardLoader
-from tests.helpers.shards import shard_cfg
+from tests.helpers.shards import CORPUS, shard_cfg
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def shard_set(tmp_path_factory) -> Path:
-    """~600 train windows of 9 tokens in 16 equal shards (a multiple of 2 ranks × 2 workers)."""
-    cfg = shard_cfg(tmp_path_factory.mktemp("shards"), seq_len=8, shard_size_mb=0.04)
+    """640 train windows of 9 tokens in 20 equal shards (a multiple of 2 ranks × 2 workers): the fixture corpus's
+    four text files (its records.jsonl would double every test's reading and add nothing to what they check)."""
+    texts = [CORPUS / f"{name}.txt" for name in ("alpha", "beta", "delta", "gamma")]
+    cfg = shard_cfg(tmp_path_factory.mktemp("shards"), texts, seq_len=8, shard_size_mb=0.04)
     return build_shard_set(cfg).shard_dir
 
 
@@ -109,7 +111,7 @@ def test_resume_position_mid_epoch_and_across_epochs(shard_set, workers):
 
 
 def test_uneven_split_keeps_ranks_equal_and_never_repeats(shard_set):
-    """16 shards over 3 ranks × 2 workers: equal batch counts per rank, no sample twice, bounded leftovers."""
+    """20 shards over 3 ranks × 2 workers: equal batch counts per rank, no sample twice, bounded leftovers."""
     batch = 4
     loaders = [
         ShardLoader(shard_set, batch_size=batch, dp_rank=r, dp_world=3, num_workers=2, with_keys=True) for r in range(3)
@@ -148,12 +150,13 @@ def global_steps(
 def test_every_layout_sees_the_same_global_batch_each_step(shard_set):
     """dp1, dp2, dp3 and dp4, with 0 or 2 workers per rank: step k's global batch is the same samples in the same
     order, over an epoch boundary; within an epoch no sample repeats."""
-    n = len(ShardLoader(shard_set, batch_size=12))
-    reference = global_steps(shard_set, 1, 0, steps=n + 2)
+    gb = 24  # divisible by every dp degree here
+    n = len(ShardLoader(shard_set, batch_size=gb))
+    reference = global_steps(shard_set, 1, 0, gb, steps=n + 2)
     for dp, workers in ((1, 2), (2, 0), (3, 2), (4, 0), (4, 2)):
-        assert global_steps(shard_set, dp, workers, steps=n + 2) == reference, f"dp{dp} × {workers} workers"
+        assert global_steps(shard_set, dp, workers, gb, steps=n + 2) == reference, f"dp{dp} × {workers} workers"
     epoch = [k for step in reference[:n] for k in step]
-    assert len(epoch) == len(set(epoch)) and len(all_keys(shard_set)) - len(epoch) < 12
+    assert len(epoch) == len(set(epoch)) and len(all_keys(shard_set)) - len(epoch) < gb
     assert reference[n] != reference[0]  # the next epoch has its own order
 
 
@@ -254,7 +257,7 @@ def test_tiny_shard_set_helper(tmp_path):
 def test_stopping_mid_epoch_and_iterating_again_continues_the_same_epoch(shard_set):
     """The loader keeps one StatefulDataLoader iterator: a consumer that stops after 3 batches and iterates again
     gets the rest of the epoch, then the next epoch — the same keys as two uninterrupted epochs."""
-    kw = dict(batch_size=3, num_workers=2, seed=4, with_keys=True)
+    kw = dict(batch_size=8, num_workers=2, seed=4, with_keys=True)
     reference = ShardLoader(shard_set, **kw)
     full = keys(list(reference) + list(reference))
     loader = ShardLoader(shard_set, **kw)
@@ -263,7 +266,7 @@ def test_stopping_mid_epoch_and_iterating_again_continues_the_same_epoch(shard_s
         head.append(batch)
         if len(head) == 3:
             break
-    assert (loader.epoch, loader.samples) == (0, 9)
+    assert (loader.epoch, loader.samples) == (0, 3 * 8)
     assert keys(head + list(loader) + list(loader)) == full and loader.epoch == 2
 
 

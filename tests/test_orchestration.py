@@ -121,33 +121,40 @@ def test_every_task_has_an_execution_timeout_set_again_from_the_runs_config(tmp_
 
 
 def test_torchrun_past_its_bound_is_killed_with_every_rank_and_the_cause(tmp_path):
-    """A hung torchrun job (ranks that never return) ends at the bound: agent and ranks killed, one-line cause."""
+    """A hung torchrun job (ranks that never return) ends at the bound: agent and ranks killed, one-line cause.
+    The bound is short (10 s: torchrun's agent is up in ~3 s on a quiet host); on a host so loaded that the ranks
+    were not up within it (nothing to check them against), the same run is repeated with 30 s."""
     from tasks.bounds import run_bounded
     from tasks.errors import StageError
 
-    script = tmp_path / "hang.py"
-    script.write_text(
-        "import os, pathlib, time\n"
-        f"pathlib.Path(r'{tmp_path}', 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
-        "time.sleep(600)\n"
-    )
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
-    started = time.monotonic()
-    with pytest.raises(StageError) as err:
-        run_bounded(
-            argv,
-            env=dict(os.environ),
-            cwd=tmp_path,
-            log_path=tmp_path / "torchrun.log",
-            timeout_s=20,
-            what="torchrun",
-            how="timeouts.train_s",
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    for bound in (10, 30):
+        run = tmp_path / f"bound-{bound}"
+        run.mkdir()
+        script = run / "hang.py"
+        script.write_text(
+            "import os, pathlib, time\n"
+            f"pathlib.Path(r'{run}', 'pid' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+            "time.sleep(600)\n"
         )
-    assert time.monotonic() - started < 60
-    msg = str(err.value)
-    assert "torchrun did not finish within 20 s (timeouts.train_s)" in msg and "torchrun.log" in msg
-    assert "\n" not in msg
-    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2) if (tmp_path / f"pid{r}").exists()]
+        started = time.monotonic()
+        with pytest.raises(StageError) as err:
+            run_bounded(
+                [*argv, str(script)],
+                env=dict(os.environ),
+                cwd=run,
+                log_path=run / "torchrun.log",
+                timeout_s=bound,
+                what="torchrun",
+                how="timeouts.train_s",
+            )
+        assert time.monotonic() - started < bound + 40
+        msg = str(err.value)
+        assert f"torchrun did not finish within {bound} s (timeouts.train_s)" in msg and "torchrun.log" in msg
+        assert "\n" not in msg
+        pids = [int((run / f"pid{r}").read_text()) for r in range(2) if (run / f"pid{r}").exists()]
+        if len(pids) == 2:
+            break
     assert pids, "the ranks never started within the bound"
     time.sleep(0.5)
     for pid in pids:
