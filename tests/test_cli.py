@@ -61,12 +61,29 @@ def test_summary_table(tmp_path):
     assert any("runs/abc" in line for line in lines) and any("(not run)" in line for line in lines)
 
 
+def cli_loading(loaded: Path, *args):
+    """cli(*args), run through runpy so that at exit the process writes to `loaded` which of torch and mlflow it had
+    imported (a stage that needs neither must not pay their seconds of import)."""
+    code = (
+        "import atexit, json, runpy, sys\n"
+        f"atexit.register(lambda: open({str(loaded)!r}, 'w').write(json.dumps("
+        "[m for m in ('torch', 'mlflow') if m in sys.modules])))\n"
+        f"sys.argv = ['tasks', *{list(args)!r}]\n"
+        "runpy.run_module('tasks', run_name='__main__', alter_sys=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    return out, json.loads(loaded.read_text())
+
+
 @pytest.fixture(scope="module")
 def run_with_shards_64(tmp_path_factory):
-    """A run directory whose shard stage built 64-token windows with a 300-token BPE (one --set, several pairs)."""
+    """A run directory whose shard stage built 64-token windows with a 300-token BPE (one --set, several pairs);
+    with --no-tracking it imports neither torch nor mlflow."""
     tmp = tmp_path_factory.mktemp("cli-run")
     run = tmp / "run"
-    out = cli(
+    out, loaded = cli_loading(
+        tmp / "loaded.json",
         "shard",
         "--run-dir",
         str(run),
@@ -80,6 +97,7 @@ def run_with_shards_64(tmp_path_factory):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((run / "shard.json").read_text())["seq_len"] == 64
+    assert loaded == []
     return run
 
 
@@ -96,6 +114,14 @@ def test_an_explicit_value_that_differs_from_the_shard_set_fails_in_one_line(run
     assert out.returncode == 2 and out.stderr.startswith(needle), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
     assert not (run_with_shards_64 / "logs").exists()  # refused before any worker started
+
+
+def test_a_refused_train_imports_neither_torch_nor_mlflow(run_with_shards_64, tmp_path):
+    """A config refused before launch answers in a fraction of a second: no torch (tasks.model's torch parts load on
+    first use), no mlflow (--no-tracking)."""
+    args = ("train", "--run-dir", str(run_with_shards_64), "--no-tracking", "--set", "data.seq_len=128")
+    out, loaded = cli_loading(tmp_path / "loaded.json", *args)
+    assert out.returncode == 2 and "differs from the shard set's 64" in out.stderr and loaded == []
 
 
 def test_train_takes_seq_len_from_the_shard_set_and_launches_the_layouts_ranks(run_with_shards_64):
