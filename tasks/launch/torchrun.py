@@ -69,8 +69,9 @@ def env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id: str |
 
     out = dict(os.environ)
     out["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), out.get("PYTHONPATH", "")]))
-    # OMP_NUM_THREADS is left to torchrun (1 unless set): more OpenMP threads than free cores makes CPU ranks
-    # spin-wait, measured 10-30x slower steps on a busy 2-core host.
+    # OMP_NUM_THREADS is left to torchrun: 1 unless set when it starts 2+ ranks on the node (more OpenMP threads than
+    # free cores makes CPU ranks spin-wait, measured 10-30x slower steps on a busy 2-core host); unset for 1 rank,
+    # which then uses the host's cores (torch/distributed/run.py, `nproc_per_node > 1`).
     out.update(launch_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
     out.pop("MLFLOW_RUN_ID", None)
     binding.prepare(cfg, backend_kind, nproc, out)
