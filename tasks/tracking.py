@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 from tasks.config import REPO_ROOT, PipelineConfig, repo_path, var_dir
@@ -573,6 +574,8 @@ def main(argv=None) -> int:
 
 
 def active_run_id() -> str | None:
+    if "mlflow" not in sys.modules:  # no run was started in this process (--no-tracking): don't import MLflow (~2 s)
+        return None
     import mlflow
 
     run = mlflow.active_run()
@@ -580,6 +583,8 @@ def active_run_id() -> str | None:
 
 
 def active_experiment_id() -> str | None:
+    if "mlflow" not in sys.modules:
+        return None
     import mlflow
 
     run = mlflow.active_run()
