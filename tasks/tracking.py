@@ -583,6 +583,8 @@ def active_run_id() -> str | None:
 
 
 def active_experiment_id() -> str | None:
+    if "mlflow" not in sys.modules:
+        return None
     import mlflow
 
     run = mlflow.active_run()
