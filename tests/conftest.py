@@ -15,6 +15,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One OpenMP thread in every test process and the processes it starts (stages, `airflow dags test`, a single torchrun
+# rank; torchrun gives 2+ ranks one each already): two xdist workers share two cores, and a second thread in each only
+# spins waiting for a core the other worker holds (a fixture of 1.6 CPU s on one thread measured 23 CPU s on two). Set
+# before anything imports torch; a caller's own setting is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Strict collectives (tasks/collectives.py): every collective of this session and of the torchrun workers it starts
 # (they inherit the environment) is checked as HCCL would check it, on gloo. `=nccl` imitates NCCL, `=0` turns it off.
 os.environ.setdefault("LLM_PIPELINE_STRICT_COLLECTIVES", "hccl")

@@ -246,10 +246,8 @@ def test_disk_full_names_enospc_even_when_the_failure_record_cannot_be_written(t
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from tests.helpers.quant_fixture import tiny_trained
-    from tests.helpers.threads import one_thread
 
-    with one_thread():
-        return tiny_trained(tmp_path_factory.getbasetemp())
+    return tiny_trained(tmp_path_factory.getbasetemp())
 
 
 def test_corrupt_int8_model_is_named_and_rebuilt(cfg, tiny_model, tmp_path, capsys):
@@ -257,27 +255,25 @@ def test_corrupt_int8_model_is_named_and_rebuilt(cfg, tiny_model, tmp_path, caps
 
     from tasks.quant.artifact import load_quantized
     from tasks.runner import run_stage
-    from tests.helpers.threads import one_thread
 
     args = argparse.Namespace(model_dir=str(tiny_model["model_dir"]), shard_dir=str(tiny_model["shard_dir"]))
     cfg.tracking.enabled = False
     # The artifact's checks are under test, not the gate: judge PTQ on a few examples, no QAT after a miss.
     cfg.quantize.qat_on_fail, cfg.evaluate.limit = False, 8
-    with one_thread():  # tests/helpers/threads.py
-        first = run_stage("quantize", cfg, tmp_path, args=args)
-        weights = tmp_path / "quantize" / "model_int8.pt"
-        good = weights.read_bytes()
-        weights.write_bytes(good[: len(good) // 2])  # truncated
-        with pytest.raises(StageError, match=r"model_int8.pt is truncated or altered .* rerun the quantize stage"):
-            load_quantized(tmp_path / "quantize")
-        again = run_stage("quantize", cfg, tmp_path, args=args)  # same settings: not reused, rebuilt
-        assert not again["reused"] and again["int8_mb"] == first["int8_mb"]
-        assert "model_int8.pt is truncated or altered" in capsys.readouterr().err
-        weights.write_bytes(bytes([good[0] ^ 1]) + weights.read_bytes()[1:])  # right size, altered byte
-        with pytest.raises(StageError, match="is corrupt .sha256 differs"):
-            load_quantized(tmp_path / "quantize")
-        assert not run_stage("quantize", cfg, tmp_path, args=args)["reused"]
-        assert run_stage("quantize", cfg, tmp_path, args=args)["reused"]  # intact now: reused
+    first = run_stage("quantize", cfg, tmp_path, args=args)
+    weights = tmp_path / "quantize" / "model_int8.pt"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])  # truncated
+    with pytest.raises(StageError, match=r"model_int8.pt is truncated or altered .* rerun the quantize stage"):
+        load_quantized(tmp_path / "quantize")
+    again = run_stage("quantize", cfg, tmp_path, args=args)  # same settings: not reused, rebuilt
+    assert not again["reused"] and again["int8_mb"] == first["int8_mb"]
+    assert "model_int8.pt is truncated or altered" in capsys.readouterr().err
+    weights.write_bytes(bytes([good[0] ^ 1]) + weights.read_bytes()[1:])  # right size, altered byte
+    with pytest.raises(StageError, match="is corrupt .sha256 differs"):
+        load_quantized(tmp_path / "quantize")
+    assert not run_stage("quantize", cfg, tmp_path, args=args)["reused"]
+    assert run_stage("quantize", cfg, tmp_path, args=args)["reused"]  # intact now: reused
     assert not list(tmp_path.glob(".quantize.*"))  # no temp directories left
 
 

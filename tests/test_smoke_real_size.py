@@ -17,17 +17,9 @@ import torch
 from tasks.errors import ConfigError, StageError
 from tasks.runner import run_stage
 from tasks.stages.smoke import low_precision
-from tests.helpers.threads import one_thread
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SEQ, VOCAB = 64, 512
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Every model here is tiny: one intra-op thread (tests/helpers/threads.py), the module's fixtures included."""
-    with one_thread():
-        yield
 
 
 @pytest.fixture(scope="module")
