@@ -68,8 +68,9 @@ class Suite:
     versions: dict[str, str] = field(default_factory=dict)  # leaf task → its version (YAML metadata)
 
 
-# (include folders, lm-eval's own tasks too) → (those folders' YAML fingerprint, TaskManager): see _task_manager
-_MANAGERS: dict[tuple[tuple[str, ...], bool], tuple[tuple, object]] = {}
+# lm-eval's own tasks too? → the last TaskManager of that kind, with its include folders and their YAML fingerprint
+# (one of each: a long-lived worker that evaluates many run folders keeps one full index, not one per folder)
+_MANAGERS: dict[bool, tuple[tuple, object]] = {}
 
 
 def _manager(entries: list[str], extra_paths: list[Path]):
@@ -83,17 +84,18 @@ def _manager(entries: list[str], extra_paths: list[Path]):
 
 def _task_manager(folders: list[str], defaults: bool):
     """lm-eval's TaskManager, reused within this process while the task YAMLs of `folders` are what it indexed (same
-    paths, same bytes): indexing lm-eval's own ~14 700 tasks parses every YAML, 4-9 s of CPU each time, and an
-    evaluate stage or a test may load several entries. Only the index (names → YAML paths, groups, tags) is reused:
-    TaskManager.load reads each task's YAML from disk again. lm-eval's own folder changes only with a reinstall."""
+    paths, same bytes): indexing lm-eval's own ~14 700 tasks parses every YAML (about 10 s of CPU on a 2-core host),
+    and one process may load suites several times (quantize's gate and evaluate in one worker, tests). Only the
+    index (names → YAML paths, groups, tags) is reused: TaskManager.load reads each task's YAML from disk again.
+    lm-eval's own folder changes only with a reinstall."""
     from lm_eval.tasks import TaskManager
 
-    key, seen = (tuple(folders), defaults), _fingerprint(folders)
-    hit = _MANAGERS.get(key)
+    seen = (tuple(folders), _fingerprint(folders))
+    hit = _MANAGERS.get(defaults)
     if hit is not None and hit[0] == seen:
         return hit[1]
     tm = TaskManager(include_path=list(folders) or None, include_defaults=defaults)
-    _MANAGERS[key] = (seen, tm)
+    _MANAGERS[defaults] = (seen, tm)
     return tm
 
 
