@@ -183,21 +183,28 @@ def test_gate_missed_fails_with_advice_and_qat_handoff(cfg, tiny, tmp_path):
     assert not MlflowClient(cfg.tracking.uri).search_model_versions("name = 'evaluate-gate-test'")
 
 
-def test_bad_inputs(cfg, tiny, tmp_path):
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """tiny's shard set and model shape, untrained: for the checks that fail before any weight is used (training the
+    tiny model is most of its CPU)."""
+    return tiny_trained(tmp_path_factory.getbasetemp(), steps=0, name="quant-untrained")
+
+
+def test_bad_inputs(cfg, untrained, tmp_path):
     cfg.evaluate.max_drop_pct = -3
     with pytest.raises(ConfigError, match=r"^evaluate.max_drop_pct: -3 must be a number in \[0, 100\]"):
-        run_stage("evaluate", cfg, tmp_path, args=_args(tiny))
+        run_stage("evaluate", cfg, tmp_path, args=_args(untrained))
     cfg.evaluate.max_drop_pct = 2.0
     with pytest.raises(StageError, match="no quantized model: run the quantize stage first or pass --quant-dir"):
-        run_stage("evaluate", cfg, tmp_path, args=_args(tiny, str(tmp_path)))
+        run_stage("evaluate", cfg, tmp_path, args=_args(untrained, str(tmp_path)))
     # A task problem is found before any model is loaded: here the model's weights are unreadable too, and the
     # task's line is what the stage says.
     broken = tmp_path / "broken-hf"
-    shutil.copytree(tiny["model_dir"], broken)
+    shutil.copytree(untrained["model_dir"], broken)
     (broken / "model.safetensors").write_bytes(b"not safetensors")
     cfg.evaluate.tasks = ["hellaswagg"]
     with pytest.raises(StageError, match=r"^evaluate.tasks: 'hellaswagg' is not an lm-eval task, group or tag"):
-        run_stage("quantize", cfg, tmp_path, args=_args(tiny, model_dir=broken))
+        run_stage("quantize", cfg, tmp_path, args=_args(untrained, model_dir=broken))
 
 
 @pytest.mark.slow

@@ -247,15 +247,34 @@ def test_bad_task_inputs_are_one_line(tmp_path, ckpt):
     suite.check_generation(s, 512, "a longer model")  # fits there
 
 
+def test_task_index_is_reused_until_a_yaml_in_its_folders_changes(tmp_path):
+    """suite keeps lm-eval's TaskManager (its index: seconds of CPU with lm-eval's own tasks) while the task YAMLs of
+    the folders it indexed are unchanged; an edited YAML is indexed again: a sibling's new name is found."""
+    from tasks.harness import suite
+
+    main = _yaml_task(tmp_path, "main_quiz", QA)
+    sibling = _yaml_task(tmp_path, "quiz_a", QA)
+    first = suite._task_manager([str(tmp_path)], defaults=False)
+    assert suite._task_manager([str(tmp_path)], defaults=False) is first  # reused: nothing changed
+    assert suite.load([str(main), "quiz_a"], None, None, {}, ["acc"]).entries["quiz_a"] == ["quiz_a"]
+    sibling.write_text(sibling.read_text().replace("task: quiz_a", "task: quiz_b"))  # same size, maybe same mtime
+    again = suite._task_manager([str(tmp_path)], defaults=False)
+    assert again is not first and "quiz_b" in again.all_tasks and "quiz_a" not in again.all_tasks
+    assert suite.load([str(main), "quiz_b"], None, None, {}, ["acc"]).entries["quiz_b"] == ["quiz_b"]
+
+
 def _decoded_split(shard_dir: Path, split: str) -> str:
     from tokenizers import Tokenizer
 
     from data_prep.loader import ShardLoader
+    from data_prep.manifest import load_manifest
 
     tok = Tokenizer.from_file(str(shard_dir / "tokenizer.json"))
+    n = load_manifest(shard_dir)["splits"][split]["samples"]  # one batch of every window of the split
     rows = {}
-    for x, y, keys in ShardLoader(shard_dir, split=split, batch_size=1, num_workers=0, shuffle=False, with_keys=True):
-        rows[int(keys[0])] = x[0].tolist() + y[0, -1:].tolist()
+    for x, y, keys in ShardLoader(shard_dir, split=split, batch_size=n, num_workers=0, shuffle=False, with_keys=True):
+        rows.update({int(k): x[i].tolist() + y[i, -1:].tolist() for i, k in enumerate(keys)})
+    assert len(rows) == n
     return tok.decode([t for k in sorted(rows) for t in rows[k]], skip_special_tokens=False)
 
 

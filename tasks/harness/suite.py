@@ -11,6 +11,7 @@ group defines one, else the mean of its tasks); the macro average is over the en
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
 import os
 import random
@@ -67,15 +68,48 @@ class Suite:
     versions: dict[str, str] = field(default_factory=dict)  # leaf task → its version (YAML metadata)
 
 
+# lm-eval's own tasks too? → the last TaskManager of that kind, with its include folders and their YAML fingerprint
+# (one of each: a long-lived worker that evaluates many run folders keeps one full index, not one per folder)
+_MANAGERS: dict[bool, tuple[tuple, object]] = {}
+
+
 def _manager(entries: list[str], extra_paths: list[Path]):
     """TaskManager over our own folders only (fast), with lm-eval's 10 000+ tasks indexed only when a name needs it."""
-    from lm_eval.tasks import TaskManager
-
     folders = sorted({str(p.parent) for p in extra_paths})
-    own = TaskManager(include_path=folders or None, include_defaults=False)
+    own = _task_manager(folders, defaults=False)
     if all(e in own.all_tasks or is_path(e) for e in entries):
         return own
-    return TaskManager(include_path=folders or None)
+    return _task_manager(folders, defaults=True)
+
+
+def _task_manager(folders: list[str], defaults: bool):
+    """lm-eval's TaskManager, reused within this process while the task YAMLs of `folders` are what it indexed (same
+    paths, same bytes): indexing lm-eval's own ~14 700 tasks parses every YAML (about 10 s of CPU on a 2-core host),
+    and one process may load suites several times (quantize's gate and evaluate in one worker, tests). Only the
+    index (names → YAML paths, groups, tags) is reused: TaskManager.load reads each task's YAML from disk again.
+    lm-eval's own folder changes only with a reinstall."""
+    from lm_eval.tasks import TaskManager
+
+    seen = (tuple(folders), _fingerprint(folders))
+    hit = _MANAGERS.get(defaults)
+    if hit is not None and hit[0] == seen:
+        return hit[1]
+    tm = TaskManager(include_path=list(folders) or None, include_defaults=defaults)
+    _MANAGERS[defaults] = (seen, tm)
+    return tm
+
+
+def _fingerprint(folders: list[str]) -> tuple:
+    """Every task YAML lm-eval's index reads under `folders` (TaskIndex._iter_yaml_files: **/*.yaml) with a digest of
+    its bytes: an added, removed or edited YAML changes it."""
+    out = []
+    for folder in folders:
+        for path in sorted(Path(folder).glob("**/*.yaml")):
+            try:
+                out.append((str(path), hashlib.blake2b(path.read_bytes(), digest_size=16).digest()))
+            except OSError:  # gone or unreadable now: the index skips it too
+                out.append((str(path), None))
+    return tuple(out)
 
 
 def _load_one(tm, entry: str, spec: str):

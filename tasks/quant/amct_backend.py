@@ -84,9 +84,9 @@ def _amct(flow: str | None = None):
 
 def quantize_llm(model, method: str, skip_names, calib_batches, device) -> dict:
     """In place: calibration model → forwards over the calibration batches → deploy model with NPU INT8 ops."""
+    amct = _amct("llm")  # first: without AMCT, the one-line cause before torch's import (seconds)
     import torch
 
-    amct = _amct("llm")
     cfg = llm_quant_config(method, skip_names, batch_num=len(calib_batches))
     amct.quantize(model, cfg)
     with torch.no_grad():
@@ -99,11 +99,11 @@ def quantize_llm(model, method: str, skip_names, calib_batches, device) -> dict:
 def quantize_ptq(model, skip_names, calib_batches, out_dir: Path, device=None) -> dict[str, str]:
     """Classic ONNX PTQ; returns the paths of the fake-quant and deploy models. The sample and every calibration
     batch go to the model's device, and attention runs export-friendly (AMCT exports at ONNX opset 11)."""
+    amct = _amct("ptq")  # first: without AMCT, the one-line cause before torch's import
     import torch
 
     from tasks.quant.export import export_friendly
 
-    amct = _amct("ptq")
     device = device if device is not None else next(model.parameters()).device
     out_dir.mkdir(parents=True, exist_ok=True)
     config_file, record_file = out_dir / "config.json", out_dir / "record.txt"
@@ -149,9 +149,9 @@ def write_qat_handoff(
     cfg_path, json_path = out_dir / "retrain.cfg", out_dir / "retrain_config.json"
     atomic_write_text(cfg_path, qat_simplified_cfg(skip_names, batch_num))
     if model is not None:
+        amct = _amct("qat")  # first: without AMCT, the one-line cause before torch's import
         from tasks.quant.export import export_friendly
 
-        amct = _amct("qat")
         with export_friendly(model):  # AMCT traces the model to ONNX (opset 11: no SDPA symbolic)
             amct.create_quant_retrain_config(str(json_path), model, sample, config_defination=str(cfg_path))
     else:
