@@ -50,8 +50,11 @@ lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test 
 	@$(VENV)/bin/ruff check --no-cache .
 	@$(VENV)/bin/ruff format --check --no-cache . || (echo "run: .venv/bin/ruff format ." >&2; exit 1)
 
-test-fast: db browser services
-	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
+# The fast tests wait on processes often (torchrun, servers, bounds): a third worker fills those waits. They make their
+# own temporary Airflow and MLflow stores, so var/'s DB is not migrated first.
+FAST_WORKERS ?= 3
+test-fast: venv browser services
+	@$(ENV) python -m pytest -q -n $(FAST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are
 	@bash scripts/ui.sh
