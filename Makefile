@@ -33,14 +33,15 @@ db: venv  ## var/ checked writable (one line if not), then Airflow's DB migrated
 run: db
 	@bash scripts/run-pipeline.sh
 
-# Two worker processes, a test file each at a time (module fixtures stay in one process), then the tests marked
-# `alone` (they need the host's memory to themselves). pytest's exit 5 = "none selected": fine for one part
-# (PYTEST_ARGS naming one file), an error when PYTEST_ARGS selects nothing at all.
-TEST_WORKERS ?= 2
+# Three worker processes on two cores (the tests wait on processes, servers and schedulers often: a third worker fills
+# those waits), a test file each at a time (module fixtures stay in one process), then the tests marked `alone` (they
+# need the host's memory to themselves). pytest's exit 5 = "none selected": fine for one part (PYTEST_ARGS naming one
+# file), an error when PYTEST_ARGS selects nothing at all. --cpu-durations: the 30 tests that used the most CPU.
+TEST_WORKERS ?= 3
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile
 
 test: lint db browser services
-	@$(ENV) a=0; python -m pytest -q --durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
+	@$(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
 	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
 	b=0; python -m pytest -q -m alone $(PYTEST_ARGS) || b=$$?; \
 	if [ $$a$$b = 55 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; exit 5; fi; \
@@ -50,11 +51,9 @@ lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test 
 	@$(VENV)/bin/ruff check --no-cache .
 	@$(VENV)/bin/ruff format --check --no-cache . || (echo "run: .venv/bin/ruff format ." >&2; exit 1)
 
-# The fast tests wait on processes often (torchrun, servers, bounds): a third worker fills those waits. They make their
-# own temporary Airflow and MLflow stores, so var/'s DB is not migrated first.
-FAST_WORKERS ?= 3
+# The tests make their own temporary Airflow and MLflow stores, so var/'s DB is not migrated first.
 test-fast: venv browser services
-	@$(ENV) python -m pytest -q -n $(FAST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are
 	@bash scripts/ui.sh
