@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_profiled_two_rank_gloo_run(tmp_path):
     out = tmp_path / "traces"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # OMP_NUM_THREADS=1 from tests/conftest.py
     proc = subprocess.run(
         [
             sys.executable,

@@ -10,10 +10,9 @@ import re
 from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
 
 
-def test_train_stage_relays_rank_0_progress_and_waits(cfg, tmp_path, shards, caplog, monkeypatch):
+def test_train_stage_relays_rank_0_progress_and_waits(cfg, tmp_path, shards, caplog):
     from tasks.stages import train
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun sets it only for 2+ ranks: 2 would spin on a busy host
     caplog.set_level(logging.INFO, logger="tasks.progress")
     one = {"parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 1}
     c = configure(cfg, **one, **{"train.steps": 4, "train.log_every": 2, "train.checkpoint_every": 2})

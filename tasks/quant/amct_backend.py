@@ -84,7 +84,7 @@ def _amct(flow: str | None = None):
 
 def quantize_llm(model, method: str, skip_names, calib_batches, device) -> dict:
     """In place: calibration model → forwards over the calibration batches → deploy model with NPU INT8 ops."""
-    amct = _amct("llm")  # first: without AMCT, the one-line cause before torch's import (seconds)
+    amct = _amct("llm")  # first: without AMCT, the one-line cause before any work
     import torch
 
     cfg = llm_quant_config(method, skip_names, batch_num=len(calib_batches))
@@ -99,7 +99,7 @@ def quantize_llm(model, method: str, skip_names, calib_batches, device) -> dict:
 def quantize_ptq(model, skip_names, calib_batches, out_dir: Path, device=None) -> dict[str, str]:
     """Classic ONNX PTQ; returns the paths of the fake-quant and deploy models. The sample and every calibration
     batch go to the model's device, and attention runs export-friendly (AMCT exports at ONNX opset 11)."""
-    amct = _amct("ptq")  # first: without AMCT, the one-line cause before torch's import
+    amct = _amct("ptq")  # first: without AMCT, the one-line cause before any work
     import torch
 
     from tasks.quant.export import export_friendly
@@ -149,7 +149,7 @@ def write_qat_handoff(
     cfg_path, json_path = out_dir / "retrain.cfg", out_dir / "retrain_config.json"
     atomic_write_text(cfg_path, qat_simplified_cfg(skip_names, batch_num))
     if model is not None:
-        amct = _amct("qat")  # first: without AMCT, the one-line cause before torch's import
+        amct = _amct("qat")  # first: without AMCT, the one-line cause before any work
         from tasks.quant.export import export_friendly
 
         with export_friendly(model):  # AMCT traces the model to ONNX (opset 11: no SDPA symbolic)
