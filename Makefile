@@ -38,7 +38,7 @@ run: db
 # need the host's memory to themselves). pytest's exit 5 = "none selected": fine for one part (PYTEST_ARGS naming one
 # file), an error when PYTEST_ARGS selects nothing at all. --cpu-durations: the 30 tests that used the most CPU.
 TEST_WORKERS ?= 3
-PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile
+PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint db browser services
 	@$(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \

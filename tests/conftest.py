@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
@@ -92,13 +93,43 @@ def fixtures_dir() -> Path:
     return REPO / "tests" / "fixtures"
 
 
+# ---- the order files start in: the longest first -----------------------------------------------------------------
+# Under make test's `--dist loadfile --no-loadscope-reorder` each xdist worker takes the next whole file in this order;
+# starting the longest files first keeps one long file from running alone at the end (longest-processing-time-first).
+# tests/durations.json holds each file's wall seconds (setup + call + teardown) from the last run that stored them
+# (`make test PYTEST_ARGS=--store-durations`); a file not in it counts 30 s per slow test.
+DURATIONS = REPO / "tests" / "durations.json"
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files with more slow tests run first (each file stays whole and in order), so that under make test's
-    `--dist loadfile` the many short files fill both workers' last minutes instead of one long file running alone."""
-    slow: dict = {}
+    """Files run longest first (each file stays whole and in order)."""
+    stored = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    guess: dict[str, float] = {}
     for item in items:
-        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: the order inside a file is kept
+        guess[_file(item.nodeid)] = guess.get(_file(item.nodeid), 0) + 30 * bool(item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -stored.get(_file(item.nodeid), guess[_file(item.nodeid)]))  # stable
+
+
+_file_s: dict[str, float] = {}  # this run's wall seconds per file (in xdist's controller: every worker's reports)
+
+
+def pytest_runtest_logreport(report):
+    _file_s[_file(report.nodeid)] = _file_s.get(_file(report.nodeid), 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """--store-durations: this run's files' seconds into tests/durations.json (other files' entries kept)."""
+    if not session.config.getoption("--store-durations") or hasattr(session.config, "workerinput"):
+        return
+    stored = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    stored.update({f: round(s, 1) for f, s in _file_s.items()})
+    tmp = DURATIONS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(sorted(stored.items())), indent=1) + "\n")
+    tmp.replace(DURATIONS)
 
 
 # ---- unmarked slow tests fail (RULES: a test over 30 s on this host is marked slow) ---------------------------------
@@ -152,6 +183,11 @@ def pytest_addoption(parser):
         default=0,
         metavar="N",
         help="list the N tests that used the most CPU (setup + call, children included), beside their wall time",
+    )
+    parser.addoption(
+        "--store-durations",
+        action="store_true",
+        help="write each file's wall seconds of this run into tests/durations.json (the order files start in)",
     )
 
 
