@@ -88,7 +88,8 @@ def apply_compile(model, device_type: str) -> int:
             # So does the whole routed path around them (MoE.routed: the expert grouping, the capacity cut, the
             # router statistics, expert parallelism's all-to-alls): traced, its host-side counts (.tolist(), int())
             # broke it into resume frames that dynamo recompiled for each step's counts, up to its recompile limit
-            # (measured, train.compile with dp2·ep2: two frames at the limit of 8 by step 3, ~40 s of compiling).
+            # (measured, train.compile with dp2·ep2: two frames at the limit of 8 by step 3, ~40 s of compiling). One
+            # remains, outside `routed`: MoE.forward's `float(aux)` for the statistics, a resume frame per value.
             moe.routed = torch._dynamo.disable(moe.routed)
         block.forward = torch.compile(block.forward, backend=name, fullgraph=moe is None)
     return len(model.layers)
