@@ -28,7 +28,11 @@ def test_compiled_blocks_train_the_eager_curve_on_every_layout(cfg, tmp_path, sh
     from tests.helpers.train_fixture import checkpoint_params
 
     specs = [write_spec(configure(cfg, **COMPILED, **sets), tmp_path / name, shards) for name, sets in LAYOUTS.items()]
-    rc, out = torchrun(configure(cfg, **COMPILED), 2, specs, tmp_path / "torchrun.log")
+    # Inductor's caches in this test's own directory: cold on every run (never warm from an earlier run or another
+    # checkout), shared by both ranks (a kernel one rank builds, the other waits for and loads: codecache's file
+    # locks) and by the layouts (a graph already compiled in this launch is loaded, not compiled again).
+    inductor = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    rc, out = torchrun(configure(cfg, **COMPILED), 2, specs, tmp_path / "torchrun.log", inductor)
     assert rc == 0, out[-3000:]
     dense = reference_run(configure(load_config("demo-cpu")), shards, 5)
     moe = reference_run(configure(load_config("demo-cpu"), **MOE), shards, 5)

@@ -23,31 +23,68 @@ from tests.helpers.train_fixture import (
 )
 
 MOE = {"model.preset": "moe-demo", "model.n_layers": 2}
+# The two 4-rank tests' layouts: one torchrun launch trains them all (module fixture `four_ranks`).
+EP_ON_FOUR = {
+    "dp4_ep2": {"parallel.dp": 4, "parallel.ep": 2},
+    "dp4_ep4_zero2": {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 2},
+}
+EP_WITH_PP_TP = {
+    "dp2_pp2_ep2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2},
+    "dp2_tp2_ep2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.ep": 2},
+    "dp2_tp2_ep2_zero1": {
+        "parallel.dp": 2,
+        "parallel.tp": 2,
+        "parallel.ep": 2,
+        "parallel.zero": 1,
+        "parallel.sequence_parallel": False,
+    },
+    "sgd_dp2_pp2_ep2": {**SGD, "parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2},
+    "sgd_dp2_tp2_ep2": {**SGD, "parallel.dp": 2, "parallel.tp": 2, "parallel.ep": 2},
+}
 
 
-def _run(cfg, tmp_path, shards, layouts: dict, nproc: int):
+def _run(cfg, run_root, shards, layouts: dict, nproc: int):
     specs = {}
     for name, sets in layouts.items():
         c = configure(cfg, **{**MOE, "hardware.nproc_per_node": nproc, **sets})
-        specs[name] = write_spec(c, tmp_path / name, shards)
+        specs[name] = write_spec(c, run_root / name, shards)
     rc, out = torchrun(
         configure(cfg, **{**MOE, "hardware.nproc_per_node": nproc}),
         nproc,
         list(specs.values()),
-        tmp_path / "torchrun.log",
+        run_root / "torchrun.log",
     )
-    logs = "\n".join(p.read_text()[-3000:] for p in tmp_path.glob("*/logs/rank-*.log"))
+    logs = "\n".join(p.read_text()[-3000:] for p in run_root.glob("*/logs/rank-*.log"))
     assert rc == 0, out[-3000:] + logs
-    return {name: tmp_path / name for name in specs}
+    return {name: run_root / name for name in specs}
 
 
-def _check(runs: dict, shards) -> None:
-    """Each run against the single-process reference of its optimizer: AdamW runs over 5 steps (loss, gradient
-    norm), SGD runs (named sgd_*) over 3 steps with each step's parameter update."""
+@pytest.fixture(scope="module")
+def refs(shards):
+    """The single-process references, computed once for the module: AdamW over 5 steps, SGD over 3 with the
+    parameters after each step."""
     from tasks.config import load_config
 
     adamw = reference_run(configure(load_config("demo-cpu"), **MOE), shards, 5)
     sgd = reference_run(configure(load_config("demo-cpu"), **MOE, **SGD), shards, 3, params=True)
+    return adamw, sgd
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, shards):
+    """One 4-rank torchrun over both 4-rank tests' layouts (each launch of 4 ranks costs ~20 s of CPU)."""
+    from tasks.config import load_config
+
+    root = tmp_path_factory.mktemp("moe-four-ranks")
+    cfg = load_config("demo-cpu")
+    cfg.data.out_dir = str(root / "data")
+    return _run(cfg, root, shards, {**EP_ON_FOUR, **EP_WITH_PP_TP}, 4)
+
+
+def _check(runs: dict, refs) -> None:
+    """Each run against the single-process reference of its optimizer: AdamW runs over 5 steps (loss, gradient
+    norm), SGD runs (named sgd_*) over 3 steps with each step's parameter update."""
+    adamw, sgd = refs
     for name, run_dir in runs.items():
         if name.startswith("sgd_"):
             assert_same_run(run_dir, sgd, name, steps=range(1, 4), updates=True)
@@ -56,7 +93,7 @@ def _check(runs: dict, shards) -> None:
 
 
 @pytest.mark.slow
-def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards):
+def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards, refs):
     runs = _run(
         cfg,
         tmp_path,
@@ -73,7 +110,7 @@ def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards):
         },
         2,
     )
-    _check(runs, shards)
+    _check(runs, refs)
     assert "layout dp2·ep2 coords" in (runs["dp2_ep2"] / "logs" / "rank-1.log").read_text()
     records = [json.loads(ln) for ln in (runs["dp2_ep2"] / "metrics.jsonl").read_text().splitlines()]
     assert all(r["moe_aux_loss"] > 0.9 and r["moe_load_max_over_mean"] >= 1.0 for r in records)
@@ -82,47 +119,20 @@ def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards):
 
 
 @pytest.mark.slow
-def test_ep2_and_ep4_on_four_ranks_match_single_process(cfg, tmp_path, shards):
-    runs = _run(
-        cfg,
-        tmp_path,
-        shards,
-        {
-            "dp4_ep2": {"parallel.dp": 4, "parallel.ep": 2},
-            "dp4_ep4_zero2": {"parallel.dp": 4, "parallel.ep": 4, "parallel.zero": 2},
-        },
-        4,
-    )
-    _check(runs, shards)
+def test_ep2_and_ep4_on_four_ranks_match_single_process(four_ranks, refs):
+    runs = {name: four_ranks[name] for name in EP_ON_FOUR}
+    _check(runs, refs)
     for name, run_dir in runs.items():
         assert f"layout {name.split('_z')[0].replace('_', '·')} coords" in (run_dir / "logs" / "rank-3.log").read_text()
 
 
 @pytest.mark.slow
-def test_ep_composes_with_pipeline_and_tensor_parallel(cfg, tmp_path, shards):
+def test_ep_composes_with_pipeline_and_tensor_parallel(four_ranks, refs):
     """ep2 carved from dp2 inside each of two pipeline stages, and ep2 at each TP coordinate of tp2 (attention and
     shared expert TP-split, routed experts whole on both TP ranks): 4 gloo ranks, the single-process curve; the
     router statistics count every assignment once (not once per pipeline stage or TP rank)."""
-    runs = _run(
-        cfg,
-        tmp_path,
-        shards,
-        {
-            "dp2_pp2_ep2": {"parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2},
-            "dp2_tp2_ep2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.ep": 2},
-            "dp2_tp2_ep2_zero1": {
-                "parallel.dp": 2,
-                "parallel.tp": 2,
-                "parallel.ep": 2,
-                "parallel.zero": 1,
-                "parallel.sequence_parallel": False,
-            },
-            "sgd_dp2_pp2_ep2": {**SGD, "parallel.dp": 2, "parallel.pp": 2, "parallel.ep": 2},
-            "sgd_dp2_tp2_ep2": {**SGD, "parallel.dp": 2, "parallel.tp": 2, "parallel.ep": 2},
-        },
-        4,
-    )
-    _check(runs, shards)
+    runs = {name: four_ranks[name] for name in EP_WITH_PP_TP}
+    _check(runs, refs)
     for name, run_dir in runs.items():
         records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert all(sum(r["moe_tokens_per_expert"][layer]) == 8 * 32 * 2 for r in records for layer in ("0", "1"))

@@ -33,7 +33,8 @@ def ref(shards):
         key = tuple(sorted(sets.items()))
         if key not in cache:
             sgd = sets.get("train.optimizer") == "sgd"
-            cache[key] = reference_run(configure(load_config("demo-cpu"), **sets), shards, 6, params=sgd)
+            c = configure(load_config("demo-cpu"), **sets)
+            cache[key] = reference_run(c, shards, c.train.steps, params=sgd)
         return cache[key]
 
     return run
@@ -53,11 +54,18 @@ LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
     "dp4": (4, 1, 1, {"train.checkpoint_every": 3}),
     "dp2_tp2": (2, 2, 1, {"train.checkpoint_every": 3}),
     "dp2_pp2_1f1b": (2, 1, 2, {"parallel.pp_schedule": "1f1b"}),
+    # Interleaved: 4 stages (one layer each) on 2 ranks; micro-batches of 4, 2 per step (as many as pipeline ranks,
+    # the fewest the schedule takes): each rank still interleaves its two chunks, at half the passes of 4 of 2.
     "tp2_pp2_interleaved": (
         1,
         2,
         2,
-        {"parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4, "parallel.recompute": "selective"},
+        {
+            "parallel.pp_schedule": "interleaved1f1b",
+            "model.n_layers": 4,
+            "parallel.recompute": "selective",
+            "train.micro_batch": 4,
+        },
     ),
     "dp2_tp2_zero1": (2, 2, 1, {"parallel.zero": 1}),  # ZeRO-1 over TP DTensors
     "dp2_pp2_zero0": (2, 1, 2, {"parallel.zero": 0, "parallel.pp_schedule": "1f1b"}),
@@ -70,7 +78,7 @@ LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
         1,
         2,
         2,
-        {**SGD, "parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4},
+        {**SGD, "parallel.pp_schedule": "interleaved1f1b", "model.n_layers": 4, "train.micro_batch": 4},
     ),
 }
 LAYOUTS_2 = {

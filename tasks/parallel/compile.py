@@ -85,6 +85,12 @@ def apply_compile(model, device_type: str) -> int:
             # The routed experts run eagerly (a graph break): their token counts are data-dependent, and
             # torch._grouped_mm's fake-tensor kernel accepts bf16 only where its CPU kernel also takes fp32.
             moe.experts.forward = torch._dynamo.disable(moe.experts.forward)
+            # So does the whole routed path around them (MoE.routed: the expert grouping, the capacity cut, the
+            # router statistics, expert parallelism's all-to-alls): traced, its host-side counts (.tolist(), int())
+            # broke it into resume frames that dynamo recompiled for each step's counts, up to its recompile limit
+            # (measured, train.compile with dp2·ep2: two frames at the limit of 8 by step 3, ~40 s of compiling). One
+            # remains, outside `routed`: MoE.forward's `float(aux)` for the statistics, a resume frame per value.
+            moe.routed = torch._dynamo.disable(moe.routed)
         block.forward = torch.compile(block.forward, backend=name, fullgraph=moe is None)
     return len(model.layers)
 
