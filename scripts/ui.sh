@@ -69,6 +69,10 @@ chmod 600 "$var/logs/mlflow-server.log" "$var/logs/airflow-standalone.log"
 umask 022
 
 mkdir -p "$var/mlartifacts"
+# MLflow 3's server also starts a job runner and seven Huey consumers for its GenAI jobs (LLM judges, prompt
+# optimisation, trace rollups; mlflow/server/__init__.py, MLFLOW_SERVER_ENABLE_JOB_EXECUTION, default true): 8 more
+# Python processes, ~2 GB of memory and ~30 CPU s to start, none of it used by this pipeline. Set it to true to have them.
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}"
 setsid mlflow server --app-name basic-auth --host "$host" --port "$ml_port" --workers 1 \
   --backend-store-uri "$MLFLOW_TRACKING_URI" --default-artifact-root "$var/mlartifacts" \
   > "$var/logs/mlflow-server.log" 2>&1 < /dev/null &

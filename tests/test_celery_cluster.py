@@ -36,21 +36,12 @@ from tasks.stages.shard import shard_multiple
 REPO = Path(__file__).resolve().parent.parent
 from tests.helpers.celery_cluster import Cluster, free_port  # noqa: E402
 from tests.helpers.shards import keys_from_manifest  # noqa: E402
+from tests.helpers.presets import SHORT, short_ci_tiny  # noqa: E402
 
 DEVICE_QUEUE = "npu-node-1"
 FAULT = "partition:4:stop"  # in every worker: the first try of a build's partition 4 stops itself mid-partition
 DATA_CONF = {"partitions": 4}  # the preset's corpus; no partition 4 (the fault never fires)
 KILL_CONF = {"partitions": 5, "max_documents": 120}  # another shard set, whose last partition stops
-# ci-tiny, shortened (one rank, fewer steps and tokens): this module checks where tasks run, not what they compute
-FAST = {
-    "hardware": {"nproc_per_node": 1},
-    "data": {"shard_size_mb": 4.0},  # one shard per split: two write ranges
-    "parallel": {"dp": 1, "zero": 0},
-    "smoke": {"steps": 6, "window": 3},
-    "train": {"steps": 4, "checkpoint_every": 2},
-    "quantize": {"calibration_batches": 1, "qat_steps": 2},
-    "evaluate": {"agreement_windows": 2, "latency_tokens": 4, "max_new_tokens": 4, "prompts": ["def "]},
-}
 
 
 def check_services(env: dict) -> subprocess.CompletedProcess:
@@ -113,11 +104,8 @@ def cluster(tmp_path_factory):
     if shutil.which("redis-server") is None or not list(Path("/usr/lib/postgresql").glob("*/bin/initdb")):
         pytest.fail("PostgreSQL/Redis not installed: run scripts/install-services.sh (make test does)")
     root = tmp_path_factory.mktemp("celery")
-    preset = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
-    for section, values in FAST.items():
-        preset[section].update(values)
-    preset["hardware"]["device_queue"] = DEVICE_QUEUE
-    (root / "ci-tiny-celery.yaml").write_text(yaml.safe_dump(preset))
+    # this module checks where tasks run, not what they compute: ci-tiny shortened (tests/helpers/presets.py)
+    short_ci_tiny(root / "ci-tiny-celery.yaml", hardware={**SHORT["hardware"], "device_queue": DEVICE_QUEUE})
     c = Cluster(
         root / "cluster",
         dags=[REPO / "dags" / "llm_pipeline.py", REPO / "dags" / "llm_data.py"],
