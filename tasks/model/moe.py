@@ -177,11 +177,15 @@ class MoE(nn.Module):
         out = out.view(b, s, d)
         if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
             aux = self.aux_loss(probs, top_i, b)
-            if _counting():
-                self.stat_aux += float(aux.detach())
-                self.stat_calls += 1
+            self.count_aux(aux)
             out = _AuxLoss.apply(out, aux, self.aux_loss_coef * self.aux_scale)
         return out
+
+    def count_aux(self, aux: torch.Tensor) -> None:
+        """The router statistics' aux loss (host-side: a float per forward)."""
+        if _counting():
+            self.stat_aux += float(aux.detach())
+            self.stat_calls += 1
 
     def routed(self, flat: torch.Tensor, top_p: torch.Tensor, top_i: torch.Tensor) -> torch.Tensor:
         n_tok, k, n_exp = flat.shape[0], self.top_k, self.n_experts

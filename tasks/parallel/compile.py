@@ -88,9 +88,10 @@ def apply_compile(model, device_type: str) -> int:
             # So does the whole routed path around them (MoE.routed: the expert grouping, the capacity cut, the
             # router statistics, expert parallelism's all-to-alls): traced, its host-side counts (.tolist(), int())
             # broke it into resume frames that dynamo recompiled for each step's counts, up to its recompile limit
-            # (measured, train.compile with dp2·ep2: two frames at the limit of 8 by step 3, ~40 s of compiling). One
-            # remains, outside `routed`: MoE.forward's `float(aux)` for the statistics, a resume frame per value.
+            # (measured, train.compile with dp2·ep2: two frames at the limit of 8 by step 3, ~40 s of compiling). So
+            # does the statistics' `float(aux)` (MoE.count_aux): traced, a resume frame recompiled per value.
             moe.routed = torch._dynamo.disable(moe.routed)
+            moe.count_aux = torch._dynamo.disable(moe.count_aux)
         block.forward = torch.compile(block.forward, backend=name, fullgraph=moe is None)
     return len(model.layers)
 
