@@ -18,6 +18,7 @@ ROUTE = {  # ci-tiny with the demo model, 4 gloo ranks, each "device" 0.22 GB (t
     "train": {"precision": "fp32", "steps": 4, "global_batch": 8, "micro_batch": 2, "checkpoint_every": 2}
     | LEAN["train"],
     "smoke": {"steps": 6, "memory_margin": 0.4},
+    "profile": {"enabled": False},  # not part of the route (a profiled rerun of 4 ranks): the stage says skipped
     "evaluate": LEAN["evaluate"],
 }
 
@@ -49,7 +50,7 @@ def test_a_model_too_big_for_one_device_goes_the_whole_route(tmp_path, airflow_d
 FAIL_GB = 0.14
 FAILING = {
     "hardware": {"device_memory_gb": FAIL_GB},
-    "train": {"steps": 6, "checkpoint_every": 1, "rehearsal_steps": 3},
+    "train": {"steps": 6, "checkpoint_every": 1, "rehearsal_steps": 3} | LEAN["train"],
     "smoke": {"steps": 6, "model": "same"},  # the debug model itself (auto would keep 25 % of the device free)
 }
 BEFORE_TRAIN = ("env.json", "shard.json", "smoke.json", "plan.json", "plan/plan.json")
