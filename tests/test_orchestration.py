@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.dags import dags_test
+from tests.helpers.dags import LEAN, dags_test, preset_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -182,8 +182,32 @@ def airflow_cli(args: str, tmp_path: Path, extra_env: dict, timeout: int = 600):
     )
 
 
+def serialize_dag(dag_id: str) -> None:
+    """dags/<dag_id>.py parsed and written to the metadata DB under the dags-folder bundle (`airflow dags
+    reserialize`, for that one file)."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+
+    manager = DagBundlesManager()
+    manager.sync_bundles_to_db()
+    bundle = manager.get_bundle("dags-folder")
+    bag = DagBag(REPO / "dags" / f"{dag_id}.py", bundle_path=bundle.path, bundle_name=bundle.name)
+    assert dag_id in bag.dags and not bag.import_errors, bag.import_errors
+    sync_bag_to_db(bag, bundle.name, None)
+
+
+def set_paused(dag_id: str, paused: bool) -> None:
+    """`airflow dags pause|unpause <dag_id>`."""
+    from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import update
+
+    with create_session() as session:
+        assert session.execute(update(DagModel).where(DagModel.dag_id == dag_id).values(is_paused=paused)).rowcount
+
+
 @pytest.mark.slow
-def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path, airflow_db):
+def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path, airflow_db, monkeypatch):
     """`airflow dags test llm_data --conf` with ci-tiny and seq_len 128 (demo-cpu's default: the explicit value
     wins) publishes a shard set the pipeline's own Params (ci-tiny, seq_len 64) would never shard; llm_data's
     parent run ends FINISHED with its duration and the set as its input. The scheduler's own code turns the asset
@@ -199,14 +223,18 @@ def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path,
     from airflow.utils.types import DagRunType
     from sqlalchemy import select
 
-    env = {"LLM_PIPELINE_PRESET": "ci-tiny"}  # the asset-triggered run takes the DAG's default Params
-    # Airflow queues asset-triggered runs only for unpaused DAGs (the DAG processor's job: reserialize here).
-    out = airflow_cli("dags reserialize && airflow dags unpause llm_pipeline", tmp_path, env)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    # The asset-triggered run takes the DAG's default Params: ci-tiny (its validation loss on fewer sequences).
+    env = {"LLM_PIPELINE_PRESET": str(preset_file(tmp_path / "ci-tiny-lean.yaml", {"train": LEAN["train"]}))}
+    # Airflow queues asset-triggered runs only for unpaused DAGs: llm_pipeline parsed into the metadata DB (the DAG
+    # processor's job) and unpaused, here in this process (`airflow dags reserialize` and `airflow dags unpause`
+    # did the same in two more Airflow processes).
+    monkeypatch.setenv("LLM_PIPELINE_PRESET", env["LLM_PIPELINE_PRESET"])
+    serialize_dag("llm_pipeline")
+    set_paused("llm_pipeline", False)
     try:
         out = dags_test("llm_data", {"preset": "ci-tiny", "seq_len": 128}, tmp_path, env)
     finally:
-        airflow_cli("dags pause llm_pipeline", tmp_path, env)
+        set_paused("llm_pipeline", True)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     published = json.loads((next((tmp_path / "var" / "runs" / "llm_data").iterdir()) / "shard.json").read_text())
     assert load_config("demo-cpu").data.seq_len == 128 != load_config("ci-tiny").data.seq_len

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tasks.stages import STAGES
+from tests.helpers.dags import LEAN, dags_test, preset_file
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -140,11 +141,10 @@ def test_dags_test_runs_moe_demo_with_expert_parallelism(tmp_path, airflow_db):
     import mlflow
     from tasks.quant.artifact import WEIGHTS, load_quantized
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"), "MLFLOW_TRACKING_URI": uri}
-    conf = json.dumps({"preset": "ci-tiny", "model_preset": "moe-demo", "ep": 2})
-    cmd = f"source scripts/airflow-env.sh && airflow dags test llm_pipeline --conf '{conf}'"
-    out = subprocess.run(["bash", "-c", cmd], cwd=REPO, capture_output=True, text=True, timeout=1200, env=env)
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    preset = preset_file(tmp_path / "ci-tiny-lean.yaml", LEAN)  # ci-tiny, its evaluation task and validation smaller
+    conf = {"model_preset": "moe-demo", "ep": 2}
+    out = dags_test("llm_pipeline", conf, tmp_path, extra_env={"LLM_PIPELINE_PRESET": str(preset)}, timeout=1200)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-6000:]
     [run_dir] = list((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())

@@ -9,27 +9,23 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
-
-from tests.helpers import REPO
-from tests.helpers.dags import dags_test
+from tests.helpers.dags import LEAN, dags_test, preset_file
 
 ROUTE = {  # ci-tiny with the demo model, 4 gloo ranks, each "device" 0.22 GB (the demo needs more on one)
     "hardware": {"nproc_per_node": 4, "device_memory_gb": 0.22},
     "model": {"preset": "demo"},
     "parallel": {},  # the planner chooses
-    "train": {"precision": "fp32", "steps": 4, "global_batch": 8, "micro_batch": 2, "checkpoint_every": 2},
+    "train": {"precision": "fp32", "steps": 4, "global_batch": 8, "micro_batch": 2, "checkpoint_every": 2}
+    | LEAN["train"],
     "smoke": {"steps": 6, "memory_margin": 0.4},
+    "profile": {"enabled": False},  # not part of the route (a profiled rerun of 4 ranks): the stage says skipped
+    "evaluate": LEAN["evaluate"],
 }
 
 
 @pytest.mark.slow
 def test_a_model_too_big_for_one_device_goes_the_whole_route(tmp_path, airflow_db):
-    cfg = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
-    for section, values in ROUTE.items():
-        cfg[section] = {**cfg.get(section, {}), **values} if values else {}
-    preset = tmp_path / "route.yaml"
-    preset.write_text(yaml.safe_dump(cfg))
+    preset = preset_file(tmp_path / "route.yaml", ROUTE)
     out = dags_test("llm_pipeline", {}, tmp_path, extra_env={"LLM_PIPELINE_PRESET": str(preset)}, timeout=1500)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     run_dir = next((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())
@@ -54,7 +50,7 @@ def test_a_model_too_big_for_one_device_goes_the_whole_route(tmp_path, airflow_d
 FAIL_GB = 0.14
 FAILING = {
     "hardware": {"device_memory_gb": FAIL_GB},
-    "train": {"steps": 6, "checkpoint_every": 1, "rehearsal_steps": 3},
+    "train": {"steps": 6, "checkpoint_every": 1, "rehearsal_steps": 3} | LEAN["train"],
     "smoke": {"steps": 6, "model": "same"},  # the debug model itself (auto would keep 25 % of the device free)
 }
 BEFORE_TRAIN = ("env.json", "shard.json", "smoke.json", "plan.json", "plan/plan.json")
@@ -65,11 +61,7 @@ def test_a_failing_rehearsal_stops_the_dag_at_train_in_one_line_and_loses_nothin
     from data_prep.manifest import check_files, check_tokenizer, digest, load_manifest
     from tasks.parallel import checkpoint as ckpt
 
-    cfg = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
-    for section, values in FAILING.items():
-        cfg[section] = {**cfg.get(section, {}), **values}
-    preset = tmp_path / "failing.yaml"
-    preset.write_text(yaml.safe_dump(cfg))
+    preset = preset_file(tmp_path / "failing.yaml", FAILING)
     out = dags_test("llm_pipeline", {}, tmp_path, extra_env={"LLM_PIPELINE_PRESET": str(preset)}, timeout=900)
     log = out.stdout + out.stderr
     run_dir = next((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())
