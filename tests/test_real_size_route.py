@@ -18,7 +18,6 @@ ROUTE = {  # ci-tiny with the demo model, 4 gloo ranks, each "device" 0.22 GB (t
     "train": {"precision": "fp32", "steps": 4, "global_batch": 8, "micro_batch": 2, "checkpoint_every": 2}
     | LEAN["train"],
     "smoke": {"steps": 6, "memory_margin": 0.4},
-    "profile": {"enabled": False},  # not part of the route (a profiled rerun of 4 ranks): the stage says skipped
     "evaluate": LEAN["evaluate"],
 }
 
