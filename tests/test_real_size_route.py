@@ -1,6 +1,7 @@
 """The real-size route end to end on CPU (issue 24 item 6) through `airflow dags test`: a model that does not fit
 the simulated device (hardware.device_memory_gb) — smoke trains a derived sibling, plan shards the real model over 4
-ranks, the rehearsal at that layout passes, train runs it, and export, quantize and evaluate run on its export."""
+ranks, the rehearsal at that layout passes, train runs it, profile profiles that layout, and export, quantize and
+evaluate run on its export."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def test_a_model_too_big_for_one_device_goes_the_whole_route(tmp_path, airflow_d
     out = dags_test("llm_pipeline", {}, tmp_path, extra_env={"LLM_PIPELINE_PRESET": str(preset)}, timeout=1500)
     assert out.returncode == 0, (out.stdout + out.stderr)[-6000:]
     run_dir = next((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())
-    res = {s: json.loads((run_dir / f"{s}.json").read_text()) for s in ("smoke", "plan", "train", "quantize")}
+    res = {
+        s: json.loads((run_dir / f"{s}.json").read_text()) for s in ("smoke", "plan", "train", "profile", "quantize")
+    }
     res["evaluate"] = json.loads((run_dir / "evaluate.json").read_text())
 
     sibling = res["smoke"]["smoke_model"]
