@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-
-from tests.helpers import REPO
+from tests.helpers.dags import preset_file
 
 SHORT = {
     "hardware": {"nproc_per_node": 1},
@@ -22,9 +20,5 @@ SHORT = {
 
 
 def short_ci_tiny(path: Path, **extra: dict) -> Path:
-    """ci-tiny with SHORT (and `extra`: {section: {key: value}}) applied, written to `path`."""
-    preset = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
-    for section, values in {**SHORT, **extra}.items():
-        preset.setdefault(section, {}).update(values)
-    path.write_text(yaml.safe_dump(preset))
-    return path
+    """ci-tiny with SHORT (and `extra`: {section: {key: value}}, replacing SHORT's) applied, written to `path`."""
+    return preset_file(path, {**SHORT, **extra})
