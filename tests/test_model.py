@@ -91,6 +91,29 @@ def test_init_is_seeded_per_parameter_name():
     assert a.rope_cache.dtype == torch.float32 and "rope_cache" not in a.state_dict()
 
 
+def test_a_model_on_meta_is_built_without_importing_dynamo():
+    """Every rank and planning process builds the model on meta first: nn.Embedding's normal_ and the RoPE table's
+    arange on a meta tensor run Python references wrapped in torch._disable_dynamo, whose first call imports
+    torch._dynamo (~2.5 s of CPU per process). The meta model holds shapes only; materialize writes the table."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from tasks.model import build_model, get_preset, materialize\n"
+        "from tasks.model.transformer import rope_table\n"
+        "m = build_model(get_preset('moe-demo'))\n"
+        "assert 'torch._dynamo' not in sys.modules, 'a meta build imported torch._dynamo'\n"
+        "c = m.config\n"
+        "assert m.rope_cache.is_meta and m.rope_cache.shape == (c.max_seq_len, 2, c.head_dim // 2)\n"
+        "assert m.tok_embeddings.weight.is_meta and m.tok_embeddings.weight.shape == (c.vocab_size, c.dim)\n"
+        "materialize(m, 'cpu')\n"
+        "assert torch.equal(m.rope_cache, rope_table(c.head_dim, c.max_seq_len, c.rope_theta))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_pipeline_stages_compose_to_the_whole_model(tied):
     tcfg = dataclasses.replace(get_preset("debug"), tie_embeddings=tied)

@@ -25,7 +25,7 @@ from torch import nn
 
 from tasks.errors import StageError
 from tasks.model.init import HFWeights
-from tasks.model.transformer import RMSNorm, TransformerBlock, rope_table
+from tasks.model.transformer import RMSNorm, TransformerBlock, embedding, rope_table
 
 LOGIT_CHUNK = 512  # positions per head matmul: logits of [chunk, vocab] fp32 at a time
 
@@ -74,7 +74,7 @@ def initial_loss(path, tcfg, inputs: torch.Tensor, targets: torch.Tensor, layers
     source.check(wanted)  # one line naming the first tensor the checkpoint lacks
 
     x, y = inputs.to(device), targets.to(device)
-    emb = _load(_meta(lambda: nn.Embedding(tcfg.vocab_size, tcfg.dim)), "tok_embeddings.", source, device)
+    emb = _load(_meta(lambda: embedding(tcfg.vocab_size, tcfg.dim)), "tok_embeddings.", source, device)
     h = emb(x).float()
     del emb
     rope = rope_table(tcfg.head_dim, x.shape[1], tcfg.rope_theta, device=device)

@@ -32,8 +32,11 @@ class RMSNorm(nn.Module):
 def rope_table(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
     """[max_seq_len, 2, head_dim // 2]: cos and sin of position × inverse frequency, fp32.
 
-    Real-valued (not complex) because DTensor and some NPU kernels do not handle complex tensors.
+    Real-valued (not complex) because DTensor and some NPU kernels do not handle complex tensors. On meta (build_model)
+    the shape only: arange of a meta tensor would import torch._dynamo (see `embedding`); materialize writes the table.
     """
+    if torch.empty(0, device=device).is_meta:
+        return torch.empty(max_seq_len, 2, head_dim // 2, device=device)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
     return torch.stack([angles.cos(), angles.sin()], dim=1)
@@ -124,11 +127,19 @@ class TiedOutput(nn.Linear):
         return F.linear(x, _OwnGrad.apply(self.weight), self.bias)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding on the current device; on meta without its own random init: normal_ of a meta tensor runs a
+    Python reference wrapped in torch._disable_dynamo, whose first call imports torch._dynamo and parts of inductor
+    (~2.5 s of CPU in every rank and stage process that builds a model on meta; materialize writes every weight)."""
+    weight = torch.empty(num, dim)
+    return nn.Embedding(num, dim, _weight=weight) if weight.is_meta else nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     def __init__(self, tcfg: TransformerConfig):
         super().__init__()
         self.config = tcfg.validate()
-        self.tok_embeddings = nn.Embedding(tcfg.vocab_size, tcfg.dim)
+        self.tok_embeddings = embedding(tcfg.vocab_size, tcfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(tcfg, i) for i in range(tcfg.n_layers)})
         self.norm = RMSNorm(tcfg.dim, tcfg.norm_eps)
         self.output = (TiedOutput if tcfg.tie_embeddings else nn.Linear)(tcfg.dim, tcfg.vocab_size, bias=False)
