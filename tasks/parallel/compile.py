@@ -8,7 +8,7 @@ The block's `forward` is compiled in place rather than the module wrapped (torch
 prefix to every parameter name), so names — seeded initialisation, DCP checkpoint keys, ZeRO-1 owners — are the same
 with and without compile. All blocks share one code object, so the repeated block is traced once and the graph reused
 (one compile for the model, paid in the first step; fullgraph for dense blocks: a graph break is an error, not a
-silent slowdown; in mixture-of-experts blocks the routed experts stay eager, see apply_compile).
+silent slowdown; in mixture-of-experts blocks the MoE layer stays eager, one graph break, see apply_compile).
 On CPU the compiled blocks compute short-sequence attention through SDPA's math backend, which inductor fuses
 (MATH_ATTENTION_MAX_SEQ).
 
@@ -82,16 +82,14 @@ def apply_compile(model, device_type: str) -> int:
             attention.attend = math_attention
         moe = block._modules.get("moe")
         if moe is not None:
-            # The routed experts run eagerly (a graph break): their token counts are data-dependent, and
-            # torch._grouped_mm's fake-tensor kernel accepts bf16 only where its CPU kernel also takes fp32.
-            moe.experts.forward = torch._dynamo.disable(moe.experts.forward)
-            # So does the whole routed path around them (MoE.routed: the expert grouping, the capacity cut, the
-            # router statistics, expert parallelism's all-to-alls): traced, its host-side counts (.tolist(), int())
-            # broke it into resume frames that dynamo recompiled for each step's counts, up to its recompile limit
-            # (measured, train.compile with dp2·ep2: two frames at the limit of 8 by step 3, ~40 s of compiling). So
-            # does the statistics' `float(aux)` (MoE.count_aux): traced, a resume frame recompiled per value.
-            moe.routed = torch._dynamo.disable(moe.routed)
-            moe.count_aux = torch._dynamo.disable(moe.count_aux)
+            # The whole MoE layer runs eagerly, one graph break: the routed experts' token counts are data-dependent,
+            # torch._grouped_mm's fake-tensor kernel accepts bf16 only where its CPU kernel also takes fp32, and the
+            # routed path's host-side counts (.tolist(), int(), the statistics' float(aux)) broke a traced layer into
+            # resume frames that dynamo recompiled per step's counts up to its recompile limit. Measured (dp2·ep2,
+            # moe-demo): with only the experts, the routed path and MoE.count_aux eager, five graphs per block, 14
+            # inductor compiles (forward, backward, and again forward under no_grad for validation); with the layer
+            # eager, two graphs (before it: norms, attention, residual; after it: the residual add), 6 compiles.
+            moe.forward = torch._dynamo.disable(moe.forward)
         block.forward = torch.compile(block.forward, backend=name, fullgraph=moe is None)
     return len(model.layers)
 
