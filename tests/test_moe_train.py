@@ -22,8 +22,8 @@ from tests.helpers.train_fixture import (
     write_spec,
 )
 
-# AdamW runs train 3 steps (2 of warm-up, 1 of cosine decay), as many as the SGD runs: each step's loss and gradient
-# norm equal the reference's (the aux loss and the router statistics are in every step).
+# AdamW runs train 3 steps (2 of warm-up, 1 at the cosine's peak), as many as the SGD runs: each step's loss and
+# gradient norm equal the reference's (the aux loss and the router statistics are in every step).
 MOE = {"model.preset": "moe-demo", "model.n_layers": 2, "train.steps": 3}
 # The two 4-rank tests' layouts: one torchrun launch trains them all (module fixture `four_ranks`).
 EP_ON_FOUR = {

@@ -51,7 +51,7 @@ def check(run_dir, ref, name: str, extra: dict, steps=None) -> None:
     assert_same_run(run_dir, ref(**sets), name, rel, steps, updates=sgd, norm_rel=rel if rel > 1e-4 else None)
 
 
-# AdamW layouts train 3 steps (2 of warm-up, 1 of cosine decay): each step's loss, gradient norm and val.loss still
+# AdamW layouts train 3 steps (2 of warm-up, 1 at the cosine's peak): each step's loss, gradient norm and val.loss still
 # equal the reference's; only the two runs resumed on dp2 train BASE's 5 (checkpoint at 3, 2 steps after it: step 5's
 # loss shows the restored optimizer state and LR schedule). A dp1 layout (tp2, pp2) takes micro-batches of 4: 2 per
 # step, still accumulated (8 sequences per step whatever the micro-batch: the same reference).

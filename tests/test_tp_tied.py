@@ -28,7 +28,7 @@ LAYOUTS = {  # name: (ranks, dp, tp, zero)
     "dp2_tp2_zero0": (4, 2, 2, 0),
     "tp2": (2, 1, 2, 3),
 }
-# 3 steps (2 of warm-up, 1 of cosine decay), each the reference's; tp2 (dp1) takes micro-batches of 4 (2 per step,
+# 3 steps (2 of warm-up, 1 at the cosine's peak), each the reference's; tp2 (dp1) takes micro-batches of 4 (2 per step,
 # accumulated like dp2's): 8 sequences per step in every layout, one reference.
 STEPS = 3
 
