@@ -11,6 +11,7 @@ import json
 import pytest
 
 from tests.helpers.train_fixture import (
+    BASE,
     SGD,
     assert_same_run,
     configure,
@@ -46,14 +47,22 @@ def check(run_dir, ref, name: str, extra: dict, steps=None) -> None:
     sets = {k: v for k, v in extra.items() if k.startswith("model.") or k in SGD}
     sgd = sets.get("train.optimizer") == "sgd"
     rel = 5e-3 if extra.get("train.precision") == "bf16" else 1e-4
-    steps = steps or (range(1, 4) if sgd else None)
+    steps = steps or range(1, sets.get("train.steps", BASE["train.steps"]) + 1)
     assert_same_run(run_dir, ref(**sets), name, rel, steps, updates=sgd, norm_rel=rel if rel > 1e-4 else None)
 
 
+# AdamW layouts train 3 steps (2 of warm-up, 1 at the cosine's peak): each step's loss, gradient norm and val.loss still
+# equal the reference's; only the two runs resumed on dp2 train BASE's 5 (checkpoint at 3, 2 steps after it: step 5's
+# loss shows the restored optimizer state and LR schedule). A dp1 layout (tp2, pp2) takes micro-batches of 4: 2 per
+# step, still accumulated (8 sequences per step whatever the micro-batch: the same reference).
+SHORT = {"train.steps": 3}
+DP1 = {**SHORT, "train.micro_batch": 4}
+
+
 LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
-    "dp4": (4, 1, 1, {"train.checkpoint_every": 3}),
-    "dp2_tp2": (2, 2, 1, {"train.checkpoint_every": 3}),
-    "dp2_pp2_1f1b": (2, 1, 2, {"parallel.pp_schedule": "1f1b"}),
+    "dp4": (4, 1, 1, {"train.steps": 5, "train.checkpoint_every": 3}),
+    "dp2_tp2": (2, 2, 1, {"train.steps": 5, "train.checkpoint_every": 3}),
+    "dp2_pp2_1f1b": (2, 1, 2, {**SHORT, "parallel.pp_schedule": "1f1b"}),
     # Interleaved: 4 stages (one layer each) on 2 ranks; micro-batches of 4, 2 per step (as many as pipeline ranks,
     # the fewest the schedule takes): each rank still interleaves its two chunks, at half the passes of 4 of 2.
     "tp2_pp2_interleaved": (
@@ -61,14 +70,15 @@ LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
         2,
         2,
         {
+            **SHORT,
             "parallel.pp_schedule": "interleaved1f1b",
             "model.n_layers": 4,
             "parallel.recompute": "selective",
             "train.micro_batch": 4,
         },
     ),
-    "dp2_tp2_zero1": (2, 2, 1, {"parallel.zero": 1}),  # ZeRO-1 over TP DTensors
-    "dp2_pp2_zero0": (2, 1, 2, {"parallel.zero": 0, "parallel.pp_schedule": "1f1b"}),
+    "dp2_tp2_zero1": (2, 2, 1, {**SHORT, "parallel.zero": 1}),  # ZeRO-1 over TP DTensors
+    "dp2_pp2_zero0": (2, 1, 2, {**SHORT, "parallel.zero": 0, "parallel.pp_schedule": "1f1b"}),
     # Plain SGD, no clipping: the gradient scale of every combination shows in its update.
     "sgd_dp4": (4, 1, 1, SGD),
     "sgd_dp2_tp2": (2, 2, 1, SGD),
@@ -82,22 +92,22 @@ LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
     ),
 }
 LAYOUTS_2 = {
-    "dp2": (2, 1, 1, {}),
-    "dp2_zero0": (2, 1, 1, {"parallel.zero": 0}),
-    "dp2_zero1": (2, 1, 1, {"parallel.zero": 1}),
-    "dp2_zero1_bf16": (2, 1, 1, {"parallel.zero": 1, "train.precision": "bf16"}),  # autocast, fp32 parameters
-    "dp2_zero2_full_recompute": (2, 1, 1, {"parallel.zero": 2, "parallel.recompute": "full"}),
-    "dp2_bf16": (2, 1, 1, {"train.precision": "bf16"}),  # FSDP mixed precision: bf16 compute, fp32 reduce
-    "tp2": (1, 2, 1, {}),
-    "tp2_no_sp": (1, 2, 1, {"parallel.sequence_parallel": False}),
-    "pp2_gpipe": (1, 1, 2, {"parallel.pp_schedule": "gpipe"}),
-    "pp2_1f1b": (1, 1, 2, {"parallel.pp_schedule": "1f1b"}),
+    "dp2": (2, 1, 1, SHORT),
+    "dp2_zero0": (2, 1, 1, {**SHORT, "parallel.zero": 0}),
+    "dp2_zero1": (2, 1, 1, {**SHORT, "parallel.zero": 1}),
+    "dp2_zero1_bf16": (2, 1, 1, {**SHORT, "parallel.zero": 1, "train.precision": "bf16"}),  # autocast, fp32 params
+    "dp2_zero2_full_recompute": (2, 1, 1, {**SHORT, "parallel.zero": 2, "parallel.recompute": "full"}),
+    "dp2_bf16": (2, 1, 1, {**SHORT, "train.precision": "bf16"}),  # FSDP mixed precision: bf16 compute, fp32 reduce
+    "tp2": (1, 2, 1, DP1),
+    "tp2_no_sp": (1, 2, 1, {**DP1, "parallel.sequence_parallel": False}),
+    "pp2_gpipe": (1, 1, 2, {**DP1, "parallel.pp_schedule": "gpipe"}),
+    "pp2_1f1b": (1, 1, 2, {**DP1, "parallel.pp_schedule": "1f1b"}),
     "sgd_dp2_zero0": (2, 1, 1, {**SGD, "parallel.zero": 0}),
     "sgd_dp2_zero1": (2, 1, 1, {**SGD, "parallel.zero": 1}),
     "sgd_dp2_zero2": (2, 1, 1, {**SGD, "parallel.zero": 2}),
     "sgd_dp2_zero3": (2, 1, 1, SGD),
-    "sgd_tp2": (1, 2, 1, SGD),
-    "sgd_pp2_1f1b": (1, 1, 2, {**SGD, "parallel.pp_schedule": "1f1b"}),
+    "sgd_tp2": (1, 2, 1, {**SGD, "train.micro_batch": 4}),
+    "sgd_pp2_1f1b": (1, 1, 2, {**SGD, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4}),
 }
 
 
@@ -146,12 +156,12 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
     rc, out = torchrun(configure(cfg, **two), 2, [*specs2.values(), resumed, dp4_on_2, nan], tmp_path / "torchrun2.log")
     assert rc != 0 and "exitcode  : 3" in out, out[-3000:]  # 3: the worker's code for a stop by the guard
     one = {"hardware.nproc_per_node": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1}
-    dp1 = write_spec(configure(cfg, **one), tmp_path / "dp1", shards)
+    dp1 = write_spec(configure(cfg, **one, **DP1), tmp_path / "dp1", shards)
     rc, out = torchrun(configure(cfg, **one), 1, [dp1], tmp_path / "torchrun1.log")
     assert rc == 0, out[-3000:]
 
     # dp1, dp2 and dp4 (and every other layout) train on the same samples per step: one reference for all.
-    for name, (_, _, _, extra) in {"dp1": (1, 1, 1, {}), **LAYOUTS_4, **LAYOUTS_2}.items():
+    for name, (_, _, _, extra) in {"dp1": (1, 1, 1, DP1), **LAYOUTS_4, **LAYOUTS_2}.items():
         check(tmp_path / name, ref, name, extra)
     assert_same_run(tmp_path / "resumed_on_2", ref(), "dp2×tp2 checkpoint resumed on dp2", steps=[4, 5])
     log = (tmp_path / "resumed_on_2" / "logs" / "rank-0.log").read_text()
@@ -195,11 +205,12 @@ def _check_zero_stages(tmp_path):
 @pytest.mark.slow
 def test_dp2_tp2_pp2_on_8_ranks(cfg, tmp_path, shards, ref):
     dims = {"hardware.nproc_per_node": 8, "parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2}
-    c = configure(cfg, **dims, **{"train.steps": 4})
+    c = configure(cfg, **dims, **SHORT)
     spec = write_spec(c, tmp_path / "dp2_tp2_pp2", shards)
     sgd = write_spec(configure(cfg, **dims, **SGD), tmp_path / "sgd_dp2_tp2_pp2", shards)
     rc, out = torchrun(c, 8, [spec, sgd], tmp_path / "torchrun8.log")
     assert rc == 0, out[-3000:]
-    # The reference of a 4-step run: its lr schedule (and so the weights its step-4 val.loss sees) is a 4-step one.
-    check(tmp_path / "dp2_tp2_pp2", ref, "dp2×tp2×pp2", {"train.steps": 4}, steps=range(1, 5))
+    # The reference of a 3-step run (its lr schedule, and so the weights its step-3 val.loss sees, is a 3-step one):
+    # the module's, shared with the 4-rank and 2-rank layouts.
+    check(tmp_path / "dp2_tp2_pp2", ref, "dp2×tp2×pp2", SHORT)
     check(tmp_path / "sgd_dp2_tp2_pp2", ref, "dp2×tp2×pp2 sgd", SGD)
