@@ -60,6 +60,9 @@ class HardwareConfig(Section):
     probe_sizes_mb: list[Annotated[float, Field(gt=0.0, le=1e5)]] = Field(
         default_factory=lambda: [1, 4, 16], min_length=1
     )
+    # false: the env stage skips its torchrun collective probe (a warning says so), as `python -m tasks env --no-probe`
+    # does; for DAG runs on hosts whose links an earlier run already probed
+    collective_probe: bool = True
     expected_bus_gbps: float = Field(0.0, ge=0.0, le=1e6)  # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
     # Clock offset to NTP, multi-node: warn above 10 ms (cross-node profile timelines stop lining up), fail above
     # 500 ms (HCCL link set-up times out across nodes) — the field guides' two numbers, README "Ascend: thresholds".

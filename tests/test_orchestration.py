@@ -66,6 +66,10 @@ def test_form_json_explicit_values_win_even_when_equal_to_a_preset_default(pipel
 def test_failed_dag_run_ends_its_parent_run_failed(tmp_path, airflow_db):
     out = dags_test("llm_data", {"preset": "ci-tiny", "data_inputs": [str(tmp_path / "no-such-corpus")]}, tmp_path)
     assert "no-such-corpus" in out.stdout + out.stderr
+    # The failed stage's one-line cause names the missing corpus in <run-dir>/shard.json (the DAG-level check of a
+    # bad input failing the shard stage; test_pipeline_e2e reads its failed-stage claims from a run failing at train).
+    shard = json.loads((next((tmp_path / "var" / "runs" / "llm_data").iterdir()) / "shard.json").read_text())
+    assert shard["status"] == "failed" and "no-such-corpus" in shard["error"] and "\n" not in shard["error"], shard
     client, parents = parent_runs(tmp_path, "llm_data")
     assert len(parents) == 1
     parent = client.get_run(parents[0].info.run_id)
@@ -223,8 +227,11 @@ def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path,
     from airflow.utils.types import DagRunType
     from sqlalchemy import select
 
-    # The asset-triggered run takes the DAG's default Params: ci-tiny (its validation loss on fewer sequences).
-    env = {"LLM_PIPELINE_PRESET": str(preset_file(tmp_path / "ci-tiny-lean.yaml", {"train": LEAN["train"]}))}
+    # The asset-triggered run takes the DAG's default Params: ci-tiny (its validation loss on fewer sequences),
+    # 2 training steps (ci-tiny's 6 made shorter: the claim is which shard set train reads, not how long it trains).
+    steps = 2
+    lean = {"train": LEAN["train"] | {"steps": steps}}
+    env = {"LLM_PIPELINE_PRESET": str(preset_file(tmp_path / "ci-tiny-lean.yaml", lean))}
     # Airflow queues asset-triggered runs only for unpaused DAGs: llm_pipeline parsed into the metadata DB (the DAG
     # processor's job) and unpaused, here in this process (`airflow dags reserialize` and `airflow dags unpause`
     # did the same in two more Airflow processes).
@@ -278,7 +285,7 @@ def test_asset_triggered_run_trains_on_exactly_the_published_shard_set(tmp_path,
     launch = json.loads((run_dir / "train" / "launch.json").read_text())
     assert launch["shard_dir"] == published["shard_dir"] and launch["config"]["data"]["seq_len"] == 128
     train = json.loads((run_dir / "train.json").read_text())
-    assert train["status"] == "ok" and train["steps"] == 6
+    assert train["status"] == "ok" and train["steps"] == steps
 
     client, parents = parent_runs(tmp_path, "llm_pipeline")
     tags = parents[0].data.tags

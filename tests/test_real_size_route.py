@@ -10,13 +10,13 @@ import re
 from pathlib import Path
 
 import pytest
-from tests.helpers.dags import LEAN, dags_test, preset_file
+from tests.helpers.dags import FAIL_GB, LEAN, NO_PROBE, dags_test, preset_file, shared_failing_rehearsal_run
 
 ROUTE = {  # ci-tiny with the demo model, 4 gloo ranks, each "device" 0.22 GB (the demo needs more on one)
-    "hardware": {"nproc_per_node": 4, "device_memory_gb": 0.22},
+    "hardware": {"nproc_per_node": 4, "device_memory_gb": 0.22} | NO_PROBE,
     "model": {"preset": "demo"},
     "parallel": {},  # the planner chooses
-    "train": {"precision": "fp32", "steps": 4, "global_batch": 8, "micro_batch": 2, "checkpoint_every": 2}
+    "train": {"precision": "fp32", "steps": 2, "global_batch": 8, "micro_batch": 2, "checkpoint_every": 2}
     | LEAN["train"],
     "smoke": {"steps": 6, "memory_margin": 0.4},
     "evaluate": LEAN["evaluate"],
@@ -40,31 +40,31 @@ def test_a_model_too_big_for_one_device_goes_the_whole_route(tmp_path, airflow_d
     assert plan["dp"] * plan["tp"] * plan["pp"] == 4 and (plan["tp"] > 1 or plan["pp"] > 1 or plan["zero"] > 0)
     rehearsal = json.loads((run_dir / "train" / "rehearsal.json").read_text())
     assert rehearsal["ok"] and len(rehearsal["peaks_per_rank"]) == 4 and res["train"]["rehearsal"]["rehearsal.ok"]
-    assert max(rehearsal["held_per_rank"]) <= 0.22e9 and res["train"]["steps"] == 4
+    assert max(rehearsal["held_per_rank"]) <= 0.22e9 and res["train"]["steps"] == ROUTE["train"]["steps"]
     assert res["quantize"]["model_dir"] == res["evaluate"]["model_dir"] == res["train"]["hf_dir"]
     assert all(r["status"] in ("ok", "warn") for r in res.values()), {s: r["summary"] for s, r in res.items()}
+    # hardware.collective_probe false: the env stage ran its checks but not the torchrun probe, and said so
+    env = json.loads((run_dir / "env" / "env.json").read_text())
+    skipped = [c["detail"] for c in env["checks"] if c["name"] == "allreduce"]
+    assert skipped == ["collective probe skipped (hardware.collective_probe false)"] and "probe" not in env, skipped
 
 
-# ci-tiny (the debug model on a pinned dp2 ZeRO-3 layout, 2 gloo ranks) on a device of FAIL_GB: the plan's estimate
-# (0.12 GB, mostly the CPU runtime reserve) fits it and plan passes, while what rank 0 really holds beyond its
-# pre-model RSS (measured 0.18-0.19 GB in DAG runs: the model, optimizer, gloo, the loader, the MLflow client) is
-# above it. Only the rehearsal can tell; it stops train at its third step, before that step's checkpoint.
-FAIL_GB = 0.14
-FAILING = {
-    "hardware": {"device_memory_gb": FAIL_GB},
-    "train": {"steps": 6, "checkpoint_every": 1, "rehearsal_steps": 3} | LEAN["train"],
-    "smoke": {"steps": 6, "model": "same"},  # the debug model itself (auto would keep 25 % of the device free)
-}
 BEFORE_TRAIN = ("env.json", "shard.json", "smoke.json", "plan.json", "plan/plan.json")
 
 
+@pytest.fixture(scope="module")
+def failing_run(tmp_path_factory, airflow_db):
+    """The session's llm_pipeline run of FAILING (tests/helpers/dags.py), shared with test_pipeline_e2e."""
+    return shared_failing_rehearsal_run(tmp_path_factory)
+
+
 @pytest.mark.slow
-def test_a_failing_rehearsal_stops_the_dag_at_train_in_one_line_and_loses_nothing(tmp_path, airflow_db):
+def test_a_failing_rehearsal_stops_the_dag_at_train_in_one_line_and_loses_nothing(failing_run):
+    """ci-tiny on a device of FAIL_GB (tests/helpers/dags.py FAILING): the plan fits it, the rehearsal does not."""
     from data_prep.manifest import check_files, check_tokenizer, digest, load_manifest
     from tasks.parallel import checkpoint as ckpt
 
-    preset = preset_file(tmp_path / "failing.yaml", FAILING)
-    out = dags_test("llm_pipeline", {}, tmp_path, extra_env={"LLM_PIPELINE_PRESET": str(preset)}, timeout=900)
+    tmp_path, out = failing_run.tmp, failing_run.out
     log = out.stdout + out.stderr
     run_dir = next((tmp_path / "var" / "runs" / "llm_pipeline").iterdir())
     train = json.loads((run_dir / "train.json").read_text())

@@ -141,8 +141,9 @@ def probe_sizes(cfg: PipelineConfig) -> list[float]:
 
 
 def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, checks: list) -> None:
-    if getattr(ctx.args, "no_probe", False):
-        checks.append(check("allreduce", "warn", "collective probe skipped (--no-probe)"))
+    if getattr(ctx.args, "no_probe", False) or not cfg.hardware.collective_probe:
+        how = "--no-probe" if getattr(ctx.args, "no_probe", False) else "hardware.collective_probe false"
+        checks.append(check("allreduce", "warn", f"collective probe skipped ({how})"))
         return
     if any(c["status"] == "fail" for c in checks):
         checks.append(check("allreduce", "warn", "collective probe skipped: an earlier check failed"))

@@ -1,5 +1,5 @@
 """`airflow dags test` of one DAG in a temporary var dir and MLflow store (the orchestration and e2e tests), and the
-session's one shared full run of llm_pipeline that the DAG-level assertions read."""
+session's shared runs of llm_pipeline that the DAG-level assertions read: one full run, one that fails at train."""
 
 from __future__ import annotations
 
@@ -16,6 +16,20 @@ REPO = Path(__file__).resolve().parents[2]
 # model: FP32, BF16, INT8; ci-tiny's 300 examples were most of a run's CPU) and train's validation loss (ci-tiny:
 # every step, on 64 sequences). Both still run, on their real code paths.
 LEAN = {"evaluate": {"demo_examples": 40}, "train": {"eval_samples": 8}}
+# The env stage's torchrun collective probe (2 CPU s + ~2.5 per rank), left out of the runs whose claims are elsewhere;
+# the session's checkpoint run (every stage, as a user runs it) keeps it.
+NO_PROBE = {"collective_probe": False}
+
+# ci-tiny (the debug model on a pinned dp2 ZeRO-3 layout, 2 gloo ranks) on a device of FAIL_GB: the plan's estimate
+# (0.12 GB, mostly the CPU runtime reserve) fits it and plan passes, while what rank 0 really holds beyond its
+# pre-model RSS (measured 0.18-0.19 GB in DAG runs: the model, optimizer, gloo, the loader, the MLflow client) is
+# above it. Only the rehearsal can tell; it stops train at its third step, before that step's checkpoint.
+FAIL_GB = 0.14
+FAILING = {
+    "hardware": {"device_memory_gb": FAIL_GB} | NO_PROBE,
+    "train": {"steps": 6, "checkpoint_every": 1, "rehearsal_steps": 3} | LEAN["train"],
+    "smoke": {"steps": 6, "model": "same"},  # the debug model itself (auto would keep 25 % of the device free)
+}
 
 
 def preset_file(path: Path, sections: dict, base: str = "ci-tiny") -> Path:
@@ -72,6 +86,21 @@ def checkpoint_run(tmp: Path) -> dict:
     env = {"HF_HUB_OFFLINE": "1", "LLM_PIPELINE_PRESET": str(preset)}
     out = dags_test("llm_pipeline", conf, tmp, extra_env=env, timeout=1200)
     return {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
+
+
+def failing_rehearsal_run(tmp: Path) -> dict:
+    """One `airflow dags test llm_pipeline` of FAILING: the rehearsal stops it at train (tmp/var, tmp/m.db)."""
+    preset = preset_file(tmp / "failing.yaml", FAILING)
+    out = dags_test("llm_pipeline", {}, tmp, extra_env={"LLM_PIPELINE_PRESET": str(preset)}, timeout=900)
+    return {"returncode": out.returncode, "stdout": out.stdout, "stderr": out.stderr}
+
+
+def shared_failing_rehearsal_run(tmp_path_factory) -> SimpleNamespace:
+    """The session's run that fails at train (failing_rehearsal_run, once): tmp (its var/ and m.db), out (returncode,
+    stdout, stderr). Read it, never write into it: the rehearsal test and the failed-stage test both read it."""
+    root = session_root(tmp_path_factory)
+    out = SimpleNamespace(**once(root, "failing-rehearsal-run", failing_rehearsal_run))
+    return SimpleNamespace(tmp=root / "failing-rehearsal-run", out=out)
 
 
 def shared_checkpoint_run(tmp_path_factory) -> SimpleNamespace:
