@@ -142,8 +142,9 @@ def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, sh
 DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2}
 # One rank where the claim is the guard's own rule (what it reads back on a resume, a dead model, the schedule after a
 # resume), none of which depends on the rank count: each launch costs one rank (~5 CPU s) less. The guard's stop on
-# every rank of a dp2 run is test_lr_1000_… and test_weights_blown_up_… (rank 1's fault).
-DP1 = {"parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 1}
+# every rank of a dp2 run is test_lr_1000_… and test_weights_blown_up_… (rank 1's fault). ZeRO 0: FSDP over one rank
+# shards nothing, and fully_shard costs the rank an import of torch._dynamo (~2.5 CPU s).
+DP1 = {"parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1, "parallel.zero": 0, "hardware.nproc_per_node": 1}
 BLOW_UP = {**DP2, "train.lr": 1000.0, "train.steps": 4, "train.checkpoint_every": 1}  # step 2's loss: ~5e6
 
 
