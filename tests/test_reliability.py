@@ -14,8 +14,9 @@ from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
 from tests.helpers.ports import free_port
 
 DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2}
-# One rank where the claim does not depend on the rank count (the launcher picks the resume point before any rank
-# starts; MLflow is rank 0's alone): one rank (~5 CPU s) less per launch.
+# One rank where the claim does not depend on the rank count (a rank's own exception read from its error file — which
+# of several ranks' causes wins is test_rank_cause_from_log_and_retry_policy's; the launcher picks the resume point
+# before any rank starts; MLflow is rank 0's alone): one rank (~5 CPU s) less per launch.
 DP1 = {"parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 1}
 
 
@@ -34,7 +35,7 @@ def test_rank_python_exception_is_named_and_not_retried(cfg, tmp_path, shards):
     """Token ids ≥ the vocabulary: every rank raises IndexError in the embedding; the stage names it, no retry."""
     from tasks.stages import train
 
-    c = configure(cfg, **DP2, **{"train.steps": 2})
+    c = configure(cfg, **DP1, **{"train.steps": 2})
     with pytest.raises(StageError) as err:
         train.run(c, context(tmp_path / "run", _shrunk_vocab(shards, tmp_path)))
     msg = str(err.value)
