@@ -140,6 +140,11 @@ def test_collective_timeout_names_the_rank_that_did_not_arrive(cfg, tmp_path, sh
 # ---- the divergence guard (issue 26; its rules: tests/test_divergence.py) --------------------------------------------
 
 DP2 = {"parallel.dp": 2, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 2}
+# One rank where the claim is the guard's own rule (what it reads back on a resume, a dead model, the schedule after a
+# resume), none of which depends on the rank count: each launch costs one rank (~5 CPU s) less. The guard's stop on
+# every rank of a dp2 run is test_lr_1000_… and test_weights_blown_up_… (rank 1's fault). ZeRO 0: FSDP over one rank
+# shards nothing, and fully_shard costs the rank an import of torch._dynamo (~2.5 CPU s).
+DP1 = {"parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1, "parallel.zero": 0, "hardware.nproc_per_node": 1}
 BLOW_UP = {**DP2, "train.lr": 1000.0, "train.steps": 4, "train.checkpoint_every": 1}  # step 2's loss: ~5e6
 
 
@@ -188,7 +193,7 @@ def test_zero_gradient_norm_stops_a_dead_model(cfg, tmp_path, shards):
     """The loss rules off (divergence_factor 0): step 2's loss passes, step 3's model is dead (norm exactly 0)."""
     from tasks.stages import train
 
-    c = configure(cfg, **BLOW_UP, **{"train.divergence_factor": 0})
+    c = configure(cfg, **{**BLOW_UP, **DP1, "train.divergence_factor": 0})
     with pytest.raises(StageError) as err:
         train.run(c, context(tmp_path, shards, no_export=False))
     msg = str(err.value)
@@ -204,9 +209,9 @@ def test_the_guard_remembers_the_losses_before_a_resume(cfg, tmp_path, shards):
     resumes from step-1 and step 2's loss is compared with step 1's, read back from metrics.jsonl."""
     from tasks.stages import train
 
-    assert train.run(configure(cfg, **{**BLOW_UP, "train.steps": 1}), context(tmp_path, shards))["steps"] == 1
+    assert train.run(configure(cfg, **{**BLOW_UP, **DP1, "train.steps": 1}), context(tmp_path, shards))["steps"] == 1
     with pytest.raises(StageError) as err:
-        train.run(configure(cfg, **{**BLOW_UP, "train.steps": 3}), context(tmp_path, shards))
+        train.run(configure(cfg, **{**BLOW_UP, **DP1, "train.steps": 3}), context(tmp_path, shards))
     msg = str(err.value)
     assert msg.startswith("loss diverged (") and "× median 6.2" in msg and ") at step 2 (loss " in msg
     assert "last good checkpoint none; set aside as diverged: step-1" in msg
@@ -221,9 +226,9 @@ def test_resume_with_a_lowered_lr_follows_the_new_schedule_and_does_not_re_explo
     from tasks.parallel.optim import lr_factor
     from tasks.stages import train
 
-    high = configure(cfg, **DP2, **{"train.lr": 1000.0, "train.warmup_steps": 500_000, "train.steps": 2})
+    high = configure(cfg, **DP1, **{"train.lr": 1000.0, "train.warmup_steps": 500_000, "train.steps": 2})
     train.run(high, context(tmp_path, shards))
-    low = configure(cfg, **DP2, **{"train.steps": 6})  # BASE: lr 3e-3, min_lr 3e-4, warm-up 2
+    low = configure(cfg, **DP1, **{"train.steps": 6})  # BASE: lr 3e-3, min_lr 3e-4, warm-up 2
     result = train.run(low, context(tmp_path, shards))
     t = low.train
     want = {k: t.lr * lr_factor(k - 1, t.warmup_steps, t.steps, t.lr, t.min_lr) for k in range(3, 7)}
