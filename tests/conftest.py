@@ -68,11 +68,21 @@ def checkpoint_run(tmp_path_factory, airflow_db):
     return shared_checkpoint_run(tmp_path_factory)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_root(tmp_path_factory) -> None:
+    """Where the session's shared files live, for helpers called without fixtures (tests/helpers/mlflow_store.py)."""
+    from tests.helpers.dags import session_root
+    from tests.helpers.mlflow_store import ROOT_ENV
+
+    os.environ[ROOT_ENV] = str(session_root(tmp_path_factory))
+
+
 @pytest.fixture(scope="session")
 def mlflow_uri(tmp_path_factory) -> str:
     """A real SQLite-backed MLflow store shared by the session's tests."""
-    path = tmp_path_factory.mktemp("mlflow") / "mlflow.db"
-    return f"sqlite:///{path}"
+    from tests.helpers.mlflow_store import fresh_store
+
+    return fresh_store(tmp_path_factory.mktemp("mlflow") / "mlflow.db")
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from tasks.config import load_config
 from tasks.errors import StageError
 from tasks.fsutil import read_json
 from tasks.runner import run_stage
+from tests.helpers.mlflow_store import fresh_store
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = REPO / "tests" / "fixtures" / "env"
@@ -31,7 +32,7 @@ def _cli(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
             "--run-dir",
             str(tmp / "run"),
             "--set",
-            f"tracking.uri=sqlite:///{tmp}/m.db",
+            f"tracking.uri={fresh_store(tmp / 'm.db')}",
             "--set",
             f"tracking.artifact_root={tmp}/art",
             "--json",

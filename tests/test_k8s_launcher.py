@@ -23,6 +23,7 @@ from tasks.stages import STAGES
 
 from tests.helpers.k8s_api import DATA, POD_NAMES, RecordedApi, recorded
 from tests.helpers.k8s_schema import validate
+from tests.helpers.mlflow_store import fresh_store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -439,7 +440,7 @@ def test_the_smoke_task_goes_to_the_kubernetes_launcher(tmp_path, airflow_db, ap
         "PYTHONPATH": str(REPO),
         "LLM_PIPELINE_PRESET": str(tmp_path / "site.yaml"),
         "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps(conn),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+        "MLFLOW_TRACKING_URI": fresh_store(tmp_path / "m.db"),
     }
     params = json.dumps({"launcher": "kubernetes"})
     cmd = f"source scripts/airflow-env.sh && airflow tasks test llm_pipeline smoke 2026-01-05 -t '{params}'"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.dags import LEAN, dags_test, preset_file
+from tests.helpers.mlflow_store import fresh_store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -173,7 +174,7 @@ def airflow_cli(args: str, tmp_path: Path, extra_env: dict, timeout: int = 600):
     env = {
         **os.environ,
         "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+        "MLFLOW_TRACKING_URI": fresh_store(tmp_path / "m.db"),
         **extra_env,
     }
     return subprocess.run(

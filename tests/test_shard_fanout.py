@@ -24,6 +24,7 @@ from data_prep.partition import run_partition
 from data_prep.writer import run_write
 from tests.helpers.shards import CORPUS, keys_from_manifest, shard_cfg, tree_bytes
 from tests.helpers.ports import free_port
+from tests.helpers.mlflow_store import fresh_store
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,7 +178,7 @@ def test_data_dag_fans_out_and_retries_a_killed_partition(tmp_path, airflow_db):
         **os.environ,
         "PYTHONPATH": str(REPO),
         "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+        "MLFLOW_TRACKING_URI": fresh_store(tmp_path / "m.db"),
         "AIRFLOW__API_AUTH__JWT_SECRET": "test-only-secret",
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
     }

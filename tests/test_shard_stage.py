@@ -9,6 +9,7 @@ import pytest
 
 from tasks.errors import StageError
 from tasks.runner import run_stage
+from tests.helpers.mlflow_store import fresh_store
 
 CORPUS = Path(__file__).resolve().parent / "fixtures" / "data" / "corpus"
 
@@ -70,7 +71,7 @@ def test_the_dag_steps_then_the_reduce_publish_one_set(tmp_path, monkeypatch):
     from tasks.pipeline import shard_step
 
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'm.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fresh_store(tmp_path / "m.db"))
     params = {"preset": "ci-tiny", "data_inputs": [str(CORPUS)], "partitions": 3, "seq_len": 16, "vocab_size": 300}
     parts = shard_step("prepare", params, "llm_data", "r1")
     assert [p["index"] for p in parts] == [0, 1, 2] and len(json.dumps(parts)) < 1000

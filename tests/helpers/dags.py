@@ -45,10 +45,12 @@ def preset_file(path: Path, sections: dict, base: str = "ci-tiny") -> Path:
 
 
 def dags_test(dag_id: str, conf: dict, tmp_path: Path, extra_env: dict | None = None, timeout: int = 600):
+    from tests.helpers.mlflow_store import fresh_store
+
     env = {
         **os.environ,
         "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'm.db'}",
+        "MLFLOW_TRACKING_URI": fresh_store(tmp_path / "m.db"),
         **(extra_env or {}),
     }
     cmd = f"source scripts/airflow-env.sh && airflow dags test {dag_id} --conf '{json.dumps(conf)}'"
