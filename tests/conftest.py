@@ -44,17 +44,26 @@ os.environ.update(
 )
 
 
-@pytest.fixture(scope="session")
-def airflow_db() -> Path:
-    """The session's Airflow metadata DB, migrated once (what `airflow dags test` needs)."""
+def _migrate_airflow_db(tmp: Path) -> dict:
+    db = tmp / "airflow.db"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{db}"}
     out = subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        [sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return {"db": str(db)}
+
+
+@pytest.fixture(scope="session")
+def airflow_db(tmp_path_factory) -> Path:
+    """This process's Airflow metadata DB (what `airflow dags test` needs; each xdist worker has its own): a copy of
+    the one `airflow db migrate` made for the session (~9 CPU s a migration)."""
+    import shutil
+
+    from tests.helpers.dags import once, session_root
+
+    migrated = once(session_root(tmp_path_factory), "airflow-db", _migrate_airflow_db)["db"]
+    shutil.copyfile(migrated, AIRFLOW_TMP / "airflow.db")
     return AIRFLOW_TMP / "airflow.db"
 
 
