@@ -22,7 +22,7 @@ help:
 
 venv: $(STAMP)
 
-# uv (pinned, into the venv by pip) installs the pinned set: ~0.5 min where pip took ~5 from a warm cache (measured on
+# uv (pinned, into the venv by pip) installs the pinned set: 1.3 min where pip took 5 from a warm cache (measured on
 # this 2-core host). uv reads no pip configuration: pip's find-links (where a local torch CPU wheel lies) is passed on.
 UV_VERSION := 0.13.8
 $(STAMP): requirements.txt constraints.txt
