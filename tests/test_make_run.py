@@ -42,7 +42,7 @@ def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
     env = {
         **os.environ,
         "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
-        # A new store, as a user's first `make run` meets it: the first run's tracking migrates it (tasks/tracking.py).
+        # No store yet, as a user's first `make run` meets it (not a copy of the tests' migrated one).
         "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
     }
     for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a user's top-level make, even under make test
