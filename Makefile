@@ -23,7 +23,7 @@ help:
 venv: $(STAMP)
 
 # uv (pinned, into the venv by pip) installs the pinned set: 1.3 min where pip took 5 from a warm cache (measured on
-# this 2-core host). uv reads no pip configuration: pip's find-links (where a local torch CPU wheel lies) is passed on.
+# this 2-core host). uv reads no pip configuration: $PIP_FIND_LINKS (where a local torch CPU wheel may lie) is passed on.
 UV_VERSION := 0.13.8
 $(STAMP): requirements.txt constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
