@@ -21,7 +21,8 @@ def test_names_build_registered_converters_in_config_order():
     built = converters.build(["math_attention", "npu_fused"], converters.ConvertContext("cpu"))
     assert [type(c).__name__ for c in built] == ["MathAttentionConverter", "NpuFused"]
     assert {"npu_fused", "math_attention"} <= set(converters.known())
-    with pytest.raises(ConfigError, match=r"model.converters: unknown converter 'npu_fuse'; known: math_attention, "):
+    # every registered name, sorted (a converter added later may come anywhere in the list)
+    with pytest.raises(ConfigError, match=r"model.converters: unknown converter 'npu_fuse'; known: .*math_attention, "):
         converters.build(["npu_fuse"], converters.ConvertContext("cpu"))
     with pytest.raises(ConfigError, match="'npu_fused' is listed twice"):
         converters.check_names(["npu_fused", "npu_fused"])
@@ -49,6 +50,35 @@ def test_math_attention_converter_swaps_and_reverts():
     assert {type(m) for m in model.modules() if isinstance(m, Attention)} == {MathAttention}
     conv.revert()
     assert {type(m) for m in model.modules() if isinstance(m, Attention)} == {Attention}
+
+
+def test_a_swap_that_an_earlier_converter_made_moot_is_named_not_skipped():
+    """On an NPU, npu_fused gives Attention the subclass NpuRopeAttention (here its swaps applied directly: no NPU);
+    a converter listed after it that swaps Attention would find no module of exactly that class and do nothing —
+    it fails naming both classes and itself, and leaves the model as it was; the other order fails the same way."""
+    from tasks.model.npu_kernels import _SWAPS, NpuRopeAttention
+    from tasks.model.transformer import Attention, RMSNorm
+    from tasks.quant.export import MathAttentionConverter
+
+    npu_swaps = dict(_SWAPS.values())
+    model = build_model(get_preset("debug"))  # meta: converters run before any weight exists
+    converters.swap_classes(model, npu_swaps)
+    math = MathAttentionConverter()
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.converters: math_attention: Attention modules are already "
+        r"NpuRopeAttention \(an earlier converter's class\), so the swap to MathAttention would do "
+        r"nothing for them; list one converter per module class",
+    ):
+        converters.apply(model, [math])
+    assert {type(m) for m in model.modules() if isinstance(m, Attention)} == {NpuRopeAttention}
+
+    model = build_model(get_preset("debug"))
+    converters.apply(model, [MathAttentionConverter()])  # math_attention first, then npu_fused's swaps
+    with pytest.raises(ConfigError, match=r"Attention modules are already MathAttention .* swap to NpuRopeAttention"):
+        converters.swap_classes(model, npu_swaps)
+    assert {type(m) for m in model.modules() if isinstance(m, RMSNorm)} == {RMSNorm}  # its swaps before it, undone
+    converters.apply(model, [MathAttentionConverter()])  # already the converter's own class: nothing to do, no error
 
 
 class _Counting:

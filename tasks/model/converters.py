@@ -1,14 +1,16 @@
-"""Model converters: named changes to a built model, applied in the order `model.converters` lists them — one
-mechanism for kernel swaps, fake quantization and export-friendly modules (torchtitan's `ModelConverter` protocol,
-torchtitan/protocols/model_converter.py; torchtitan-npu registers its NPU kernels the same way).
+"""Model converters: named changes to a built model, applied in the order `model.converters` lists them — the
+mechanism for kernel swaps and export-friendly modules (torchtitan's `ModelConverter` protocol,
+torchtitan/protocols/model_converter.py; torchtitan-npu registers its NPU kernels the same way). Registered:
+`npu_fused` (tasks/model/npu_kernels.py) and `math_attention` (tasks/quant/export.py). The quantize stage's QAT
+fake-quantizes with torchao's own `quantize_` (tasks/quant/qat.py), not through this registry.
 
 The trainer builds the model on the meta device and calls `convert(model)` on each converter before any parallelism
-(tasks/train/build.py); the smoke stage does the same on its single-process model. A converter that keeps state in
-step with the weights (a fake-quant scale, an amax history) also defines `post_optimizer_hook(models)`, which the
-train step calls after every optimizer step.
+(tasks/train/build.py); the smoke stage does the same on its single-process model (on its device, before the weights
+load). A converter that keeps state in step with the weights (a fake-quant scale, an amax history) also defines
+`post_optimizer_hook(models)`, which the train step calls after every optimizer step.
 
 Adding one (docs/trainer.md): a class taking a `ConvertContext`, decorated `@register("name")`, in a module listed in
-PROVIDERS; then `model.converters: [npu_fused, name]`.
+PROVIDERS; then `model.converters: [name, npu_fused]`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def register(name: str):
         if name in REGISTRY and REGISTRY[name] is not cls:
             raise ValueError(f"model converter {name!r} registered twice: {REGISTRY[name].__name__}, {cls.__name__}")
         REGISTRY[name] = cls
+        cls.converter_name = name
         return cls
 
     return add
@@ -79,7 +82,11 @@ def build(names, ctx: ConvertContext) -> list[ModelConverter]:
 
 def apply(model, converters) -> None:
     for converter in converters:
-        converter.convert(model)
+        try:
+            converter.convert(model)
+        except SwapConflict as e:
+            name = getattr(type(converter), "converter_name", type(converter).__name__)
+            raise ConfigError(f"model.converters: {name}: {e} (model.converters lists them in order)") from None
 
 
 def post_optimizer(converters, models: list) -> None:
@@ -90,15 +97,31 @@ def post_optimizer(converters, models: list) -> None:
             hook(models)
 
 
+class SwapConflict(ConfigError):
+    """A swap met modules of its class that an earlier converter already gave another class."""
+
+
 def swap_classes(model, swaps: dict[type, type]) -> list[tuple[Any, type]]:
     """Give every module whose type is exactly a key of `swaps` the mapped class (a subclass with other kernels:
-    parameters, names and state dict unchanged); returns (module, old class) pairs for `restore`."""
+    parameters, names and state dict unchanged); returns (module, old class) pairs for `restore`.
+
+    A module of a key's subclass (an earlier converter swapped it: npu_fused's NpuFeedForward is a FeedForward) is
+    not swapped again, and not skipped in silence either: SwapConflict names both classes (`apply` adds which
+    converter), since one of the two converters would otherwise do nothing for those modules."""
     done = []
     for module in model.modules():
         new = swaps.get(type(module))
         if new is not None:
             done.append((module, type(module)))
             module.__class__ = new
+            continue
+        for old, want in swaps.items():
+            if isinstance(module, old) and type(module) is not want:
+                restore(done)
+                raise SwapConflict(
+                    f"{old.__name__} modules are already {type(module).__name__} (an earlier converter's class), so "
+                    f"the swap to {want.__name__} would do nothing for them; list one converter per module class"
+                )
     return done
 
 
