@@ -40,7 +40,7 @@ from tasks.pipeline import (  # light: no torch, no mlflow
     time_schedule,
 )
 from tasks.shard_fanout import shard_fanout
-from tasks.stages import STAGES
+from tasks.stages import STAGES, TITLES
 
 SHARD_SET = AssetAlias("llm-shard-set")  # the llm_data DAG attaches each newly published shard set to it
 
@@ -200,7 +200,7 @@ def stage_task(stage_id: str):
     queue = celery_queue(stage_id, cfg)
     return task(
         task_id=stage_id,
-        doc_md=DOCS[stage_id],
+        doc_md=DOCS.get(stage_id, f"{TITLES[stage_id]}: `python -m tasks {stage_id}`."),  # a new stage's, until written
         on_failure_callback=notify_failure,
         execution_timeout=pendulum.duration(seconds=task_timeout_s(stage_id, cfg)),
         pre_execute=bound_from_run_config,

@@ -60,7 +60,10 @@ def stage_timeout(stage: str, cfg: PipelineConfig, run_dir: str | Path | None = 
         return max(seconds, cfg.timeouts.profile_s), f"timeouts.profile_s (at least {how})"
     key = f"{stage}_s"
     if not hasattr(cfg.timeouts, key):
-        raise StageError(f"no timeout for stage {stage!r}")
+        raise StageError(
+            f"no timeout for stage {stage!r}: give it one in tasks/config.py, TimeoutConfig: "
+            f"{key}: int = Field(<seconds>, ge=1, le=MAX_TIMEOUT_S)"
+        )
     return getattr(cfg.timeouts, key), f"timeouts.{key}"
 
 

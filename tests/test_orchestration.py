@@ -83,6 +83,7 @@ def test_failed_dag_run_ends_its_parent_run_failed(tmp_path, airflow_db):
 
 def test_train_bound_from_steps_planner_estimate_and_margin(cfg, tmp_path):
     from tasks.bounds import GRACE_S, stage_timeout, task_timeout_s
+    from tasks.errors import StageError
 
     cfg.train.steps, cfg.timeouts.train_margin, cfg.timeouts.train_overhead_s = 300, 4.0, 100
     (tmp_path / "plan.json").write_text(json.dumps({"best": {"step_s": 0.5}}))
@@ -97,6 +98,9 @@ def test_train_bound_from_steps_planner_estimate_and_margin(cfg, tmp_path):
     assert stage_timeout("smoke", cfg) == (33, "timeouts.smoke_s")
     cfg.hardware.launcher = "kubernetes"  # a Job may first wait to be scheduled
     assert task_timeout_s("smoke", cfg) == 33 + GRACE_S + cfg.timeouts.k8s_pending_s
+    # A stage added to tasks.stages.STAGES without its bound: the DAG's import error says what to add, in one line.
+    with pytest.raises(StageError, match=r"^no timeout for stage 'datacard': give it one in tasks/config.py, "):
+        stage_timeout("datacard", cfg)
 
 
 def test_every_task_has_an_execution_timeout_set_again_from_the_runs_config(tmp_path, monkeypatch):
