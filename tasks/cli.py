@@ -97,6 +97,14 @@ def main(argv=None) -> int:
                 "--run-dir is empty: give a directory, or leave --run-dir out for a new var/runs/cli-<time>"
             )
         run_dir = args.run_dir or default_run_dir()
+        from tasks.launch.placement import runs_on_kubernetes
+
+        if runs_on_kubernetes(stage, cfg):  # the DAG's routing, not the CLI's: said, never silently ignored
+            print(
+                f"note: hardware.launcher kubernetes sends the DAG's {stage} task to a Kubernetes Job; "
+                "`python -m tasks` runs the stage here, on this machine (what each pod runs)",
+                file=sys.stderr,
+            )
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
         result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
     except StageError as e:

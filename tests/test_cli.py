@@ -32,6 +32,21 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(needle)
 
 
+def test_the_dags_launcher_is_named_not_silently_ignored(tmp_path):
+    """hardware.launcher routes the DAG's device tasks; the CLI runs a stage here (it is what each pod runs) and says
+    so in one line before the stage's own (here: no shard set yet); a stage that never leaves the worker says
+    nothing."""
+    out = cli("smoke", "--run-dir", str(tmp_path), "--no-tracking", "--set", "hardware.launcher=kubernetes")
+    note, error = out.stderr.strip().splitlines()
+    assert note == (
+        "note: hardware.launcher kubernetes sends the DAG's smoke task to a Kubernetes Job; `python -m tasks` runs "
+        "the stage here, on this machine (what each pod runs)"
+    )
+    assert out.returncode == 2 and error.startswith("error: smoke: no shard set"), out.stderr
+    out = cli("plan", "--run-dir", str(tmp_path), "--no-tracking", "--set", "hardware.launcher=kubernetes")
+    assert out.returncode == 0 and "note:" not in out.stderr, out.stderr
+
+
 def test_bad_yaml_file(tmp_path):
     bad = tmp_path / "x.yaml"
     bad.write_text("data: {seq_len: 12\n")
