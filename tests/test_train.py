@@ -204,6 +204,26 @@ def test_zero_gradient_norm_stops_a_dead_model(cfg, tmp_path, shards):
 
 
 @pytest.mark.slow
+def test_a_hooks_stop_training_is_the_stages_one_line_cause_and_not_retried(cfg, tmp_path, shards, monkeypatch):
+    """A hook that raises StopTraining(code, message) (here the "stop" drill at step 3 of 4, checkpoints every step):
+    the rank shuts down cleanly, and the stage's error is the hook's own message, with the code and where a rerun
+    resumes — not "rank 0 died (exit code 7)", and not retried (a retry would stop the same way)."""
+    from tasks.stages import train
+
+    monkeypatch.setenv("LLM_PIPELINE_FAULT", "0:3:stop")
+    c = configure(cfg, **{**DP1, "train.steps": 4, "train.checkpoint_every": 1})
+    with pytest.raises(StageError) as err:
+        train.run(c, context(tmp_path, shards))
+    msg = str(err.value)
+    assert not err.value.retryable and "\n" not in msg, msg
+    assert msg == (
+        "training stopped at step 3: fault injection: stop at step 3 (a hook's StopTraining, exit 7); not retried; "
+        "it resumes from checkpoint step-2"
+    ), msg
+    assert sorted(losses(tmp_path)) == [1, 2]
+
+
+@pytest.mark.slow
 def test_the_guard_remembers_the_losses_before_a_resume(cfg, tmp_path, shards):
     """A 1-step run at lr 1000 ends "ok" (its only update is judged by the next step's loss); extended to 3 steps it
     resumes from step-1 and step 2's loss is compared with step 1's, read back from metrics.jsonl."""

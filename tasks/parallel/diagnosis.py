@@ -121,6 +121,14 @@ def explain(
             f"see {diag}",
             retryable=False,
         )
+    stopped = train_dir / "stopped.json"
+    if stopped.is_file():  # a hook's StopTraining: its decision, the same on a retry
+        s = json.loads(stopped.read_text())
+        return StageError(
+            f"training stopped at step {s['step']}: {s['cause']} (a hook's StopTraining, exit {s['code']}); not "
+            f"retried; it resumes from {resume_from}",
+            retryable=False,
+        )
     ooms = sorted((train_dir / "failures").glob("oom-rank-*.json"))
     if ooms:
         o = json.loads(ooms[0].read_text())

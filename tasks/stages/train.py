@@ -347,6 +347,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             "summary.json",
             "export_memory.json",
             "rehearsal.json",
+            "stopped.json",
         ):
             p = train_dir / stale
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)

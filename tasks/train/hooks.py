@@ -4,18 +4,20 @@ A hook subclasses `Hook` and overrides the points it needs; the trainer calls ev
 (a hook that runs a collective must do it on all ranks; rank-0-only work checks `trainer.rank`). Points, in order:
 
     on_start(trainer)                      built and resumed, before the first step
-    on_phase(trainer, step, phase)         "data" (first thing of a step) → "compute" → ("checkpoint"); "done" at
-                                           the end
+    on_phase(trainer, step, phase)         "data" (first thing of a step) → "compute" → ("validate", sent by
+                                           Validation in the after_step round) → ("checkpoint"); "done" at the end
     before_step(trainer, step)             after on_phase "data", before the batch is fetched
     after_update(trainer, step)            the optimizer stepped; gradients still held (released right after)
     after_step(trainer, step, metrics)     a finite step's metrics (every rank, global values), before rank 0 logs
-                                           them: add keys to log them; raise StopTraining to end the run
+                                           them: add keys to log them; raise StopTraining to end the run (its
+                                           message becomes the stage's error line, via train/stopped.json)
     on_checkpoint(trainer, step, path)     a complete checkpoint of `step` is at `path`
     on_end(trainer, summary)               training finished: add keys to summary.json (rank 0 writes it)
 
 Built-in hooks (tasks.train.trainer.default_hooks): `Heartbeats` (per-rank phase files the launcher reads after a
-timeout), `FaultInjection` ($LLM_PIPELINE_FAULT, resilience tests and drills) and `ShardingEvidence` (what each rank
-holds at the end of the last step: the ZeRO stage's proof in summary.json).
+timeout), `FaultInjection` ($LLM_PIPELINE_FAULT, resilience tests and drills), `ShardingEvidence` (what each rank
+holds at the end of the last step: the ZeRO stage's proof in summary.json), `Rehearsal`, `Validation`
+(tasks/train/validation.py) and `ProgressLines` (tasks/train/progress.py).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from pathlib import Path
 # train.async_checkpoint); "RANK:STEP:inf" makes that rank's first parameter non-finite right after the update of that
 # step (an update that blew the weights up while the loss and gradient norm the guard saw were finite);
 # "RANK:STEP:overflow" puts an inf into that rank's gradients after that step's gradient sync (the FP16 overflow drill:
-# every rank must skip the step).
+# every rank must skip the step); "RANK:STEP:stop" makes it raise StopTraining at the start of that step (a one-rank
+# run: what a hook's StopTraining does to the stage).
 FAULT_ENV = "LLM_PIPELINE_FAULT"
 
 
@@ -83,13 +86,15 @@ class Heartbeats(Hook):
         self.beat.beat(step, phase)
 
 
-FAULT_KINDS = ("kill", "hang", "ckpt", "inf", "overflow")
+FAULT_KINDS = ("kill", "hang", "ckpt", "inf", "overflow", "stop")
+EXIT_STOPPED = 7  # the "stop" drill's StopTraining code (3–6 are the trainer's own: tasks/train/trainer.py)
 
 
 def parse_fault(text: str) -> tuple[int, int, str] | None:
-    """$LLM_PIPELINE_FAULT → (rank, step, "kill" | "hang" | "ckpt"), None when unset; ValueError (one line) when
-    malformed — a typo must not silently run without the fault a test or drill asked for. ASCII digits only:
-    str.isdigit takes '²' (which int() refuses), and re's digit class without re.ASCII takes other scripts' digits."""
+    """$LLM_PIPELINE_FAULT → (rank, step, one of FAULT_KINDS; "kill" when none is given), None when unset;
+    ValueError (one line) when malformed — a typo must not silently run without the fault a test or drill asked
+    for. ASCII digits only: str.isdigit takes '²' (which int() refuses), and re's digit class without re.ASCII takes
+    other scripts' digits."""
     if not text.strip():
         return None
     if not re.fullmatch(rf"\d+:\d+(?::(?:{'|'.join(FAULT_KINDS)}))?", text.strip(), re.ASCII):
@@ -105,7 +110,8 @@ class FaultInjection(Hook):
     """At the start of `step` this rank SIGKILLs itself ("kill") or stops responding ("hang"); "ckpt": it dies while
     writing the checkpoint of `step` (tasks.parallel.checkpoint.CheckpointManager.crash_at); "inf": its first
     parameter turns non-finite after the update of `step`; "overflow": an inf
-    in its gradients at `step`."""
+    in its gradients at `step`; "stop": it raises StopTraining there, as a hook ending the run does (a one-rank
+    drill: every rank of a real hook decides the same)."""
 
     def __init__(self, step: int, kind: str):
         self.step, self.kind = step, kind
@@ -132,6 +138,8 @@ class FaultInjection(Hook):
         if self.kind == "overflow":
             self.poison(trainer.step_fn)
             return
+        if self.kind == "stop":
+            raise StopTraining(EXIT_STOPPED, f"fault injection: stop at step {step}")
         trainer.ckpt.wait()  # this rank's part of a background save in flight is written and agreed first
         print(
             f"[{time.strftime('%H:%M:%S')} rank {trainer.rank}] fault injection: {self.kind} at step {step}", flush=True

@@ -4,7 +4,8 @@
 checkpoint); everything optional sits in hooks (tasks/train/hooks.py) or contexts entered around the loop (the
 profiler). Exit codes of `fit`: 0 done (at the last step, or early: a hook's `finish_early`), 3 stopped by the
 divergence guard (non-finite, diverged or dead: the update of that step is skipped, diagnosis.json written), 4 out of
-memory, 5 collective timeout, 6 stopped by the rehearsal (train/rehearsal.json).
+memory, 5 collective timeout, 6 stopped by the rehearsal (train/rehearsal.json); any other a hook's StopTraining code
+(its cause in train/stopped.json, which every StopTraining writes).
 """
 
 from __future__ import annotations
@@ -178,7 +179,7 @@ class Trainer:
         )
         self.step_fn.after_update.append(lambda: self.call("after_update", self.step))
         self.loader = build_loader(spec, self.cfg, self.lay, self.coords["dp"], device)
-        self.save_now, self.early_stop, self.export_from = False, None, None
+        self.save_now, self.early_stop, self.export_from, self.stopped = False, None, None, False
         self.start, self.last_good = self.resume(source)
         self.step = self.start
         self.batches = self.loader.batches()
@@ -287,6 +288,12 @@ class Trainer:
         except StopTraining as stop:
             log(f"stopping: {stop}")
             self.ckpt.close()  # every rank stops at the same step: the checkpoint in flight completes first
+            self.stopped = True
+            if self.rank == 0:  # the cause, for the launcher's one line (the rank logs are not what a user reads)
+                from tasks.fsutil import atomic_write_json
+
+                record = {"step": self.step, "code": stop.code, "cause": str(stop)}
+                atomic_write_json(self.train_dir / "stopped.json", record)
             return stop.code
         except Exception as e:  # OOM and timeouts leave evidence for the launcher; anything else is a bug
             kind = "oom" if diagnosis.is_oom(e) else "timeout" if diagnosis.is_timeout(e) else None

@@ -105,11 +105,11 @@ def _main(argv=None) -> int:
         dist.init_process_group(
             backend.dist_backend, timeout=timedelta(seconds=specs[0]["config"]["train"]["timeout_s"])
         )
-    code = 0
+    code, stopped = 0, False
     for spec in specs:
         trainer = Trainer(spec, device)
         code = trainer.fit(args.profile_dir)
-        source = trainer.export_from
+        source, stopped = trainer.export_from, getattr(trainer, "stopped", False)
         del trainer
         gc.collect()  # the trainer and its hooks reference each other: free the model and loader workers now
         if code:
@@ -118,7 +118,7 @@ def _main(argv=None) -> int:
             export(spec, source)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code in (0, EXIT_DIVERGED, EXIT_REHEARSAL):  # every rank reached the same point: a clean shutdown is possible
+    if code in (0, EXIT_DIVERGED, EXIT_REHEARSAL) or stopped:  # every rank at the same point: a clean shutdown
         dist.destroy_process_group()
     # os._exit: skips interpreter teardown, which rarely SIGABRTs after destroy_process_group (gloo threads)
     # and would turn a finished run into a failed one.
