@@ -69,9 +69,12 @@ class TransformerConfig:
         if not cfg_path.is_file():
             raise StageError(f"{path}: not a Hugging Face model directory (no config.json)")
         try:
-            return config_from_hf(json.loads(cfg_path.read_text())).override(**overrides)
+            shape = config_from_hf(json.loads(cfg_path.read_text()))
         except (json.JSONDecodeError, KeyError) as e:
             raise StageError(f"{cfg_path}: unreadable config ({type(e).__name__}: {e})") from None
+        except StageError as e:  # what the model cannot represent: which file says it (same type, same retry)
+            raise type(e)(f"{cfg_path}: {e}") from None
+        return shape.override(**overrides)
 
     def override(self, **overrides) -> "TransformerConfig":
         """A copy with the fields in `overrides` changed (None: unchanged); an unknown field fails in one line."""
@@ -164,7 +167,8 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     arch = (hf.get("architectures") or [None])[0]
     if arch not in ARCHITECTURES:
         raise StageError(
-            f"unsupported architecture {arch or hf.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)})"
+            f"unsupported architecture {arch or hf.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)}; "
+            "a new family: docs/contributing.md, A model family)"
         )
     family = ARCHITECTURES[arch]
     moe = _moe_from_hf(hf) if family == "qwen2_moe" else {}
