@@ -2,7 +2,8 @@
 
 Layers, later wins: the models' defaults → a YAML preset from configs/ (or a file) → overrides (DAG Params, `--conf`,
 as a nested dict or dotted keys) → CLI `--set section.key=value`, merged and validated by the one model; every
-problem is one line (`train.steps: 0 must be >= 1`). The trigger form's schema is the model's (tasks.pipeline).
+problem is one line (`train.steps: 0 must be in [1, 1000000000]`). The trigger form's schema is the model's
+(tasks.pipeline).
 
 `cfg.explicit` is the set of dotted keys the caller set for this run — overrides and `--set`, not the preset's
 values, which are defaults like the models' own. Stages use it where a value can come from elsewhere: a stage
