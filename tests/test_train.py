@@ -203,6 +203,15 @@ def test_zero_gradient_norm_stops_a_dead_model(cfg, tmp_path, shards):
     assert sorted(losses(tmp_path)) == [1, 2] and not (tmp_path / "hf").exists()
 
 
+def test_stop_training_with_code_0_is_refused():
+    """Exit 0 is a finished run, which the worker would export: a hook that wants a clean end calls finish_early."""
+    from tasks.train.hooks import StopTraining
+
+    with pytest.raises(ValueError, match=r"non-zero code; to end cleanly, call trainer.finish_early"):
+        StopTraining(0, "done")
+    assert StopTraining(8, "over the ceiling").code == 8
+
+
 @pytest.mark.slow
 def test_a_hooks_stop_training_is_the_stages_one_line_cause_and_not_retried(cfg, tmp_path, shards, monkeypatch):
     """A hook that raises StopTraining(code, message) (here the "stop" drill at step 3 of 4, checkpoints every step):

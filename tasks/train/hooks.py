@@ -44,6 +44,8 @@ class StopTraining(Exception):
     """Raised by a hook (every rank, same decision) to end the run with exit `code` after naming the cause."""
 
     def __init__(self, code: int, message: str):
+        if not code:  # exit 0 is a finished run (the worker would export it): a clean early end is finish_early
+            raise ValueError("StopTraining needs a non-zero code; to end cleanly, call trainer.finish_early(reason)")
         super().__init__(message)
         self.code = code
 

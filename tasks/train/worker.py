@@ -109,7 +109,7 @@ def _main(argv=None) -> int:
     for spec in specs:
         trainer = Trainer(spec, device)
         code = trainer.fit(args.profile_dir)
-        source, stopped = trainer.export_from, getattr(trainer, "stopped", False)
+        source, stopped = trainer.export_from, trainer.stopped
         del trainer
         gc.collect()  # the trainer and its hooks reference each other: free the model and loader workers now
         if code:
