@@ -4,7 +4,7 @@ The spec (written by tasks/stages/train.py) holds the resolved config, model sha
 one after another in the same process group (the tests use this to check many layouts per torchrun launch); after
 each one that asks for it, all ranks export the final checkpoint to HF format together.
 Exit codes: 0 done, 3 stopped by the divergence guard (nothing exported), 4 out of memory, 5 collective timeout,
-1 anything else.
+6 stopped by the rehearsal, another a hook's StopTraining (train/stopped.json), 1 anything else.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from tasks.train.hooks import EXIT_REHEARSAL
 from tasks.train.progress import waiting
-from tasks.train.trainer import EXIT_DIVERGED, log
+from tasks.train.trainer import log
 
 
 def export(spec: dict, source: str | None = None) -> None:
@@ -118,7 +117,7 @@ def _main(argv=None) -> int:
             export(spec, source)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code in (0, EXIT_DIVERGED, EXIT_REHEARSAL) or stopped:  # every rank at the same point: a clean shutdown
+    if code == 0 or stopped:  # every rank at the same point (the guard and the rehearsal stop through StopTraining too)
         dist.destroy_process_group()
     # os._exit: skips interpreter teardown, which rarely SIGABRTs after destroy_process_group (gloo threads)
     # and would turn a finished run into a failed one.
