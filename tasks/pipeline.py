@@ -89,6 +89,15 @@ PARAMS = [
         "A local Hugging Face model directory (config.json + safetensors): its shape and weights start training; "
         "shard with its own tokenizer (Tokenizer = the same directory).",
     ),
+    (
+        "converters",
+        "model.converters",
+        "Model",
+        "Model converters",
+        "Applied in this order to the model before any parallelism: npu_fused (the NPU fused kernels; the identity "
+        "elsewhere), qat_int8 (INT8 fake quantization of the layers quantize makes INT8: quantization-aware "
+        "training; not with TP > 1).",
+    ),
     ("dp", "parallel.dp", "Parallelism", "Data parallel (DP)", "0 = chosen by the planner."),
     ("tp", "parallel.tp", "Parallelism", "Tensor parallel (TP)", "Within a node; divides heads and KV heads."),
     ("pp", "parallel.pp", "Parallelism", "Pipeline parallel (PP)", "Across nodes; divides the layers."),

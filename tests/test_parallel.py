@@ -31,7 +31,7 @@ def ref(shards):
     cache = {}
 
     def run(**sets):
-        key = tuple(sorted(sets.items()))
+        key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in sets.items()))
         if key not in cache:
             sgd = sets.get("train.optimizer") == "sgd"
             c = configure(load_config("demo-cpu"), **sets)
@@ -48,7 +48,13 @@ def check(run_dir, ref, name: str, extra: dict, steps=None) -> None:
     sgd = sets.get("train.optimizer") == "sgd"
     rel = 5e-3 if extra.get("train.precision") == "bf16" else 1e-4
     steps = steps or range(1, sets.get("train.steps", BASE["train.steps"]) + 1)
-    assert_same_run(run_dir, ref(**sets), name, rel, steps, updates=sgd, norm_rel=rel if rel > 1e-4 else None)
+    norm_rel, update_steps = (rel if rel > 1e-4 else None), None
+    if "qat_int8" in extra.get("model.converters", []):
+        # Rounding to the int8 grid is discontinuous: after the first update, an ulp from FSDP's reduce-scatter order
+        # moves a weight element across a rounding boundary (measured: step-3 norm 6.8e-5, one update 1.2e-3 off).
+        # Step 1 is held as tightly as any layout; later norms within 3e-4 (QAT vs plain differ by 1.6e-3 to 3e-3).
+        norm_rel, update_steps = 3e-4, [1]
+    assert_same_run(run_dir, ref(**sets), name, rel, steps, updates=sgd, norm_rel=norm_rel, update_steps=update_steps)
 
 
 # AdamW layouts train 3 steps (2 of warm-up, 1 at the cosine's peak): each step's loss, gradient norm and val.loss still
@@ -58,6 +64,8 @@ def check(run_dir, ref, name: str, extra: dict, steps=None) -> None:
 SHORT = {"train.steps": 3}
 DP1 = {**SHORT, "train.micro_batch": 4}
 
+
+QAT = ["qat_int8"]
 
 LAYOUTS_4 = {  # name: (dp, tp, pp, extra config)
     "dp4": (4, 1, 1, {"train.steps": 5, "train.checkpoint_every": 3}),
@@ -108,6 +116,10 @@ LAYOUTS_2 = {
     "sgd_dp2_zero3": (2, 1, 1, SGD),
     "sgd_tp2": (1, 2, 1, {**SGD, "train.micro_batch": 4}),
     "sgd_pp2_1f1b": (1, 1, 2, {**SGD, "parallel.pp_schedule": "1f1b", "train.micro_batch": 4}),
+    # The qat_int8 model converter (INT8 fake quantization) under FSDP2: the single-process run with the same
+    # converter, step for step, update for update — and not the run without it (test below the loop).
+    "dp2_qat_int8": (2, 1, 1, {**SHORT, "model.converters": QAT}),
+    "sgd_dp2_qat_int8": (2, 1, 1, {**SGD, "model.converters": QAT}),
 }
 
 
@@ -171,6 +183,16 @@ def test_layouts_match_single_process_and_reshard_4_to_2(cfg, tmp_path, shards, 
     assert "resumed from" in log and "data stream" not in log  # the position carried over to dp2
 
     _check_zero_stages(tmp_path)
+    # The converter changes training (fake INT8 rounding in every forward): its reference is not the plain one, so
+    # the dp2 runs above matched because they fake-quantized, not because the converter was ignored.
+    plain, qat = ref(**SHORT), ref(**SHORT, **{"model.converters": QAT})
+    assert all(abs(qat["grad_norm"][s] - plain["grad_norm"][s]) > 1e-3 * plain["grad_norm"][s] for s in (1, 2, 3))
+    plain, qat = ref(**SGD), ref(**SGD, **{"model.converters": QAT})  # every parameter's first update (measured ≥ 6e-3)
+    for name, p in plain["params"][1].items():
+        want, got = p - plain["params"][0][name], qat["params"][1][name] - qat["params"][0][name]
+        assert (got - want).norm() > 1e-3 * want.norm(), name
+    log = (tmp_path / "dp2_qat_int8" / "logs" / "rank-0.log").read_text()
+    assert "model converters: qat_int8(int8_weight_only: 14 Linear)" in log
 
     diag = json.loads((tmp_path / "nan" / "train" / "diagnosis.json").read_text())
     # Step 1's update killed the model (step 2: gradient norm 0, or a diverged loss): its checkpoint is condemned

@@ -1,8 +1,8 @@
 """Model converters: named changes to a built model, applied in the order `model.converters` lists them — the
 mechanism for kernel swaps and export-friendly modules (torchtitan's `ModelConverter` protocol,
 torchtitan/protocols/model_converter.py; torchtitan-npu registers its NPU kernels the same way). Registered:
-`npu_fused` (tasks/model/npu_kernels.py) and `math_attention` (tasks/quant/export.py). The quantize stage's QAT
-fake-quantizes with torchao's own `quantize_` (tasks/quant/qat.py), not through this registry.
+`npu_fused` (tasks/model/npu_kernels.py), `math_attention` (tasks/quant/export.py) and `qat_int8`
+(tasks/quant/fake_quant.py: INT8 fake quantization, which the quantize stage's QAT applies too).
 
 The trainer builds the model on the meta device and calls `convert(model)` on each converter before any parallelism
 (tasks/train/build.py); the smoke stage does the same on its single-process model (on its device, before the weights
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from tasks.errors import ConfigError
 
 # Modules whose import registers converters (the registry imports them on first use).
-PROVIDERS = ("tasks.model.npu_kernels", "tasks.quant.export")
+PROVIDERS = ("tasks.model.npu_kernels", "tasks.quant.export", "tasks.quant.fake_quant")
 
 REGISTRY: dict[str, type] = {}
 
@@ -36,12 +36,15 @@ class ModelConverter(Protocol):
 
 @dataclass(frozen=True)
 class ConvertContext:
-    """What a converter may look at when it is built: the device type ("npu" | "cuda" | "cpu"), the model shape and
-    the run's PipelineConfig (None outside a pipeline run, e.g. a benchmark)."""
+    """What a converter may look at when it is built: the device type ("npu" | "cuda" | "cpu"), the model shape, the
+    run's PipelineConfig (None outside a pipeline run, e.g. a benchmark) and the parallel Layout (None: one process).
+    A converter refuses what it cannot do in its constructor (ConfigError, one line): the train stage builds them once
+    before any rank starts."""
 
     device_type: str = "cpu"
     tcfg: Any = None
     cfg: Any = None
+    layout: Any = None
 
 
 def register(name: str):
@@ -101,15 +104,18 @@ class SwapConflict(ConfigError):
     """A swap met modules of its class that an earlier converter already gave another class."""
 
 
-def swap_classes(model, swaps: dict[type, type]) -> list[tuple[Any, type]]:
+def swap_classes(model, swaps: dict[type, type], only=None) -> list[tuple[Any, type]]:
     """Give every module whose type is exactly a key of `swaps` the mapped class (a subclass with other kernels:
-    parameters, names and state dict unchanged); returns (module, old class) pairs for `restore`.
+    parameters, names and state dict unchanged); returns (module, old class) pairs for `restore`. `only`: a set of
+    module names, the modules considered (None: all).
 
     A module of a key's subclass (an earlier converter swapped it: npu_fused's NpuFeedForward is a FeedForward) is
     not swapped again, and not skipped in silence either: SwapConflict names both classes (`apply` adds which
     converter), since one of the two converters would otherwise do nothing for those modules."""
     done = []
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if only is not None and name not in only:
+            continue
         new = swaps.get(type(module))
         if new is not None:
             done.append((module, type(module)))

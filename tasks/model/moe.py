@@ -124,9 +124,14 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
 
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w1, w2, w3) as this rank computes with them (local shards under EP; the qat_int8 converter's subclass
+        fake-quantizes them)."""
+        return tuple(_local(w) for w in (self.w1, self.w2, self.w3))
+
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows sorted by (local) expert, counts[e] rows for expert e (this rank's experts under EP)."""
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = self.expert_weights()
         if self.grad_scale != 1.0:
             w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         grouped = self.use_grouped_mm and grouped_ok(x, w1, w2, w3)

@@ -4,14 +4,11 @@ From the trained FP checkpoint: fake-quantize the same layers PTQ chose, fine-tu
 steps on the training shards at `train.min_lr` (the end of the training schedule, where the weights came from),
 then convert to the same INT8 format as PTQ.
 
-- torchao (CPU/CUDA): `quantize_(model, QATConfig(activation_config=…, weight_config=…, step="prepare"))` with
-  IntxFakeQuantizeConfig matching the PTQ method (int8 weights per channel, symmetric; W8A8 adds int8 per-token
-  activations — asymmetric, the only per-token mode torchao 0.18's fake quantizer implements), then
-  `QATConfig(<the PTQ config>, step="convert")`, which swaps FakeQuantizedLinear back and applies the PTQ config.
-  torchao 0.18 infers no fake-quant config from Int8WeightOnlyConfig / Int8DynamicActivationInt8WeightConfig, hence
-  the explicit pair. MoE routed experts (stacked [E, out, in] weights, not Linear layers, which torchao's QAT does
-  not prepare) are fake-quantized the same way by a parametrization (int8 per row, symmetric, straight-through
-  gradient) and converted by the PTQ path's own expert quantization (torchao_backend._quantize_experts).
+- torchao (CPU/CUDA): the `qat_int8` model converter (tasks/quant/fake_quant.py) on the layers PTQ chose — torchao's
+  FakeQuantizedLinear with int8 per-channel symmetric weights (W8A8 adds int8 per-token activations), the MoE
+  experts' stacked weights int8 per row — then, the converter reverted, the PTQ config on the same names
+  (`quantize_` with torchao_backend._configs, what `QATConfig(<the PTQ config>, step="convert")` applies) and the
+  experts as PTQ quantizes them (torchao_backend._quantize_experts).
 - AMCT (Ascend): `amct_backend.quantize_retrain` (create_quant_retrain_config → create_quant_retrain_model → train →
   save_quant_retrain_model), where the installed AMCT has those functions.
 """
@@ -29,17 +26,6 @@ from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, recover_dir, sha256_file, swap_dir
 
 QAT_DIR = "quantize_qat"
-
-
-def _fake_quant_configs(method: str):
-    from torchao.quantization.qat import IntxFakeQuantizeConfig
-
-    weight = IntxFakeQuantizeConfig(torch.int8, "per_channel", is_symmetric=True)
-    if method == "int8_weight_only":
-        return None, weight
-    if method in ("int8_dynamic", "smoothquant"):
-        return IntxFakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False), weight
-    raise StageError(f"quantize.method: {method!r} has no QAT recipe (int8_weight_only, int8_dynamic, smoothquant)")
 
 
 def train_batches(shard_dir: Path, batch_size: int, seed: int):
@@ -83,59 +69,23 @@ def torchao_qat(
     dtype: torch.dtype,
     device,
 ) -> tuple[torch.nn.Module, list[float]]:
-    """Prepare (fake quant) → fine-tune in fp32 → cast to `dtype` → convert to torchao INT8; in place."""
+    """Fake quant (the qat_int8 converter) → fine-tune in fp32 → revert, cast to `dtype` → convert to torchao INT8
+    exactly as PTQ converts the same names; in place."""
     from torchao.quantization import quantize_
-    from torchao.quantization.qat import QATConfig
 
-    from tasks.quant.torchao_backend import _configs
-
-    from tasks.quant.torchao_backend import _quantize_experts
+    from tasks.quant.fake_quant import QatInt8
+    from tasks.quant.torchao_backend import _configs, _quantize_experts
 
     wanted = set(names)
-    act, weight = _fake_quant_configs(method)
-    quantize_(
-        model,
-        QATConfig(activation_config=act, weight_config=weight, step="prepare"),
-        filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear),
-    )
-    experts = _fake_quantize_experts(model, wanted)
+    converter = QatInt8(layers=names, method=method)  # the model converter training runs can list
+    converter.convert(model)
     losses = finetune(model, steps, batches, lr, weight_decay, grad_clip, device)
-    for module in experts:  # the fine-tuned full-precision weights stay; the fake quantizer goes
-        for w in ("w1", "w2", "w3"):
-            torch.nn.utils.parametrize.remove_parametrizations(module, w, leave_parametrized=False)
+    converter.revert()  # the fine-tuned full-precision weights stay; the fake quantizers go
     model.eval().to(dtype)
     model.init_rope()
-    # After prepare the chosen layers are FakeQuantizedLinear (a Linear subclass): convert swaps them back to Linear
-    # and applies the PTQ config, exactly what PTQ applied to the same names; the experts as PTQ quantizes them.
-    quantize_(
-        model,
-        QATConfig(_configs(method), step="convert"),
-        filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear),
-    )
+    quantize_(model, _configs(method), filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear))
     _quantize_experts(model, method, wanted)
     return model, losses
-
-
-class _FakeInt8Rows(torch.nn.Module):
-    """Symmetric int8 per row (the last dimension), as Int8WeightOnlyConfig quantizes: w → round(w / s)·s with
-    s = max|row| / 127; the gradient passes straight through."""
-
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        scale = w.detach().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127.0
-        q = torch.clamp(torch.round(w / scale), -128, 127) * scale
-        return w + (q - w).detach()
-
-
-def _fake_quantize_experts(model, wanted: set) -> list:
-    """MoE routed experts among the chosen layers: their stacked weights fake-quantized (int8 weight-only: the
-    only method experts take, tasks.quant.plan)."""
-    from tasks.model.moe import GroupedExperts
-
-    chosen = [m for n, m in model.named_modules() if n in wanted and isinstance(m, GroupedExperts)]
-    for module in chosen:
-        for w in ("w1", "w2", "w3"):
-            torch.nn.utils.parametrize.register_parametrization(module, w, _FakeInt8Rows())
-    return chosen
 
 
 def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, device) -> dict:

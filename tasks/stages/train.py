@@ -58,12 +58,14 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
-    from tasks.model.converters import check_names
+    from tasks.model import converters
 
-    check_names(cfg.model.converters)  # an unknown model converter fails here, not in every rank
+    converters.check_names(cfg.model.converters)  # an unknown model converter fails here, not in every rank
     plan = ctx.inputs.get("plan")
     backend, nproc, world = torchrun.world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
+    # Built once here as the ranks will build them: what a converter refuses (qat_int8 under TP) fails before launch.
+    converters.build(cfg.model.converters, converters.ConvertContext(backend.kind, tcfg, cfg, lay))
     hw = cfg.hardware
     hint = (
         "; on CPU hardware.nproc_per_node=0 launches dp × tp × pp ranks"

@@ -166,7 +166,9 @@ class Trainer:
         init_from = None if source else spec.get("init_from")
         if init_from:
             log(f"initialising from {init_from}")
-        converters = build_converters(self.cfg.model.converters, ConvertContext(device.type, self.tcfg, self.cfg))
+        converters = build_converters(
+            self.cfg.model.converters, ConvertContext(device.type, self.tcfg, self.cfg, self.lay)
+        )
         self.model = build_model(
             self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters, t.compile
         )

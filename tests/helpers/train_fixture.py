@@ -128,19 +128,21 @@ def reference_run(cfg, shards: Path, steps: int, params: bool = False) -> dict:
     (the loader's global sample order gives every dp degree the same samples per step). Per step: the loss, the
     pre-clip gradient norm and (params=True) the parameters after it, step 0 being the initial ones; at the
     validation steps the mean loss over the validation slice (`val.loss`, forward only). With model.hf_path the
-    weights start from that checkpoint, as the trainer's do."""
+    weights start from that checkpoint, as the trainer's do; model.converters apply as the trainer applies them."""
     import torch
 
     from data_prep.loader import ShardLoader
     from data_prep.manifest import load_manifest
-    from tasks.model import build_model, from_pipeline, lm_loss, materialize
+    from tasks.model import build_model, converters, from_pipeline, lm_loss, materialize
     from tasks.model.init import HFWeights
     from tasks.parallel.optim import build_optimizers, grad_norm_and_clip
 
     t = cfg.train
     tcfg = from_pipeline(cfg, vocab_size=load_manifest(shards)["vocab_size"])
     source = HFWeights(cfg.model.hf_path, tcfg) if cfg.model.hf_path else None
-    model = materialize(build_model(tcfg, "meta"), "cpu", t.seed, source=source)
+    model = build_model(tcfg, "meta")
+    converters.apply(model, converters.build(cfg.model.converters, converters.ConvertContext("cpu", tcfg, cfg)))
+    model = materialize(model, "cpu", t.seed, source=source)  # the trainer's order: meta → converters → weights
     [(opt, sched)] = build_optimizers([model], t)
     stream = ShardLoader(shards, "train", batch_size=t.global_batch, num_workers=0, seed=t.seed).batches()
 
@@ -208,13 +210,14 @@ def assert_same_run(
     updates: bool = False,
     norm_rel=None,
     val_rel=None,
+    update_steps=None,
 ):
     """Per step: the loss of the run equals the reference's within `rel`, the pre-clip gradient norm within
     `norm_rel` (default rel / 10: a norm's float32 sums agree to ~1e-7 across layouts; a small term counted wrong —
     the norms' weights under TP, 3e-5 of the norm — must show); the val.loss at the reference's validation steps
     within `val_rel` (default rel); with `updates`, each parameter's update of each
     step (from the checkpoint of every step; step 0 = the reference's initial weights, bit-identical on every
-    layout) within `rel` of its norm."""
+    layout) within `rel` of its norm — at `update_steps` (default every step)."""
     got = metrics(run_dir)
     assert_same_curve({s: r["loss"] for s, r in got.items()}, ref["loss"], what, rel, steps)
     val_rel = rel if val_rel is None else val_rel
@@ -234,7 +237,7 @@ def assert_same_run(
     if not updates:
         return
     before = ref["params"][0]
-    for step in sorted(got):
+    for step in sorted(got) if update_steps is None else update_steps:
         after = checkpoint_params(Path(run_dir) / "checkpoints" / f"step-{step}")
         assert set(after) == set(before), f"{what} step {step}: parameters {sorted(set(after) ^ set(before))}"
         for name, p in after.items():
