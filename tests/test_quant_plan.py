@@ -143,6 +143,7 @@ def test_gate_advice_names_the_remedies():
     tips = gate_advice("int8_dynamic", "amct")
     assert "SmoothQuant" in tips and "skip_layers" in tips and "create_quant_retrain_model" in tips
     assert "SmoothQuant" not in gate_advice("smoothquant", "torchao") and "QAT" in gate_advice("smoothquant", "torchao")
+    assert "model.converters=[qat_int8, npu_fused]" in gate_advice("int8_weight_only", "torchao")
 
 
 def test_a_tied_models_output_projection_is_a_shared_linear():

@@ -152,6 +152,7 @@ def gate_advice(method: str, backend: str) -> str:
         "quantization-aware training from the QAT hand-off config (qat/retrain.cfg, "
         "amct.create_quant_retrain_model on Ascend)"
         if backend == "amct"
-        else "quantization-aware training (QAT) from the hand-off config in qat/"
+        else "quantization-aware training (QAT): train with model.converters=[qat_int8, npu_fused] (INT8 rounding from "
+        "the first step), or from the hand-off config in qat/"
     )
     return "; ".join(tips)
