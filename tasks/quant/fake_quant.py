@@ -81,14 +81,16 @@ class QatInt8:
                 "and per-token scales need whole weight rows and tokens, which a TP shard does not hold; set "
                 "parallel.tp=1 (FSDP2, PP and EP are fine) or drop qat_int8"
             )
-        experts = ctx.tcfg is not None and getattr(ctx.tcfg, "n_experts", 0) > 0
-        if experts and self.method != "int8_weight_only" and self.layers is None:
+        if ctx.tcfg is not None and self.method != "int8_weight_only" and self.layers is None:
             from tasks.quant.plan import is_skipped
 
-            if not is_skipped("layers.0.moe.experts", self.skip_layers):
+            experts = [f"layers.{i}.moe.experts" for i in range(ctx.tcfg.n_layers) if ctx.tcfg.is_moe_layer(i)]
+            kept = [name for name in experts if not is_skipped(name, self.skip_layers)]
+            if kept:
                 raise ConfigError(
-                    f"model.converters: qat_int8 with quantize.method={self.method}: MoE experts are quantized INT8 "
-                    "weight-only only; set quantize.method=int8_weight_only or add 'experts' to quantize.skip_layers"
+                    f"model.converters: qat_int8 with quantize.method={self.method}: MoE experts ({kept[0]}) are "
+                    "quantized INT8 weight-only only; set quantize.method=int8_weight_only or add 'experts' to "
+                    "quantize.skip_layers"
                 )
 
     def __repr__(self) -> str:  # each rank logs it after convert: what was fake-quantized
