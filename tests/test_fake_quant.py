@@ -135,3 +135,20 @@ def test_what_it_cannot_do_is_one_config_line(cfg, tmp_path, shards):  # noqa: F
     with pytest.raises(ConfigError, match="parallel.tp=2"):
         train.prepare(c, context(tmp_path, shards))
     assert not (tmp_path / "logs").exists()
+
+
+def test_with_qat_int8_a_resume_names_a_changed_layer_choice(cfg, tmp_path):
+    """quantize.method and skip_layers shape a qat_int8 run (they choose what it fake-quantizes): a resume with them
+    changed is warned about like any training-shaping change; without the converter they shape nothing."""
+    import json
+
+    from tasks.parallel.checkpoint import config_changes, shaping_config
+    from tests.helpers.train_fixture import configure
+
+    keep = {"model.converters": ["qat_int8"], "quantize.skip_layers": ["lm_head", "embed"]}
+    qat = configure(cfg, **keep).to_dict()
+    (tmp_path / "meta.json").write_text(json.dumps({"shaping": shaping_config(qat)}))
+    changed = configure(cfg, **{"model.converters": ["qat_int8"], "quantize.skip_layers": ["lm_head"]}).to_dict()
+    assert config_changes(tmp_path, changed) == ["quantize.skip_layers: ['lm_head', 'embed'] → ['lm_head']"]
+    plain = configure(cfg, **{"quantize.skip_layers": ["lm_head"]}).to_dict()
+    assert not any(k.startswith("quantize.") for k in shaping_config(plain))

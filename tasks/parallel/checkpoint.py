@@ -86,6 +86,8 @@ _NOT_SHAPING = {
 }
 SHAPING_SECTIONS = ("model", "train", "data")
 _DATA_SHAPING = {"seq_len", "vocab_size", "tokenizer", "inputs", "max_documents"}
+# With the qat_int8 model converter listed, these choose what training fake-quantizes (tasks/quant/fake_quant.py).
+_QAT_SHAPING = ("method", "skip_layers")
 
 
 def shaping_config(config: dict) -> dict:
@@ -96,6 +98,8 @@ def shaping_config(config: dict) -> dict:
             if k in _NOT_SHAPING.get(sec, ()) or (sec == "data" and k not in _DATA_SHAPING):
                 continue
             out[f"{sec}.{k}"] = v
+    if "qat_int8" in (config.get("model") or {}).get("converters", ()):
+        out.update({f"quantize.{k}": (config.get("quantize") or {}).get(k) for k in _QAT_SHAPING})
     return out
 
 
