@@ -8,6 +8,7 @@ reach metrics.jsonl; bad MoE layouts fail before launch in one line. The test se
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -25,6 +26,7 @@ from tests.helpers.train_fixture import (
 # AdamW runs train 3 steps (2 of warm-up, 1 at the cosine's peak), as many as the SGD runs: each step's loss and
 # gradient norm equal the reference's (the aux loss and the router statistics are in every step).
 MOE = {"model.preset": "moe-demo", "model.n_layers": 2, "train.steps": 3}
+QAT = ["qat_int8"]
 # The two 4-rank tests' layouts: one torchrun launch trains them all (module fixture `four_ranks`).
 EP_ON_FOUR = {
     "dp4_ep2": {"parallel.dp": 4, "parallel.ep": 2},
@@ -94,6 +96,28 @@ def _check(runs: dict, refs) -> None:
             assert_same_run(run_dir, adamw, name, steps=range(1, 4))
 
 
+def _check_qat(run_dir, plain, shards) -> None:
+    """The EP run with qat_int8 against one process with it (updates at step 1: later, an ulp can move a weight
+    across an int8 rounding boundary, as tests/test_parallel.py measures), and that reference against the plain
+    one: the experts' first update differs, so the match is not the converter ignored."""
+    from tasks.config import load_config
+
+    qat = reference_run(configure(load_config("demo-cpu"), **{**MOE, **SGD, "model.converters": QAT}), shards, 3, True)
+    assert_same_run(
+        run_dir, qat, "sgd_dp2_ep2_qat_int8", steps=range(1, 4), updates=True, norm_rel=3e-4, update_steps=[1]
+    )
+    # Both layers are MoE: each rank fake-quantizes its 2 expert groups (a run that left them plain would still match
+    # a reference that left them plain, and the updates below would still differ through the Linear layers).
+    assert re.search(
+        r"model converters: qat_int8\(int8_weight_only: \d+ Linear, 2 experts\)",
+        (run_dir / "logs" / "rank-1.log").read_text(),
+    )
+    for name, p in plain["params"][1].items():
+        if ".experts." in name:
+            want, got = p - plain["params"][0][name], qat["params"][1][name] - qat["params"][0][name]
+            assert (got - want).norm() > 1e-3 * want.norm(), name
+
+
 @pytest.mark.slow
 def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards, refs):
     runs = _run(
@@ -109,9 +133,12 @@ def test_fsdp_and_ep2_match_single_process(cfg, tmp_path, shards, refs):
             "sgd_dp2_ep2": {**SGD, "parallel.dp": 2, "parallel.ep": 2},
             "sgd_dp2_ep2_zero0": {**SGD, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 0},
             "sgd_dp2_ep2_zero1": {**SGD, "parallel.dp": 2, "parallel.ep": 2, "parallel.zero": 1},
+            # The qat_int8 converter under EP: each rank fake-quantizes its own experts' rows (FakeQuantExperts).
+            "sgd_dp2_ep2_qat_int8": {**SGD, "parallel.dp": 2, "parallel.ep": 2, "model.converters": QAT},
         },
         2,
     )
+    _check_qat(runs.pop("sgd_dp2_ep2_qat_int8"), refs[1], shards)
     _check(runs, refs)
     assert "layout dp2·ep2 coords" in (runs["dp2_ep2"] / "logs" / "rank-1.log").read_text()
     records = [json.loads(ln) for ln in (runs["dp2_ep2"] / "metrics.jsonl").read_text().splitlines()]
