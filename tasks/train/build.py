@@ -160,6 +160,28 @@ def dp_replica_groups(named, mesh, lay) -> list[dict]:
     return out
 
 
+def _losses(precision: str, compiled: bool, device_type: str):
+    """(the loss, the pipeline schedule's loss, fp16's loss scaler or None): the loss compiled with the blocks
+    (`compiled`); under fp16 the schedule's loss is scaled before its backward (PlainStep scales its own)."""
+    from tasks.model import lm_loss
+
+    plain_loss = lm_loss
+    if compiled:
+        from tasks.parallel.compile import compile_loss
+
+        plain_loss = compile_loss(lm_loss, device_type)
+    if precision != "fp16":
+        return plain_loss, plain_loss, None
+    from tasks.train.loss_scale import LossScaler
+
+    scaler = LossScaler()
+
+    def scaled_loss(logits, targets):
+        return plain_loss(logits, targets) * scaler.scale
+
+    return plain_loss, scaled_loss, scaler
+
+
 def build_step(
     model: ModelParts, opts: Optimizers, mesh, lay, device, precision: str, grad_clip: float, compiled: bool = False
 ):
@@ -170,7 +192,6 @@ def build_step(
     broadcasting their updated parameters."""
     import torch
 
-    from tasks.model import lm_loss
     from tasks.model.converters import post_optimizer
     from tasks.parallel.dp import GradBuckets, broadcast_params
     from tasks.parallel.pp import build_schedule
@@ -178,20 +199,7 @@ def build_step(
 
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision) if lay.zero < 2 else None
     autocast = (lambda: torch.autocast(device.type, dtype=low)) if low else None
-    loss_fn = lm_loss
-    if compiled:
-        from tasks.parallel.compile import compile_loss
-
-        loss_fn = compile_loss(lm_loss, device.type)
-    scaler, plain_loss = None, loss_fn  # PlainStep scales its backward itself
-    if precision == "fp16":
-        from tasks.train.loss_scale import LossScaler
-
-        scaler = LossScaler()
-
-        def loss_fn(logits, targets):  # the pipeline schedule's loss: scaled before its backward
-            return plain_loss(logits, targets) * scaler.scale
-
+    plain_loss, loss_fn, scaler = _losses(precision, compiled, device.type)
     scale = 1.0  # what the forward/backward multiplies the gradients by after backward
     if lay.pp > 1:
         pp_group = mesh["pp"].get_group()

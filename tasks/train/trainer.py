@@ -116,22 +116,21 @@ class Trainer:
     stalls: list[float]  # seconds each checkpoint held training up (the whole save, or its staging)
     history: list[dict]  # a resumed run's metrics.jsonl records up to its step ({step, loss, val.loss}), every rank
     save_now: bool  # a hook asks for a checkpoint of the running step (reset after it)
-    early_stop: (
-        dict | None
-    )  # {step, reason}: a hook ended the run cleanly (finish_early), or the resumed checkpoint had
+    # {step, reason}: a hook ended the run cleanly (finish_early), or the resumed checkpoint had
+    early_stop: dict | None
     export_from: str | None  # the checkpoint to export (a hook's choice: early stopping's best); None = the newest
 
     def __init__(self, spec: dict, device, hooks: tuple[Hook, ...] = ()):
+        """The build steps in order: spec → mesh → checkpoints (which to resume) → model parts → optimizer → train
+        step → loader → resumed state → metrics, guard and hooks; then every rank waits for the others."""
         import torch
         import torch.distributed as dist
         from tasks import collectives
 
-        from tasks.model.converters import ConvertContext
-        from tasks.model.converters import build as build_converters
         from tasks.parallel.checkpoint import CheckpointManager
         from tasks.parallel.mesh import coords, layout_name
         from tasks.parallel.metrics import PhasePeaks
-        from tasks.train.build import build_loader, build_mesh, build_model, build_optimizer, build_step, choose_resume
+        from tasks.train.build import build_loader, build_mesh, build_optimizer, build_step, choose_resume
 
         self.spec, self.device, self.stalls = spec, device, []
         self.cfg, self.tcfg, self.lay = read_spec(spec)
@@ -151,29 +150,11 @@ class Trainer:
         log(f"layout {layout_name(self.lay.dp, self.lay.tp, self.lay.pp)}{ep} coords {self.coords} device {device}")
         torch.manual_seed(self.cfg.train.seed)
         t = self.cfg.train
-        self.ckpt = CheckpointManager(
-            self.run_dir / "checkpoints",
-            t.keep_checkpoints,
-            self.rank,
-            self.coords,
-            self.lay.dp,
-            self.world,
-            device.type,
-            t.timeout_s,
-        )
+        ckpt_args = (t.keep_checkpoints, self.rank, self.coords, self.lay.dp, self.world, device.type, t.timeout_s)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", *ckpt_args)
         source = choose_resume(spec, self.ckpt, self.rank, log)
         # A training checkpoint wins; without one, model.hf_path's weights (if set) are the starting point.
-        init_from = None if source else spec.get("init_from")
-        if init_from:
-            log(f"initialising from {init_from}")
-        converters = build_converters(
-            self.cfg.model.converters, ConvertContext(device.type, self.tcfg, self.cfg, self.lay)
-        )
-        self.model = build_model(
-            self.tcfg, self.lay, self.mesh, device, t.precision, t.seed, init_from, converters, t.compile
-        )
-        if converters:
-            log(f"model converters: {', '.join(map(repr, converters))}")
+        self.model = self.build_model(None if source else spec.get("init_from"))
         named = [(n, p) for part in self.parts for n, p in part.named_parameters()]
         self.opts = build_optimizer(self.parts, named, self.mesh, self.lay, t)
         self.step_fn = build_step(
@@ -191,6 +172,24 @@ class Trainer:
         self.hooks = [*default_hooks(self), *hooks]
         collectives.barrier()
         self.phases.enter("train")
+
+    def build_model(self, init_from: str | None) -> "ModelParts":
+        """This rank's model parts (tasks/train/build.py build_model) with the run's model converters, logged."""
+        from tasks.model.converters import ConvertContext
+        from tasks.model.converters import build as build_converters
+        from tasks.train.build import build_model
+
+        t = self.cfg.train
+        if init_from:
+            log(f"initialising from {init_from}")
+        ctx = ConvertContext(self.device.type, self.tcfg, self.cfg, self.lay)
+        converters = build_converters(self.cfg.model.converters, ctx)
+        parts = build_model(
+            self.tcfg, self.lay, self.mesh, self.device, t.precision, t.seed, init_from, converters, t.compile
+        )
+        if converters:
+            log(f"model converters: {', '.join(map(repr, converters))}")
+        return parts
 
     @property
     def parts(self) -> list:
