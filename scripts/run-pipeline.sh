@@ -39,14 +39,9 @@ if ! flock -n 9; then
   flock 9
 fi
 echo "pid $$, log $log" > "$var/logs/.make-run.holder"
-# On screen: each task as it starts, the stages' progress lines, a failure's one-line cause (the task's ERROR line
-# from tasks.pipeline.failure), and once, that an approval waits for a person.
-airflow dags test llm_pipeline --conf "$conf" 2>&1 | tee "$log" | awk '
-  /\[DAG TEST\] starting task_id=/ { sub(/.*task_id=/, ""); sub(/ .*/, ""); print "  … " $0; fflush(); next }
-  / progress: .*\[tasks\.progress\]/ { sub(/.* progress: /, "    progress: "); sub(/ +\[tasks\.progress\].*/, ""); print; fflush(); next }
-  /\[error +\] .*\[tasks\.pipeline\]/ { sub(/.*\[error +\] /, "  ! "); sub(/ +\[tasks\.pipeline\].*/, ""); print; fflush(); next }
-  /Waiting for Human-in-the-loop input/ && !asked { asked = 1
-    print "  ? the approve task waits for a person: make ui, then Airflow → Browse → Required actions"; fflush() }'
+# On screen: each task as it starts, the stages' progress lines, a failure's one-line cause, and once, that an
+# approval waits for a person — as each line arrives (scripts/screen_filter.py; not awk: mawk reads a pipe in blocks).
+airflow dags test llm_pipeline --conf "$conf" 2>&1 | tee "$log" | python -u scripts/screen_filter.py
 status=${PIPESTATUS[0]}
 run=$(cat "$LLM_PIPELINE_RUN_DIR_FILE" 2>/dev/null); rm -f "$LLM_PIPELINE_RUN_DIR_FILE"
 echo

@@ -73,3 +73,49 @@ def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
     assert sum("waiting for the other make run (pid " in out for out in outs) == 1
     for run in runs:
         assert json.loads((Path(run) / "env.json").read_text())["status"] == "failed"
+
+
+LOG = [  # airflow dags test's lines (structlog and the DAG-test runner), and what the screen shows of each
+    ("[2026-12-03T05:00:00] {dag.py:1} INFO - [DAG TEST] starting task_id=train map_index=-1", "  … train"),
+    (
+        "2026-12-03T05:06:48Z [info     ] progress: train step 240/300 (80%), loss 3.774 [tasks.progress] loc=x.py:1",
+        "    progress: train step 240/300 (80%), loss 3.774",
+    ),
+    (
+        "2026-12-03T05:06:48Z [error    ] train: rank 1 died (exit code 1) [tasks.pipeline] loc=pipeline.py:3",
+        "  ! train: rank 1 died (exit code 1)",
+    ),
+    ("2026-12-03T05:06:48Z [info     ] Waiting for Human-in-the-loop input for task approve", "  ? the approve task"),
+    ("2026-12-03T05:06:49Z [info     ] Waiting for Human-in-the-loop input for task approve", None),  # said once
+    ("2026-12-03T05:06:50Z [info     ] loading the checkpoint [tasks.train] loc=x.py:2", None),
+]
+
+
+def test_the_screen_shows_each_line_as_it_arrives():
+    """make run's screen filter (scripts/screen_filter.py) prints a task start, a progress line, a failure's cause and
+    the approval hint each while its input is still open: a filter that reads its pipe in blocks (mawk, Debian's awk)
+    held them back until ~4 KB more log had come, minutes into a run."""
+    import select
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(REPO / "scripts" / "screen_filter.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line, shown in LOG:
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+            if shown is None:
+                continue
+            # a bound on a hung filter, not a timing: the line must come while stdin stays open
+            ready, _, _ = select.select([proc.stdout], [], [], 60)
+            assert ready, f"{line!r}: not on screen while the log is still open"
+            assert proc.stdout.readline().rstrip("\n").startswith(shown)
+        proc.stdin.close()
+        assert proc.stdout.read() == ""  # the lines without a screen form printed nothing
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
