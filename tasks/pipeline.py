@@ -66,6 +66,14 @@ PARAMS = [
     ("vocab_size", "data.vocab_size", "Data", "Tokenizer vocabulary", "Byte-level BPE trained on the corpus."),
     ("seq_len", "data.seq_len", "Data", "Sequence length", "Tokens per packed training window."),
     (
+        "val_fraction",
+        "data.val_fraction",
+        "Data",
+        "Validation fraction",
+        "Share of documents held out (by document hash) for the validation loss and the demo-continuation "
+        "evaluation task; a split too small for that task stops the run at shard.",
+    ),
+    (
         "partitions",
         "data.partitions",
         "Data",
@@ -130,6 +138,14 @@ PARAMS = [
         "Quantization",
         "Gate metric",
         "What the INT8 model is judged on against the unquantized one.",
+    ),
+    (
+        "eval_tasks",
+        "evaluate.tasks",
+        "Quantization",
+        "Evaluation tasks",
+        "What the FP and INT8 models are scored on: lm-eval tasks or groups (mmlu, ceval-valid; from the HF "
+        "datasets cache, offline), task YAML paths, or demo-continuation (cut from the shard set's val split).",
     ),
     (
         "max_drop_pct",
@@ -291,6 +307,11 @@ def published_shard_set(events: list[dict]) -> dict | None:
         return None
     newest = max(events, key=lambda e: str(e.get("timestamp") or ""))
     return {**newest, "manifest_digest": newest["extra"]["manifest_digest"]}
+
+
+# The llm_data DAG's shard task: publish what its fan-out built, for any consumer (a pipeline run that adopts the set
+# makes its own checks on it then: tasks/stages/shard.py check_evaluation_data).
+DATA_DAG_SHARD_ARGS = {"reduce": True, "publish_only": True}
 
 
 def stage_args(stage: str, published: dict | None = None, extra: dict | None = None):
