@@ -48,12 +48,12 @@ def llm_data():
         from airflow.sdk.exceptions import AirflowFailException
 
         from tasks.errors import StageError
-        from tasks.pipeline import run_for_dag_run
+        from tasks.pipeline import DATA_DAG_SHARD_ARGS, run_for_dag_run
 
         ctx = get_current_context()
         try:
             result = run_for_dag_run(
-                "shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], args={"reduce": True}
+                "shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], args=DATA_DAG_SHARD_ARGS
             )
         except StageError as e:
             raise AirflowFailException(str(e)) from None

@@ -177,3 +177,14 @@ def test_form_defaults_do_not_undo_the_chosen_preset():
     assert (cfg.model.preset, cfg.train.steps, cfg.data.seq_len) == ("debug", 6, 64)  # ci-tiny's own values
     cfg = config_for_params({**form, "preset": "ci-tiny", "steps": 3})
     assert cfg.train.steps == 3 and cfg.data.seq_len == 64  # a changed field still wins
+
+
+def test_make_run_conf_sets_the_evaluation_tasks_and_the_val_split():
+    """docs/evaluation.md's `make run CONF='{"eval_tasks": [...]}'`: the Params a user needs for the fix a too small
+    val split names (tasks/stages/shard.py check_evaluation_data), checked as `make run` checks CONF."""
+    from tasks.pipeline import check_conf
+
+    cfg = check_conf('{"preset": "ci-tiny", "eval_tasks": ["arc_easy", "demo-continuation"], "val_fraction": 0.3}')
+    assert cfg.evaluate.tasks == ["arc_easy", "demo-continuation"] and cfg.data.val_fraction == 0.3
+    doc = (REPO / "docs" / "evaluation.md").read_text()
+    assert """make run CONF='{"eval_tasks": ["arc_easy", "demo-continuation"]}'""" in doc

@@ -67,8 +67,7 @@ def test_the_dag_steps_then_the_reduce_publish_one_set(tmp_path, monkeypatch):
     """The fanned-out tasks' bodies (tasks.pipeline.shard_step) in order, then the shard stage with --reduce:
     XCom-sized answers (paths and indices), the set of `python -m data_prep shard`; a bad input fails in one line
     and leaves the stage's failure record for the run summary."""
-    from tasks.pipeline import run_for_dag_run
-    from tasks.pipeline import shard_step
+    from tasks.pipeline import DATA_DAG_SHARD_ARGS, run_for_dag_run, shard_step
 
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", fresh_store(tmp_path / "m.db"))
@@ -78,11 +77,11 @@ def test_the_dag_steps_then_the_reduce_publish_one_set(tmp_path, monkeypatch):
     assert [shard_step("partition", params, "llm_data", "r1", p)["partition"] for p in reversed(parts)] == [2, 1, 0]
     writes = shard_step("layout", params, "llm_data", "r1", parts)
     assert writes and all(shard_step("write", params, "llm_data", "r1", w)["shards"] for w in writes)
-    result = run_for_dag_run("shard", params, "llm_data", "r1", args={"reduce": True})
+    result = run_for_dag_run("shard", params, "llm_data", "r1", args=DATA_DAG_SHARD_ARGS)
     assert not result["cache_hit"] and result["partitions"] == 3
     assert shard_step("prepare", params, "llm_data", "r2") == []  # published: the next run's fan-out is empty
     assert shard_step("layout", params, "llm_data", "r2", []) == []
-    again = run_for_dag_run("shard", params, "llm_data", "r2", args={"reduce": True})
+    again = run_for_dag_run("shard", params, "llm_data", "r2", args=DATA_DAG_SHARD_ARGS)
     assert again["cache_hit"] and again["manifest_digest"] == result["manifest_digest"]
 
     bad = {**params, "data_inputs": [str(tmp_path / "missing.txt")]}
@@ -90,3 +89,34 @@ def test_the_dag_steps_then_the_reduce_publish_one_set(tmp_path, monkeypatch):
         shard_step("prepare", bad, "llm_data", "r3")
     record = json.loads((tmp_path / "var" / "runs" / "llm_data" / "r3" / "shard.json").read_text())
     assert record["status"] == "failed" and record["error"].endswith("missing.txt does not exist")
+
+
+def test_a_val_split_too_small_for_evaluation_stops_the_run_at_shard(shard_cfg, tmp_path):
+    """evaluate.tasks' demo-continuation is cut from the val split: cut by the shard stage, so a split too small for
+    it fails the run there — before smoke and training spend hours on a model that cannot be evaluated — in
+    evaluate's own one line with its fix; the set itself is kept (the data DAG publishes it, and a run evaluating on
+    other tasks uses it); a set big enough gets its task written once, and the evaluate stage reuses it."""
+    from tasks.pipeline import stage_args
+    from tasks.quant.gate import write_demo_task
+
+    shard_cfg.data.val_fraction = 0.01  # 17 documents: none in val
+    with pytest.raises(StageError, match=r"^demo-continuation: the val split of \S+ gives \d+ examples \(") as e:
+        run_stage("shard", shard_cfg, tmp_path / "small")
+    assert "fewer than 10; reshard with a larger data.val_fraction or corpus, or evaluate on other" in str(e.value)
+    record = json.loads((tmp_path / "small" / "shard.json").read_text())
+    assert record["status"] == "failed" and "\n" not in record["error"]
+    assert not (tmp_path / "small" / "tasks" / "demo-continuation").exists()  # nothing half-written
+    kept = run_stage("shard", shard_cfg, tmp_path / "data-dag", args=stage_args("shard", extra={"publish_only": True}))
+    assert kept["cache_hit"] and kept["status"] in ("ok", "warn")  # the same set, built once, kept
+    published = {"uri": Path(kept["shard_dir"]).as_uri(), "manifest_digest": kept["manifest_digest"]}
+    with pytest.raises(StageError, match=r"^demo-continuation: the val split of "):  # a run that adopts it: the same
+        run_stage("shard", shard_cfg, tmp_path / "adopts", args=stage_args("shard", published))
+
+    shard_cfg.data.val_fraction = 0.4
+    ok = run_stage("shard", shard_cfg, tmp_path / "big")
+    task = tmp_path / "big" / "tasks" / "demo-continuation" / "demo-continuation.jsonl"
+    written = task.stat().st_mtime_ns
+    assert json.loads((task.parent / "meta.json").read_text())["examples"] >= 10
+    # what the evaluate stage's load_suite calls first: the same task, reused, not cut again
+    assert write_demo_task(shard_cfg, tmp_path / "big", Path(ok["shard_dir"])) == task.with_suffix(".yaml")
+    assert task.stat().st_mtime_ns == written

@@ -39,17 +39,27 @@ def demo_keep(key) -> bool:
     return in_part(key, "evaluation")
 
 
+def write_demo_task(cfg, run_dir: Path, shard_dir: Path) -> Path | None:
+    """demo-continuation's task folder in run_dir/tasks (its YAML's path), cut from `shard_dir`'s val split, when
+    evaluate.tasks lists it (else None). Reused while the shard set and settings are the same: the shard stage writes
+    it, so a val split too small for it stops a run before training (StageError, one line), and evaluate reads it."""
+    from tasks.harness import demo_task
+    from tasks.quant.inputs import SPLIT_RULE
+
+    if "demo-continuation" not in cfg.evaluate.tasks:
+        return None
+    rule = f"passages from the evaluation part only: {SPLIT_RULE}"
+    out = Path(run_dir) / "tasks" / demo_task.NAME
+    return demo_task.write(shard_dir, out, cfg.evaluate.demo_examples, 0, demo_keep, rule)
+
+
 def load_suite(cfg, run_dir: Path, shard_dir: Path, model_dir: Path):
     """evaluate.tasks loaded and checked against the model's context (demo-continuation written first when listed),
     before any model is loaded."""
-    from tasks.harness import demo_task, models, suite
-    from tasks.quant.inputs import SPLIT_RULE
+    from tasks.harness import models, suite
 
     e = cfg.evaluate
-    demo = None
-    if "demo-continuation" in e.tasks:
-        rule = f"passages from the evaluation part only: {SPLIT_RULE}"
-        demo = demo_task.write(shard_dir, Path(run_dir) / "tasks" / demo_task.NAME, e.demo_examples, 0, demo_keep, rule)
+    demo = write_demo_task(cfg, run_dir, shard_dir)
     s = suite.load(list(e.tasks), demo, e.limit, dict(e.num_fewshot), list(e.task_metrics))
     suite.check_generation(s, models.max_seq_len(model_dir), f"the model {model_dir}")
     return s

@@ -64,6 +64,12 @@ def add_cli_args(parser) -> None:
         action="store_true",
         help="publish what the DAG's mapped shard tasks built (each step must be done; a missing or bad one is named)",
     )
+    parser.add_argument(
+        "--publish-only",
+        action="store_true",
+        help="build and publish the set for any consumer (the llm_data DAG): without the checks a pipeline run makes "
+        "on its set (evaluate.tasks' demo-continuation cut from its val split)",
+    )
 
 
 def _log_dataset(shard_dir, tags: dict | None = None) -> None:
@@ -100,6 +106,7 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
     tracking.log_params({"shard.version": m["version"], "shard.manifest_sha256": sha, "shard.published": True})
     tracking.log_artifact(shard_dir / "manifest.json", "shards")
     _log_dataset(shard_dir, {"published": "true"})
+    check_evaluation_data(cfg, ctx, shard_dir)
     n_shards = sum(len(v["shards"]) for v in splits.values())
     return {
         "status": "ok",
@@ -121,6 +128,15 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
         "train_samples": splits["train"]["samples"],
         "val_samples": splits["val"]["samples"],
     }
+
+
+def check_evaluation_data(cfg: PipelineConfig, ctx, shard_dir) -> None:
+    """evaluate.tasks' demo-continuation is cut from this set's val split: cut now (the evaluate stage reuses it), so a
+    split too small for it stops the run here, before any training, with evaluate's own one line and fix."""
+    from tasks.quant.gate import write_demo_task
+
+    if not getattr(ctx.args, "publish_only", False):
+        write_demo_task(cfg, ctx.run_dir, shard_dir)
 
 
 def progress():
@@ -184,6 +200,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     tracking.log_artifact(result.shard_dir / "manifest.json", "shards")
     tracking.log_artifact(result.shard_dir / "tokenizer.json", "shards")
     _log_dataset(result.shard_dir)
+    check_evaluation_data(cfg, ctx, result.shard_dir)
     how = "cache hit" if result.cache_hit else f"{result.tokens_per_s:,.0f} tokens/s"
     summary = (
         f"{splits['train']['samples']} train + {splits['val']['samples']} val sequences of {m['seq_len']} "
