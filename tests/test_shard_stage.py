@@ -95,7 +95,8 @@ def test_a_val_split_too_small_for_evaluation_stops_the_run_at_shard(shard_cfg, 
     """evaluate.tasks' demo-continuation is cut from the val split: cut by the shard stage, so a split too small for
     it fails the run there — before smoke and training spend hours on a model that cannot be evaluated — in
     evaluate's own one line with its fix; the set itself is kept (the data DAG publishes it, and a run evaluating on
-    other tasks uses it); a set big enough gets its task written once, and the evaluate stage reuses it."""
+    other tasks uses it); a set big enough gets its task written once, and the evaluate stage reuses it; the other
+    evaluate.tasks entries are loaded there too (a missing task YAML stops the run at shard)."""
     from tasks.pipeline import stage_args
     from tasks.quant.gate import write_demo_task
 
@@ -120,3 +121,7 @@ def test_a_val_split_too_small_for_evaluation_stops_the_run_at_shard(shard_cfg, 
     # what the evaluate stage's load_suite calls first: the same task, reused, not cut again
     assert write_demo_task(shard_cfg, tmp_path / "big", Path(ok["shard_dir"])) == task.with_suffix(".yaml")
     assert task.stat().st_mtime_ns == written
+    # the other evaluate.tasks entries are loaded as evaluate loads them (a YAML path: no lm-eval index to read)
+    shard_cfg.evaluate.tasks = ["demo-continuation", str(tmp_path / "quiz.yaml")]
+    with pytest.raises(StageError, match=r"^evaluate.tasks: \S+quiz.yaml: no such task YAML file$"):
+        run_stage("shard", shard_cfg, tmp_path / "quiz")

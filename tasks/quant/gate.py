@@ -53,6 +53,19 @@ def write_demo_task(cfg, run_dir: Path, shard_dir: Path) -> Path | None:
     return demo_task.write(shard_dir, out, cfg.evaluate.demo_examples, 0, demo_keep, rule)
 
 
+def check_suite(cfg, run_dir: Path, shard_dir: Path) -> None:
+    """evaluate.tasks checked before training (the shard stage): demo-continuation cut from the val split, and any
+    other entry loaded as the evaluate stage will load it (an lm-eval name, a YAML, its dataset in the offline cache,
+    a metric of evaluate.task_metrics) — all but the fit to the model's context, which needs the model. lm-eval's
+    task index (~10 s) is read only when there is such an entry."""
+    from tasks.harness import suite
+
+    demo = write_demo_task(cfg, run_dir, shard_dir)
+    e = cfg.evaluate
+    if any(entry != "demo-continuation" for entry in e.tasks):
+        suite.load(list(e.tasks), demo, e.limit, dict(e.num_fewshot), list(e.task_metrics))
+
+
 def load_suite(cfg, run_dir: Path, shard_dir: Path, model_dir: Path):
     """evaluate.tasks loaded and checked against the model's context (demo-continuation written first when listed),
     before any model is loaded."""

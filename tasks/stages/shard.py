@@ -131,12 +131,14 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
 
 
 def check_evaluation_data(cfg: PipelineConfig, ctx, shard_dir) -> None:
-    """evaluate.tasks' demo-continuation is cut from this set's val split: cut now (the evaluate stage reuses it), so a
-    split too small for it stops the run here, before any training, with evaluate's own one line and fix."""
-    from tasks.quant.gate import write_demo_task
+    """evaluate.tasks, checked now rather than after training: demo-continuation is cut from this set's val split (the
+    evaluate stage reuses it) and every other entry loaded as evaluate will load it (tasks/quant/gate.check_suite), so
+    a split too small for it, a task name lm-eval does not know or a dataset not on disk stops the run here, in
+    evaluate's own one line and fix."""
+    from tasks.quant.gate import check_suite
 
     if not getattr(ctx.args, "publish_only", False):
-        write_demo_task(cfg, ctx.run_dir, shard_dir)
+        check_suite(cfg, ctx.run_dir, shard_dir)
 
 
 def progress():
