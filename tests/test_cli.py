@@ -94,8 +94,9 @@ def cli_loading(loaded: Path, *args):
 @pytest.fixture(scope="module")
 def run_with_shards_64(tmp_path_factory):
     """A run directory whose shard stage built 64-token windows with a 300-token BPE (one --set, several pairs);
-    with --no-tracking it imports neither torch nor mlflow (evaluate.tasks without demo-continuation: nothing to cut
-    from the val split, which the shard stage reads with the torch loader; 10 documents leave none in val)."""
+    with --no-tracking and --publish-only (the llm_data DAG's shard task) it imports neither torch nor mlflow. Without
+    --publish-only the stage checks evaluate.tasks against the set (the val split read with the torch loader, lm-eval
+    tasks loaded), and 10 documents leave none in val."""
     tmp = tmp_path_factory.mktemp("cli-run")
     run = tmp / "run"
     out, loaded = cli_loading(
@@ -104,13 +105,13 @@ def run_with_shards_64(tmp_path_factory):
         "--run-dir",
         str(run),
         "--no-tracking",
+        "--publish-only",
         "--set",
         "data.seq_len=64",
         "data.vocab_size=300",
         "data.max_documents=10",
         "data.shard_size_mb=0.05",
         f"data.out_dir={tmp / 'data'}",
-        "evaluate.tasks=[hellaswag]",
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads((run / "shard.json").read_text())["seq_len"] == 64
