@@ -58,12 +58,17 @@ def check_suite(cfg, run_dir: Path, shard_dir: Path) -> None:
     other entry loaded as the evaluate stage will load it (an lm-eval name, a YAML, its dataset in the offline cache,
     a metric of evaluate.task_metrics) — all but the fit to the model's context, which needs the model. lm-eval's
     task index (~10 s) is read only when there is such an entry."""
+    demo = write_demo_task(cfg, run_dir, shard_dir)
+    if any(entry != "demo-continuation" for entry in cfg.evaluate.tasks):
+        _load(cfg, demo)
+
+
+def _load(cfg, demo: Path | None):
+    """evaluate.tasks loaded by the harness (demo-continuation from `demo`, its YAML when listed)."""
     from tasks.harness import suite
 
-    demo = write_demo_task(cfg, run_dir, shard_dir)
     e = cfg.evaluate
-    if any(entry != "demo-continuation" for entry in e.tasks):
-        suite.load(list(e.tasks), demo, e.limit, dict(e.num_fewshot), list(e.task_metrics))
+    return suite.load(list(e.tasks), demo, e.limit, dict(e.num_fewshot), list(e.task_metrics))
 
 
 def load_suite(cfg, run_dir: Path, shard_dir: Path, model_dir: Path):
@@ -71,9 +76,7 @@ def load_suite(cfg, run_dir: Path, shard_dir: Path, model_dir: Path):
     before any model is loaded."""
     from tasks.harness import models, suite
 
-    e = cfg.evaluate
-    demo = write_demo_task(cfg, run_dir, shard_dir)
-    s = suite.load(list(e.tasks), demo, e.limit, dict(e.num_fewshot), list(e.task_metrics))
+    s = _load(cfg, write_demo_task(cfg, run_dir, shard_dir))
     suite.check_generation(s, models.max_seq_len(model_dir), f"the model {model_dir}")
     return s
 

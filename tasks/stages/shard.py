@@ -68,7 +68,8 @@ def add_cli_args(parser) -> None:
         "--publish-only",
         action="store_true",
         help="build and publish the set for any consumer (the llm_data DAG): without the checks a pipeline run makes "
-        "on its set (evaluate.tasks' demo-continuation cut from its val split)",
+        "on its set (evaluate.tasks loaded as evaluate will: demo-continuation cut from its val split, the others' "
+        "YAML, offline dataset and metric)",
     )
 
 
