@@ -94,6 +94,28 @@ def test_what_if_flags_ignore_the_config_pins(cfg, tmp_path):
     assert "llama3-8b (8.03B params" in read_json(result["plan_json"])["model"]
 
 
+@pytest.mark.parametrize(
+    "argv, source",
+    [
+        (["--model", "llama3-8b", "--cluster", "910b"], "(seq and global batch from the config: --seq-len and"),
+        (["--model", "llama3-8b", "--cluster", "910b", "--seq-len", "4096"], "(global batch from the config: --glo"),
+        (["--model", "moe-demo", "--global-batch", "8"], "training: seq 128, global batch 8 (seq from the config: "),
+        (["--model", "llama3-8b", "--cluster", "910b", "--seq-len", "4096", "--global-batch", "32"], None),
+        ([], None),  # the config's own plan: its own training settings
+    ],
+)
+def test_a_what_if_plan_says_which_training_settings_are_the_configs(cfg, tmp_path, argv, source):
+    """A what-if plan of a 70B model on the CPU demo's 128-token batches is not the plan a user means: the table's
+    training line says which of seq and global batch came from the config, and the flags that set them."""
+    cfg.tracking.enabled = False
+    run_stage("plan", cfg, tmp_path, args=plan_args(*argv))
+    training = next(ln for ln in (tmp_path / "plan" / "plan_table.txt").read_text().splitlines() if "training:" in ln)
+    if source is None:
+        assert "from the config" not in training, training
+    else:
+        assert source in training, training
+
+
 def test_hf_config_and_explicit_shape(cfg, tmp_path):
     cfg.tracking.enabled = False
     hf = {

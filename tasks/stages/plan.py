@@ -38,6 +38,7 @@ _SHAPE_FLAGS = {
 _MODEL_FLAGS = ("model", "hf_config", "params", "family", *_SHAPE_FLAGS)
 _REQUIRED_SHAPE = (("hidden", "dim"), ("layers", "n_layers"), ("heads", "n_heads"))
 _CLUSTER_FLAGS = ("cluster", "nodes", "devices_per_node", "device_memory_gb")
+_TRAINING_FLAGS = (("seq_len", "seq", "--seq-len"), ("global_batch", "global batch", "--global-batch"))
 
 
 def _positive(kind):
@@ -99,6 +100,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def _arg(ctx, name):
     return getattr(ctx.args, name, None)
+
+
+def _training_source(ctx) -> str:
+    """A what-if plan (another model or cluster by flag) whose sequence length or global batch is the config's (the
+    CPU demo's 128-token batches by default): said on the table's training line, with the flags that change it."""
+    what_if = any(_arg(ctx, f) is not None for f in _MODEL_FLAGS + _CLUSTER_FLAGS)
+    missing = {w: flag for f, w, flag in _TRAINING_FLAGS if _arg(ctx, f) is None}
+    if not (what_if and missing):
+        return ""
+    return f" ({' and '.join(missing)} from the config: {' and '.join(missing.values())} for yours)"
 
 
 def _model(cfg: PipelineConfig, ctx, seq_len: int):
@@ -339,7 +350,10 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "
         f"{num_params(tcfg) / 1e9:.3g}B params, {num_params(tcfg, active=True) / 1e9:.3g}B active)"
     )
-    header = f"model: {desc}\ncluster: {pb.cluster.describe()}\ntraining: seq {seq_len}, global batch {global_batch}"
+    header = (
+        f"model: {desc}\ncluster: {pb.cluster.describe()}\n"
+        f"training: seq {seq_len}, global batch {global_batch}{_training_source(ctx)}"
+    )
     doc = {"model": desc, "moe": True, "pins": pins, "chosen": (result["plans"] or [None])[0], **result}
     return pb, desc, doc, moe.render(result, header, cfg.plan.top_k), result
 
@@ -358,7 +372,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         header = (
             f"model: {model_desc}\ncluster: {pb.cluster.describe()}, reserve {pb.cluster.reserve_gb:g} GB\n"
             f"training: seq {pb.seq_len}, global batch {pb.global_batch}, {pb.precision}, {pb.optimizer}"
-            f"{', pinned ' + str(pb.pins) if pb.pins else ''}"
+            f"{', pinned ' + str(pb.pins) if pb.pins else ''}{_training_source(ctx)}"
         )
         table = render(ranked, header, top_k=cfg.plan.top_k, pinned=result if pinned else None)
         doc = {
