@@ -40,6 +40,52 @@ def test_every_registration_lives_in_a_provider_module():
     assert registering == set(converters.PROVIDERS)
 
 
+def _unit_scale(model) -> None:
+    """Weights of std 1/sqrt(fan-in) (norm gains 1): activations of order one, where two different functions (SiLU
+    and GELU, say) differ by tenths, not by the 1e-5 a random init's near-zero activations leave."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+
+@pytest.mark.parametrize("preset", ["debug", "moe-demo"])
+def test_every_converter_keeps_the_plain_models_function(preset):
+    """The checkpoints and the HF export hold the plain model, which quantize and evaluate load without converters:
+    every registered converter (a newcomer's too, once in PROVIDERS) computes the plain model's logits within
+    rounding and keeps its state-dict names — or declares `training_only` (qat_int8) and its `revert()` gives the
+    plain model back exactly. On the CPU (npu_fused is the identity here; tests/test_npu_kernels.py checks its
+    kernels against reference ops)."""
+    import copy
+    import dataclasses
+
+    tcfg = dataclasses.replace(get_preset(preset), n_layers=2)
+    plain = materialize(build_model(tcfg), "cpu", seed=0).eval()
+    _unit_scale(plain)
+    tokens = torch.randint(0, tcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = plain(tokens)
+    assert want.std() > 0.3, want.std()  # the regime where a changed function shows
+    for name in converters.known():
+        model = copy.deepcopy(plain)
+        [conv] = converters.build([name], converters.ConvertContext("cpu", tcfg))
+        converters.apply(model, [conv])
+        assert list(model.state_dict()) == list(plain.state_dict()), name
+        with torch.no_grad():
+            got = model(tokens)
+        if converters.training_only(conv):
+            assert not torch.equal(got, want), f"{name}: training_only, but it changed nothing"
+            conv.revert()
+            with torch.no_grad():
+                got = model(tokens)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{name}: revert(): {m}")
+        else:
+            torch.testing.assert_close(
+                got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name} changes the model's function: {m}"
+            )
+
+
 def test_math_attention_converter_swaps_and_reverts():
     from tasks.model.transformer import Attention
     from tasks.quant.export import MathAttention
@@ -117,3 +163,7 @@ def test_unknown_converter_fails_before_any_worker_starts(cfg, tmp_path, shards)
     with pytest.raises(ConfigError, match="model.converters: unknown converter 'fp8'; known: ") as e:
         train.prepare(configure(cfg, **{"model.converters": ["npu_fused", "fp8"]}), context(tmp_path, shards))
     assert "\n" not in str(e.value) and not (tmp_path / "logs").exists()
+    # before the shard set is looked for: a typo is named on a fresh run directory too, not after a shard run
+    with pytest.raises(ConfigError, match="model.converters: unknown converter 'fp8'; known: "):
+        fresh = context(tmp_path / "empty", tmp_path / "no-shards")
+        train.prepare(configure(cfg, **{"model.converters": ["fp8"]}), fresh)

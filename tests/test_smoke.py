@@ -52,6 +52,7 @@ def test_smoke_passes_on_demo_model(cfg, tmp_path, shards):
     assert result["figures"]["fp32.loss_drop"] >= cfg.smoke.min_drop
     assert result["figures"]["bf16.max_rel_gap"] <= cfg.smoke.bf16_tolerance
     assert result["tokens_per_s"]["fp32"] > 0 and result["peak_memory_bytes"] > 0
+    assert result["converters"] == ["npu_fused(identity)"]  # model.converters as smoke applied them (off the NPU)
     client = _mlflow(cfg)
     history = client.get_metric_history(result["mlflow_run_id"], "smoke.bf16.loss")
     assert [m.step for m in history] == list(range(15))

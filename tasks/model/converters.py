@@ -28,10 +28,18 @@ REGISTRY: dict[str, type] = {}
 
 
 class ModelConverter(Protocol):
+    """The converted model computes the plain model's function, up to rounding (other kernels, another attention
+    formula): the checkpoints and the HF export hold the plain model, which quantize and evaluate load without
+    converters. A converter that trains another function on purpose (qat_int8: fake-quantized weights) sets
+    `training_only = True` and has `revert()`, which gives the plain model back. tests/test_converters.py holds
+    every registered converter to this. A new architecture (another activation, a new layer) is a model family,
+    not a converter: its export would still say the plain model's."""
+
     def convert(self, model) -> None:
         """Change `model` in place (it may be on the meta device: swap classes, wrap modules; no weights yet)."""
 
     # Optional: def post_optimizer_hook(self, models: list) -> None — after each optimizer step.
+    # Optional: training_only = True, with def revert(self) -> None (see the class docstring).
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,11 @@ def apply(model, converters) -> None:
         except SwapConflict as e:
             name = getattr(type(converter), "converter_name", type(converter).__name__)
             raise ConfigError(f"model.converters: {name}: {e} (model.converters lists them in order)") from None
+
+
+def training_only(converter) -> bool:
+    """Whether `converter` trains another function than the plain model's on purpose (ModelConverter's docstring)."""
+    return bool(getattr(converter, "training_only", False))
 
 
 def post_optimizer(converters, models: list) -> None:

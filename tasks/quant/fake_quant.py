@@ -62,7 +62,9 @@ class FakeQuantExperts(GroupedExperts):
 @register("qat_int8")
 class QatInt8:
     """Fake INT8 on the chosen Linear layers and experts (module docstring); `revert` undoes it (the fine-tuned
-    weights stay)."""
+    weights stay). Training only: the export holds the plain model, which the quantize stage then makes INT8."""
+
+    training_only = True
 
     def __init__(self, ctx: ConvertContext | None = None, layers=None, method: str | None = None):
         """`layers`, `method`: the quantize stage's QAT passes PTQ's choice; a training run takes them from its

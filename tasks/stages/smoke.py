@@ -42,6 +42,7 @@ class Curve:
     peak_bytes: int = 0
     failure: dict | None = None
     loss_scaler: dict | None = None  # FP16: the loss scaler's state after the last step (tasks/train/loss_scale.py)
+    converters: list = field(default_factory=list)  # what each model converter did (its repr, as the ranks log it)
 
 
 def tokenizer_vocab(shard_dir: Path) -> int:
@@ -158,7 +159,7 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
         scaler = LossScaler()
     # The trainer's step, in one process (FP16: with its loss scaler).
     train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast, converters=convs, scaler=scaler)
-    curve = Curve(precision)
+    curve = Curve(precision, converters=[repr(c) for c in convs])
     devices.reset_peak(dev)
     start, timed_tokens = time.perf_counter(), 0
     for step, (x, y) in enumerate(batches):
@@ -441,6 +442,7 @@ def run(cfg, ctx) -> dict:
         "params": num_params(tcfg),
         "losses": {name: [round(v, 5) for v in c.losses] for name, c in curves.items()},
         "loss_scaler": {name: c.loss_scaler for name, c in curves.items() if c.loss_scaler},  # FP16's, as training's
+        "converters": curves["fp32"].converters,  # model.converters as applied (the trainer's ranks log the same)
         "figures": figures,
         "tokens_per_s": tokens_per_s,
         "peak_memory_bytes": peak,

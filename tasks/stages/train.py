@@ -49,8 +49,9 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     """Everything checked before a worker starts; returns the launch spec. Raises ConfigError (one line each)."""
     from data_prep.errors import DataPrepError
     from data_prep.manifest import check_files, load_manifest
-    from tasks.model import from_pipeline
+    from tasks.model import converters, from_pipeline
 
+    converters.check_names(cfg.model.converters)  # an unknown model converter fails first, not in every rank
     shard_dir = runner.shard_set(cfg, ctx)  # data.seq_len follows the shard set unless set explicitly
     try:
         manifest = load_manifest(shard_dir)
@@ -58,9 +59,6 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
-    from tasks.model import converters
-
-    converters.check_names(cfg.model.converters)  # an unknown model converter fails here, not in every rank
     plan = ctx.inputs.get("plan")
     backend, nproc, world = torchrun.world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
