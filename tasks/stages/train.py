@@ -51,7 +51,6 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.manifest import check_files, load_manifest
     from tasks.model import converters, from_pipeline
 
-    converters.check_names(cfg.model.converters)  # an unknown model converter fails first, not in every rank
     shard_dir = runner.shard_set(cfg, ctx)  # data.seq_len follows the shard set unless set explicitly
     try:
         manifest = load_manifest(shard_dir)
@@ -59,6 +58,9 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     except DataPrepError as e:
         raise ConfigError(f"shards: {e}") from None
     tcfg = from_pipeline(cfg, vocab_size=manifest["vocab_size"])
+    # An unknown model converter fails here, not in every rank (after the checks that need no torch: the providers
+    # import it, and a refused launch stays light).
+    converters.check_names(cfg.model.converters)
     plan = ctx.inputs.get("plan")
     backend, nproc, world = torchrun.world(cfg, plan)
     lay = layouts.resolve(cfg, plan, world)
