@@ -215,8 +215,14 @@ def _run_locked(
             mlflow_run_id=run_id,
             parent_run_id=parent_run_id,
         )
+        before = _file_identity(result_path)
         try:
             result = module.run(cfg, ctx)
+            if _file_identity(result_path) != before:
+                raise StageError(
+                    f"{stage}: the stage wrote {result_path}, the runner's result file (run() returns what goes "
+                    f"there); write the stage's own outputs under {run_dir / stage}/"
+                )
         except StageError as e:
             cause = _with_cann_logs(cfg, stage, run_dir, str(e), started, e)
             _record_failure(result_path, stage, cause, run_id, started)
@@ -245,6 +251,15 @@ def _run_locked(
                 tracking.set_tags({"pipeline.status": result["status"]})
     atomic_write_json(result_path, result)
     return result
+
+
+def _file_identity(path: Path):
+    """(inode, mtime) of `path`, or None when it does not exist: whether a stage wrote its own result file."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def _with_cann_logs(

@@ -19,6 +19,8 @@ def toy_stage(monkeypatch):
     def run(cfg, ctx):
         if getattr(ctx.args, "fail", False):
             raise StageError("the input is bad\nsecond line folded")
+        if getattr(ctx.args, "own_result", False):  # a newcomer's stage writing <run-dir>/<stage>.json itself
+            (ctx.run_dir / "toy.json").write_text(json.dumps({"cards": 3}))
         tracking.log_metrics({"toy.loss(fp32)": 1.5, "nested": {"x": 2}}, step=3)
         tracking.log_params({"p": 1})
         return {"summary": "toy ok", "seen_inputs": sorted(ctx.inputs)}
@@ -58,6 +60,22 @@ def test_failure_is_recorded_as_one_line(cfg, tmp_path, toy_stage):
     assert saved["status"] == "failed" and saved["error"] == "the input is bad second line folded"
     run = mlflow.MlflowClient(cfg.tracking.uri).get_run(saved["mlflow_run_id"])
     assert run.info.status == "FAILED" and run.data.tags["pipeline.error"] == saved["error"]
+
+
+def test_a_stage_that_writes_its_own_result_file_is_stopped_not_overwritten_in_silence(cfg, tmp_path, toy_stage):
+    """<run-dir>/<stage>.json is the runner's (run()'s return value): a stage's own output written there would be
+    replaced without a word. It fails in one line naming the file and where outputs go; a result file left by an
+    earlier run of the stage (the rerun case) is not the stage's own writing."""
+    cfg.tracking.enabled = False
+    runner.run_stage("toy", cfg, tmp_path)
+    with pytest.raises(
+        StageError,
+        match=rf"^toy: the stage wrote {tmp_path}/toy.json, the runner's result file .*"
+        rf"write the stage's own outputs under {tmp_path}/toy/$",
+    ):
+        runner.run_stage("toy", cfg, tmp_path, args=types.SimpleNamespace(own_result=True))
+    assert json.loads((tmp_path / "toy.json").read_text())["status"] == "failed"
+    assert runner.run_stage("toy", cfg, tmp_path)["status"] == "ok"
 
 
 def test_unreachable_tracking_server_is_one_line(cfg, tmp_path, toy_stage):
