@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sysconfig
 from pathlib import Path
 
@@ -180,7 +181,7 @@ def test_progress_lines_per_model_and_task_and_no_bars(lms, tmp_path, caplog, ca
     assert "20/20" not in err and "it/s" not in err, err  # no tqdm bar
 
 
-def test_bad_task_inputs_are_one_line(tmp_path, ckpt):
+def test_bad_task_inputs_are_one_line(tmp_path, ckpt, monkeypatch):
     from tasks.harness import suite
 
     def fails(match, entries, fewshot=None, metrics=("acc",), demo=None):
@@ -191,6 +192,46 @@ def test_bad_task_inputs_are_one_line(tmp_path, ckpt):
     good = _yaml_task(tmp_path, "good_quiz", QA)
     fails(r"evaluate.tasks: 'hellaswagg' is not an lm-eval task, group or tag \(close: hellaswag", ["hellaswagg"])
     fails(r"evaluate.tasks: .*nowhere.yaml: no such task YAML file", [str(tmp_path / "nowhere.yaml")])
+    with monkeypatch.context() as m:  # a relative path is the repository's, not the cwd's: said, with the file
+        m.chdir(tmp_path)
+        fails(
+            r"good_quiz.yaml: no such task YAML file \(\S+/good_quiz.yaml: a relative path is read from the "
+            rf"repository; {tmp_path}/good_quiz.yaml exists: give its absolute path\)$",
+            ["good_quiz.yaml"],
+        )
+
+    # Rows the task cannot score: lm-eval counts a target it cannot place as wrong (a warning; acc 0.000 and a gate
+    # that passes) and fails on an unreadable row only after the models are loaded. Each is one line, at load.
+    def variant(name, rows=QA, **yaml):
+        path = _yaml_task(tmp_path, name, rows)
+        text = path.read_text()
+        for key, value in yaml.items():
+            text = re.sub(rf"^{key}: .*$", f"{key}: {value}", text, flags=re.M)
+        path.write_text(text)
+        return [str(path)]
+
+    row0 = r"task {}: row {} of its evaluation split: "
+    fails(
+        row0.format("typo_target", 0) + r"doc_to_target 'answr' is none of its columns \(answer, choices, question\)",
+        variant("typo_target", doc_to_target="answr"),
+    )
+    fails(  # lm-eval renders the choices when it loads the task: named from the data file's first row
+        r"typo_choice.yaml: doc_to_choice 'choice' is none of its columns \(answer, choices, question: \S+jsonl\)",
+        variant("typo_choice", doc_to_choice="choice"),
+    )
+    far = [*QA[:2], {**QA[2], "answer": 7}, QA[3]]
+    fails(
+        row0.format("far_answer", 2) + r"its target 7 is neither an index below 3 nor one of its choices",
+        variant("far_answer", far),
+    )
+    lost = [QA[0], {"question": QA[1]["question"], "choises": QA[1]["choices"], "answer": 0}, *QA[2:]]
+    fails(
+        row0.format("lost_choices", 1) + r"doc_to_choice gives None, not a list of choices",
+        variant("lost_choices", lost),
+    )
+    empty = [QA[0], {**QA[1], "answer": None}, *QA[2:]]
+    fails(row0.format("no_answer", 1) + r"its target is empty", variant("no_answer", empty))
+    assert suite.load(variant("text_answer", [{**r, "answer": r["choices"][0]} for r in QA]), None, None, {}, ["acc"])
     bad = _yaml_task(tmp_path, "bad_key", QA, "no_such_option: 3\n")
     fails(
         r"bad_key.yaml: lm-eval rejects this task \(TypeError: .*unexpected keyword argument 'no_such_option'",
@@ -199,7 +240,7 @@ def test_bad_task_inputs_are_one_line(tmp_path, ckpt):
     missing = _yaml_task(tmp_path, "lost_data", QA)
     (tmp_path / "lost_data.jsonl").unlink()
     fails(
-        r"lost_data.yaml: its dataset is not on disk \(FileNotFoundError: .*lost_data.jsonl.*nothing is downloaded",
+        rf"lost_data.yaml: dataset_kwargs.data_files {tmp_path}/lost_data.jsonl does not exist; write the path of ",
         [str(missing)],
     )
     # A new user's YAML as lm-eval's task guide writes one ("Using Local Datasets": `data_files: /path/to/my/json`):

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,6 +136,13 @@ def _load_one(tm, entry: str, spec: str):
                 f"datasets reads from the current directory ({Path.cwd()}), not from the YAML's folder; write its "
                 "absolute path" + (f" ({beside.resolve()} exists)" if beside.exists() else "")
             ) from None
+        files = (_yaml(spec).get("dataset_kwargs") or {}).get("data_files") if is_path(entry) else None
+        lost = [p for p in _paths(files) if "://" not in p and Path(p).is_absolute() and not Path(p).exists()]
+        if lost:  # a local copy named in the YAML: not the HF cache's business
+            raise StageError(
+                f"evaluate.tasks: {entry}: dataset_kwargs.data_files {lost[0]} does not exist; write the path of the "
+                "task's data file"
+            ) from None
         raise StageError(
             f"evaluate.tasks: {entry}: its dataset is not on disk ({_first_line(e)}); nothing is downloaded at run "
             "time: fetch it once into the HF datasets cache on this host (datasets.load_dataset with the task's "
@@ -142,7 +150,33 @@ def _load_one(tm, entry: str, spec: str):
             "names a local copy (docs/evaluation.md)"
         ) from None
     except Exception as e:  # noqa: BLE001 — lm-eval raises what its config and YAML readers raise
-        raise StageError(f"evaluate.tasks: {entry}: lm-eval rejects this task ({_first_line(e)})") from None
+        problem = _column_problem(spec) if is_path(entry) else None  # lm-eval renders doc_to_choice on load
+        raise StageError(
+            f"evaluate.tasks: {entry}: {problem or f'lm-eval rejects this task ({_first_line(e)})'}"
+        ) from None
+
+
+def _column_problem(spec: str) -> str | None:
+    """A bare doc_to_* name that is no column of the first row of the YAML's local JSON/JSONL data (lm-eval renders
+    an unknown name as text, and a choice list made of it fails as a Python literal); None when unsure."""
+    import json
+
+    cfg = _yaml(spec)
+    files = _local_files((cfg.get("dataset_kwargs") or {}).get("data_files"))
+    if cfg.get("process_docs") or not files or not files[0].endswith((".json", ".jsonl")):
+        return None
+    try:
+        with open(files[0], encoding="utf-8") as f:
+            first = json.loads(f.readline()) if files[0].endswith(".jsonl") else json.load(f)
+        first = first[0] if isinstance(first, list) else first
+    except (OSError, ValueError, IndexError):
+        return None
+    for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        value = cfg.get(key)
+        if isinstance(first, dict) and isinstance(value, str) and _COLUMN.match(value) and value not in first:
+            columns = ", ".join(sorted(first))
+            return f"{key} {value!r} is none of its columns ({columns}: {files[0]}); name a column or write a template"
+    return None
 
 
 def _yaml(spec: str) -> dict:
@@ -194,7 +228,12 @@ def load(entries: list[str], demo_yaml: Path | None, limit: int | None, fewshot:
         elif is_path(entry):
             path = repo_path(entry)
             if not path.is_file():
-                raise StageError(f"evaluate.tasks: {entry}: no such task YAML file")
+                here = Path.cwd() / entry
+                raise StageError(
+                    f"evaluate.tasks: {entry}: no such task YAML file ({path}: a relative path is read from the "
+                    "repository"
+                    + (f"; {here} exists: give its absolute path)" if here.is_file() else "; give an absolute path)")
+                )
             specs[entry] = str(path)
         else:
             specs[entry] = entry
@@ -216,8 +255,46 @@ def load(entries: list[str], demo_yaml: Path | None, limit: int | None, fewshot:
         suite.data_files[name] = _local_files((task.config.dataset_kwargs or {}).get("data_files"))
         suite.versions[name] = str(task.VERSION)
     _check_metrics(suite, metrics)
+    _check_rows(suite)
     _apply_fewshot(suite, fewshot)
     return suite
+
+
+_COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # a bare name in doc_to_*: a column (else lm-eval renders it as text)
+
+
+def _check_rows(suite: Suite) -> None:
+    """Every evaluation row gives its task a target, and a multiple-choice task a list of choices the target indexes
+    or is one of. lm-eval scores a target it cannot place as wrong with a warning (a misspelled doc_to_target column
+    gave acc 0.000 and a passing gate) and fails on a row it cannot read only after the models are loaded."""
+    for name, task in suite.loaded["tasks"].items():
+        for i, doc in enumerate(task.eval_docs):
+            problem = _row_problem(task, doc)
+            if problem:
+                raise StageError(f"evaluate.tasks: task {name}: row {i} of its evaluation split: {problem}")
+
+
+def _row_problem(task, doc) -> str | None:
+    columns = ", ".join(sorted(doc))
+    for key in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        value = getattr(task.config, key, None)
+        if task.prompt is None and isinstance(value, str) and _COLUMN.match(value) and value not in doc:
+            return f"{key} {value!r} is none of its columns ({columns}); name a column or write a template"
+    try:
+        target = task.doc_to_target(doc)
+        choices = task.doc_to_choice(doc) if task.OUTPUT_TYPE == "multiple_choice" else None
+    except Exception as e:  # noqa: BLE001 — lm-eval's templates raise what Jinja and ast raise
+        return f"lm-eval cannot read it ({_first_line(e)}); its columns: {columns}"
+    if target is None or target == "":
+        return f"its target is empty (doc_to_target {task.config.doc_to_target!r}; columns: {columns})"
+    if task.OUTPUT_TYPE != "multiple_choice":
+        return None
+    if not isinstance(choices, list) or not choices:
+        return f"doc_to_choice gives {choices!r}, not a list of choices (columns: {columns})"
+    for gold in target if isinstance(target, list) else [target]:
+        if not ((isinstance(gold, int) and 0 <= gold < len(choices)) or (isinstance(gold, str) and gold in choices)):
+            return f"its target {gold!r} is neither an index below {len(choices)} nor one of its choices {choices!r}"
+    return None
 
 
 def _paths(data_files) -> list[str]:
