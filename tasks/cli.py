@@ -41,12 +41,31 @@ def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None,
 
     marker = Path(run_dir) / DAG_RUN_FILE if run_dir and run_dir.strip() else None
     recorded = (read_json(marker).get("config") if marker and marker.is_file() else None) or {}
-    if config is not None or not recorded.get("preset"):
+    if config is not None:
         return config, None
     from tasks.logs import log
 
+    if not recorded.get("preset"):
+        cli = Path(run_dir) / CLI_CONFIG_FILE if run_dir and run_dir.strip() else None
+        preset = (read_json(cli).get("preset") if cli and cli.is_file() else None) or None
+        if preset:
+            log.info(f"config: this run directory's ({preset}, from {cli}); --config to choose another")
+        return preset, None
     log.info(f"config: the DAG run's ({recorded['preset']} with its Params, from {marker}); --config to choose another")
     return recorded["preset"], recorded.get("overrides") or {}
+
+
+# <run-dir>/cli-config.json: the --config a `python -m tasks` stage was given there, which the next stage run in that
+# directory without --config takes (a run built with ci-tiny is evaluated as ci-tiny, not as the default preset).
+CLI_CONFIG_FILE = "cli-config.json"
+
+
+def remember_config(run_dir: str | Path, config: str) -> None:
+    from tasks.fsutil import atomic_write_json, make_dirs
+
+    preset = str(Path(config).resolve()) if Path(config).is_file() else config  # a file: found from any cwd
+    make_dirs(Path(run_dir))
+    atomic_write_json(Path(run_dir) / CLI_CONFIG_FILE, {"preset": preset})
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +124,10 @@ def main(argv=None) -> int:
                 "`python -m tasks` runs the stage here, on this machine (what each pod runs)",
                 file=sys.stderr,
             )
+        from tasks.pipeline import DAG_RUN_FILE
+
+        if args.config is not None and not (Path(run_dir) / DAG_RUN_FILE).is_file():  # a DAG run's has its own
+            remember_config(run_dir, args.config)
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
         result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
     except StageError as e:

@@ -298,6 +298,29 @@ def test_cli_in_a_dag_runs_directory_uses_that_runs_config(tmp_path, monkeypatch
     assert cfg.evaluate.registered_model == load_config("ci-tiny").evaluate.registered_model
     assert dag_run_config(str(run_dir), "demo-cpu") == ("demo-cpu", None)
     assert dag_run_config(str(tmp_path / "elsewhere"), None) == (None, None)
+    from tasks.cli import CLI_CONFIG_FILE, main
+
+    assert main(["plan", "--run-dir", str(run_dir), "--config", "demo-cpu", "--no-tracking"]) == 0
+    assert not (run_dir / CLI_CONFIG_FILE).exists()  # a DAG run's directory keeps the DAG run's config
+
+
+def test_cli_in_a_directory_a_cli_stage_made_uses_the_preset_it_was_given(tmp_path, monkeypatch):
+    """`python -m tasks shard --run-dir D --config ci-tiny`, then `… evaluate --run-dir D` without --config: the
+    second stage ran as demo-cpu (another gate, another perplexity, no word). The run directory now remembers the
+    --config a stage was given there; a later --config wins and is remembered; a preset file is kept by its path."""
+    from tasks.cli import dag_run_config, main
+
+    run_dir = tmp_path / "D"
+    assert main(["plan", "--run-dir", str(run_dir), "--config", "ci-tiny", "--no-tracking"]) == 0
+    assert dag_run_config(str(run_dir), None) == ("ci-tiny", None)
+    assert main(["plan", "--run-dir", str(run_dir), "--no-tracking"]) == 0
+    assert json.loads((run_dir / "plan" / "plan.json").read_text())["model"].startswith("debug ")  # ci-tiny's model
+    assert dag_run_config(str(run_dir), "demo-cpu") == ("demo-cpu", None)
+    (tmp_path / "site.yaml").write_text((REPO / "configs" / "ci-tiny.yaml").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--run-dir", str(run_dir), "--config", "site.yaml", "--no-tracking"]) == 0
+    monkeypatch.chdir(REPO)
+    assert dag_run_config(str(run_dir), None) == (str(tmp_path / "site.yaml"), None)
 
 
 def _evaluation(run_dir: Path, **extra) -> None:
