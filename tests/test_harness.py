@@ -150,6 +150,7 @@ def test_task_yaml_from_a_temp_dir_scores_as_with_hflm(lms, tmp_path):
     theirs = evaluate(lm=hf, task_dict=s.loaded, bootstrap_iters=0, log_samples=False)["results"]["py_quiz"]
     assert ours_r["entries"][str(path)]["value"] == theirs["acc,none"] and ours_r["entries"][str(path)]["n"] == 20
     assert ours_r["macro"] == ours_r["entries"][str(path)]["value"]
+    assert ours_r["entries"][str(path)]["shots"] == ours_r["tasks"]["py_quiz"]["shots"] == 1  # recorded with the score
 
 
 def test_progress_lines_per_model_and_task_and_no_bars(lms, tmp_path, caplog, capfd):

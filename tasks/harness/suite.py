@@ -372,7 +372,7 @@ def check_generation(suite: Suite, max_length: int, who: str) -> None:
 
 
 def score(lm, suite: Suite) -> dict:
-    """Run every task on `lm`: {"entries": {entry: {name, metric, value, n}}, "tasks": {leaf: {...}}, "macro"}."""
+    """Run every task on `lm`: {"entries": {entry: {name, metric, value, n, shots}}, "tasks": {leaf: {…}}, "macro"}."""
     import numpy as np
     import torch
     from lm_eval.evaluator import evaluate
@@ -387,6 +387,7 @@ def score(lm, suite: Suite) -> dict:
     for name, metric in suite.metric.items():
         r = res["results"][name]
         leaves[name] = {"metric": metric, "value": float(r[f"{metric},none"]), "n": int(r.get("sample_len", 0))}
+        leaves[name]["shots"] = int(suite.loaded["tasks"][name].get_config("num_fewshot") or 0)
     entries = {}
     for entry, names in suite.entries.items():
         group = res.get("groups", {}).get(suite.groups.get(entry, ""), {})
@@ -399,6 +400,7 @@ def score(lm, suite: Suite) -> dict:
             "metric": metric,
             "value": float(value),
             "n": sum(leaves[n]["n"] for n in names),
+            "shots": max(leaves[n]["shots"] for n in names),  # few-shot examples per prompt (evaluate.num_fewshot)
         }
     macro = sum(e["value"] for e in entries.values()) / len(entries)
     return {"entries": entries, "tasks": leaves, "macro": macro}

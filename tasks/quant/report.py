@@ -69,8 +69,9 @@ def _table(cols: list[str], rows: list[list]) -> list[str]:
 def task_lines(tasks: dict) -> list[str]:
     """The per-task table: one row per evaluate.tasks entry, a column per model measured."""
     models = [m for m in ("fp32", "bf16", "int8", "champion") if any(m in r for r in tasks.values())]
-    cols = ["task", "metric", "examples"] + [m.upper() if m != "champion" else "champion" for m in models]
-    return _table(cols, [[r["name"], r["metric"], r["n"]] + [r.get(m) for m in models] for r in tasks.values()])
+    cols = ["task", "metric", "examples", "shots"] + [m.upper() if m != "champion" else "champion" for m in models]
+    rows = [[r["name"], r["metric"], r["n"], r.get("shots")] + [r.get(m) for m in models] for r in tasks.values()]
+    return _table(cols, rows)
 
 
 def markdown(rows: list[dict], stages: list[dict], generations: list[dict], split: dict, tasks: dict) -> str:

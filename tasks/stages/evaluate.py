@@ -63,11 +63,13 @@ def speed(models: dict, data: quality.EvalData, cfg: PipelineConfig, device) -> 
 
 
 def task_table(scores: dict) -> dict:
-    """{model: suite.score result} → {entry: {"name", "metric", "n", <model>: value}} (one row per task)."""
+    """{model: suite.score result} → {entry: {"name", "metric", "n", "shots", <model>: value}} (one row per task)."""
     rows = {}
     for model, s in scores.items():
         for entry, r in s["entries"].items():
-            row = rows.setdefault(entry, {"name": r["name"], "metric": r["metric"], "n": r["n"]})
+            row = rows.setdefault(
+                entry, {"name": r["name"], "metric": r["metric"], "n": r["n"], "shots": r.get("shots")}
+            )
             row[model] = r["value"]
     return rows
 
