@@ -125,6 +125,43 @@ def test_export_with_tokenizer_loads_in_transformers(tmp_path):
     save_hf(model, tmp_path / "out2", tokenizer_dir=tmp_path / "tok")
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out2")
     assert hf_tok.eos_token == "<eos>" and hf_tok.eos_token_id == tok.token_to_id("<eos>")
+    # its id too, in config.json (transformers would default a Llama to eos 2: generate() would not stop at EOS)
+    (tmp_path / "tok" / "manifest.json").write_text(json.dumps({"eos_token": "<eos>", "eos_id": 1}))
+    save_hf(model, tmp_path / "out3", tokenizer_dir=tmp_path / "tok")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out3")
+    assert back.config.eos_token_id == back.generation_config.eos_token_id == tok.token_to_id("<eos>") == 1
+
+
+def test_export_keeps_the_special_token_ids_of_the_checkpoint_its_tokenizer_came_from(tmp_path):
+    """Continued training of a published checkpoint, sharded with its own tokenizer: the export's config.json has
+    the checkpoint's bos/eos/pad ids and its generation_config.json (they were dropped: transformers then gave a
+    Llama bos 1 / eos 2, and generation no longer stopped at the tokenizer's EOS). The shard set's manifest names
+    the tokenizer's source; the training export passes the shard set as tokenizer_dir."""
+    import transformers
+
+    from tests.helpers.models import stdlib_bpe
+
+    ckpt = tmp_path / "ckpt"
+    fast = stdlib_bpe(300)
+    fast.save_pretrained(ckpt)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(fast), bos_token_id=7, eos_token_id=fast.eos_token_id, pad_token_id=5,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(ckpt)
+    transformers.GenerationConfig(bos_token_id=7, eos_token_id=fast.eos_token_id, max_new_tokens=9).save_pretrained(
+        ckpt
+    )
+    shards = tmp_path / "shards"  # what the shard stage leaves: the tokenizer file and a manifest naming its source
+    shards.mkdir()
+    (shards / "tokenizer.json").write_bytes((ckpt / "tokenizer.json").read_bytes())
+    manifest = {"tokenizer": {"source": str(ckpt / "tokenizer.json")}, "eos_id": fast.eos_token_id}
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    model = load_hf(ckpt)
+    save_hf(model, tmp_path / "out", tokenizer_dir=shards)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert (back.config.bos_token_id, back.config.eos_token_id, back.config.pad_token_id) == (7, fast.eos_token_id, 5)
+    assert back.generation_config.max_new_tokens == 9 and back.generation_config.eos_token_id == fast.eos_token_id
 
 
 def test_shapes_contradicting_config_fail_in_one_line(tmp_path):

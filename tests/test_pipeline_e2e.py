@@ -115,6 +115,7 @@ def test_dag_continues_training_a_checkpoint_with_its_own_tokenizer(checkpoint_r
     back_tok = transformers.AutoTokenizer.from_pretrained(export)
     assert back_tok.get_vocab() == fast.get_vocab() and back_tok.eos_token == fast.eos_token
     assert back.config.vocab_size == hf.config.vocab_size
+    assert back.config.eos_token_id == hf.config.eos_token_id == fast.eos_token_id  # the checkpoint's, not Qwen2's
     assert not torch.equal(back.model.layers[0].mlp.down_proj.weight, hf.model.layers[0].mlp.down_proj.weight)
 
     # Quantize and evaluate: that export, calibrated and measured on the checkpoint tokenizer's shard set.

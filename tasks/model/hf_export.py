@@ -181,7 +181,7 @@ def export_from_checkpoint(
     at most FILE_BYTES, so every rank takes part). `stats` receives this rank's written_bytes and
     largest_tensor_bytes."""
     from tasks.fsutil import recover_dir, swap_dir
-    from tasks.model.hf_io import _copy_tokenizer, to_hf_config
+    from tasks.model.hf_io import _copy_tokenizer, write_config
     from tasks.model.model_dir import write_manifest
 
     ckpt, out = Path(ckpt), Path(out)
@@ -215,7 +215,7 @@ def export_from_checkpoint(
     barrier()
     if rank == 0:
         out_dtype = dtype or (files[0][0][2] if files else torch.float32)
-        (tmp / "config.json").write_text(json.dumps(to_hf_config(tcfg, out_dtype), indent=2) + "\n")
+        write_config(tmp, tcfg, out_dtype, tokenizer_dir)
         if len(files) > 1:
             weight_map = {_hf_name(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
             total = sum(_numel(s) * (dtype or d).itemsize for f in files for _, s, d in f)

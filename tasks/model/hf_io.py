@@ -86,7 +86,7 @@ def save_hf(
     recover_dir(path)  # a crash mid-swap or mid-write last time: restore the old export, drop temp directories
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(to_hf_config(tcfg, out_dtype), indent=2) + "\n")
+        write_config(tmp, tcfg, out_dtype, tokenizer_dir)
         _write_safetensors(tensors, tmp, save_file)
         if tokenizer_dir is not None:
             _copy_tokenizer(Path(tokenizer_dir), tmp)
@@ -159,6 +159,38 @@ def check_tokenizers(
         problem = identity_problem(quant_meta.get("tokenizer"), shard_dir, f"{stage}: the quantized model {quant_dir}")
     if problem:
         raise StageError(problem)
+
+
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def write_config(out: Path, tcfg, dtype, tokenizer_dir) -> None:
+    """config.json for `tcfg` with the tokenizer's special token ids, and the generation_config.json of the HF
+    directory the tokenizer came from (transformers defaults a Llama without them to bos 1 / eos 2: generate() would
+    not stop at the tokenizer's EOS)."""
+    cfg = to_hf_config(tcfg, dtype)
+    ids, generation = special_tokens(Path(tokenizer_dir)) if tokenizer_dir is not None else ({}, None)
+    cfg.update(ids)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if generation is not None:
+        shutil.copy2(generation, out / "generation_config.json")
+
+
+def special_tokens(tokenizer_dir: Path) -> tuple[dict, Path | None]:
+    """(bos/eos/pad ids, generation_config.json or None) for a model trained with this tokenizer: from the HF
+    directory it came from (its own, or a shard set's manifest `tokenizer.source`), else the shard set's EOS id."""
+    home = tokenizer_dir if (tokenizer_dir / "config.json").is_file() else None
+    manifest = tokenizer_dir / "manifest.json"
+    shard = json.loads(manifest.read_text()) if home is None and manifest.is_file() else {}
+    source = (shard.get("tokenizer") or {}).get("source") if isinstance(shard.get("tokenizer"), dict) else None
+    if source and (Path(source).parent / "config.json").is_file():
+        home = Path(source).parent
+    if home is None:
+        return ({"eos_token_id": shard["eos_id"]} if shard.get("eos_id") is not None else {}), None
+    hf = json.loads((home / "config.json").read_text())
+    ids = {k: hf[k] for k in SPECIAL_IDS if hf.get(k) is not None}
+    generation = home / "generation_config.json"
+    return ids, generation if generation.is_file() else None
 
 
 def _copy_tokenizer(src: Path, out: Path) -> None:
