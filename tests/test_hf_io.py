@@ -220,3 +220,27 @@ def test_hf_weights_reads_any_box_of_a_tensor(tmp_path, dtype):
     bias = torch.empty(3)
     source.fill("layers.0.attention.wq.bias", bias, (64,), (10,))
     assert torch.equal(bias, hf.model.layers[0].self_attn.q_proj.bias.detach()[10:13].float())
+
+
+def test_a_model_value_set_over_a_checkpoint_is_honoured_and_said(tmp_path, caplog):
+    """`--set model.rope_theta=… model.max_seq_len=…` with model.hf_path changed the published model in silence
+    (its step-1 loss moved, the export said the new values). It is still the user's to set — RoPE scaling for a
+    longer context is one reason — and now a warning names each value beside the checkpoint's own."""
+    import logging
+
+    from tasks.config import load_config
+    from tasks.model import from_pipeline
+    from tests.helpers.models import stdlib_bpe, tiny_qwen2
+
+    tiny_qwen2(tmp_path / "ckpt", tokenizer=stdlib_bpe(300))
+    published = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    caplog.set_level(logging.WARNING, logger="tasks")
+    plain = from_pipeline(load_config("ci-tiny", sets=[f"model.hf_path={tmp_path / 'ckpt'}"]))
+    ours = lambda: [r for r in caplog.records if r.name == "tasks"]  # noqa: E731
+    assert plain.rope_theta == published["rope_parameters"]["rope_theta"] != 12345.0 and not ours()
+    sets = [f"model.hf_path={tmp_path / 'ckpt'}", "model.rope_theta=12345", "model.max_seq_len=4096"]
+    tcfg = from_pipeline(load_config("ci-tiny", sets=sets))
+    assert (tcfg.rope_theta, tcfg.max_seq_len) == (12345.0, 4096)
+    [record] = ours()
+    assert f"model.rope_theta 12345.0 (its config.json: {plain.rope_theta!r})" in record.message
+    assert f"model.max_seq_len 4096 (its config.json: {plain.max_seq_len!r})" in record.message

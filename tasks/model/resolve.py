@@ -16,7 +16,9 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
     """
     mc = cfg.model
     if mc.hf_path:
-        tcfg = TransformerConfig.from_hf_config(repo_path(mc.hf_path), **mc.overrides())
+        published = TransformerConfig.from_hf_config(repo_path(mc.hf_path))
+        tcfg = published.override(**mc.overrides())
+        _say_overrides(mc.hf_path, published, tcfg)
     else:
         tcfg = TransformerConfig.from_preset(mc.preset, tokenizer_vocab=vocab_size, **mc.overrides())
     tcfg.validate()
@@ -37,3 +39,21 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
             f"data.seq_len: {seq_len} exceeds model max_seq_len {tcfg.max_seq_len}; set model.max_seq_len >= {seq_len}"
         )
     return tcfg
+
+
+_SAID: set = set()
+
+
+def _say_overrides(path, published: TransformerConfig, tcfg: TransformerConfig) -> None:
+    """A model.* value set over a checkpoint's own config.json changes the published model (its RoPE, its context):
+    honoured, and said once per process — training, the export and everything after use the set value."""
+    changed = [
+        f"model.{k} {getattr(tcfg, k)!r} (its config.json: {getattr(published, k)!r})"
+        for k in published.__dataclass_fields__
+        if getattr(tcfg, k) != getattr(published, k)
+    ]
+    if changed and (str(path), tuple(changed)) not in _SAID:
+        from tasks.logs import log
+
+        _SAID.add((str(path), tuple(changed)))
+        log.warning(f"model.hf_path {path}: {'; '.join(changed)} — set over the checkpoint; trained and exported so")
