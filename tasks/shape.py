@@ -173,7 +173,9 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     family = ARCHITECTURES[arch]
     moe = _moe_from_hf(hf) if family == "qwen2_moe" else {}
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    # Both keys may be there (transformers 5 writes rope_parameters, older files rope_scaling): any scaling refuses.
+    types = [d.get("rope_type", d.get("type")) for d in (hf.get("rope_parameters"), hf.get("rope_scaling")) if d]
+    rope_type = next((t for t in types if t not in (None, "default")), "default")
     heads = hf["num_attention_heads"]
     unsupported = {
         f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") != "silu",

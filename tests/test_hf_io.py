@@ -244,3 +244,45 @@ def test_a_model_value_set_over_a_checkpoint_is_honoured_and_said(tmp_path, capl
     [record] = ours()
     assert f"model.rope_theta 12345.0 (its config.json: {plain.rope_theta!r})" in record.message
     assert f"model.max_seq_len 4096 (its config.json: {plain.max_seq_len!r})" in record.message
+
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+}
+
+
+@pytest.mark.parametrize(
+    "setting, said",
+    [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type 'llama3'"),  # Llama 3.1's
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type 'yarn'"),
+        # both keys (transformers 5 writes rope_parameters; an older rope_scaling beside it still scales)
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "linear"}},
+            "'linear'",
+        ),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"attention_bias": True}, "attention_bias (o_proj bias)"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"head_dim": 32}, "head_dim != hidden_size / heads"),
+    ],
+)
+def test_a_checkpoint_setting_the_model_does_not_compute_is_refused_in_one_line(tmp_path, setting, said):
+    """What config.json asks for and the model would silently not compute (a scaled RoPE, another activation, a bias)
+    stops the run naming the file and the setting."""
+    from tasks.shape import TransformerConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA, **setting}))
+    with pytest.raises(StageError) as e:
+        TransformerConfig.from_hf_config(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'config.json'}: LlamaForCausalLM: unsupported setting ")
+    assert said in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    assert TransformerConfig.from_hf_config(tmp_path).n_heads == 4  # the same file without it loads
