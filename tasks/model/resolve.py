@@ -26,7 +26,8 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
         raise ConfigError(
             f"model.hf_path: the shard set's tokenizer has {vocab_size} tokens but the checkpoint's "
             f"embedding only {tcfg.vocab_size}; shard with the checkpoint's own tokenizer "
-            f"(data.tokenizer={mc.hf_path})"
+            f"(data.tokenizer={mc.hf_path}) — if that is the one, the checkpoint's tokenizer and its config.json's "
+            "vocab_size disagree: fix the checkpoint"
         )
     if vocab_size and vocab_size > tcfg.vocab_size:
         raise ConfigError(
