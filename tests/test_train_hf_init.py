@@ -126,6 +126,7 @@ def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_pa
         ConfigError,
         match=r"model.hf_path: the shard set's tokenizer has 512 tokens but the "
         r"checkpoint's embedding only 256; shard with the checkpoint's own "
-        r"tokenizer \(data.tokenizer=.*small\)$",
+        r"tokenizer \(data.tokenizer=.*small\) — if that is the one, the checkpoint's tokenizer and its config.json's "
+        r"vocab_size disagree: fix the checkpoint$",
     ):
         train.prepare(c, context(tmp_path / "run", shards))
