@@ -141,6 +141,13 @@ def _unknown(owner, names: list[str], value) -> list[str]:
     return [f"{names[0]}{k}: unknown section {names[0]!r}{hint} (known: {', '.join(sections)})" for k in keys]
 
 
+def _nearest(value, choices) -> str:
+    """`; did you mean kubernetes?` for a misspelled string choice ('' when none is close, or not a string)."""
+    names = {c.lower(): c for c in choices if isinstance(c, str)}  # BF16 → bf16 too
+    close = difflib.get_close_matches(value.lower(), list(names), n=1) if isinstance(value, str) and names else []
+    return f"; did you mean {names[close[0]]}?" if close else ""
+
+
 def _bounds(metadata) -> dict:
     return {k: getattr(m, k) for m in metadata for k in ("ge", "gt", "le", "lt") if getattr(m, k, None) is not None}
 
@@ -183,7 +190,7 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
                 f"{'.'.join(names)}: {from_text(raw.get(names[-1]), ann)!r} must be a non-empty list of "
                 f"{', '.join(map(str, choices))}"
                 if item is not None
-                else f"{where}: {value!r} is not one of {', '.join(map(str, choices))}"
+                else f"{where}: {value!r} is not one of {', '.join(map(str, choices))}{_nearest(value, choices)}"
             )
         elif kind.startswith(("greater_than", "less_than")):
             shown = f"{value:.6g}" if isinstance(value, int) and abs(value) >= 10**15 else value  # 1e24, not 9999…784

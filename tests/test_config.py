@@ -52,6 +52,8 @@ def test_digest_tracks_content():
     [
         (["train.steps=0"], "train.steps: 0 must be in [1, 1000000000]"),
         (["parallel.recompute=sometimes"], "parallel.recompute: 'sometimes' is not one of none, selective, full"),
+        (["hardware.launcher=kubernets"], "'kubernets' is not one of local, kubernetes; did you mean kubernetes?"),
+        (["train.precision=BF16"], "'BF16' is not one of fp32, bf16, fp16; did you mean bf16?"),
         (["data.seq_len=abc"], "data.seq_len: expected an integer, got 'abc'"),
         (["data.nope=1"], "data.nope: unknown key"),
         (["nosection.x=1"], "nosection.x: unknown section"),
