@@ -28,6 +28,7 @@ STDLIB = "stdlib"
 TEXT_SUFFIXES = {".txt", ".text", ".md", ".rst"}
 WALK_SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".parquet"}  # what a directory walk picks up (plus .gz of these)
 STDLIB_SUFFIXES = {".py", ".txt", ".rst"}
+_RECORD_LOOKALIKES = {".json", ".ndjson", ".csv", ".tsv"}  # given as files: one text document each (warned)
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _SNIFF_BYTES = 8192
 _CHUNK = 1 << 20
@@ -68,6 +69,18 @@ def stdlib_files() -> list[Path]:
 
 
 def _walk(directory: Path) -> list[Path]:
+    """A directory's corpus files. Like a glob's `**`, the walk does not follow symlinked directories (a loop would
+    never end): those it passes are named in one warning line, so that a linked-in part of the corpus is not lost
+    unnoticed."""
+    links = [Path(d, n) for d, dirs, _ in os.walk(directory) for n in dirs if os.path.islink(os.path.join(d, n))]
+    if links:
+        log.warning(
+            "input %s: symlinked directories are not followed (%d skipped, e.g. %s); give them as inputs of their "
+            "own to include them",
+            directory,
+            len(links),
+            links[0],
+        )
     return sorted(
         p
         for p in directory.rglob("*")
@@ -123,6 +136,12 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
         elif path.is_dir():
             files += _walk(path)
         elif path.is_file():
+            if _kind_suffix(path) in _RECORD_LOOKALIKES:
+                log.warning(
+                    "input %s is read as one text document (only .jsonl lines and .parquet rows are records); "
+                    "rename JSON Lines to .jsonl, convert other tables to .jsonl or .parquet",
+                    spec,
+                )
             files.append(path)
         else:
             raise DataPrepError(f"input {spec} does not exist")
@@ -303,5 +322,7 @@ def iter_documents(
                 except OSError as e:
                     digest = f"unreadable {type(e).__name__}"
                 raw.close()
-            if digests is not None:
-                digests.append(digest or "unreadable")
+            if digests is not None:  # how the bytes were read is part of what they mean: the same bytes as a
+                # .json (one text document) and as a .jsonl (a document a line) are two corpora, two versions
+                reader = "" if kind not in (".jsonl", ".parquet") else f"{kind[1:]}:"
+                digests.append(reader + (digest or "unreadable"))

@@ -126,14 +126,35 @@ def build_key(files: list[Path], cfg: ShardConfig, partitions: int, stats=None) 
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 
+def intact(shard_dir: Path) -> bool:
+    """A published set may be trusted as a cache hit: its manifest loads, its tokenizer files' sha256 and every
+    shard's size match it (a stat per shard: a cache hit still reads no shard; bytes changed in place are the
+    loader's crc32 to catch). A damaged set is moved aside (kept for inspection, named in
+    one warning line), so that the build that follows writes the set again instead of handing out the damaged one."""
+    from data_prep.manifest import check_files, load_manifest
+
+    if not (shard_dir / MANIFEST).is_file():
+        return False
+    try:
+        manifest = load_manifest(shard_dir)
+        for split in manifest["splits"]:
+            check_files(shard_dir, manifest, split)
+    except DataPrepError as e:
+        aside = shard_dir.with_name(f"{shard_dir.name}.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.rename(shard_dir, aside)
+        log.warning("published shard set %s is damaged (%s): moved to %s; building it again", shard_dir, e, aside)
+        return False
+    return True
+
+
 def lookup(out_dir: Path, key: str) -> Path | None:
-    """The shard set published for this build key, if it is still there."""
+    """The shard set published for this build key, if it is still there, whole."""
     try:
         version = (out_dir / INDEX / key).read_text(encoding="utf-8").strip()
     except OSError:
         return None
     found = out_dir / version
-    return found if version and (found / MANIFEST).is_file() else None
+    return found if version and intact(found) else None
 
 
 def remember(out_dir: Path, key: str, version: str) -> None:
@@ -159,7 +180,7 @@ def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
     directory = out_dir / f".tmp-{key}"
     if (directory / PUBLISHED).is_file():  # published, then killed before it cleaned up
         version = (directory / PUBLISHED).read_text().strip()
-        if ((out_dir / version) / MANIFEST).is_file():
+        if intact(out_dir / version):
             remember(out_dir, key, version)
             shutil.rmtree(directory, ignore_errors=True)
             return Prepared(None, out_dir / version, key)

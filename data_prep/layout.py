@@ -21,8 +21,8 @@ from data_prep import fsio
 from data_prep.clean import SPLITS, TRAIN, VAL
 from data_prep.corpus import CorpusStats, content_key
 from data_prep.errors import DataPrepError
-from data_prep.job import Job
-from data_prep.manifest import FORMAT, MANIFEST
+from data_prep.job import Job, intact
+from data_prep.manifest import FORMAT
 from data_prep.pack import plan_shards, window_order
 from data_prep.partition import load_partition
 
@@ -74,7 +74,7 @@ def _layout(job: Job, writers: int) -> dict:
     version = version_name(content, job)
     if stats.documents_out == 0:
         raise _empty_corpus(len(job.files), stats)
-    if (job.out_dir / version / MANIFEST).is_file():  # the same contents were published (copied or touched)
+    if intact(job.out_dir / version):  # the same contents were published (copied or touched)
         return {"version": version, "published": True, "content_key": content}
 
     window = cfg.seq_len + 1
@@ -118,6 +118,7 @@ def _layout(job: Job, writers: int) -> dict:
             f"{stats.undecodable} document(s) are not valid UTF-8 (first in {first_bad}): {what} "
             f"(data.on_decode_error={cfg.on_decode_error}); convert the files to UTF-8 to keep their text"
         )
+    warnings += skipped_warnings(stats)
     for w in warnings:
         log.warning("%s", w)
     n = max(1, min(writers, len(shards)))
@@ -195,9 +196,44 @@ def _npy(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+_SKIPS = {  # counter → (what was skipped, the fix)
+    "binary_files": (
+        "file(s) skipped as binary (NUL bytes in the first 8 KiB: UTF-16/32 text?)",
+        "convert them to UTF-8",
+    ),
+    "unreadable_files": (
+        "file(s) skipped as unreadable (the log names each)",
+        "repair them or remove them from data.inputs",
+    ),
+    "too_long": ("document(s) longer than data.max_chars skipped", "raise data.max_chars or split the files"),
+    "bad_records": (
+        "record(s) without a string data.text_field skipped",
+        "set data.text_field to the records' text key",
+    ),
+}
+
+
+def skipped_warnings(stats: CorpusStats) -> list[str]:
+    """One line for each kind of input that was dropped whole (the manifest's warnings, the stage's status)."""
+    return [
+        f"{getattr(stats, k)} {what}: not in the shard set; {fix}"
+        for k, (what, fix) in _SKIPS.items()
+        if getattr(stats, k)
+    ]
+
+
 def _empty_corpus(files: int, stats: CorpusStats) -> DataPrepError:
     skipped = ", ".join(f"{k} {v}" for k, v in stats.as_dict().items() if v and k not in ("files", "documents_out"))
-    return DataPrepError(f"empty corpus: no document kept from {files} input file(s) ({skipped or 'all empty'})")
+    fixes = {
+        "too_short": "lower data.min_chars",
+        "undecodable": "convert to UTF-8 or set data.on_decode_error=replace",
+        **{k: fix for k, (_, fix) in _SKIPS.items()},
+    }
+    hint = "; ".join(dict.fromkeys(f for k, f in fixes.items() if getattr(stats, k)))
+    return DataPrepError(
+        f"empty corpus: no document kept from {files} input file(s) ({skipped or 'all empty'})"
+        + (f"; {hint}" if hint else "")
+    )
 
 
 def discard(job: Job) -> None:

@@ -138,7 +138,7 @@ class _Stream(IterableDataset):
         if crc != self.entries[index]["samples_crc32"]:
             raise CorruptShardError(
                 f"shard {url} is corrupt: its samples' crc32 differs from the manifest (bytes changed in place); "
-                "rebuild the shard set"
+                f"remove {self.shard_dir} and rerun the shard stage to rebuild it"
             )
         order = (
             np.random.default_rng([self.seed, epoch, index]).permutation(len(group))

@@ -99,11 +99,17 @@ def check_files(shard_dir: str | Path, manifest: dict, split: str, sha256: bool 
     for entry in shards(manifest, split):
         path = Path(shard_dir) / entry["name"]
         if not path.is_file():
-            raise CorruptShardError(f"shard {path} is missing")
+            raise CorruptShardError(
+                f"shard {path} is missing; rerun the shard stage to rebuild the set (or restore it)"
+            )
         size = path.stat().st_size
         if size != entry["bytes"]:
             raise CorruptShardError(
-                f"shard {path} is truncated or altered: {size} bytes, manifest says {entry['bytes']}"
+                f"shard {path} is truncated or altered: {size} bytes, manifest says {entry['bytes']}; rerun the "
+                "shard stage to rebuild the set (or restore it)"
             )
         if sha256 and sha256_file(path) != entry["sha256"]:
-            raise CorruptShardError(f"shard {path} is corrupt: sha256 differs from the manifest")
+            raise CorruptShardError(
+                f"shard {path} is corrupt: sha256 differs from the manifest; remove {shard_dir} and rerun the shard "
+                "stage to rebuild it"
+            )

@@ -49,7 +49,14 @@ def plan_shards(windows: int, seq_len: int, dtype: np.dtype, shard_size_mb: floa
             f"samples; some ranks/workers will read more shards than others"
         )
     per_shard = windows // shards
-    return ShardPlan(shards, per_shard, windows - shards * per_shard, warning)
+    dropped = windows - shards * per_shard
+    if dropped * 20 > windows:  # < one per shard, but with ~1 sample a shard that is up to half the data
+        warning = (warning + "; " if warning else "") + (
+            f"{dropped} of {windows} windows ({100 * dropped / windows:.0f} %) left out so that every one of "
+            f"{shards} shards holds {per_shard}; raise data.shard_size_mb (a shard holds "
+            f"{shard_size_mb * 1e6 / sample_bytes(seq_len, dtype):.1f} samples of {seq_len + 1} tokens)"
+        )
+    return ShardPlan(shards, per_shard, dropped, warning)
 
 
 def window_order(windows: int, seed: int) -> np.ndarray:
