@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,6 +51,11 @@ def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None,
         preset = (read_json(cli).get("preset") if cli and cli.is_file() else None) or None
         if preset:
             log.info(f"config: this run directory's ({preset}, from {cli}); --config to choose another")
+        elif run_dir and run_dir.strip() and os.environ.get("LLM_PIPELINE_PRESET"):  # not the default: said
+            log.info(
+                f"config: {os.environ['LLM_PIPELINE_PRESET']} (from $LLM_PIPELINE_PRESET): no --config and none "
+                f"recorded in {run_dir}; --config to choose another"
+            )
         return preset, None
     log.info(f"config: the DAG run's ({recorded['preset']} with its Params, from {marker}); --config to choose another")
     return recorded["preset"], recorded.get("overrides") or {}
@@ -126,8 +132,11 @@ def main(argv=None) -> int:
             )
         from tasks.pipeline import DAG_RUN_FILE
 
-        if args.config is not None and not (Path(run_dir) / DAG_RUN_FILE).is_file():  # a DAG run's has its own
-            remember_config(run_dir, args.config)
+        chosen = args.config
+        if chosen is None and not (Path(run_dir) / CLI_CONFIG_FILE).is_file():
+            chosen = os.environ.get("LLM_PIPELINE_PRESET")  # the next stage here must not fall back to demo-cpu
+        if chosen is not None and not (Path(run_dir) / DAG_RUN_FILE).is_file():  # a DAG run's has its own
+            remember_config(run_dir, chosen)
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
         result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
     except StageError as e:

@@ -529,9 +529,15 @@ def load_yaml(path: Path) -> dict:
 def load_config(preset_or_path: str | None = None, overrides: dict | None = None, sets=()) -> PipelineConfig:
     path = resolve_preset(preset_or_path)
     explicit = {**_flatten(overrides or {}), **parse_sets(sets)}
-    cfg = _validated(
-        {**_flatten(load_yaml(path)), **explicit, "preset": str(path.stem if path.parent == CONFIG_DIR else path)}
-    )
+    preset = load_yaml(path)
+    if "preset" in explicit:  # it would be replaced below, silently: the preset is chosen, not set
+        raise ConfigError(
+            f"preset={explicit['preset']}: the preset is chosen with --config {explicit['preset']} (the DAG's preset "
+            "Param), not as a value"
+        )
+    if "preset" in preset:
+        raise ConfigError(f"{path}: a top-level 'preset' key is ignored (the file is the preset); remove it")
+    cfg = _validated({**_flatten(preset), **explicit, "preset": str(path.stem if path.parent == CONFIG_DIR else path)})
     cfg.explicit.update(explicit)
     return cfg
 

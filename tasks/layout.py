@@ -61,9 +61,22 @@ class Layout:
         return dataclasses.asdict(self)
 
 
+EXPLICIT_LAYOUT = {  # Layout field → the config key whose explicit value (--set, DAG Params) the plan must not replace
+    "zero": "parallel.zero",
+    "recompute": "parallel.recompute",
+    "pp_schedule": "parallel.pp_schedule",
+    "microbatches": "parallel.microbatches",
+    "micro_batch": "train.micro_batch",
+    "virtual_stages": "parallel.virtual_stages",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "ep": "parallel.ep",
+}
+
+
 def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
     """Pinned degrees (cfg.parallel.dp/tp/pp > 0) win; unpinned ones come from the planner's choice, else
-    tp = pp = 1 and dp fills the world. With a plan, its zero/recompute/schedule/micro-batch apply too."""
+    tp = pp = 1 and dp fills the world. With a plan, its zero/recompute/schedule/micro-batch apply too, except where
+    the config's value was set explicitly (EXPLICIT_LAYOUT: the plan stage searched only that value)."""
     par, train = cfg.parallel, cfg.train
     lay = Layout(
         dp=par.dp,
@@ -81,21 +94,13 @@ def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
         ep=getattr(par, "ep", 1) or 1,
     )
     chosen = (plan_result or {}).get("parallel") or {}
+    explicit = getattr(cfg, "explicit", {})
     if 0 in (par.dp, par.tp, par.pp) and chosen:
         for key in ("dp", "tp", "pp"):
             if getattr(lay, key) == 0 and chosen.get(key):
                 setattr(lay, key, int(chosen[key]))
-        for key in (
-            "zero",
-            "recompute",
-            "pp_schedule",
-            "microbatches",
-            "micro_batch",
-            "virtual_stages",
-            "sequence_parallel",
-            "ep",
-        ):
-            if chosen.get(key) not in (None, ""):
+        for key, dotted in EXPLICIT_LAYOUT.items():  # what --set / the DAG's Params set explicitly wins
+            if chosen.get(key) not in (None, "") and dotted not in explicit:
                 setattr(lay, key, type(getattr(lay, key))(chosen[key]))
     lay.tp = lay.tp or 1
     lay.pp = lay.pp or 1

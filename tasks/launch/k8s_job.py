@@ -118,7 +118,10 @@ def pod_command(cfg: PipelineConfig, run_dir: Path, config_file: Path, name: str
     # so a data.seq_len that differs from the shard set's fails in the pod as it would here.
     from tasks.runner import FROM_SHARD_SET
 
-    sets.update({k: get(cfg, k) for k in FROM_SHARD_SET if k in cfg.explicit})
+    # Likewise the layout values the caller set (tasks.layout.EXPLICIT_LAYOUT): the plan's never replace them.
+    from tasks.layout import EXPLICIT_LAYOUT
+
+    sets.update({k: get(cfg, k) for k in (*FROM_SHARD_SET, *EXPLICIT_LAYOUT.values()) if k in cfg.explicit})
     args = ["python", "-m", "tasks", stage, "--config", str(config_file), "--run-dir", str(run_dir)]
     for key, value in sets.items():
         args += ["--set", f"{key}={value}"]
@@ -165,7 +168,9 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     config_file = run_dir / "k8s" / f"{name}.yaml"
     pod_cfg = copy.deepcopy(cfg)
     pod_cfg.tracking.uri = ""  # the pods take MLFLOW_TRACKING_URI (and credentials) from the llm-mlflow secret
-    atomic_write_text(config_file, yaml.safe_dump(pod_cfg.to_dict(), sort_keys=False))
+    # The file is the pods' preset: no `preset` key in it (a preset file naming a preset is refused: config.py)
+    body = {k: v for k, v in pod_cfg.to_dict().items() if k != "preset"}
+    atomic_write_text(config_file, yaml.safe_dump(body, sort_keys=False))
 
     service, job = copy.deepcopy(list(yaml.safe_load_all(TEMPLATE.read_text(encoding="utf-8"))))
     n = pods(stage, cfg)

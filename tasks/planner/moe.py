@@ -221,8 +221,12 @@ def candidates(pb: MoeProblem):
             None,
         )
         return
+    pinned_ep = pb.pins.get("ep")
+    if pinned_ep and (dp % pinned_ep or pb.shape.n_experts % pinned_ep):  # never reached by the loop below
+        yield {"dp": dp, "ep": pinned_ep}, f"pinned {layout_problem(pb, dp, pinned_ep)}", None
+        return
     for ep in [d for d in range(1, dp + 1) if dp % d == 0]:
-        if pb.pins.get("ep") and pb.pins["ep"] != ep:
+        if pinned_ep and pinned_ep != ep:
             continue
         why = layout_problem(pb, dp, ep)
         if why:

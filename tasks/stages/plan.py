@@ -41,8 +41,9 @@ _CLUSTER_FLAGS = ("cluster", "nodes", "devices_per_node", "device_memory_gb")
 _TRAINING_FLAGS = (("seq_len", "seq", "--seq-len"), ("global_batch", "global batch", "--global-batch"))
 
 
-def _positive(kind):
-    """argparse type: a number > 0; integers may be written 13e9."""
+def _positive(kind, most: float = float("inf")):
+    """argparse type: a number > 0 (at most `most`: the bound of the config field the flag stands for); integers
+    may be written 13e9."""
 
     def parse(text: str):
         try:
@@ -51,6 +52,8 @@ def _positive(kind):
             value = 0.0
         if not (0 < value < float("inf")) or (kind is int and value != int(value)):
             raise argparse.ArgumentTypeError(f"{text} must be a {'whole ' if kind is int else ''}number > 0")
+        if value > most:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {int(most) if most == int(most) else most}")
         return kind(value)
 
     return parse
@@ -82,20 +85,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("cluster (default: the config's hardware.*)")
     g.add_argument("--cluster", default=None, choices=sorted(CLUSTERS), help="cluster preset")
-    g.add_argument("--nodes", type=_positive(int), default=None)
-    g.add_argument("--devices-per-node", type=_positive(int), default=None)
-    g.add_argument("--device-memory-gb", type=_positive(float), default=None)
+    g.add_argument("--nodes", type=_positive(int, 4096), default=None)
+    g.add_argument("--devices-per-node", type=_positive(int, 1024), default=None)
+    g.add_argument("--device-memory-gb", type=_positive(float, 1e5), default=None)
     g = parser.add_argument_group("training (default: data.seq_len, train.*, parallel.*, plan.*)")
-    g.add_argument("--seq-len", type=_positive(int), default=None)
-    g.add_argument("--global-batch", type=_positive(int), default=None)
-    g.add_argument("--micro-batch", type=_positive(int), default=None, help="fix the micro-batch (default: search)")
+    g.add_argument("--seq-len", type=_positive(int, 1 << 20), default=None)
+    g.add_argument("--global-batch", type=_positive(int, 1 << 24), default=None)
+    g.add_argument(
+        "--micro-batch", type=_positive(int, 1 << 20), default=None, help="fix the micro-batch (default: search)"
+    )
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=None, help="fix the ZeRO stage")
     g.add_argument("--recompute", choices=["none", "selective", "full"], default=None)
     g.add_argument("--dp", type=_positive(int), default=None, help="pin the data-parallel degree")
     g.add_argument("--tp", type=_positive(int), default=None, help="pin the tensor-parallel degree")
     g.add_argument("--pp", type=_positive(int), default=None, help="pin the pipeline-parallel degree")
     g.add_argument("--precision", choices=sorted(PRECISION_BYTES), default=None)
-    g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    g.add_argument("--optimizer", choices=["adamw", "sgd"], default=None, help="default: train.optimizer")
 
 
 def _arg(ctx, name):
@@ -148,12 +153,16 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
         shard = ctx.inputs.get("shard") or {}
         vocab = shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
         tcfg, name = from_pipeline(c, vocab_size=vocab), cfg.model.hf_path or cfg.model.preset
+    if tcfg.n_experts and shape:  # the MoE planner takes no shape flags: refused, never a silent dense model
+        raise StageError(
+            f"{', '.join('--' + f.replace('_', '-') for f, v in _SHAPE_FLAGS.items() if v in shape)}: {name} is a "
+            "mixture of experts, which shape flags cannot change here; plan it with --config PRESET --set "
+            "model.n_layers=… (model.dim, model.n_experts, …)"
+        )
     if shape and name != "custom":  # a preset or HF config with some numbers changed is a custom model too
         if "n_heads" in shape and "n_kv_heads" not in shape:
             shape["n_kv_heads"] = shape["n_heads"]  # explicit heads without --kv-heads: plain multi-head attention
         rule, name = f"from {name}", "custom"
-    if tcfg.n_experts:  # shape flags describe dense models (_moe_model): a MoE preset's dense part, its dense MLPs
-        shape.update(family="qwen2", n_experts=0)
     tcfg = dataclasses.replace(tcfg, **shape).validate()
     n = num_params(tcfg)
     return (
@@ -236,8 +245,15 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
         pins = {k: getattr(cfg.parallel, k) for k in ("dp", "tp", "pp") if getattr(cfg.parallel, k)}
     pinned = config_pins and len(pins) == 3 and not what_if and not any(_arg(ctx, k) for k in ("dp", "tp", "pp"))
     par = cfg.parallel
-    mb = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if pinned else None)
+    # What the user set explicitly (--set, DAG Params) is honoured like the flag of the same name: training keeps it
+    # (tasks.layout.resolve), so the plan must size that value, not search over it.
+    ex = cfg.explicit
+    mb = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if pinned or "train.micro_batch" in ex else None)
     zero, rc = _arg(ctx, "zero"), _arg(ctx, "recompute")
+    if zero is None and "parallel.zero" in ex:
+        zero = par.zero
+    if rc is None and "parallel.recompute" in ex:
+        rc = par.recompute
     pb = Problem(
         cluster=_cluster(cfg, ctx),
         shape=shape,
@@ -245,11 +261,11 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
         seq_len=seq_len,
         global_batch=_arg(ctx, "global_batch") or cfg.train.global_batch,
         precision=_arg(ctx, "precision") or cfg.train.precision,
-        optimizer=_arg(ctx, "optimizer") or "adamw",
+        optimizer=_arg(ctx, "optimizer") or cfg.train.optimizer,
         micro_batches=[mb] if mb else [],
         zero_stages=[zero] if zero is not None else ([par.zero] if pinned else list(cfg.plan.zero_stages)),
         recompute=[rc] if rc else ([par.recompute] if pinned else list(cfg.plan.recompute)),
-        schedules=[par.pp_schedule] if pinned else list(cfg.plan.schedules),
+        schedules=[par.pp_schedule] if pinned or "parallel.pp_schedule" in ex else list(cfg.plan.schedules),
         virtual=par.virtual_stages,
         sequence_parallel=par.sequence_parallel,
         flash_attention=cfg.plan.flash_attention and _fused_attention(cfg),
@@ -280,7 +296,7 @@ def _moe_model(cfg: PipelineConfig, ctx):
     """The TransformerConfig when the model to plan is a mixture of experts (planned by tasks/planner/moe.py),
     else None. Shape flags and --params describe dense models."""
     if any(_arg(ctx, f) is not None for f in ("params", "family", *_SHAPE_FLAGS)):
-        return None
+        return None  # shape flags: a custom architecture, or a refusal in _model for a mixture of experts
     from tasks.model.resolve import from_pipeline
     from tasks.shape import TransformerConfig
 
@@ -327,6 +343,21 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         pins = {k: getattr(par, k) for k in ("dp", "ep") if getattr(par, k) > (k == "ep")}
     if _arg(ctx, "dp"):
         pins["dp"] = _arg(ctx, "dp")
+    ex = cfg.explicit
+    zero = _arg(ctx, "zero")
+    zero = par.zero if zero is None and "parallel.zero" in ex else zero
+    rc = _arg(ctx, "recompute") or (par.recompute if "parallel.recompute" in ex else None)
+    recompute = [rc] if rc else list(cfg.plan.recompute)
+    if "selective" in recompute:
+        if rc or recompute == ["selective"]:
+            raise StageError(
+                f"{'--recompute' if _arg(ctx, 'recompute') else 'parallel.recompute / plan.recompute'} selective: "
+                "the mixture-of-experts planner sizes recompute none or full only; choose one of those"
+            )
+        recompute.remove("selective")
+    mb = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if "train.micro_batch" in ex else None)
+    tp_pp = {k: getattr(par, k) for k in ("tp", "pp") if not what_if and getattr(par, k) > 1}
+    tp_pp.update({k: _arg(ctx, k) for k in ("tp", "pp") if _arg(ctx, k)})
     seq_len = _arg(ctx, "seq_len") or cfg.data.seq_len
     global_batch = _arg(ctx, "global_batch") or cfg.train.global_batch
     pb = moe.MoeProblem(
@@ -335,15 +366,18 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         seq_len,
         global_batch,
         precision=_arg(ctx, "precision") or cfg.train.precision,
+        optimizer=_arg(ctx, "optimizer") or cfg.train.optimizer,
         capacity_factor=tcfg.capacity_factor,
-        zero_stages=list(cfg.plan.zero_stages) or [3],
-        recompute=[r for r in cfg.plan.recompute if r != "selective"] or ["none"],
+        zero_stages=[zero] if zero is not None else list(cfg.plan.zero_stages),
+        recompute=recompute,
+        micro_batches=[mb] if mb else [],
+        flash_attention=cfg.plan.flash_attention and _fused_attention(cfg),
         efficiency=cfg.plan.efficiency,
         pins=pins,
         sequence_parallel=par.sequence_parallel,
         pp_schedule=par.pp_schedule,
         virtual_stages=par.virtual_stages,
-        **{k: getattr(par, k) for k in ("tp", "pp") if not what_if and getattr(par, k) > 1},
+        **tp_pp,
     )
     result = moe.search(pb)
     desc = (
@@ -358,7 +392,39 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
     return pb, desc, doc, moe.render(result, header, cfg.plan.top_k), result
 
 
+def _shard_seq_len(cfg: PipelineConfig, ctx) -> None:
+    """In a run directory with a shard set, plan the sequence length train will use: the shard set's (as
+    tasks.runner.shard_set makes every stage that reads it), unless data.seq_len was set explicitly to another."""
+    seq = (ctx.inputs.get("shard") or {}).get("seq_len")
+    if not seq or seq == cfg.data.seq_len or _arg(ctx, "seq_len"):
+        return
+    if "data.seq_len" in cfg.explicit:
+        raise StageError(
+            f"data.seq_len: {cfg.data.seq_len} differs from the shard set's {seq}; leave it unset to use the shard "
+            "set's, or plan another length with --seq-len"
+        )
+    cfg.data.seq_len = seq
+
+
+def _model_sets_unused(cfg: PipelineConfig, ctx) -> None:
+    """A what-if model (--model, --hf-config, --params, shape flags) replaces the config's: a model.* value set
+    explicitly for this run would be dropped without a word, so it is refused in one line."""
+    from tasks.config import SHAPE_OVERRIDES
+
+    flags = [f"--{f.replace('_', '-')}" for f in _MODEL_FLAGS if _arg(ctx, f) is not None]
+    dropped = sorted(
+        k for k in cfg.explicit if k.partition(".")[0] == "model" and k.partition(".")[2] in SHAPE_OVERRIDES
+    )
+    if flags and dropped:
+        raise StageError(
+            f"{', '.join(dropped)}: set for the config's model, which {'/'.join(flags)} replaces in this plan; "
+            "give the shape as flags (--layers, --hidden, --heads, --kv-heads, --ffn, --vocab), or drop the flag"
+        )
+
+
 def run(cfg: PipelineConfig, ctx) -> dict:
+    _model_sets_unused(cfg, ctx)
+    _shard_seq_len(cfg, ctx)
     moe = _moe_model(cfg, ctx)
     pinned = False
     if moe is not None:

@@ -314,7 +314,11 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> i
             else None
         )
     run = dataclasses.replace(lay, micro_batch=lay.local_batch // m, microbatches=m)
-    return int(estimate(tcfg, cfg.data.seq_len, run, cfg.train.precision, reserve_bytes=reserve)["total_bytes"])
+    return int(
+        estimate(tcfg, cfg.data.seq_len, run, cfg.train.precision, cfg.train.optimizer, reserve_bytes=reserve)[
+            "total_bytes"
+        ]
+    )
 
 
 def run(cfg: PipelineConfig, ctx) -> dict:
