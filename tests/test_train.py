@@ -70,6 +70,10 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
 
     again = run_stage("train", c, run_dir, args=args)  # complete: nothing is retrained
     assert again["reused"] and again["steps"] == 6
+    # fewer steps than this run directory already trained: refused, never step-6's model handed back as 4 steps'
+    shorter = configure(c, **{"train.steps": 4})
+    with pytest.raises(StageError, match=r"train.steps: 4, but .* already holds checkpoint step-6, trained past it"):
+        run_stage("train", shorter, run_dir, args=args)
 
 
 @pytest.mark.slow

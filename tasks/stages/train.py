@@ -332,6 +332,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         last = (ckpt.step_of(spec["resume_from"]), spec["resume_from"]) if spec.get("resume_from") else None
     else:
         last = ckpt.latest(run_dir / "checkpoints")
+    if last and last[0] > cfg.train.steps:  # handing back step-N's model as train.steps' would be silent
+        raise StageError(
+            f"train.steps: {cfg.train.steps}, but {run_dir} already holds checkpoint {Path(last[1]).name}, trained "
+            "past it; use a new --run-dir for a shorter run, or raise train.steps to continue this one"
+        )
     finished = last and (last[0] >= cfg.train.steps or stopped_early(cfg, last[1]))
     if finished and (not export or (run_dir / "hf" / "config.json").is_file()):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
