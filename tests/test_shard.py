@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,7 +23,7 @@ from data_prep.build import build_shard_set
 from data_prep.clean import VAL, clean_documents
 from data_prep.config import ShardConfig
 from data_prep.corpus import CorpusStats, resolve_inputs
-from data_prep.errors import DataPrepError
+from data_prep.errors import CorruptShardError, DataPrepError
 from data_prep.manifest import check_files, load_manifest
 from tests.helpers.shards import CORPUS, shard_cfg, tree_bytes
 
@@ -529,3 +530,122 @@ def test_encoding_leaves_tokenizers_parallelism_as_it_was(monkeypatch, threads):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     list(encode_stream(tok, 0, np.dtype("uint16"), [(0, ["z = 3"])], threads))
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+# --- found by a user trial: how inputs were read, damaged sets, dropped data each named in one line -------------
+
+
+def test_the_same_bytes_as_json_then_jsonl_are_two_versions(tmp_path, caplog):
+    """data.json is read as ONE text document (and says so); the same bytes renamed data.jsonl are a document a
+    line: another version, not a cache hit of the .json's set."""
+    texts = [json.loads(line)["text"] for line in (CORPUS / "records.jsonl").read_text().splitlines()[:12]]
+    (tmp_path / "data.json").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        as_json = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "data.json"], val_fraction=0))
+    lines = [r.getMessage() for r in caplog.records if "is read as one text document" in r.getMessage()]
+    assert len(lines) == 1 and str(tmp_path / "data.json") in lines[0] and "rename JSON Lines to .jsonl" in lines[0]
+    assert as_json.manifest["stats"]["documents_out"] == 1
+    (tmp_path / "data.json").rename(tmp_path / "data.jsonl")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        as_jsonl = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "data.jsonl"], val_fraction=0))
+    assert not as_jsonl.cache_hit and as_jsonl.shard_dir != as_json.shard_dir
+    assert as_jsonl.manifest["stats"]["documents_out"] == 12 and as_json.shard_dir.is_dir()
+    assert not [r for r in caplog.records if "is read as one text document" in r.getMessage()]
+
+
+@pytest.mark.parametrize(("damage", "touch"), [("remove", False), ("truncate", False), ("remove", True)])
+def test_a_damaged_published_set_is_moved_aside_and_rebuilt(tmp_path, caplog, damage, touch):
+    """A published set with a shard removed (or truncated) is no cache hit, found by the build key (or, inputs
+    touched, by its contents): the rerun moves it to <version>.damaged-<time> with one warning line and writes the
+    same version again, byte for byte."""
+    (tmp_path / "in").mkdir()
+    for name in ("alpha.txt", "beta.txt"):
+        shutil.copy(CORPUS / name, tmp_path / "in" / name)
+    cfg = shard_cfg(tmp_path / "o", [tmp_path / "in"])
+    first = build_shard_set(cfg)
+    original = tree_bytes(first.shard_dir)
+    victim = first.shard_dir / first.manifest["splits"]["train"]["shards"][0]["name"]
+    if damage == "remove":
+        victim.unlink()
+    else:
+        os.truncate(victim, victim.stat().st_size // 2)
+    if touch:  # a new ctime: another build key, the same contents
+        os.utime(tmp_path / "in" / "alpha.txt")
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        again = build_shard_set(cfg)
+    aside = list((tmp_path / "o").glob(f"{first.shard_dir.name}.damaged-*"))
+    lines = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
+    assert len(aside) == 1 and len(lines) == 1 and "\n" not in lines[0] and f"moved to {aside[0]}" in lines[0]
+    assert not again.cache_hit and again.shard_dir == first.shard_dir and again.digest == first.digest
+    for split in again.manifest["splits"]:
+        check_files(again.shard_dir, again.manifest, split, sha256=True)
+    assert tree_bytes(again.shard_dir) == original
+    assert build_shard_set(cfg).cache_hit  # whole again: found, not moved aside a second time
+    assert len(list((tmp_path / "o").glob("*.damaged-*"))) == 1
+
+
+def test_inputs_dropped_whole_each_get_one_warning_naming_the_fix(tmp_path):
+    """A UTF-16 file (binary skip), a file longer than data.max_chars and a record without data.text_field: each
+    kind one line in the manifest's warnings, saying what to do."""
+    (tmp_path / "in").mkdir()
+    shutil.copy(CORPUS / "alpha.txt", tmp_path / "in" / "alpha.txt")
+    (tmp_path / "in" / "utf16.txt").write_bytes((CORPUS / "beta.txt").read_text().encode("utf-16"))
+    (tmp_path / "in" / "long.txt").write_text("word " * 1000)  # 5000 characters
+    records = [{"content": "a record with its text under another key"}, {"text": (CORPUS / "gamma.txt").read_text()}]
+    (tmp_path / "in" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    r = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "in"], max_chars=4000))
+    stats = r.manifest["stats"]
+    assert stats["binary_files"] == 1 and stats["too_long"] == 1 and stats["bad_records"] == 1
+    for fix in ("convert them to UTF-8", "raise data.max_chars", "set data.text_field"):
+        lines = [w for w in r.manifest["warnings"] if fix in w]
+        assert len(lines) == 1 and lines[0].startswith("1 ") and "not in the shard set" in lines[0], fix
+
+
+def test_windows_left_out_by_equal_shards_warn_naming_shard_size_mb(tmp_path):
+    """16 shards of 6 samples (a multiple of 8 shards of ~10 samples) leave 12 of 108 training windows (11 %) out:
+    one line says to raise data.shard_size_mb; twice the shard size leaves 4 (under 5 %) out and says nothing."""
+    inputs = [CORPUS / "alpha.txt", CORPUS / "beta.txt"]
+    few = build_shard_set(shard_cfg(tmp_path / "a", inputs, shard_size_mb=0.01, shard_multiple=8))
+    train = few.manifest["splits"]["train"]
+    assert train["dropped_samples"] * 20 > train["samples"] + train["dropped_samples"]
+    lines = [w for w in few.manifest["warnings"] if "data.shard_size_mb" in w]
+    assert len(lines) == 1 and lines[0].startswith(f"train: {train['dropped_samples']} of ")
+    ordinary = build_shard_set(shard_cfg(tmp_path / "b", inputs, shard_size_mb=0.02, shard_multiple=8))
+    assert 0 < ordinary.manifest["splits"]["train"]["dropped_samples"]
+    assert not [w for w in ordinary.manifest["warnings"] if "shard_size_mb" in w or "left out" in w]
+
+
+def test_a_directory_input_names_its_symlinked_subdirectories(tmp_path, caplog):
+    """A directory walk does not follow a symlinked subdirectory: one line names the count and the first."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    shutil.copy(CORPUS / "alpha.txt", tmp_path / "c" / "alpha.txt")
+    shutil.copy(CORPUS / "gamma.txt", tmp_path / "c" / "gamma.txt")
+    shutil.copy(CORPUS / "beta.txt", tmp_path / "elsewhere" / "beta.txt")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "c" / "linked")
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        r = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "c"]))
+    lines = [x.getMessage() for x in caplog.records if "symlinked" in x.getMessage()]
+    assert len(lines) == 1 and r.manifest["source"]["files"] == 2
+    assert f"symlinked directories are not followed (1 skipped, e.g. {tmp_path / 'c' / 'linked'})" in lines[0]
+
+
+def test_shard_errors_name_the_fix(tmp_path):
+    """An empty corpus says which setting would have kept the documents; a damaged shard says to rerun the stage."""
+    (tmp_path / "long.txt").write_text("word " * 1000)
+    msg = one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "long.txt"], max_chars=4000))
+    assert msg.startswith("empty corpus") and "too_long 1" in msg and "raise data.max_chars" in msg
+    (tmp_path / "short.txt").write_text("hi\n")
+    assert "lower data.min_chars" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "short.txt"]))
+    r = build_shard_set(shard_cfg(tmp_path / "o", [CORPUS / "alpha.txt", CORPUS / "beta.txt"]))
+    first, second = (r.shard_dir / e["name"] for e in r.manifest["splits"]["train"]["shards"][:2])
+    second.write_bytes(second.read_bytes()[::-1])  # the same size, other bytes
+    with pytest.raises(CorruptShardError, match="sha256 differs .*rerun the shard stage"):
+        check_files(r.shard_dir, r.manifest, "train", sha256=True)
+    os.truncate(first, 1024)
+    with pytest.raises(CorruptShardError, match="is truncated or altered.*; rerun the shard stage"):
+        check_files(r.shard_dir, r.manifest, "train")
+    first.unlink()
+    with pytest.raises(CorruptShardError, match="is missing; rerun the shard stage"):
+        check_files(r.shard_dir, r.manifest, "train")
