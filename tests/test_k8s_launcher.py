@@ -452,3 +452,18 @@ def test_the_smoke_task_goes_to_the_kubernetes_launcher(tmp_path, airflow_db, ap
     (job,) = api_server.objects.values()
     assert job["metadata"]["labels"]["llm-pipeline/stage"] == "smoke"
     assert "smoke in the pod" in text  # the task's result is what the pod wrote
+
+
+def test_the_pods_config_loads_back_and_keeps_the_explicit_layout(k8s_cfg, tmp_path):
+    """The pods run `--config <run-dir>/k8s/<name>.yaml`: that file loads as a preset (once it held a `preset` key,
+    which a preset file may not), and a zero the caller set stays explicit there, so the plan's never replaces it."""
+    from tasks.config import apply_overrides, load_config
+
+    apply_overrides(k8s_cfg, {"parallel.zero": "1"})  # as the DAG's Params set it
+    manifest = k8s_job.render(k8s_cfg, tmp_path / "run", "llm-x", "train")[-1]
+    config_file = tmp_path / "run" / "k8s" / "llm-x.yaml"
+    assert "preset" not in yaml.safe_load(config_file.read_text())
+    pod_cfg = load_config(str(config_file))
+    assert pod_cfg.parallel.zero == 1 and pod_cfg.train.steps == k8s_cfg.train.steps
+    args = manifest["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert "--set parallel.zero=1" in args

@@ -323,6 +323,20 @@ def test_cli_in_a_directory_a_cli_stage_made_uses_the_preset_it_was_given(tmp_pa
     assert dag_run_config(str(run_dir), None) == (str(tmp_path / "site.yaml"), None)
 
 
+def test_a_preset_from_the_environment_is_remembered_by_the_run_directory(tmp_path, monkeypatch):
+    """`LLM_PIPELINE_PRESET=ci-tiny python -m tasks plan --run-dir D`, then a stage in D without the variable (another
+    shell, a cron job): it once ran as demo-cpu. The run directory now records the environment's preset too."""
+    from tasks.cli import CLI_CONFIG_FILE, main
+
+    run_dir = tmp_path / "D"
+    monkeypatch.setenv("LLM_PIPELINE_PRESET", "ci-tiny")
+    assert main(["plan", "--run-dir", str(run_dir), "--no-tracking"]) == 0
+    assert json.loads((run_dir / CLI_CONFIG_FILE).read_text()) == {"preset": "ci-tiny"}
+    monkeypatch.delenv("LLM_PIPELINE_PRESET")
+    assert main(["plan", "--run-dir", str(run_dir), "--no-tracking"]) == 0
+    assert json.loads((run_dir / "plan" / "plan.json").read_text())["model"].startswith("debug ")  # ci-tiny's model
+
+
 def _evaluation(run_dir: Path, **extra) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     result = {

@@ -17,6 +17,24 @@ from tasks.runner import run_stage
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Qwen2-0.5B's config.json, the parts the planner reads.
+QWEN2_0_5B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": True,
+}
+
+
 def plan_args(*argv: str) -> argparse.Namespace:
     from tasks.stages.plan import add_cli_args
 
@@ -118,22 +136,7 @@ def test_a_what_if_plan_says_which_training_settings_are_the_configs(cfg, tmp_pa
 
 def test_hf_config_and_explicit_shape(cfg, tmp_path):
     cfg.tracking.enabled = False
-    hf = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1e6,
-        "hidden_act": "silu",
-        "tie_word_embeddings": True,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_0_5B))
     result = run_stage("plan", cfg, tmp_path / "a", args=plan_args("--hf-config", str(tmp_path)))
     assert "(494.03M params" in read_json(result["plan_json"])["model"]  # Qwen2-0.5B's published 494,032,768
     args = plan_args("--hidden", "256", "--layers", "6", "--heads", "8", "--vocab", "4096", "--ffn", "512")
@@ -296,3 +299,137 @@ def test_estimate_for_run_against_autograd_saved_tensors():
     total = estimate_for_run(tcfg, 128, 4, precision="fp32")
     assert total == int(est["total_bytes"])
     assert total == pytest.approx(est["activations_bytes"] + 16 * num_params(tcfg))
+
+
+def plan_of(tmp_path, config: str, *argv: str, sets=()) -> dict:
+    """The plan stage of a preset with --set values (cfg.explicit) and plan flags, without MLflow."""
+    from tasks.config import load_config
+
+    c = load_config(config, sets=sets)
+    c.tracking.enabled = False
+    return run_stage("plan", c, tmp_path, args=plan_args(*argv))
+
+
+def test_explicit_zero_recompute_micro_batch_and_schedule_are_planned_not_searched(tmp_path):
+    """--set parallel.zero=3 (recompute, micro-batch, schedule) with dp/tp/pp left to the planner: training keeps the
+    value (tasks.layout.resolve), so the plan sizes only that value; it once searched them all and chose another."""
+    default = plan_of(tmp_path / "default", "qwen2-7b-910b")["parallel"]
+    for i, (key, value) in enumerate([("parallel.zero", 3), ("parallel.recompute", "full"), ("train.micro_batch", 2)]):
+        field = key.partition(".")[2]
+        assert default[field] != value  # the plan's own choice is another
+        result = plan_of(tmp_path / str(i), "qwen2-7b-910b", sets=[f"{key}={value}"])
+        assert result["parallel"][field] == value, key
+        assert {p[field] for p in read_json(result["plan_json"])["plans"]} == {value}, key
+    saved = read_json(plan_of(tmp_path / "s", "qwen2-7b-910b", sets=["parallel.pp_schedule=gpipe"])["plan_json"])
+    pipelined = saved["plans"] + [r for r in saved["rejected"] if "pp_schedule" in r]
+    assert {p["pp_schedule"] for p in pipelined if p["pp"] > 1} == {"gpipe"}  # the preset's plan.schedules: 1f1b
+
+
+def test_train_keeps_an_explicit_layout_value_and_takes_the_plans_for_the_rest(tmp_path):
+    """A plan made before `--set parallel.zero=3 train.micro_batch=2` (the DAG's Params, a rerun): resolve keeps the
+    explicit values; the preset's own (zero 3 by default, recompute selective) are still the plan's."""
+    from tasks.config import load_config
+    from tasks.layout import resolve
+
+    plan = plan_of(tmp_path, "qwen2-7b-910b", "--recompute", "none")
+    chosen = plan["parallel"]
+    assert (chosen["zero"], chosen["micro_batch"], chosen["recompute"]) == (2, 1, "none")
+    lay = resolve(load_config("qwen2-7b-910b", sets=["parallel.zero=3", "train.micro_batch=2"]), plan, 8)
+    assert (lay.zero, lay.micro_batch, lay.recompute, lay.dp, lay.pp) == (3, 2, "none", chosen["dp"], chosen["pp"])
+    lay = resolve(load_config("qwen2-7b-910b"), plan, 8)  # nothing explicit: the plan's layout
+    assert (lay.zero, lay.micro_batch, lay.recompute) == (2, 1, "none")
+
+
+@pytest.mark.parametrize("how", [("--optimizer", "sgd"), ("train.optimizer=sgd",)])
+@pytest.mark.parametrize("config", ["qwen2-7b-910b", "qwen2-57b-a14b-910b"])
+def test_the_optimizer_sizes_the_plan_from_the_flag_or_the_config(tmp_path, config, how):
+    """train.optimizer=sgd once left the plan sizing AdamW's states (the flag defaulted to adamw); the MoE plan
+    ignored --optimizer too."""
+    argv, sets = (how, ()) if how[0].startswith("--") else ((), how)
+    adamw = plan_of(tmp_path / "adamw", config)["best"]["optimizer_bytes"]
+    sgd = plan_of(tmp_path / "sgd", config, *argv, sets=sets)["best"]["optimizer_bytes"]
+    assert sgd < 0.7 * adamw  # SGD's momentum against AdamW's two moments (7B: 7.6 → 3.8 GB; 57B MoE: 21.5 → 14.4)
+
+
+@pytest.mark.parametrize(
+    "argv, sets, field, value",
+    [
+        (("--micro-batch", "1"), (), "micro_batch", 1),  # its own plan: mb 2
+        ((), ("train.micro_batch=1",), "micro_batch", 1),
+        (("--zero", "2"), (), "zero", 2),  # its plan.zero_stages: [3]
+        ((), ("parallel.zero=2",), "zero", 2),
+    ],
+)
+def test_the_moe_plan_takes_the_flags_and_explicit_keys(tmp_path, argv, sets, field, value):
+    """The mixture-of-experts planner once ignored --zero, --micro-batch and their keys and planned its own."""
+    result = plan_of(tmp_path, "qwen2-57b-a14b-910b", *argv, sets=sets)
+    assert result["parallel"][field] == value
+    saved = read_json(result["plan_json"])
+    assert {p[field] for p in saved["plans"] + saved["rejected"] if field in p} == {value}
+
+
+@pytest.mark.parametrize("argv, sets", [(("--zero", "1"), ()), ((), ("parallel.zero=1",))])
+def test_the_moe_plan_sizes_a_zero_that_does_not_fit(tmp_path, argv, sets):
+    """ZeRO 1 keeps the 57B's parameters whole on every device: no plan, where ZeRO 3 (its plan.zero_stages) fits."""
+    with pytest.raises(StageError, match=r"no feasible plan for qwen2-57b-a14b .* closest needs 71\.0 GB > 64 GB"):
+        plan_of(tmp_path, "qwen2-57b-a14b-910b", *argv, sets=sets)
+    assert {r["zero"] for r in read_json(tmp_path / "plan" / "plan.json")["rejected"] if "zero" in r} == {1}
+
+
+@pytest.mark.parametrize(
+    "argv, sets, needle",
+    [
+        (("--recompute", "selective"), (), "--recompute selective: the mixture-of-experts planner sizes recompute"),
+        ((), ("parallel.recompute=selective",), "parallel.recompute / plan.recompute selective: the mixture-of-exp"),
+        (
+            (),
+            ("parallel.ep=3",),
+            "no feasible plan for qwen2-57b-a14b on 4×8 910b devices of 64 GB: closest pinned ep 3 does not divide the"
+            " 64 experts",
+        ),
+        (
+            ("--model", "qwen2-57b-a14b", "--layers", "14"),
+            (),
+            "--layers: qwen2-57b-a14b is a mixture of experts, which shape flags cannot change here",
+        ),
+    ],
+)
+def test_what_the_moe_plan_cannot_size_is_refused_in_one_line(tmp_path, argv, sets, needle):
+    """Recompute selective (sized none or full only), an ep that divides neither the experts nor dp (once: 'none
+    tried'), shape flags (once: a dense model of the MoE's shape, planned without a word)."""
+    with pytest.raises(StageError) as err:
+        plan_of(tmp_path, "qwen2-57b-a14b-910b", *argv, sets=sets)
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value), str(err.value)
+    if "--layers" in argv:
+        assert "--set model.n_layers" in str(err.value)
+
+
+@pytest.mark.parametrize("argv", [("--model", "llama3-8b"), ("--hf-config", "HF")])
+def test_a_model_key_under_a_what_if_model_is_refused_in_one_line(tmp_path, argv):
+    """--set model.n_layers=14 with --model/--hf-config once planned the what-if model whole, the 14 dropped."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_0_5B))
+    argv = tuple(str(tmp_path) if a == "HF" else a for a in argv)
+    with pytest.raises(StageError) as err:
+        plan_of(tmp_path / "run", "demo-cpu", *argv, sets=["model.n_layers=14"])
+    assert str(err.value).startswith(f"model.n_layers: set for the config's model, which {argv[0]} replaces")
+    assert "\n" not in str(err.value)
+
+
+def test_the_plan_sizes_the_run_directorys_shard_seq_len(cfg, tmp_path):
+    """Train takes data.seq_len from the shard set (tasks.runner.shard_set): the plan in that run directory sizes
+    the same length, not the config's; an explicit other length fails here as it would in train."""
+    cfg.tracking.enabled = False
+    assert cfg.data.seq_len == 128
+    (tmp_path / "shard.json").write_text(json.dumps({"stage": "shard", "status": "ok", "seq_len": 64}))
+    assert read_json(run_stage("plan", cfg, tmp_path, args=plan_args())["plan_json"])["seq_len"] == 64
+    with pytest.raises(StageError) as err:
+        plan_of(tmp_path, "demo-cpu", sets=["data.seq_len=128"])
+    assert str(err.value).startswith("data.seq_len: 128 differs from the shard set's 64")
+    assert "\n" not in str(err.value)
+
+
+def test_plan_flags_are_bounded_like_the_config_fields(capsys):
+    """--global-batch 1e30 once reached the search (a whole number > 0): argparse refuses it now, exit 2."""
+    with pytest.raises(SystemExit) as exit_:
+        plan_args("--global-batch", "1e30")
+    assert exit_.value.code == 2 and "--global-batch: 1e30 must be at most 16777216" in capsys.readouterr().err
