@@ -496,6 +496,8 @@ def parse_sets(sets) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected section.key=value (positional arguments go before --set)")
+        if key.strip() in out and out[key.strip()] != value:  # the last would win without a word
+            raise ConfigError(f"--set {key.strip()}: given twice ({out[key.strip()]!r}, then {value!r}); give it once")
         out[key.strip()] = value
     return out
 
@@ -504,6 +506,9 @@ def resolve_preset(preset_or_path: str | None) -> Path:
     name = preset_or_path or os.environ.get("LLM_PIPELINE_PRESET") or DEFAULT_PRESET
     path = Path(name)
     if path.suffix in (".yaml", ".yml") or path.exists():
+        if path.is_dir():
+            known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+            raise ConfigError(f"--config {name}: a directory; give a preset file (.yaml) or a preset name ({known})")
         if not path.is_file():
             raise ConfigError(f"config file {name} does not exist")
         if path.suffix not in (".yaml", ".yml"):  # e.g. --config /etc/passwd: not a preset, whatever it parses to

@@ -52,6 +52,7 @@ def test_digest_tracks_content():
     [
         (["train.steps=0"], "train.steps: 0 must be in [1, 1000000000]"),
         (["parallel.recompute=sometimes"], "parallel.recompute: 'sometimes' is not one of none, selective, full"),
+        (["train.steps=3", "train.steps=4"], "--set train.steps: given twice ('3', then '4'); give it once"),
         (["hardware.launcher=kubernets"], "'kubernets' is not one of local, kubernetes; did you mean kubernetes?"),
         (["train.precision=BF16"], "'BF16' is not one of fp32, bf16, fp16; did you mean bf16?"),
         (["data.seq_len=abc"], "data.seq_len: expected an integer, got 'abc'"),
@@ -78,6 +79,8 @@ def test_all_problems_reported_together():
 def test_unknown_preset_names_the_known_ones():
     with pytest.raises(ConfigError, match=r"unknown preset 'nope' \(known: .*demo-cpu"):
         load_config("nope")
+    with pytest.raises(ConfigError, match=r"--config configs: a directory; give a preset file .*demo-cpu"):
+        load_config("configs")
 
 
 def test_bad_yaml_is_one_line_with_location(tmp_path):
@@ -221,3 +224,15 @@ def test_form_and_model_refuse_the_same_values():
             assert by_form == (by_model or value is None), (name, value, by_form, by_model)
             checked += 1
     assert checked > 40
+
+
+def test_the_preset_is_chosen_not_set(tmp_path):
+    """--set preset=ci-tiny (or a DAG Param of that name) once loaded demo-cpu and said nothing; a preset file's own
+    `preset:` key was dropped the same way."""
+    with pytest.raises(ConfigError) as e:
+        load_config(sets=["preset=ci-tiny"])
+    assert "--config ci-tiny" in str(e.value) and "\n" not in str(e.value)
+    f = tmp_path / "mine.yaml"
+    f.write_text("preset: ci-tiny\ntrain:\n  steps: 7\n")
+    with pytest.raises(ConfigError, match=r"mine\.yaml: a top-level 'preset' key is ignored .*; remove it$"):
+        load_config(str(f))
