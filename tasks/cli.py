@@ -36,42 +36,56 @@ def tracking_home(cfg, run_dir) -> tuple[str | None, dict]:
 def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None, dict | None]:
     """(preset, overrides) to load: --config when given, else the config of the DAG run whose directory --run-dir is
     (dag-run.json: its preset and Params; a rerun by hand must not register under the default preset's model name),
-    else the default preset."""
+    else the config a CLI stage was given there (cli-config.json: its --config and --set values; the --set values
+    also apply under the same --config), else the default preset."""
     from tasks.fsutil import read_json
+    from tasks.logs import log
     from tasks.pipeline import DAG_RUN_FILE
 
-    marker = Path(run_dir) / DAG_RUN_FILE if run_dir and run_dir.strip() else None
+    here = run_dir and run_dir.strip()
+    marker = Path(run_dir) / DAG_RUN_FILE if here else None
     recorded = (read_json(marker).get("config") if marker and marker.is_file() else None) or {}
+    cli = Path(run_dir) / CLI_CONFIG_FILE if here else None
+    remembered = (read_json(cli) if cli and cli.is_file() and not recorded.get("preset") else None) or {}
+    sets = remembered.get("sets") or None
     if config is not None:
-        return config, None
-    from tasks.logs import log
-
+        if sets and _preset_id(config) != remembered.get("preset"):
+            log.info(f"config: --config {config}; not this run directory's --set values (for another, in {cli})")
+            return config, None
+        return config, sets
     if not recorded.get("preset"):
-        cli = Path(run_dir) / CLI_CONFIG_FILE if run_dir and run_dir.strip() else None
-        preset = (read_json(cli).get("preset") if cli and cli.is_file() else None) or None
+        preset = remembered.get("preset") or None
         if preset:
-            log.info(f"config: this run directory's ({preset}, from {cli}); --config to choose another")
-        elif run_dir and run_dir.strip() and os.environ.get("LLM_PIPELINE_PRESET"):  # not the default: said
+            given = f" with --set {' '.join(f'{k}={v}' for k, v in sets.items())}" if sets else ""
+            log.info(f"config: this run directory's ({preset}{given}, from {cli}); --config to choose another")
+        elif here and os.environ.get("LLM_PIPELINE_PRESET"):  # not the default: said
             log.info(
                 f"config: {os.environ['LLM_PIPELINE_PRESET']} (from $LLM_PIPELINE_PRESET): no --config and none "
                 f"recorded in {run_dir}; --config to choose another"
             )
-        return preset, None
+        return preset, sets
     log.info(f"config: the DAG run's ({recorded['preset']} with its Params, from {marker}); --config to choose another")
     return recorded["preset"], recorded.get("overrides") or {}
 
 
-# <run-dir>/cli-config.json: the --config a `python -m tasks` stage was given there, which the next stage run in that
-# directory without --config takes (a run built with ci-tiny is evaluated as ci-tiny, not as the default preset).
+# <run-dir>/cli-config.json: the --config and --set values `python -m tasks` stages were given there, which the next
+# stage run in that directory takes (a run built with ci-tiny is evaluated as ci-tiny, not as the default preset; a
+# train rerun after a kill keeps its --set train.steps). Rewritten once a stage accepted them (a new directory's
+# first, before its first stage runs, so that a rerun of a failed first stage takes them too).
 CLI_CONFIG_FILE = "cli-config.json"
 
 
-def remember_config(run_dir: str | Path, config: str) -> None:
+def _preset_id(config: str) -> str:
+    return str(Path(config).resolve()) if Path(config).is_file() else config  # a file: found from any cwd
+
+
+def remember_config(run_dir: str | Path, config: str, sets: dict | None = None) -> None:
     from tasks.fsutil import atomic_write_json, make_dirs
 
-    preset = str(Path(config).resolve()) if Path(config).is_file() else config  # a file: found from any cwd
     make_dirs(Path(run_dir))
-    atomic_write_json(Path(run_dir) / CLI_CONFIG_FILE, {"preset": preset})
+    atomic_write_json(
+        Path(run_dir) / CLI_CONFIG_FILE, {"preset": _preset_id(config), **({"sets": sets} if sets else {})}
+    )
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +119,7 @@ def main(argv=None) -> int:
             from tasks.summary import main as summary_main
 
             return summary_main(argv)
-        from tasks.config import load_config
+        from tasks.config import load_config, parse_sets
         from tasks.runner import default_run_dir, run_stage, stage_module
 
         module = stage_module(stage)
@@ -114,7 +128,8 @@ def main(argv=None) -> int:
         if hasattr(module, "add_cli_args"):
             module.add_cli_args(parser)
         args = parser.parse_args(argv)
-        cfg = load_config(*dag_run_config(args.run_dir, args.config), sets=args.sets)
+        preset, overrides = dag_run_config(args.run_dir, args.config)
+        cfg = load_config(preset, overrides, sets=args.sets)
         if args.no_tracking:
             cfg.tracking.enabled = False
         if args.run_dir is not None and not args.run_dir.strip():  # `--run-dir ''` (an unset variable): not a new run
@@ -132,13 +147,17 @@ def main(argv=None) -> int:
             )
         from tasks.pipeline import DAG_RUN_FILE
 
-        chosen = args.config
-        if chosen is None and not (Path(run_dir) / CLI_CONFIG_FILE).is_file():
-            chosen = os.environ.get("LLM_PIPELINE_PRESET")  # the next stage here must not fall back to demo-cpu
-        if chosen is not None and not (Path(run_dir) / DAG_RUN_FILE).is_file():  # a DAG run's has its own
-            remember_config(run_dir, chosen)
+        # what this run directory remembers (cli-config.json; a DAG run's directory has its own): the preset
+        # (--config, else $LLM_PIPELINE_PRESET: the next stage here must not fall back to demo-cpu) and --set values
+        chosen = args.config or preset or os.environ.get("LLM_PIPELINE_PRESET")
+        remember = chosen is not None and not (Path(run_dir) / DAG_RUN_FILE).is_file()
+        sets = {**(overrides or {}), **parse_sets(args.sets)} if remember else {}
+        if remember and not (Path(run_dir) / CLI_CONFIG_FILE).is_file():  # a new directory: a failed first stage
+            remember_config(run_dir, chosen, sets)  # is rerun with it
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
         result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
+        if remember and result.get("status") != "failed":  # a directory's config changes once a stage accepted it
+            remember_config(run_dir, chosen, sets)
     except StageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -337,6 +337,31 @@ def test_a_preset_from_the_environment_is_remembered_by_the_run_directory(tmp_pa
     assert json.loads((run_dir / "plan" / "plan.json").read_text())["model"].startswith("debug ")  # ci-tiny's model
 
 
+def test_a_run_directory_remembers_its_set_values_and_only_what_a_stage_accepted(tmp_path, capsys):
+    """`train --config ci-tiny --set train.steps=300`, killed, then `train --run-dir D` again: the rerun took ci-tiny's
+    6 steps and ended the run early, status ok. The directory now remembers the --set values with the preset; a new
+    --set adds to them (the last wins); another --config starts without them; a refused stage changes nothing."""
+    from tasks.cli import CLI_CONFIG_FILE, dag_run_config, main
+
+    run_dir, remembered = tmp_path / "D", tmp_path / "D" / CLI_CONFIG_FILE
+    args = ["--run-dir", str(run_dir), "--no-tracking"]
+    assert main(["plan", *args, "--config", "ci-tiny", "--set", "train.global_batch=32", "train.steps=300"]) == 0
+    assert json.loads(remembered.read_text()) == {
+        "preset": "ci-tiny",
+        "sets": {"train.global_batch": "32", "train.steps": "300"},
+    }
+    assert main(["plan", *args, "--set", "train.global_batch=64"]) == 0  # the directory's, one value changed
+    assert "ci-tiny with --set train.global_batch=32 train.steps=300" in capsys.readouterr().err
+    preset, overrides = dag_run_config(str(run_dir), None)
+    assert (preset, overrides) == ("ci-tiny", {"train.global_batch": "64", "train.steps": "300"})
+    assert dag_run_config(str(run_dir), "ci-tiny") == (preset, overrides)  # the same --config: the same values
+    assert dag_run_config(str(run_dir), "demo-cpu") == ("demo-cpu", None)  # another: none of them
+    assert json.loads((run_dir / "plan" / "plan.json").read_text())["global_batch"] == 64
+    # refused by the stage (a model.* value under a what-if model): the directory's config is not replaced by it
+    assert main(["plan", *args, "--model", "llama3-8b", "--config", "demo-cpu", "--set", "model.n_layers=4"]) == 2
+    assert json.loads(remembered.read_text())["preset"] == "ci-tiny"
+
+
 def _evaluation(run_dir: Path, **extra) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     result = {
