@@ -226,20 +226,20 @@ def _run_locked(
         except StageError as e:
             cause = _with_cann_logs(cfg, stage, run_dir, str(e), started, e)
             _record_failure(result_path, stage, cause, run_id, started)
-            _tag_error(run_id, cause)
+            _tag_error(cfg, run_dir, run_id, cause)
             if cause != str(e):
                 raise StageError(cause, retryable=e.retryable) from e
             raise
         except OSError as e:  # an environment fault (disk full, read-only, permissions): one line naming the path
             cause = os_error_cause(e)
             _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
-            _tag_error(run_id, cause)
+            _tag_error(cfg, run_dir, run_id, cause)
             raise StageError(cause) from e
         except Exception as e:  # a bug or an unexpected runtime error: still one line on top, trace in the file
             cause = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
             cause = _with_cann_logs(cfg, stage, run_dir, cause, started, e, full=str(e))
             _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
-            _tag_error(run_id, cause)
+            _tag_error(cfg, run_dir, run_id, cause)
             raise
         result = dict(result or {})
         result.setdefault("status", "ok")
@@ -247,8 +247,9 @@ def _run_locked(
         result.update(stage=stage, mlflow_run_id=run_id, seconds=round(time.time() - started, 2))
         if run_id:
             result["mlflow_experiment_id"] = tracking.active_experiment_id()
-            with tracking.best_effort("the stage status tag"):
-                tracking.set_tags({"pipeline.status": result["status"]})
+            tracking.set_tags_or_defer(
+                run_dir, tracking.tracking_uri(cfg), {"pipeline.status": result["status"]}, "the stage status tag"
+            )
     atomic_write_json(result_path, result)
     return result
 
@@ -301,10 +302,8 @@ def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, 
         log.warning(f"could not write the failure record ({os_error_cause(e)})")
 
 
-def _tag_error(run_id, cause: str) -> None:
-    if not run_id:
-        return
-    try:
-        tracking.set_tags({"pipeline.error": cause[:5000]})
-    except Exception as e:  # MLflow down: the stage's cause matters more than the tag
-        log.warning(f"could not tag the MLflow run with the error ({type(e).__name__})")
+def _tag_error(cfg, run_dir: Path, run_id, cause: str) -> None:
+    """The failed stage's one-line cause on its MLflow run: now, or pending (MLflow down) for the next flush."""
+    if run_id:
+        uri = tracking.tracking_uri(cfg)
+        tracking.set_tags_or_defer(run_dir, uri, {"pipeline.error": cause[:5000]}, "the stage's error tag")

@@ -497,6 +497,22 @@ def log_final_metrics(run_dir: Path, uri: str, metrics: dict) -> None:
         _warn(f"final metrics not logged to MLflow ({_short(e)}); kept in {Path(run_dir) / PENDING}")
 
 
+def set_tags_or_defer(run_dir: Path, uri: str, tags: dict, what: str) -> None:
+    """Tags the run's readers rely on (pipeline.status, pipeline.error): sent now, or kept pending (flush_pending
+    sets them before the run's status), so a flushed run is never FINISHED without them."""
+    run_id = active_run_id()
+    try:
+        set_tags(tags)
+    except Exception as e:
+        kept = f"kept in {Path(run_dir) / PENDING}"
+        try:
+            if run_id:
+                defer(run_dir, {"uri": uri, "run_id": run_id, "tags": {k: str(v) for k, v in tags.items()}})
+        except OSError as o:  # a full or read-only disk: the stage's own cause, not this, is what must surface
+            kept = f"not kept either ({o.strerror})"
+        _warn(f"{what} not logged to MLflow ({_short(e)}); {kept}")
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -515,7 +531,8 @@ def settle_metrics(run_dir: Path, uri: str, run_id: str, metrics_path, prefix: s
 
 
 def _replay(entry: dict) -> int:
-    """One pending entry: per-step metrics (metrics.jsonl), final metrics, or the run's end status. Returns steps."""
+    """One pending entry: per-step metrics (metrics.jsonl), final metrics, tags, or the run's end status. Returns
+    steps."""
     import mlflow
 
     if "metrics" in entry:
@@ -531,13 +548,15 @@ def _replay(entry: dict) -> int:
         client.log_batch(
             entry["run_id"], metrics=[Metric(k, v, now, 0) for k, v in entry["final"].items()], synchronous=True
         )
+    for key, value in entry.get("tags", {}).items():
+        client.set_tag(entry["run_id"], key, value)
     if "status" in entry:
         client.set_terminated(entry["run_id"], status=entry["status"], end_time=entry.get("end_ms"))
     return 0
 
 
 def flush_pending(run_dir: Path) -> int:
-    """Send what earlier stages could not (metrics, final metrics, run status), in the order it was left; entries
+    """Send what earlier stages could not (metrics, final metrics, tags, run status), in the order it was left; entries
     that still fail stay pending, and so does everything after them for the same run (its status comes last).
     Returns steps sent."""
     from tasks.fsutil import atomic_write_json, read_json
@@ -555,7 +574,13 @@ def flush_pending(run_dir: Path) -> int:
         except Exception as e:
             left.append(entry)
             stuck.add(entry["run_id"])
-            what = entry.get("metrics") or ("final metrics" if "final" in entry else f"status {entry.get('status')}")
+            what = entry.get("metrics") or (
+                "final metrics"
+                if "final" in entry
+                else f"tags {entry['tags']}"
+                if "tags" in entry
+                else f"status {entry.get('status')}"
+            )
             _warn(f"still cannot send {what} to MLflow run {entry['run_id']} ({_short(e)})")
     if left:
         atomic_write_json(path, left)

@@ -566,6 +566,8 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
     # dead through the end of the stage: its final metrics and its status were kept pending and sent too
     assert ended.info.status == "FINISHED" and ended.info.end_time
     assert ended.data.metrics["train.final_loss"] == pytest.approx(want[steps])
+    # and its status tag: a run FINISHED without `pipeline.status` is one the comparison views cannot place
+    assert ended.data.tags.get("pipeline.status") == json.loads((run / "train.json").read_text())["status"]
 
 
 def test_pending_final_metrics_and_status_are_replayed_in_order(tmp_path, mlflow_uri):
@@ -582,10 +584,12 @@ def test_pending_final_metrics_and_status_are_replayed_in_order(tmp_path, mlflow
     tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "final": {"train.final_loss": 1.5}})
     tracking.defer(tmp_path, {"uri": dead, "run_id": stuck, "final": {"train.final_loss": 2.0}})
     tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": stuck, "status": "FINISHED", "end_ms": 2000})
+    tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "tags": {"pipeline.error": "rank 1 died"}})
     tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "status": "FAILED", "end_ms": 1000})
     tracking.flush_pending(tmp_path)
     r = client.get_run(done)
     assert (r.info.status, r.info.end_time, r.data.metrics["train.final_loss"]) == ("FAILED", 1000, 1.5)
+    assert r.data.tags["pipeline.error"] == "rank 1 died"  # a failed stage's cause, sent with its status
     assert client.get_run(stuck).info.status == "RUNNING"
     left = json.loads((tmp_path / tracking.PENDING).read_text())
     assert [e["run_id"] for e in left] == [stuck, stuck] and left[-1]["status"] == "FINISHED"
