@@ -3,12 +3,22 @@ _repo="$(cd "$(dirname "${BASH_SOURCE[0]:-$0}")/.." && pwd)"
 _var="${LLM_PIPELINE_VAR_DIR:-$_repo/var}"  # runs, stores, logs: all follow LLM_PIPELINE_VAR_DIR
 export AIRFLOW_HOME="$_repo"
 export AIRFLOW_CONFIG="$_repo/airflow.cfg"
-export AIRFLOW__DATABASE__SQL_ALCHEMY_CONN="${AIRFLOW__DATABASE__SQL_ALCHEMY_CONN:-sqlite:///$_var/airflow.db}"
+# A value set by hand is kept; one this script derived for another var dir (sourced again with another
+# LLM_PIPELINE_VAR_DIR, e.g. `make run LLM_PIPELINE_VAR_DIR=…` from a shell that sourced it) follows the new one.
+_old="${_LLM_PIPELINE_ENV_VAR:-}"
+_derive() {  # NAME VALUE
+  local cur="${!1-}"
+  if [ -z "$cur" ] || { [ -n "$_old" ] && [ "$_old" != "$_var" ] && [ "$cur" = "${2//"$_var"/"$_old"}" ]; }; then
+    export "$1=$2"
+  fi
+}
+_derive AIRFLOW__DATABASE__SQL_ALCHEMY_CONN "sqlite:///$_var/airflow.db"
 export AIRFLOW__CORE__DAGS_FOLDER="$_repo/dags"
 export AIRFLOW__CORE__PLUGINS_FOLDER="$_repo/plugins"
-export AIRFLOW__LOGGING__BASE_LOG_FOLDER="${AIRFLOW__LOGGING__BASE_LOG_FOLDER:-$_var/logs}"
-export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE="${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE:-$_var/simple_auth_manager_passwords.json.generated}"
-export MLFLOW_TRACKING_URI="${MLFLOW_TRACKING_URI:-sqlite:///$_var/mlflow.db}"
+_derive AIRFLOW__LOGGING__BASE_LOG_FOLDER "$_var/logs"
+_derive AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE "$_var/simple_auth_manager_passwords.json.generated"
+_derive MLFLOW_TRACKING_URI "sqlite:///$_var/mlflow.db"
+export _LLM_PIPELINE_ENV_VAR="$_var"
 export PYTHONPATH="$_repo${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$_repo/.venv/bin:$PATH"
 # torch_npu, when installed without CANN, breaks `import torch`; on Ascend hosts set_env.sh is sourced first.
@@ -23,4 +33,5 @@ private_sqlite() {
   return 0
 }
 private_sqlite "$AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"
-unset _repo _var
+unset _repo _var _old
+unset -f _derive

@@ -14,7 +14,7 @@ stamp=$(date -u +%Y%m%dT%H%M%S.%6N)-$$
 log="${LLM_RUN_LOG:-$var/logs/make-run-$stamp.log}"
 export LLM_PIPELINE_RUN_DIR_FILE="$var/logs/.make-run-$stamp.rundir"
 if ! mkdir -p "$(dirname "$log")" 2>/dev/null || ! touch "$log" 2>/dev/null; then
-  echo "error: cannot write the run log $log ($(touch "$log" 2>&1 | sed 's/.*: //')); fix the permissions of $var or set LLM_PIPELINE_VAR_DIR"
+  echo "error: cannot write the run log $log ($(touch "$log" 2>&1 | sed 's/.*: //')); fix the permissions of $var or set LLM_PIPELINE_VAR_DIR" >&2
   exit 2
 fi
 preset=$(LLM_PIPELINE_CONF="$conf" python - <<'PY'

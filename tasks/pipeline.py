@@ -272,8 +272,15 @@ def config_for_params(params: dict) -> PipelineConfig:
 
 def check_conf(text: str) -> PipelineConfig:
     """`make run CONF=…`, checked before Airflow starts: a JSON object of known Params whose config validates."""
+
+    def no_duplicates(pairs: list) -> dict:  # JSON, like YAML, would silently keep the last of two equal keys
+        seen = [k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])]
+        if seen:
+            raise ConfigError(f"key {seen[0]!r} appears twice; keep one (the last would silently win)")
+        return dict(pairs)
+
     try:
-        conf = json.loads(text)
+        conf = json.loads(text, object_pairs_hook=no_duplicates)
     except ValueError as e:
         raise ConfigError(f'is not JSON ({e}); e.g. CONF=\'{{"preset": "ci-tiny"}}\'') from None
     if not isinstance(conf, dict):
@@ -469,7 +476,16 @@ def time_schedule(env: str = SCHEDULE_ENV) -> str | None:
     the most recent missed time as soon as a DAG is unpaused, so a schedule nobody asked for would start a full
     training run on first use."""
     value = os.environ.get(env, "").strip()
-    return None if value.lower() in ("", "off", "none") else value
+    if value.lower() in ("", "off", "none"):
+        return None
+    from croniter import croniter
+
+    # CronTriggerTimetable takes Airflow's presets (airflow/sdk/definitions/timetables/_cron.py CRON_PRESETS; croniter
+    # lacks @quarterly) or an expression croniter reads: anything else parsed, and failed the scheduler run after run
+    expression = {"@quarterly": "0 0 1 */3 *"}.get(value, value)
+    if not croniter.is_valid(expression):
+        raise ConfigError(f"{env}={value!r} is not a cron expression (e.g. '0 3 * * 1' or @daily); fix it, or unset it")
+    return value
 
 
 # --- The DAG run's directory and the CLI ----------------------------------------------------------------------------

@@ -62,6 +62,16 @@ def test_timed_runs_are_opt_in(monkeypatch):
     monkeypatch.setenv(SCHEDULE_ENV, "0 3 * * 1")
     on = DagBag(dag_folder=str(REPO / "dags" / "llm_pipeline.py")).dags["llm_pipeline"]
     assert "0 3 * * 1" in str(on.timetable) and "llm-shard-set" in str(on.timetable)
+    monkeypatch.setenv(SCHEDULE_ENV, "@quarterly")  # an Airflow preset croniter does not know
+    assert "0 0 1 */3 *" in str(
+        DagBag(dag_folder=str(REPO / "dags" / "llm_pipeline.py")).dags["llm_pipeline"].timetable
+    )
+    # a broken expression: the DAG's import error names it (it parsed, and failed the scheduler run after run)
+    monkeypatch.setenv(SCHEDULE_ENV, "0 3 * *")
+    bad = DagBag(dag_folder=str(REPO / "dags" / "llm_pipeline.py"))
+    assert "llm_pipeline" not in bad.dags, bad.dags
+    (error,) = bad.import_errors.values()
+    assert "LLM_PIPELINE_SCHEDULE='0 3 * *' is not a cron expression" in error, error
 
 
 def assert_shard_fanout(dag, after: str | None) -> None:
@@ -186,5 +196,10 @@ def test_make_run_conf_sets_the_evaluation_tasks_and_the_val_split():
 
     cfg = check_conf('{"preset": "ci-tiny", "eval_tasks": ["arc_easy", "demo-continuation"], "val_fraction": 0.3}')
     assert cfg.evaluate.tasks == ["arc_easy", "demo-continuation"] and cfg.data.val_fraction == 0.3
+    from tasks.errors import ConfigError
+
+    # a Param given twice: JSON keeps the last without a word (7 steps, not 5); refused as YAML presets are
+    with pytest.raises(ConfigError, match=r"^key 'steps' appears twice; keep one"):
+        check_conf('{"preset": "ci-tiny", "steps": 5, "steps": 7}')
     doc = (REPO / "docs" / "evaluation.md").read_text()
     assert """make run CONF='{"eval_tasks": ["arc_easy", "demo-continuation"]}'""" in doc

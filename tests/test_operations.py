@@ -439,3 +439,34 @@ def test_memory_is_a_table_and_two_metrics():
     table = memory_table(figures)
     assert table["rank"] == [0, 1] and table["train_peak_gb"] == [3.0, 4.0] and table["init_peak_gb"] == [1.0, None]
     assert table["export_peak_over_written"] == [2.0, None] and table["overall_peak_gb"] == [3.0, 4.0]
+
+
+def test_sourcing_the_env_again_with_another_var_dir_moves_every_store(tmp_path):
+    """`source scripts/airflow-env.sh`, then `make db LLM_PIPELINE_VAR_DIR=/elsewhere` (the troubleshooting page's fix
+    for an unwritable var/): the make recipe sources it again, and the stores it had derived for var/ stayed there
+    (Airflow's DB migrated in var/, the run's MLflow records in var/, the runs elsewhere). Values it derived follow
+    the new var dir; a value set by hand is kept."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW", "LLM_PIPELINE", "_LLM"))}
+    names = [
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN",
+        "AIRFLOW__LOGGING__BASE_LOG_FOLDER",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE",
+        "MLFLOW_TRACKING_URI",
+    ]
+    show = " && ".join(f'echo "${n}"' for n in names)
+    first, second = tmp_path / "a", tmp_path / "b"
+
+    def sourced_twice(before: str = "") -> list[str]:
+        script = (
+            f"{before}export LLM_PIPELINE_VAR_DIR={first} && source scripts/airflow-env.sh && "
+            f"export LLM_PIPELINE_VAR_DIR={second} && source scripts/airflow-env.sh && {show}"
+        )
+        out = subprocess.run(["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    assert all(str(second) in v and str(first) not in v for v in sourced_twice()), sourced_twice()
+    kept = sourced_twice("export MLFLOW_TRACKING_URI=http://mlflow.example:5000 && ")
+    assert kept[-1] == "http://mlflow.example:5000" and str(second) in kept[0], kept
