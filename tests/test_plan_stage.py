@@ -139,6 +139,9 @@ def test_hf_config_and_explicit_shape(cfg, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2_0_5B))
     result = run_stage("plan", cfg, tmp_path / "a", args=plan_args("--hf-config", str(tmp_path)))
     assert "(494.03M params" in read_json(result["plan_json"])["model"]  # Qwen2-0.5B's published 494,032,768
+    from tasks.stages.plan import _count
+
+    assert [_count(n) for n in (139584, 999, 13e9)] == ["139.58K", "999", "13.00B"]  # not "139584.00"
     args = plan_args("--hidden", "256", "--layers", "6", "--heads", "8", "--vocab", "4096", "--ffn", "512")
     model = read_json(run_stage("plan", cfg, tmp_path / "b", args=args)["plan_json"])["model"]
     assert model.startswith("custom (") and "h 256, L 6, heads 8/8 kv, ffn 512, vocab 4096" in model

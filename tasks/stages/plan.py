@@ -177,7 +177,8 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
 
 
 def _count(n: float) -> str:
-    return next(f"{n / d:.2f}{u}" for d, u in ((1e9, "B"), (1e6, "M"), (1, "")) if n >= d or d == 1)
+    """8.03B, 494.03M, 139.58K; a count under a thousand as it is."""
+    return next((f"{n / d:.2f}{u}" for d, u in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= d), f"{n:.0f}")
 
 
 def _hf_config(path: Path):
