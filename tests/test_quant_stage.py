@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
@@ -60,6 +61,10 @@ def test_bad_inputs_fail_in_one_line(cfg, tiny, tmp_path):
 
     fails(r"model checkpoint .*nowhere is missing", model_dir=str(tmp_path / "nowhere"))
     fails("no trained model: run the train stage first or pass --model-dir", model_dir=None)
+    # a rerun of a finished train that failed (a refused --config) replaced train.json: that is what is said
+    (tmp_path / "train.json").write_text(json.dumps({"stage": "train", "status": "failed", "error": "refused X"}))
+    fails(r"the train stage's last attempt here failed \(refused X\); rerun train", model_dir=None)
+    (tmp_path / "train.json").unlink()
     fails("is not a shard set", shard_dir=str(tmp_path))
     cfg.quantize.backend = "amct"
     fails(r"quantize.backend amct: amct_pytorch is not importable \(No module named 'amct_pytorch'\)")

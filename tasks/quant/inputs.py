@@ -10,7 +10,13 @@ from tasks.errors import StageError
 
 
 def model_dir(ctx, fallback: str | None = None) -> Path:
-    path = getattr(ctx.args, "model_dir", None) or ctx.inputs.get("train", {}).get("hf_dir") or fallback
+    train = ctx.inputs.get("train", {})
+    path = getattr(ctx.args, "model_dir", None) or train.get("hf_dir") or fallback
+    if not path and train.get("status") == "failed":  # a rerun of train that failed replaced its record
+        raise StageError(
+            f"{ctx.stage}: the train stage's last attempt here failed ({str(train.get('error', ''))[:300]}); rerun "
+            "train (a finished run is reused, nothing retrained) or pass --model-dir"
+        )
     if not path:
         raise StageError(f"{ctx.stage}: no trained model: run the train stage first or pass --model-dir")
     path = Path(path)
