@@ -119,6 +119,12 @@ def _layout(job: Job, writers: int) -> dict:
             f"(data.on_decode_error={cfg.on_decode_error}); convert the files to UTF-8 to keep their text"
         )
     warnings += skipped_warnings(stats)
+    tok = job.data["tokenizer"]
+    if tok.get("source") == "train" and tok["vocab_size"] < cfg.vocab_size:  # the model is sized to what was built
+        warnings.append(
+            f"the BPE has {tok['vocab_size']} tokens, fewer than data.vocab_size {cfg.vocab_size}: the corpus holds no "
+            "more merges (the model's vocabulary is the smaller one); add text or lower data.vocab_size"
+        )
     for w in warnings:
         log.warning("%s", w)
     n = max(1, min(writers, len(shards)))

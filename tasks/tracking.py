@@ -202,6 +202,7 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
     if not uri.startswith(("http://", "https://")):
         return
     import urllib.error
+    import urllib.parse
     import urllib.request
 
     try:
@@ -212,6 +213,19 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
             f"MLflow tracking server {uri} is unreachable ({reason}); start it (make ui) or set "
             f"MLFLOW_TRACKING_URI / tracking.uri"
         ) from None
+    # /health is exempt from MLflow's Host-header check (mlflow/server/security.py): an API path is not, and a server
+    # that does not allow the name this URI uses answers every call 403 — said now, not at the first logged value
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=timeout)
+    except urllib.error.HTTPError as e:
+        if e.code == 403 and "Invalid Host header" in e.read().decode("utf-8", "replace"):
+            host = urllib.parse.urlsplit(uri).netloc
+            raise StageError(
+                f"MLflow tracking server {uri} refuses the host name {host!r} (403 Invalid Host header): start it "
+                f"with --allowed-hosts including {host} (or MLFLOW_SERVER_ALLOWED_HOSTS; docs/scale-out.md)"
+            ) from None
+    except (urllib.error.URLError, OSError, ValueError):
+        pass  # it answered /health: anything else here is for the call that needs it to say
 
 
 def _find_parent(client, exp_id: str, dag_id: str, run_id: str):

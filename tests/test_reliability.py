@@ -432,7 +432,7 @@ def test_kill_9_of_the_train_stage_leaves_no_orphans(tmp_path, shards):
 # ---- class 3: an MLflow outage never blocks training --------------------------------------------------------------
 
 
-def _mlflow_server(port: int, store, artifacts):
+def _mlflow_server(port: int, store, artifacts, **env):
     import os
     import subprocess
     import sys
@@ -459,7 +459,7 @@ def _mlflow_server(port: int, store, artifacts):
         stdout=open(Path(store).with_suffix(f".{port}.log"), "a"),
         stderr=subprocess.STDOUT,
         start_new_session=True,
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no GenAI job runner (scripts/ui.sh)
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **env},  # no GenAI job runner (ui.sh)
     )
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -470,6 +470,23 @@ def _mlflow_server(port: int, store, artifacts):
             assert proc.poll() is None, Path(store).with_suffix(f".{port}.log").read_text()[-2000:]
             time.sleep(0.5)
     raise AssertionError("mlflow server did not answer in 120 s")
+
+
+def test_a_server_that_refuses_the_uris_host_name_is_named_before_the_stage(tmp_path):
+    """A real `mlflow server` that does not allow the name workers use for it (compose's `mlflow:5000` was refused by
+    MLflow's default allow-list): /health answers (it is exempt), every logging call got 403. The reachability check
+    now names the host and the flag."""
+    from tasks.errors import StageError
+    from tasks.tracking import check_reachable
+
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    server = _mlflow_server(port, tmp_path / "m.db", tmp_path / "art", MLFLOW_SERVER_ALLOWED_HOSTS="mlflow:5000")
+    try:
+        with pytest.raises(StageError, match=rf"refuses the host name '127.0.0.1:{port}' \(403 Invalid Host header\)"):
+            check_reachable(uri)
+    finally:
+        _kill_group(server)  # a server that allows the name: every test on a real server passes check_reachable
 
 
 def _kill_group(proc) -> None:

@@ -649,3 +649,18 @@ def test_shard_errors_name_the_fix(tmp_path):
     first.unlink()
     with pytest.raises(CorruptShardError, match="is missing; rerun the shard stage"):
         check_files(r.shard_dir, r.manifest, "train")
+
+
+def test_a_bpe_smaller_than_asked_is_said(tmp_path):
+    """data.vocab_size 4000 on three short files: the BPE runs out of merges long before, and the model is sized to
+    the smaller vocabulary; the manifest says so and names the fix (an ordinary build: nothing)."""
+    inputs = [CORPUS / "alpha.txt", CORPUS / "beta.txt", CORPUS / "gamma.txt"]
+    r = build_shard_set(shard_cfg(tmp_path / "a", inputs, vocab_size=4000))
+    built = r.manifest["vocab_size"]
+    lines = [w for w in r.manifest["warnings"] if "data.vocab_size" in w]
+    assert built < 4000 and lines == [
+        f"the BPE has {built} tokens, fewer than data.vocab_size 4000: the corpus holds no more merges (the model's "
+        "vocabulary is the smaller one); add text or lower data.vocab_size"
+    ], r.manifest["warnings"]
+    full = build_shard_set(shard_cfg(tmp_path / "b", inputs, vocab_size=built))
+    assert not [w for w in full.manifest["warnings"] if "data.vocab_size" in w], full.manifest["warnings"]

@@ -248,3 +248,16 @@ def test_mlflow_server_keeps_runs_in_postgres_and_serves_the_artifacts():
     assert "mlartifacts:/mlartifacts" in services["mlflow"]["volumes"]
     assert services["celery-worker"]["environment"]["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
     assert "CREATE DATABASE mlflow" in (DOCKER / "postgres-init.sql").read_text()
+    # the name the workers use is one MLflow lets in (its default allow-list, localhost and private IPs, answered
+    # `mlflow:5000` 403 on every call), judged by MLflow's own check, with compose's default for the variable
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    allowed = re.fullmatch(
+        r"\$\{MLFLOW_ALLOWED_HOSTS:-(.+)\}", services["mlflow"]["environment"]["MLFLOW_SERVER_ALLOWED_HOSTS"]
+    )
+    hosts = allowed.group(1).split(",")
+    uris = {s: v["environment"].get("MLFLOW_TRACKING_URI") for s, v in services.items() if v.get("environment")}
+    for service, uri in uris.items():
+        assert not uri or is_allowed_host_header(hosts, uri.removeprefix("http://")), (service, uri, hosts)
+    assert uris["celery-worker"] and uris["airflow-scheduler"]
+    assert is_allowed_host_header(hosts, "127.0.0.1:5000") and not is_allowed_host_header(hosts, "evil.example:5000")
