@@ -295,6 +295,21 @@ def hccl_env(hardware) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in env.items()}
 
 
+def hccl_timeout_problem(kind: str, timeout_s: int, hardware) -> str | None:
+    """On NPU, torch's watchdog (train.timeout_s) must outlast the HCCL_EXEC_TIMEOUT in force — the environment's
+    when exported, else hardware.hccl_exec_timeout (hccl_env) — or it kills the ranks before HCCL names the failing
+    collective (torch_npu's ProcessGroupHCCL waits on HCCL's own timeout). The config's rule sees only the config's
+    value and device npu; this sees what the ranks will get, for device auto too."""
+    value = hccl_env(hardware)["HCCL_EXEC_TIMEOUT"]
+    if kind != "npu" or not value.strip().isdigit() or int(value) == 0 or timeout_s > int(value):
+        return None
+    source = "exported" if "HCCL_EXEC_TIMEOUT" in os.environ else "hardware.hccl_exec_timeout"
+    return (
+        f"train.timeout_s: {timeout_s} must exceed HCCL_EXEC_TIMEOUT={int(value)} ({source}) so HCCL reports the real "
+        f"error before torch's watchdog fires: set train.timeout_s to {int(value) + 64} or more"
+    )
+
+
 def package_version(dist: str) -> str | None:
     """An installed distribution's version from its metadata (torch-npu, amct_pytorch, …), None when absent; never
     imports it (torch_npu without CANN loaded kills the importing process)."""

@@ -109,6 +109,26 @@ def test_bf16_is_asked_of_the_npu_and_refused_before_training(monkeypatch):
     assert device.precision_problem("npu", "fp32") is None and device.precision_problem("cpu", "bf16") is None
 
 
+def test_the_hccl_timeout_in_force_is_checked_against_the_watchdog_before_launch(monkeypatch):
+    """docs/ascend.md: train.timeout_s must exceed HCCL_EXEC_TIMEOUT. The config's rule compared the config's value
+    on device npu only; an exported HCCL_EXEC_TIMEOUT=3600 (the page's own advice for slow links) under the default
+    1900 s launched, and torch's watchdog would kill the ranks before HCCL named the collective."""
+    from tasks.config import load_config
+    from tasks.device import hccl_timeout_problem
+
+    hw = load_config("qwen2-7b-910b").hardware
+    monkeypatch.delenv("HCCL_EXEC_TIMEOUT", raising=False)
+    assert hccl_timeout_problem("npu", 1900, hw) is None  # the defaults: 1900 > 1836
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "3600")
+    assert hccl_timeout_problem("npu", 1900, hw) == (
+        "train.timeout_s: 1900 must exceed HCCL_EXEC_TIMEOUT=3600 (exported) so HCCL reports the real error before "
+        "torch's watchdog fires: set train.timeout_s to 3664 or more"
+    )
+    assert hccl_timeout_problem("npu", 3700, hw) is None and hccl_timeout_problem("cpu", 1900, hw) is None
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "0")  # never: the env stage warns, nothing to compare
+    assert hccl_timeout_problem("npu", 1900, hw) is None
+
+
 # --- 4. OOM advice valid for the allocator settings in force ---------------------------------------------------
 
 

@@ -77,11 +77,17 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     )
     problems.extend(filter(None, [fault_problem(os.environ.get(FAULT_ENV, ""), world)]))
     validation, val_notes = validation_plan(cfg, lay, manifest, shard_dir, problems)
-    from tasks.device import precision_problem
+    from tasks.device import hccl_timeout_problem, precision_problem
 
-    bad_precision = precision_problem(backend.kind, cfg.train.precision)
-    if bad_precision:
-        problems.append(bad_precision)
+    problems.extend(
+        filter(
+            None,
+            [
+                precision_problem(backend.kind, cfg.train.precision),
+                hccl_timeout_problem(backend.kind, cfg.train.timeout_s, hw),
+            ],
+        )
+    )
     if cfg.train.compile:
         from tasks.parallel.compile import compile_problem
 
