@@ -96,6 +96,11 @@ def find_eos(tok: Tokenizer, spec: str, eos_token: str = "") -> tuple[str, int]:
         if cfg_path.is_file():
             value = json.loads(cfg_path.read_text(encoding="utf-8")).get("eos_token")
             value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str) and tok.token_to_id(value) is None:  # never another token in its place
+                raise DataPrepError(
+                    f"{cfg_path}: eos_token {value!r} is not in the tokenizer's vocabulary; fix the file or set "
+                    "data.eos_token to the token that ends a document"
+                )
             names += [value] if isinstance(value, str) else []
     names += [] if eos_token else list(EOS_CANDIDATES)
     for name in names:

@@ -310,6 +310,10 @@ def test_model_directory_tokenizer_uses_its_eos(tmp_path):
     (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     r2 = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
     assert r2.shard_dir != r.shard_dir and r2.manifest["eos_token"] == "<|endoftext|>"
+    # an EOS the vocabulary lacks: it once fell back to <|endoftext|> in silence, another token ending every document
+    (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(DataPrepError, match=r"tokenizer_config.json: eos_token '</s>' is not in the tokenizer's vocab"):
+        build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
 
 
 # --- integrity and identity -----------------------------------------------------------------------------------
