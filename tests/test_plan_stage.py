@@ -407,14 +407,24 @@ def test_what_the_moe_plan_cannot_size_is_refused_in_one_line(tmp_path, argv, se
         assert "--set model.n_layers" in str(err.value)
 
 
-@pytest.mark.parametrize("argv", [("--model", "llama3-8b"), ("--hf-config", "HF")])
-def test_a_model_key_under_a_what_if_model_is_refused_in_one_line(tmp_path, argv):
-    """--set model.n_layers=14 with --model/--hf-config once planned the what-if model whole, the 14 dropped."""
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        (("--model", "llama3-8b"), "model.n_layers=14"),
+        (("--hf-config", "HF"), "model.n_layers=14"),
+        (("--params", "7e9"), "model.preset=llama3-8b"),
+        (("--model", "llama3-8b"), "model.hf_path=/nowhere"),
+    ],
+)
+def test_a_model_key_under_a_what_if_model_is_refused_in_one_line(tmp_path, argv, key):
+    """--set model.n_layers=14 (or model.preset, model.hf_path) with --model/--hf-config/--params once planned the
+    what-if model whole, the value dropped."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN2_0_5B))
     argv = tuple(str(tmp_path) if a == "HF" else a for a in argv)
     with pytest.raises(StageError) as err:
-        plan_of(tmp_path / "run", "demo-cpu", *argv, sets=["model.n_layers=14"])
-    assert str(err.value).startswith(f"model.n_layers: set for the config's model, which {argv[0]} replaces")
+        plan_of(tmp_path / "run", "demo-cpu", *argv, sets=[key])
+    name = key.partition("=")[0]
+    assert str(err.value).startswith(f"{name}: set for the config's model, which {argv[0]} replaces"), str(err.value)
     assert "\n" not in str(err.value)
 
 

@@ -120,6 +120,23 @@ def test_cli_analyze_json_and_one_line_error(tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("error: ") and "no profiling data found" in err
 
 
+def test_a_collected_profile_is_keyed_by_the_layout_and_shape_that_ran(cfg):
+    """The baseline key of a collected profile is the layout train.prepare resolved (pinned or the plan's) and the
+    model shape built, from traces/collected.json: keyed by the config, every planned layout was dp 0 tp 0 pp 0 —
+    profiles of two layouts compared as one, a regression that was a layout change."""
+    from tasks.profiling.baseline import key_digest, profile_key
+
+    cfg.parallel.dp = cfg.parallel.tp = cfg.parallel.pp = 0  # left to the planner
+    report = {"source": {"format": "torch_trace"}, "world": 4}
+    ran = {"layout": {"dp": 2, "tp": 2, "pp": 1, "zero": 1, "micro_batch": 2}, "model": {"dim": 64, "n_layers": 2}}
+    key = profile_key(cfg, report, "cpu", ran)
+    assert (key["dp"], key["tp"], key["pp"], key["zero"], key["micro_batch"]) == (2, 2, 1, 1, 2)
+    assert key["model"] == ran["model"]
+    other = profile_key(cfg, report, "cpu", {**ran, "layout": {**ran["layout"], "tp": 1, "pp": 2}})
+    assert key_digest(other) != key_digest(key)  # same config, another layout ran: another key
+    assert profile_key(cfg, report, "cpu")["dp"] == 0  # an analysed folder: the config's, as before
+
+
 def test_collect_uses_the_training_stage_preparation(cfg, tmp_path):
     """Without a shard set the profiled run stops where the train stage would, with its one-line cause."""
     with pytest.raises(StageError, match="no shard set"):

@@ -38,6 +38,9 @@ def test_a_model_too_big_for_one_device_goes_the_whole_route(tmp_path, airflow_d
     assert sibling["derived_from"] == "demo" and sibling["hidden"] * sibling["layers"] < 128 * 4, sibling  # demo: 128×4
     plan = json.loads((run_dir / "plan" / "plan.json").read_text())["chosen"]
     assert plan["dp"] * plan["tp"] * plan["pp"] == 4 and (plan["tp"] > 1 or plan["pp"] > 1 or plan["zero"] > 0)
+    # the profile is keyed (its baseline) by the layout that ran, the plan's, not the config's dp 0 tp 0 pp 0
+    key = json.loads((run_dir / "profile" / "report.json").read_text())["baseline_key"]
+    assert {k: key[k] for k in ("dp", "tp", "pp", "zero")} == {k: plan[k] for k in ("dp", "tp", "pp", "zero")}, key
     rehearsal = json.loads((run_dir / "train" / "rehearsal.json").read_text())
     assert rehearsal["ok"] and len(rehearsal["peaks_per_rank"]) == 4 and res["train"]["rehearsal"]["rehearsal.ok"]
     assert max(rehearsal["held_per_rank"]) <= 0.22e9 and res["train"]["steps"] == ROUTE["train"]["steps"]

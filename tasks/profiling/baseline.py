@@ -21,23 +21,28 @@ KEY_TAG, KEY_JSON_TAG = "profile.key", "profile.key_json"
 NPU_FORMATS = ("ascend_pt", "msprof", "cluster_analysis")
 
 
-def profile_key(cfg: PipelineConfig, report: dict, device_kind: str | None = None) -> dict:
+def profile_key(cfg: PipelineConfig, report: dict, device_kind: str | None = None, ran: dict | None = None) -> dict:
     """What makes two profiles comparable. `device_kind`: the backend the profiled run used (collect); for an
-    analysed folder, Ascend formats mean npu and a torch trace counts as the configured hardware.device."""
+    analysed folder, Ascend formats mean npu and a torch trace counts as the configured hardware.device. `ran`: the
+    collect's record (traces/collected.json) of the layout and model shape the profiled run used — the resolved
+    ones (pinned, or the plan's: a preset leaving dp/tp/pp to the planner keyed every layout as dp 0 tp 0 pp 0, and
+    two checkpoints of one preset as one model); without it (an analysed folder) the config's."""
     fmt = report["source"]["format"]
-    model = {k: v for k, v in cfg.to_dict()["model"].items() if k != "hf_path"}
-    p = cfg.parallel
+    ran = ran or {}
+    model = ran.get("model") or {k: v for k, v in cfg.to_dict()["model"].items() if k != "hf_path"}
+    p, lay = cfg.parallel, ran.get("layout") or {}
     return {
         "model": model,
-        "dp": p.dp,
-        "tp": p.tp,
-        "pp": p.pp,
-        "zero": p.zero,
+        "dp": lay.get("dp", p.dp),
+        "tp": lay.get("tp", p.tp),
+        "pp": lay.get("pp", p.pp),
+        "zero": lay.get("zero", p.zero),
+        **{k: lay[k] for k in ("ep", "recompute", "pp_schedule") if k in lay},
         "world": report["world"],
         "device": device_kind or ("npu" if fmt in NPU_FORMATS else cfg.hardware.device),
         "format": fmt,
         "seq_len": cfg.data.seq_len,
-        "micro_batch": cfg.train.micro_batch,
+        "micro_batch": lay.get("micro_batch", cfg.train.micro_batch),
         "precision": cfg.train.precision,
     }
 

@@ -408,13 +408,16 @@ def _shard_seq_len(cfg: PipelineConfig, ctx) -> None:
 
 
 def _model_sets_unused(cfg: PipelineConfig, ctx) -> None:
-    """A what-if model (--model, --hf-config, --params, shape flags) replaces the config's: a model.* value set
-    explicitly for this run would be dropped without a word, so it is refused in one line."""
+    """A what-if model (--model, --hf-config, --params, shape flags) replaces the config's: a model.* value that
+    names or shapes the config's model (model.preset, model.hf_path, a shape override) set explicitly for this run
+    would be dropped without a word, so it is refused in one line."""
     from tasks.config import SHAPE_OVERRIDES
 
     flags = [f"--{f.replace('_', '-')}" for f in _MODEL_FLAGS if _arg(ctx, f) is not None]
     dropped = sorted(
-        k for k in cfg.explicit if k.partition(".")[0] == "model" and k.partition(".")[2] in SHAPE_OVERRIDES
+        k
+        for k in cfg.explicit
+        if k.partition(".")[0] == "model" and k.partition(".")[2] in (*SHAPE_OVERRIDES, "preset", "hf_path")
     )
     if flags and dropped:
         raise StageError(

@@ -167,6 +167,8 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
             "backend": spec["backend"],
             "world": spec["world"],
             "source": str(source),
+            "layout": spec["layout"],  # what ran (train.prepare resolved it: pinned, or the plan's): the baseline key
+            "model": spec["model"],
         },
     )
     return source, notes
@@ -207,12 +209,13 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     if getattr(ctx.args, "action", "collect") == "analyze":
         if not getattr(ctx.args, "path", None):
             raise StageError("profile analyze needs the folder to analyse: python -m tasks profile analyze PATH")
-        source, notes, device_kind = Path(ctx.args.path).expanduser().resolve(), [], None
+        source, notes, device_kind, collected = Path(ctx.args.path).expanduser().resolve(), [], None, {}
     elif not cfg.profile.enabled:
         return {"status": "ok", "summary": "skipped (profile.enabled is false)", "skipped": True}
     else:
         source, notes = collect(cfg, ctx, out_dir)
-        device_kind = read_json(source / "collected.json").get("backend")
+        collected = read_json(out_dir / "traces" / "collected.json")
+        device_kind = collected.get("backend")
     report = analyze(source)
     fmt = report["source"]["format"]
     report["source"]["notes"] += notes
@@ -220,7 +223,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks.profiling import engine  # profile.analyzer: msprof-analyze as primary engine where installed
 
     engine.apply(cfg.profile.analyzer, report, source, analyze_dir)
-    key = baseline.profile_key(cfg, report, device_kind)
+    key = baseline.profile_key(cfg, report, device_kind, collected)
     found, note = baseline.find_baseline(cfg, key, ctx.mlflow_run_id)
     comparison, regressions = baseline.compare(report, found, cfg.profile.regression_threshold)
     report["baseline"] = comparison
