@@ -496,8 +496,6 @@ def parse_sets(sets) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected section.key=value (positional arguments go before --set)")
-        if key.strip() in out and out[key.strip()] != value:  # the last would win without a word
-            raise ConfigError(f"--set {key.strip()}: given twice ({out[key.strip()]!r}, then {value!r}); give it once")
         out[key.strip()] = value
     return out
 

@@ -52,7 +52,6 @@ def test_digest_tracks_content():
     [
         (["train.steps=0"], "train.steps: 0 must be in [1, 1000000000]"),
         (["parallel.recompute=sometimes"], "parallel.recompute: 'sometimes' is not one of none, selective, full"),
-        (["train.steps=3", "train.steps=4"], "--set train.steps: given twice ('3', then '4'); give it once"),
         (["hardware.launcher=kubernets"], "'kubernets' is not one of local, kubernetes; did you mean kubernetes?"),
         (["train.precision=BF16"], "'BF16' is not one of fp32, bf16, fp16; did you mean bf16?"),
         (["data.seq_len=abc"], "data.seq_len: expected an integer, got 'abc'"),
@@ -68,6 +67,12 @@ def test_each_problem_is_one_clear_line(sets, needle):
         load_config(sets=sets)
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_later_set_of_the_same_key_wins():
+    """`--set` repeated for one key: the last wins (scripts append overrides to a base list), as a later layer
+    (Params, then --set) wins over an earlier one."""
+    assert load_config(sets=["train.steps=3", "train.steps=4"]).train.steps == 4
 
 
 def test_all_problems_reported_together():

@@ -395,9 +395,13 @@ def test_unpinned_degrees_come_from_the_plan(cfg):
             "sequence_parallel": False,
         }
     }
-    lay = resolve(c, plan, 4)
+    explicit = {"parallel.zero", "parallel.recompute", "train.micro_batch"} & c.explicit
+    c.explicit.difference_update(explicit)
+    lay = resolve(c, plan, 4)  # BASE's zero/recompute/micro-batch as a preset's values: the plan's replace them
     assert (lay.dp, lay.tp, lay.pp, lay.zero, lay.recompute, lay.pp_schedule) == (1, 2, 2, 2, "full", "gpipe")
     assert not lay.sequence_parallel and lay.n_microbatches == 4
+    c.explicit.update(explicit)  # set explicitly (--set, Params): kept (the plan stage planned only them)
+    assert (resolve(c, plan, 4).zero, resolve(c, plan, 4).recompute) == (3, "none")
     assert (resolve(c, None, 4).dp, resolve(c, None, 4).tp) == (4, 1)  # no plan: all ranks data-parallel
     c.parallel.tp = 2  # a pinned degree wins over the plan's
     assert resolve(c, {"parallel": {"dp": 4, "tp": 1, "pp": 1}}, 4).tp == 2

@@ -104,3 +104,48 @@ def logits_of_checkpoint(ckpt, tcfg, tokens):
     model.init_rope()
     with torch.no_grad():
         return model(tokens)
+
+
+def tied_output_peaks() -> dict:
+    """{"Linear": peak, "TiedOutput": peak}: the RSS high-water mark of one backward through a tied output
+    projection, in units of vocab × hidden fp32 (the tensors are mmapped, > 32 MB), with the plain Linear and with
+    TiedOutput, and whether their embedding gradients are bit-identical. Meant for a fresh process
+    (tests/test_model.py runs it in one): in a long-lived test worker, pages earlier tests freed can be reused without
+    raising the RSS, and the peak then reads short."""
+    import dataclasses
+    import gc
+
+    import torch
+    from torch import nn
+
+    from tasks.device import memory_stats, reset_peak
+    from tasks.model import build_model, get_preset, lm_loss, materialize
+    from tasks.model.transformer import TiedOutput
+
+    tcfg = dataclasses.replace(
+        get_preset("debug"),
+        dim=512,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_dim=64,
+        n_layers=1,
+        vocab_size=32768,
+        tie_embeddings=True,
+    )
+    model = materialize(build_model(tcfg, "meta"), "cpu", 0)
+    assert type(model.output) is TiedOutput and model.output.weight is model.tok_embeddings.weight
+    x = torch.randint(0, tcfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    unit = tcfg.vocab_size * tcfg.dim * 4
+    grads, peaks = {}, {}
+    for cls in (nn.Linear, TiedOutput):
+        model.output.__class__ = cls
+        for _ in range(2):  # the second pass: nothing first-time in the peak
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            loss = lm_loss(model(x), x)
+            reset_peak(torch.device("cpu"))
+            start = memory_stats(torch.device("cpu"))["allocated_bytes"]
+            loss.backward()
+            peaks[cls.__name__] = (memory_stats(torch.device("cpu"))["peak_bytes"] - start) / unit
+        grads[cls.__name__] = model.tok_embeddings.weight.grad.clone()
+    return {**peaks, "identical": bool(torch.equal(grads["Linear"], grads["TiedOutput"]))}
