@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tasks.errors import StageError
+from tasks.errors import ConfigError, StageError
 from tasks.fsutil import read_json
 from tasks.runner import run_stage
 
@@ -446,3 +446,14 @@ def test_plan_flags_are_bounded_like_the_config_fields(capsys):
     with pytest.raises(SystemExit) as exit_:
         plan_args("--global-batch", "1e30")
     assert exit_.value.code == 2 and "--global-batch: 1e30 must be at most 16777216" in capsys.readouterr().err
+
+
+def test_a_shape_override_over_a_checkpoint_is_refused_in_every_stage(tmp_path):
+    """model.n_layers=14 over a checkpoint's config.json: train refused it, but the plan sized a 14-layer model of
+    weights that have 24 (and fewer layers would have loaded, the rest dropped). tasks.model.resolve refuses it for
+    every stage; model.rope_theta / max_seq_len over it stay honoured with a warning (tests/test_hf_io.py)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(QWEN2_0_5B))
+    sets = [f"model.hf_path={tmp_path / 'ckpt'}", "model.n_layers=14"]
+    with pytest.raises(ConfigError, match=r"model.n_layers: 14 differs from 24 in model.hf_path's config.json"):
+        plan_of(tmp_path / "run", "demo-cpu", sets=sets)

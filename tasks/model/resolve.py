@@ -7,6 +7,21 @@ from tasks.errors import ConfigError
 from tasks.shape import TransformerConfig
 
 
+# The fields that decide a weight tensor's shape: over a checkpoint's config.json they are refused, never applied
+WEIGHT_SHAPE = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "qkv_bias",
+    "tie_embeddings",
+    "n_experts",
+    "moe_ffn_dim",
+)
+
+
 def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
     """The model of a PipelineConfig: `TransformerConfig.from_preset(model.preset, **overrides)`, or
     `from_hf_config(model.hf_path, **overrides)`, checked against the shard set.
@@ -18,6 +33,15 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
     if mc.hf_path:
         published = TransformerConfig.from_hf_config(repo_path(mc.hf_path))
         tcfg = published.override(**mc.overrides())
+        shaped = [k for k in WEIGHT_SHAPE if getattr(tcfg, k) != getattr(published, k)]
+        if shaped:  # its weights cannot load into another shape (fewer layers would load, the rest dropped)
+            raise ConfigError(
+                [
+                    f"model.{k}: {getattr(tcfg, k)} differs from {getattr(published, k)} in model.hf_path's "
+                    f"config.json, whose weights the model starts from; unset model.{k}"
+                    for k in shaped
+                ]
+            )
         _say_overrides(mc.hf_path, published, tcfg)
     else:
         tcfg = TransformerConfig.from_preset(mc.preset, tokenizer_vocab=vocab_size, **mc.overrides())

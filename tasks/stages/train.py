@@ -238,20 +238,6 @@ def fault_problem(text: str, world: int) -> str | None:
     return None
 
 
-_WEIGHT_SHAPE = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "vocab_size",
-    "qkv_bias",
-    "tie_embeddings",
-    "n_experts",
-    "moe_ffn_dim",
-)
-
-
 def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
     """model.hf_path as an absolute path when its weights start the training (a checkpoint, if any, still wins);
     an override that changes a weight shape cannot load them."""
@@ -260,11 +246,12 @@ def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
     from tasks.config import repo_path
     from tasks.model.hf_io import read_hf_config
     from tasks.model.model_dir import verify
+    from tasks.model.resolve import WEIGHT_SHAPE
 
     path = repo_path(cfg.model.hf_path)
     verify(path)  # every rank reads it next: a truncated or altered file is one line here, not zeros there
-    hf = read_hf_config(path)
-    for key in _WEIGHT_SHAPE:
+    hf = read_hf_config(path)  # tasks.model.resolve refused a shape override; the file may have changed since
+    for key in WEIGHT_SHAPE:
         if getattr(hf, key) != getattr(tcfg, key):
             problems.append(
                 f"model.{key}: {getattr(tcfg, key)} differs from {getattr(hf, key)} in model.hf_path's "
