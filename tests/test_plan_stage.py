@@ -457,3 +457,11 @@ def test_a_shape_override_over_a_checkpoint_is_refused_in_every_stage(tmp_path):
     sets = [f"model.hf_path={tmp_path / 'ckpt'}", "model.n_layers=14"]
     with pytest.raises(ConfigError, match=r"model.n_layers: 14 differs from 24 in model.hf_path's config.json"):
         plan_of(tmp_path / "run", "demo-cpu", sets=sets)
+
+
+def test_expert_parallelism_on_a_dense_model_is_refused_by_the_plan(tmp_path):
+    """--set parallel.ep=2 on a dense model planned ok and was refused only by train, a stage later."""
+    with pytest.raises(StageError, match=r"^parallel.ep: 2 needs a mixture-of-experts model"):
+        plan_of(tmp_path / "run", "demo-cpu", sets=["parallel.ep=2", "parallel.dp=2"])
+    what_if = plan_of(tmp_path / "what-if", "demo-cpu", "--model", "debug", sets=["parallel.ep=2"])  # not the config's
+    assert what_if["status"] == "ok"

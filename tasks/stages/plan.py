@@ -435,6 +435,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         pb, model_desc, doc, table, result = _moe_plan(cfg, ctx, *moe)
         ranked = result
     else:
+        if cfg.parallel.ep > 1 and not any(_arg(ctx, f) is not None for f in _MODEL_FLAGS):  # train would refuse it
+            raise StageError(
+                f"parallel.ep: {cfg.parallel.ep} needs a mixture-of-experts model (e.g. model.preset moe-demo); set "
+                "parallel.ep 1"
+            )
         pb, model_desc, pinned = problem(cfg, ctx)
         result = search(pb)
         # A pinned layout is only verified; the table (and train's out-of-memory advice) still ranks the alternatives.
