@@ -319,7 +319,9 @@ DATA_CASES = [
     ("train", "truncated-shard", ["is truncated or altered: 1000 bytes"]),
     ("train", "manifest-not-json", ["manifest.json is unreadable"]),
     ("train", "manifest-old-format", ["format 'llm-pipeline-shards/0' is not", "rebuild the shard set"]),
-    ("quantize", "empty-dir", ["no trained model"]),
+    # no trained model here: "no trained model: run the train stage first", or, after the train cases above failed in
+    # this directory, "the train stage's last attempt here failed (…)": either way the fix is train or --model-dir
+    ("quantize", "empty-dir", ["quantize: ", "train", "or pass --model-dir"]),
 ]
 
 
