@@ -68,19 +68,21 @@ def stdlib_files() -> list[Path]:
     return sorted((p for p in found if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
 
 
+def _say_symlinked_dirs(root: Path, what: str) -> None:
+    """One warning line naming the symlinked directories under `root` that a walk or a `**` glob passes by (neither
+    follows them: a loop would never end), so that a linked-in part of the corpus is not lost unnoticed."""
+    links = [Path(d, n) for d, dirs, _ in os.walk(root) for n in dirs if os.path.islink(os.path.join(d, n))]
+    if links:
+        log.warning(
+            "%s (%d skipped, e.g. %s); give them as inputs of their own to include them", what, len(links), links[0]
+        )
+
+
 def _walk(directory: Path) -> list[Path]:
     """A directory's corpus files. Like a glob's `**`, the walk does not follow symlinked directories (a loop would
     never end): those it passes are named in one warning line, so that a linked-in part of the corpus is not lost
     unnoticed."""
-    links = [Path(d, n) for d, dirs, _ in os.walk(directory) for n in dirs if os.path.islink(os.path.join(d, n))]
-    if links:
-        log.warning(
-            "input %s: symlinked directories are not followed (%d skipped, e.g. %s); give them as inputs of their "
-            "own to include them",
-            directory,
-            len(links),
-            links[0],
-        )
+    _say_symlinked_dirs(directory, f"input {directory}: symlinked directories are not followed")
     return sorted(
         p
         for p in directory.rglob("*")
@@ -108,15 +110,7 @@ def _glob(spec: str) -> list[Path]:
     hidden = lambda m: any(p.startswith(".") for p in m.relative_to(root).parts)  # noqa: E731 (as glob.glob)
     matches = sorted(m for m in root.glob(pattern) if not hidden(m)) if root.is_dir() else []
     if "**" in pattern and root.is_dir():
-        links = [Path(d, n) for d, dirs, _ in os.walk(root) for n in dirs if os.path.islink(os.path.join(d, n))]
-        if links:
-            log.warning(
-                "input %s: ** does not follow symlinked directories (%d skipped, e.g. %s); give them as inputs of "
-                "their own to include them",
-                spec,
-                len(links),
-                links[0],
-            )
+        _say_symlinked_dirs(root, f"input {spec}: ** does not follow symlinked directories")
     return matches
 
 
