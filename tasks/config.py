@@ -392,6 +392,19 @@ _ORDERED = [
 ]
 
 
+def watchdog_problem(timeout_s: int, exec_timeout: int, source: str = "") -> str | None:
+    """The one rule (the env stage's hccl-timeouts check and train's pre-launch check): torch's watchdog
+    (train.timeout_s) must outlast HCCL_EXEC_TIMEOUT, or it kills the ranks before HCCL names the failing collective
+    (torch_npu's ProcessGroupHCCL waits on HCCL's own timeout). 0 = HCCL never times out: nothing to compare."""
+    if exec_timeout == 0 or timeout_s > exec_timeout:
+        return None
+    return (
+        f"train.timeout_s: {timeout_s} must exceed HCCL_EXEC_TIMEOUT={exec_timeout}{f' ({source})' if source else ''} "
+        f"so HCCL reports the real error before torch's watchdog fires: set train.timeout_s to {exec_timeout + 64} "
+        "or more"
+    )
+
+
 class PipelineConfig(Section):
     hardware: HardwareConfig = Field(default_factory=HardwareConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -422,11 +435,9 @@ class PipelineConfig(Section):
             lines.append(f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}")
         if ":" not in hw.rdzv_endpoint:
             lines.append(f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port")
-        if hw.device == "npu" and hw.hccl_exec_timeout and t.timeout_s <= hw.hccl_exec_timeout:
-            lines.append(
-                f"train.timeout_s: {t.timeout_s} must exceed hardware.hccl_exec_timeout {hw.hccl_exec_timeout} so "
-                "HCCL reports the real error before torch's watchdog fires"
-            )
+        if hw.device == "npu":
+            line = watchdog_problem(t.timeout_s, hw.hccl_exec_timeout, "hardware.hccl_exec_timeout")
+            lines.extend([line] if line else [])
         if t.early_stop_patience and not t.eval_samples:
             lines.append(
                 f"train.early_stop_patience: {t.early_stop_patience} needs the validation loss, which "

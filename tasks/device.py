@@ -296,18 +296,15 @@ def hccl_env(hardware) -> dict[str, str]:
 
 
 def hccl_timeout_problem(kind: str, timeout_s: int, hardware) -> str | None:
-    """On NPU, torch's watchdog (train.timeout_s) must outlast the HCCL_EXEC_TIMEOUT in force — the environment's
-    when exported, else hardware.hccl_exec_timeout (hccl_env) — or it kills the ranks before HCCL names the failing
-    collective (torch_npu's ProcessGroupHCCL waits on HCCL's own timeout). The config's rule sees only the config's
-    value and device npu; this sees what the ranks will get, for device auto too."""
+    """watchdog_problem on NPU against the HCCL_EXEC_TIMEOUT in force — the environment's when exported, else
+    hardware.hccl_exec_timeout (hccl_env): what the ranks will get, for device auto too."""
     value = hccl_env(hardware)["HCCL_EXEC_TIMEOUT"]
-    if kind != "npu" or not value.strip().isdigit() or int(value) == 0 or timeout_s > int(value):
-        return None
+    if kind != "npu" or not value.strip().isdigit():
+        return None  # not an integer: the env stage's hccl-timeouts check names it
     source = "exported" if "HCCL_EXEC_TIMEOUT" in os.environ else "hardware.hccl_exec_timeout"
-    return (
-        f"train.timeout_s: {timeout_s} must exceed HCCL_EXEC_TIMEOUT={int(value)} ({source}) so HCCL reports the real "
-        f"error before torch's watchdog fires: set train.timeout_s to {int(value) + 64} or more"
-    )
+    from tasks.config import watchdog_problem
+
+    return watchdog_problem(timeout_s, int(value), source)
 
 
 def package_version(dist: str) -> str | None:

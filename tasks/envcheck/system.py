@@ -9,7 +9,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from tasks.config import HardwareConfig
+from tasks.config import HardwareConfig, watchdog_problem
 from tasks.envcheck import check
 from tasks.units import GB
 
@@ -140,11 +140,8 @@ def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = Non
                 f"HCCL_EXEC_TIMEOUT=0 never times out, so train.timeout_s {pg_timeout_s} s (torch's "
                 f"watchdog) is the only limit and HCCL never names the failing collective"
             )
-        elif pg_timeout_s <= ex:
-            problems.append(
-                f"train.timeout_s {pg_timeout_s} must exceed HCCL_EXEC_TIMEOUT={ex} so HCCL reports the "
-                f"real error before torch's watchdog fires: set train.timeout_s to {ex + 64} or more"
-            )
+        else:
+            problems.extend(filter(None, [watchdog_problem(pg_timeout_s, ex)]))
     if problems:
         return check("hccl-timeouts", "fail" if kind == "npu" else "warn", "; ".join(problems + warnings))
     if warnings and kind == "npu":

@@ -128,7 +128,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
                 f"checkpoint {last[1]}: written for another model shape ({', '.join(diff[:3])}); "
                 f"use --fresh or another --run-dir"
             )
-    init_from = _init_from(cfg, tcfg, problems)  # its files verified (sizes + sha256, safetensors headers)
+    init_from = _init_from(cfg)  # its files verified (sizes + sha256, safetensors headers)
     if init_from:
         from tasks.model.hf_io import tokenizer_problem
 
@@ -238,25 +238,16 @@ def fault_problem(text: str, world: int) -> str | None:
     return None
 
 
-def _init_from(cfg: PipelineConfig, tcfg, problems: list[str]) -> str | None:
-    """model.hf_path as an absolute path when its weights start the training (a checkpoint, if any, still wins);
-    an override that changes a weight shape cannot load them."""
+def _init_from(cfg: PipelineConfig) -> str | None:
+    """model.hf_path as an absolute path when its weights start the training (a checkpoint, if any, still wins),
+    its files verified. (An override that changes a weight shape was refused by tasks.model.resolve above.)"""
     if not cfg.model.hf_path:
         return None
     from tasks.config import repo_path
-    from tasks.model.hf_io import read_hf_config
     from tasks.model.model_dir import verify
-    from tasks.model.resolve import WEIGHT_SHAPE
 
     path = repo_path(cfg.model.hf_path)
     verify(path)  # every rank reads it next: a truncated or altered file is one line here, not zeros there
-    hf = read_hf_config(path)  # tasks.model.resolve refused a shape override; the file may have changed since
-    for key in WEIGHT_SHAPE:
-        if getattr(hf, key) != getattr(tcfg, key):
-            problems.append(
-                f"model.{key}: {getattr(tcfg, key)} differs from {getattr(hf, key)} in model.hf_path's "
-                f"config.json, whose weights training starts from; unset model.{key}"
-            )
     return str(path)
 
 
