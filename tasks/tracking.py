@@ -527,6 +527,32 @@ def set_tags_or_defer(run_dir: Path, uri: str, tags: dict, what: str) -> None:
         _warn(f"{what} not logged to MLflow ({_short(e)}); {kept}")
 
 
+def log_artifacts_or_defer(
+    run_dir: Path, uri: str, files: list[tuple[Path, str | None]], tables: dict[str, dict], what: str
+) -> None:
+    """A stage's closing artifacts — files already in the run directory, and small tables ({artifact file:
+    columns}) — sent now, or kept pending (flush_pending uploads them before the run's status)."""
+    run_id = active_run_id()
+    try:
+        for name, columns in tables.items():
+            log_table(columns, name)
+        for path, artifact_path in files:
+            log_artifact(path, artifact_path)
+    except Exception as e:
+        kept = f"kept in {Path(run_dir) / PENDING}"
+        try:
+            if run_id:
+                entry = {
+                    "files": [[str(p), a] for p, a in files],
+                    # [name, [[column, values], …]]: JSON objects are written with sorted keys, columns keep order
+                    "tables": [[k, [list(c) for c in v.items()]] for k, v in tables.items() if any(v.values())],
+                }
+                defer(run_dir, {"uri": uri, "run_id": run_id, **entry})
+        except OSError as o:  # a full or read-only disk: the stage's own cause, not this, is what must surface
+            kept = f"not kept either ({o.strerror})"
+        _warn(f"{what} not logged to MLflow ({_short(e)}); {kept}")
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -545,8 +571,8 @@ def settle_metrics(run_dir: Path, uri: str, run_id: str, metrics_path, prefix: s
 
 
 def _replay(entry: dict) -> int:
-    """One pending entry: per-step metrics (metrics.jsonl), final metrics, tags, or the run's end status. Returns
-    steps."""
+    """One pending entry: per-step metrics (metrics.jsonl), final metrics, tags, artifacts, or the run's end status.
+    Returns steps."""
     import mlflow
 
     if "metrics" in entry:
@@ -564,15 +590,21 @@ def _replay(entry: dict) -> int:
         )
     for key, value in entry.get("tags", {}).items():
         client.set_tag(entry["run_id"], key, value)
+    for name, columns in entry.get("tables", []):
+        client.log_table(entry["run_id"], data=dict(columns), artifact_file=name)
+    for path, artifact_path in entry.get("files", []):
+        if Path(path).exists():  # a file removed since (the run directory tidied by hand) has nothing left to send
+            log = client.log_artifacts if Path(path).is_dir() else client.log_artifact
+            log(entry["run_id"], path, artifact_path)
     if "status" in entry:
         client.set_terminated(entry["run_id"], status=entry["status"], end_time=entry.get("end_ms"))
     return 0
 
 
 def flush_pending(run_dir: Path) -> int:
-    """Send what earlier stages could not (metrics, final metrics, tags, run status), in the order it was left; entries
-    that still fail stay pending, and so does everything after them for the same run (its status comes last).
-    Returns steps sent."""
+    """Send what earlier stages could not (metrics, final metrics, tags, artifacts, run status), in the order it was
+    left; entries that still fail stay pending, and so does everything after them for the same run (its status comes
+    last). Returns steps sent."""
     from tasks.fsutil import atomic_write_json, read_json
 
     path = Path(run_dir) / PENDING
@@ -593,6 +625,8 @@ def flush_pending(run_dir: Path) -> int:
                 if "final" in entry
                 else f"tags {entry['tags']}"
                 if "tags" in entry
+                else f"artifacts {[p for p, _ in entry['files']] + [t for t, _ in entry['tables']]}"
+                if "files" in entry
                 else f"status {entry.get('status')}"
             )
             _warn(f"still cannot send {what} to MLflow run {entry['run_id']} ({_short(e)})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -574,6 +575,10 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
         run_id = json.loads((run / "train.json").read_text())["mlflow_run_id"]
         history = mlflow.MlflowClient(uri).get_metric_history(run_id, "train/loss")
         ended = mlflow.MlflowClient(uri).get_run(run_id)
+        client = mlflow.MlflowClient(uri)
+        names = {a.path for a in client.list_artifacts(run_id)} | {
+            a.path for a in client.list_artifacts(run_id, "train")
+        }
     finally:
         _kill_group(server)
     want = {json.loads(ln)["step"]: json.loads(ln)["loss"] for ln in metrics.read_text().splitlines()}
@@ -585,6 +590,8 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
     assert ended.data.metrics["train.final_loss"] == pytest.approx(want[steps])
     # and its status tag: a run FINISHED without `pipeline.status` is one the comparison views cannot place
     assert ended.data.tags.get("pipeline.status") == json.loads((run / "train.json").read_text())["status"]
+    # and its closing artifacts: the per-step metrics file, the loss plot, the per-rank memory table
+    assert {"metrics.jsonl", "train/loss.png", "train/memory.json"} <= names, names
 
 
 def test_pending_final_metrics_and_status_are_replayed_in_order(tmp_path, mlflow_uri):
@@ -602,11 +609,20 @@ def test_pending_final_metrics_and_status_are_replayed_in_order(tmp_path, mlflow
     tracking.defer(tmp_path, {"uri": dead, "run_id": stuck, "final": {"train.final_loss": 2.0}})
     tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": stuck, "status": "FINISHED", "end_ms": 2000})
     tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "tags": {"pipeline.error": "rank 1 died"}})
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "loss.png").write_bytes(b"png")
+    files = [[str(tmp_path / "train" / "loss.png"), "train"], [str(tmp_path / "gone.jsonl"), None]]
+    table = [["train/memory.json", [["phase", ["init"]], ["peak_gb", [1.5]]]]]  # as log_artifacts_or_defer keeps it
+    tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "files": files, "tables": table})
     tracking.defer(tmp_path, {"uri": mlflow_uri, "run_id": done, "status": "FAILED", "end_ms": 1000})
     tracking.flush_pending(tmp_path)
     r = client.get_run(done)
     assert (r.info.status, r.info.end_time, r.data.metrics["train.final_loss"]) == ("FAILED", 1000, 1.5)
     assert r.data.tags["pipeline.error"] == "rank 1 died"  # a failed stage's cause, sent with its status
+    # its artifacts too (a file removed since is skipped, not a reason to keep the rest pending)
+    assert {a.path for a in client.list_artifacts(done, "train")} == {"train/loss.png", "train/memory.json"}
+    got = json.loads(Path(client.download_artifacts(done, "train/memory.json", str(tmp_path))).read_text())
+    assert (got["columns"], got["data"]) == (["phase", "peak_gb"], [["init", 1.5]])  # MLflow's table format
     assert client.get_run(stuck).info.status == "RUNNING"
     left = json.loads((tmp_path / tracking.PENDING).read_text())
     assert [e["run_id"] for e in left] == [stuck, stuck] and left[-1]["status"] == "FINISHED"

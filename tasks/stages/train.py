@@ -627,12 +627,14 @@ def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: 
 
         final.update(figures(_rehearsed(ctx.run_dir)))
     plot = _loss_plot(records, ctx.run_dir / "train" / "loss.png")
-    tracking.log_final_metrics(ctx.run_dir, tracking.tracking_uri(cfg), final)  # kept pending while MLflow is down
-    with tracking.best_effort("final training tags and artifacts"):
-        tracking.log_table(memory_table(memory), "train/memory.json")
-        tracking.set_tags({"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""})
-        tracking.log_artifact(result["metrics"])
-        tracking.log_artifact(plot, "train")
+    uri = tracking.tracking_uri(cfg)  # final metrics, tags and artifacts: kept pending while MLflow is down
+    tracking.log_final_metrics(ctx.run_dir, uri, final)
+    tags = {"train.checkpoint": result["checkpoint"], "train.hf_dir": result["hf_dir"] or ""}
+    tracking.set_tags_or_defer(ctx.run_dir, uri, tags, "final training tags")
+    files = [(Path(result["metrics"]), None), (plot, "train")]
+    tracking.log_artifacts_or_defer(
+        ctx.run_dir, uri, files, {"train/memory.json": memory_table(memory)}, "training artifacts"
+    )
 
 
 def _loss_plot(records: list[dict], path: Path) -> Path:
