@@ -12,6 +12,7 @@ the inputs' contents, never by their mtimes.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import hashlib
 import json
@@ -147,14 +148,28 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
     return unique
 
 
+def _has_bom(path: Path) -> bool:
+    """The file (a text or .jsonl one, ± .gz) starts with a UTF-8 byte-order mark. Unreadable: False (the reader
+    counts it)."""
+    if _kind_suffix(path) == ".parquet":
+        return False
+    try:
+        with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
+            return f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
+    except (OSError, EOFError):
+        return False
+
+
 def stat_key(files: list[Path], stats: list[os.stat_result] | None = None) -> str:
     """Where a build of these files is looked up (never what names the data: that is `content_key`): path, size,
     mtime, ctime and inode of every file. ctime cannot be set back (utime sets it to now), so a file rewritten with
     its size and mtime kept still gets another key; a file merely touched or copied is read again and found equal
-    by its content."""
+    by its content. A file starting with a UTF-8 BOM is marked (three bytes read): builds from before the reader
+    stripped it (it cost a .jsonl its first record) are not found for it; every other file's key is unchanged."""
     h = hashlib.sha256()
     for p, st in zip(files, stats or [p.stat() for p in files]):
-        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+        bom = "\0bom" if _has_bom(p) else ""
+        h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}{bom}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -207,11 +222,14 @@ def _decode(raw: bytes, on_error: str, stats: CorpusStats) -> str | None:
         return None if on_error == "skip" else raw.decode("utf-8", errors="replace")
 
 
-def _text_file(f, max_chars: int, on_error: str, stats: CorpusStats) -> Iterator[str]:
+def _text_file(f, max_chars: int, on_error: str, stats: CorpusStats, bom: list[bool]) -> Iterator[str]:
     head = f.read(_SNIFF_BYTES)
     if b"\0" in head:
         stats.binary_files += 1
         return
+    if head.startswith(codecs.BOM_UTF8):  # an encoding signature, not text (Python's utf-8-sig drops it too)
+        head = head[len(codecs.BOM_UTF8) :]
+        bom.append(True)
     limit = 4 * max_chars + 4  # UTF-8 needs at most 4 bytes a character: beyond this it is surely too long
     raw = head + f.read(max(limit - len(head), 0))
     stats.documents_in += 1
@@ -223,9 +241,16 @@ def _text_file(f, max_chars: int, on_error: str, stats: CorpusStats) -> Iterator
         yield text
 
 
-def _jsonl_file(f, text_field: str, max_chars: int, on_error: str, stats: CorpusStats) -> Iterator[str]:
+def _jsonl_file(
+    f, text_field: str, max_chars: int, on_error: str, stats: CorpusStats, bom: list[bool]
+) -> Iterator[str]:
     limit = 8 * max_chars + 1024  # JSON escaping can double a character's bytes again
+    first = True
     while line := f.readline(limit):
+        if first and line.startswith(codecs.BOM_UTF8):  # a signature before the first record, not part of it
+            line = line[len(codecs.BOM_UTF8) :]
+            bom.append(True)
+        first = False
         if len(line) >= limit and not line.endswith(b"\n"):
             stats.documents_in += 1
             stats.too_long += 1
@@ -285,6 +310,7 @@ def iter_documents(
         kind = _kind_suffix(path)
         seen = stats.documents_in
         raw = digest = None
+        bom: list[bool] = []  # the reader dropped a leading UTF-8 BOM
         try:
             if kind == ".parquet":
                 digest = file_sha256(path) if digests is not None else None  # pyarrow reads by random access
@@ -293,9 +319,9 @@ def iter_documents(
             raw = HashingFile(path)
             f = gzip.GzipFile(fileobj=raw, mode="rb") if path.suffix == ".gz" else raw
             if kind == ".jsonl":
-                yield from _jsonl_file(f, text_field, max_chars, on_decode_error, stats)
+                yield from _jsonl_file(f, text_field, max_chars, on_decode_error, stats, bom)
             else:
-                yield from _text_file(f, max_chars, on_decode_error, stats)
+                yield from _text_file(f, max_chars, on_decode_error, stats, bom)
         except DataPrepError:
             raise
         except (OSError, EOFError, ValueError) as e:  # gzip/parquet format errors land here too
@@ -319,4 +345,5 @@ def iter_documents(
             if digests is not None:  # how the bytes were read is part of what they mean: the same bytes as a
                 # .json (one text document) and as a .jsonl (a document a line) are two corpora, two versions
                 reader = "" if kind not in (".jsonl", ".parquet") else f"{kind[1:]}:"
-                digests.append(reader + (digest or "unreadable"))
+                # a BOM read as text (before the reader dropped it) named other documents: another version
+                digests.append(reader + ("bom:" if bom else "") + (digest or "unreadable"))

@@ -668,3 +668,29 @@ def test_a_bpe_smaller_than_asked_is_said(tmp_path):
     ], r.manifest["warnings"]
     full = build_shard_set(shard_cfg(tmp_path / "b", inputs, vocab_size=built))
     assert not [w for w in full.manifest["warnings"] if "data.vocab_size" in w], full.manifest["warnings"]
+
+
+def test_a_utf8_bom_is_an_encoding_signature_not_a_record_or_a_character(tmp_path):
+    """Files saved by Windows tools start with a UTF-8 byte-order mark: a .jsonl's first record was a counted bad
+    record (json.loads refuses the BOM) and a text file's first character was U+FEFF. The reader drops it; the file's
+    digest says so (`bom:`), so a set built before this is not reused for it, and every other file's is unchanged."""
+    from data_prep.corpus import iter_documents, stat_key
+
+    texts = [json.loads(line)["text"] for line in (CORPUS / "records.jsonl").read_text().splitlines()[:12]]
+    body = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + body)
+    (tmp_path / "plain.jsonl").write_bytes(body)
+    with gzip.open(tmp_path / "bom.txt.gz", "wb") as f:
+        f.write(b"\xef\xbb\xbfdef f():\n    return 1\n")
+    files = [tmp_path / n for n in ("bom.jsonl", "plain.jsonl", "bom.txt.gz")]
+    stats, digests = CorpusStats(), []
+    docs = list(iter_documents(files, stats=stats, digests=digests))
+    assert docs == texts + texts + ["def f():\n    return 1\n"] and stats.bad_records == 0
+    assert [d.split(":")[:-1] for d in digests] == [["jsonl", "bom"], ["jsonl"], ["bom"]]
+    # the lookup key: marked for a BOM file only (a build from before the reader dropped it is not found)
+    st = (tmp_path / "plain.jsonl").stat()
+    plain = stat_key([tmp_path / "plain.jsonl"], [st])
+    (tmp_path / "plain.jsonl").write_bytes(b"\xef\xbb\xbf" + body[3:])  # a BOM now
+    assert stat_key([tmp_path / "plain.jsonl"], [st]) != plain  # the same stat: only the mark differs
+    built = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "bom.jsonl"], val_fraction=0))
+    assert built.manifest["stats"]["documents_out"] == 12 and built.manifest["stats"]["bad_records"] == 0
