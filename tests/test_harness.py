@@ -287,6 +287,11 @@ def test_bad_task_inputs_are_one_line(tmp_path, ckpt, monkeypatch):
     with pytest.raises(StageError, match=r"task gen_quiz generates up to 200 tokens \(max_gen_toks\), not less than"):
         suite.check_generation(s, 128, f"the model {ckpt}")
     suite.check_generation(s, 512, "a longer model")  # fits there
+    # sampling is found by load itself (no model needed: the shard stage's check, before training)
+    (tmp_path / "sampled.yaml").write_text(
+        gen.read_text().replace("task: gen_quiz", "task: sampled_quiz") + "  do_sample: true\n  temperature: 0.7\n"
+    )
+    fails(r"task sampled_quiz samples \(do_sample/temperature\).*do_sample: false", [str(tmp_path / "sampled.yaml")])
 
 
 def test_task_index_is_reused_until_a_yaml_in_its_folders_changes(tmp_path):

@@ -256,6 +256,7 @@ def load(entries: list[str], demo_yaml: Path | None, limit: int | None, fewshot:
         suite.versions[name] = str(task.VERSION)
     _check_metrics(suite, metrics)
     _check_rows(suite)
+    _check_greedy(suite)
     _apply_fewshot(suite, fewshot)
     return suite
 
@@ -349,8 +350,23 @@ def _leaves(suite: Suite, group: str) -> list[str]:
     return out
 
 
+def _check_greedy(suite: Suite) -> None:
+    """Generation tasks decode greedily (no model needed: checked by load, so the shard stage finds it)."""
+    from lm_eval.models.utils import normalize_gen_kwargs
+
+    for name, task in suite.loaded["tasks"].items():
+        if (
+            task.OUTPUT_TYPE == "generate_until"
+            and normalize_gen_kwargs(task.config.generation_kwargs or {})["do_sample"]
+        ):
+            raise StageError(
+                f"evaluate.tasks: task {name} samples (do_sample/temperature); the gate compares models on greedy "
+                "decoding: set generation_kwargs.do_sample: false in its YAML"
+            )
+
+
 def check_generation(suite: Suite, max_length: int, who: str) -> None:
-    """Generation tasks must leave room for the prompt in the model's context, and decode greedily."""
+    """Generation tasks must leave room for the prompt in the model's context (greedy decoding: _check_greedy)."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
     from tasks.harness.lm import default_max_gen_toks
@@ -363,11 +379,6 @@ def check_generation(suite: Suite, max_length: int, who: str) -> None:
             raise StageError(
                 f"evaluate.tasks: task {name} generates up to {kw['max_gen_toks']} tokens (max_gen_toks), not less "
                 f"than {who}'s context of {max_length}; lower generation_kwargs.max_gen_toks in its YAML"
-            )
-        if kw.get("do_sample"):
-            raise StageError(
-                f"evaluate.tasks: task {name} samples (do_sample/temperature); the gate compares models on greedy "
-                "decoding: set generation_kwargs.do_sample: false in its YAML"
             )
 
 
