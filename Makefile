@@ -16,7 +16,7 @@ help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
 	@echo "make test   - set up .venv and run the whole test suite (what CI runs)"
 	@echo "make lint   - ruff check + ruff format --check (also the first step of make test)"
-	@echo "make bench  - run the benchmarks; writes bench/results.json and bench/results.md"
+	@echo "make bench  - run the benchmarks; writes bench/results.json, bench/results.md and the figures in docs/benchmarks.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
 	@echo "make device-check - on a CUDA host: the device paths (train, MoE, smoke, profile, INT8, evaluate, vs torchtitan)"
 

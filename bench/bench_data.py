@@ -6,10 +6,10 @@
   same ids as `encode_batch`, without character offsets; Rust, all cores) — best of two each, interleaved. Goal
   ≥ 0.95. sharding.tokens_per_s_ratio_vs_encode_batch: the same build over `encode_batch` (offsets computed).
 - sharding.seconds_by_size / sharding.peak_rss_mb_by_size: three corpus sizes; time should grow linearly, the
-  build's peak memory should stay flat. Memory counts the builder AND any worker processes: a sampler thread sums
-  VmRSS over this process and all its descendants every 50 ms (peak_rss_mb_by_size), and the proportional set size
-  (PSS: shared pages split between the processes sharing them, so nothing counts twice) the same way
-  (peak_pss_mb_by_size); parent_peak_rss_mb_by_size is this process alone (VmHWM, reset per build). The peak
+  build's peak memory should stay flat. A sampler thread sums VmRSS over this process and any descendants every
+  50 ms (peak_rss_mb_by_size), and the proportional set size the same way (peak_pss_mb_by_size) — the build
+  tokenises in threads, so that is this one process, and the highest sample can read below the exact peak;
+  parent_peak_rss_mb_by_size is the exact high-water mark (VmHWM, reset per build). The peak
   follows the largest single document (the tokenizer needs ~100 bytes a character of the document it encodes,
   data.max_chars bounds it), not the corpus size: sharding.largest_document_kb_by_size says which that was.
 - sharding.cpu_ratio_vs_tokenizer: the same comparison in CPU seconds of this process (all its threads) for the

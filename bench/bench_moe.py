@@ -4,8 +4,8 @@
   (8 experts, top-2, a shared expert) over a dense model of the same active parameters per token (the dense
   SwiGLU width = top_k × expert width + shared width, so both multiply the same number of weights per token, but
   for the router and the shared expert's gate).
-  Below 1 is the routing, sorting, gather/scatter and per-expert kernels' overhead; the MoE model holds ~3× the
-  parameters.
+  Below 1 is the routing, sorting, gather/scatter and per-expert kernels' overhead; the MoE model holds ~2× the
+  parameters (moe.params_ratio_vs_dense).
 - moe.grouped_mm_speedup_vs_loop: the same MoE step with torch._grouped_mm over the per-expert loop.
 - moe.ep2_all_to_all_share: with expert parallelism over 2 gloo ranks (dp2·ep2, FSDP), the share of the training
   step spent inside the all-to-alls (token counts, dispatch, combine, forward + backward; wall clock, mean of the two

@@ -1,8 +1,8 @@
 """Profiling figures, each against a baseline measured in the same run:
 - the cost of profiling a step: median step time of a small training loop under make_profiler (CPU, memory
   recording on, the stage's settings) over the same loop unprofiled;
-- the analyser's speed: load_profile + build_report + advise on the traces that loop wrote (copied as 2 ranks),
-  over plain json.load of the same files (the floor any trace reader pays)."""
+- the analyser's time: load_profile + build_report + advise on the traces that loop wrote (copied as 2 ranks),
+  over plain json.load's time on the same files (the floor any trace reader pays; > 1: slower than that floor)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def run_torchtitan(args, log: Path) -> list[dict]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="", help="a tasks.model preset instead of the 1.5B Llama (e.g. debug)")
+    p.add_argument("--preset", default="", help="a tasks.model preset instead of Llama 3.2 1B's shape (e.g. debug)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "npu", "cpu"])
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=8)

@@ -17,7 +17,9 @@ the runtime reserve. Bandwidths are per device and per direction, the β of the 
 - h100-80g (DGX H100, SXM): NVLink 4 900 GB/s bidirectional = 450 GB/s per direction; 8 × NDR 400 Gb/s (50 GB/s per
   GPU); 989 TFLOP/s dense BF16 (H100 datasheet).
 - cpu-laptop: the CI demo, 2 gloo processes on one machine; rough memcpy-bound gloo and 1 Gb/s Ethernet figures;
-  0.037 TFLOP/s per rank, one core's fp32 matmul rate (measured: bench_train_step's cpu_matmul_peak_gflops).
+  0.037 TFLOP/s per rank, one core's fp32 matmul rate as once measured for a 1024² matmul (bench_train_step's
+  cpu_matmul_peak_gflops now takes the best of 256²/512² matmuls: 88.8 GF/s in bench/results.json; the preset keeps
+  the 1024² figure, a conservative one, so the planner's estimates stay comparable).
 
 Collective latency (α of the α-β model: the fixed cost of one collective call — launch, the peers' handshake, the
 first byte — paid however small the message; bytes / bandwidth is β's part). Accelerator collectives cost tens of
@@ -89,8 +91,9 @@ DEVICES = {
     "a100-80g": Device(("A100",), 80.0, 312.0),
     "h100-80g": Device(("H100",), 80.0, 989.0),
     "h200": Device(("H200",), 141.0, 989.0),  # H200 datasheet: H100's compute, 141 GB HBM3e
-    # one rank's core: its fp32 matmul rate (bench/bench_train_step.py train_step.cpu_matmul_peak_gflops, 37.2 GF/s
-    # for a 1024² fp32 matmul on one thread of this repository's 2-core host; a CPU's bf16 is no faster)
+    # one rank's core: its fp32 matmul rate, 37.2 GF/s once measured for a 1024² fp32 matmul on one thread of this
+    # repository's 2-core host (train_step.cpu_matmul_peak_gflops now reports 256²/512²'s best, 88.8; a CPU's bf16 is
+    # no faster)
     "cpu-laptop": Device((), 8.0, 0.037),
 }
 
