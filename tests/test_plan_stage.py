@@ -379,6 +379,15 @@ def test_the_moe_plan_sizes_a_zero_that_does_not_fit(tmp_path, argv, sets):
     assert {r["zero"] for r in read_json(tmp_path / "plan" / "plan.json")["rejected"] if "zero" in r} == {1}
 
 
+def test_an_explicit_ep_1_is_what_the_moe_plan_sizes(tmp_path):
+    """--set parallel.ep=1 (the DAG's EP Param at 1): training keeps it (tasks.layout.EXPLICIT_LAYOUT), but the plan
+    pinned only ep > 1 and sized another ep's memory for a run that would not use it."""
+    assert plan_of(tmp_path / "default", "qwen2-57b-a14b-910b", "--zero", "3")["parallel"]["ep"] > 1
+    assert (
+        plan_of(tmp_path / "ep1", "qwen2-57b-a14b-910b", "--zero", "3", sets=["parallel.ep=1"])["parallel"]["ep"] == 1
+    )
+
+
 @pytest.mark.parametrize(
     "argv, sets, needle",
     [

@@ -342,6 +342,8 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
     par, pins = cfg.parallel, {}
     if not what_if:  # the config's pins describe its own model and cluster
         pins = {k: getattr(par, k) for k in ("dp", "ep") if getattr(par, k) > (k == "ep")}
+        if "parallel.ep" in cfg.explicit:  # an explicit ep 1 too: training keeps it (EXPLICIT_LAYOUT), so size it
+            pins["ep"] = par.ep
     if _arg(ctx, "dp"):
         pins["dp"] = _arg(ctx, "dp")
     ex = cfg.explicit
