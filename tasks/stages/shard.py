@@ -156,6 +156,17 @@ def progress():
     return report
 
 
+def _unused_vocab_size(cfg: PipelineConfig, vocab: int) -> list[str]:
+    """data.vocab_size sizes only a BPE trained on the corpus: set explicitly (--set, the DAG's Param) beside a given
+    tokenizer it would be ignored without a word."""
+    if cfg.data.tokenizer == "train" or "data.vocab_size" not in cfg.explicit:
+        return []
+    return [
+        f"data.vocab_size {cfg.data.vocab_size} is not used: the given tokenizer (data.tokenizer) keeps its own "
+        f"vocabulary of {vocab} tokens; unset data.vocab_size (it sizes only a BPE trained on the corpus)"
+    ]
+
+
 def run(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.build import build_shard_set
     from data_prep.errors import DataPrepError
@@ -209,10 +220,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         f"{splits['train']['samples']} train + {splits['val']['samples']} val sequences of {m['seq_len']} "
         f"in {n_shards} shards, {result.tokens / 1e6:.2f}M tokens, vocab {m['vocab_size']} ({how})"
     )
+    warnings = m["warnings"] + _unused_vocab_size(cfg, m["vocab_size"])
     return {
-        "status": "warn" if m["warnings"] else "ok",
+        "status": "warn" if warnings else "ok",
         "summary": summary,
-        "warnings": m["warnings"],
+        "warnings": warnings,
         "shard_dir": str(result.shard_dir),
         "manifest": str(result.shard_dir / "manifest.json"),
         "manifest_digest": result.digest,
