@@ -26,10 +26,11 @@ from airflow.sdk import Param, dag, task
     tags=["llm", "ascend", "health"],
     params={
         "preset": Param(
-            "demo-cpu",
-            type="string",
+            None,
+            type=["null", "string"],
             title="Configuration preset",
-            description="The preset whose hardware section sets the alarm thresholds.",
+            description="The preset whose hardware section sets the alarm thresholds; empty: the site's default "
+            "($LLM_PIPELINE_PRESET where the task runs, else demo-cpu), as every other stage uses.",
         )
     },
     default_args={"retries": 0},
@@ -49,7 +50,7 @@ def llm_health():
         ctx = get_current_context()
         with to_logging():  # the task log keeps each line's level (Airflow logs stderr at ERROR)
             try:
-                cfg = load_config(ctx["params"]["preset"])
+                cfg = load_config(ctx["params"]["preset"] or None)  # None: $LLM_PIPELINE_PRESET, else demo-cpu
                 return run_health(
                     cfg,
                     default_run_dir(ctx["dag"].dag_id, ctx["run_id"]),

@@ -112,13 +112,16 @@ def test_health_dag_parses_light_and_hourly(tmp_path):
         "import sys; from airflow.dag_processing.dagbag import DagBag; "
         "b = DagBag(dag_folder='dags/llm_health.py'); d = b.dags['llm_health']; "
         "heavy = [m for m in ('torch', 'mlflow') if m in sys.modules]; "
-        "print(b.import_errors, d.catchup, \"'0 * * * *'\" in str(d.timetable), d.task_ids, heavy)"
+        "print(b.import_errors, d.catchup, \"'0 * * * *'\" in str(d.timetable), d.task_ids, heavy, "
+        "d.params['preset'])"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW")}
     env.update(PYTHONPATH=str(REPO), AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "{} False True ['health'] []"
+    # the preset: none given means the site's default ($LLM_PIPELINE_PRESET), never a hard-coded demo-cpu whose
+    # thresholds (and hardware.device cpu: no dropped-card alarm) would judge an NPU host
+    assert out.stdout.strip().splitlines()[-1] == "{} False True ['health'] [] None"
 
 
 def fake_nvidia_smi(bin_dir: Path) -> Path:
