@@ -15,7 +15,10 @@ unexport CONF
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
 	@echo "make test   - set up .venv and run the whole test suite (what CI runs)"
+	@echo "make test-fast - the tests not marked slow (about 3 minutes)"
 	@echo "make lint   - ruff check + ruff format --check (also the first step of make test)"
+	@echo "make ui     - Airflow (standalone) + MLflow servers on 127.0.0.1 with a login; make stop stops them"
+	@echo "make clean  - remove var/ (runs, shard sets, the Airflow DB and MLflow store of make run)"
 	@echo "make bench  - run the benchmarks; writes bench/results.json, bench/results.md and the figures in docs/benchmarks.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
 	@echo "make device-check - on a CUDA host: the device paths (train, MoE, smoke, profile, INT8, evaluate, vs torchtitan)"

@@ -8,7 +8,7 @@ one-line cause (task log, the stage's `<stage>.json`, and the MLflow run tag `pi
 
 Runs whenever the `llm_data` DAG publishes a new shard set (data-aware retraining), by hand (Trigger), and on a
 timetable only when `LLM_PIPELINE_SCHEDULE` (a cron expression, e.g. `0 3 * * 1`) is set where the DAG is parsed.
-When the evaluation asks for it (`evaluate.require_approval`, or an inconclusive champion comparison), the
+When the preset asks for it (`evaluate.require_approval`, or the DAG's Require approval), the
 `approve` task waits for a person (Browse → Required actions); Approve makes the new version the champion.
 Results: `var/runs/llm_pipeline/<run_id>/`; MLflow: one parent run per DAG run, one child run per stage
 (each task's **MLflow run** link opens it).
@@ -50,7 +50,8 @@ DOCS = {
     "shard": "Corpus → cleaned, deduplicated documents → BPE tokenizer → packed windows → WebDataset shards with a "
     "manifest, built by the shard_* tasks before it (one per partition, one per write range); this task checks "
     "their outputs and publishes the set. Same input and config: a cache hit, nothing rewritten.",
-    "smoke": "One device, the configured model: N steps in FP32, then the same in BF16. Fails (and stops the run) "
+    "smoke": "One device, the configured model (or a smaller sibling when it does not fit one device: "
+    "smoke.model): N steps in FP32, then the same in BF16. Fails (and stops the run) "
     "on a non-finite loss, a loss that does not fall, or FP32/BF16 curves that disagree; names the first bad "
     "layer.",
     "plan": "Memory estimate and DP/TP/PP/ZeRO/recompute search for the cluster; the best feasible plan configures "
@@ -59,8 +60,9 @@ DOCS = {
     "checkpoints. A retry resumes from the latest complete checkpoint.",
     "profile": "A short profiled run of the same trainer and plan (torch_npu.profiler on Ascend, torch.profiler "
     "elsewhere), analysed into a report with advisor findings and a comparison with the last baseline.",
-    "quantize": "INT8 quantization (AMCT on Ascend, torchao elsewhere; skips configured layers), gated on the task "
-    "accuracy drop vs BF16 (lm-eval, evaluate.tasks); QAT when PTQ misses the gate.",
+    "quantize": "INT8 quantization (AMCT on Ascend, torchao elsewhere; skips configured layers), gated on "
+    "evaluate.gate_metric (default: the task accuracy drop vs BF16 on evaluate.tasks, lm-eval) within "
+    "evaluate.max_drop_pct; QAT when PTQ misses the gate and quantize.qat_on_fail is set.",
     "evaluate": "INT8 vs BF16 and FP32 on evaluate.tasks (lm-evaluation-harness; demo-continuation from the val "
     "split) and on held-out tokens (perplexity, top-1, greedy agreement, size, speed); the gate registers a version "
     "(alias candidate), and the champion, scored on the same tasks in the same run, gives way unless it is better.",
@@ -252,9 +254,8 @@ def llm_pipeline():
     @task.short_circuit(
         task_id="approval_needed",
         ignore_downstream_trigger_rules=False,  # skip only `approve` (and so `promote`), never the summary
-        doc_md="Asks for a person's approval when evaluate.require_approval is set or the evaluation says the "
-        "champion comparison is inconclusive (evaluate.json `approval`); otherwise `approve` and `promote` are "
-        "skipped.",
+        doc_md="Asks for a person's approval when evaluate.require_approval is set (evaluate.json `approval`); "
+        "otherwise `approve` and `promote` are skipped.",
     )
     def approval_needed() -> dict:
         from airflow.sdk import get_current_context
@@ -278,7 +279,8 @@ def llm_pipeline():
         # a datetime.timedelta: the task runner's msgpack encoder refuses pendulum's Duration
         response_timeout=datetime.timedelta(hours=APPROVAL_TIMEOUT_H),
         doc_md="Approve: the new version becomes the champion (the promote task). Reject, or no answer within "
-        "evaluate.approval_timeout_h: the champion stays. Answer under Browse → Required actions.",
+        "evaluate.approval_timeout_h (the default preset's, read when the DAG is parsed): the champion stays. "
+        "Answer under Browse → Required actions.",
     )
 
     @task(task_id="promote", doc_md="Sets the alias champion on the approved version (tasks.quant.registry.promote).")

@@ -63,7 +63,13 @@ PARAMS = [
         "train = a byte-level BPE trained on the corpus; or a local tokenizer.json / model directory (e.g. the "
         "checkpoint's own, with Start from HF checkpoint).",
     ),
-    ("vocab_size", "data.vocab_size", "Data", "Tokenizer vocabulary", "Byte-level BPE trained on the corpus."),
+    (
+        "vocab_size",
+        "data.vocab_size",
+        "Data",
+        "Tokenizer vocabulary",
+        "Size of the byte-level BPE trained on the corpus (Tokenizer = train; a given tokenizer keeps its own).",
+    ),
     ("seq_len", "data.seq_len", "Data", "Sequence length", "Tokens per packed training window."),
     (
         "val_fraction",
@@ -78,7 +84,8 @@ PARAMS = [
         "data.partitions",
         "Data",
         "Shard partitions",
-        "Sharding fans out over this many tasks (files, size-balanced); 0 = one per 128 MB of corpus. "
+        "Sharding fans out over this many tasks (files, size-balanced; at most one per input file); 0 = one per "
+        "128 MB of corpus. "
         "The shards are the same whatever the number.",
     ),
     (
@@ -116,7 +123,13 @@ PARAMS = [
         "Expert parallel (EP)",
         "MoE models: experts split over EP of the DP ranks; divides DP and the expert count.",
     ),
-    ("zero", "parallel.zero", "Parallelism", "ZeRO stage", "0 replicated, 1/2 sharded states, 3 FSDP."),
+    (
+        "zero",
+        "parallel.zero",
+        "Parallelism",
+        "ZeRO stage",
+        "0 replicated, 1 sharded optimizer states, 2/3 FSDP2 (3 reshards after forward unless PP > 1).",
+    ),
     ("recompute", "parallel.recompute", "Parallelism", "Activation recompute", "Trade compute for memory."),
     ("pp_schedule", "parallel.pp_schedule", "Parallelism", "Pipeline schedule", "Used when PP > 1."),
     ("steps", "train.steps", "Training", "Optimizer steps", "Length of the training run."),
@@ -159,7 +172,8 @@ PARAMS = [
         "evaluate.registered_model",
         "Quantization",
         "Registered model name",
-        "MLflow Model Registry name; versions get the alias candidate, and champion when better.",
+        "MLflow Model Registry name; versions get the alias candidate, and champion unless below the champion "
+        "by more than evaluate.champion_margin.",
     ),
     (
         "require_approval",
@@ -181,11 +195,12 @@ LABELS = {  # readable labels for enum values in the trigger form
     "quantize.method": {
         "int8_weight_only": "INT8 weight-only",
         "int8_dynamic": "W8A8 dynamic",
-        "smoothquant": "SmoothQuant W8A8 (AMCT)",
+        "smoothquant": "SmoothQuant W8A8",
     },
     "train.precision": {"fp32": "FP32", "bf16": "BF16 (autocast)", "fp16": "FP16 (autocast)"},
-    "parallel.recompute": {"none": "none", "selective": "selective (attention)", "full": "full"},
+    "parallel.recompute": {"none": "none", "selective": "selective (keeps matmul/attention outputs)", "full": "full"},
     "evaluate.gate_metric": {
+        "task_accuracy_drop_pct": "relative macro task-accuracy drop (evaluate.tasks)",
         "accuracy_drop_pct": "relative next-token top-1 accuracy drop",
         "ppl_drop_pct": "relative perplexity rise",
         "greedy_disagreement_pct": "greedy-continuation disagreement",
@@ -525,8 +540,8 @@ def mark_dag_run(run_dir, dag_id: str, run_id: str, parent_run_id: str | None, c
 
 def approval_of(result: dict, cfg: PipelineConfig) -> dict:
     """evaluate.json's `approval` contract {"needed": bool, "reason": str, "version": str}, with
-    evaluate.require_approval folded in: needed when the evaluation says so (an inconclusive champion
-    comparison) or the config asks for it, and only for a registered version that is not already the champion."""
+    evaluate.require_approval folded in: needed when the config asks for it (the evaluation sets `needed` only
+    for the same reason), and only for a registered version that is not already the champion."""
     a = dict(result.get("approval") or {})
     version = str(a.get("version") or result.get("version") or "")
     reason = str(a.get("reason") or "")
