@@ -28,7 +28,9 @@ def _overrides(sets: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m data_prep", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m data_prep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     shard = sub.add_parser("shard", help="build (or find cached) a shard set")
     shard.add_argument("--input", nargs="+", default=None, help="files, directories, globs or 'stdlib'")
@@ -46,7 +48,7 @@ def main(argv=None) -> int:
     shard.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     verify = sub.add_parser("verify", help="check the tokenizer files and every shard's size and sha256")
     verify.add_argument("shard_dir")
-    verify.add_argument("--split", action="append", default=None)
+    verify.add_argument("--split", action="append", default=None, help="only this split (repeatable; default: all)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = None

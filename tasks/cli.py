@@ -1,6 +1,7 @@
 """`python -m tasks <stage> [--config F] [--set section.key=value …] [--run-dir D] [--json] [stage flags]`.
 
-Also `python -m tasks summary --run-dir D` (the end-of-run table). Errors print one line and exit 2.
+Also `python -m tasks summary --run-dir D` (the end-of-run table). Errors print one line and exit 2 (1: an internal
+error, its traceback in <run-dir>/<stage>.json).
 """
 
 from __future__ import annotations
@@ -89,7 +90,12 @@ def remember_config(run_dir: str | Path, config: str, sets: dict | None = None) 
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", default=None, help="preset name in configs/ or a YAML file (default demo-cpu)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="preset name in configs/ or a YAML file (default: the one recorded in --run-dir, else "
+        "$LLM_PIPELINE_PRESET, else demo-cpu)",
+    )
     parser.add_argument(
         "--set",
         dest="sets",
@@ -99,7 +105,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override config values: --set a.b=1 c.d=2, or --set repeated (positional arguments go before --set)",
     )
-    parser.add_argument("--run-dir", default=None, help="where results go (default var/runs/cli-<time>)")
+    parser.add_argument(
+        "--run-dir",
+        default=None,
+        help="where results go (default <var>/runs/cli-<time>; <var> = $LLM_PIPELINE_VAR_DIR or <repo>/var)",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
 

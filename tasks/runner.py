@@ -39,7 +39,9 @@ def stage_module(stage: str):
     return importlib.import_module({**STAGES, **OWN_SCHEDULE}[stage])
 
 
-def add_shard_dir_arg(parser: argparse.ArgumentParser, purpose: str = "to read") -> None:
+def add_shard_dir_arg(
+    parser: argparse.ArgumentParser, purpose: str = "to read", default: str = "the shard stage's result in --run-dir"
+) -> None:
     """--shard-dir (alias --shards): the same flag on every stage that reads the shard set."""
     parser.add_argument(
         "--shard-dir",
@@ -47,7 +49,7 @@ def add_shard_dir_arg(parser: argparse.ArgumentParser, purpose: str = "to read")
         dest="shard_dir",
         default=None,
         metavar="DIR",
-        help=f"shard set {purpose} (default: the shard stage's result in --run-dir)",
+        help=f"shard set {purpose} (default: {default})",
     )
 
 

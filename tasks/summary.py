@@ -68,8 +68,8 @@ def model_lines(evaluate: dict, run_dir) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m tasks summary")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--config", default=None)
+    p.add_argument("--run-dir", required=True, help="the run directory whose <stage>.json files are summarised")
+    p.add_argument("--config", default=None, help="preset or YAML whose tracking settings build the MLflow links")
     p.add_argument("--check", action="store_true", help="exit 1 unless every stage finished ok or warn")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir)

@@ -641,7 +641,7 @@ def main(argv=None) -> int:
     """`python -m tasks.tracking flush --run-dir D`: send what an MLflow outage left pending."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m tasks.tracking")
+    p = argparse.ArgumentParser(prog="python -m tasks.tracking", description=main.__doc__)
     p.add_argument("command", choices=["flush"])
     p.add_argument("--run-dir", required=True)
     args = p.parse_args(argv)

@@ -178,6 +178,10 @@ def test_a_partial_architecture_takes_the_family_rule_not_the_config_preset(cfg,
         (("--hidden", "896", "--layers", "24", "--heads", "14"), "--heads 14: the llama3 rule's 8 KV heads"),
         (("--model", "llama3-8b", "--family", "llama2"), "--family: only for a custom architecture"),
         (
+            ("--params", "7e9", "--model", "llama3-8b", "--layers", "40"),
+            "--params: a bare parameter count, not with --model, --layers; give one or the other",
+        ),
+        (
             ("--params", "13e9", "--device-memory-gb", "64"),
             "--device-memory-gb 64 without --cluster would keep the cpu-laptop preset's other facts (0.037 TFLOP/s",
         ),

@@ -137,6 +137,21 @@ def test_a_collected_profile_is_keyed_by_the_layout_and_shape_that_ran(cfg):
     assert profile_key(cfg, report, "cpu")["dp"] == 0  # an analysed folder: the config's, as before
 
 
+def test_an_earlier_collect_is_reused_only_for_the_same_config_and_shard_set(cfg, tmp_path):
+    """`profile collect --shard-dir B` after a collect on set A in the same run directory reused A's traces: the
+    shard path is not in the config's digest."""
+    from tasks.fsutil import atomic_write_json
+    from tasks.stages.profile import reusable
+
+    marker = tmp_path / "traces" / "collected.json"
+    assert reusable(marker, cfg, "/data/A") is None  # nothing collected yet
+    atomic_write_json(marker, {"config_hash": cfg.digest(), "shard_dir": "/data/A", "source": str(tmp_path / "PROF")})
+    assert reusable(marker, cfg, "/data/A") == tmp_path / "PROF"
+    assert reusable(marker, cfg, "/data/B") is None
+    cfg.train.lr *= 2
+    assert reusable(marker, cfg, "/data/A") is None
+
+
 def test_collect_uses_the_training_stage_preparation(cfg, tmp_path):
     """Without a shard set the profiled run stops where the train stage would, with its one-line cause."""
     with pytest.raises(StageError, match="no shard set"):

@@ -34,8 +34,12 @@ MODELS = ("fp32", "bf16", "int8")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-dir", default=None, help="full-precision HF export (default: the train stage's)")
-    runner.add_shard_dir_arg(parser, "with the val split")
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="full-precision HF export (default: the train stage's, else the one quantize used)",
+    )
+    runner.add_shard_dir_arg(parser, "with the val split", "the shard stage's result in --run-dir, else quantize's")
     parser.add_argument("--quant-dir", default=None, help="quantized model (default: the quantize stage's)")
 
 

@@ -120,6 +120,10 @@ def _training_source(ctx) -> str:
 def _model(cfg: PipelineConfig, ctx, seq_len: int):
     """(TransformerConfig or None, parameter count, description) from the flags or the config."""
     if _arg(ctx, "params") is not None:
+        other = [f for f in _MODEL_FLAGS if f != "params" and _arg(ctx, f) is not None]
+        if other:  # --params has no shape: the others would be dropped without a word
+            flags = ", ".join("--" + f.replace("_", "-") for f in other)
+            raise StageError(f"--params: a bare parameter count, not with {flags}; give one or the other")
         n = _arg(ctx, "params")
         return None, n, f"{_count(n)} params (model states only: no shape, so no activations)"
     from tasks.model.resolve import from_pipeline

@@ -97,6 +97,15 @@ def _npu_option_checks(cfg: PipelineConfig) -> list[str]:
     return warnings
 
 
+def reusable(marker: Path, cfg: PipelineConfig, shard_dir: str) -> Path | None:
+    """The folder an earlier collect in this run directory left, when it profiled this config on this shard set
+    (a --shard-dir is not part of the config's digest: another set is another profile)."""
+    done = read_json(marker) if marker.is_file() else {}
+    if done.get("config_hash") != cfg.digest() or done.get("shard_dir") != shard_dir:
+        return None
+    return Path(done.get("source") or marker.parent)
+
+
 def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     """Run the training stage's own launcher for a few steps with `--profile-dir`; returns the folder to analyse
     (the traces, or msprof's PROF_* output when msprof wrapped the run).
@@ -107,10 +116,9 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     from tasks.launch import torchrun
     from tasks.stages import train
 
-    runner.shard_set(cfg, ctx)  # before the digest below: data.seq_len follows the shard set (as train.prepare)
+    shards = str(runner.shard_set(cfg, ctx))  # before the digest: data.seq_len follows the shard set (as train)
     traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
-    if marker.is_file() and read_json(marker).get("config_hash") == cfg.digest():
-        source = Path(read_json(marker).get("source") or traces)
+    if source := reusable(marker, cfg, shards):
         return source, [f"reused the profile collected earlier in {source}"]
     shutil.rmtree(traces, ignore_errors=True)
     spec = train.prepare(cfg, ctx)
@@ -163,6 +171,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
         marker,
         {
             "config_hash": cfg.digest(),
+            "shard_dir": shards,
             "steps": cfg.profile.steps_needed(),
             "backend": spec["backend"],
             "world": spec["world"],

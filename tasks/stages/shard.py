@@ -52,7 +52,11 @@ def shard_config(cfg: PipelineConfig):
 def add_cli_args(parser) -> None:
     from tasks.runner import add_shard_dir_arg
 
-    add_shard_dir_arg(parser, "to adopt as it is, instead of sharding (a published set, e.g. an asset event's)")
+    add_shard_dir_arg(
+        parser,
+        "to adopt as it is, instead of sharding (a published set, e.g. an asset event's)",
+        "build one from data.inputs",
+    )
     parser.add_argument(
         "--manifest-digest",
         default=None,
