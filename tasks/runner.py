@@ -284,22 +284,34 @@ def _with_cann_logs(
         return f"{cause} (CANN log collection failed: {type(e).__name__}: {e})"
 
 
-def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, trace: str = "") -> None:
-    """The failure record; when it cannot be written (the disk that failed the stage is full), say so on stderr
-    and let the stage's own error propagate: the record's failure never hides the cause."""
+def _previous_result(path: Path) -> dict | None:
+    """The last finished result the record at `path` holds (itself, or the one an earlier failure kept)."""
     try:
-        atomic_write_json(
-            path,
-            {
-                "stage": stage,
-                "status": "failed",
-                "summary": cause,
-                "error": cause,
-                "mlflow_run_id": run_id,
-                "seconds": round(time.time() - started, 2),
-                "traceback": trace,
-            },
-        )
+        old = read_json(path) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(old, dict):
+        return None
+    return old if old.get("status") in ("ok", "warn") else old.get("previous")
+
+
+def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, trace: str = "") -> None:
+    """The failure record, keeping the stage's last finished result under `previous` (a failed rerun loses no
+    completed record); when it cannot be written (the disk that failed the stage is full), say so on stderr and let
+    the stage's own error propagate: the record's failure never hides the cause."""
+    record = {
+        "stage": stage,
+        "status": "failed",
+        "summary": cause,
+        "error": cause,
+        "mlflow_run_id": run_id,
+        "seconds": round(time.time() - started, 2),
+        "traceback": trace,
+    }
+    if previous := _previous_result(path):
+        record["previous"] = previous
+    try:
+        atomic_write_json(path, record)
     except OSError as e:
         log.warning(f"could not write the failure record ({os_error_cause(e)})")
 

@@ -194,6 +194,18 @@ def test_underspecified_what_ifs_are_refused_in_one_line(cfg, tmp_path, argv, ne
     assert str(err.value).startswith(needle) and "\n" not in str(err.value)
 
 
+def test_a_failed_rerun_keeps_the_finished_result_it_replaces(cfg, tmp_path):
+    """The runner's failure record of a rerun keeps the stage's last finished result (`previous`), through further
+    failures: a refused rerun in a finished run directory loses no completed record."""
+    cfg.tracking.enabled = False
+    done = run_stage("plan", cfg, tmp_path, args=plan_args())
+    for _ in range(2):
+        with pytest.raises(StageError):
+            run_stage("plan", cfg, tmp_path, args=plan_args("--hidden", "8192", "--layers", "80"))
+        record = read_json(tmp_path / "plan.json")
+        assert record["status"] == "failed" and record["previous"] == done
+
+
 def test_llama_ffn_rule_gives_the_published_sizes():
     from tasks.planner.families import llama_ffn
 

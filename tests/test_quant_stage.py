@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -64,6 +65,14 @@ def test_bad_inputs_fail_in_one_line(cfg, tiny, tmp_path):
     # a rerun of a finished train that failed (a refused --config) replaced train.json: that is what is said
     (tmp_path / "train.json").write_text(json.dumps({"stage": "train", "status": "failed", "error": "refused X"}))
     fails(r"the train stage's last attempt here failed \(refused X\); rerun train", model_dir=None)
+    earlier = {"stage": "train", "status": "failed", "error": "refused X", "previous": {"hf_dir": str(tiny)}}
+    (tmp_path / "train.json").write_text(json.dumps(earlier))  # the runner keeps the finished result it replaced
+    fails(
+        r"or pass --model-dir \(the earlier finished run's export, kept in train.json's `previous`: "
+        + re.escape(str(tiny))
+        + r"\)$",
+        model_dir=None,
+    )
     (tmp_path / "train.json").unlink()
     fails("is not a shard set", shard_dir=str(tmp_path))
     cfg.quantize.backend = "amct"

@@ -12,10 +12,12 @@ from tasks.errors import StageError
 def model_dir(ctx, fallback: str | None = None) -> Path:
     train = ctx.inputs.get("train", {})
     path = getattr(ctx.args, "model_dir", None) or train.get("hf_dir") or fallback
-    if not path and train.get("status") == "failed":  # a rerun of train that failed replaced its record
+    if not path and train.get("status") == "failed":  # a rerun of train that failed: its earlier result is kept
+        earlier = (train.get("previous") or {}).get("hf_dir")
         raise StageError(
             f"{ctx.stage}: the train stage's last attempt here failed ({str(train.get('error', ''))[:300]}); rerun "
             "train (a finished run is reused, nothing retrained) or pass --model-dir"
+            + (f" (the earlier finished run's export, kept in train.json's `previous`: {earlier})" if earlier else "")
         )
     if not path:
         raise StageError(f"{ctx.stage}: no trained model: run the train stage first or pass --model-dir")
