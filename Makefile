@@ -87,7 +87,7 @@ clean:
 	rm -rf var
 
 npu-api: venv  ## snapshot torch_npu's (pinned wheels, downloaded not installed) and AMCT's API into tests/fixtures/npu_api
-	@$(ENV) python scripts/npu_api.py $(if $(AMCT_GIT_DIR),--amct-git $(AMCT_GIT_DIR))
+	@$(ENV) python scripts/npu_api.py  # AMCT_GIT_DIR reaches it through the environment, never the command line
 
 # On a CUDA host (< 10 minutes after the installs): train steps of the demo and MoE models, smoke, profile with
 # torch.profiler, INT8 quantize + evaluate, all in strict NCCL mode, and the throughput against torchtitan 0.3.0

@@ -78,7 +78,12 @@ def problems(executor: str, db_url: str, broker_url: str = "", result_backend: s
     if "Celery" in executor:
         checks += [
             ("Celery broker", broker_url, check_broker, "AIRFLOW__CELERY__BROKER_URL"),
-            ("Celery result backend", result_backend, check_db, "AIRFLOW__CELERY__RESULT_BACKEND"),
+            (  # a database backend (db+…) is a SQLAlchemy URL; a redis:// one is a broker-like server
+                "Celery result backend",
+                result_backend,
+                check_db if result_backend.startswith("db+") else check_broker,
+                "AIRFLOW__CELERY__RESULT_BACKEND",
+            ),
         ]
     if mlflow_backend:
         checks.append(("MLflow backend store", mlflow_backend, check_db, "mlflow server --backend-store-uri"))

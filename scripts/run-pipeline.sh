@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make run`: the whole llm_pipeline DAG in one process (`airflow dags test`), progress on screen, the full log in
-# var/logs/make-run-<time>.log (one per invocation), then the one-screen summary of THIS run (its tasks write their
+# var/logs/make-run-<time>.log (one per invocation; or $LLM_RUN_LOG), then the one-screen summary of THIS run (its tasks write their
 # run directory to $LLM_PIPELINE_RUN_DIR_FILE, so two `make run` at once each report their own). Exits non-zero unless every
 # stage succeeded. CONF arrives in $LLM_PIPELINE_CONF (see the Makefile): it is data, never part of a command line.
 set -uo pipefail
@@ -50,8 +50,8 @@ if [ -z "$run" ]; then
     | sed -E 's/^\[error +\] //; s/ +\[tasks\.pipeline\]$//' | cut -c1-300)
   echo "error: no stage ran: ${cause:-see $log}"; exit 1
 fi
-python -m tasks summary --run-dir "$run" --check || status=1
+python -m tasks summary --run-dir "$run" --config "$preset" --check || status=1  # the run's preset's MLflow links
 echo
 echo "Took $(( $(date +%s) - start )) s. Run directory: $run  Log: $log"
-python -c 'from tasks.tracking import ui_hint; print(ui_hint())'
+python -c 'import sys; from tasks.config import load_config; from tasks.tracking import ui_hint; print(ui_hint(load_config(sys.argv[1])))' "$preset"
 exit $status

@@ -51,6 +51,8 @@ export AIRFLOW__CORE__FERNET_KEY="${AIRFLOW__CORE__FERNET_KEY:-$(
   [ -s "$var/airflow_fernet_key" ] || python -c 'from cryptography.fernet import Fernet; print(Fernet.generate_key().decode())' > "$var/airflow_fernet_key"
   cat "$var/airflow_fernet_key")}"
 ml_password_file="$var/mlflow_admin_password"
+ml_pw_where="${MLFLOW_AUTH_ADMIN_PASSWORD:+\$MLFLOW_AUTH_ADMIN_PASSWORD (your environment)}"
+ml_pw_where="${ml_pw_where:-$ml_password_file}"
 export MLFLOW_AUTH_ADMIN_PASSWORD="${MLFLOW_AUTH_ADMIN_PASSWORD:-$(secret "$ml_password_file")}"
 export MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:-$(secret "$var/mlflow_flask_secret")}"  # CSRF
 cat > "$var/mlflow_basic_auth.ini" <<EOF
@@ -62,8 +64,10 @@ authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 EOF
 export MLFLOW_AUTH_CONFIG_PATH="$var/mlflow_basic_auth.ini"
 private_sqlite "sqlite:///$var/mlflow_auth.db"  # the admin's password hash (scripts/airflow-env.sh)
-chmod 600 "$af_pw_file" "$var"/airflow_jwt_secret "$var"/airflow_fernet_key "$ml_password_file" \
-  "$var"/mlflow_flask_secret "$var/mlflow_basic_auth.ini"  # also files an older version created 0644
+for f in "$af_pw_file" "$var"/airflow_jwt_secret "$var"/airflow_fernet_key "$ml_password_file" \
+  "$var"/mlflow_flask_secret "$var/mlflow_basic_auth.ini"; do  # also files an older version created 0644
+  [ ! -e "$f" ] || chmod 600 "$f"  # a secret given in the environment has no file
+done
 touch "$var/logs/mlflow-server.log" "$var/logs/airflow-standalone.log"
 chmod 600 "$var/logs/mlflow-server.log" "$var/logs/airflow-standalone.log"
 umask 022
@@ -102,7 +106,7 @@ wait_for airflow "http://$host:$af_port/api/v2/monitor/health" "$var/airflow.pid
 
 cat <<EOF
 Airflow  http://$host:$af_port   user admin, password in $AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE
-MLflow   http://$host:$ml_port   user admin, password in $ml_password_file
+MLflow   http://$host:$ml_port   user admin, password in $ml_pw_where
 Logs     $var/logs/airflow-standalone.log, $var/logs/mlflow-server.log
 Stop     make stop
 EOF

@@ -72,6 +72,18 @@ def test_unreachable_broker_and_db_are_named_in_one_line_each():
     assert lines[2].startswith("Celery result backend unreachable at db+postgresql+psycopg2://airflow@127.0.0.1:")
     assert "Connection refused" in lines[0] and "AIRFLOW__CELERY__BROKER_URL" in lines[1]
     assert "s3cret" not in out.stderr
+    # a Redis result backend is asked as a Redis server, not as a SQLAlchemy URL ("Can't load plugin … redis")
+    out = check_services(
+        {
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://airflow:s3cret@127.0.0.1:{db}/airflow",
+            "AIRFLOW__CELERY__BROKER_URL": f"redis://:s3cret@127.0.0.1:{broker}/0",
+            "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://:s3cret@127.0.0.1:{broker}/1",
+        }
+    )
+    last = out.stderr.strip().splitlines()[2]
+    assert last.startswith(f"Celery result backend unreachable at redis://127.0.0.1:{broker}/1: "), out.stderr
+    assert "Connection refused" in last and "plugin" not in last
 
 
 def test_device_stages_go_to_the_presets_device_queue(tmp_path):
