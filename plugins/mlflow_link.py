@@ -7,9 +7,9 @@ there (the same way Airflow's own XComOperatorLink does). Tasks without a run id
 
 The MLflow UI address is `tasks.tracking.ui_url()` of the pipeline's preset (LLM_PIPELINE_PRESET, else the
 default) — the one setting the end-of-run summary also prints: tracking.ui_url when set, else MLFLOW_UI_URL (the API
-server's environment; `make ui` sets it), else http://127.0.0.1:5000. The link is `tasks.tracking.run_url()` with
-the run's experiment from the same result (`mlflow_experiment_id`): the API server needs no access to the tracking
-store.
+server's environment; `make ui` sets it), else http://127.0.0.1:5000 (on $MLFLOW_PORT when set). The link is
+`tasks.tracking.run_url()` with the run's experiment from the same result (`mlflow_experiment_id`): the API server
+needs no access to the tracking store.
 """
 
 from __future__ import annotations
