@@ -499,16 +499,27 @@ def defer(run_dir: Path, entry: dict) -> None:
         atomic_write_json(path, pending + [entry])
 
 
+def _keep(run_dir: Path, uri: str, run_id: str | None, entry: dict, what: str, e: Exception) -> None:
+    """An MLflow call that failed after the work was done: its entry kept pending (flush_pending sends it before the
+    run's status) and one warning. A full or read-only disk is said, never raised: the stage's own cause must
+    surface."""
+    kept = f"kept in {Path(run_dir) / PENDING}"
+    try:
+        if run_id:
+            defer(run_dir, {"uri": uri, "run_id": run_id, **entry})
+    except OSError as o:
+        kept = f"not kept either ({o.strerror})"
+    _warn(f"{what} not logged to MLflow ({_short(e)}); {kept}")
+
+
 def log_final_metrics(run_dir: Path, uri: str, metrics: dict) -> None:
     """A stage's closing figures (after the work is done): sent now, or kept pending with the run's status."""
     run_id = active_run_id()
     try:
         log_metrics(metrics)
     except Exception as e:
-        if run_id:
-            clean = {sanitize_key(k): float(v) for k, v in _flatten(metrics).items() if _is_number(v)}
-            defer(run_dir, {"uri": uri, "run_id": run_id, "final": clean})
-        _warn(f"final metrics not logged to MLflow ({_short(e)}); kept in {Path(run_dir) / PENDING}")
+        clean = {sanitize_key(k): float(v) for k, v in _flatten(metrics).items() if _is_number(v)}
+        _keep(run_dir, uri, run_id, {"final": clean}, "final metrics", e)
 
 
 def set_tags_or_defer(run_dir: Path, uri: str, tags: dict, what: str) -> None:
@@ -518,13 +529,7 @@ def set_tags_or_defer(run_dir: Path, uri: str, tags: dict, what: str) -> None:
     try:
         set_tags(tags)
     except Exception as e:
-        kept = f"kept in {Path(run_dir) / PENDING}"
-        try:
-            if run_id:
-                defer(run_dir, {"uri": uri, "run_id": run_id, "tags": {k: str(v) for k, v in tags.items()}})
-        except OSError as o:  # a full or read-only disk: the stage's own cause, not this, is what must surface
-            kept = f"not kept either ({o.strerror})"
-        _warn(f"{what} not logged to MLflow ({_short(e)}); {kept}")
+        _keep(run_dir, uri, run_id, {"tags": {k: str(v) for k, v in tags.items()}}, what, e)
 
 
 def log_artifacts_or_defer(
@@ -539,18 +544,12 @@ def log_artifacts_or_defer(
         for path, artifact_path in files:
             log_artifact(path, artifact_path)
     except Exception as e:
-        kept = f"kept in {Path(run_dir) / PENDING}"
-        try:
-            if run_id:
-                entry = {
-                    "files": [[str(p), a] for p, a in files],
-                    # [name, [[column, values], …]]: JSON objects are written with sorted keys, columns keep order
-                    "tables": [[k, [list(c) for c in v.items()]] for k, v in tables.items() if any(v.values())],
-                }
-                defer(run_dir, {"uri": uri, "run_id": run_id, **entry})
-        except OSError as o:  # a full or read-only disk: the stage's own cause, not this, is what must surface
-            kept = f"not kept either ({o.strerror})"
-        _warn(f"{what} not logged to MLflow ({_short(e)}); {kept}")
+        entry = {
+            "files": [[str(p), a] for p, a in files],
+            # [name, [[column, values], …]]: JSON objects are written with sorted keys, columns keep order
+            "tables": [[k, [list(c) for c in v.items()]] for k, v in tables.items() if any(v.values())],
+        }
+        _keep(run_dir, uri, run_id, entry, what, e)
 
 
 def _is_number(v) -> bool:

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-from tasks.config import repo_path
+from tasks.config import SHAPE_OVERRIDES, repo_path
 from tasks.errors import ConfigError
 from tasks.shape import TransformerConfig
 
 
-# The fields that decide a weight tensor's shape: over a checkpoint's config.json they are refused, never applied
-WEIGHT_SHAPE = (
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_dim",
-    "vocab_size",
-    "qkv_bias",
-    "tie_embeddings",
-    "n_experts",
-    "moe_ffn_dim",
-)
+# model.* overrides a checkpoint's weights do not fix: honoured over its config.json with a warning. Every other
+# override (tasks.config.SHAPE_OVERRIDES, a new one too) changes a weight's shape there: refused, never applied.
+NOT_IN_WEIGHTS = ("rope_theta", "max_seq_len", "top_k", "aux_loss_coef", "capacity_factor")
+WEIGHT_SHAPE = tuple(k for k in SHAPE_OVERRIDES if k not in NOT_IN_WEIGHTS)
 
 
 def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
