@@ -39,13 +39,17 @@ def test_packed_model_computes_what_torchao_computes():
 def test_layers_the_kernel_cannot_take_keep_torchaos_path():
     w8a8, _ = _quantized("int8_dynamic")
     assert tb.pack_for_cpu(w8a8) == ["tok_embeddings"]  # W8A8 Linear layers quantize activations: not this kernel
+    torch.manual_seed(0)
     odd = torch.nn.Sequential(torch.nn.Linear(40, 32), torch.nn.Linear(32, 8, bias=True)).to(torch.bfloat16)
     tb.quantize(odd, "int8_weight_only", ["0", "1"], [], "cpu")
     ref = copy.deepcopy(odd)
     assert tb.pack_for_cpu(odd) == ["1"]  # K = 40 is not a multiple of 16: the AVX-512 loop would read past it
     x = torch.randn(5, 40, dtype=torch.bfloat16)
     with torch.no_grad():
-        assert (odd(x).float() - ref(x).float()).abs().max() <= 2**-7 * ref(x).float().abs().max()  # bias kept
+        out, want = odd(x).float(), ref(x).float()
+    # bias kept; two BF16 roundings (the product, then the bias add) at the largest output's 2**-7 spacing: over 200
+    # unseeded draws the worst was 1.64 * 2**-7, and the stop-44 CI drew 1.04 * 2**-7 against a one-rounding bound
+    assert (out - want).abs().max() <= 2 * 2**-7 * want.abs().max()
 
 
 @pytest.mark.parametrize("offset", [0, 3])
