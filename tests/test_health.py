@@ -85,6 +85,7 @@ def test_real_sample_of_this_host_is_logged_to_mlflow(cfg, tmp_path, monkeypatch
     import mlflow
 
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    cfg.tracking.experiment = f"tests-{tmp_path.name}"  # its own: the worker's store holds other tests' runs
     cfg.hardware.min_host_memory_gb = 0.01
     cfg.hardware.min_free_disk_gb = 0.01
     result = health.run_health(cfg, tmp_path / "run")

@@ -86,7 +86,7 @@ def test_kv_cache_decoding_matches_full_forward():
     from tasks.model.generate import forward_cached, greedy
 
     model = materialize(build_model(get_preset("debug"), "cpu"), "cpu", seed=0).eval()
-    tokens = torch.randint(0, model.config.vocab_size, (2, 12))
+    tokens = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     cache = {}
     head = forward_cached(model, tokens[:, :8], cache, 0)
     tail = torch.cat([forward_cached(model, tokens[:, i : i + 1], cache, i) for i in range(8, 12)], dim=1)

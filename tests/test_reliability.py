@@ -520,7 +520,9 @@ def test_mlflow_killed_mid_training_loses_no_metric(tmp_path, shards):
     uri = f"http://127.0.0.1:{port}"
     server = _mlflow_server(port, store, art)
     run = tmp_path / "run"
-    steps = 16  # the server dies after step 3: 13 steps without it, then the backfill of every step
+    # The server dies after step 3: the rest without it, then the backfill of every step. A debug step is ~20 ms: 45
+    # steps leave the 0.1 s poller a second or more to see step 3 on a busy host before training ends.
+    steps = 48
     sets = {
         **BASE,
         **DP1,

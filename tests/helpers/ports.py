@@ -15,6 +15,8 @@ import socket
 from pathlib import Path
 
 _pick = random.SystemRandom()  # not the tests' seeded `random`: xdist workers must not draw the same ports
+_given: set[int] = set()  # handed out by this process: `{k: free_port() for k in …}` never repeats one (its servers
+# bind them later, so the bind check alone would pass the same port twice)
 
 
 def _ephemeral_low(default: int = 32768) -> int:
@@ -25,15 +27,19 @@ def _ephemeral_low(default: int = 32768) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` that nothing listens on now, outside the kernel's ephemeral range."""
+    """A port on `host` that nothing listens on now and this process has not handed out, outside the kernel's
+    ephemeral range."""
     high = _ephemeral_low()
     low = max(1024, high - 12000)
     for _ in range(200):
         port = _pick.randrange(low, high)
+        if port in _given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
+        _given.add(port)
         return port
     raise RuntimeError(f"no free port on {host} in {low}–{high - 1} after 200 tries")
