@@ -105,6 +105,12 @@ def test_gate_registry_and_champion(cfg, tiny, tmp_path, caplog):
     again = run_stage("evaluate", cfg, tmp_path / "a", args=_args(tiny, q["quant_dir"]))  # rerun: same version
     assert again["version"] == r["version"] and again["champion"]
     assert again["bf16_model"] == r["bf16_model"]
+    # its tags are this evaluation's, as its description is (not the first run's)
+    assert (
+        client.get_model_version(cfg.evaluate.registered_model, r["version"]).tags["eval.run_id"]
+        == (again["mlflow_run_id"])
+        != r["mlflow_run_id"]
+    )
 
     # A CLI run (no DAG) registers a new version but moves no alias, and says so.
     q2 = _quantize(cfg, tiny, tmp_path / "b", "int8_dynamic")

@@ -169,11 +169,16 @@ def _quiet_serving_check():
         log.removeFilter(drop)
 
 
-def link(uri: str, name: str, version: str, tags: dict) -> None:
-    """Tags on an existing version (the INT8 and BF16 versions name each other)."""
+def link(uri: str, name: str, version: str, tags: dict, drop: tuple[str, ...] = ()) -> None:
+    """Tags on an existing version (the INT8 and BF16 versions name each other; a rerun's evaluation), and the tags
+    in `drop` removed where the version has them."""
     client = _client(uri)
     for k, v in tags.items():
         client.set_model_version_tag(name, str(version), k, str(v))
+    have = client.get_model_version(name, str(version)).tags if drop else {}
+    for k in drop:
+        if k in have:
+            client.delete_model_version_tag(name, str(version), k)
 
 
 def may_move_aliases(uri: str, name: str, dag_id: str | None) -> tuple[bool, str]:

@@ -208,6 +208,9 @@ def _champion_scores(cfg, ctx, champion: dict, digest: str, shard_dir: Path, mea
     return {"version": v, "macro": scores["macro"], "scores": scores}
 
 
+PER_EVALUATION = ("eval.ptq_gate_value",)  # tags an evaluation may not set: a rerun without it drops the old one
+
+
 def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict | None, tasks: list[str]) -> dict:
     """Lineage on every version: the DAG run, the training run, the data, this evaluation, and which flow passed."""
     tags = {
@@ -333,12 +336,14 @@ def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard
         uri, ctx, cfg, digest, model_dir, measurer, report.bf16_description(description), lineage
     )
     link = {"bf16.registered_model": bf16_name, "bf16.version": bf16_version}
+    tags = dict(_tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks)), **link)
     if existing is not None:
+        # The same weights on the same data, evaluated again (maybe on other tasks, another gate): the version's tags
+        # say what this evaluation measured, as its description does, never the earlier one's figures.
         version = str(existing.version)
         registry.describe(uri, name, version, description)
-        registry.link(uri, name, version, link)
+        registry.link(uri, name, version, tags, drop=tuple(k for k in PER_EVALUATION if k not in tags))
     else:
-        tags = dict(_tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks)), **link)
         version = registry.register(
             uri,
             name,
