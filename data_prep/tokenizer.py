@@ -89,11 +89,12 @@ def tokenizer_identity(spec: str) -> str:
 
 
 def find_eos(tok: Tokenizer, spec: str, eos_token: str = "") -> tuple[str, int]:
-    """EOS: the configured token, else tokenizer_config.json's eos_token beside the tokenizer, else a usual name."""
+    """EOS: the configured token, else the eos_token of the tokenizer_config.json companion (beside a tokenizer.json:
+    the same file tokenizer_identity hashes, so the cache key follows it), else a usual name."""
     names = [eos_token] if eos_token else []
     if not eos_token and spec != "train":
         cfg_path = tokenizer_file(spec).parent / "tokenizer_config.json"
-        if cfg_path.is_file():
+        if cfg_path in tokenizer_companions(spec):
             value = json.loads(cfg_path.read_text(encoding="utf-8")).get("eos_token")
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str) and tok.token_to_id(value) is None:  # never another token in its place

@@ -314,6 +314,11 @@ def test_model_directory_tokenizer_uses_its_eos(tmp_path):
     (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
     with pytest.raises(DataPrepError, match=r"tokenizer_config.json: eos_token '</s>' is not in the tokenizer's vocab"):
         build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model")))
+    # A tokenizer file named otherwise has no companions: the tokenizer_config.json beside it is not its (not in the
+    # cache key, not copied), so it does not choose the EOS either — once it did, and a changed file hit the cache.
+    (tmp_path / "model" / "tokenizer.json").rename(tmp_path / "model" / "my-tok.json")
+    other = build_shard_set(shard_cfg(tmp_path / "o", tokenizer=str(tmp_path / "model" / "my-tok.json")))
+    assert other.manifest["eos_token"] == "<|endoftext|>" and "files" not in other.manifest["tokenizer"]  # just itself
 
 
 # --- integrity and identity -----------------------------------------------------------------------------------
