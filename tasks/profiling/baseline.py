@@ -2,8 +2,11 @@
 
 A run counts as a baseline when it is a finished `profile` stage run whose result status was ok/warn and whose
 profile has the same key: model shape, layout (dp/tp/pp/zero), world size, device kind (and trace format), seq_len,
-micro-batch and precision. A profile of anything else is not slower or faster, just different: with no run of the
-same key the report says "no baseline yet" (and what differs from the newest profile), never a regression.
+micro-batch, global batch (micro-batches per step), precision, optimizer, torch.compile, model converters and NPU
+kernels, and the profiler's own options. A profile of anything else is not slower or faster, just different: with no
+run of the same key the report says "no baseline yet" (and what differs from the newest profile), never a regression.
+Profiles logged before global batch, optimizer, compile, converters and profiler options joined the key have another
+key than any profile since: they are no baseline for a newer one (its report says "no baseline yet").
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ def profile_key(cfg: PipelineConfig, report: dict, device_kind: str | None = Non
     ran = ran or {}
     model = ran.get("model") or {k: v for k, v in cfg.to_dict()["model"].items() if k != "hf_path"}
     p, lay = cfg.parallel, ran.get("layout") or {}
+    device = device_kind or ("npu" if fmt in NPU_FORMATS else cfg.hardware.device)
     return {
         "model": model,
         "dp": lay.get("dp", p.dp),
@@ -39,12 +43,31 @@ def profile_key(cfg: PipelineConfig, report: dict, device_kind: str | None = Non
         "zero": lay.get("zero", p.zero),
         **{k: lay[k] for k in ("ep", "recompute", "pp_schedule") if k in lay},
         "world": report["world"],
-        "device": device_kind or ("npu" if fmt in NPU_FORMATS else cfg.hardware.device),
+        "device": device,
         "format": fmt,
         "seq_len": cfg.data.seq_len,
         "micro_batch": lay.get("micro_batch", cfg.train.micro_batch),
+        # the micro-batches per step (global batch / dp / micro-batch, or parallel.microbatches) set how often the
+        # gradients are reduced per forward: a bigger global batch is another communication share, not a regression
+        "global_batch": lay.get("global_batch", cfg.train.global_batch),
+        "microbatches": lay.get("microbatches", cfg.parallel.microbatches),
         "precision": cfg.train.precision,
+        "optimizer": cfg.train.optimizer,
+        "compile": cfg.train.compile,
+        "converters": list(cfg.model.converters),
+        "npu_kernels": cfg.model.npu_kernels,
+        "profiler": profiler_options(cfg, device),
     }
+
+
+def profiler_options(cfg: PipelineConfig, device: str) -> dict:
+    """The profiler's own options that change what it costs (and so the step it measures): torch's record_shapes,
+    profile_memory, with_stack; on NPU also torch_npu's level and AI Core metrics (ignored elsewhere)."""
+    pc = cfg.profile
+    out = {"record_shapes": pc.record_shapes, "profile_memory": pc.profile_memory, "with_stack": pc.with_stack}
+    if device == "npu":
+        out.update(npu_level=pc.npu_level, aic_metrics=pc.aic_metrics)
+    return out
 
 
 def key_digest(key: dict) -> str:
@@ -108,7 +131,7 @@ def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) ->
             return (
                 {"run_id": run.info.run_id, "metrics": {STEP_KEY: metrics[STEP_KEY], COMM_KEY: metrics[COMM_KEY]}},
                 f"baseline: run {run.info.run_id} (same model shape, layout, world, device, seq_len, "
-                "micro-batch, precision)",
+                "micro-batch, global batch, precision, optimizer, compile, converters, profiler options)",
             )
         other = other or run
     if other is None:

@@ -97,11 +97,28 @@ def _npu_option_checks(cfg: PipelineConfig) -> list[str]:
     return warnings
 
 
-def reusable(marker: Path, cfg: PipelineConfig, shard_dir: str) -> Path | None:
+def planned_launch(cfg: PipelineConfig, ctx) -> dict:
+    """{"layout", "world"} a collect would launch now, resolved as train.prepare resolves them (pinned degrees, else
+    the plan's choice in ctx.inputs["plan"]): the marker records the same two from the launch spec."""
+    from tasks import layout as layouts
+    from tasks.launch import torchrun
+
+    plan = ctx.inputs.get("plan")
+    _, _, world = torchrun.world(cfg, plan)
+    return {"layout": layouts.resolve(cfg, plan, world).to_dict(), "world": world}
+
+
+def reusable(
+    marker: Path, cfg: PipelineConfig, shard_dir: str, layout: dict | None = None, world: int | None = None
+) -> Path | None:
     """The folder an earlier collect in this run directory left, when it profiled this config on this shard set
-    (a --shard-dir is not part of the config's digest: another set is another profile)."""
+    (a --shard-dir is not part of the config's digest: another set is another profile) with this layout and world
+    size (`planned_launch`: a re-plan — `plan --zero 3` after a collect under zero 1 — changes neither the config nor
+    the shard set, only what train.prepare would launch). A marker without them (older) is not reused."""
     done = read_json(marker) if marker.is_file() else {}
     if done.get("config_hash") != cfg.digest() or done.get("shard_dir") != shard_dir:
+        return None
+    if done.get("layout") != layout or done.get("world") != world:
         return None
     return Path(done.get("source") or marker.parent)
 
@@ -118,7 +135,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
 
     shards = str(runner.shard_set(cfg, ctx))  # before the digest: data.seq_len follows the shard set (as train)
     traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
-    if source := reusable(marker, cfg, shards):
+    if source := reusable(marker, cfg, shards, **planned_launch(cfg, ctx)):
         return source, [f"reused the profile collected earlier in {source}"]
     shutil.rmtree(traces, ignore_errors=True)
     spec = train.prepare(cfg, ctx)
