@@ -32,8 +32,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     runner.add_shard_dir_arg(parser, "for calibration")
 
 
-def _settings(cfg: PipelineConfig, model_dir: Path, backend: str) -> dict:
+def calibrates(backend: str, method: str) -> bool:
+    """Whether the INT8 weights depend on the calibration batches: every AMCT flow and torchao's SmoothQuant observe
+    activations; torchao weight-only and dynamic W8A8 quantize the weights alone."""
+    return backend == "amct" or method == "smoothquant"
+
+
+def _settings(cfg: PipelineConfig, model_dir: Path, backend: str, shard_dir: Path) -> dict:
     q = cfg.quantize
+    calibrated = calibrates(backend, q.method)
     return {
         "model_dir": str(model_dir),
         "model_fingerprint": inputs.fingerprint(model_dir),
@@ -44,6 +51,10 @@ def _settings(cfg: PipelineConfig, model_dir: Path, backend: str) -> dict:
         "amct_flow": q.amct_flow if backend == "amct" else None,
         "calibration_batches": q.calibration_batches,
         "calibration_rule": inputs.SPLIT_RULE,
+        # the tokens calibrated on: which shard set (its manifest digest) and how many sequences a batch holds
+        # (train.micro_batch); None where the method reads no calibration data, so another shard set reuses it
+        "calibration_data_digest": inputs.manifest_digest(shard_dir) if calibrated else None,
+        "calibration_batch_size": cfg.train.micro_batch if calibrated else None,
     }  # an artifact calibrated on other tokens is not reused
 
 
@@ -63,7 +74,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     result = _result(meta, out, reused)
     if meta["format"] == "onnx":  # AMCT's ONNX flow: nothing here runs it; evaluate says how to judge it
         return result
-    record = _reusable_gate(cfg, model_dir, out, kind, suite) if reused else None
+    record = _reusable_gate(cfg, model_dir, shard_dir, out, kind, suite) if reused else None
     if record is None:
         record = _gate(cfg, ctx, model_dir, shard_dir, out, meta, devices.torch_device(kind), kind, suite)
     g = record["final"]
@@ -101,7 +112,7 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
 
         amct_error = amct_import_error()
     backend = choose_backend(q.backend, amct_error, kind, q.amct_flow, q.dtype)
-    settings = _settings(cfg, model_dir, backend)
+    settings = _settings(cfg, model_dir, backend, shard_dir)
     out = ctx.run_dir / "quantize"
     recover_dir(out)
     if (out / META).is_file() and {k: read_json(out / META).get(k) for k in settings} == settings:
@@ -194,18 +205,27 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
     return meta, out, False
 
 
-def _gate_settings(cfg) -> dict:
-    q = cfg.quantize
+def _gate_settings(cfg, shard_dir: Path) -> dict:
+    """What the verdict and the QAT model it may hand on depend on besides the PTQ model and the task key: the gate
+    and, where QAT may run, everything tasks.quant.qat reads (its training batches: the shard set, train.micro_batch,
+    train.seed; its optimizer: train.min_lr, train.weight_decay, train.grad_clip)."""
+    q, t = cfg.quantize, cfg.train
+    qat = q.qat_on_fail  # without QAT the verdict is PTQ's alone: a new seed or shard set need not judge it again
     return {
         "metric": cfg.evaluate.gate_metric,
         "max_drop_pct": cfg.evaluate.max_drop_pct,
         "qat_on_fail": q.qat_on_fail,
         "qat_steps": q.qat_steps,
-        "qat_lr": cfg.train.min_lr,
+        "qat_lr": t.min_lr,
+        "qat_data_digest": inputs.manifest_digest(shard_dir) if qat else None,
+        "qat_micro_batch": t.micro_batch if qat else None,
+        "qat_seed": t.seed if qat else None,
+        "qat_weight_decay": t.weight_decay if qat else None,
+        "qat_grad_clip": t.grad_clip if qat else None,
     }
 
 
-def _reusable_gate(cfg, model_dir: Path, ptq_dir: Path, kind: str, suite) -> dict | None:
+def _reusable_gate(cfg, model_dir: Path, shard_dir: Path, ptq_dir: Path, kind: str, suite) -> dict | None:
     """A rerun on a reused PTQ model: the earlier verdict, when it was reached on the same tasks, models and gate
     settings and the model it handed on is intact (task gate only: its key says what was measured)."""
     from tasks.quant import gate
@@ -215,7 +235,7 @@ def _reusable_gate(cfg, model_dir: Path, ptq_dir: Path, kind: str, suite) -> dic
         return None
     record = read_json(path)
     final = Path(record.get("quant_dir", ""))
-    if record.get("settings") != _gate_settings(cfg) or not (final / META).is_file() or verify_output(final):
+    if record.get("settings") != _gate_settings(cfg, shard_dir) or not (final / META).is_file() or verify_output(final):
         return None
     return record if record.get("key") == gate.record_key(cfg, suite, model_dir, final, kind) else None
 
@@ -229,7 +249,7 @@ def _gate(cfg, ctx, model_dir: Path, shard_dir: Path, ptq_dir: Path, meta: dict,
     g = gate.Gate(cfg, ctx.run_dir, model_dir, shard_dir, device, suite=suite)
     ptq = g.judge(load_quantized(ptq_dir, device=device))
     record = {
-        "settings": _gate_settings(cfg),
+        "settings": _gate_settings(cfg, shard_dir),
         "metric": g.metric,
         "max_drop_pct": g.max_drop,
         "ptq": {"value": ptq["value"], "passed": ptq["passed"]},

@@ -1,0 +1,134 @@
+"""What decides that quantize reuses its INT8 model and gate verdict: the calibration data (shard set, batch size)
+for the methods that calibrate, and every input QAT reads for the gate/QAT record."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tasks.quant import inputs
+from tasks.runner import run_stage
+from tasks.stages import quantize
+from tests.helpers.quant_fixture import _WORDS, grammar_task, tiny_trained
+
+
+def _other_shard_set(base: Path, shard_dir: Path) -> Path:
+    """Another shard set (other documents) with the fixture's tokenizer: the same model may calibrate on it."""
+    from data_prep.build import build_shard_set
+    from data_prep.config import ShardConfig
+
+    root = base / "quant-reuse-other"
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(1)
+    with open(root / "corpus.jsonl", "w") as f:
+        for _ in range(200):
+            text = " ".join(
+                f"the {rng.choice(_WORDS['adj'])} {rng.choice(_WORDS['noun'])} "
+                f"{rng.choice(_WORDS['verb'])} the {rng.choice(_WORDS['noun'])}."
+                for _ in range(rng.randint(3, 8))
+            )
+            f.write(json.dumps({"text": text}) + "\n")
+    return build_shard_set(
+        ShardConfig(
+            inputs=[str(root / "corpus.jsonl")],
+            out_dir=str(root / "data"),
+            tokenizer=str(shard_dir / "tokenizer.json"),
+            seq_len=64,
+            val_fraction=0.2,
+            shard_size_mb=0.05,
+            tokenize_processes=1,
+            progress=False,
+        )
+    ).shard_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    t = tiny_trained(base)
+    other = _other_shard_set(base, t["shard_dir"])
+    assert inputs.manifest_digest(other) != inputs.manifest_digest(t["shard_dir"])
+    return dict(t, other=other, grammar=grammar_task(base / "grammar-task"))
+
+
+@pytest.fixture
+def cfg(cfg, tiny):
+    cfg.evaluate.tasks = [str(tiny["grammar"])]
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "backend,method,calibrates",
+    [
+        ("torchao", "smoothquant", True),
+        ("amct", "int8_weight_only", True),  # every AMCT flow runs calibration forwards
+        ("amct", "smoothquant", True),
+        ("torchao", "int8_weight_only", False),
+        ("torchao", "int8_dynamic", False),
+    ],
+)
+def test_ptq_settings_name_the_calibration_data(cfg, tiny, backend, method, calibrates):
+    cfg.quantize.method = method
+    a = quantize._settings(cfg, tiny["model_dir"], backend, tiny["shard_dir"])
+    assert quantize._settings(cfg, tiny["model_dir"], backend, tiny["shard_dir"]) == a  # same inputs: reused
+    other_set = quantize._settings(cfg, tiny["model_dir"], backend, tiny["other"])
+    cfg.train.micro_batch = 1
+    other_batch = quantize._settings(cfg, tiny["model_dir"], backend, tiny["shard_dir"])
+    if calibrates:
+        assert a["calibration_data_digest"] == inputs.manifest_digest(tiny["shard_dir"])
+        assert other_set != a and other_batch != a
+    else:  # weights alone decide these INT8 weights: another shard set or batch size reuses them
+        assert other_set == a and other_batch == a
+
+
+@pytest.mark.parametrize(
+    "field,value", [("seed", 5), ("micro_batch", 1), ("weight_decay", 0.0), ("grad_clip", 0.5), ("min_lr", 1e-5)]
+)
+def test_gate_settings_name_every_qat_input(cfg, tiny, field, value):
+    """QAT (tasks/quant/qat.py) trains on train_batches(shard_dir, micro_batch, seed) with AdamW(min_lr,
+    weight_decay) and grad_clip: a change to any of them must not reuse the QAT model and its verdict."""
+    base = getattr(cfg.train, field)
+    assert base != value
+    a = quantize._gate_settings(cfg, tiny["shard_dir"])
+    setattr(cfg.train, field, value)
+    assert quantize._gate_settings(cfg, tiny["shard_dir"]) != a
+    setattr(cfg.train, field, base)
+    assert quantize._gate_settings(cfg, tiny["shard_dir"]) == a
+    assert quantize._gate_settings(cfg, tiny["other"]) != a  # QAT's training batches come from the shard set
+
+
+def test_gate_settings_without_qat_ignore_qat_inputs(cfg, tiny):
+    cfg.quantize.qat_on_fail = False  # no QAT: the verdict is PTQ's alone
+    a = quantize._gate_settings(cfg, tiny["shard_dir"])
+    cfg.train.seed, cfg.train.micro_batch, cfg.train.weight_decay, cfg.train.grad_clip = 5, 1, 0.0, 0.5
+    assert quantize._gate_settings(cfg, tiny["other"]) == a
+
+
+def test_smoothquant_rerun_on_another_shard_set_calibrates_again(cfg, tiny, tmp_path):
+    from tasks import device as devices
+    from tasks.fsutil import read_json
+    from tasks.quant.gate import load_suite
+
+    def args(shard_dir):
+        return argparse.Namespace(model_dir=str(tiny["model_dir"]), shard_dir=str(shard_dir))
+
+    cfg.quantize.method = "smoothquant"
+    first = run_stage("quantize", cfg, tmp_path, args=args(tiny["shard_dir"]))
+    assert not first["reused"]
+    again = run_stage("quantize", cfg, tmp_path, args=args(tiny["other"]))
+    meta = read_json(Path(again["ptq_dir"]) / "quant_meta.json")
+    assert not again["reused"] and meta["data_digest"] == inputs.manifest_digest(tiny["other"])
+    assert meta["shard_dir"] == str(tiny["other"])
+
+    # the gate record just written: reused as it is, not once a QAT input changed
+    kind = devices.detect(cfg.hardware.device).kind
+    suite = load_suite(cfg, tmp_path, tiny["other"], tiny["model_dir"])
+    ptq_dir = Path(again["ptq_dir"])
+    assert quantize._reusable_gate(cfg, tiny["model_dir"], tiny["other"], ptq_dir, kind, suite) is not None
+    assert quantize._reusable_gate(cfg, tiny["model_dir"], tiny["shard_dir"], ptq_dir, kind, suite) is None
+    cfg.train.seed = 5
+    assert quantize._reusable_gate(cfg, tiny["model_dir"], tiny["other"], ptq_dir, kind, suite) is None
