@@ -4,9 +4,10 @@ Runs inside the training job: every rank of the world writes some of the output 
 tensor alone from the DCP checkpoint (`dcp.load(..., no_dist=True)` of one key; the checkpoint's metadata read once)
 and appending its bytes to a safetensors file whose header was written up front from the checkpoint's metadata. A
 process therefore holds at most one full tensor at a time, never the model. Rank 0 writes config.json, the index and
-the tokenizer and `llm-pipeline.json` (every file's size and sha256, hashed as written, and the tokenizer identity:
-tasks.model.model_dir), then swaps the finished directory in (tasks.fsutil.swap_dir: a crash leaves the old export
-or a `.tmp` directory, never neither; the next export cleans up).
+the tokenizer and `llm-pipeline.json` (every file's size and sha256, hashed as written, the tokenizer identity:
+tasks.model.model_dir, and the checkpoint exported: its name and meta.json's sha256), then swaps the finished
+directory in (tasks.fsutil.swap_dir: a crash leaves the old export or a `.tmp` directory, never neither; the next
+export cleans up).
 """
 
 from __future__ import annotations
@@ -228,7 +229,13 @@ def export_from_checkpoint(
         for side in tmp.glob(".*.sha256"):
             hashed[side.name[1 : -len(".sha256")]] = json.loads(side.read_text())
             side.unlink()
-        write_manifest(tmp, hashed, tokenizer_dir)  # last: sizes, sha256 and the tokenizer the weights belong to
+        manifest = write_manifest(tmp, hashed, tokenizer_dir)  # sizes, sha256 and the tokenizer the weights belong to
+        if (ckpt / "meta.json").is_file():  # the checkpoint exported (a finished run's rerun hands back only its own)
+            from tasks.fsutil import atomic_write_json, sha256_file
+
+            body = json.loads(manifest.read_text(encoding="utf-8"))
+            body["checkpoint"] = {"name": ckpt.name, "meta_sha256": sha256_file(ckpt / "meta.json")}
+            atomic_write_json(manifest, body)
         swap_dir(tmp, out)  # the old export stays until the new one is complete
     barrier()
     return out

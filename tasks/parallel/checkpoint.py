@@ -6,7 +6,8 @@ directory that is ignored and removed later. Model and optimizer tensors are sav
 checkpoint loads into any other dp/tp/pp layout (reshard on load). Per-rank state that has no name-based form —
 the loader position (global: any layout resumes it; JSON) and the RNG state (per rank, restored when the world size
 is the same; tensors only) — sits beside it, every file loadable with `torch.load(weights_only=True)`: nothing in a
-checkpoint runs code. meta.json records the shard set's tokenizer identity (checked on resume). For multi-node runs
+checkpoint runs code. meta.json records the shard set's tokenizer identity and manifest digest (both checked on
+resume and before a finished run is handed back: tasks/stages/train.py). For multi-node runs
 the directory must be on a filesystem every node sees.
 
 Verification: meta.json records every file's size and sha256 at save (`files`). Before a resume the launcher picks
@@ -112,6 +113,26 @@ def config_changes(path: Path, config: dict) -> list[str]:
     return [
         f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
     ]
+
+
+def shard_digest(shard_dir: str | os.PathLike) -> str | None:
+    """The shard set's identity (sha256 of its manifest.json, data_prep.manifest.digest); None without one."""
+    from data_prep.manifest import MANIFEST, digest
+
+    return digest(shard_dir) if (Path(shard_dir) / MANIFEST).is_file() else None
+
+
+def shard_set_problem(path: Path, shard_dir: str | os.PathLike) -> str | None:
+    """The one-line problem when checkpoint `path` was trained on another shard set than `shard_dir` (their manifest
+    digests differ); None when they agree or the checkpoint recorded none (written before digests were recorded)."""
+    recorded = read_meta(path).get("manifest_digest")
+    now = shard_digest(shard_dir)
+    if not recorded or now is None or recorded == now:
+        return None
+    return (
+        f"checkpoint {path} was trained on shard set {recorded[:12]}… (manifest sha256), but {shard_dir} is shard "
+        f"set {now[:12]}…; train on the shard set it was trained on, or use --fresh to start over, or a new --run-dir"
+    )
 
 
 def file_table(path: Path, rank: int = 0, world: int = 1) -> dict[str, dict]:
@@ -397,6 +418,7 @@ class CheckpointManager:
                 "world": self.world,
                 "lr_scheduler": optimizers[0][1].state_dict(),
                 "tokenizer": shard_tokenizer(loader.shard_dir),  # the token ids' meaning (checked on resume)
+                "manifest_digest": shard_digest(loader.shard_dir),  # the shard set trained on (checked on resume)
                 "saved_at": time.time(),
             }
         return tmp, self.dir / f"step-{step}", meta

@@ -100,7 +100,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     model = dataclasses.asdict(tcfg)
     if last:
         changes = ckpt.config_changes(last[1], cfg.to_dict())
-        if changes:
+        if changes and not finished_at(cfg, last):  # a finished run is not resumed: run() refuses the changes
             warnings_.append(
                 f"resuming from {last[1].name} with training-shaping config changed since it was "
                 f"saved: {'; '.join(changes)} (the curve will differ from an uninterrupted run; use "
@@ -112,6 +112,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
                 None,
                 [
                     ckpt.unsafe_state(last[1]),
+                    ckpt.shard_set_problem(last[1], shard_dir),
                     identity_problem(
                         meta.get("tokenizer"),
                         shard_dir,
@@ -184,7 +185,8 @@ def validation_plan(cfg: PipelineConfig, lay, manifest: dict, shard_dir: Path, p
     return validation, notes
 
 
-FRESH_OUTPUTS = ("checkpoints", "train", "metrics.jsonl")  # what --fresh starts over (logs/ and hf/ stay)
+# What --fresh starts over (logs/ stays); hf/ too: an export of the old run must not pass for the new run's model.
+FRESH_OUTPUTS = ("checkpoints", "train", "metrics.jsonl", "hf")
 ASIDE = ".fresh-old"
 
 
@@ -321,8 +323,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             f"train.steps: {cfg.train.steps}, but {run_dir} already holds checkpoint {Path(last[1]).name}, trained "
             "past it; use a new --run-dir for a shorter run, or raise train.steps to continue this one"
         )
-    finished = last and (last[0] >= cfg.train.steps or stopped_early(cfg, last[1]))
-    if finished and (not export or (run_dir / "hf" / "config.json").is_file()):
+    finished = finished_at(cfg, last)
+    if finished:
+        refuse_changed(cfg, Path(last[1]))  # handing back a model trained with other settings would be silent
+    if finished and (not export or export_current(run_dir, Path(last[1]))):
         return _result(cfg, ctx, spec, reused=True)  # idempotent: this run already finished
     ep = f"·ep{lay.ep}" if lay.ep > 1 else ""
     tracking.log_params(
@@ -413,6 +417,51 @@ def relay_progress(logs_dir: Path, torchrun_log: str, node: int):
     (logs_dir / torchrun_log).unlink(missing_ok=True)  # torchrun.run rewrites it: relay it from its start
     with relay(logs_dir / torchrun_log), relay(logs_dir / "rank-0.log"):
         yield
+
+
+def finished_at(cfg: PipelineConfig, last) -> bool:
+    """Checkpoint `last` ((step, path) or None) ends the run: train.steps reached, or early stopping finished it."""
+    return bool(last) and (last[0] >= cfg.train.steps or stopped_early(cfg, last[1]))
+
+
+def refuse_changed(cfg: PipelineConfig, checkpoint: Path) -> None:
+    """A finished run is handed back only for the training-shaping config it was trained with (a resume warns
+    instead: it trains on with the new settings)."""
+    changes = ckpt.config_changes(checkpoint, cfg.to_dict())
+    if changes:
+        raise ConfigError(
+            f"checkpoint {checkpoint} ends a finished run trained with other settings ({'; '.join(changes)}): "
+            "its model is not what this config asks for; use --fresh to start over, or a new --run-dir"
+        )
+
+
+def export_current(run_dir: Path, last: Path) -> bool:
+    """<run-dir>/hf holds the export of this finished run's model: config.json there and, where llm-pipeline.json
+    records the checkpoint it was exported from (tasks.model.hf_export), that very checkpoint (name and meta.json
+    sha256): the last one, or the one the run's summary says it exports (early stopping's best). An export of an
+    earlier run or of an earlier step is not handed back: the launch exports again."""
+    from tasks.fsutil import sha256_file
+    from tasks.model.model_dir import read_manifest
+
+    hf_dir = Path(run_dir) / "hf"
+    if not (hf_dir / "config.json").is_file():
+        return False
+    try:
+        source = (read_manifest(hf_dir) or {}).get("checkpoint")
+    except StageError:
+        return False
+    if source is None:  # exported before the source was recorded
+        return True
+    summary_path = Path(run_dir) / "train" / "summary.json"
+    summary = read_json(summary_path) if summary_path.is_file() else {}
+    name = Path(summary.get("export_from") or last).name
+    meta = Path(run_dir) / "checkpoints" / name / "meta.json"
+    return (
+        isinstance(source, dict)
+        and source.get("name") == name
+        and meta.is_file()
+        and source.get("meta_sha256") == sha256_file(meta)
+    )
 
 
 def stopped_early(cfg: PipelineConfig, checkpoint) -> bool:
