@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -63,6 +65,13 @@ def test_sizes(tmp_path):
     lin = torch.nn.Linear(64, 64, bias=False)
     fp32, bf16 = metrics.state_dict_bytes(lin, torch.float32), metrics.state_dict_bytes(lin, torch.bfloat16)
     assert fp32 > 64 * 64 * 4 and bf16 > 64 * 64 * 2 and fp32 - bf16 == pytest.approx(64 * 64 * 2, rel=0.05)
+    # tied embeddings: one tensor under two names, cast and counted once (as the BF16 model saves), not twice
+    from tasks.model import build_model, get_preset, materialize
+
+    tied = materialize(build_model(dataclasses.replace(get_preset("debug"), tie_embeddings=True)), "cpu", seed=0)
+    assert tied.output.weight is tied.tok_embeddings.weight
+    as_bf16 = metrics.state_dict_bytes(copy.deepcopy(tied).to(torch.bfloat16))
+    assert metrics.state_dict_bytes(tied, torch.bfloat16) == pytest.approx(as_bf16, rel=1e-3)
     (tmp_path / "a").write_bytes(b"x" * 10)
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b").write_bytes(b"y" * 5)

@@ -54,8 +54,17 @@ class _ByteCounter(io.RawIOBase):
 
 def state_dict_bytes(model, dtype: torch.dtype | None = None) -> int:
     """Bytes `torch.save(state_dict)` writes, floating tensors cast to `dtype`: the FP32/BF16 references go through
-    the same serializer as the INT8 file, so the ratio compares weights, not formats."""
-    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in model.state_dict().items()}
+    the same serializer as the INT8 file, so the ratio compares weights, not formats. A tensor shared by two names
+    (tied embeddings) is cast once and saved once, as torch.save stores the uncast model."""
+    cast: dict[tuple, torch.Tensor] = {}
+
+    def to(v: torch.Tensor) -> torch.Tensor:
+        if dtype is None or not v.is_floating_point():
+            return v
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), tuple(v.stride()))
+        return cast.setdefault(key, v.to(dtype))
+
+    sd = {k: to(v) for k, v in model.state_dict().items()}
     counter = _ByteCounter()
     torch.save(sd, counter)
     return counter.written
