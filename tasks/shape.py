@@ -24,6 +24,7 @@ from tasks.errors import ConfigError, StageError
 
 FAMILIES = ("llama", "qwen2", "qwen2_moe")
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen2MoeForCausalLM": "qwen2_moe"}
+BY_MODEL_TYPE = {family: arch for arch, family in ARCHITECTURES.items()}  # a config.json without `architectures`
 
 
 @dataclass
@@ -164,7 +165,8 @@ class TransformerConfig:
 
 def config_from_hf(hf: dict) -> TransformerConfig:
     """TransformerConfig from a config.json dict; anything this model cannot represent fails in one line."""
-    arch = (hf.get("architectures") or [None])[0]
+    # transformers falls back to model_type when `architectures` is missing (a hand-written config.json): so do we
+    arch = (hf.get("architectures") or [BY_MODEL_TYPE.get(hf.get("model_type"))])[0]
     if arch not in ARCHITECTURES:
         raise StageError(
             f"unsupported architecture {arch or hf.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)}; "
@@ -187,7 +189,11 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
-        raise StageError(f"{arch}: unsupported setting {', '.join(bad)}")
+        raise StageError(
+            f"{arch}: unsupported setting {', '.join(bad)} (this model computes unscaled RoPE, SiLU and no such "
+            "bias or window: it would silently compute another function); use a checkpoint without it, or add it to "
+            "the model (docs/contributing.md, A model family)"
+        )
     return TransformerConfig(
         family=family,
         dim=hf["hidden_size"],

@@ -353,3 +353,20 @@ def test_demo_task_comes_from_the_val_split_only(tmp_path):
     no_val = tiny_shard_set(tmp_path / "nv", seq_len=64, n_docs=8, val_fraction=0.0, shard_multiple=1)
     with pytest.raises(StageError, match=r"^demo-continuation: the val split of .* gives 0 examples .* reshard"):
         demo_task.write(no_val, tmp_path / "nv-task", 40, 0, demo_keep, "evaluation part")
+
+
+def test_evaluate_says_why_quantize_scores_are_not_reused(tmp_path, capsys):
+    """quantize's gate.json without task scores (its gate was ppl/accuracy) is not "other tasks or models"."""
+    import json
+
+    from tasks.quant.gate import reusable_scores
+
+    rec = tmp_path / "gate.json"
+    rec.write_text(json.dumps({"key": "k", "metric": "ppl_drop_pct"}))
+    assert reusable_scores(rec, "k") is None
+    assert "scored no tasks (not a task gate); scoring the tasks now" in capsys.readouterr().err
+    rec.write_text(json.dumps({"key": "other", "ref_scores": {"a": 1}, "int8_scores": {"a": 1}}))
+    assert reusable_scores(rec, "k") is None
+    assert "measured other tasks or models; scoring the tasks now" in capsys.readouterr().err
+    rec.write_text(json.dumps({"key": "k", "ref_scores": {"a": 1}, "int8_scores": {"a": 2}}))
+    assert reusable_scores(rec, "k") == {"ref": {"a": 1}, "int8": {"a": 2}}

@@ -95,6 +95,11 @@ def test_unsupported_architecture_names_supported(tmp_path):
         load_hf(tmp_path)
     assert str(err.value).startswith(f"{tmp_path / 'config.json'}: unsupported architecture 'GPT2LMHeadModel' ")
     assert "LlamaForCausalLM, Qwen2ForCausalLM" in str(err.value) and "A model family" in str(err.value)
+    # no `architectures` (a hand-written config.json): the model_type decides, as in transformers
+    from tasks.shape import TransformerConfig
+
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in LLAMA.items() if k != "architectures"}))
+    assert TransformerConfig.from_hf_config(tmp_path).family == "llama"
 
 
 def test_export_with_tokenizer_loads_in_transformers(tmp_path):
@@ -283,6 +288,21 @@ def test_a_checkpoint_setting_the_model_does_not_compute_is_refused_in_one_line(
     with pytest.raises(StageError) as e:
         TransformerConfig.from_hf_config(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / 'config.json'}: LlamaForCausalLM: unsupported setting ")
-    assert said in str(e.value) and "\n" not in str(e.value)
+    assert said in str(e.value) and "\n" not in str(e.value) and "use a checkpoint without it" in str(e.value)
     (tmp_path / "config.json").write_text(json.dumps(LLAMA))
     assert TransformerConfig.from_hf_config(tmp_path).n_heads == 4  # the same file without it loads
+
+
+def test_a_checkpoint_with_only_pickled_weights_names_the_file_and_the_fix(tmp_path):
+    """pytorch_model.bin (never unpickled here): the one line says what is there and how to save safetensors."""
+    from tasks.model import load_hf
+    from tasks.model.model_dir import safetensors_files
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")
+    for call in (lambda: safetensors_files(tmp_path), lambda: load_hf(tmp_path)):
+        with pytest.raises(StageError) as e:
+            call()
+        msg = str(e.value)
+        assert "no model.safetensors" in msg and "pytorch_model.bin" in msg and "save_pretrained" in msg
+        assert "\n" not in msg

@@ -72,8 +72,8 @@ def test_from_pipeline_vocab_and_overrides(cfg):
     with pytest.raises(ConfigError, match="tokenizer has 1999 tokens but the model embedding only 1000"):
         from_pipeline(cfg, vocab_size=1999)
     cfg.model.vocab_size, cfg.data.seq_len = None, 4096
-    with pytest.raises(ConfigError, match="data.seq_len: 4096 exceeds model max_seq_len 512"):
-        from_pipeline(cfg, vocab_size=1999)
+    with pytest.raises(ConfigError, match=r"data.seq_len: 4096 exceeds model max_seq_len 512; set data.seq_len <= 512"):
+        from_pipeline(cfg, vocab_size=1999)  # the model's own context first, stretching RoPE past it second
 
 
 def test_init_is_seeded_per_parameter_name():

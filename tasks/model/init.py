@@ -134,7 +134,9 @@ class HFWeights:
             return by_file
         single = self.path / "model.safetensors"
         if not single.is_file():
-            raise StageError(f"{self.path}: no model.safetensors or model.safetensors.index.json")
+            from tasks.model.model_dir import no_weights
+
+            raise StageError(no_weights(self.path))
         return {single: list(self._header(single))}
 
     def _header(self, file: Path) -> Header:

@@ -77,8 +77,22 @@ def safetensors_files(path: Path) -> list[Path]:
         return [path / n for n in names]
     single = path / "model.safetensors"
     if not single.is_file():
-        raise StageError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        raise StageError(no_weights(path))
     return [single]
+
+
+def no_weights(path: Path) -> str:
+    """The one line for a model directory without safetensors weights (only pytorch_model.bin, say)."""
+    bins = sorted(p.name for p in Path(path).glob("*.bin"))
+    found = (
+        f" (it holds {', '.join(bins[:2])}{', …' if len(bins) > 2 else ''}: pickled weights, never loaded)"
+        if bins
+        else ""
+    )
+    return (
+        f"{path}: no model.safetensors or model.safetensors.index.json{found}; save the model with transformers' "
+        "save_pretrained (safetensors is its default) and point at that directory"
+    )
 
 
 def verify(path: str | os.PathLike) -> None:

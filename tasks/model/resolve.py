@@ -52,7 +52,8 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
     seq_len = cfg.data.seq_len
     if seq_len > tcfg.max_seq_len:
         raise ConfigError(
-            f"data.seq_len: {seq_len} exceeds model max_seq_len {tcfg.max_seq_len}; set model.max_seq_len >= {seq_len}"
+            f"data.seq_len: {seq_len} exceeds model max_seq_len {tcfg.max_seq_len}; set data.seq_len <= "
+            f"{tcfg.max_seq_len} (the context the model was made for), or model.max_seq_len >= {seq_len}"
         )
     return tcfg
 

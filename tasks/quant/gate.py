@@ -182,6 +182,7 @@ def reusable_scores(path: Path, key: str) -> dict | None:
         return None
     if rec.get("key") != key or not rec.get("ref_scores") or not rec.get("int8_scores"):
         if path.is_file():
-            print(f"note: {path} measured other tasks or models; scoring again", file=sys.stderr, flush=True)
+            why = "measured other tasks or models" if rec.get("ref_scores") else "scored no tasks (not a task gate)"
+            print(f"note: {path} {why}; scoring the tasks now", file=sys.stderr, flush=True)
         return None
     return {"ref": rec["ref_scores"], "int8": rec["int8_scores"]}
