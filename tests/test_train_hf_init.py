@@ -130,3 +130,25 @@ def test_checkpoint_whose_tokenizer_is_not_the_shard_sets_is_refused(cfg, tmp_pa
         r"vocab_size disagree: fix the checkpoint$",
     ):
         train.prepare(c, context(tmp_path / "run", shards))
+
+
+def test_a_preset_set_beside_hf_path_is_said_unused(cfg, tmp_path, shards, caplog):  # noqa: F811
+    """model.hf_path decides the shape: a model.preset set with it is not silently dropped, it is said."""
+    import logging
+
+    from tasks.config import apply_overrides, load_config
+    from tasks.model.resolve import from_pipeline
+    from tests.helpers.train_fixture import configure
+
+    vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
+    tiny_qwen2(tmp_path / "ckpt", vocab)
+    caplog.set_level(logging.WARNING)
+    c = configure(cfg, **{"model.hf_path": str(tmp_path / "ckpt"), "model.preset": "qwen2-7b"})
+    assert from_pipeline(c, vocab).dim == 64
+    assert any(
+        "model.preset qwen2-7b is not used: the model is model.hf_path's" in r.getMessage() for r in caplog.records
+    )
+    caplog.clear()
+    fresh = apply_overrides(load_config("ci-tiny"), {"model.hf_path": str(tmp_path / "ckpt")})
+    from_pipeline(fresh, vocab)  # the preset's own model.preset, not set by the caller: nothing said
+    assert not any("is not used" in r.getMessage() for r in caplog.records)

@@ -34,6 +34,14 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
                 ]
             )
         _say_overrides(mc.hf_path, published, tcfg)
+        if "model.preset" in cfg.explicit and ("preset", mc.hf_path, mc.preset) not in _SAID:
+            from tasks.logs import log
+
+            _SAID.add(("preset", mc.hf_path, mc.preset))
+            log.warning(
+                f"model.preset {mc.preset} is not used: the model is model.hf_path's ({mc.hf_path}, its config.json "
+                "gives the shape); unset one of them"
+            )
     else:
         tcfg = TransformerConfig.from_preset(mc.preset, tokenizer_vocab=vocab_size, **mc.overrides())
     tcfg.validate()
