@@ -176,11 +176,13 @@ def export_from_checkpoint(
     dtype: torch.dtype | None = None,
     file_bytes: int | None = None,
     stats: dict | None = None,
+    hf_path: str | os.PathLike | None = None,
 ) -> Path:
     """Write the HF directory `out` from the DCP checkpoint `ckpt`; with world > 1 every rank calls it (with a
     `barrier` callable) and writes its share of the files (`file_bytes` None: about 1/world of the model per file,
     at most FILE_BYTES, so every rank takes part). `stats` receives this rank's written_bytes and
-    largest_tensor_bytes."""
+    largest_tensor_bytes. `hf_path`: the checkpoint the training started from (model.hf_path), whose special token
+    ids and generation_config.json the export carries (else those of the tokenizer's source checkpoint)."""
     from tasks.fsutil import recover_dir, swap_dir
     from tasks.model.hf_io import _copy_tokenizer, write_config
     from tasks.model.model_dir import write_manifest
@@ -216,7 +218,7 @@ def export_from_checkpoint(
     barrier()
     if rank == 0:
         out_dtype = dtype or (files[0][0][2] if files else torch.float32)
-        write_config(tmp, tcfg, out_dtype, tokenizer_dir)
+        write_config(tmp, tcfg, out_dtype, tokenizer_dir, hf_path)
         if len(files) > 1:
             weight_map = {_hf_name(n): names[i] for i, f in enumerate(files) for n, _, _ in f}
             total = sum(_numel(s) * (dtype or d).itemsize for f in files for _, s, d in f)

@@ -164,27 +164,35 @@ def check_tokenizers(
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def write_config(out: Path, tcfg, dtype, tokenizer_dir) -> None:
-    """config.json for `tcfg` with the tokenizer's special token ids, and the generation_config.json of the HF
-    directory the tokenizer came from (transformers defaults a Llama without them to bos 1 / eos 2: generate() would
-    not stop at the tokenizer's EOS)."""
+def write_config(out: Path, tcfg, dtype, tokenizer_dir, hf_path=None) -> None:
+    """config.json for `tcfg` with the special token ids, and the generation_config.json, of the checkpoint the
+    training started from (`hf_path`) or else of the HF directory the tokenizer came from (transformers defaults a
+    Llama without them to bos 1 / eos 2: generate() would not stop at the tokenizer's EOS)."""
     cfg = to_hf_config(tcfg, dtype)
-    ids, generation = special_tokens(Path(tokenizer_dir)) if tokenizer_dir is not None else ({}, None)
+    ids, generation = special_tokens(Path(tokenizer_dir) if tokenizer_dir is not None else None, hf_path)
     cfg.update(ids)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if generation is not None:
         shutil.copy2(generation, out / "generation_config.json")
 
 
-def special_tokens(tokenizer_dir: Path) -> tuple[dict, Path | None]:
-    """(bos/eos/pad ids, generation_config.json or None) for a model trained with this tokenizer: from the HF
-    directory it came from (its own, or a shard set's manifest `tokenizer.source`), else the shard set's EOS id."""
-    home = tokenizer_dir if (tokenizer_dir / "config.json").is_file() else None
-    manifest = tokenizer_dir / "manifest.json"
-    shard = json.loads(manifest.read_text()) if home is None and manifest.is_file() else {}
-    source = (shard.get("tokenizer") or {}).get("source") if isinstance(shard.get("tokenizer"), dict) else None
-    if source and (Path(source).parent / "config.json").is_file():
-        home = Path(source).parent
+def special_tokens(tokenizer_dir: Path | None, hf_path: str | os.PathLike | None = None) -> tuple[dict, Path | None]:
+    """(bos/eos/pad ids, generation_config.json or None) for a model trained with this tokenizer: from the
+    checkpoint the training started from (`hf_path`, model.hf_path) when it has a config.json, else from the HF
+    directory the tokenizer came from (its own, or a shard set's manifest `tokenizer.source`: a cached shard set
+    names whichever checkpoint first built it, not necessarily this one), else the shard set's EOS id."""
+    if hf_path and (Path(hf_path) / "config.json").is_file():
+        home = Path(hf_path)
+        shard = {}
+    elif tokenizer_dir is None:
+        return {}, None
+    else:
+        home = tokenizer_dir if (tokenizer_dir / "config.json").is_file() else None
+        manifest = tokenizer_dir / "manifest.json"
+        shard = json.loads(manifest.read_text()) if home is None and manifest.is_file() else {}
+        source = (shard.get("tokenizer") or {}).get("source") if isinstance(shard.get("tokenizer"), dict) else None
+        if source and (Path(source).parent / "config.json").is_file():
+            home = Path(source).parent
     if home is None:
         return ({"eos_token_id": shard["eos_id"]} if shard.get("eos_id") is not None else {}), None
     hf = json.loads((home / "config.json").read_text())

@@ -353,6 +353,12 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     # The HF export runs inside the job (every rank streams part of it), not in this (Airflow worker) process.
     # Every node's spec says the same (all ranks take part); node 0 checks the result.
     spec["export"] = None if getattr(ctx.args, "no_export", False) else {"tokenizer_dir": spec["shard_dir"]}
+    if spec["export"] is not None and cfg.model.hf_path:
+        from tasks.config import repo_path
+
+        # the export's special token ids and generation_config.json are this checkpoint's: the shard set (a cache
+        # hit on identical tokenizer bytes) may name another checkpoint as its tokenizer's source
+        spec["export"]["hf_path"] = str(repo_path(cfg.model.hf_path))
     spec["rehearsal"] = rehearsal_spec(cfg, ctx, spec, lay)
     spec_path = atomic_write_json(train_dir / "launch.json", spec)
     from tasks.bounds import train_timeout

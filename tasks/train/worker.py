@@ -57,6 +57,7 @@ def export(spec: dict, source: str | None = None) -> None:
             barrier=collectives.barrier,
             file_bytes=spec["export"].get("file_bytes"),
             stats=stats,
+            hf_path=spec["export"].get("hf_path"),
         )
     by_rank = [None] * dist.get_world_size()
     collectives.all_gather_object(by_rank, {**phases.result(), **stats})
