@@ -108,8 +108,23 @@ def initial_loss(path, tcfg, inputs: torch.Tensor, targets: torch.Tensor, layers
     }
 
 
-def problem(result: dict, max_ratio: float, path) -> str | None:
-    """One line when the checkpoint's initial loss is not far below ln(V) (None when it is)."""
+def own_tokenizer(path, shard_dir=None) -> bool:
+    """Whether the shard set is tokenized with the checkpoint's own tokenizer, decided as smoke and train decide it
+    (tasks.model.hf_io.tokenizer_problem: an export's recorded identity, else its tokenizer.json): the checkpoint has
+    one and, given `shard_dir`, the set's is it. Without `shard_dir` (smoke, which has already refused a set of
+    another tokenizer by then), whether the checkpoint has one of its own."""
+    from tasks.model.hf_io import tokenizer_problem
+    from tasks.model.model_dir import accepted_tokenizers
+
+    if not accepted_tokenizers(path):  # no tokenizer to compare with: the set's may be another one
+        return False
+    return shard_dir is None or tokenizer_problem(path, shard_dir) is None
+
+
+def problem(result: dict, max_ratio: float, path, shard_dir=None) -> str | None:
+    """One line when the checkpoint's initial loss is not far below ln(V) (None when it is). The fix named: the
+    checkpoint's own tokenizer when the set may be of another (own_tokenizer), else smoke.hf_max_loss_ratio (a
+    lightly trained checkpoint) or a config.json that does not match the weights."""
     loss, ln_v = result["loss"], result["ln_vocab"]
     if result["nonfinite_layer"] or not math.isfinite(loss):
         where = f" (first non-finite output: {result['nonfinite_layer']})" if result["nonfinite_layer"] else ""
@@ -120,9 +135,19 @@ def problem(result: dict, max_ratio: float, path) -> str | None:
     if result["ratio"] <= max_ratio:
         return None
     blocks = "" if result["layers"] == result["of_layers"] else f" through its first {result['layers']} blocks"
+    if own_tokenizer(path, shard_dir):
+        fix = (
+            f"the shard set already uses the checkpoint's own tokenizer: for a lightly trained checkpoint raise "
+            f"smoke.hf_max_loss_ratio (now {max_ratio:g}) above {result['ratio']:.2f}, else check that config.json's "
+            f"architecture matches the weights ({path})"
+        )
+    else:
+        fix = (
+            f"a trained checkpoint on its own tokenizer starts far below: shard with its own tokenizer "
+            f"(data.tokenizer={path}) and check that config.json's architecture matches the weights"
+        )
     return (
         f"model.hf_path: the checkpoint's initial loss on the shard set{blocks} is {loss:.3f} = "
         f"{result['ratio']:.0%} of ln(vocab {round(math.exp(ln_v))}) = {ln_v:.3f} (smoke.hf_max_loss_ratio "
-        f"{max_ratio:g}); a trained checkpoint on its own tokenizer starts far below: shard with its own tokenizer "
-        f"(data.tokenizer={path}) and check that config.json's architecture matches the weights"
+        f"{max_ratio:g}); {fix}"
     )

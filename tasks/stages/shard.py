@@ -12,6 +12,9 @@ any worker.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
@@ -35,10 +38,14 @@ def shard_multiple(cfg: PipelineConfig) -> int:
     return max(1, nproc * cfg.hardware.nnodes) * max(1, workers)
 
 
-def shard_config(cfg: PipelineConfig):
-    """cfg.data as data_prep builds it (the same model): paths resolved, the shard multiple decided."""
+def shard_config(cfg: PipelineConfig, check_model: bool = True):
+    """cfg.data as data_prep builds it (the same model): paths resolved, the shard multiple decided. With
+    `check_model` (every build of a pipeline run's set: this stage, the DAG's `prepare`), model.hf_path is first
+    checked against it (check_checkpoint), before anything is tokenized."""
     d = cfg.data
     tokenizer = d.tokenizer if d.tokenizer == "train" else str(repo_path(d.tokenizer))
+    if check_model:
+        check_checkpoint(cfg, tokenizer)
     return d.model_copy(
         update={
             "inputs": _inputs(d.inputs),
@@ -47,6 +54,45 @@ def shard_config(cfg: PipelineConfig):
             "shard_multiple": shard_multiple(cfg),
         }
     )
+
+
+def check_checkpoint(cfg: PipelineConfig, tokenizer: str) -> None:
+    """model.hf_path against the set this stage is about to build (`tokenizer`: data.tokenizer resolved), before
+    hours of tokenizing: what smoke and train would refuse on the finished set, refused now in their own line —
+    the tokenizer not the checkpoint's own (tasks.model.hf_io.tokenizer_problem; `train`, a new BPE, never is), then
+    the checkpoint's config.json against the pipeline (tasks.model.resolve.from_pipeline: an unsupported
+    architecture or setting, data.seq_len over its max_position_embeddings, a tokenizer larger than its
+    embedding). Only config.json and the tokenizer files are read, never the weights."""
+    if not cfg.model.hf_path:
+        return
+    from data_prep.errors import DataPrepError
+    from data_prep.tokenizer import tokenizer_file
+    from tasks.errors import ConfigError
+    from tasks.model.hf_io import tokenizer_problem
+    from tasks.model.resolve import from_pipeline
+
+    hf_dir = repo_path(cfg.model.hf_path)
+    if tokenizer == "train":
+        raise ConfigError(
+            f"model.hf_path: data.tokenizer is train (a new BPE on the corpus), but the checkpoint's embedding rows "
+            f"are its own tokenizer's ids; shard with data.tokenizer={cfg.model.hf_path} (the checkpoint's own)"
+        )
+    try:
+        path = tokenizer_file(tokenizer)
+    except DataPrepError as e:
+        raise StageError(f"shard: {e}") from None
+    with tempfile.TemporaryDirectory(prefix="tokenizer-") as tmp:
+        home = path.parent
+        if path.name != "tokenizer.json":  # tokenizer_problem compares a directory's tokenizer.json
+            home = Path(tmp)
+            shutil.copyfile(path, home / "tokenizer.json")
+        problem = tokenizer_problem(hf_dir, home)
+        if problem:
+            raise ConfigError(problem)
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(home / "tokenizer.json")).get_vocab_size()  # as smoke counts the set's
+    from_pipeline(cfg, vocab_size=vocab)
 
 
 def add_cli_args(parser) -> None:
@@ -177,7 +223,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 
     if getattr(ctx.args, "shard_dir", None):
         return adopt(cfg, ctx)
-    scfg = shard_config(cfg)
+    scfg = shard_config(cfg, check_model=not getattr(ctx.args, "publish_only", False))
     try:
         result = build_shard_set(scfg, reduce_only=getattr(ctx.args, "reduce", False), report=progress())
     except DataPrepError as e:
