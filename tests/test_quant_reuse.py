@@ -4,8 +4,6 @@ for the methods that calibrate, and every input QAT reads for the gate/QAT recor
 from __future__ import annotations
 
 import argparse
-import json
-import random
 from pathlib import Path
 
 import pytest
@@ -13,37 +11,12 @@ import pytest
 from tasks.quant import inputs
 from tasks.runner import run_stage
 from tasks.stages import quantize
-from tests.helpers.quant_fixture import _WORDS, grammar_task, tiny_trained
+from tests.helpers.quant_fixture import grammar_task, shard_set, tiny_trained
 
 
 def _other_shard_set(base: Path, shard_dir: Path) -> Path:
     """Another shard set (other documents) with the fixture's tokenizer: the same model may calibrate on it."""
-    from data_prep.build import build_shard_set
-    from data_prep.config import ShardConfig
-
-    root = base / "quant-reuse-other"
-    root.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(1)
-    with open(root / "corpus.jsonl", "w") as f:
-        for _ in range(200):
-            text = " ".join(
-                f"the {rng.choice(_WORDS['adj'])} {rng.choice(_WORDS['noun'])} "
-                f"{rng.choice(_WORDS['verb'])} the {rng.choice(_WORDS['noun'])}."
-                for _ in range(rng.randint(3, 8))
-            )
-            f.write(json.dumps({"text": text}) + "\n")
-    return build_shard_set(
-        ShardConfig(
-            inputs=[str(root / "corpus.jsonl")],
-            out_dir=str(root / "data"),
-            tokenizer=str(shard_dir / "tokenizer.json"),
-            seq_len=64,
-            val_fraction=0.2,
-            shard_size_mb=0.05,
-            tokenize_processes=1,
-            progress=False,
-        )
-    ).shard_dir
+    return shard_set(base / "quant-reuse-other", docs=200, seed=1, tokenizer=str(shard_dir / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")

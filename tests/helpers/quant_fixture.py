@@ -17,8 +17,8 @@ _WORDS = {
 }
 
 
-def _corpus(path: Path, docs: int = 300) -> Path:
-    rng = random.Random(0)
+def _corpus(path: Path, docs: int = 300, seed: int = 0) -> Path:
+    rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(docs):
             sentences = [
@@ -30,13 +30,32 @@ def _corpus(path: Path, docs: int = 300) -> Path:
     return path
 
 
+def shard_set(root: Path, docs: int = 300, seed: int = 0, **tokenizer) -> Path:
+    """A small shard set of the grammar corpus under root/data (`tokenizer="…/tokenizer.json"` or `vocab_size=N`)."""
+    from data_prep.build import build_shard_set
+    from data_prep.config import ShardConfig
+
+    root.mkdir(parents=True, exist_ok=True)
+    corpus = _corpus(root / "corpus.jsonl", docs, seed)
+    return build_shard_set(
+        ShardConfig(
+            inputs=[str(corpus)],
+            out_dir=str(root / "data"),
+            seq_len=64,
+            val_fraction=0.2,
+            shard_size_mb=0.05,
+            tokenize_processes=1,
+            progress=False,
+            **tokenizer,
+        )
+    ).shard_dir
+
+
 def tiny_trained(base: Path, steps: int = 40, vocab_size: int = 256, name: str = "quant-tiny") -> dict:
     """{"shard_dir", "model_dir"} under base/<name>, built on first use (another vocab_size: other data, another
     tokenizer — a retrain on new data)."""
     import torch
 
-    from data_prep.build import build_shard_set
-    from data_prep.config import ShardConfig
     from data_prep.loader import ShardLoader
     from tasks.model.config import get_preset
     from tasks.model.hf_io import save_hf
@@ -48,18 +67,7 @@ def tiny_trained(base: Path, steps: int = 40, vocab_size: int = 256, name: str =
     if (model_dir / "config.json").is_file():
         return {"shard_dir": Path((root / "shards").read_text()), "model_dir": model_dir}
     root.mkdir(parents=True, exist_ok=True)
-    shards = build_shard_set(
-        ShardConfig(
-            inputs=[str(_corpus(root / "corpus.jsonl"))],
-            out_dir=str(root / "data"),
-            vocab_size=vocab_size,
-            seq_len=64,
-            val_fraction=0.2,
-            shard_size_mb=0.05,
-            tokenize_processes=1,
-            progress=False,
-        )
-    ).shard_dir
+    shards = shard_set(root, vocab_size=vocab_size)
     tcfg = get_preset("debug")
     tcfg.vocab_size = json.loads((shards / "manifest.json").read_text())["vocab_size"]
     torch.manual_seed(0)
