@@ -50,40 +50,23 @@ def test_a_collect_is_not_reused_after_a_replan_changed_the_layout(cfg, tmp_path
     assert cfg.digest() == json.loads(marker.read_text())["config_hash"]  # the digest alone could not tell
 
 
-def test_collect_reuses_the_same_plan_and_collects_again_after_a_replan(cfg, tmp_path, monkeypatch):
-    """collect itself, with train.prepare's real launch spec (only torchrun is replaced): the marker it writes is
-    reused for the same plan, not after `plan --zero 3 --recompute full`, and then records the new layout."""
+def test_planned_launch_is_what_train_prepare_launches(cfg, tmp_path):
+    """The reuse check compares the marker with planned_launch; the marker records train.prepare's launch spec (what
+    ran). The two must agree for the same plan (else nothing is ever reused) and follow a re-plan (`plan --zero 3
+    --recompute full` after zero 1: else the old layout's traces are reused)."""
     from data_prep.build import build_shard_set
-    from tasks.launch import torchrun
-    from tasks.stages.profile import collect
+    from tasks.stages import train
     from tests.helpers.shards import shard_cfg
 
     shards = build_shard_set(shard_cfg(tmp_path / "shards")).shard_dir
     cfg.parallel.dp = 0
-    launched = []
-
-    def fake_run(argv, env, log_path, timeout):  # the profiled run: one trace file, exit 0
-        traces = Path(argv[argv.index("--profile-dir") + 1])
-        traces.mkdir(parents=True, exist_ok=True)
-        (traces / "rank0.pt.trace.json").write_text("{}")
-        launched.append(json.loads(Path(argv[argv.index("--profile-dir") - 1]).read_text())["layout"])
-        return 0, ""
-
-    monkeypatch.setattr(torchrun, "run", fake_run)
-    out = tmp_path / "run" / "profile"
-
-    def profile(plan):
+    seen = []
+    for plan in (plan_result(zero=1), plan_result(zero=3, recompute="full")):
         ctx = StageContext(tmp_path / "run", "profile", Namespace(shard_dir=str(shards)), {"plan": plan})
-        return collect(cfg, ctx, out)
-
-    profile(plan_result(zero=1))
-    _, notes = profile(plan_result(zero=1))
-    assert len(launched) == 1 and notes and notes[0].startswith("reused the profile collected earlier")
-    _, notes = profile(plan_result(zero=3, recompute="full"))
-    assert len(launched) == 2 and not any(n.startswith("reused") for n in notes)
-    assert (launched[1]["zero"], launched[1]["recompute"]) == (3, "full")
-    recorded = json.loads((out / "traces" / "collected.json").read_text())["layout"]
-    assert (recorded["zero"], recorded["recompute"]) == (3, "full")
+        spec = train.prepare(cfg, ctx)
+        assert planned_launch(cfg, ctx) == {"layout": spec["layout"], "world": spec["world"]}
+        seen.append((spec["layout"]["zero"], spec["layout"]["recompute"]))
+    assert seen == [(1, "none"), (3, "full")]
 
 
 def test_a_collect_is_not_reused_for_another_world_size(cfg, tmp_path):

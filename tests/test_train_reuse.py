@@ -181,26 +181,26 @@ def test_an_export_of_another_checkpoint_is_not_handed_back(cfg, tmp_path, shard
     assert train.export_current(run, step5)  # early stopping exports its best checkpoint, not the last
 
 
-def test_finished_run_with_a_stale_export_exports_again(cfg, tmp_path, shards, monkeypatch):  # noqa: F811
+@pytest.mark.slow
+def test_finished_run_with_a_stale_export_exports_again(cfg, tmp_path, shards):  # noqa: F811
+    """A real 2-step run (one rank, torchrun) exports; its hf/ recorded as another checkpoint's export (as after
+    `--fresh --no-export` once left it) is not handed back: the rerun launches, resumes at the end and exports again."""
+    from tasks.fsutil import atomic_write_json
+    from tasks.model.model_dir import MANIFEST
     from tasks.stages import train
 
-    c = configure(cfg)
+    c = configure(cfg, **{"train.steps": 2, "parallel.dp": 1, "hardware.nproc_per_node": 1})
     run = tmp_path / "run"
-    step4 = fake_run(c, run, shards, step=4)
-    _export(run, step4)
-    shutil.copytree(step4, run / "checkpoints" / "step-5")  # trained on to step 5 with --no-export
-
-    class Launched(Exception):
-        pass
-
-    def launch(*a, **k):
-        raise Launched
-
-    monkeypatch.setattr(train.torchrun, "run", launch)
-    with pytest.raises(Launched):
-        train.run(c, context(run, shards, no_export=False))
-    _export(run, run / "checkpoints" / "step-5")
-    assert train.run(c, context(run, shards, no_export=False))["reused"] is True
+    first = train.run(c, context(run, shards, no_export=False))
+    assert not first["reused"]
+    manifest = run / "hf" / MANIFEST
+    body = json.loads(manifest.read_text())
+    assert body["checkpoint"]["name"] == "step-2"
+    again = train.run(c, context(run, shards, no_export=False))
+    assert again["reused"]  # the export of the final checkpoint: handed back
+    atomic_write_json(manifest, {**body, "checkpoint": {**body["checkpoint"], "meta_sha256": "0" * 64}})
+    stale = train.run(c, context(run, shards, no_export=False))
+    assert not stale["reused"] and json.loads(manifest.read_text())["checkpoint"] == body["checkpoint"]
 
 
 def test_the_export_records_its_checkpoint(tmp_path):
