@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 ENV := umask 022 && source scripts/airflow-env.sh &&
+# Bytecode is written as modules are first imported (what Python does by default): a shell that sets
+# PYTHONDONTWRITEBYTECODE (this CI host does) would otherwise have every rank, stage and Airflow process compile the
+# same modules again in memory. Only what runs is compiled: ~6,000 of the venv's 28,000 files for the pipeline's
+# imports (25 CPU s, once) where compiling all at install took 81 (measured on this 2-core host).
+unexport PYTHONDONTWRITEBYTECODE
 CONF ?= {}
 # CONF reaches the pipeline only through the environment, as literal text: never spliced into a shell command line,
 # never expanded by make ($(value …)), and not exported under its own name (exporting would expand it).
@@ -26,17 +31,18 @@ help:
 venv: $(STAMP)
 
 # uv (pinned, into the venv by pip) installs the pinned set: 1.3 min where pip took 5 from a warm cache (measured on
-# this 2-core host). uv reads no pip configuration: $PIP_FIND_LINKS (where a local torch CPU wheel may lie) is passed on.
+# this 2-core host); bytecode is left to first import (above). uv reads no pip configuration: $PIP_FIND_LINKS (where a
+# local torch CPU wheel may lie) is passed on.
 UV_VERSION := 0.13.8
 $(STAMP): requirements.txt constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet uv==$(UV_VERSION)
-	UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" $(VENV)/bin/uv pip install --quiet --compile-bytecode \
+	UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" $(VENV)/bin/uv pip install --quiet \
 	  --python $(VENV)/bin/python -r requirements.txt -c constraints.txt
 	touch $(STAMP)
 
-# The project's own modules compiled to __pycache__ (~2 s; unchanged files skipped): where PYTHONDONTWRITEBYTECODE is
-# set (this CI host sets it), every rank, stage and Airflow process would otherwise recompile them in memory on import.
+# The project's own modules compiled to __pycache__ (~2 s; unchanged files skipped) before the processes that import
+# them start together (the ranks of a launch, the test workers): each would otherwise compile them on its own.
 pyc: venv
 	@$(VENV)/bin/python -m compileall -q -j0 tasks data_prep dags plugins tests bench scripts >/dev/null
 
@@ -51,12 +57,15 @@ run: db
 # need the host's memory to themselves). pytest's exit 5 = "none selected": fine for one part (PYTEST_ARGS naming one
 # file), an error when PYTEST_ARGS selects nothing at all. --cpu-durations: the 30 tests that used the most CPU.
 TEST_WORKERS ?= 3
+# The alone part collects only the files that mark a test `alone` (collecting all ~100 takes ~9 s), unless PYTEST_ARGS
+# names what to run.
+ALONE_FILES := $(shell grep -l 'mark\.alone' tests/test_*.py)
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint db browser services
 	@$(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
 	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
-	b=0; python -m pytest -q -m alone $(PYTEST_ARGS) || b=$$?; \
+	b=0; python -m pytest -q -m alone $(or $(PYTEST_ARGS),$(ALONE_FILES)) || b=$$?; \
 	if [ $$a$$b = 55 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; exit 5; fi; \
 	[ $$b -eq 0 ] || [ $$b -eq 5 ] || exit $$b
 
