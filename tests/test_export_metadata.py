@@ -9,7 +9,7 @@ import json
 import pytest
 
 
-def _checkpoint(path, fast, eos, generation: dict):
+def _checkpoint(path, fast, eos, generation: dict, **settings):
     """A tiny Llama saved by transformers with `fast` (the same tokenizer bytes in every checkpoint) beside it."""
     import torch
     import transformers
@@ -18,7 +18,7 @@ def _checkpoint(path, fast, eos, generation: dict):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(fast), max_position_embeddings=128, bos_token_id=7, eos_token_id=eos, pad_token_id=5,
+        vocab_size=len(fast), max_position_embeddings=128, bos_token_id=7, eos_token_id=eos, pad_token_id=5, **settings,
     )  # fmt: skip
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps(generation))
@@ -26,8 +26,9 @@ def _checkpoint(path, fast, eos, generation: dict):
 
 @pytest.fixture(scope="module")
 def two_checkpoints(tmp_path_factory):
-    """llama-gqa and llama-gen (identical tokenizer and weights; llama-gen has eos [eos, 2] and its own sampling
-    generation_config.json); a shard set built first from llama-gqa's tokenizer; a DCP checkpoint of the model."""
+    """llama-gqa and llama-gen (identical tokenizer and weights; llama-gen has eos [eos, 2], its own sampling
+    generation_config.json, attention dropout 0.1 and initializer_range 0.05); a shard set built first from llama-gqa's
+    tokenizer; a DCP checkpoint of the model."""
     import torch.distributed.checkpoint as dcp
 
     from tasks.model.hf_io import load_hf
@@ -43,6 +44,8 @@ def two_checkpoints(tmp_path_factory):
         fast,
         [eos, 2],
         {"eos_token_id": [eos, 2], "do_sample": True, "temperature": 0.6, "top_p": 0.9, "max_new_tokens": 64},
+        attention_dropout=0.1,
+        initializer_range=0.05,
     )
     assert (gqa / "tokenizer.json").read_bytes() == (gen / "tokenizer.json").read_bytes()
     shards = root / "shards"  # the cached shard set: its manifest names the checkpoint that first built it
@@ -74,6 +77,7 @@ def test_export_takes_ids_and_generation_config_from_hf_path_not_the_shard_sets_
     config, generation = _export(c, "hf", c["shards"], c["gen"])
     assert config["eos_token_id"] == [c["eos"], 2] and (config["bos_token_id"], config["pad_token_id"]) == (7, 5)
     assert generation == json.loads((c["gen"] / "generation_config.json").read_text())
+    assert (config["attention_dropout"], config["initializer_range"]) == (0.1, 0.05)  # hf_path's, not the defaults
     back = transformers.AutoModelForCausalLM.from_pretrained(c["root"] / "hf")
     assert back.config.eos_token_id == back.generation_config.eos_token_id == [c["eos"], 2]
     g = back.generation_config
@@ -92,3 +96,4 @@ def test_export_without_hf_path_keeps_the_tokenizer_sources_metadata(two_checkpo
     config, generation = _export(c, "hf-no-path", c["shards"], None)
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (7, c["eos"], 5)
     assert generation == json.loads((c["gqa"] / "generation_config.json").read_text())
+    assert "attention_dropout" not in config  # no hf_path: nothing of llama-gen's carried

@@ -152,3 +152,21 @@ def test_a_preset_set_beside_hf_path_is_said_unused(cfg, tmp_path, shards, caplo
     fresh = apply_overrides(load_config("ci-tiny"), {"model.hf_path": str(tmp_path / "ckpt")})
     from_pipeline(fresh, vocab)  # the preset's own model.preset, not set by the caller: nothing said
     assert not any("is not used" in r.getMessage() for r in caplog.records)
+
+
+def test_hf_paths_attention_dropout_is_said_unapplied(cfg, tmp_path, shards):  # noqa: F811
+    """A checkpoint whose config.json asks for attention dropout trains without it (this model has none): the launch
+    spec's warnings say so before training (tests/test_export_metadata.py: the export's config.json keeps the
+    checkpoint's setting). A checkpoint without dropout: no warning."""
+    from tasks.stages import train
+    from tests.helpers.train_fixture import configure, context
+
+    vocab = json.loads((shards / "manifest.json").read_text())["vocab_size"]
+    specs = {}
+    for name, dropout in (("dropout", 0.1), ("plain", 0.0)):
+        tiny_qwen2(tmp_path / name, vocab, attention_dropout=dropout)
+        c = configure(cfg, **{"model.hf_path": str(tmp_path / name), "hardware.nproc_per_node": 1, "parallel.dp": 1})
+        specs[name] = train.prepare(c, context(tmp_path / f"run-{name}", shards))
+    [note] = [w for w in specs["dropout"]["warnings"] if "attention_dropout" in w]
+    assert "attention_dropout 0.1" in note and "trains without it" in note, note
+    assert not any("attention_dropout" in w for w in specs["plain"]["warnings"])

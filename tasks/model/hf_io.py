@@ -162,15 +162,29 @@ def check_tokenizers(
 
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Training-time settings of model.hf_path's config.json that do not change the function its weights compute (this
+# model has no dropout and initializes nothing it loads): carried into the export, so a later fine-tune by transformers
+# sees the checkpoint's own values, not transformers' defaults.
+CARRIED = ("attention_dropout", "initializer_range")
+
+
+def carried(hf_path: str | os.PathLike | None) -> dict:
+    """The CARRIED keys model.hf_path's config.json sets ({} without hf_path or a config.json)."""
+    path = Path(hf_path) / "config.json" if hf_path else None
+    if path is None or not path.is_file():
+        return {}
+    hf = json.loads(path.read_text())
+    return {k: hf[k] for k in CARRIED if k in hf}
 
 
 def write_config(out: Path, tcfg, dtype, tokenizer_dir, hf_path=None) -> None:
-    """config.json for `tcfg` with the special token ids, and the generation_config.json, of the checkpoint the
-    training started from (`hf_path`) or else of the HF directory the tokenizer came from (transformers defaults a
-    Llama without them to bos 1 / eos 2: generate() would not stop at the tokenizer's EOS)."""
+    """config.json for `tcfg` with the special token ids (and the CARRIED settings), and the generation_config.json,
+    of the checkpoint the training started from (`hf_path`) or else of the HF directory the tokenizer came from
+    (transformers defaults a Llama without them to bos 1 / eos 2: generate() would not stop at the tokenizer's EOS)."""
     cfg = to_hf_config(tcfg, dtype)
     ids, generation = special_tokens(Path(tokenizer_dir) if tokenizer_dir is not None else None, hf_path)
     cfg.update(ids)
+    cfg.update(carried(hf_path))
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if generation is not None:
         shutil.copy2(generation, out / "generation_config.json")

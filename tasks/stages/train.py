@@ -131,9 +131,15 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
             )
     init_from = _init_from(cfg)  # its files verified (sizes + sha256, safetensors headers)
     if init_from:
-        from tasks.model.hf_io import tokenizer_problem
+        from tasks.model.hf_io import carried, tokenizer_problem
 
         problems.extend(filter(None, [tokenizer_problem(init_from, shard_dir)]))
+        dropout = carried(init_from).get("attention_dropout") or 0.0
+        if dropout:
+            warnings_.append(
+                f"model.hf_path's config.json sets attention_dropout {dropout}: this trainer applies no dropout, so "
+                f"the run trains without it (the export keeps attention_dropout {dropout})"
+            )
     if problems:
         raise ConfigError(problems)
     warnings_.extend(val_notes)
