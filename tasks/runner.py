@@ -103,6 +103,21 @@ def shard_set(cfg: PipelineConfig, ctx: "StageContext", fallback: str | None = N
     return path
 
 
+def verified(cfg: PipelineConfig, shard_dir: Path, split: str, why: str) -> None:
+    """With data.verify_sha256 (on in the DAG), every shard of `split` hashed against the manifest before a stage
+    reads it (`why`: what for): a shard of the right size with altered bytes is one ConfigError line, not data the
+    stage calibrates or scores on. The loader's crc32 catches a torn sample only, not an altered tar header."""
+    if not cfg.data.verify_sha256:
+        return
+    from data_prep.errors import DataPrepError
+    from data_prep.manifest import check_files, load_manifest
+
+    try:
+        check_files(shard_dir, load_manifest(shard_dir), split, sha256=True)
+    except DataPrepError as e:
+        raise ConfigError(f"shards ({split} split, {why}): {e}") from None
+
+
 def default_args(stage: str) -> argparse.Namespace:
     """The stage's own flags at their defaults (what an Airflow task gets)."""
     parser = argparse.ArgumentParser()

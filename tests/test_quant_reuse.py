@@ -105,3 +105,42 @@ def test_smoothquant_rerun_on_another_shard_set_calibrates_again(cfg, tiny, tmp_
     assert quantize._reusable_gate(cfg, tiny["model_dir"], tiny["shard_dir"], ptq_dir, kind, suite) is None
     cfg.train.seed = 5
     assert quantize._reusable_gate(cfg, tiny["model_dir"], tiny["other"], ptq_dir, kind, suite) is None
+
+
+def _altered_header_copy(shard_dir: Path, out: Path) -> Path:
+    """A copy of the shard set whose first val shard has one tar header field changed (its checksum fixed): the same
+    size and the same samples (their crc32 still match), other bytes than the manifest's sha256."""
+    import shutil
+
+    from data_prep.manifest import load_manifest, shards
+
+    shutil.copytree(shard_dir, out)
+    path = out / shards(load_manifest(out), "val")[0]["name"]
+    data = bytearray(path.read_bytes())
+    data[265:269] = b"evil"  # the first member's uname (ustar offset 265)
+    data[148:156] = b" " * 8  # the checksum is computed with its own field as spaces
+    data[148:156] = f"{sum(data[:512]):06o}\0 ".encode()
+    path.write_bytes(bytes(data))
+    return out
+
+
+def test_an_altered_val_shard_is_refused_by_quantize_with_verify_sha256(cfg, tiny, tmp_path):
+    """data.verify_sha256 (on in the DAG) covers what quantize calibrates and gates on and what evaluate scores, as it
+    covers what smoke and train read: a val shard of the right size with other bytes is one line naming it, before
+    anything is loaded."""
+    from tasks.errors import ConfigError
+
+    altered = _altered_header_copy(tiny["shard_dir"], tmp_path / "altered")
+    args = argparse.Namespace(model_dir=str(tiny["model_dir"]), shard_dir=str(altered))
+    cfg.data.verify_sha256 = True
+    with pytest.raises(ConfigError, match=r"shards \(val split, for calibration and the quality gate\): .*sha256"):
+        run_stage("quantize", cfg, tmp_path / "run", args=args)
+    # evaluate likewise: a model quantized on the intact set, then evaluated on the altered one
+    run_stage(
+        "quantize",
+        cfg,
+        tmp_path / "run",
+        args=argparse.Namespace(**{**vars(args), "shard_dir": str(tiny["shard_dir"])}),
+    )
+    with pytest.raises(ConfigError, match=r"shards \(val split, for the evaluation\): .*sha256"):
+        run_stage("evaluate", cfg, tmp_path / "run", args=argparse.Namespace(shard_dir=str(altered)))

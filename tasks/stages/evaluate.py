@@ -477,6 +477,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
     shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
+    runner.verified(cfg, shard_dir, "val", "for the evaluation")
     check_tokenizers(model_dir, shard_dir, "evaluate", quant_meta=meta, quant_dir=quant_dir)
     digest = inputs.manifest_digest(shard_dir)
     suite = gate.load_suite(cfg, ctx.run_dir, shard_dir, model_dir)  # every task checked before a model is loaded
