@@ -23,7 +23,7 @@ help:
 	@echo "make test-fast - the tests not marked slow (about 3 minutes)"
 	@echo "make lint   - ruff check + ruff format --check (also the first step of make test)"
 	@echo "make ui     - Airflow (standalone) + MLflow servers on 127.0.0.1 with a login; make stop stops them"
-	@echo "make clean  - remove var/ (runs, shard sets, the Airflow DB and MLflow store of make run)"
+	@echo "make clean  - remove var/ or \$$LLM_PIPELINE_VAR_DIR (runs, shard sets, the Airflow DB and MLflow store of make run)"
 	@echo "make bench  - run the benchmarks; writes bench/results.json, bench/results.md and the figures in docs/benchmarks.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
 	@echo "make device-check - on a CUDA host: the device paths (train, MoE, smoke, profile, INT8, evaluate, vs torchtitan)"
@@ -93,7 +93,7 @@ bench: venv
 	@$(ENV) python bench/run_all.py
 
 clean:
-	rm -rf var
+	@bash scripts/clean.sh
 
 npu-api: venv  ## snapshot torch_npu's (pinned wheels, downloaded not installed) and AMCT's API into tests/fixtures/npu_api
 	@$(ENV) python scripts/npu_api.py  # AMCT_GIT_DIR reaches it through the environment, never the command line

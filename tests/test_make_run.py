@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -119,3 +120,24 @@ def test_the_screen_shows_each_line_as_it_arrives():
         assert proc.wait(timeout=60) == 0
     finally:
         proc.kill()
+
+
+def test_make_clean_removes_the_var_dir_in_use_and_never_one_outside_the_checkout(tmp_path):
+    """`make clean` follows LLM_PIPELINE_VAR_DIR as `make run` does; a var dir outside the checkout (a mistyped
+    variable could name a home directory) is kept, in one line saying how to remove it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    outside = tmp_path / "var"
+    (outside / "runs").mkdir(parents=True)
+    out = subprocess.run(["make", "-s", "clean"], cwd=REPO, env={**env, "LLM_PIPELINE_VAR_DIR": str(outside)},
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0 and (outside / "runs").is_dir(), out.stderr
+    [line] = [ln for ln in out.stderr.strip().splitlines() if not ln.startswith("make: ***")]
+    assert line.startswith(f"make clean: LLM_PIPELINE_VAR_DIR={outside} is outside this checkout"), line
+    inside = REPO / f"var-clean-test-{os.getpid()}"
+    (inside / "runs").mkdir(parents=True)
+    try:
+        out = subprocess.run(["make", "-s", "clean"], cwd=REPO, env={**env, "LLM_PIPELINE_VAR_DIR": str(inside)},
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0 and not inside.exists(), out.stderr
+    finally:
+        shutil.rmtree(inside, ignore_errors=True)
