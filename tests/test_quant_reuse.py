@@ -144,3 +144,19 @@ def test_an_altered_val_shard_is_refused_by_quantize_with_verify_sha256(cfg, tin
     )
     with pytest.raises(ConfigError, match=r"shards \(val split, for the evaluation\): .*sha256"):
         run_stage("evaluate", cfg, tmp_path / "run", args=argparse.Namespace(shard_dir=str(altered)))
+
+
+def test_missing_inputs_name_their_cause(tmp_path):
+    """After `train --no-export`, quantize names the flag (not "run the train stage first"); evaluate's --quant-dir
+    that holds no quantized model is named as given (not "run the quantize stage first")."""
+    from tasks.errors import StageError
+    from tasks.runner import StageContext
+    from tasks.stages import evaluate
+
+    ok = {"status": "ok", "checkpoint": str(tmp_path / "checkpoints" / "step-6"), "hf_dir": None}
+    ctx = StageContext(run_dir=tmp_path, stage="quantize", args=argparse.Namespace(), inputs={"train": ok})
+    with pytest.raises(StageError, match=r"^quantize: the train stage here finished without an HF export \(--no-e"):
+        inputs.model_dir(ctx)
+    ctx = StageContext(run_dir=tmp_path, stage="evaluate", args=argparse.Namespace(quant_dir=str(tmp_path / "nope")))
+    with pytest.raises(StageError, match=r"^evaluate: --quant-dir .*/nope holds no quantized model \(no quant_meta"):
+        evaluate._quant_dir(ctx)

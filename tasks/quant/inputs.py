@@ -19,6 +19,11 @@ def model_dir(ctx, fallback: str | None = None) -> Path:
             "train (a finished run is reused, nothing retrained) or pass --model-dir"
             + (f" (the earlier finished run's export, kept in train.json's `previous`: {earlier})" if earlier else "")
         )
+    if not path and train.get("status") in ("ok", "warn") and train.get("checkpoint"):  # train --no-export
+        raise StageError(
+            f"{ctx.stage}: the train stage here finished without an HF export (--no-export); rerun train without "
+            "--no-export (the finished run is reused, only exported) or pass --model-dir"
+        )
     if not path:
         raise StageError(f"{ctx.stage}: no trained model: run the train stage first or pass --model-dir")
     path = Path(path)

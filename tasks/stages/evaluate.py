@@ -44,7 +44,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _quant_dir(ctx) -> Path:
-    path = getattr(ctx.args, "quant_dir", None) or ctx.inputs.get("quantize", {}).get("quant_dir")
+    given = getattr(ctx.args, "quant_dir", None)
+    if given and not (Path(given) / META).is_file():
+        raise StageError(f"evaluate: --quant-dir {given} holds no quantized model (no {META}); pass the quantize "
+                         "stage's output directory (quantize.json's quant_dir)")  # fmt: skip
+    path = given or ctx.inputs.get("quantize", {}).get("quant_dir")
     if not path or not (Path(path) / META).is_file():
         raise StageError("evaluate: no quantized model: run the quantize stage first or pass --quant-dir")
     return Path(path)
