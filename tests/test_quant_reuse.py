@@ -160,3 +160,14 @@ def test_missing_inputs_name_their_cause(tmp_path):
     ctx = StageContext(run_dir=tmp_path, stage="evaluate", args=argparse.Namespace(quant_dir=str(tmp_path / "nope")))
     with pytest.raises(StageError, match=r"^evaluate: --quant-dir .*/nope holds no quantized model \(no quant_meta"):
         evaluate._quant_dir(ctx)
+
+
+def test_a_skip_layers_entry_matching_no_layer_is_refused(cfg, tiny, tmp_path):
+    """`lm_hed` would quantize the output projection the user meant to keep, without a word: one line naming the
+    entry and the nearest names. The defaults stay accepted where they match nothing (a tied model's lm_head)."""
+    from tasks.errors import StageError
+
+    cfg.quantize.skip_layers = ["lm_hed", "embed"]
+    args = argparse.Namespace(model_dir=str(tiny["model_dir"]), shard_dir=str(tiny["shard_dir"]))
+    with pytest.raises(StageError, match=r"quantize.skip_layers: 'lm_hed' matches no layer .*did you mean 'lm_head'"):
+        run_stage("quantize", cfg, tmp_path / "run", args=args)

@@ -86,6 +86,27 @@ def choose_backend(requested: str, amct_error: str | None, device_kind: str, flo
     return requested
 
 
+# The defaults: a tied model has no lm_head layer of its own (the embedding computes it), so "lm_head" may match none.
+DEFAULT_SKIPS = ("lm_head", "embed")
+
+
+def unmatched_skips(layers: list[Layer], skip_layers) -> None:
+    """A quantize.skip_layers entry that matches no layer (a typo: `lm_hed`) would quantize what the user meant to
+    keep without a word: one line naming it and the nearest layer names."""
+    import difflib
+
+    names = sorted({n for layer in layers for n in (layer.name, hf_name(layer.name))})
+    for p in skip_layers:
+        if p and p not in DEFAULT_SKIPS and not any(p in n for n in names):
+            parts = sorted({part for n in names for part in n.split(".") if not part.isdigit()})
+            near = difflib.get_close_matches(p, names + parts, n=3, cutoff=0.5)
+            raise StageError(
+                f"quantize.skip_layers: {p!r} matches no layer (entries match as substrings of the layer names"
+                + (f"; did you mean {', '.join(map(repr, near))}?" if near else f", e.g. {names[0]!r}")
+                + ")"
+            )
+
+
 def select_layers(layers: list[Layer], backend: str, flow: str, method: str, skip_layers) -> list[str]:
     """Names of the layers to quantize; every other layer holding a weight matrix must be listed in skip_layers
     (else a one-line error: the method cannot quantize it and silently leaving it FP would misreport the size)."""

@@ -24,7 +24,7 @@ from tasks.fsutil import atomic_write_json, read_json, recover_dir, sha256_file,
 from tasks.quant import inputs
 from tasks.quant.amct_config import jsonable
 from tasks.quant.artifact import DTYPES, META, WEIGHTS, describe_layers, save_model, save_safetensors, verify_output
-from tasks.quant.plan import choose_backend, select_layers
+from tasks.quant.plan import choose_backend, select_layers, unmatched_skips
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -129,6 +129,7 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
     fp32_bytes = metrics.state_dict_bytes(model, torch.float32)
     bf16_bytes = metrics.state_dict_bytes(model, torch.bfloat16)
     layers = describe_layers(model)
+    unmatched_skips(layers, q.skip_layers)  # the whole model's layers: a typo is named, not quantized
     names = select_layers(layers, backend, q.amct_flow, q.method, q.skip_layers)
     skipped = [layer.name for layer in layers if layer.name not in names and len(layer.shape) >= 2]
     # Read for every method (SmoothQuant and AMCT calibrate on them): an empty val split fails here, not in evaluate.
