@@ -149,6 +149,15 @@ def test_stage_over_fixtures_warns_npus_unused(cfg, tmp_path, fake_npu_smi):
     assert "npu-smi lists 2 NPU chips but the backend is cpu" in checks["backend"]["detail"]
 
 
+def test_an_ascend_root_that_is_not_a_directory_is_refused(cfg, tmp_path):
+    """A mistyped --ascend-root would read as "no CANN installed" (a warning): refused in one line before any check."""
+    from tasks.errors import ConfigError
+
+    args = argparse.Namespace(no_probe=True, ascend_root=str(tmp_path / "Ascnd"))
+    with pytest.raises(ConfigError, match=r"^--ascend-root .*/Ascnd is not a directory; give the Ascend install root"):
+        run_stage("env", cfg, tmp_path / "run", args=args)
+
+
 def test_stage_failure_is_one_line_and_still_reported(cfg, tmp_path, fake_npu_smi):
     import mlflow
 

@@ -223,7 +223,13 @@ def _log(facts: dict, checks: list[dict], path) -> None:
 
 def run(cfg: PipelineConfig, ctx) -> dict:
     probe_sizes(cfg)  # a bad value fails now, not after the slow checks
-    root = getattr(ctx.args, "ascend_root", None) or versions.DEFAULT_ASCEND_ROOT
+    given = getattr(ctx.args, "ascend_root", None)
+    if given and not os.path.isdir(given):  # a mistyped root would read as "no CANN here": said, not a warning
+        raise ConfigError(
+            f"--ascend-root {given} is not a directory; give the Ascend install root (the one holding driver/ and "
+            f"the CANN toolkit, default {versions.DEFAULT_ASCEND_ROOT}) or leave the flag out"
+        )
+    root = given or versions.DEFAULT_ASCEND_ROOT
     facts: dict = {"versions": versions.collect(root, os.environ.get("ASCEND_HOME_PATH"))}
     checks = compat.version_checks(facts["versions"])
     imp = facts["import_torch"] = versions.import_torch_status()
