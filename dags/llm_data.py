@@ -14,12 +14,13 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
-from tasks.bounds import task_timeout_s
+from tasks.bounds import bound_from_run_config, task_timeout_s
 from tasks.config import load_config
 from tasks.pipeline import end_parent_run, param_schemas
 from tasks.shard_fanout import shard_fanout
 
 SHARD_SET = AssetAlias("llm-shard-set")
+SHARD_TIMEOUT_S = task_timeout_s("shard", load_config())  # the default preset's; again from the run's at task start
 DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_size", "seq_len", "partitions")
 
 
@@ -40,6 +41,8 @@ def llm_data():
         task_id="shard",
         outlets=[SHARD_SET],
         trigger_rule="none_failed",
+        execution_timeout=pendulum.duration(seconds=SHARD_TIMEOUT_S),
+        pre_execute=bound_from_run_config,
         doc_md="Check every partition's and write range's output, write the manifest, publish the shard set; emit "
         "the asset event when it is new. A missing or bad output is named and nothing is published.",
     )
@@ -64,7 +67,7 @@ def llm_data():
             )
         return result
 
-    shard_fanout(shard(), task_timeout_s("shard", load_config()))
+    shard_fanout(shard(), SHARD_TIMEOUT_S)
 
 
 llm_data()

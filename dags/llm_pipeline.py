@@ -32,6 +32,7 @@ from airflow.sdk import (
     task,
 )
 
+from tasks.bounds import bound_from_run_config
 from tasks.pipeline import (  # light: no torch, no mlflow
     RetryableStageFailure,
     StageFailure,
@@ -134,23 +135,6 @@ def run_stage_task(stage: str, args: dict | None = None) -> dict:
             cause = f"{stage}: {type(e).__name__}: {first} (traceback below and in <run-dir>/{stage}.json)"
             failure(cause)
             raise AirflowFailException(cause) from e
-
-
-def bound_from_run_config(context) -> None:
-    """pre_execute: the task's execution_timeout from this run's own config (Params; train: steps × the planner's
-    step estimate × margin), replacing the parse-time bound of the default preset (tasks/bounds.py)."""
-    from tasks.bounds import task_timeout_s
-    from tasks.errors import StageError
-    from tasks.pipeline import config_for_run
-    from tasks.runner import default_run_dir
-
-    task = context["task"]
-    run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
-    try:
-        cfg = config_for_run(dict(context["params"]), run_dir)
-    except StageError:
-        return  # the stage itself refuses the config, in one line; the parse-time bound stays
-    task.execution_timeout = pendulum.duration(seconds=task_timeout_s(task.task_id, cfg, run_dir))
 
 
 def notify_failure(context) -> None:

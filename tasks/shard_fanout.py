@@ -35,11 +35,22 @@ def _call(step: str, arg=None, skip=None):
 def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
     """Add the fan-out before `reduce` (the DAG's `shard` task, already made, trigger_rule none_failed: it runs when
     the mapped tasks were skipped, a cache hit); return (first task, `reduce`). `skip(ctx)`: true when this run
-    does not shard (llm_pipeline triggered by a published set: it adopts it). `task_kwargs` go to every task."""
+    does not shard (llm_pipeline triggered by a published set: it adopts it). `task_kwargs` go to every task.
+
+    Every task's execution_timeout is `timeout_s` (the default preset's shard bound, at parse time), set again at
+    task start from the run's own config (tasks.bounds.bound_from_run_config), as the stage tasks' are."""
+    import functools
+
     import pendulum
     from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule, task
 
-    common = dict(execution_timeout=pendulum.duration(seconds=timeout_s), **task_kwargs)
+    from tasks.bounds import bound_from_run_config
+
+    common = dict(
+        execution_timeout=pendulum.duration(seconds=timeout_s),
+        pre_execute=functools.partial(bound_from_run_config, stage="shard"),
+        **task_kwargs,
+    )
     # A killed worker is retried; a known cause (bad input: tasks.pipeline.StageFailure) fails at once.
     known_cause_fails = ExceptionRetryPolicy(
         rules=[RetryRule(exception="tasks.pipeline.StageFailure", action=RetryAction.FAIL, reason="a known cause")]

@@ -120,15 +120,25 @@ def test_train_bound_from_steps_planner_estimate_and_margin(cfg, tmp_path):
         stage_timeout("not_a_stage", cfg)
 
 
+def _as_run(task):
+    """The operator Airflow's task runner executes: a mapped task's unmapped one (its partial kwargs applied)."""
+    if not hasattr(task, "partial_kwargs"):
+        return task
+    return task.unmap({"op_kwargs": dict.fromkeys(task._get_specified_expand_input().value)})  # its map argument
+
+
 def test_every_task_has_an_execution_timeout_set_again_from_the_runs_config(tmp_path, monkeypatch):
+    import datetime
+
     from airflow.dag_processing.dagbag import DagBag
 
-    from tasks.bounds import task_timeout_s
+    from tasks.bounds import GRACE_S, task_timeout_s
     from tasks.config import load_config
     from tasks.runner import default_run_dir
     from tasks.stages import STAGES
 
-    dag = DagBag(dag_folder=str(REPO / "dags")).dags["llm_pipeline"]
+    dags = DagBag(dag_folder=str(REPO / "dags")).dags
+    dag = dags["llm_pipeline"]
     for stage in STAGES:
         assert dag.get_task(stage).execution_timeout.total_seconds() == task_timeout_s(stage, load_config())
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path))
@@ -144,6 +154,20 @@ def test_every_task_has_an_execution_timeout_set_again_from_the_runs_config(tmp_
     tiny = load_config("ci-tiny")
     expect = 50 * 2.0 * tiny.timeouts.train_margin + tiny.timeouts.train_overhead_s
     assert task.execution_timeout.total_seconds() == int(expect) + 120
+    # The shard bound holds the tasks that tokenize and write too (the fan-out, mapped or not, in both DAGs) and
+    # llm_data's own shard task (check and publish): a run whose preset sets timeouts.shard_s gets that bound.
+    default = datetime.timedelta(seconds=task_timeout_s("shard", load_config()))
+    preset = preset_file(tmp_path / "slow-shard.yaml", {"timeouts": {"shard_s": 4321}})
+    for dag_id in ("llm_pipeline", "llm_data"):
+        dag = dags[dag_id]
+        params = {name: dag.params[name] for name in dag.params}
+        for task_id in ("shard_prepare", "shard_partition", "shard_layout", "shard_write", "shard"):
+            task = _as_run(dag.get_task(task_id))
+            assert task.execution_timeout == default, (dag_id, task_id, task.execution_timeout)
+            assert task._pre_execute_hook is not None, (dag_id, task_id, "no pre_execute: the parse-time bound stays")
+            ctx = {"task": task, "dag": dag, "run_id": "manual__2", "params": {**params, "preset": str(preset)}}
+            task._pre_execute_hook(ctx)
+            assert task.execution_timeout.total_seconds() == 4321 + GRACE_S, (dag_id, task_id)
 
 
 def test_torchrun_past_its_bound_is_killed_with_every_rank_and_the_cause(tmp_path):
