@@ -14,9 +14,9 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
-from tasks.bounds import bound_from_run_config, task_timeout_s
+from tasks.bounds import task_timeout_s
 from tasks.config import load_config
-from tasks.pipeline import end_parent_run, param_schemas
+from tasks.pipeline import bound_from_run_config, end_parent_run, param_schemas
 from tasks.shard_fanout import shard_fanout
 
 SHARD_SET = AssetAlias("llm-shard-set")

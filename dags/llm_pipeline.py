@@ -32,10 +32,10 @@ from airflow.sdk import (
     task,
 )
 
-from tasks.bounds import bound_from_run_config
 from tasks.pipeline import (  # light: no torch, no mlflow
     RetryableStageFailure,
     StageFailure,
+    bound_from_run_config,
     end_parent_run,
     param_schemas,
     time_schedule,

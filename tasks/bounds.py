@@ -1,9 +1,10 @@
 """Bounded waits: how long each stage may take, and a subprocess wait that ends with its cause.
 
 `stage_timeout_s()` is the one source of every bound: the DAG's per-task `execution_timeout` (set again at task start
-from the run's own config by `bound_from_run_config`: every stage task and the shard fan-out's), the torchrun wait
-inside train and profile, and the Kubernetes Job wait (tasks/launch/k8s_job.py). Train's bound is steps × the
-planner's step estimate × `timeouts.train_margin` + `timeouts.train_overhead_s` unless `timeouts.train_s` pins it.
+from the run's own config by tasks.pipeline.bound_from_run_config: every stage task and the shard fan-out's), the
+torchrun wait inside train and profile, and the Kubernetes Job wait (tasks/launch/k8s_job.py). Train's bound is
+steps × the planner's step estimate × `timeouts.train_margin` + `timeouts.train_overhead_s` unless `timeouts.train_s`
+pins it.
 `run_bounded()` kills the whole process tree on expiry and raises a StageError naming the bound, what it was derived
 from, and the config key that raises it.
 """
@@ -78,25 +79,6 @@ def task_timeout_s(stage: str, cfg: PipelineConfig, run_dir: str | Path | None =
     if cfg.hardware.launcher == "kubernetes":
         seconds += cfg.timeouts.k8s_pending_s
     return seconds
-
-
-def bound_from_run_config(context, stage: str | None = None) -> None:
-    """pre_execute: the task's execution_timeout from this run's own config (Params; train: steps × the planner's
-    step estimate × margin), replacing the parse-time bound of the default preset. `stage`: whose bound (default the
-    task id; the shard fan-out's tasks: "shard"). Used by dags/llm_pipeline.py, dags/llm_data.py and
-    tasks/shard_fanout.py; Airflow's task runner calls it before it reads execution_timeout."""
-    import pendulum
-
-    from tasks.pipeline import config_for_run
-    from tasks.runner import default_run_dir
-
-    task = context["task"]
-    run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
-    try:
-        cfg = config_for_run(dict(context["params"]), run_dir)
-    except StageError:
-        return  # the stage itself refuses the config, in one line; the parse-time bound stays
-    task.execution_timeout = pendulum.duration(seconds=task_timeout_s(stage or task.task_id, cfg, run_dir))
 
 
 def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: float, what: str, how: str = "") -> int:

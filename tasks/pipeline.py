@@ -700,3 +700,23 @@ def shard_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
     except OSError as e:
         print(f"warning: could not write the failure record ({os_error_cause(e)})", file=sys.stderr)
     raise StageError(cause)
+
+
+def bound_from_run_config(context, stage: str | None = None) -> None:
+    """pre_execute: the task's execution_timeout from this run's own config (Params; train: steps × the planner's
+    step estimate × margin), replacing the parse-time bound of the default preset. `stage`: whose bound (default the
+    task id; the shard fan-out's tasks: "shard"). Used by dags/llm_pipeline.py, dags/llm_data.py and
+    tasks/shard_fanout.py; Airflow's task runner calls it before it reads execution_timeout."""
+    import pendulum
+
+    from tasks.bounds import task_timeout_s
+    from tasks.errors import StageError
+    from tasks.runner import default_run_dir
+
+    task = context["task"]
+    run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
+    try:
+        cfg = config_for_run(dict(context["params"]), run_dir)
+    except StageError:
+        return  # the stage itself refuses the config, in one line; the parse-time bound stays
+    task.execution_timeout = pendulum.duration(seconds=task_timeout_s(stage or task.task_id, cfg, run_dir))

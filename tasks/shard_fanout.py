@@ -38,13 +38,13 @@ def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
     does not shard (llm_pipeline triggered by a published set: it adopts it). `task_kwargs` go to every task.
 
     Every task's execution_timeout is `timeout_s` (the default preset's shard bound, at parse time), set again at
-    task start from the run's own config (tasks.bounds.bound_from_run_config), as the stage tasks' are."""
+    task start from the run's own config (tasks.pipeline.bound_from_run_config), as the stage tasks' are."""
     import functools
 
     import pendulum
     from airflow.sdk import ExceptionRetryPolicy, RetryAction, RetryRule, task
 
-    from tasks.bounds import bound_from_run_config
+    from tasks.pipeline import bound_from_run_config
 
     common = dict(
         execution_timeout=pendulum.duration(seconds=timeout_s),
