@@ -1,4 +1,6 @@
-"""`python -m data_prep shard --input PATH… --out DIR [--config YAML] [--set key=value …]`
+"""`python -m data_prep shard --input PATH… [--out DIR] [--config YAML] [--set key=value …]`
+   (inputs: --input, or inputs in --config/--set; DIR: default $LLM_PIPELINE_VAR_DIR/data, else <repo>/var/data;
+   --input/--out replace the --config file's inputs/out_dir, and refuse --set inputs=/out_dir= beside them)
    `python -m data_prep verify DIR [--split train]`   (tokenizer files, sizes + sha256 of every shard, against the
                                                        manifest)
 
@@ -13,7 +15,7 @@ import json
 import logging
 import sys
 
-from data_prep.config import ShardConfig
+from data_prep.config import ShardConfig, default_out_dir
 from data_prep.errors import DataPrepError
 
 
@@ -33,8 +35,18 @@ def main(argv=None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     shard = sub.add_parser("shard", help="build (or find cached) a shard set")
-    shard.add_argument("--input", nargs="+", default=None, help="files, directories, globs or 'stdlib'")
-    shard.add_argument("--out", default=None, help="output root; the shard set is <out>/<version>/")
+    shard.add_argument(
+        "--input",
+        nargs="+",
+        default=None,
+        help="files, directories, globs or 'stdlib' (required, unless --config or --set gives inputs)",
+    )
+    shard.add_argument(
+        "--out",
+        default=None,
+        help="output root; the shard set is <out>/<version>/ (default: out_dir of --config/--set, else "
+        "$LLM_PIPELINE_VAR_DIR/data, else <repo>/var/data)",
+    )
     shard.add_argument("--config", default=None, help="YAML: a pipeline preset (its data: section) or flat keys")
     shard.add_argument(
         "--set",
@@ -64,11 +76,23 @@ def main(argv=None) -> int:
         from data_prep.build import build_shard_set
 
         overrides = _overrides(args.sets)
-        if args.input:
+        for flag, key, given in (("--input", "inputs", args.input), ("--out", "out_dir", args.out)):
+            if given is not None and key in overrides:  # one would silently replace the other
+                raise DataPrepError(f"{flag} and --set {key}=… both give {key}; keep one")
+        if args.out is not None and not args.out.strip():
+            raise DataPrepError("--out is empty; give the output directory (or leave --out out for the default)")
+        if args.input is not None:
             overrides["inputs"] = args.input
-        if args.out:
+        if args.out is not None:
             overrides["out_dir"] = args.out
-        cfg = ShardConfig.from_yaml(args.config, **overrides) if args.config else ShardConfig.from_dict(overrides)
+        values = {**ShardConfig.yaml_values(args.config), **overrides} if args.config else overrides
+        if "inputs" not in values:  # never the model's default (the whole standard library) unasked
+            raise DataPrepError(
+                "no inputs: give --input PATH… (files, directories, globs; 'stdlib' for the Python standard "
+                "library), or inputs in --config/--set"
+            )
+        values.setdefault("out_dir", str(default_out_dir()))  # not ./var of the working directory
+        cfg = ShardConfig.from_dict(values)
         result = build_shard_set(cfg)
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import os
 import re
 import typing
 from pathlib import Path
@@ -211,6 +212,20 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
     return list(dict.fromkeys(lines))  # items of one list share their line
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# A pipeline config's sections (tasks.config.SECTIONS; data_prep never imports tasks, a test keeps the two equal).
+# `python -m data_prep shard --config` reads `data:` and leaves the others to the pipeline.
+PIPELINE_SECTIONS = "hardware data model parallel train smoke plan profile quantize evaluate tracking timeouts".split()
+
+
+def default_out_dir() -> Path:
+    """Where `python -m data_prep shard` writes without --out/out_dir: the pipeline's `var/data` (tasks.config's
+    repo_path(data.out_dir)), i.e. $LLM_PIPELINE_VAR_DIR/data, else <repo>/var/data; never ./var under the working
+    directory."""
+    return Path(os.environ.get("LLM_PIPELINE_VAR_DIR") or REPO_ROOT / "var") / "data"
+
+
 # Fields that do not change the bytes written, so they stay out of the cache key: where things are, how fast they
 # are built, and the loader's own settings.
 # `partitions` too: the shard set is the same bytes however many partitions (and workers) built it.
@@ -269,15 +284,42 @@ class DataConfig(Section):
         return hashlib.sha256(json.dumps(self.key_fields(), sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> "DataConfig":
-        """Read a YAML file: either a pipeline preset (its `data:` section is used) or flat data keys."""
+    def yaml_values(cls, path: str | Path) -> dict:
+        """A YAML file's data keys: a pipeline config's `data:` section (the file has one of PIPELINE_SECTIONS; the
+        other sections are the pipeline's, not read here) or, with none, flat data keys. In a pipeline config a key
+        that is no section (a data key beside `data:`, a misspelt section) is refused: it would be ignored."""
         try:
             data = yaml_mapping(path)
         except OSError as e:
             raise DataPrepError(f"config {path}: cannot read ({e.strerror})") from None
         except ValueError as e:
             raise DataPrepError(f"config {e}") from None
-        return cls.from_dict({**data.get("data", data), **overrides})
+        sections = [k for k in data if k in PIPELINE_SECTIONS]
+        if not sections:
+            return data  # flat keys: the model refuses unknown ones
+        lines = []
+        for key in (k for k in data if k not in PIPELINE_SECTIONS):
+            if key in cls.model_fields:
+                beside = "the data: section" if "data" in data else f"the sections {', '.join(sections)}"
+                lines.append(f"{key}: a data key beside {beside}; move it under data:")
+            else:
+                close = difflib.get_close_matches(str(key), PIPELINE_SECTIONS, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                lines.append(
+                    f"{key}: unknown section{hint} (a pipeline config's sections: {', '.join(PIPELINE_SECTIONS)}; "
+                    "data_prep reads data:)"
+                )
+        if lines:
+            raise DataPrepError(f"config {path}: {'; '.join(lines)}")
+        section = data.get("data", {})
+        if not isinstance(section, dict):
+            raise DataPrepError(f"config {path}: data: expected a mapping of keys, got {section!r}")
+        return section
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides) -> "DataConfig":
+        """Read a YAML file (see yaml_values: a pipeline config's `data:` section or flat data keys)."""
+        return cls.from_dict({**cls.yaml_values(path), **overrides})
 
     @classmethod
     def from_dict(cls, values: dict) -> "DataConfig":

@@ -125,7 +125,19 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
         path = Path(spec).expanduser()
         if any(c in spec for c in "*?["):
             matches = _glob(spec)
-            files += [m for m in matches if m.is_file()]
+            found = [m for m in matches if m.is_file()]
+            lookalikes = [m for m in found if _kind_suffix(m) in _RECORD_LOOKALIKES]
+            if lookalikes:  # as a file named directly: one line for the glob, not one per file
+                log.warning(
+                    "input %s matched %d %s file(s) (first %s): each is read as one text document (only .jsonl "
+                    "lines and .parquet rows are records); rename JSON Lines to .jsonl, convert other tables to "
+                    ".jsonl or .parquet",
+                    spec,
+                    len(lookalikes),
+                    "/".join(sorted({_kind_suffix(m) for m in lookalikes})),
+                    lookalikes[0],
+                )
+            files += found
             for d in (m for m in matches if m.is_dir()):
                 files += _walk(d)
         elif path.is_dir():

@@ -1,0 +1,167 @@
+"""`python -m data_prep shard`: every setting it is given is used or refused in one line, never silently dropped
+(found by an audit): --input/--out beside --set inputs=/out_dir=, no inputs at all (it sharded the whole standard
+library), keys beside a preset's data: section, the default output directory, a glob of JSON Lines named .json."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from data_prep import __main__ as cli
+from data_prep.config import PIPELINE_SECTIONS, ShardConfig, default_out_dir
+from data_prep.corpus import resolve_inputs
+from data_prep.errors import DataPrepError
+from data_prep.manifest import load_manifest
+from tests.helpers.shards import CORPUS
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = ["--set", "vocab_size=300", "seq_len=16", "shard_size_mb=0.02", "progress=false"]
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """build_shard_set replaced: the config it would build is recorded, then the CLI stops (exit 2, 'error: stub')."""
+    seen: list[ShardConfig] = []
+
+    def stub(cfg):
+        seen.append(cfg)
+        raise DataPrepError("stub")
+
+    monkeypatch.setattr("data_prep.build.build_shard_set", stub)
+    return seen
+
+
+def errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+
+
+# --- 1. a flag and --set naming the same setting ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "setting"),
+    [("--input", str(CORPUS), "inputs=[stdlib]"), ("--out", "o2", "out_dir=/x/o3")],
+)
+def test_a_flag_and_set_of_the_same_setting_is_refused(tmp_path, capsys, built, flag, value, setting):
+    argv = ["shard", "--input", str(CORPUS), "--out", str(tmp_path / "o"), "--set", setting]
+    argv[argv.index(flag) + 1] = value
+    assert cli.main(argv) == 2
+    key = setting.partition("=")[0]
+    assert errors(capsys) == [f"error: {flag} and --set {key}=… both give {key}; keep one"]
+    assert built == []
+
+
+def test_an_empty_out_is_refused(tmp_path, capsys, built):
+    assert cli.main(["shard", "--input", str(CORPUS), "--out", ""]) == 2
+    assert errors(capsys) == ["error: --out is empty; give the output directory (or leave --out out for the default)"]
+
+
+# --- 2. inputs are required -----------------------------------------------------------------------------------------
+
+
+def test_no_inputs_is_refused_not_the_standard_library(tmp_path, capsys, built):
+    flat = tmp_path / "flat.yaml"
+    flat.write_text("seq_len: 16\n")
+    for argv in (["--out", str(tmp_path / "o")], ["--config", str(flat)], ["--set", "seq_len=16"]):
+        assert cli.main(["shard", *argv]) == 2
+        (line,) = errors(capsys)
+        assert line.startswith("error: no inputs: give --input PATH…") and "inputs in --config/--set" in line
+    assert built == []
+
+
+def test_inputs_from_the_config_or_set_are_enough(tmp_path, capsys, built):
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(f"inputs: [{CORPUS}]\n")
+    for argv in (
+        ["--config", str(flat)],
+        ["--config", str(REPO / "configs" / "ci-tiny.yaml")],
+        ["--set", f"inputs={CORPUS}"],
+    ):
+        assert cli.main(["shard", *argv]) == 2 and errors(capsys) == ["error: stub"]
+    assert [cfg.inputs for cfg in built] == [[str(CORPUS)], ["stdlib"], [str(CORPUS)]]
+    # --input replaces the config file's inputs (the flag is the more specific; documented in --help)
+    assert cli.main(["shard", "--config", str(flat), "--input", "stdlib"]) == 2 and built[-1].inputs == ["stdlib"]
+
+
+# --- 3. a preset's keys beside its data: section ------------------------------------------------------------------
+
+
+def test_a_data_key_beside_the_data_section_is_refused(tmp_path, capsys, built):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"seq_len: 32\ndata:\n  inputs: [{CORPUS}]\n")
+    assert cli.main(["shard", "--config", str(cfg)]) == 2
+    assert errors(capsys) == [f"error: config {cfg}: seq_len: a data key beside the data: section; move it under data:"]
+    cfg.write_text(f"inputs: [{CORPUS}]\nmodel:\n  preset: debug\n")  # flat keys with a pipeline section
+    assert cli.main(["shard", "--config", str(cfg)]) == 2
+    assert errors(capsys) == [f"error: config {cfg}: inputs: a data key beside the sections model; move it under data:"]
+    assert built == []
+
+
+def test_an_unknown_section_is_refused_the_pipelines_are_read_past(tmp_path, capsys, built):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data:\n  inputs: [{CORPUS}]\n  seq_len: 32\ntrian:\n  steps: 5\n")
+    assert cli.main(["shard", "--config", str(cfg)]) == 2
+    (line,) = errors(capsys)
+    assert line.startswith(f"error: config {cfg}: trian: unknown section; did you mean train? (a pipeline config's")
+    assert built == []
+    cfg.write_text(f"data:\n  inputs: [{CORPUS}]\n  seq_len: 32\ntrain:\n  steps: 5\nmodel:\n  preset: debug\n")
+    assert cli.main(["shard", "--config", str(cfg)]) == 2 and errors(capsys) == ["error: stub"]
+    assert built[-1].seq_len == 32 and built[-1].inputs == [str(CORPUS)]
+
+
+def test_the_pipeline_sections_are_tasks_own():
+    """data_prep cannot import tasks: its copy of the section names must follow tasks.config."""
+    from tasks.config import SECTIONS
+
+    assert sorted(PIPELINE_SECTIONS) == sorted(SECTIONS)
+
+
+# --- 4. the default output directory --------------------------------------------------------------------------------
+
+
+def test_the_default_out_dir_is_the_pipelines_not_the_working_directorys(tmp_path, monkeypatch, capsys, built):
+    from tasks.config import repo_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "v"))
+    assert cli.main(["shard", "--input", str(CORPUS)]) == 2 and errors(capsys) == ["error: stub"]
+    assert built[-1].out_dir == str(tmp_path / "v" / "data") == str(repo_path(ShardConfig().out_dir))
+    monkeypatch.delenv("LLM_PIPELINE_VAR_DIR")
+    assert cli.main(["shard", "--input", str(CORPUS)]) == 2
+    assert built[-1].out_dir == str(REPO / "var" / "data") == str(repo_path(ShardConfig().out_dir))
+    for argv in (["--out", "o1"], ["--set", "out_dir=o2"]):  # a given one is kept, as given
+        assert cli.main(["shard", "--input", str(CORPUS), *argv]) == 2
+        assert built[-1].out_dir == argv[-1].removeprefix("out_dir=")
+
+
+def test_a_build_without_out_lands_under_the_var_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "v"))
+    assert default_out_dir() == tmp_path / "v" / "data"
+    assert cli.main(["shard", "--input", str(CORPUS / "alpha.txt"), *SMALL, "val_fraction=0"]) == 0
+    out = capsys.readouterr().out.split()
+    assert Path(out[1]).parent == tmp_path / "v" / "data" and load_manifest(out[1])["source"]["files"] == 1
+    assert not (tmp_path / "var").exists()
+
+
+# --- 5. a glob of .json files -------------------------------------------------------------------------------------
+
+
+def test_a_glob_of_json_files_warns_once_with_the_count(tmp_path, caplog):
+    for name in ("a.json", "b.json", "c.txt"):
+        (tmp_path / name).write_text('{"text": "some words of a record"}\n' * 3)
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        files = resolve_inputs([str(tmp_path / "*")])
+    assert len(files) == 3
+    lines = [r.getMessage() for r in caplog.records if "read as one text document" in r.getMessage()]
+    assert lines == [
+        f"input {tmp_path / '*'} matched 2 .json file(s) (first {tmp_path / 'a.json'}): each is read as one text "
+        "document (only .jsonl lines and .parquet rows are records); rename JSON Lines to .jsonl, convert other "
+        "tables to .jsonl or .parquet"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        resolve_inputs([str(tmp_path / "*.txt")])
+    assert not [r for r in caplog.records if "read as one text document" in r.getMessage()]
