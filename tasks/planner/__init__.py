@@ -24,6 +24,6 @@ def estimate_for_run(
     """Estimated peak bytes one device allocates for a run: a mixture-of-experts model (tp = pp = 1) sized by
     moe.py (its experts, routed activations, all-to-all buffers), any other by memory.dense_estimate_for_run."""
     if tcfg.n_experts and tp == pp == 1:
-        keep = ("zero", "recompute", "precision", "microbatches")
+        keep = ("zero", "recompute", "recompute_every", "precision", "microbatches")
         return moe.estimate_for_run(tcfg, seq_len, micro_batch, dp=dp, **{k: v for k, v in kw.items() if k in keep})
     return dense_estimate_for_run(tcfg, seq_len, micro_batch, dp=dp, tp=tp, pp=pp, **kw)

@@ -24,7 +24,7 @@ With ffn = 4h and a GeLU MLP the formulas are exactly Table 2.
 
 from __future__ import annotations
 
-from tasks.layout import Layout
+from tasks.layout import Layout, stages_per_rank
 from tasks.shape import TransformerConfig
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -196,6 +196,29 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int, virtual: in
     return chunks / virtual
 
 
+def rank_layers(n_layers: int, lay: Layout, stage: int) -> list[int]:
+    """The global indices of the layers pipeline rank `stage` holds: tasks/parallel/pp.py's split (contiguous
+    ranges, earlier stages take the remainder; with interleaved 1F1B the rank owns stages stage, stage + pp, …)."""
+    if lay.pp <= 1:
+        return list(range(n_layers))
+    per_rank = stages_per_rank(lay.pp_schedule, lay.virtual_stages)
+    base, extra = divmod(n_layers, lay.pp * per_rank)  # pp.layer_ranges (tasks.parallel imports torch lazily only)
+    start = [s * base + min(s, extra) for s in range(lay.pp * per_rank + 1)]
+    return [i for k in range(per_rank) for i in range(start[stage + k * lay.pp], start[stage + k * lay.pp + 1])]
+
+
+def recomputed_share(n_layers: int, lay: Layout, stage: int | None = None) -> float:
+    """Share of the layers (all of them, or those of pipeline rank `stage`) that activation checkpointing wraps:
+    tasks/parallel/ac.apply_ac wraps the blocks whose layer index is a multiple of parallel.recompute_every, the
+    index being the global one on every pipeline stage (tasks/parallel/pp.py keeps the names); the others keep
+    all their activations. 0 without recompute."""
+    if lay.recompute == "none":
+        return 0.0
+    layers = range(n_layers) if stage is None else rank_layers(n_layers, lay, stage)
+    every = max(1, lay.recompute_every)
+    return sum(1 for i in layers if i % every == 0) / max(1, len(layers))
+
+
 def stage_breakdown(
     shape: TransformerConfig, seq_len: int, lay: Layout, stage: int, precision: str = "bf16", optimizer: str = "adamw"
 ) -> dict[str, float]:
@@ -216,40 +239,30 @@ def stage_breakdown(
 
     s, b = seq_len, lay.micro_batch
     flight = in_flight(lay.pp_schedule, p, lay.n_microbatches, stage, lay.virtual_stages)
-    per_layer = layer_activation_bytes(
-        s,
-        b,
-        h,
-        shape.n_heads,
-        t,
-        lay.sequence_parallel,
-        lay.recompute,
-        shape.ffn_dim,
-        True,
-        A,
-        lay.flash_attention,
-        shape.n_kv_heads,
-    )
-    act = per_layer * layers * flight
-    if lay.recompute == "full":  # backward of one layer re-creates all of that layer's activations; its kept input
-        # is one of them (the attention norm's input), so it is not counted twice
-        act += (
-            layer_activation_bytes(
-                s,
-                b,
-                h,
-                shape.n_heads,
-                t,
-                lay.sequence_parallel,
-                "none",
-                shape.ffn_dim,
-                True,
-                A,
-                lay.flash_attention,
-                shape.n_kv_heads,
-            )
-            - per_layer
+
+    def per_layer(recompute: str) -> float:
+        return layer_activation_bytes(
+            s,
+            b,
+            h,
+            shape.n_heads,
+            t,
+            lay.sequence_parallel,
+            recompute,
+            shape.ffn_dim,
+            True,
+            A,
+            lay.flash_attention,
+            shape.n_kv_heads,
         )
+
+    # parallel.recompute_every: only the wrapped layers keep the recompute mode's activations, the rest all of theirs
+    share = recomputed_share(shape.n_layers, lay, stage)
+    kept, whole = per_layer(lay.recompute), per_layer("none")
+    act = (share * kept + (1 - share) * whole) * layers * flight
+    if lay.recompute == "full" and share > 0:  # backward of one layer re-creates all of that layer's activations;
+        # its kept input is one of them (the attention norm's input), so it is not counted twice
+        act += whole - kept
     sp = lay.sequence_parallel and t > 1
     if first:  # Korthikanti §4.3: int64 input ids (8sb) and the embedding dropout mask (sbh, split under SP)
         act += (8 * s * b + s * b * h / (t if sp else 1)) * flight
@@ -328,6 +341,7 @@ def dense_estimate_for_run(
     virtual: int = 1,
     sequence_parallel: bool = True,
     flash_attention: bool = True,
+    recompute_every: int = 1,
 ) -> int:
     """Estimated peak bytes the framework allocates on one device for a run (no runtime reserve): what the smoke
     and training stages divide by the measured peak to log `memory.estimate_over_measured` (a dense model;
@@ -338,6 +352,7 @@ def dense_estimate_for_run(
         pp=pp,
         zero=zero,
         recompute=recompute,
+        recompute_every=recompute_every,
         pp_schedule=schedule,
         micro_batch=micro_batch,
         microbatches=microbatches,

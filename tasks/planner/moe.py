@@ -39,7 +39,7 @@ from tasks.planner.memory import (
     num_params,
     token_flops,
 )
-from tasks.planner.search import GRAD_REDUCE_BYTES, _ring, _row, achieved_flops, feasible
+from tasks.planner.search import GRAD_REDUCE_BYTES, _ring, _row, achieved_flops, feasible, fixed_micro_batch
 from tasks.shape import TransformerConfig
 from tasks.units import GB
 
@@ -56,6 +56,8 @@ class MoeProblem:
     zero_stages: list = field(default_factory=lambda: [1, 2, 3])
     recompute: list = field(default_factory=lambda: ["none", "full"])
     micro_batches: list = field(default_factory=list)
+    microbatches: int = 0  # > 0 (parallel.microbatches set): only micro-batch = per-rank batch / this is tried
+    recompute_every: int = 1  # parallel.recompute_every: recompute only layers whose index is a multiple of it
     flash_attention: bool = True
     efficiency: float = 0.4
     pins: dict = field(default_factory=dict)  # {"dp"|"ep": n}
@@ -65,6 +67,26 @@ class MoeProblem:
     sequence_parallel: bool = True
     pp_schedule: str = "1f1b"
     virtual_stages: int = 2
+
+
+def _layer_bytes(pb: MoeProblem, lay: Layout, ffn: int, moe: bool = False) -> float:
+    """One layer's activation bytes under `lay.recompute`: attention and a dense MLP of width `ffn`, plus, for a
+    MoE layer (`moe`, `ffn` the shared expert's width), the router and routed experts' (none under full recompute)."""
+    sh, A = pb.shape, PRECISION_BYTES[pb.precision]
+    s, b, h = pb.seq_len, lay.micro_batch, sh.dim
+    dense = layer_activation_bytes(
+        s, b, h, sh.n_heads, 1, False, lay.recompute, ffn, True, A, pb.flash_attention, sh.n_kv_heads
+    )
+    if not moe or lay.recompute == "full":
+        return dense
+    assignments = s * b * sh.top_k * (pb.capacity_factor or 1.0)
+    return dense + assignments * A * (2 * h + 4 * sh.moe_ffn_dim) + s * b * 8 * sh.n_experts
+
+
+def _wrapped(sh: TransformerConfig, lay: Layout) -> list[bool]:
+    """Per layer, whether recompute wraps it: tasks/parallel/ac.py wraps the layers whose index is a multiple of
+    parallel.recompute_every (none without recompute)."""
+    return [lay.recompute != "none" and i % max(1, lay.recompute_every) == 0 for i in range(sh.n_layers)]
 
 
 def memory(pb: MoeProblem, lay: Layout) -> dict[str, float]:
@@ -77,20 +99,19 @@ def memory(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     s, b, h = pb.seq_len, lay.micro_batch, sh.dim
     cap = pb.capacity_factor or 1.0
     assignments = s * b * sh.top_k * cap
-    routed = (
-        0.0 if lay.recompute == "full" else assignments * A * (2 * h + 4 * sh.moe_ffn_dim) + s * b * 8 * sh.n_experts
+    # parallel.recompute_every: recompute wraps only the layers whose index is a multiple of it (tasks/parallel/
+    # ac.py); the others keep all their activations
+    wrapped = _wrapped(sh, lay)
+    moe_rc = sum(1 for i in range(sh.n_layers) if wrapped[i] and sh.is_moe_layer(i))
+    dense_rc = sum(wrapped) - moe_rc
+    whole = replace(lay, recompute="none")
+    act = (
+        moe_rc * _layer_bytes(pb, lay, sh.shared_ffn_dim, True)
+        + dense_rc * _layer_bytes(pb, lay, sh.ffn_dim)
+        + (moe_layers - moe_rc) * _layer_bytes(pb, whole, sh.shared_ffn_dim, True)
+        + (sh.n_layers - moe_layers - dense_rc) * _layer_bytes(pb, whole, sh.ffn_dim)
     )
-    moe_layer = (
-        layer_activation_bytes(
-            s, b, h, sh.n_heads, 1, False, lay.recompute, sh.shared_ffn_dim, True, A, pb.flash_attention, sh.n_kv_heads
-        )
-        + routed
-    )
-    dense_layer = layer_activation_bytes(
-        s, b, h, sh.n_heads, 1, False, lay.recompute, sh.ffn_dim, True, A, pb.flash_attention, sh.n_kv_heads
-    )
-    act = moe_layers * moe_layer + (sh.n_layers - moe_layers) * dense_layer
-    if lay.recompute == "full":  # one layer's activations re-created in backward
+    if lay.recompute == "full" and any(wrapped):  # one layer's activations re-created in backward
         act += layer_activation_bytes(
             s, b, h, sh.n_heads, 1, False, "none", sh.shared_ffn_dim, True, A, pb.flash_attention, sh.n_kv_heads
         ) + assignments * A * (2 * h + 4 * sh.moe_ffn_dim)
@@ -123,6 +144,7 @@ def estimate_for_run(
     recompute: str = "none",
     precision: str = "bf16",
     microbatches: int = 1,
+    recompute_every: int = 1,
 ) -> int:
     """Estimated peak bytes the framework allocates on one device for a MoE run with tp = pp = 1 (no runtime
     reserve): memory() above for that layout, what smoke and train compare with the measured peak."""
@@ -137,7 +159,15 @@ def estimate_for_run(
         precision=precision,
         capacity_factor=tcfg.capacity_factor,
     )
-    lay = Layout(dp=dp, ep=ep, zero=zero, recompute=recompute, micro_batch=micro_batch, microbatches=microbatches)
+    lay = Layout(
+        dp=dp,
+        ep=ep,
+        zero=zero,
+        recompute=recompute,
+        recompute_every=recompute_every,
+        micro_batch=micro_batch,
+        microbatches=microbatches,
+    )
     return int(memory(pb, lay)["total_bytes"])
 
 
@@ -158,18 +188,22 @@ def step_time(pb: MoeProblem, lay: Layout) -> dict[str, float]:
     tokens = pb.global_batch * s
     peak = achieved_flops(c, pb.precision, pb.efficiency)
     per_token = token_flops(num_params(sh, active=True), sh.n_layers, sh.dim, s)  # the one formula (planner.memory)
-    if lay.recompute == "full":
-        per_token *= 4 / 3  # one more forward: (2N + 4·L·h·s) on top of 6N + 12·L·h·s
+    wrapped = _wrapped(sh, lay)
+    if lay.recompute == "full":  # one more forward: (2N + 4·L·h·s) on top of 6N + 12·L·h·s, of the wrapped layers
+        per_token *= 1 + sum(wrapped) / sh.n_layers / 3
     compute = tokens * per_token / (c.world * peak)
     inside = lay.ep <= c.devices_per_node
-    calls, transfers = a2a_per_layer(lay.recompute)
+    moe_rc = sum(1 for i, rc in enumerate(wrapped) if rc and sh.is_moe_layer(i))
+    (calls, transfers), (rc_calls, rc_transfers) = a2a_per_layer("none"), a2a_per_layer(lay.recompute)
+    calls = (moe_layers - moe_rc) * calls + moe_rc * rc_calls  # of all MoE layers, per micro-batch
+    transfers = (moe_layers - moe_rc) * transfers + moe_rc * rc_transfers
     a2a_lat = a2a_bw_s = 0.0
     if lay.ep > 1:
         a2a_bw = c.intra_gbps if inside else c.inter_gbps
         alpha = (c.intra_latency_us if inside else c.inter_latency_us) * 1e-6
         per_mb = lay.micro_batch * s * sh.top_k * (pb.capacity_factor or 1.0) * sh.dim * A
-        a2a_lat = moe_layers * lay.n_microbatches * calls * alpha
-        a2a_bw_s = moe_layers * lay.n_microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
+        a2a_lat = lay.n_microbatches * calls * alpha
+        a2a_bw_s = lay.n_microbatches * transfers * per_mb * (lay.ep - 1) / lay.ep / (a2a_bw * GB)
     a2a = a2a_lat + a2a_bw_s
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     rep = lay.dp // lay.ep
@@ -188,7 +222,7 @@ def step_time(pb: MoeProblem, lay: Layout) -> dict[str, float]:
         "all_to_all_s": a2a,
         "all_to_all_latency_s": a2a_lat,
         "all_to_all_transfer_s": a2a_bw_s,
-        "all_to_all_calls": moe_layers * lay.n_microbatches * calls if lay.ep > 1 else 0,
+        "all_to_all_calls": lay.n_microbatches * calls if lay.ep > 1 else 0,
         "dp_comm_s": dp_s,
         "all_to_all_share": a2a / total if total else 0.0,
         "ep_intra_node": inside,
@@ -233,7 +267,13 @@ def candidates(pb: MoeProblem):
             yield {"dp": dp, "ep": ep}, why, None
             continue
         per_rank = pb.global_batch // dp
-        for mb in pb.micro_batches or [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0]:
+        micro_batches = pb.micro_batches
+        if pb.microbatches:  # parallel.microbatches set: only the micro-batch it splits the per-rank batch into
+            micro_batches, why = fixed_micro_batch(pb.micro_batches, pb.microbatches, per_rank)
+            if why:
+                yield {"dp": dp, "ep": ep, "microbatches": pb.microbatches}, why, None
+                continue
+        for mb in micro_batches or [m for m in (1, 2, 4, 8, 16) if per_rank % m == 0]:
             if per_rank % mb:
                 yield {"dp": dp, "ep": ep, "micro_batch": mb}, f"micro-batch {mb} does not divide {per_rank}", None
                 continue
@@ -251,6 +291,7 @@ def layout(pb: MoeProblem, dp: int, ep: int, zero: int, recompute: str, micro_ba
         ep=ep,
         zero=zero,
         recompute=recompute,
+        recompute_every=pb.recompute_every,
         micro_batch=micro_batch,
         microbatches=pb.global_batch // dp // micro_batch,
         global_batch=pb.global_batch,

@@ -7,7 +7,8 @@ Step time (communication is added to compute except where the trainer overlaps i
 - compute: FLOPs / (world × peak × efficiency), FLOPs = tokens × memory.flops_per_token (6 × matmul params +
   12·L·h·s attention),
   plus the recomputed forward (full: 2 × layer params + 4·L·h·s per token; selective: the attention core 4·L·h·s,
-  or nothing with fused attention, where selective recomputes element-wise ops only);
+  or nothing with fused attention, where selective recomputes element-wise ops only) of the layers recompute wraps
+  (with parallel.recompute_every k, those whose index is a multiple of k: memory.recomputed_share);
 - pipeline bubble: compute × (m + p − 1)/m for GPipe and 1F1B (bubble fraction (p − 1)/(m + p − 1)),
   × (1 + (p − 1)/(v·m)) for interleaved 1F1B (Narayanan et al. 2021, §2.2);
 - TP: 4 all-reduces of s·b·h activations per layer and micro-batch (2 forward, 2 backward; 2 more forward with full
@@ -30,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
 from tasks.layout import DP_BUCKET_BYTES, DP_FIRST_BUCKET_BYTES, Layout
-from tasks.planner.memory import PRECISION_BYTES, estimate, flops_per_token
+from tasks.planner.memory import PRECISION_BYTES, estimate, flops_per_token, recomputed_share
 from tasks.shape import TransformerConfig
 from tasks.units import GB
 
@@ -49,10 +50,12 @@ class Problem:
     precision: str = "bf16"
     optimizer: str = "adamw"
     micro_batches: list = field(default_factory=list)  # empty: powers of two that divide the per-rank batch
+    microbatches: int = 0  # > 0 (parallel.microbatches set): only micro-batch = per-rank batch / this is tried
     zero_stages: list = field(default_factory=lambda: [0, 1, 2, 3])
     recompute: list = field(default_factory=lambda: ["none", "selective", "full"])
     schedules: list = field(default_factory=lambda: ["1f1b", "gpipe", "interleaved1f1b"])
     virtual: int = 2
+    recompute_every: int = 1  # parallel.recompute_every: recompute only layers whose index is a multiple of it
     sequence_parallel: bool = True
     flash_attention: bool = True  # the model's SDPA is a fused kernel on every backend
     efficiency: float = 0.4
@@ -139,7 +142,8 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
         # Recompute: full repeats the forward; selective the attention core (paper) or, with fused attention, only
         # element-wise ops (the project's policy keeps matmul and attention outputs), whose FLOPs we neglect.
         selective = 0.0 if lay.flash_attention else attention_fwd
-        per_token += {"full": 2.0 * L * sh.layer_params + attention_fwd, "selective": selective}.get(lay.recompute, 0.0)
+        extra = {"full": 2.0 * L * sh.layer_params + attention_fwd, "selective": selective}.get(lay.recompute, 0.0)
+        per_token += extra * recomputed_share(L, lay)  # parallel.recompute_every: only the wrapped layers
         layer_params = sh.layer_params
     compute = tokens * per_token / (c.world * peak)
     p, m = lay.pp, lay.n_microbatches
@@ -154,7 +158,7 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     tp_s = pp_s = 0.0
     if sh is not None:
         act = s * lay.micro_batch * sh.dim * A
-        per_mb = 4 + (2 if lay.recompute == "full" else 0)
+        per_mb = 4 + (2 * recomputed_share(sh.n_layers, lay) if lay.recompute == "full" else 0)
         tp_s = per_mb * m * (sh.n_layers / p) * _ring(act, lay.tp, c.intra_gbps)
         pp_bw = c.inter_gbps if lay.tp * p > c.devices_per_node else c.intra_gbps
         chunks = lay.virtual_stages if lay.pp_schedule == "interleaved1f1b" else 1
@@ -185,7 +189,24 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     }
 
 
+def fixed_micro_batch(micro_batches: list, microbatches: int, per_rank: int) -> tuple[list[int], str | None]:
+    """([micro-batch], None) that `microbatches` (parallel.microbatches, set) splits the per-rank batch into, or
+    ([], why) when it does not divide that batch or a fixed micro-batch (train.micro_batch, --micro-batch) disagrees.
+    Shared by the dense and the mixture-of-experts search."""
+    if per_rank % microbatches:
+        return [], f"parallel.microbatches {microbatches} does not divide the {per_rank} sequences per dp rank"
+    mb = per_rank // microbatches
+    if micro_batches and mb not in micro_batches:
+        return [], (
+            f"micro-batch {micro_batches[0]} × parallel.microbatches {microbatches} ≠ the {per_rank} sequences "
+            "per dp rank"
+        )
+    return [mb], None
+
+
 def _micro_batches(pb: Problem, per_rank: int) -> list[int]:
+    if pb.microbatches:
+        return fixed_micro_batch(pb.micro_batches, pb.microbatches, per_rank)[0]
     if pb.micro_batches:
         return list(pb.micro_batches)
     fits = [mb for mb in (1, 2, 4, 8, 16, 32, 64) if per_rank % mb == 0]
@@ -216,6 +237,11 @@ def candidates(pb: Problem):
             zeros = pb.zero_stages if dp > 1 else [min(pb.zero_stages)]  # ZeRO shards nothing on one rank
             recomputes = pb.recompute if pb.shape is not None else ["none"]  # no activations without a shape
             per_rank = pb.global_batch // dp
+            if pb.microbatches:
+                why = fixed_micro_batch(pb.micro_batches, pb.microbatches, per_rank)[1]
+                if why:
+                    yield {**base, "microbatches": pb.microbatches}, why, None
+                    continue
             for mb in _micro_batches(pb, per_rank):
                 if per_rank % mb:
                     yield (
@@ -233,6 +259,7 @@ def candidates(pb: Problem):
                                 pp=pp,
                                 zero=zero,
                                 recompute=rc,
+                                recompute_every=pb.recompute_every,
                                 pp_schedule=sched,
                                 micro_batch=mb,
                                 microbatches=per_rank // mb,

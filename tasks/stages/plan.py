@@ -253,7 +253,11 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
     # What the user set explicitly (--set, DAG Params) is honoured like the flag of the same name: training keeps it
     # (tasks.layout.resolve), so the plan must size that value, not search over it.
     ex = cfg.explicit
-    mb = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if pinned or "train.micro_batch" in ex else None)
+    # parallel.microbatches (explicit, or the pinned config's): training splits each rank's batch into that many, so
+    # only micro-batch = local batch / microbatches is sized; a fixed micro-batch must agree with it
+    microbatches = par.microbatches if pinned or "parallel.microbatches" in ex else 0
+    fixed = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if "train.micro_batch" in ex else None)
+    mb = fixed if microbatches else _arg(ctx, "micro_batch") or (cfg.train.micro_batch if pinned else fixed)
     zero, rc = _arg(ctx, "zero"), _arg(ctx, "recompute")
     if zero is None and "parallel.zero" in ex:
         zero = par.zero
@@ -268,16 +272,48 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
         precision=_arg(ctx, "precision") or cfg.train.precision,
         optimizer=_arg(ctx, "optimizer") or cfg.train.optimizer,
         micro_batches=[mb] if mb else [],
+        microbatches=microbatches,
         zero_stages=[zero] if zero is not None else ([par.zero] if pinned else list(cfg.plan.zero_stages)),
         recompute=[rc] if rc else ([par.recompute] if pinned else list(cfg.plan.recompute)),
         schedules=[par.pp_schedule] if pinned or "parallel.pp_schedule" in ex else list(cfg.plan.schedules),
         virtual=par.virtual_stages,
+        recompute_every=par.recompute_every,
         sequence_parallel=par.sequence_parallel,
         flash_attention=cfg.plan.flash_attention and _fused_attention(cfg),
         efficiency=cfg.plan.efficiency,
         pins=pins,
     )
+    if microbatches:
+        world, model = pb.cluster.world, (pins.get("tp") or 1) * (pins.get("pp") or 1)
+        dps = [pins["dp"]] if "dp" in pins else [d for d in range(1, world + 1) if world % (d * model) == 0]
+        _check_microbatches(pb, dps, "--micro-batch" if _arg(ctx, "micro_batch") else "train.micro_batch")
     return pb, model_desc, pinned
+
+
+def _check_microbatches(pb, dps: list[int], mb_key: str) -> None:
+    """parallel.microbatches that splits the per-rank batch of none of the data-parallel degrees `dps` the search may
+    try evenly (or, with a fixed micro-batch, into micro-batches of that size) is refused in one line."""
+    m, g = pb.microbatches, pb.global_batch
+    fits = [d for d in dps if g % d == 0 and (g // d) % m == 0]
+    mb = pb.micro_batches[0] if pb.micro_batches else None
+    if mb:
+        fits = [d for d in fits if g // d == mb * m]
+    if fits:
+        return
+    per = (
+        f"the {g // dps[0]} sequences per dp rank (train.global_batch {g} / parallel.dp {dps[0]})"
+        if len(dps) == 1 and g % dps[0] == 0
+        else f"train.global_batch {g} / parallel.dp for any dp the plan may try ({', '.join(map(str, dps))})"
+    )
+    if mb:
+        raise StageError(
+            f"parallel.microbatches: {m} micro-batches of {mb_key} {mb} do not make {per}; set one so that "
+            f"{mb_key} × parallel.microbatches is the per-rank batch, or leave parallel.microbatches 0"
+        )
+    raise StageError(
+        f"parallel.microbatches: {m} does not divide {per}; set it to a divisor of the per-rank batch, or leave it "
+        "0 (train.micro_batch sets it)"
+    )
 
 
 def _choose(result: dict, pinned: bool, pb: Problem, model_desc: str, plan_path: Path) -> tuple[dict, str]:
@@ -378,6 +414,8 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         zero_stages=[zero] if zero is not None else list(cfg.plan.zero_stages),
         recompute=recompute,
         micro_batches=[mb] if mb else [],
+        microbatches=par.microbatches if "parallel.microbatches" in ex else 0,
+        recompute_every=par.recompute_every,
         flash_attention=cfg.plan.flash_attention and _fused_attention(cfg),
         efficiency=cfg.plan.efficiency,
         pins=pins,
@@ -386,6 +424,12 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         virtual_stages=par.virtual_stages,
         **tp_pp,
     )
+    if pb.microbatches:
+        _check_microbatches(
+            pb,
+            [pb.cluster.world // (pb.tp * pb.pp)],
+            "--micro-batch" if _arg(ctx, "micro_batch") else "train.micro_batch",
+        )
     result = moe.search(pb)
     desc = (
         f"{name} (MoE: {tcfg.n_experts} experts, top-{tcfg.top_k}, "

@@ -299,6 +299,7 @@ def _estimate(cfg: PipelineConfig, tcfg, lay: layouts.Layout, backend: str) -> i
                     lay.recompute,
                     cfg.train.precision,
                     m,
+                    recompute_every=lay.recompute_every,
                 )
                 + reserve
             )
