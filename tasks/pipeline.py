@@ -338,7 +338,7 @@ DATA_DAG_SHARD_ARGS = {"reduce": True, "publish_only": True}
 
 def stage_args(stage: str, published: dict | None = None, extra: dict | None = None):
     """The stage's flags at their defaults (and `extra`, e.g. the shard stage's reduce=True after its fan-out); the
-    shard stage of an asset-triggered run adopts the published set."""
+    shard stage of an asset-triggered run adopts the published set (reduce off: its fan-out was skipped)."""
     import argparse
 
     from tasks.runner import default_args
@@ -352,6 +352,7 @@ def stage_args(stage: str, published: dict | None = None, extra: dict | None = N
                 **vars(args),
                 "shard_dir": unquote(urlparse(published["uri"]).path),
                 "manifest_digest": published["manifest_digest"],
+                "reduce": False,  # the fan-out was skipped: nothing to reduce, the set is adopted as it is
             }
         )
     return args

@@ -12,6 +12,7 @@ any worker.
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -107,20 +108,56 @@ def add_cli_args(parser) -> None:
         "--manifest-digest",
         default=None,
         metavar="SHA256",
-        help="with --shard-dir: the manifest.json sha256 the set must have (refused otherwise)",
+        help="with --shard-dir: the manifest.json sha256 the set must have (a set with another is refused; "
+        "without --shard-dir, the flag is)",
     )
     parser.add_argument(
         "--reduce",
         action="store_true",
-        help="publish what the DAG's mapped shard tasks built (each step must be done; a missing or bad one is named)",
+        help="publish what the DAG's mapped shard tasks built (each step must be done; a missing or bad one is "
+        "named); not with --shard-dir",
     )
     parser.add_argument(
         "--publish-only",
         action="store_true",
         help="build and publish the set for any consumer (the llm_data DAG): without the checks a pipeline run makes "
         "on its set (evaluate.tasks loaded as evaluate will: demo-continuation cut from its val split, the others' "
-        "YAML, offline dataset and metric)",
+        "YAML, offline dataset and metric); not with --shard-dir",
     )
+
+
+def check_args(args) -> None:
+    """Flags that cannot apply to what this run does, refused in one line each rather than ignored: --manifest-digest
+    checks an adopted set only; --reduce and --publish-only build (the DAG's shard task passes reduce only when its
+    fan-out ran: tasks.pipeline.stage_args)."""
+    from tasks.errors import ConfigError
+
+    adopting = bool(getattr(args, "shard_dir", None))
+    want = getattr(args, "manifest_digest", None)
+    if want is not None and not adopting:
+        raise ConfigError(
+            "--manifest-digest checks a set adopted with --shard-dir, and none is given (this run builds a set "
+            "from data.inputs); add --shard-dir DIR, or leave --manifest-digest out"
+        )
+    if want is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", want):
+        raise ConfigError(
+            f"--manifest-digest {want!r} is not a sha256 (64 hex digits); give the set's whole "
+            "manifest.json sha256 (its shard.json's manifest_digest, or sha256sum DIR/manifest.json)"
+        )
+    if not adopting:
+        return
+    flags = (("--reduce", "reduce"), ("--publish-only", "publish_only"))
+    given = {flag for flag, name in flags if getattr(args, name, False)}
+    what = {
+        "--reduce": "publishes what the fan-out's shard tasks built",
+        "--publish-only": "builds and publishes a set without a pipeline run's checks",
+    }
+    for flag in what:
+        if flag in given:
+            raise ConfigError(
+                f"{flag} {what[flag]}, and --shard-dir adopts a set as it is (nothing is built); leave {flag} out "
+                "to adopt DIR, or --shard-dir out to build"
+            )
 
 
 def _log_dataset(shard_dir, tags: dict | None = None) -> None:
@@ -134,7 +171,8 @@ def _log_dataset(shard_dir, tags: dict | None = None) -> None:
 
 
 def adopt(cfg: PipelineConfig, ctx) -> dict:
-    """Use a published shard set as it is: its manifest digest must equal the one given; nothing is rewritten."""
+    """Use a published shard set as it is: its manifest digest must equal the one given, and every data.* value set
+    explicitly that decides a set's contents must be the set's (check_adopted_config); nothing is rewritten."""
     from data_prep.errors import DataPrepError
     from data_prep.manifest import check_files, digest, load_manifest
 
@@ -147,12 +185,13 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
             check_files(shard_dir, m, split)
     except (DataPrepError, OSError) as e:
         raise StageError(f"shard: published shard set {shard_dir} is unusable ({e}); re-run llm_data") from None
-    if want and sha != want:
+    if want and sha != want.lower():
         raise StageError(
             f"shard: published shard set {shard_dir} changed since it was published (manifest "
-            f"sha256 {sha[:12]}…, the asset event says {want[:12]}…); re-run llm_data to publish it "
-            "again"
+            f"sha256 {sha[:12]}…, the asset event or --manifest-digest says {want[:12]}…); re-run llm_data to "
+            "publish it again"
         )
+    check_adopted_config(cfg, shard_dir, m)
     splits = m["splits"]
     tracking.log_params({"shard.version": m["version"], "shard.manifest_sha256": sha, "shard.published": True})
     tracking.log_artifact(shard_dir / "manifest.json", "shards")
@@ -179,6 +218,82 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
         "train_samples": splits["train"]["samples"],
         "val_samples": splits["val"]["samples"],
     }
+
+
+# data.* keys that only steer a build (how it is split up and shown), not what a set holds or how a run reads it: set
+# beside --shard-dir they would do nothing. The other keys outside the set's config (data.out_dir: the disk checks';
+# the loader's workers, prefetch and verify_sha256) still apply to a run that adopts a set.
+BUILD_ONLY = ("partitions", "tokenize_processes", "progress")
+
+
+def _set_value(cfg: PipelineConfig, key: str, manifest: dict):
+    """(this run's data.<key>, the adopted set's) for a key that decides a set's contents, or None for one that
+    does not. The set's come from its manifest: the build config it recorded (data_prep's cache key fields), its
+    inputs and its tokenizer."""
+    d, recorded = cfg.data, manifest.get("config", {})
+    tok = manifest["tokenizer"]
+    if key == "inputs":
+        return (_inputs(d.inputs), _inputs(manifest["source"]["inputs"])) if "source" in manifest else None
+    if key == "tokenizer":
+        if d.tokenizer == "train" or tok["source"] == "train":
+            shown = {"train": "train (a BPE trained on the corpus)"}
+            return shown.get(d.tokenizer, d.tokenizer), shown.get(tok["source"], tok["source"])
+        mine = _tokenizer_identity(d.tokenizer)  # the same files under another path are the same tokenizer
+        if mine == tok["identity"]:
+            return mine, mine
+        return f"{d.tokenizer} (identity {mine[:12]}…)", f"{tok['source']} (identity {tok['identity'][:12]}…)"
+    if key == "vocab_size" and tok["source"] != "train":  # a given tokenizer keeps its own vocabulary
+        return d.vocab_size, manifest["vocab_size"]
+    if key == "shard_multiple":  # 0: automatic, as a build of this run would make it
+        mine, theirs = shard_multiple(cfg), recorded.get(key, manifest.get("shard_multiple"))
+        return (mine, theirs) if d.shard_multiple or mine == theirs else (f"0 (automatic: {mine})", theirs)
+    if key in recorded:
+        return getattr(d, key), recorded[key]
+    return None
+
+
+def _tokenizer_identity(spec: str) -> str:
+    """The identity (data_prep.tokenizer.identity) a set built with tokenizer `spec` records: its tokenizer.json and
+    companion files, as the build copies them in."""
+    from data_prep.errors import DataPrepError
+    from data_prep.fsio import sha256_file
+    from data_prep.tokenizer import identity, tokenizer_companions, tokenizer_file
+    from tasks.errors import ConfigError
+
+    path = str(repo_path(spec))
+    try:
+        files = {"tokenizer.json": sha256_file(tokenizer_file(path))}
+        files.update({f.name: sha256_file(f) for f in tokenizer_companions(path)})
+    except (DataPrepError, OSError) as e:
+        raise ConfigError(f"data.tokenizer: {e}; leave it unset to adopt the set's own tokenizer") from None
+    return identity(files)
+
+
+def check_adopted_config(cfg: PipelineConfig, shard_dir: Path, manifest: dict) -> None:
+    """Every data.* key set explicitly (cfg.explicit: --set, Params, a run directory's remembered values) that decides
+    a set's contents must agree with the adopted set's manifest: a different one would otherwise be ignored here and
+    refused later (smoke: data.seq_len) or never. A key that only steers a build is refused too; one line each."""
+    from tasks.errors import ConfigError
+
+    problems = []
+    for dotted in sorted(k for k in cfg.explicit if k.startswith("data.")):
+        key = dotted.partition(".")[2]
+        if key in BUILD_ONLY:
+            problems.append(
+                f"{dotted}: steers a build, and --shard-dir adopts {shard_dir} as it is; leave it unset, or build "
+                "a new set without --shard-dir"
+            )
+            continue
+        pair = _set_value(cfg, key, manifest)
+        if pair is None or pair[0] == pair[1]:
+            continue
+        mine, theirs = (", ".join(map(str, v)) if isinstance(v, list) else v for v in pair)
+        problems.append(
+            f"{dotted}: {mine} differs from the adopted shard set's {theirs} ({shard_dir}); leave it unset to use "
+            "the set's, or build a new set with it without --shard-dir"
+        )
+    if problems:
+        raise ConfigError(problems)
 
 
 def check_evaluation_data(cfg: PipelineConfig, ctx, shard_dir) -> None:
@@ -221,6 +336,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.build import build_shard_set
     from data_prep.errors import DataPrepError
 
+    check_args(ctx.args)
     if getattr(ctx.args, "shard_dir", None):
         return adopt(cfg, ctx)
     scfg = shard_config(cfg, check_model=not getattr(ctx.args, "publish_only", False))
