@@ -48,9 +48,9 @@ class HardwareConfig(Section):
     device_memory_gb: float = Field(0.0, ge=0.0, le=1e5)  # 0 = from the cluster preset / measured
     intra_node_gbps: float = Field(0.0, ge=0.0, le=1e6)  # 0 = from the cluster preset
     inter_node_gbps: float = Field(0.0, ge=0.0, le=1e6)
-    intra_node_latency_us: float = Field(
-        0.0, ge=0.0, le=1e7
-    )  # one collective call's fixed cost (α); 0 = from the cluster preset
+    # One all-to-all call's fixed cost (α) in the MoE planner (tasks/planner/moe.py); the dense plan's collectives are
+    # costed by bandwidth alone, so these change no dense plan. 0 = from the cluster preset.
+    intra_node_latency_us: float = Field(0.0, ge=0.0, le=1e7)
     inter_node_latency_us: float = Field(0.0, ge=0.0, le=1e7)
     peak_tflops: float = Field(0.0, ge=0.0, le=1e7)
     hccl_connect_timeout: int = Field(120, ge=120, le=7200)  # s, CANN range [120, 7200]
@@ -174,7 +174,7 @@ class TrainConfig(Section):
     micro_batch: int = Field(2, ge=1, le=1 << 20)  # sequences per forward on one rank
     lr: float = Field(3e-3, ge=0.0, le=MAX_LR)
     min_lr: float = Field(3e-4, ge=0.0, le=MAX_LR)
-    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)
+    warmup_steps: int = Field(10, ge=0, le=MAX_STEPS)  # linear warm-up; past train.steps: train warns before launch
     weight_decay: float = Field(0.1, ge=0.0, le=10.0)
     # adamw (betas 0.9/0.95) or plain SGD (no momentum: no optimizer state; the layout-parity tests use it, with
     # grad_clip 0, because a wrong gradient scale shows in its update where AdamW normalises it away)

@@ -1070,3 +1070,20 @@ def test_pickled_int8_module_is_never_unpickled_off_an_ascend_host(tmp_path, wit
     assert not marker.exists() and "\n" not in str(e.value)
     want = "loads only where AMCT is installed" if with_sha else "without the sha256 its quantize stage records"
     assert want in str(e.value)
+
+
+def test_a_warmup_longer_than_the_run_is_said(cfg, tmp_path, shards):  # noqa: F811
+    """train.warmup_steps past train.steps: the run never trains at train.lr (nor decays) — a warning before launch
+    naming both values and where the learning rate ends; a warm-up that ends at the last step says nothing."""
+    from tasks.stages import train
+    from tests.helpers.train_fixture import configure, context
+
+    one = {"hardware.nproc_per_node": 1, "parallel.dp": 1, "train.steps": 6}
+    spec = train.prepare(configure(cfg, **one, **{"train.warmup_steps": 100}), context(tmp_path / "long", shards))
+    [note] = [w for w in spec["warnings"] if "warmup" in w]
+    assert note.startswith(
+        "train.warmup_steps 100 > train.steps 6: the learning rate never reaches train.lr 0.003 (it ends warming up "
+        "at 0.00018)"
+    ), note
+    spec = train.prepare(configure(cfg, **one, **{"train.warmup_steps": 6}), context(tmp_path / "ok", shards))
+    assert not any("warmup" in w for w in spec["warnings"])

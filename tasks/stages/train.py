@@ -143,6 +143,13 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     if problems:
         raise ConfigError(problems)
     warnings_.extend(val_notes)
+    t = cfg.train
+    if t.warmup_steps > t.steps:  # the linear warm-up never ends: the run never trains at train.lr, nor decays
+        warnings_.append(
+            f"train.warmup_steps {t.warmup_steps} > train.steps {t.steps}: the learning rate never reaches "
+            f"train.lr {t.lr:g} (it ends warming up at {t.lr * t.steps / t.warmup_steps:.3g}); lower "
+            "train.warmup_steps (or raise train.steps)"
+        )
     if fresh and cfg.hardware.node_rank == 0:  # every check passed: only now is anything of the old run moved
         kept = set_aside(ctx.run_dir)
         if kept:
