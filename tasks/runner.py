@@ -53,15 +53,22 @@ def add_shard_dir_arg(
     )
 
 
+def flag_path(p: str) -> Path:
+    """A path given as a command-line flag (--shard-dir, like --run-dir and --model-dir): relative to the working
+    directory, where the user typed it (config values are the repository's: tasks.config.repo_path)."""
+    return Path(p).expanduser().absolute()
+
+
 def shard_dir(ctx: "StageContext", fallback: str | None = None) -> Path:
     """The shard set a stage reads: --shard-dir, else the shard stage's result in this run directory, else
     `fallback`; it must hold a manifest.json."""
-    given = getattr(ctx.args, "shard_dir", None) or ctx.inputs.get("shard", {}).get("shard_dir") or fallback
+    flag = getattr(ctx.args, "shard_dir", None)
+    given = flag or ctx.inputs.get("shard", {}).get("shard_dir") or fallback
     if not given:
         raise StageError(
             f"{ctx.stage}: no shard set: run `python -m tasks shard` with this --run-dir first, or pass --shard-dir DIR"
         )
-    path = repo_path(given)
+    path = flag_path(flag) if flag else repo_path(given)
     if not (path / "manifest.json").is_file():
         raise StageError(f"{ctx.stage}: {path} is not a shard set (no manifest.json)")
     return path

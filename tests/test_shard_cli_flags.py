@@ -14,6 +14,7 @@ import pytest
 from data_prep.manifest import digest
 from data_prep.testing import tiny_shard_set
 from tasks.cli import main
+from tests.helpers import REPO
 
 
 @pytest.fixture(scope="module")
@@ -132,3 +133,26 @@ def test_an_explicit_tokenizer_is_compared_by_its_files(tmp_path, capsys, shard_
     rc, err = shard(tmp_path, capsys, "--shard-dir", str(given), "--set", f"data.tokenizer={tok.parent}")
     assert rc == 2 and err[0].startswith(f"error: data.tokenizer: {tok.parent} (identity ")
     assert f"differs from the adopted shard set's {tok} (identity " in err[0]
+
+
+def test_relative_paths_flags_from_the_working_directory_config_values_named(tmp_path, capsys, shard_set, monkeypatch):
+    """--shard-dir is read from the working directory, as --run-dir and --model-dir are; a relative data.inputs is
+    the repository's (a config value), and one that exists only in the working directory is named with its fix."""
+    work = tmp_path / "work"
+    shutil.copytree(shard_set, work / "myset")
+    (work / "corp").mkdir()
+    (work / "corp" / "a.txt").write_text("some text\n" * 50)
+    monkeypatch.chdir(work)
+    rc, err = shard(tmp_path, capsys, "--shard-dir", "myset")
+    assert rc == 0, err
+    from argparse import Namespace
+
+    from tasks.runner import StageContext, shard_dir
+
+    ctx = StageContext(run_dir=tmp_path / "r", stage="smoke", args=Namespace(shard_dir="myset"))
+    assert shard_dir(ctx) == work / "myset"  # every stage reading a set (smoke, train, quantize, …)
+    rc, err = shard(tmp_path, capsys, "--set", "data.inputs=[corp]")
+    assert rc == 2 and err == [
+        f"error: data.inputs: corp is read from the repository root ({REPO / 'corp'}, which does not exist), not the "
+        f"working directory; give the absolute path {work / 'corp'}"
+    ], err

@@ -23,7 +23,25 @@ from tasks.errors import StageError
 
 
 def _inputs(paths: list[str]) -> list[str]:
-    return [p if p == "stdlib" else str(repo_path(p)) for p in paths]
+    """data.inputs resolved as config paths are (tasks.config.repo_path: relative to the repository root); a relative
+    one missing there but present in the working directory (where a user typed --set data.inputs=[corpus]) is one
+    line naming both, not "does not exist"."""
+    from tasks.errors import ConfigError
+
+    out = []
+    for p in paths:
+        if p == "stdlib":
+            out.append(p)
+            continue
+        path = repo_path(p)
+        here = Path(p).expanduser()
+        if not here.is_absolute() and not any(c in p for c in "*?[") and not path.exists() and here.exists():
+            raise ConfigError(
+                f"data.inputs: {p} is read from the repository root ({path}, which does not exist), not the working "
+                f"directory; give the absolute path {here.resolve()}"
+            )
+        out.append(str(path))
+    return out
 
 
 def shard_multiple(cfg: PipelineConfig) -> int:
@@ -176,7 +194,9 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.errors import DataPrepError
     from data_prep.manifest import check_files, digest, load_manifest
 
-    shard_dir = repo_path(ctx.args.shard_dir)
+    from tasks.runner import flag_path
+
+    shard_dir = flag_path(ctx.args.shard_dir)
     want = getattr(ctx.args, "manifest_digest", None)
     try:
         m = load_manifest(shard_dir)
