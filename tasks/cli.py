@@ -120,7 +120,7 @@ def main(argv=None) -> int:
         print(__doc__.strip() + "\n\nstages: " + ", ".join([*STAGES, *OWN_SCHEDULE]) + ", summary")
         return 0
     stage = argv.pop(0)
-    run_dir = given_dir = None  # given_dir: --run-dir, until the stage itself runs (it records its own failures)
+    run_dir = None
     from tasks.logs import console
 
     console()  # the stages' log lines (progress, warnings) on stderr
@@ -138,7 +138,6 @@ def main(argv=None) -> int:
         if hasattr(module, "add_cli_args"):
             module.add_cli_args(parser)
         args = parser.parse_args(argv)
-        given_dir = args.run_dir
         preset, overrides = dag_run_config(args.run_dir, args.config)
         cfg = load_config(preset, overrides, sets=args.sets)
         if args.no_tracking:
@@ -166,16 +165,11 @@ def main(argv=None) -> int:
         if remember and not (Path(run_dir) / CLI_CONFIG_FILE).is_file():  # a new directory: a failed first stage
             remember_config(run_dir, chosen, sets)  # is rerun with it
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
-        given_dir = None
         result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
         if remember and result.get("status") != "failed":  # a directory's config changes once a stage accepted it
             remember_config(run_dir, chosen, sets)
     except StageError as e:
         print(f"error: {e}", file=sys.stderr)
-        if given_dir and given_dir.strip():  # refused before the stage ran: an earlier `ok` here is not this run's
-            from tasks.runner import record_refusal
-
-            record_refusal(given_dir, stage, str(e))
         return 2
     except OSError as e:  # read-only/full/missing paths outside a stage (config file, var dir): one line
         print(f"error: {os_error_cause(e)}", file=sys.stderr)

@@ -317,26 +317,6 @@ def _previous_result(path: Path) -> dict | None:
     return old if old.get("status") in ("ok", "warn") else old.get("previous")
 
 
-def record_refusal(run_dir: str | Path, stage: str, cause: str) -> None:
-    """A stage refused before it ran (its config, its flags) in a run directory that holds an earlier result of it:
-    that result is marked failed with this cause (kept under `previous`), so neither `summary` nor a later stage
-    trusts an `ok` the rerun did not reach. Nothing is written where no result exists, or while another process
-    holds the directory (its stage writes the record)."""
-    from tasks.procs import RunDirLock
-
-    path = Path(run_dir) / f"{stage}.json"
-    if not path.is_file():
-        return
-    try:
-        lock = RunDirLock(Path(run_dir), stage).__enter__()
-    except (StageError, OSError):
-        return
-    try:
-        _record_failure(path, stage, cause, None, time.time())
-    finally:
-        lock.__exit__(None, None, None)
-
-
 def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, trace: str = "") -> None:
     """The failure record, keeping the stage's last finished result under `previous` (a failed rerun loses no
     completed record); when it cannot be written (the disk that failed the stage is full), say so on stderr and let

@@ -193,19 +193,3 @@ def test_plan_with_several_pairs_after_one_set_and_a_typed_list(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
     assert plan["seq_len"] == 64 and {p["zero"] for p in plan["plans"]} == {0, 1}
-
-
-def test_a_rerun_refused_by_its_config_marks_the_earlier_ok_failed(tmp_path):
-    """A stage rerun in a run directory that holds its earlier `ok`, refused before it runs (a bad --set): the record
-    says failed with the refusal's line and keeps the earlier result under `previous` — neither `summary` nor a later
-    stage trusts an ok this rerun did not reach. A new directory gets no record of a refusal."""
-    assert cli("plan", "--run-dir", str(tmp_path), "--no-tracking").returncode == 0
-    assert json.loads((tmp_path / "plan.json").read_text())["status"] == "ok"
-    out = cli("plan", "--run-dir", str(tmp_path), "--no-tracking", "--set", "train.steps=zero")
-    assert out.returncode == 2, out.stderr
-    record = json.loads((tmp_path / "plan.json").read_text())
-    assert record["status"] == "failed" and record["error"] == "train.steps: expected an integer, got 'zero'"
-    assert record["previous"]["status"] == "ok"
-    new = tmp_path / "new"
-    assert cli("plan", "--run-dir", str(new), "--no-tracking", "--set", "train.steps=zero").returncode == 2
-    assert not (new / "plan.json").exists()
