@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# make clean: remove the var dir `make run` uses — var/, or $LLM_PIPELINE_VAR_DIR where it is set. A var dir outside
-# this checkout is not removed (a mistyped variable must not delete a home directory): one line says so.
+# make clean: remove the var dir `make run` uses — var/, or $LLM_PIPELINE_VAR_DIR where it is set. Only a directory
+# inside this checkout that holds no file git tracks (and is not .git) is removed: a mistyped variable must not delete
+# a home directory or the code (LLM_PIPELINE_VAR_DIR=tasks); anything else is kept, in one line saying how to clean.
 set -euo pipefail
-repo="$(cd "$(dirname "$0")/.." && pwd)"
+repo="$(cd "$(dirname "$0")/.." && pwd -P)"
 var="${LLM_PIPELINE_VAR_DIR:-$repo/var}"
 [ -e "$var" ] || exit 0
+keep() {
+  echo "make clean: LLM_PIPELINE_VAR_DIR=$var $1, so it is not removed; remove it yourself (rm -rf $var) or unset" \
+    "the variable to clean $repo/var" >&2
+  exit 1
+}
+[ -d "$var" ] || keep "is not a directory"
 abs="$(cd "$var" && pwd -P)"
 case "$abs/" in
-  "$(cd "$repo" && pwd -P)"/?*/) rm -rf -- "$abs" ;;
-  *)
-    echo "make clean: LLM_PIPELINE_VAR_DIR=$var is outside this checkout, so it is not removed; remove it yourself" \
-      "(rm -rf $var) or unset the variable to clean $repo/var" >&2
-    exit 1
-    ;;
+  "$repo"/?*/) ;;
+  *) keep "is outside this checkout" ;;
 esac
+rel="${abs#"$repo"/}"
+case "/$rel/" in
+  /.git/*) keep "is git's own directory" ;;
+esac
+if git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 && [ -n "$(git -C "$repo" ls-files -- "$rel" | head -1)" ]; then
+  keep "holds files git tracks (it is part of the code)"
+fi
+rm -rf -- "$abs"

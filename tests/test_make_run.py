@@ -124,7 +124,8 @@ def test_the_screen_shows_each_line_as_it_arrives():
 
 def test_make_clean_removes_the_var_dir_in_use_and_never_one_outside_the_checkout(tmp_path):
     """`make clean` follows LLM_PIPELINE_VAR_DIR as `make run` does; a var dir outside the checkout (a mistyped
-    variable could name a home directory) is kept, in one line saying how to remove it."""
+    variable could name a home directory) or holding the code (tasks, .git) is kept, in one line saying how to
+    remove it."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     outside = tmp_path / "var"
     (outside / "runs").mkdir(parents=True)
@@ -133,6 +134,11 @@ def test_make_clean_removes_the_var_dir_in_use_and_never_one_outside_the_checkou
     assert out.returncode != 0 and (outside / "runs").is_dir(), out.stderr
     [line] = [ln for ln in out.stderr.strip().splitlines() if not ln.startswith("make: ***")]
     assert line.startswith(f"make clean: LLM_PIPELINE_VAR_DIR={outside} is outside this checkout"), line
+    for code in ("tasks", ".git", "tasks/stages"):  # inside the checkout, but the code: kept
+        out = subprocess.run(["make", "-s", "clean"], cwd=REPO, env={**env, "LLM_PIPELINE_VAR_DIR": code},
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode != 0 and (REPO / code).is_dir(), (code, out.stderr)
+        assert f"make clean: LLM_PIPELINE_VAR_DIR={code} " in out.stderr, out.stderr
     inside = REPO / f"var-clean-test-{os.getpid()}"
     (inside / "runs").mkdir(parents=True)
     try:
