@@ -5,6 +5,8 @@ results.md and docs/benchmarks.md block are exactly what the runner writes, and 
 
 import importlib.util
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,9 @@ def _fake_repo(tmp_path, monkeypatch, value: int, load: dict):
     bench = tmp_path / "bench"
     bench.mkdir(exist_ok=True)
     (bench / "bench_x.py").write_text(f"def run():\n    return {{'x.v': {value}}}\n")
+    # rewritten within a second at the same size: a cached .pyc (source mtime and size match) would run the old value
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    shutil.rmtree(bench / "__pycache__", ignore_errors=True)
     docs = tmp_path / "benchmarks.md"
     if not docs.exists():
         docs.write_text(f"# B\n\nprose\n\n{run_all.BEGIN}\n{run_all.END}\n\nmore prose\n")
