@@ -203,6 +203,29 @@ def test_broken_folders_name_the_missing_file(tmp_path):
     _one_line_error(twice, "rank 0 appears twice")
 
 
+def test_a_present_but_unusable_step_trace_is_not_called_missing(tmp_path):
+    """step_trace_time.csv there but header only, with a foreign header, or 0 bytes was reported as "missing — profile
+    at level 1"; a kernels-only folder left it unsaid. Rank 1 of ascend_pt_new_healthy (generate.py, torch_npu's
+    format) with only its step_trace_time.csv beside profiler_info_1.json."""
+    root = _copy("ascend_pt_new_healthy", tmp_path)
+    out = sorted(root.glob("rank1_*_ascend_pt"))[0] / "ASCEND_PROFILER_OUTPUT"
+    csv_path = out / "step_trace_time.csv"
+    header = csv_path.read_text().splitlines()[0]
+    (out / "trace_view.json").unlink()
+    csv_path.write_text(header + "\n")
+    assert any("step_trace_time.csv has no data rows" in n for n in load_profile(root).notes)  # kernels-only analysis
+    (out / "kernel_details.csv").unlink()
+    _one_line_error(root, "step_trace_time.csv has no data rows (header only)")
+    csv_path.write_text("a,b\n1,2\n")
+    _one_line_error(root, "step_trace_time.csv header not recognised as step_trace (columns a, b)")
+    csv_path.write_bytes(b"")
+    _one_line_error(root, "step_trace_time.csv has no data rows (an empty file)")
+    for msg_case in ("missing", "profile at level 1"):
+        with pytest.raises(StageError) as e:
+            load_profile(root)
+        assert msg_case not in str(e.value)
+
+
 @pytest.mark.parametrize(
     "name,core,category",
     [

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tasks.stages.profile import analyze
+from tasks.profiling.advisor import advise
 from tasks.profiling.render import render_markdown
 from tasks.profiling.rules_guides import guide_rules
 
@@ -104,3 +105,51 @@ def test_kernel_details_only_folder_is_analysed_not_refused(tmp_path, scenario):
     assert s["computing_us"] + s["comm_not_overlapped_us"] + s["free_us"] == pytest.approx(s["step_us"])
     assert 0 < s["shares"]["communication"] < 1
     assert "derived from kernel_details timings" in render_markdown(only)
+
+
+def _cpu_traces(out: Path) -> Path:
+    """Two ranks' real torch.profiler CPU traces (make_profiler, as a CPU collect writes them): mostly element-wise
+    aten ops and a small matmul, rank 1 doing eight times rank 0's work (one thread: less noise on a busy host)."""
+    import torch
+
+    from tasks.config import load_config
+    from tasks.profiling.collect import make_profiler
+
+    pcfg = load_config("demo-cpu").profile
+    x, w, threads = torch.randn(512, 512), torch.randn(8, 8), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.relu(x * 2 + 1).sigmoid().exp(), torch.mm(w, w)  # first calls (library set-up) outside the profile
+        for rank, reps in ((0, 1), (1, 8)):
+            with make_profiler(pcfg, "cpu", out, rank=rank) as prof:
+                for _ in range(pcfg.steps_needed()):
+                    for _ in range(reps):
+                        torch.relu(x * 2 + 1).sigmoid().exp()
+                        torch.mm(w, w)
+                    prof.step()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_ascend_rules_and_advice_stay_off_cpu_and_cuda_traces(tmp_path):
+    """categorize() files every operator not named like a matmul under "vector": a CPU trace got "vector operators take
+    92% of AI Core time" with torch_npu advice, a CUDA trace "cube operators take 100% of AI Core time", and a slow
+    CPU rank the advice to run npu-smi."""
+    cpu = analyze(_cpu_traces(tmp_path / "cpu"))
+    cats = cpu["categories"]
+    assert cats["vector"]["total_us"] > 0.8 * (cats["vector"]["total_us"] + cats["cube/matmul"]["total_us"])
+    assert "compute.cube_vector_imbalance" not in rules(cpu["findings"] + cpu["info"])
+    slow = rules(cpu["findings"])["cluster.slow_rank"]
+    assert "npu-smi" not in slow["advice"] and "host" in slow["advice"]
+    cuda = analyze(FIX / "torch_cuda_healthy")  # tests/fixtures/profiling/generate.py, torch.profiler's CUDA format
+    assert cuda["top_ops"][0]["core"] == "CUDA" and cuda["categories"]["cube/matmul"]["total_us"] > 0
+    assert "compute.cube_vector_imbalance" not in rules(cuda["findings"] + cuda["info"])
+    as_cuda = copy.deepcopy(cpu)  # the same spread on a GPU: nvidia-smi, not npu-smi
+    as_cuda["top_ops"][0]["core"] = "CUDA"
+    advice = rules(advise(as_cuda))["cluster.slow_rank"]["advice"]
+    assert "nvidia-smi" in advice and "npu-smi" not in advice
+    # Ascend data keeps both: the cube/vector rule and the npu-smi advice
+    npu = analyze(FIX / "ascend_pt_new_unhealthy")
+    assert "npu-smi info" in rules(npu["findings"])["cluster.slow_rank"]["advice"]
+    assert "compute.cube_vector_imbalance" in rules(guide_rules(_with(npu, 100.0, 900.0, 0.3)))

@@ -37,6 +37,29 @@ class Finding:
         return asdict(self)
 
 
+NPU_FORMATS = ("ascend_pt", "msprof", "cluster_analysis")  # Ascend producers: torch_npu, msprof, msprof-analyze
+
+
+def device_kind(report: dict) -> str:
+    """npu (an Ascend format), else cuda when the torch trace holds GPU kernels, else cpu: which device's advice
+    (npu-smi, nvidia-smi, the host) and which device-only rules (AI Core cube/vector) apply."""
+    if (report.get("source") or {}).get("format") in NPU_FORMATS:
+        return "npu"
+    return "cuda" if any(o["core"] == "CUDA" for o in report.get("top_ops") or []) else "cpu"
+
+
+_SLOW_RANK_CHECK = {
+    "npu": "check that card (npu-smi info: temperature, frequency, HBM)",
+    "cuda": "check that GPU (nvidia-smi -q -d TEMPERATURE,CLOCK,PERFORMANCE: thermal or power throttling, clocks)",
+    "cpu": "check that rank's host (CPU load from other processes, frequency scaling, its cores and NUMA binding)",
+}
+_SLOW_LINK_CHECK = {
+    "npu": "hccn_tool link status / optical modules for RDMA, HCCS topology (npu-smi info -t topo)",
+    "cuda": "nvidia-smi topo -m (NVLink/PCIe path), the NICs NCCL uses (NCCL_DEBUG=INFO)",
+    "cpu": "the network between the hosts (the interface gloo uses, GLOO_SOCKET_IFNAME)",
+}
+
+
 def _sev(ratio: float) -> str:
     """How far past its threshold a value is: twice or more is high."""
     return "high" if ratio >= 2.0 else "medium"
@@ -149,6 +172,7 @@ def _slow(report: dict, t: dict) -> list[Finding]:
         for d, v in (slow.get("dims") or {}).items()
         if v["spread"] > t["spread_max"] and v["mean_us"] / step_us >= t["spread_min_share"]
     }
+    kind = device_kind(report)
     if dims:
         worst = max(v["spread"] for v in dims.values())
         spreads = ", ".join(f"{d} spread {_pct(v['spread'])}" for d, v in dims.items())
@@ -162,8 +186,8 @@ def _slow(report: dict, t: dict) -> list[Finding]:
                     **{f"{d}_spread": v["spread"] for d, v in dims.items()},
                     **{f"{d}_by_rank_us": v["by_rank_us"] for d, v in dims.items()},
                 },
-                "The other ranks wait for it in every collective: check that card (npu-smi info: temperature, "
-                "frequency, HBM), its data shard sizes, and uneven pipeline stages or layer split.",
+                f"The other ranks wait for it in every collective: {_SLOW_RANK_CHECK[kind]}, its data shard sizes, "
+                "and uneven pipeline stages or layer split.",
             )
         )
     for transport, v in (slow.get("links") or {}).items():
@@ -175,8 +199,7 @@ def _slow(report: dict, t: dict) -> list[Finding]:
                     _sev(v["spread"] / t["spread_max"]),
                     f"{transport} bandwidth differs by {_pct(v['spread'])} across ranks (rank {worst_rank} slowest)",
                     {"transport": transport, "spread": v["spread"], "by_rank_gbps": v["by_rank_gbps"]},
-                    "Check that link: hccn_tool link status / optical modules for RDMA, HCCS topology (npu-smi info -t "
-                    "topo); run the env stage's bandwidth probe.",
+                    f"Check that link: {_SLOW_LINK_CHECK[kind]}; run the env stage's bandwidth probe.",
                 )
             )
     return out

@@ -249,7 +249,8 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
             f"{root}: {OUTPUT_DIR}/ missing — the raw data was never parsed; run "
             f"`python -c \"from torch_npu.profiler.profiler import analyse; analyse('{root}')\"`"
         )
-    files = Files(_files_under(out_dir) if not root.name.startswith("PROF_") else _files_under(root))
+    paths = _files_under(out_dir) if not root.name.startswith("PROF_") else _files_under(root)
+    files = Files(paths)
     steps = steps_from_step_trace(files.rows("step_trace"))
     if not steps:
         for _, events in files.traces:
@@ -260,7 +261,10 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
 
         steps, note = steps_from_kernels(kernels)
         files.variants.append(note)
+        files.variants += [f"note: {why}" for why in _step_trace_problems(paths)]  # the step trace was there
     if not steps:
+        if problems := _step_trace_problems(paths):  # there, but unusable: say so, not "missing"
+            raise StageError(f"{root}: {'; '.join(problems)} — no step breakdown; re-run the parser or re-export")
         want = (
             "mindstudio_profiler_output/msprof_*.json"
             if root.name.startswith("PROF_")
@@ -294,6 +298,25 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
             )
         )
     return ranks, files.variants
+
+
+def _step_trace_problems(paths: list[Path]) -> list[str]:
+    """Why each step_trace_time.csv present gave no step: no data rows (0 bytes or a header only) or a header that is
+    not step_trace's (an interrupted or foreign export)."""
+    out = []
+    for p in sorted(paths):
+        if not (p.name.startswith("step_trace_time") and p.suffix == ".csv"):  # torch_npu's, not msprof's step_trace_*
+            continue
+        header = tables.read_header(p)
+        if tables.detect_kind(header) != "step_trace":
+            cols = ", ".join(h for h in header if h) or "none"
+            if header and any(header):
+                out.append(f"{p} header not recognised as step_trace (columns {cols})")
+            else:
+                out.append(f"{p} has no data rows (an empty file)")
+        elif not tables.read_csv(p)[1]:
+            out.append(f"{p} has no data rows (header only)")
+    return out
 
 
 def _rank_id(root: Path, fallback: int) -> int:

@@ -3,10 +3,12 @@
 A run counts as a baseline when it is a finished `profile` stage run whose result status was ok/warn and whose
 profile has the same key: model shape, layout (dp/tp/pp/zero), world size, device kind (and trace format), seq_len,
 micro-batch, global batch (micro-batches per step), precision, optimizer, torch.compile, model converters and NPU
-kernels, and the profiler's own options. A profile of anything else is not slower or faster, just different: with no
-run of the same key the report says "no baseline yet" (and what differs from the newest profile), never a regression.
-Profiles logged before global batch, optimizer, compile, converters and profiler options joined the key have another
-key than any profile since: they are no baseline for a newer one (its report says "no baseline yet").
+kernels, the profiler's own options, and the analyzer whose step breakdown the report holds (builtin or
+msprof-analyze: two engines on one identical trace differ, which is no regression). A profile of anything else is not
+slower or faster, just different: with no run of the same key the report says "no baseline yet" (and what differs
+from the newest profile), never a regression. Profiles logged before global batch, optimizer, compile, converters,
+profiler options and analyzer joined the key have another key than any profile since: they are no baseline for a
+newer one (its report says "no baseline yet").
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def profile_key(cfg: PipelineConfig, report: dict, device_kind: str | None = Non
         "converters": list(cfg.model.converters),
         "npu_kernels": cfg.model.npu_kernels,
         "profiler": profiler_options(cfg, device),
+        # the engine that gave the step breakdown (engine.apply, run before the key): report_metrics logs its figures
+        "analyzer": (report.get("engine") or {}).get("used", "builtin"),
     }
 
 
@@ -131,7 +135,7 @@ def find_baseline(cfg: PipelineConfig, key: dict, exclude_run_id: str | None) ->
             return (
                 {"run_id": run.info.run_id, "metrics": {STEP_KEY: metrics[STEP_KEY], COMM_KEY: metrics[COMM_KEY]}},
                 f"baseline: run {run.info.run_id} (same model shape, layout, world, device, seq_len, "
-                "micro-batch, global batch, precision, optimizer, compile, converters, profiler options)",
+                "micro-batch, global batch, precision, optimizer, compile, converters, profiler options, analyzer)",
             )
         other = other or run
     if other is None:

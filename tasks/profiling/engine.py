@@ -16,6 +16,7 @@ cluster output has no operator table).
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from tasks.errors import StageError
@@ -24,7 +25,6 @@ from tasks.profiling.msprof import run_msprof_analyze
 ASCEND_FORMATS = ("ascend_pt", "msprof")
 PARTS = ("computing_us", "comm_not_overlapped_us", "overlapped_us", "free_us", "bubble_us")
 AGREEMENT = 0.01
-INSTALL = "pip install msprof-analyze==<the version matching your CANN>"
 
 
 def compare_breakdowns(builtin: dict, primary: dict) -> dict:
@@ -42,9 +42,11 @@ def compare_breakdowns(builtin: dict, primary: dict) -> dict:
 
 
 def apply(analyzer: str, report: dict, source: Path, out_dir: Path, run=run_msprof_analyze) -> dict:
-    """Set report["engine"] (and, with msprof-analyze, its step breakdown as the report's); returns the report."""
+    """Set report["engine"] (and, with msprof-analyze, its step breakdown as the report's, the rules then run again
+    over it: `report` is analyze()'s, whose findings all come from the rules); returns the report."""
     from tasks.profiling.loader import load_profile
     from tasks.profiling.report import build_report
+    from tasks.profiling.rules_guides import evaluate
 
     fmt = report["source"]["format"]
     eng = report["engine"] = {"requested": analyzer, "used": "builtin"}
@@ -59,15 +61,23 @@ def apply(analyzer: str, report: dict, source: Path, out_dir: Path, run=run_mspr
             )
         eng["reason"] = f"{fmt} data: msprof-analyze reads Ascend profiles only"
         return report
+    # out_dir is msprof-analyze's own folder: an earlier run's output left there (same run directory) would be read
+    # as this run's when the tool writes nothing (exits 0, or fails before writing)
+    shutil.rmtree(out_dir, ignore_errors=True)
     result = run(source, out_dir, fmt=fmt)
     report["source"]["msprof_analyze"] = result
     cluster = out_dir / "cluster_analysis_output"
     if result["status"] != "ok" or not cluster.is_dir():
-        why = result.get("reason") or f"msprof-analyze {result['status']} (see {out_dir})"
-        if analyzer == "msprof-analyze":
+        why = result.get("reason") or (
+            f"msprof-analyze {result['status']} (see {out_dir})"
+            if result["status"] != "ok"
+            else f"msprof-analyze exited 0 but wrote no cluster_analysis_output in {out_dir}"
+        )
+        if analyzer == "msprof-analyze":  # the install hint only when the tool is missing (result["fix"])
+            fix = f"fix: {result['fix']}, or set" if result.get("fix") else "or set"
             raise StageError(
-                f"profile.analyzer is msprof-analyze but it did not run: {why}; fix: {INSTALL}, or "
-                "set profile.analyzer=auto to fall back to the built-in readers"
+                f"profile.analyzer is msprof-analyze but it did not run: {why}; {fix} "
+                "profile.analyzer=auto to fall back to the built-in readers"
             )
         eng["reason"] = f"{why}; built-in readers used"
         report["source"]["notes"].append(f"msprof-analyze not used: {why}")
@@ -76,6 +86,8 @@ def apply(analyzer: str, report: dict, source: Path, out_dir: Path, run=run_mspr
     agreement = compare_breakdowns(report["step"], primary["step"])
     eng.update(used="msprof-analyze", agreement=agreement, builtin_step=report["step"])
     report["step"] = {**report["step"], **{k: primary["step"][k] for k in ("step_us", *PARTS, "shares")}}
+    # the rules judged the built-in breakdown (analyze): judge the one the report now shows
+    report["findings"], report["info"] = evaluate(report)
     if not agreement["within"]:
         report["findings"].append(
             {

@@ -21,6 +21,8 @@ def find_msprof() -> str | None:
     return shutil.which("msprof")
 
 
+INSTALL = "pip install msprof-analyze==<the version matching your CANN>"
+DB_EXPORT = "msprof --export=on --type=db --output=<the PROF_* directory>"  # CANN's parsing guide: db export again
 _MSPROF_DB = re.compile(r"^msprof_\d{14}\.db$")  # msprof-analyze ProfDataAllocate.DB_PATTERNS[MSPROF]
 
 
@@ -37,7 +39,8 @@ def msprof_db_files(data_dir: Path) -> list[Path]:
 def run_msprof_analyze(data_dir: Path, out_dir: Path, timeout_s: int = 900, fmt: str = "ascend_pt") -> dict:
     """`msprof-analyze cluster -m all -d DATA -o OUT` (cluster analysis: step trace, communication matrix/time).
 
-    Returns {"status": "ok"|"failed"|"skipped", …}; a failure is reported, not raised: our own analysis stands.
+    Returns {"status": "ok"|"failed"|"skipped", …} ("fix": the install command, only when the tool is missing); a
+    failure is reported, not raised: our own analysis stands.
     msprof's own PROF_* output is read by msprof-analyze only in db format (msprof_<timestamp>.db): without it the
     cross-check is skipped with that reason, not reported as a failure.
     """
@@ -47,13 +50,14 @@ def run_msprof_analyze(data_dir: Path, out_dir: Path, timeout_s: int = 900, fmt:
             "status": "skipped",
             "reason": "msprof-analyze not on PATH (pip install msprof-analyze matching "
             "the CANN version to cross-check)",
+            "fix": INSTALL,
         }
     if fmt == "msprof" and not msprof_db_files(data_dir):
         return {
             "status": "skipped",
             "reason": "msprof-analyze reads msprof (PROF_*) data only in db format and "
-            f"{data_dir} has no msprof_<timestamp>.db: collect with "
-            "`msprof --type=db` to cross-check",
+            f"{data_dir} has no msprof_<timestamp>.db (msprof's text export): export it as db with "
+            f"`{DB_EXPORT}` to cross-check",
         }
     cmd = analyze_command(exe, data_dir, out_dir)
     try:

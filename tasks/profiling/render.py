@@ -47,9 +47,19 @@ def render_markdown(report: dict, charts: dict[str, str] | None = None) -> str:
         ]
         lines += [f"- AI CPU: `{a['op']}` ×{a['count']}, max {a['max_us']:.0f} µs" for a in sup["ai_cpu"]]
     lines += ["", "## Step time (mean per step, ms)", ""]
+    # with msprof-analyze as the engine the report's breakdown (the "all" row, judged by the rules) is its step trace,
+    # the per-rank rows stay the built-in readers' (engine.apply): say which row is which
+    primary = (report.get("engine") or {}).get("used") == "msprof-analyze"
+    if primary:
+        lines += [
+            "Per-rank rows: the built-in readers; **all**: msprof-analyze's step trace, the breakdown the findings "
+            "judge (the two are compared under analysis.disagreement).",
+            "",
+        ]
+    rank_label, all_label = ("{} (built-in)", "**all** (msprof-analyze)") if primary else ("{}", "**all**")
     rows = [
         [
-            r["rank"],
+            rank_label.format(r["rank"]),
             _ms(r["mean"]["step_us"]),
             _ms(r["mean"]["computing_us"]),
             _ms(r["mean"]["comm_not_overlapped_us"]),
@@ -63,7 +73,7 @@ def render_markdown(report: dict, charts: dict[str, str] | None = None) -> str:
     ]
     rows.append(
         [
-            "**all**",
+            all_label,
             _ms(step["step_us"]),
             _ms(step["computing_us"]),
             _ms(step["comm_not_overlapped_us"]),

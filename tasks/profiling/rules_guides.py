@@ -1,7 +1,8 @@
 """Second wave of the guides' profile rules, over the unified report (same Finding shape as advisor.py):
 
 - compute.cube_vector_imbalance: of AI Core time, cube (matmul/attention) vs vector operators; one side above
-  msprof-analyze's operator-bound ratio 0.8 (config.ini operator_bound_ratio) means the other unit idles.
+  msprof-analyze's operator-bound ratio 0.8 (config.ini operator_bound_ratio) means the other unit idles. Ascend
+  operator data only (torch_npu, msprof): CPU and CUDA traces have no AI Core.
 - scaling.communication_headroom (info): communication below 15 % of the step → adding cards is fine (the guides'
   scaling rule of thumb); above it, more cards mostly add communication.
 - communication.retransmission: a collective whose average transit exceeds 4000 ms (msprof-analyze
@@ -12,7 +13,9 @@ Severity "info" never warns the stage.
 
 from __future__ import annotations
 
-from tasks.profiling.advisor import Finding
+from tasks.profiling.advisor import Finding, advise
+
+AI_CORE_FORMATS = ("ascend_pt", "msprof")  # per-operator tables of an Ascend device (AI Core: cube and vector units)
 
 THRESHOLDS = {
     "bound_ratio": 0.80,  # msprof-analyze config.ini operator_bound_ratio
@@ -30,7 +33,10 @@ def guide_rules(report: dict, thresholds: dict | None = None) -> list[dict]:
     vector = cats.get("vector", {}).get("total_us", 0.0)
     core = cube + vector
     total = sum(c.get("total_us", 0.0) for c in cats.values()) or 1.0
-    if core > 0 and core / total >= t["min_compute_share"]:
+    # Ascend only: off it there is no AI Core, and "vector" is every operator not named like a matmul (a CPU trace's
+    # aten ops, a CUDA trace's kernels) — the rule would advise torch_npu fusions for a CPU or GPU run
+    ai_core = (report.get("source") or {}).get("format") in AI_CORE_FORMATS
+    if ai_core and core > 0 and core / total >= t["min_compute_share"]:
         cube_share = cube / core
         ev = {
             "cube_us": cube,
@@ -112,3 +118,11 @@ def guide_rules(report: dict, thresholds: dict | None = None) -> list[dict]:
             )
         )
     return [f.to_dict() for f in out]
+
+
+def evaluate(report: dict) -> tuple[list[dict], list[dict]]:
+    """(findings, info) of every rule over the report as it stands: run again whenever its step breakdown changes
+    (tasks.profiling.engine swaps in msprof-analyze's), else the findings describe a breakdown the report no longer
+    shows. Info findings (never a problem) are kept apart from the findings that count."""
+    more = guide_rules(report)
+    return advise(report) + [f for f in more if f["severity"] != "info"], [f for f in more if f["severity"] == "info"]

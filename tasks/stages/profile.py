@@ -20,7 +20,6 @@ from tasks.config import PipelineConfig
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
 from tasks.profiling import baseline, charts
-from tasks.profiling.advisor import advise
 from tasks.profiling.loader import load_profile
 from tasks.profiling.msprof import find_msprof, msprof_wrap
 from tasks.profiling.render import render_markdown
@@ -48,14 +47,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def analyze(path: str | Path) -> dict:
     """The report of a profiling folder or trace, findings included (no baseline: that needs MLflow)."""
     from tasks.model import op_support
-    from tasks.profiling.rules_guides import guide_rules
+    from tasks.profiling.advisor import device_kind
+    from tasks.profiling.rules_guides import evaluate
 
     report = build_report(load_profile(path))
-    more = guide_rules(report)  # info findings (never a problem) are kept apart from the findings that count
-    report["findings"] = advise(report) + [f for f in more if f["severity"] != "info"]
-    report["info"] = [f for f in more if f["severity"] == "info"]
+    report["findings"], report["info"] = evaluate(report)  # again in engine.apply when it swaps the breakdown
     fmt = report["source"]["format"]
-    kind = "npu" if fmt != "torch_trace" else ("cuda" if any(o["core"] == "CUDA" for o in report["top_ops"]) else "cpu")
+    kind = device_kind(report)
     per_rank_ops = fmt in ("ascend_pt", "msprof")  # msprof-analyze's cluster output has no operator table
     report["op_support"] = op_support.report(kind, ai_cpu=report["ai_cpu_ops"] if per_rank_ops else None)
     return report
