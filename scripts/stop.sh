@@ -7,6 +7,14 @@
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 var="${LLM_PIPELINE_VAR_DIR:-$repo/var}"
+# Checked as text before any arithmetic: bash evaluates a variable's value inside $(( )) as code (an array index
+# runs a command substitution), so nothing from the environment reaches one unchecked.
+wait_s="${STOP_WAIT_S:-20}"
+if ! [[ "$wait_s" =~ ^[0-9]{1,6}$ ]]; then
+  printf 'stop: STOP_WAIT_S=%q is not a number of seconds (0-999999): unset it or set e.g. STOP_WAIT_S=20\n' "$wait_s" >&2
+  exit 2
+fi
+wait_s=$((10#$wait_s))  # 08 is eight, not an octal error
 
 group_alive() { ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'; }
 
@@ -32,8 +40,8 @@ stop() {  # name signal
   local kids; kids=$(descendants "$pid")
   kill -s "$2" "$pid" 2>/dev/null
   # shellcheck disable=SC2086
-  if ! wait_gone "$pid" "${STOP_WAIT_S:-20}" $kids; then
-    echo "stop: $1 still running ${STOP_WAIT_S:-20} s after SIG$2; sending SIGTERM to what is left" >&2
+  if ! wait_gone "$pid" "$wait_s" $kids; then
+    echo "stop: $1 still running $wait_s s after SIG$2; sending SIGTERM to what is left" >&2
     kill -s TERM -- "-$pid" $(live $kids) 2>/dev/null
     wait_gone "$pid" 10 $kids || kill -s KILL -- "-$pid" $(live $kids) 2>/dev/null
   fi

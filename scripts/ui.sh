@@ -6,12 +6,26 @@
 # Environment: AIRFLOW_PORT (8080), MLFLOW_PORT (5000), LLM_PIPELINE_VAR_DIR (var/), MLFLOW_TRACKING_URI (SQLite in var/),
 # UI_WAIT_S (180: how long to wait for both to answer).
 set -euo pipefail
+# The numbers are checked as text before anything starts: bash evaluates a value inside $(( )) as code (an array index
+# runs a command substitution), and a port that is not a number would be "not busy" and reach the servers.
+number() {  # variable value max
+  if ! [[ "$2" =~ ^[0-9]{1,6}$ ]] || (( 10#$2 > $3 )) || { [ "$1" != UI_WAIT_S ] && (( 10#$2 < 1 )); }; then
+    local range="0-$3"; [ "$1" = UI_WAIT_S ] || range="1-$3"
+    printf 'ui: %s=%q is not a whole number in %s: unset it or set e.g. %s=%s\n' "$1" "$2" "$range" "$1" "$4" >&2
+    exit 2
+  fi
+}
+number AIRFLOW_PORT "${AIRFLOW_PORT:-8080}" 65535 8080
+number MLFLOW_PORT "${MLFLOW_PORT:-5000}" 65535 5000
+number UI_WAIT_S "${UI_WAIT_S:-180}" 999999 180
+number STOP_WAIT_S "${STOP_WAIT_S:-20}" 999999 20  # scripts/stop.sh's, run if a server fails to start
 umask 022  # files 0644, directories 0755 whatever the caller's umask (secrets below: 077)
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 var="$(mkdir -p "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && cd "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && pwd)"
 host=127.0.0.1
-af_port="${AIRFLOW_PORT:-8080}"
-ml_port="${MLFLOW_PORT:-5000}"
+af_port=$((10#${AIRFLOW_PORT:-8080}))
+ml_port=$((10#${MLFLOW_PORT:-5000}))
+ui_wait_s=$((10#${UI_WAIT_S:-180}))
 
 # State lives in $var (a test points it at a temp dir); airflow-env.sh keeps values that are already set.
 export LLM_PIPELINE_VAR_DIR="$var"   # the stages' runs, data and MLflow artifacts follow it (tasks.config.var_dir)
@@ -90,7 +104,7 @@ echo $! > "$var/airflow.pid"
 
 fail() { bash "$repo/scripts/stop.sh" >&2; exit 1; }  # leave nothing half-started behind
 wait_for() {  # name url pidfile log
-  local deadline=$((SECONDS + ${UI_WAIT_S:-180}))
+  local deadline=$((SECONDS + ui_wait_s))
   until python - "$2" <<'EOF' 2>/dev/null
 import sys, urllib.request
 urllib.request.urlopen(sys.argv[1], timeout=3).read()

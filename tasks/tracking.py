@@ -113,6 +113,11 @@ def is_rank0() -> bool:
 
 
 def git_sha() -> str:
+    """The commit the code is at: LLM_PIPELINE_GIT_SHA when set (the images: `--build-arg GIT_SHA=...`, their build
+    context has no .git), else `git rev-parse` of the checkout, else "unknown"."""
+    given = os.environ.get("LLM_PIPELINE_GIT_SHA", "").strip()
+    if given and given != "unknown":
+        return given
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5

@@ -467,3 +467,46 @@ def test_the_pods_config_loads_back_and_keeps_the_explicit_layout(k8s_cfg, tmp_p
     assert pod_cfg.parallel.zero == 1 and pod_cfg.train.steps == k8s_cfg.train.steps
     args = manifest["spec"]["template"]["spec"]["containers"][0]["args"][0]
     assert "--set parallel.zero=1" in args
+
+
+@pytest.mark.parametrize("kind", ["job", "pytorchjob", "trainjob"])
+def test_npu_pods_run_the_ascend_entrypoint_and_cpu_cuda_pods_do_not(k8s_cfg, tmp_path, kind):
+    """A container's `command` replaces the image's ENTRYPOINT: an NPU pod's command starts with the Ascend image's
+    entrypoint (docker/entrypoint-ascend.sh, run here in its place), so CANN's set_env.sh is sourced before the stage;
+    the CPU and CUDA images have no such file, and their pods start bash directly."""
+    k8s_cfg.hardware.k8s_kind = kind
+
+    def command(device: str) -> list[str]:
+        k8s_cfg.hardware.device = device
+        manifest = k8s_job.render(k8s_cfg, tmp_path / "run", "llm-x", "train")[-1]
+        if kind == "pytorchjob":
+            return manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["command"]
+        if kind == "trainjob":
+            return manifest["spec"]["trainer"]["command"]
+        return manifest["spec"]["template"]["spec"]["containers"][0]["command"]
+
+    for device in ("cpu", "cuda"):
+        assert command(device) == ["bash", "-c"], device
+    entry = command("npu")
+    assert entry == [k8s_job.ASCEND_ENTRYPOINT, "bash", "-c"] and command("auto") == entry
+    steps = [line.split() for line in (REPO / "docker" / "Dockerfile.ascend").read_text().splitlines()]
+    assert ["COPY", "docker/entrypoint-ascend.sh", k8s_job.ASCEND_ENTRYPOINT] in steps
+    cann = tmp_path / "Ascend" / "cann"
+    cann.mkdir(parents=True)
+    (cann / "set_env.sh").write_text("export ASCEND_HOME_PATH=/fake/cann\n")
+    out = subprocess.run(
+        ["bash", str(REPO / "docker" / "entrypoint-ascend.sh"), *entry[1:], 'echo "cann=$ASCEND_HOME_PATH"'],
+        env={"PATH": "/usr/bin:/bin", "ASCEND_INSTALL_ROOT": str(tmp_path / "Ascend")},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "cann=/fake/cann", out.stderr
+
+
+def test_a_missing_job_template_is_one_line_naming_it_and_the_fix(k8s_cfg, tmp_path, monkeypatch):
+    """An image built without deploy/ (older Dockerfiles did not COPY it): one line, not a FileNotFoundError."""
+    monkeypatch.setattr(k8s_job, "TEMPLATE", tmp_path / "deploy" / "k8s" / "train-job.yaml")
+    with pytest.raises(k8s_job.StageError, match=r"train-job\.yaml is missing .*COPY deploy \./deploy") as e:
+        k8s_job.render(k8s_cfg, tmp_path / "run", "llm-x", "train")
+    assert "\n" not in str(e.value)

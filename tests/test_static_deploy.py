@@ -2,6 +2,7 @@
 exist, pin torch/torch_npu as a published pair, take secrets only from the environment and bind to 127.0.0.1."""
 
 import importlib
+import os
 import re
 import shlex
 import subprocess
@@ -92,7 +93,9 @@ def test_compose_services_files_and_ports():
                 assert (DOCKER / src).is_file(), f"{name}: {src} missing"
         for port in svc.get("ports", []):
             assert port.startswith(("${BIND_ADDRESS:-127.0.0.1}:", "127.0.0.1:")), f"{name}: {port} not on loopback"
-    assert "postgres" not in [n for n, s in services.items() if s.get("ports")]
+    # PostgreSQL and Redis are published (NPU nodes run their own workers against them), only with their passwords
+    assert services["postgres"]["ports"] == ["${BIND_ADDRESS:-127.0.0.1}:${POSTGRES_PORT:-5432}:5432"]
+    assert services["postgres"]["environment"]["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD:?")
     assert "--app-name basic-auth" in services["mlflow"]["command"]
     volumes = compose()["volumes"]
     assert "mlartifacts" in volumes
@@ -217,7 +220,9 @@ def test_compose_is_the_celery_profile_with_scalable_workers_and_flower():
     assert "exec airflow celery worker --queues" in worker["command"][-1]
     assert {"redis", "airflow-init"} <= set(worker["depends_on"])
     assert services["flower"]["command"] == ["airflow", "celery", "flower"]
-    assert services["redis"]["healthcheck"] and "ports" not in services["redis"]
+    assert services["redis"]["healthcheck"]
+    assert services["redis"]["ports"] == ["${BIND_ADDRESS:-127.0.0.1}:${REDIS_PORT:-6379}:6379"]
+    assert "--requirepass" in services["redis"]["command"][-1]
     required = set(re.findall(r"\$\{([A-Z_]+):\?", (DOCKER / "docker-compose.yml").read_text()))
     assert {"REDIS_PASSWORD", "FLOWER_PASSWORD"} <= required
 
@@ -261,3 +266,206 @@ def test_mlflow_server_keeps_runs_in_postgres_and_serves_the_artifacts():
         assert not uri or is_allowed_host_header(hosts, uri.removeprefix("http://")), (service, uri, hosts)
     assert uris["celery-worker"] and uris["airflow-scheduler"]
     assert is_allowed_host_header(hosts, "127.0.0.1:5000") and not is_allowed_host_header(hosts, "evil.example:5000")
+
+
+def copied(name: str) -> set[str]:
+    """The repository paths a Dockerfile COPYs into the image (sources of every COPY, without a trailing slash)."""
+    return {src.rstrip("/") for w, a in instructions(DOCKER / name) if w == "COPY" for src in shlex.split(a)[:-1]}
+
+
+def test_every_path_the_code_reads_under_the_repository_is_in_both_images():
+    """What the code opens at run time relative to REPO_ROOT (configs/ presets, deploy/k8s/ Job template, ...) is in
+    both images: without deploy/, `launcher: kubernetes` in an image died of a FileNotFoundError."""
+    read = set()
+    for top in ("tasks", "data_prep", "dags", "plugins", "scripts"):
+        for f in (REPO / top).rglob("*.py"):
+            read |= set(re.findall(r'REPO_ROOT\s*/\s*"([^"/]+)', f.read_text(encoding="utf-8")))
+    read -= {"var"}  # state, not code: LLM_PIPELINE_VAR_DIR (/var/lib/llm in the images)
+    assert {"configs", "deploy"} <= read, read
+    assert (k8s_job.TEMPLATE.parent.parent.name, k8s_job.TEMPLATE.parent.name) == ("deploy", "k8s")
+    for name in ("Dockerfile.cpu", "Dockerfile.ascend"):
+        assert read <= copied(name), f"{name} does not COPY {sorted(read - copied(name))}"
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert not read & {p.strip("/") for p in ignored}
+
+
+def test_both_images_configure_airflow_alike_and_tag_the_commit():
+    """The Ascend image runs Airflow workers too (NPU nodes' device queue): the same Airflow ENV as the CPU image.
+    Both take GIT_SHA as a build argument into LLM_PIPELINE_GIT_SHA (the build context has no .git)."""
+
+    def env(name: str) -> dict:
+        out = {}
+        for w, a in instructions(DOCKER / name):
+            if w == "ENV":
+                out.update(dict(pair.split("=", 1) for pair in shlex.split(a)))
+        return out
+
+    cpu, ascend = env("Dockerfile.cpu"), env("Dockerfile.ascend")
+    airflow = {k: v for k, v in cpu.items() if k.startswith("AIRFLOW") or k == "PYTHONPATH"}
+    assert {"AIRFLOW_HOME", "AIRFLOW_CONFIG", "AIRFLOW__CORE__DAGS_FOLDER", "AIRFLOW__LOGGING__BASE_LOG_FOLDER"} <= set(
+        airflow
+    )
+    assert {k: ascend.get(k) for k in airflow} == airflow
+    for name, values in (("Dockerfile.cpu", cpu), ("Dockerfile.ascend", ascend)):
+        steps = instructions(DOCKER / name)
+        assert any(w == "ARG" and a.startswith("GIT_SHA") for w, a in steps), name
+        assert values["LLM_PIPELINE_GIT_SHA"] == "$GIT_SHA", name
+        assert "--build-arg GIT_SHA=" in (DOCKER / name).read_text(), f"{name}: its header says how to pass it"
+    assert ".git" in (REPO / ".dockerignore").read_text().split()
+
+
+def test_ascend_image_installs_under_the_constraints_except_the_torch_it_replaces():
+    (run,) = [a for w, a in instructions(DOCKER / "Dockerfile.ascend") if w == "RUN" and "pip install" in a]
+    assert "constraints.txt" in copied("Dockerfile.ascend")
+    m = re.search(r"grep -v '\^torch==' constraints\.txt > (\S+)", run)
+    assert m, run
+    installs = [c for c in run.split("&&") if "pip install" in c]
+    assert installs and all(f"-c {m.group(1)}" in c for c in installs), installs
+    pins = [line for line in (REPO / "constraints.txt").read_text().splitlines() if line.startswith("torch")]
+    assert "torch==" in "".join(pins)  # the one line dropped; torch_npu's torch comes from requirements-npu.txt
+    assert not any(line.startswith(("torch-npu", "torch_npu")) for line in pins)
+
+
+def test_compose_lets_the_workers_run_in_parallel_and_links_to_a_browsable_host():
+    """airflow.cfg's laptop limits (parallelism 4, 2 tasks per DAG run) would cap `--scale celery-worker=8` at 2: the
+    shared Airflow env raises both; the UI links use PUBLIC_HOST, never BIND_ADDRESS (0.0.0.0 is not browsable)."""
+    services = compose()["services"]
+    for name, svc in services.items():
+        env = svc.get("environment") or {}
+        if env.get("AIRFLOW__CORE__EXECUTOR") != "CeleryExecutor":
+            continue
+        for key, var in (
+            ("AIRFLOW__CORE__PARALLELISM", "AIRFLOW_PARALLELISM"),
+            ("AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG", "AIRFLOW_MAX_ACTIVE_TASKS_PER_DAG"),
+        ):
+            m = re.fullmatch(r"\$\{" + var + r":-(\d+)\}", str(env.get(key)))
+            assert m and int(m.group(1)) >= 8, f"{name}.{key} = {env.get(key)!r}"
+        assert env["LLM_PIPELINE_PRESET"] == "${LLM_PIPELINE_PRESET:-}", name
+        for key in ("AIRFLOW__API__BASE_URL", "MLFLOW_UI_URL"):
+            assert "BIND_ADDRESS" not in env[key] and "${PUBLIC_HOST:-localhost}" in env[key], (name, key)
+        assert "${LLM_SITE_DIR:-./site}:/etc/llm:ro" in svc["volumes"], name
+    assert (DOCKER / "site").is_dir()
+    doc = (REPO / "docs" / "scale-out.md").read_text()
+    for var in (
+        "AIRFLOW_PARALLELISM",
+        "AIRFLOW_MAX_ACTIVE_TASKS_PER_DAG",
+        "PUBLIC_HOST",
+        "CELERY_WORKER_QUEUES",
+        "LLM_PIPELINE_PRESET",
+        "LLM_SITE_DIR",
+        "LLM_VAR_VOLUME",
+    ):
+        assert var in doc, f"docs/scale-out.md does not describe {var}"
+
+
+def test_bare_metal_recipe_reaches_the_api_server_and_runs_every_component():
+    """The recipe's workers call http://api-host:8080/execution/, so the api-server must listen beyond loopback
+    (airflow.cfg: 127.0.0.1); the DAG's approval gate is deferrable, so a triggerer runs; the same limits as compose."""
+    doc = (REPO / "docs" / "scale-out.md").read_text()
+    recipe = doc.split("## Bare metal", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    assert "export AIRFLOW__API__HOST=0.0.0.0" in recipe
+    assert "airflow triggerer" in recipe
+    assert "AIRFLOW__CORE__PARALLELISM=" in recipe and "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG=" in recipe
+    assert "LLM_PIPELINE_GIT_SHA" in doc or "GIT_SHA" in doc
+
+
+def test_operations_lists_every_secret_compose_requires():
+    required = set(re.findall(r"\$\{([A-Z_]+):\?", (DOCKER / "docker-compose.yml").read_text()))
+    ops = (REPO / "docs" / "operations.md").read_text()
+    section = ops[ops.index("docker/docker-compose.yml") :][:1500]
+    assert required and all(f"`{name}`" in section for name in required), required - set(
+        re.findall(r"`([A-Z_]+)`", section)
+    )
+
+
+def test_a_cuda_user_is_told_which_image_to_build(cfg, tmp_path):
+    """configs/llama3-8b-h100.yaml runs llm-pipeline:cuda: the missing-image line and the Dockerfile say how to build
+    it (Dockerfile.cpu on PyTorch's CUDA wheel), not to build the Ascend image."""
+    cfg.hardware.device, cfg.hardware.k8s_image = "cuda", ""
+    with pytest.raises(ConfigError) as e:
+        k8s_job.render(cfg, tmp_path / "run", "llm-x")
+    assert "docker/Dockerfile.cpu" in str(e.value) and "TORCH_INDEX_URL" in str(e.value)
+    header = (DOCKER / "Dockerfile.cpu").read_text()
+    assert "llm-pipeline:cuda" in header and "--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in header
+    assert yaml.safe_load((REPO / "configs" / "llama3-8b-h100.yaml").read_text())["hardware"]["k8s_image"] == (
+        "llm-pipeline:cuda"
+    )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(script: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """scripts/<script> on a state dir under tmp_path and free ports; a ui.sh that got past its checks (a
+    regression) starts the real servers, so its state dir is stopped afterwards whatever the outcome."""
+    ours = ("AIRFLOW", "MLFLOW", "LLM_PIPELINE", "UI_", "STOP_")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(ours)}
+    base.update(
+        LLM_PIPELINE_VAR_DIR=str(tmp_path / "var"),
+        AIRFLOW_PORT=str(free_port()),
+        MLFLOW_PORT=str(free_port()),
+        STOP_WAIT_S="1",
+    )
+    base.update(env)
+    try:
+        command = ["bash", str(REPO / "scripts" / script)]
+        return subprocess.run(command, cwd=tmp_path, env=base, capture_output=True, text=True, timeout=600)
+    finally:
+        if script == "ui.sh" and (tmp_path / "var").exists():
+            stop_env = {**base, "STOP_WAIT_S": "10"}
+            subprocess.run(["bash", str(REPO / "scripts" / "stop.sh")], env=stop_env, capture_output=True, timeout=120)
+
+
+INJECTION = "PPID[$(touch {marker})0]"  # bash runs the substitution when it evaluates the value in $(( ))
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("AIRFLOW_PORT", "abc"),
+        ("MLFLOW_PORT", "70000"),
+        ("AIRFLOW_PORT", "0"),
+        ("UI_WAIT_S", "1.5"),
+        ("UI_WAIT_S", INJECTION),
+        ("STOP_WAIT_S", INJECTION),
+    ],
+)
+def test_ui_refuses_a_bad_number_in_one_line_before_starting_anything(tmp_path, name, value):
+    marker = tmp_path / "injected"
+    out = run_script("ui.sh", tmp_path, **{name: value.format(marker=marker)})
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"ui: {name}=") and f"set e.g. {name}=" in lines[0], lines
+    assert "Traceback" not in out.stderr and not out.stdout
+    assert not marker.exists(), "the value was evaluated as shell code"
+    assert not (tmp_path / "var").exists()  # nothing started, not even the state dir
+
+
+def test_stop_refuses_a_bad_wait_in_one_line_and_runs_nothing_from_it(tmp_path):
+    """STOP_WAIT_S reaches $(( )) only once a server is running: one is (a process group of our own), and the value
+    that would run `touch` is refused before anything is signalled."""
+    var = tmp_path / "var"
+    var.mkdir()
+    marker = tmp_path / "injected"
+    server = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its pid is its process group
+    try:
+        (var / "airflow.pid").write_text(f"{server.pid}\n")
+        for value in (INJECTION.format(marker=marker), "-1", "20s"):
+            out = run_script("stop.sh", tmp_path, STOP_WAIT_S=value)
+            assert out.returncode == 2, out.stdout + out.stderr
+            lines = out.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("stop: STOP_WAIT_S=") and "STOP_WAIT_S=20" in lines[0]
+            assert not marker.exists(), "the value was evaluated as shell code"
+            assert server.poll() is None and (var / "airflow.pid").is_file()  # nothing signalled, nothing removed
+        out = run_script("stop.sh", tmp_path, STOP_WAIT_S="05")  # leading zero: five seconds, not an octal error
+        assert out.returncode == 0 and "stop: airflow stopped" in out.stdout, out.stdout + out.stderr
+        assert server.wait(timeout=30) is not None
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -98,3 +98,15 @@ def test_non_zero_rank_does_not_log(cfg, monkeypatch, tmp_path, toy_stage):
     monkeypatch.setenv("RANK", "1")
     result = runner.run_stage("toy", cfg, tmp_path)
     assert result["mlflow_run_id"] is None
+
+
+def test_git_sha_comes_from_the_image_build_arg_first(monkeypatch, tmp_path):
+    """An image has no .git (.dockerignore): the Dockerfiles' GIT_SHA build argument (LLM_PIPELINE_GIT_SHA) is the
+    commit; outside an image the checkout's; "unknown" when neither says."""
+    monkeypatch.setenv("LLM_PIPELINE_GIT_SHA", "0123456789ab")
+    assert tracking.git_sha() == "0123456789ab"
+    monkeypatch.setattr(tracking, "REPO_ROOT", tmp_path)  # no repository here
+    monkeypatch.setenv("LLM_PIPELINE_GIT_SHA", "unknown")  # the Dockerfiles' default when GIT_SHA is not given
+    assert tracking.git_sha() == "unknown"
+    monkeypatch.delenv("LLM_PIPELINE_GIT_SHA")
+    assert tracking.git_sha() == "unknown"

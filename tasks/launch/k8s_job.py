@@ -43,6 +43,10 @@ GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's resource
 # Host paths only an Ascend node has (the driver, npu-smi and its libraries, the install record): a GPU pod drops them
 # (the NVIDIA container runtime injects its driver).
 ASCEND_MOUNTS = ("driver", "npu-smi", "dcmi", "install-info")
+# A container's `command` replaces the image's ENTRYPOINT: the Ascend image's (docker/Dockerfile.ascend), which sources
+# CANN's set_env.sh, is named explicitly for NPU pods (the template's, device npu or auto); the CPU/CUDA images (device
+# cpu, cuda) have none.
+ASCEND_ENTRYPOINT = "/usr/local/bin/entrypoint-ascend.sh"
 
 
 def device_resource(cfg: PipelineConfig) -> str:
@@ -161,8 +165,14 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
         raise ConfigError(f"stage {stage!r} runs on the Airflow worker, not as a Kubernetes Job")
     if not hw.k8s_image:
         raise ConfigError(
-            "hardware.k8s_image: required with hardware.launcher=kubernetes (the image built from "
-            "docker/Dockerfile.ascend, in a registry the cluster can pull from)"
+            "hardware.k8s_image: required with hardware.launcher=kubernetes (in a registry the cluster can pull "
+            "from: for hardware.device npu the image built from docker/Dockerfile.ascend; for cuda "
+            "docker/Dockerfile.cpu built with --build-arg TORCH_INDEX_URL=<PyTorch's CUDA index>, see its header)"
+        )
+    if not TEMPLATE.is_file():
+        raise StageError(
+            f"the Kubernetes Job template {TEMPLATE} is missing (an image built without deploy/): rebuild the image "
+            "from docker/Dockerfile.ascend or docker/Dockerfile.cpu of this version, which COPY deploy ./deploy"
         )
     run_dir = Path(run_dir)
     config_file = run_dir / "k8s" / f"{name}.yaml"
@@ -186,6 +196,8 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     container = pod["containers"][0]
     container["name"] = stage
     container["image"] = hw.k8s_image
+    if hw.device in ("cpu", "cuda"):  # the CPU/CUDA image: no Ascend entrypoint to start the command with
+        container["command"] = [w for w in container["command"] if w != ASCEND_ENTRYPOINT]
     container["args"] = [pod_command(cfg, run_dir, config_file, name, stage)]
     npus = (hw.nproc_per_node or DEFAULT_NPUS_PER_NODE) if stage in MULTI_NODE_STAGES else 1
     resource = device_resource(cfg)
