@@ -1,6 +1,8 @@
 """`python -m data_prep shard --input PATH… [--out DIR] [--config YAML] [--set key=value …]`
    (inputs: --input, or inputs in --config/--set; DIR: default $LLM_PIPELINE_VAR_DIR/data, else <repo>/var/data;
-   --input/--out replace the --config file's inputs/out_dir, and refuse --set inputs=/out_dir= beside them)
+   --input/--out replace the --config file's inputs/out_dir, and refuse --set inputs=/out_dir= beside them;
+   relative paths in the --config file are read from the repository, as the pipeline reads that file, and those
+   on the command line from the working directory)
    `python -m data_prep verify DIR [--split train]`   (tokenizer files, sizes + sha256 of every shard, against the
                                                        manifest)
 
@@ -15,7 +17,7 @@ import json
 import logging
 import sys
 
-from data_prep.config import ShardConfig, default_out_dir
+from data_prep.config import ShardConfig, config_paths, default_out_dir
 from data_prep.errors import DataPrepError
 
 
@@ -85,7 +87,10 @@ def main(argv=None) -> int:
             overrides["inputs"] = args.input
         if args.out is not None:
             overrides["out_dir"] = args.out
-        values = {**ShardConfig.yaml_values(args.config), **overrides} if args.config else overrides
+        # A --config file's paths are read as the pipeline reads that file (from the repository); the command line's
+        # (--input, --out, --set) from the working directory, where they were typed.
+        from_file = config_paths(ShardConfig.yaml_values(args.config), f"config {args.config}") if args.config else {}
+        values = {**from_file, **overrides}
         if "inputs" not in values:  # never the model's default (the whole standard library) unasked
             raise DataPrepError(
                 "no inputs: give --input PATH… (files, directories, globs; 'stdlib' for the Python standard "

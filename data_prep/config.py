@@ -219,11 +219,59 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PIPELINE_SECTIONS = "hardware data model parallel train smoke plan profile quantize evaluate tracking timeouts".split()
 
 
+def var_dir() -> Path:
+    """Where runs, stores and caches live: <repo>/var, or $LLM_PIPELINE_VAR_DIR (tests, shared disks)."""
+    return Path(os.environ.get("LLM_PIPELINE_VAR_DIR") or REPO_ROOT / "var")
+
+
+def repo_path(p: str | os.PathLike) -> Path:
+    """A path from a config file: relative ones are relative to the repository root, whatever the working
+    directory ("var/…" follows var_dir())."""
+    p = Path(p).expanduser()
+    if p.is_absolute():
+        return p
+    if p.parts and p.parts[0] == "var":
+        return var_dir().joinpath(*p.parts[1:])
+    return REPO_ROOT / p
+
+
 def default_out_dir() -> Path:
-    """Where `python -m data_prep shard` writes without --out/out_dir: the pipeline's `var/data` (tasks.config's
-    repo_path(data.out_dir)), i.e. $LLM_PIPELINE_VAR_DIR/data, else <repo>/var/data; never ./var under the working
+    """Where `python -m data_prep shard` writes without --out/out_dir: the pipeline's `var/data`
+    (repo_path(data.out_dir)), i.e. $LLM_PIPELINE_VAR_DIR/data, else <repo>/var/data; never ./var under the working
     directory."""
-    return Path(os.environ.get("LLM_PIPELINE_VAR_DIR") or REPO_ROOT / "var") / "data"
+    return var_dir() / "data"
+
+
+def repo_input(p: str) -> str:
+    """One entry of a config file's `inputs`, read as the pipeline reads it (repo_path; "stdlib" as it is). A relative
+    one missing there but present in the working directory (where a user typed it) raises DataPrepError naming
+    both, not "does not exist" later."""
+    if p == "stdlib":
+        return p
+    path, here = repo_path(p), Path(p).expanduser()
+    if not here.is_absolute() and not any(c in p for c in "*?[") and not path.exists() and here.exists():
+        raise DataPrepError(
+            f"{p} is read from the repository root ({path}, which does not exist), not the working directory; give "
+            f"the absolute path {here.resolve()}"
+        )
+    return str(path)
+
+
+def config_paths(values: dict, source: str) -> dict:
+    """The paths a config file gives (`inputs`, `out_dir`, `tokenizer`) read as the pipeline reads that file:
+    relative to the repository (repo_path), so that one preset names the same corpus in `python -m data_prep shard
+    --config` and in `python -m tasks shard`."""
+    out = dict(values)
+    if isinstance(out.get("inputs"), list):
+        try:  # a wrong type or a blank entry is left for the model to name
+            out["inputs"] = [repo_input(p) if isinstance(p, str) and p.strip() else p for p in out["inputs"]]
+        except DataPrepError as e:
+            raise DataPrepError(f"{source}: inputs: {e} (or pass it with --input)") from None
+    for key in ("out_dir", "tokenizer"):
+        v = out.get(key)
+        if isinstance(v, str) and v.strip() and not (key == "tokenizer" and v == "train"):
+            out[key] = str(repo_path(v))
+    return out
 
 
 # Fields that do not change the bytes written, so they stay out of the cache key: where things are, how fast they
@@ -269,8 +317,19 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _chars(self):
+        lines = []
         if self.min_chars > self.max_chars:
-            raise rule_error([f"min_chars: {self.min_chars} exceeds max_chars {self.max_chars}"])
+            lines.append(f"min_chars: {self.min_chars} exceeds max_chars {self.max_chars}")
+        # A blank path is the working directory (or, in the pipeline, the repository root): a walk of whatever is
+        # there, shard sets written into it. Refused, never read as a place.
+        if any(not str(i).strip() for i in self.inputs):
+            lines.append(f"inputs: {self.inputs!r} has a blank entry; give files, directories, globs or 'stdlib'")
+        for key in ("out_dir", "tokenizer"):
+            if not getattr(self, key).strip():
+                what = "a directory" if key == "out_dir" else "'train' or a tokenizer.json / model directory"
+                lines.append(f"{key}: blank; give {what}")
+        if lines:
+            raise rule_error(lines)
         return self
 
     def validate(self) -> "DataConfig":  # noqa: D102 (data_prep's check: its own one-line error)

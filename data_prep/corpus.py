@@ -84,13 +84,26 @@ def _walk(directory: Path) -> list[Path]:
     never end): those it passes are named in one warning line, so that a linked-in part of the corpus is not lost
     unnoticed."""
     _say_symlinked_dirs(directory, f"input {directory}: symlinked directories are not followed")
-    return sorted(
-        p
-        for p in directory.rglob("*")
-        if p.is_file()
-        and _kind_suffix(p) in WALK_SUFFIXES
-        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
-    )
+    found, passed = [], {}
+    for p in directory.rglob("*"):
+        if not p.is_file() or any(part.startswith(".") for part in p.relative_to(directory).parts):
+            continue
+        if _kind_suffix(p) in WALK_SUFFIXES:
+            found.append(p)
+        else:  # another format: not read, and said (a .json or .csv corpus beside .jsonl files is not lost unseen)
+            passed.setdefault(_kind_suffix(p) or "(no suffix)", []).append(p)
+    if passed:
+        counts = ", ".join(f"{k} {len(v)}" for k, v in sorted(passed.items(), key=lambda kv: (-len(kv[1]), kv[0])))
+        log.warning(
+            "input %s: %d file(s) not read (%s; first %s): a directory walk reads %s (and their .gz); name other "
+            "text files directly or with a glob, convert tables to .jsonl or .parquet",
+            directory,
+            sum(len(v) for v in passed.values()),
+            counts,
+            min(p for v in passed.values() for p in v),
+            " ".join(sorted(WALK_SUFFIXES)),
+        )
+    return sorted(found)
 
 
 def _kind_suffix(path: Path) -> str:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
-from data_prep.config import DataConfig, Section, problems, rule_error, yaml_mapping
+from data_prep.config import DataConfig, Section, problems, repo_path, rule_error, var_dir, yaml_mapping  # noqa: F401 (repo_path, var_dir: tasks' names for them)
 from tasks.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -565,18 +565,3 @@ def validate(cfg: PipelineConfig) -> PipelineConfig:
     """Check cfg as it is now (after code changed fields): the same model, the same one-line problems."""
     _validated(_flatten(cfg.to_dict()))
     return cfg
-
-
-def var_dir() -> Path:
-    """Where runs, stores and caches live: <repo>/var, or $LLM_PIPELINE_VAR_DIR (tests, shared disks)."""
-    return Path(os.environ.get("LLM_PIPELINE_VAR_DIR") or REPO_ROOT / "var")
-
-
-def repo_path(p: str | os.PathLike) -> Path:
-    """Relative paths in the config are relative to the repository root, whatever the working directory."""
-    p = Path(p).expanduser()
-    if p.is_absolute():
-        return p
-    if p.parts and p.parts[0] == "var":  # "var/…" follows var_dir()
-        return var_dir().joinpath(*p.parts[1:])
-    return REPO_ROOT / p

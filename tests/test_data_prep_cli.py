@@ -165,3 +165,76 @@ def test_a_glob_of_json_files_warns_once_with_the_count(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="data_prep"):
         resolve_inputs([str(tmp_path / "*.txt")])
     assert not [r for r in caplog.records if "read as one text document" in r.getMessage()]
+
+
+# --- 6. blank paths, a --config file's relative paths, what a directory walk passes by ------------------------------
+
+
+def test_a_blank_path_is_refused_not_read_as_the_working_directory(tmp_path, monkeypatch, capsys, built):
+    from tasks.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("a file of the working directory, which a blank input walked\n" * 4)
+    for argv, want in (
+        (["--input", ""], "error: inputs: [''] has a blank entry; give files, directories, globs or 'stdlib'"),
+        (["--input", str(CORPUS), "--set", "tokenizer= "], "error: tokenizer: blank; give 'train' or a tokenizer"),
+        (["--input", str(CORPUS), "--set", "out_dir= "], "error: out_dir: blank; give a directory"),
+    ):
+        assert cli.main(["shard", *argv]) == 2
+        (line,) = errors(capsys)
+        assert line.startswith(want), line
+    assert built == []
+    from tasks.config import apply_overrides, validate
+    from tasks.errors import ConfigError
+
+    c = load_config("ci-tiny")  # the pipeline's model is the same one: a blank data.out_dir was the repository root
+    with pytest.raises(ConfigError, match=r"^data.out_dir: blank; give a directory$"):
+        apply_overrides(c, {"data.out_dir": ""})
+    c.data.out_dir = " "  # set by code, then checked
+    with pytest.raises(ConfigError, match=r"^data.out_dir: blank; give a directory$"):
+        validate(c)
+
+
+def test_a_config_files_relative_paths_are_read_as_the_pipeline_reads_them(tmp_path, monkeypatch, capsys, built):
+    from tasks.config import repo_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "v"))
+    rel = CORPUS.relative_to(REPO)
+    conf = tmp_path / "preset.yaml"
+    conf.write_text(f"data:\n  inputs: [{rel}, stdlib]\n  out_dir: var/sets\n  tokenizer: {rel}/tok\n")
+    assert cli.main(["shard", "--config", str(conf)]) == 2 and errors(capsys) == ["error: stub"]
+    cfg = built[-1]
+    assert cfg.inputs == [str(CORPUS), "stdlib"] == [str(repo_path(rel)), "stdlib"]  # the pipeline's reading
+    assert cfg.out_dir == str(tmp_path / "v" / "sets") and cfg.tokenizer == str(CORPUS / "tok")
+    # the command line's paths stay the working directory's
+    assert cli.main(["shard", "--config", str(conf), "--input", "here", "--out", "o"]) == 2 and errors(capsys)
+    assert (built[-1].inputs, built[-1].out_dir) == (["here"], "o")
+    # a relative input that exists only where the command runs: one line naming both places
+    (tmp_path / "mine").mkdir()
+    conf.write_text("inputs: [mine]\n")
+    assert cli.main(["shard", "--config", str(conf)]) == 2
+    (line,) = errors(capsys)
+    assert line == (
+        f"error: config {conf}: inputs: mine is read from the repository root ({REPO / 'mine'}, which does not "
+        f"exist), not the working directory; give the absolute path {tmp_path / 'mine'} (or pass it with --input)"
+    )
+
+
+def test_a_directory_walk_names_the_files_it_does_not_read(tmp_path, caplog):
+    for name in ("a.jsonl", "b.json", "c.json", "d.csv", "sub/e.txt", ".hidden/f.json", "README"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text('{"text": "some words of a record"}\n')
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        files = resolve_inputs([str(tmp_path)])
+    assert files == [tmp_path / "a.jsonl", tmp_path / "sub" / "e.txt"]
+    lines = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert lines == [
+        f"input {tmp_path}: 4 file(s) not read (.json 2, (no suffix) 1, .csv 1; first {tmp_path / 'README'}): a "
+        "directory walk reads .jsonl .md .parquet .rst .text .txt (and their .gz); name other text files directly or "
+        "with a glob, convert tables to .jsonl or .parquet"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        resolve_inputs([str(tmp_path / "sub")])  # nothing passed by: nothing said
+    assert not caplog.records

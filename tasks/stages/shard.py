@@ -23,25 +23,17 @@ from tasks.errors import StageError
 
 
 def _inputs(paths: list[str]) -> list[str]:
-    """data.inputs resolved as config paths are (tasks.config.repo_path: relative to the repository root); a relative
-    one missing there but present in the working directory (where a user typed --set data.inputs=[corpus]) is one
-    line naming both, not "does not exist"."""
+    """data.inputs resolved as config paths are (repo_path: relative to the repository root); a relative one missing
+    there but present in the working directory (where a user typed --set data.inputs=[corpus]) is one line naming
+    both, not "does not exist"."""
+    from data_prep.config import repo_input
+    from data_prep.errors import DataPrepError
     from tasks.errors import ConfigError
 
-    out = []
-    for p in paths:
-        if p == "stdlib":
-            out.append(p)
-            continue
-        path = repo_path(p)
-        here = Path(p).expanduser()
-        if not here.is_absolute() and not any(c in p for c in "*?[") and not path.exists() and here.exists():
-            raise ConfigError(
-                f"data.inputs: {p} is read from the repository root ({path}, which does not exist), not the working "
-                f"directory; give the absolute path {here.resolve()}"
-            )
-        out.append(str(path))
-    return out
+    try:
+        return [repo_input(p) for p in paths]
+    except DataPrepError as e:
+        raise ConfigError(f"data.inputs: {e}") from None
 
 
 def shard_multiple(cfg: PipelineConfig) -> int:
