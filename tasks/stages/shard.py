@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
-from tasks.errors import StageError
+from tasks.errors import ConfigError, StageError
 
 
 def _inputs(paths: list[str]) -> list[str]:
@@ -28,7 +28,6 @@ def _inputs(paths: list[str]) -> list[str]:
     both, not "does not exist"."""
     from data_prep.config import repo_input
     from data_prep.errors import DataPrepError
-    from tasks.errors import ConfigError
 
     try:
         return [repo_input(p) for p in paths]
@@ -78,7 +77,6 @@ def check_checkpoint(cfg: PipelineConfig, tokenizer: str) -> None:
         return
     from data_prep.errors import DataPrepError
     from data_prep.tokenizer import tokenizer_file
-    from tasks.errors import ConfigError
     from tasks.model.hf_io import tokenizer_problem
     from tasks.model.resolve import from_pipeline
 
@@ -140,7 +138,6 @@ def check_args(args) -> None:
     """Flags that cannot apply to what this run does, refused in one line each rather than ignored: --manifest-digest
     checks an adopted set only; --reduce and --publish-only build (the DAG's shard task passes reduce only when its
     fan-out ran: tasks.pipeline.stage_args)."""
-    from tasks.errors import ConfigError
 
     adopting = bool(getattr(args, "shard_dir", None))
     want = getattr(args, "manifest_digest", None)
@@ -270,7 +267,6 @@ def _tokenizer_identity(spec: str) -> str:
     from data_prep.errors import DataPrepError
     from data_prep.fsio import sha256_file
     from data_prep.tokenizer import identity, tokenizer_companions, tokenizer_file
-    from tasks.errors import ConfigError
 
     path = str(repo_path(spec))
     try:
@@ -285,7 +281,6 @@ def check_adopted_config(cfg: PipelineConfig, shard_dir: Path, manifest: dict) -
     """Every data.* key set explicitly (cfg.explicit: --set, Params, a run directory's remembered values) that decides
     a set's contents must agree with the adopted set's manifest: a different one would otherwise be ignored here and
     refused later (smoke: data.seq_len) or never. A key that only steers a build is refused too; one line each."""
-    from tasks.errors import ConfigError
 
     problems = []
     for dotted in sorted(k for k in cfg.explicit if k.startswith("data.")):
