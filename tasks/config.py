@@ -392,6 +392,21 @@ _ORDERED = [
 ]
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """'host:port' → (host, port), IPv6 in brackets ('[::1]:29400' → ('::1', 29400), as torchrun takes it);
+    ValueError naming what is wrong (no port, a port outside 1..65535, unbracketed IPv6)."""
+    host, sep, port_s = (endpoint or "").strip().rpartition(":")
+    if not sep or not host or not port_s:
+        raise ValueError("must be host:port")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError("an IPv6 address goes in brackets: [addr]:port")
+    if not host or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+        raise ValueError("must be host:port with a port from 1 to 65535")
+    return host, int(port_s)
+
+
 def watchdog_problem(timeout_s: int, exec_timeout: int, source: str = "") -> str | None:
     """The one rule (the env stage's hccl-timeouts check and train's pre-launch check): torch's watchdog
     (train.timeout_s) must outlast HCCL_EXEC_TIMEOUT, or it kills the ranks before HCCL names the failing collective
@@ -433,8 +448,10 @@ class PipelineConfig(Section):
         lines = [f"{a}: {get(self, a)} exceeds {b} {get(self, b)}" for a, b in _ORDERED if get(self, a) > get(self, b)]
         if hw.node_rank >= hw.nnodes:
             lines.append(f"hardware.node_rank: {hw.node_rank} must be < hardware.nnodes {hw.nnodes}")
-        if ":" not in hw.rdzv_endpoint:
-            lines.append(f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} must be host:port")
+        try:
+            split_endpoint(hw.rdzv_endpoint)
+        except ValueError as e:
+            lines.append(f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} {e} (node 0's address, e.g. 10.0.0.1:29400)")
         if hw.device == "npu":
             line = watchdog_problem(t.timeout_s, hw.hccl_exec_timeout, "hardware.hccl_exec_timeout")
             lines.extend([line] if line else [])

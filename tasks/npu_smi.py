@@ -1,7 +1,8 @@
 """`npu-smi info` text → per-chip facts (name, health, power, temperature, memory/HBM) and the processes on them.
 
 The table has two rows per chip and its columns vary by chip generation: 910B/910C show HBM-Usage, 310P/310B
-only Memory-Usage; older 910 cards list two chips per NPU ("Chip Phy-ID"), 310B a "Chip Device" column.
+only Memory-Usage; A3 / 910C hosts (and the first-generation 910) list two chips per NPU card with a "Chip Phy-ID"
+column (each chip is a device of its own: count (npu, chip) pairs, not cards), 310B a "Chip Device" column.
 The device layer's view of Ascend hosts (as tasks/nvidia_smi.py of CUDA ones): the env and health stages and the host
 binding read it; the checks over these facts are tasks/envcheck/npu_health.py.
 """
@@ -85,16 +86,30 @@ def parse(text: str) -> dict:
     return {"version": version.group(2) if version else None, "chips": chips, "processes": processes}
 
 
-def run(timeout: float = 30.0) -> str | None:
-    """`npu-smi info` output, or None when the tool is absent or fails."""
+def failure(proc: subprocess.CompletedProcess) -> str:
+    """'exit 1: <first line of stderr>' for a management tool that ran and failed."""
+    lines = [ln.strip() for ln in ((proc.stderr or "") + "\n" + (proc.stdout or "")).splitlines() if ln.strip()]
+    return f"exit {proc.returncode}: {lines[0] if lines else 'no output'}"
+
+
+def query(timeout: float = 30.0) -> tuple[str | None, str | None]:
+    """(`npu-smi info` output, None); (None, None) when the tool is not installed; (None, why) when it is installed
+    but fails ('exit 1: <stderr first line>', a timeout): a broken driver, not a host without NPUs."""
     exe = shutil.which("npu-smi")
     if not exe:
-        return None
+        return None, None
     try:
         proc = subprocess.run([exe, "info"], capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
+    except subprocess.TimeoutExpired:
+        return None, f"no answer in {timeout:g} s"
+    except OSError as e:
+        return None, str(e.strerror or e)
+    return (proc.stdout, None) if proc.returncode == 0 else (None, failure(proc))
+
+
+def run(timeout: float = 30.0) -> str | None:
+    """`npu-smi info` output, or None when the tool is absent or fails (`query` tells the two apart)."""
+    return query(timeout)[0]
 
 
 def summary(info: dict) -> str:

@@ -29,17 +29,22 @@ def _num(token: str):
         return None  # "[N/A]", "[Not Supported]"
 
 
-def _query(args: list[str], timeout: float) -> str | None:
+def _query(args: list[str], timeout: float) -> tuple[str | None, str | None]:
+    """(output, None); (None, None) when nvidia-smi is not installed; (None, why) when it runs and fails."""
+    from tasks.npu_smi import failure
+
     exe = shutil.which("nvidia-smi")
     if not exe:
-        return None
+        return None, None
     try:
         proc = subprocess.run(
             [exe, *args, "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=timeout
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
+    except subprocess.TimeoutExpired:
+        return None, f"no answer in {timeout:g} s"
+    except OSError as e:
+        return None, str(e.strerror or e)
+    return (proc.stdout, None) if proc.returncode == 0 else (None, failure(proc))
 
 
 def parse(gpus_csv: str, apps_csv: str = "") -> dict:
@@ -68,10 +73,15 @@ def parse(gpus_csv: str, apps_csv: str = "") -> dict:
     return {"gpus": gpus, "processes": processes}
 
 
-def run(timeout: float = 30.0) -> dict | None:
-    """The parsed query, or None when nvidia-smi is absent or fails."""
-    gpus = _query([f"--query-gpu={','.join(GPU_FIELDS)}"], timeout)
+def query(timeout: float = 30.0) -> tuple[dict | None, str | None]:
+    """(the parsed query, None); (None, None) when nvidia-smi is not installed; (None, why) when it fails."""
+    gpus, error = _query([f"--query-gpu={','.join(GPU_FIELDS)}"], timeout)
     if gpus is None:
-        return None
-    apps = _query([f"--query-compute-apps={','.join(APP_FIELDS)}"], timeout) or ""
-    return parse(gpus, apps)
+        return None, error
+    apps = _query([f"--query-compute-apps={','.join(APP_FIELDS)}"], timeout)[0] or ""
+    return parse(gpus, apps), None
+
+
+def run(timeout: float = 30.0) -> dict | None:
+    """The parsed query, or None when nvidia-smi is absent or fails (`query` tells the two apart)."""
+    return query(timeout)[0]

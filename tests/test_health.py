@@ -70,7 +70,7 @@ def test_dropped_card_against_history_and_config(cfg):
     one = npu_sample("910b3-one-card.txt")
     assert by_name(health.assess(one, cfg, last_seen=1))["devices"]["status"] == "ok"
     dropped = by_name(health.assess(one, cfg, last_seen=8))["devices"]
-    assert dropped["status"] == "fail" and "1 NPU cards (npu-smi) visible, 8 expected" in dropped["detail"]
+    assert dropped["status"] == "fail" and "1 NPU chips (npu-smi) visible, 8 expected" in dropped["detail"]
     cfg.hardware.expected_devices = 2
     assert "hardware.expected_devices" in by_name(health.assess(one, cfg, last_seen=0))["devices"]["detail"]
 

@@ -120,7 +120,8 @@ def check_npu_stack(matrix: dict, torch: str | None, torch_npu: str | None, cann
             name, "fail", f"torch_npu {torch_npu} requires torch {row['torch']} but torch {torch} is installed: {alt}"
         )
     if _norm_cann(cann) != _norm_cann(row["cann"]):
-        if _family(cann) == _family(row["cann"]):
+        published = any(_norm_cann(r["cann"]) == _norm_cann(cann) for r in matrix["pairs"])
+        if _family(cann) == _family(row["cann"]) and not published:  # a CANN the table lacks: likely compatible
             return check(
                 name,
                 "warn",
@@ -181,7 +182,14 @@ def check_driver_cann(driver: dict | None, cann: dict | None) -> dict | None:
     if not driver or not cann or not cann.get("compatible_version") or not driver.get("innerversion"):
         return None
     release = re.match(r"V\d+R\d+C\d+", driver["innerversion"])
-    if release and not _in_ranges(release.group(0), cann["compatible_version"]):
+    if not release:
+        return check(
+            "driver-cann",
+            "warn",
+            f"driver {driver['version']}'s Innerversion {driver['innerversion']!r} is not a V…R…C… release: not "
+            f"checked against CANN {cann['version']}'s compatible list {_show(cann['compatible_version'])}",
+        )
+    if not _in_ranges(release.group(0), cann["compatible_version"]):
         return check(
             "driver-cann",
             "warn",

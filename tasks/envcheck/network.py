@@ -86,15 +86,30 @@ def find_hccn_tool() -> str | None:
 
 
 def run_hccn(tool: str) -> Callable[[int, str], str | None]:
+    """run(device, query) → hccn_tool's text or None; each failure is kept in run.failures ('-i 3 -link: exit 1:
+    <first line>') so a tool that fails everywhere is reported with its cause."""
+    from tasks.npu_smi import failure
+
+    failures: list[str] = []
+
     def run(device: int, query: str) -> str | None:
+        what = f"-i {device} -{query}"
         try:
             proc = subprocess.run(
                 [tool, "-i", str(device), f"-{query}", "-g"], capture_output=True, text=True, timeout=20
             )
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
+            failures.append(f"{what}: no answer in 20 s")
             return None
-        return (proc.stdout or "") + (proc.stderr or "") if proc.returncode == 0 else None
+        except OSError as e:
+            failures.append(f"{what}: {e.strerror or e}")
+            return None
+        if proc.returncode != 0:
+            failures.append(f"{what}: {failure(proc)}")
+            return None
+        return (proc.stdout or "") + (proc.stderr or "")
 
+    run.failures = failures
     return run
 
 
@@ -417,10 +432,11 @@ def rendezvous_check(endpoint: str, node_rank: int, nnodes: int) -> dict:
             "rendezvous",
             "single node: torchrun --standalone picks a free port itself; hardware.rdzv_endpoint is not used",
         )
-    host, _, port_s = endpoint.rpartition(":")
+    from tasks.config import split_endpoint
+
     try:
-        port = int(port_s)
-        infos = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM)
+        host, port = split_endpoint(endpoint)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (ValueError, socket.gaierror) as e:
         return check(
             "rendezvous",
@@ -476,7 +492,20 @@ def preflight(
     elif devices:
         facts["nics"] = collect_nics(devices, run)
         facts["hccn_tool"] = tool or "given"
-        checks.extend(nic_checks(facts["nics"], hardware.nnodes))
+        if all(raw is None for n in facts["nics"].values() for raw in n["raw"].values()):
+            # installed but answering nothing: a broken driver / container without the devices, not "no tool"
+            first = (getattr(run, "failures", None) or ["no output"])[0]
+            checks.append(
+                check(
+                    "nic",
+                    "warn",
+                    f"hccn_tool {facts['hccn_tool']} failed on every device "
+                    f"({', '.join(map(str, devices))}; first: {first}): RoCE NIC checks skipped; fix: check the "
+                    "driver (npu-smi info, dmesg) and that the devices are visible to this host/container",
+                )
+            )
+        else:
+            checks.extend(nic_checks(facts["nics"], hardware.nnodes))
     else:
         checks.append(info("nic", "no NPU devices listed: RoCE NIC checks skipped"))
     interfaces = host_interfaces()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from tasks import device, npu_smi, tracking
 from tasks.config import PipelineConfig, repo_path
@@ -120,13 +121,20 @@ def _network_checks(cfg: PipelineConfig, kind: str, facts: dict, checks: list) -
     from tasks.envcheck import network
 
     chips = (facts.get("npu_smi") or {}).get("chips") or []
-    facts["network"], net_checks = network.preflight(kind, cfg.hardware, devices=list(range(len(chips))))
+    facts["network"], net_checks = network.preflight(kind, cfg.hardware, devices=nic_devices(chips))
     facts["network"]["checks"] = net_checks
     checks.extend(net_checks)
     tracking.log_json_artifact(facts["network"], "env/network.json")
     tracking.log_metrics(
         {f"env.network.checks_{s}": sum(c["status"] == s for c in net_checks) for s in ("ok", "warn", "fail")}
     )
+
+
+def nic_devices(chips: list[dict]) -> list[int]:
+    """The device ids hccn_tool -i takes, for the chips npu-smi lists: the chip's Phy-ID / Device column when npu-smi
+    prints one (A3/910C, 310B), else the NPU id; a host that sees only NPU 3 asks about device 3, not 0."""
+    ids = [c["device_id"] if c.get("device_id") is not None else c["npu"] for c in chips]
+    return list(dict.fromkeys(ids))
 
 
 def probe_sizes(cfg: PipelineConfig) -> list[float]:
@@ -187,7 +195,9 @@ def _summary(facts: dict) -> str:
     ]
     if v.get("torch_npu"):
         parts.append(f"torch_npu {v['torch_npu']}, CANN {(v.get('cann') or {}).get('version', '?')}")
-    if p.get("sizes"):
+    if p.get("sizes") and p.get("world_size") == 1:
+        parts.append(f"all_reduce {'ok' if p['allreduce_ok'] else 'WRONG'} on one rank (no link measured)")
+    elif p.get("sizes"):
         best = max(s["busbw_gbps"] for s in p["sizes"])
         parts.append(f"all_reduce {'ok' if p['allreduce_ok'] else 'WRONG'} {best:.1f} GB/s")
     return ", ".join(parts)
@@ -221,6 +231,25 @@ def _log(facts: dict, checks: list[dict], path) -> None:
     tracking.log_artifact(path)
 
 
+def check_ascend_root(given: str) -> None:
+    """An --ascend-root that exists but holds no Ascend install (a toolkit directory, /usr/local) would read as "no
+    Ascend software installed": refused in one line, naming the root to give instead."""
+    root = Path(given).absolute()
+    layouts = ("driver", "firmware", "ascend-toolkit/latest", "cann")
+    if any((root / d).is_dir() for d in layouts) or any(p.is_dir() for p in root.glob("cann-*")):
+        return
+    if list(root.glob("*-linux/ascend_toolkit_install.info")) or (root / "set_env.sh").is_file():
+        parent = root.parent.parent if root.parent.name == "ascend-toolkit" else root.parent
+        raise ConfigError(
+            f"--ascend-root {given} is a CANN toolkit directory, not the Ascend install root: pass the root above "
+            f"it (--ascend-root {parent}) or set ASCEND_HOME_PATH={given}"
+        )
+    raise ConfigError(
+        f"--ascend-root {given} holds no Ascend install (none of driver/, firmware/, ascend-toolkit/latest, cann, "
+        f"cann-*): give the Ascend install root (default {versions.DEFAULT_ASCEND_ROOT}) or leave the flag out"
+    )
+
+
 def run(cfg: PipelineConfig, ctx) -> dict:
     probe_sizes(cfg)  # a bad value fails now, not after the slow checks
     given = getattr(ctx.args, "ascend_root", None)
@@ -229,6 +258,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             f"--ascend-root {given} is not a directory; give the Ascend install root (the one holding driver/ and "
             f"the CANN toolkit, default {versions.DEFAULT_ASCEND_ROOT}) or leave the flag out"
         )
+    if given:
+        check_ascend_root(given)
     root = given or versions.DEFAULT_ASCEND_ROOT
     facts: dict = {"versions": versions.collect(root, os.environ.get("ASCEND_HOME_PATH"))}
     checks = compat.version_checks(facts["versions"])

@@ -1,7 +1,9 @@
 """Hourly health check (dags/llm_health.py): light environment validation and device sampling, logged to MLflow.
 
 It raises an alarm (StageError: the Airflow task fails with a one-line cause) on the signs that precede failed
-Ascend jobs: a chip in alarm or too hot, a dropped card (fewer chips than expected or than this host had before),
+Ascend jobs: a chip in alarm or too hot, a dropped device (fewer chips than expected or than this host had before;
+chips, not cards: an A3/910C card holds two, and a lost die is a lost device; an npu-smi/nvidia-smi that fails or is
+gone on a host that has had devices is an alarm too, not a CPU host),
 HBM full with no process on the chip (memory a crashed job left behind: the next job OOMs), a clock off NTP
 (HCCL link set-up times out across nodes), and too little disk or host memory. Warnings are logged, not raised.
 
@@ -17,6 +19,7 @@ file `<run-dir>/health.json` (the failure record with the one-line cause on an a
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -33,7 +36,8 @@ RUN_TAGS = {"pipeline.kind": "health"}
 
 
 def state_path() -> Path:
-    """The most chips this host has shown: how a card that dropped off the bus is noticed without configuration."""
+    """The most chips (NPU dies / GPUs) this host has shown: how a card that dropped off the bus is noticed without
+    configuration."""
     return var_dir() / "health" / f"{socket.gethostname()}.json"
 
 
@@ -47,23 +51,28 @@ def collect(cfg: PipelineConfig) -> dict:
         "versions": {
             "torch": device.package_version("torch"),
             "torch_npu": device.package_version("torch-npu"),
-            "cann": (versions.find_cann() or {}).get("version"),
+            "cann": (versions.find_cann(home=os.environ.get("ASCEND_HOME_PATH")) or {}).get("version"),
         },
         "clock": system.clock_status(),
         "npu_smi": None,
         "nvidia_smi": None,
         "disk_paths": {"var": str(var_dir()), "data": str(repo_path(cfg.data.out_dir))},
     }
-    text = npu_smi.run()
+    text, npu_error = npu_smi.query()
     if text:
         sample["npu_smi"] = npu_smi.parse(text)
-    sample["nvidia_smi"] = nvidia_smi.run()
+    sample["nvidia_smi"], nvidia_error = nvidia_smi.query()
+    # a tool that is installed but fails (driver not loaded, device hung) is not a host without devices
+    sample["tool_errors"] = {t: e for t, e in (("npu-smi", npu_error), ("nvidia-smi", nvidia_error)) if e}
     kind = "npu" if sample["npu_smi"] else "cuda" if sample["nvidia_smi"] else "cpu"
     sample["backend"] = {"kind": kind, "device_count": device_count(sample)}
     if cfg.hardware.device in ("npu", "cuda") and kind != cfg.hardware.device:  # the configured devices are gone
         tool = "npu-smi" if cfg.hardware.device == "npu" else "nvidia-smi"
+        failed = sample["tool_errors"].get(tool)
         sample["backend"]["error"] = (
-            f"hardware.device is {cfg.hardware.device} but {tool} lists no device "
+            f"hardware.device is {cfg.hardware.device} but {tool} failed ({failed}): check the driver (dmesg)"
+            if failed
+            else f"hardware.device is {cfg.hardware.device} but {tool} lists no device "
             "(driver not loaded, tool missing or not mounted)"
         )
     return sample
@@ -131,8 +140,8 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
             for c in info["chips"]
         ]
         out += _thermal_and_memory(devices, hw, "HBM", "chip", "reset the chip (npu-smi set -t reset)")
-        count = len({c["npu"] for c in info["chips"]})
-        kind = "NPU cards (npu-smi)"
+        count = device_count(sample)
+        kind = "NPU chips (npu-smi)"
     elif sample.get("nvidia_smi"):
         gpus = sample["nvidia_smi"]["gpus"]
         count, kind = len(gpus), "GPUs (nvidia-smi)"
@@ -142,16 +151,34 @@ def device_checks(sample: dict, hw, last_seen: int) -> list[dict]:
             for g in gpus
         ]
         out += _thermal_and_memory(devices, hw, "memory", "GPU", "reset the GPU (nvidia-smi -r)")
-    else:
-        return out  # CPU host: host memory and disk are the device checks
     expected = hw.expected_devices or last_seen
-    source = "hardware.expected_devices" if hw.expected_devices else "seen on this host before"
+    source = "hardware.expected_devices" if hw.expected_devices else f"seen on this host before, {state_path()}"
+    if not info and not sample.get("nvidia_smi"):
+        if not expected:
+            return out  # CPU host: host memory and disk are the device checks
+        if backend.get("error"):
+            return out  # already said: hardware.device names devices the tool does not list
+        errors = sample.get("tool_errors") or {}
+        cause = (
+            "; ".join(f"{tool} failed ({why})" for tool, why in errors.items())
+            if errors
+            else "neither npu-smi nor nvidia-smi is installed"
+        )
+        out.append(
+            check(
+                "devices",
+                "fail",
+                f"{cause}; {expected} devices expected ({source}); check the driver and dmesg "
+                "(the tool must run on this host: mounted into the container, on PATH)",
+            )
+        )
+        return out
     if expected and count < expected:
         out.append(
             check(
                 "devices",
                 "fail",
-                f"dropped card: {count} {kind} visible, {expected} expected ({source}); "
+                f"dropped device: {count} {kind} visible, {expected} expected ({source}); "
                 "check `npu-smi info -l` / `nvidia-smi -L` and dmesg, then reseat or "
                 "replace",
             )
@@ -166,7 +193,7 @@ def assess(sample: dict, cfg: PipelineConfig, last_seen: int = 0) -> list[dict]:
     hw = cfg.hardware
     host = sample["host"]
     checks = device_checks(sample, hw, last_seen)
-    checks.append(system.check_clock(sample["clock"], hw.nnodes, hw.max_clock_offset_ms))
+    checks.append(system.check_clock(sample["clock"], hw.nnodes, hw.max_clock_offset_ms, hw.warn_clock_offset_ms))
     checks.append(system.check_host_memory(host["memory_available_gb"], host["memory_total_gb"], hw.min_host_memory_gb))
     disk, free = system.check_disk(sample["disk_paths"], hw.min_free_disk_gb)
     sample["disk_free_gb"] = free
@@ -197,8 +224,9 @@ def metrics(sample: dict) -> dict[str, float]:
 
 
 def device_count(sample: dict) -> int:
+    """Devices npu-smi / nvidia-smi list: NPU chips ((npu, chip) pairs: an A3/910C card holds two), GPUs."""
     if sample.get("npu_smi"):
-        return len({c["npu"] for c in sample["npu_smi"]["chips"]})
+        return len({(c["npu"], c["chip"]) for c in sample["npu_smi"]["chips"]})
     return len((sample.get("nvidia_smi") or {}).get("gpus", []))
 
 
