@@ -324,7 +324,8 @@ class EvaluateConfig(Section):
     # format, or demo-continuation (written from the val split): docs/evaluation.md
     tasks: list[str] = Field(default_factory=lambda: ["demo-continuation"], min_length=1)
     limit: int | None = Field(None, ge=1, le=1 << 30)  # examples per task at most (None: all)
-    num_fewshot: dict[str, int] = Field(default_factory=dict)  # task/group/entry → shots (else the YAML's, or 0)
+    # task/group/entry → shots (else the YAML's, or 0); at most the task's few-shot split holds (checked on load)
+    num_fewshot: dict[str, int] = Field(default_factory=dict)
     # a task is scored by the first of these it reports (demo-continuation reports acc_mutual_info only)
     task_metrics: list[str] = Field(default_factory=lambda: ["acc", "exact_match", "acc_mutual_info"], min_length=1)
     demo_examples: int = Field(300, ge=10, le=100_000)  # demo-continuation's size
@@ -345,6 +346,23 @@ class EvaluateConfig(Section):
     # approval task waits at most approval_timeout_h hours (read when the DAG is parsed), then takes "Reject"
     require_approval: bool = False
     approval_timeout_h: int = Field(72, ge=1, le=24 * 90)
+
+    @model_validator(mode="after")
+    def _rules(self):
+        """Rules across evaluate's fields, checked once every field is valid (named evaluate.<field> by problems)."""
+        lines = [
+            f"num_fewshot: {name}: {shots} must be >= 0 (few-shot examples per prompt)"
+            for name, shots in self.num_fewshot.items()
+            if shots < 0
+        ]
+        if self.gate_metric == "greedy_disagreement_pct" and not self.agreement_windows and not self.prompts:
+            lines.append(
+                "gate_metric: greedy_disagreement_pct has nothing to be measured on (evaluate.agreement_windows is 0 "
+                "and evaluate.prompts is empty); set one of them, or gate on another metric"
+            )
+        if lines:
+            raise rule_error(lines)
+        return self
 
 
 class TrackingConfig(Section):

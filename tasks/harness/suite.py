@@ -320,6 +320,13 @@ def _check_metrics(suite: Suite, metrics: list[str]) -> None:
                 f"evaluate.tasks: task {name} reports {', '.join(reported) or 'no metric'}, none of "
                 f"evaluate.task_metrics ({', '.join(metrics)}); add one of them to evaluate.task_metrics"
             )
+        # The gate's relative drop and the macro average read every score as higher-is-better: a perplexity would
+        # read a worse INT8 as an improvement. lm-eval's own direction: the YAML's metric_list, else its registry.
+        if task.higher_is_better().get(chosen) is False:
+            raise StageError(
+                f"evaluate.tasks: task {name} is scored by {chosen} (evaluate.task_metrics), for which lower is "
+                "better; only higher-is-better metrics are gated: give a task reporting one (e.g. acc) or drop it"
+            )
         suite.metric[name] = chosen
 
 
@@ -341,6 +348,35 @@ def _apply_fewshot(suite: Suite, fewshot: dict) -> None:
         for name in by_name[key]:
             suite.loaded["tasks"][name].set_config(key="num_fewshot", value=shots)
             suite.fewshot[name] = shots
+    for name, task in suite.loaded["tasks"].items():
+        _check_shots(name, task)
+
+
+def _check_shots(name: str, task) -> None:
+    """A task's shots fit its few-shot pool (lm-eval's sampler draws them with random.sample, which fails mid-scoring
+    with "Sample larger than population"); drawn from the evaluation split itself, one row is the prompt's own."""
+    shots = int(task.get_config("num_fewshot") or 0)
+    if shots <= 0:
+        return
+    sampler = getattr(task, "sampler", None)
+    rows = len(sampler.fewshot_docs()) if sampler is not None else 0
+    fs = getattr(task, "fewshot_cfg", None)
+    same = fs is not None and fs.split == task.config.test_split  # then lm-eval leaves the prompt's row out
+    most = max(rows - 1, 0) if same else rows
+    if shots > most:
+        split = (fs.split if fs is not None else None) or _fallback_split(task)
+        raise StageError(
+            f"evaluate.num_fewshot: task {name} asks for {shots} few-shot examples, but its few-shot split ({split}) "
+            f"has {rows} rows{' (one is the prompt itself)' if same else ''}; use at most {most} shots for it"
+        )
+
+
+def _fallback_split(task) -> str:
+    """The split lm-eval draws few-shot examples from when the YAML names none (Task.fewshot_docs)."""
+    c = task.config
+    if task.has_training_docs():
+        return c.training_split
+    return c.validation_split if task.has_validation_docs() else c.test_split or "none"
 
 
 def _leaves(suite: Suite, group: str) -> list[str]:

@@ -82,7 +82,8 @@ def load_suite(cfg, run_dir: Path, shard_dir: Path, model_dir: Path):
 
 
 def suite_key(s, cfg) -> dict:
-    """What task scores depend on besides the model: entries and their files, limit, shots, metrics, lm-eval."""
+    """What task scores depend on besides the model: entries and their files, each leaf task's whole definition
+    (task_digest), limit, shots, metrics, lm-eval."""
     from importlib.metadata import version
 
     from tasks.harness import suite
@@ -97,6 +98,7 @@ def suite_key(s, cfg) -> dict:
     return {
         "entries": s.entries,
         "files": files,
+        "configs": {name: task_digest(task) for name, task in s.loaded["tasks"].items()},
         "limit": s.limit,
         "fewshot": s.fewshot,
         "versions": s.versions,
@@ -104,6 +106,37 @@ def suite_key(s, cfg) -> dict:
         "lm_eval": version("lm_eval"),
         "batch_size": cfg.evaluate.batch_size,
     }
+
+
+def task_digest(task) -> str:
+    """A leaf task's definition as lm-eval loaded it (its config with every include merged and shots applied, in a
+    canonical form) and the source files of every function it references (`!function utils.x`: the whole file, so
+    a helper it calls counts too): any change to what defines the task changes it."""
+    sources: dict[str, str] = {}
+
+    def canonical(value):
+        if isinstance(value, dict):
+            return {str(k): canonical(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [canonical(v) for v in value]
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
+        if callable(value):
+            import inspect
+
+            name = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+            try:
+                path = inspect.getsourcefile(value)
+            except TypeError:  # a builtin: no source of its own
+                path = None
+            if path and Path(path).is_file():
+                sources[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            return f"<function {name}>"
+        return f"<{type(value).__name__}>"  # no memory address: the same definition gives the same digest
+
+    config = canonical(task.config.to_dict(keep_callable=True))
+    body = json.dumps({"config": config, "sources": sorted(sources.values())}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def score(model, tokenizer, s, cfg, device, label: str) -> dict:

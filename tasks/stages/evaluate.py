@@ -54,6 +54,30 @@ def _quant_dir(ctx) -> Path:
     return Path(path)
 
 
+def _quant_record(path: Path) -> dict:
+    """quantize's quant_meta.json or gate.json; one line when it is unreadable (truncated, corrupt)."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as e:
+        raise StageError(
+            f"evaluate: {path} is unreadable ({type(e).__name__}: {str(e)[:120]}); rerun the quantize stage"
+        ) from None
+    if not isinstance(data, dict):
+        raise StageError(f"evaluate: {path} holds no JSON object (a {type(data).__name__}); rerun the quantize stage")
+    return data
+
+
+def _check_source(meta: dict, model_dir: Path, quant_dir: Path) -> None:
+    """The INT8 model was quantized from this very export of the model (quantize records its fingerprint): else
+    evaluate would score a stale INT8 against other weights, and register and link the pair."""
+    recorded, here = meta.get("model_fingerprint"), inputs.fingerprint(model_dir)
+    if recorded and recorded != here:
+        raise StageError(
+            f"evaluate: the INT8 model in {quant_dir} was quantized from another export of the model "
+            f"(fingerprint {recorded}≠{here} of {model_dir}); rerun the quantize stage"
+        )
+
+
 def speed(models: dict, data: quality.EvalData, cfg: PipelineConfig, device) -> dict:
     """Prefill and KV-cache decode at batch 1: a prompt of evaluate.latency_tokens, new tokens as for agreement."""
     from tasks.quant import metrics
@@ -233,7 +257,8 @@ def _tags(uri: str, ctx, meta: dict, m: dict, digest: str, key: str, ptq: dict |
         "quant.method": meta["method"],
         "quant.backend": meta["backend"],
         "quant.key": key,
-        "quant.passed_by": m["stage"],
+        "quant.passed_by": m["stage"] if m["passed"] else "none",
+        "eval.gate_passed": str(bool(m["passed"])).lower(),
     }
     if ptq is not None:
         tags["eval.ptq_gate_value"] = f"{ptq['value']:.4f}"
@@ -309,13 +334,18 @@ def _extra_files(model_dir: Path, quant_dir: Path) -> list[str]:
     return [str(f) for f in files if f.is_file()]
 
 
+def _version_key(meta: dict, quant_dir: Path, model_dir: Path, digest: str) -> str:
+    """The INT8 version's `quant.key`: same quantized weights, from the same export of the model (the BF16 version
+    it is linked to), on the same data → the same version on a rerun."""
+    weights = meta.get("weights_sha256") or inputs.fingerprint(quant_dir)
+    return hashlib.sha256(f"{weights}/{inputs.fingerprint(model_dir)}/{digest}".encode()).hexdigest()[:16]
+
+
 def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard_dir, measurer) -> dict:
     from tasks.quant.artifact import pip_requirements
 
     uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
-    # Same quantized weights + same data → the same version on a rerun.
-    weights = meta.get("weights_sha256") or inputs.fingerprint(quant_dir)
-    key = hashlib.sha256(f"{weights}/{digest}".encode()).hexdigest()[:16]
+    key = _version_key(meta, quant_dir, model_dir, digest)
     existing = registry.find_version(uri, name, "quant.key", key)
     champion = registry.current_champion(uri, name)
     rows = task_table(measurer.scores)
@@ -385,6 +415,20 @@ def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard
         out["champion_compared"] = {"version": champ["version"], "macro": champ.get("macro")}
         out.update({"champion_scores": champ["scores"]} if "scores" in champ else {})
     return out, rows
+
+
+def _retag_missed(cfg, ctx, meta, m, digest, quant_dir: Path, model_dir: Path, ptq) -> str | None:
+    """Weights already registered (the same quant.key) that miss the gate now: that version's tags say this newest
+    evaluation (eval.gate_passed false, its figures), never an earlier pass it contradicts. Aliases stay: a champion
+    that fails a re-evaluation stays champion until a DAG run promotes another. → the version retagged, or None."""
+    uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
+    key = _version_key(meta, quant_dir, model_dir, digest)
+    existing = registry.find_version(uri, name, "quant.key", key)
+    if existing is None:
+        return None
+    tags = _tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks))
+    registry.link(uri, name, str(existing.version), tags, drop=tuple(k for k in PER_EVALUATION if k not in tags))
+    return str(existing.version)
 
 
 def _figures(m: dict) -> str:
@@ -477,16 +521,17 @@ def run(cfg: PipelineConfig, ctx) -> dict:
 
     max_drop = registry.check_threshold(cfg.evaluate.max_drop_pct)
     quant_dir = _quant_dir(ctx)
-    meta = read_json(quant_dir / META)
+    meta = _quant_record(quant_dir / META)
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
+    _check_source(meta, model_dir, quant_dir)
     shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
     runner.verified(cfg, shard_dir, "val", "for the evaluation")
     check_tokenizers(model_dir, shard_dir, "evaluate", quant_meta=meta, quant_dir=quant_dir)
     digest = inputs.manifest_digest(shard_dir)
     suite = gate.load_suite(cfg, ctx.run_dir, shard_dir, model_dir)  # every task checked before a model is loaded
     kind = devices.detect(cfg.hardware.device).kind
-    record = read_json(quant_dir / gate.RECORD) if (quant_dir / gate.RECORD).is_file() else {}
+    record = _quant_record(quant_dir / gate.RECORD) if (quant_dir / gate.RECORD).is_file() else {}
     reused = gate.reusable_scores(quant_dir / gate.RECORD, gate.record_key(cfg, suite, model_dir, quant_dir, kind))
     measurer = Measurer(cfg, model_dir, shard_dir, meta.get("dtype", "bf16"), suite, kind)
     model = load_quantized(quant_dir, device=measurer.device)
@@ -551,6 +596,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     reg, rows = None, task_table(measurer.scores)
     if passed and ctx.mlflow_run_id:
         reg, rows = _register(cfg, ctx, meta, final, digest, quant_dir, model, ptq, model_dir, shard_dir, measurer)
+    elif ctx.mlflow_run_id:
+        result["retagged_version"] = _retag_missed(cfg, ctx, meta, final, digest, quant_dir, model_dir, ptq)
     result["tasks"] = rows
     result["summary_detail"] = _task_detail(measurer.scores, final, reg)
     _write_report(ctx.run_dir / "evaluate", final, rows, gens, split, meta)
@@ -625,6 +672,11 @@ def _missed(cfg, ctx, result, final, ptq, meta, model_dir, shard_dir, max_drop, 
         reason = (
             f"INT8 {what} {final['gate_value']:.2f}% exceeds evaluate.max_drop_pct {max_drop}% "
             f"({_figures(final)}); try {gate_advice(meta['method'], meta['backend'])}"
+        )
+    if result.get("retagged_version"):
+        reason += (
+            f"; {cfg.evaluate.registered_model} v{result['retagged_version']} (these weights) is now tagged "
+            "eval.gate_passed=false (its aliases stay)"
         )
     if cfg.evaluate.fail_on_gate:
         raise StageError(reason)

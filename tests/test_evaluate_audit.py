@@ -1,0 +1,275 @@
+"""The evaluate stage's audit findings, each at the cheapest level that shows it: an INT8 model quantized from
+another export of the model, a lower-is-better task metric, a task definition changed through an include or a
+`!function` file, few-shot counts the task cannot give, unreadable quantize records, a registered version whose newest
+evaluation misses the gate, and a gate metric with nothing to measure it on — each refused (or recorded) in one line
+before any model is loaded."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tasks.errors import ConfigError, StageError
+from tasks.runner import run_stage
+
+ROWS = [
+    {"question": "The return value of len([1, 2]) is", "choices": [" 2", " 3"], "answer": 0},
+    {"question": "import os\nos.path.", "choices": ["join", "jump"], "answer": 0},
+    {"question": "def f(x):\n    return", "choices": [" x", " def"], "answer": 0},
+]
+
+
+def _quiz(folder: Path, extra: str = "", rows=ROWS) -> Path:
+    """A task split over an included base YAML and a `!function` utils file (lm-eval's own layout)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "quiz.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "base.yaml").write_text(
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    test: {folder / 'quiz.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_choice: choices\n"
+        "doc_to_target: answer\n"
+        "metric_list:\n"
+        "  - metric: acc\n"
+        "    aggregation: mean\n"
+        "    higher_is_better: true\n"
+    )
+    (folder / "utils.py").write_text(
+        "def _prompt(doc):\n    return doc['question']\n\n\ndef text(doc):\n    return _prompt(doc)\n"
+    )
+    path = folder / "quiz.yaml"
+    path.write_text("include: base.yaml\ntask: audit_quiz\ndoc_to_text: !function utils.text\n" + extra)
+    return path
+
+
+def _load(path: Path, fewshot=None, metrics=("acc",)):
+    from tasks.harness import suite
+
+    return suite.load([str(path)], None, None, dict(fewshot or {}), list(metrics))
+
+
+# ---- 1. an INT8 model quantized from another export ----------------------------------------------------------------
+
+
+def _quant_dir(tmp_path: Path, model: Path, **meta) -> Path:
+    q = tmp_path / "quantize"
+    q.mkdir()
+    (q / "quant_meta.json").write_text(json.dumps({"model_dir": str(model), "shard_dir": str(tmp_path / "s"), **meta}))
+    return q
+
+
+def _evaluate(cfg, tmp_path: Path, quant_dir: Path, model: Path):
+    cfg.tracking.enabled = False
+    args = argparse.Namespace(model_dir=str(model), shard_dir=str(tmp_path / "no-shards"), quant_dir=str(quant_dir))
+    return run_stage("evaluate", cfg, tmp_path / "run", args=args)
+
+
+def test_int8_of_another_export_is_refused_before_anything_is_loaded(cfg, tmp_path):
+    from tasks.quant import inputs
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"old weights")
+    q = _quant_dir(tmp_path, model, model_fingerprint=inputs.fingerprint(model))
+    with pytest.raises(StageError) as same:  # the same export: the check passes, the missing shard set stops it
+        _evaluate(cfg, tmp_path, q, model)
+    assert "another export" not in str(same.value)
+    (model / "model.safetensors").write_bytes(b"re-exported weights")  # hf/ re-exported with other weights
+    with pytest.raises(StageError) as e:
+        _evaluate(cfg, tmp_path, q, model)
+    assert str(e.value).startswith(
+        f"evaluate: the INT8 model in {q} was quantized from another export of the model (fingerprint "
+    )
+    assert str(e.value).endswith("; rerun the quantize stage") and "\n" not in str(e.value)
+
+
+def test_int8_version_key_names_the_export_it_was_quantized_from(tmp_path):
+    from tasks.stages.evaluate import _version_key
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"a")
+    meta = {"weights_sha256": "w" * 64}
+    key = _version_key(meta, tmp_path, model, "digest")
+    assert _version_key(meta, tmp_path, model, "digest") == key  # a rerun: the same version
+    (model / "model.safetensors").write_bytes(b"bb")
+    assert _version_key(meta, tmp_path, model, "digest") != key  # another export: not that version
+
+
+# ---- 2. lower-is-better task metrics --------------------------------------------------------------------------------
+
+
+def test_a_lower_is_better_task_metric_is_refused_on_load(tmp_path):
+    (tmp_path / "text.jsonl").write_text(
+        "".join(json.dumps({"text": f"def f{i}(x): return x"}) + "\n" for i in range(3))
+    )
+    ppl = tmp_path / "ppl.yaml"
+    ppl.write_text(
+        "task: audit_ppl\n"
+        "dataset_path: json\n"
+        "dataset_kwargs:\n"
+        "  data_files:\n"
+        f"    test: {tmp_path / 'text.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: loglikelihood_rolling\n"
+        "doc_to_text: ''\n"
+        'doc_to_target: "{{text}}"\n'
+        "metric_list:\n"
+        "  - metric: word_perplexity\n"
+        "  - metric: bits_per_byte\n"
+    )
+    with pytest.raises(StageError) as e:
+        _load(ppl, metrics=["acc", "word_perplexity"])
+    assert str(e.value) == (
+        "evaluate.tasks: task audit_ppl is scored by word_perplexity (evaluate.task_metrics), for which lower is "
+        "better; only higher-is-better metrics are gated: give a task reporting one (e.g. acc) or drop it"
+    )
+    assert _load(_quiz(tmp_path / "quiz")).metric == {"audit_quiz": "acc"}  # higher is better: accepted
+
+
+# ---- 3. the task key covers includes and !function files ------------------------------------------------------------
+
+
+def test_suite_key_changes_with_an_included_yaml_or_a_function_file(tmp_path):
+    from tasks.quant.gate import suite_key
+
+    cfg = SimpleNamespace(evaluate=SimpleNamespace(batch_size=16))
+    path = _quiz(tmp_path / "quiz")
+    key = suite_key(_load(path), cfg)
+    assert suite_key(_load(path), cfg) == key  # loaded again, unchanged: the same key (scores reused)
+    base = path.parent / "base.yaml"
+    base.write_text(base.read_text() + 'description: "Answer:"\n')  # the prompt changes in the included YAML
+    changed = suite_key(_load(path), cfg)
+    assert changed != key
+    utils = path.parent / "utils.py"  # a helper the !function calls changes its prompt
+    utils.write_text(utils.read_text().replace("return doc['question']", "return 'Q: ' + doc['question']"))
+    assert suite_key(_load(path), cfg) != changed
+
+
+# ---- 4. few-shot counts ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shots", [-1, -5])
+def test_negative_fewshot_is_a_one_line_config_error(shots):
+    from tasks.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config("demo-cpu", {"evaluate": {"num_fewshot": {"mmlu": shots}}})
+    assert str(e.value) == f"evaluate.num_fewshot: mmlu: {shots} must be >= 0 (few-shot examples per prompt)"
+
+
+def test_more_shots_than_the_fewshot_split_holds_is_refused_on_load(tmp_path):
+    path = _quiz(tmp_path / "quiz")
+    assert _load(path, {"audit_quiz": 3}).fewshot == {"audit_quiz": 3}  # the test split (3 rows) is the pool
+    with pytest.raises(StageError) as e:
+        _load(path, {"audit_quiz": 4})
+    assert str(e.value) == (
+        "evaluate.num_fewshot: task audit_quiz asks for 4 few-shot examples, but its few-shot split (test) has 3 "
+        "rows; use at most 3 shots for it"
+    )
+    own = _quiz(tmp_path / "own", "fewshot_split: test\n")  # drawn from the evaluation split: one row is the prompt
+    assert _load(own, {"audit_quiz": 2}).fewshot == {"audit_quiz": 2}
+    with pytest.raises(StageError, match=r"has 3 rows \(one is the prompt itself\); use at most 2 shots for it$"):
+        _load(own, {"audit_quiz": 3})
+
+
+# ---- 5. unreadable quantize records ---------------------------------------------------------------------------------
+
+
+def test_truncated_quant_meta_is_one_line(cfg, tmp_path):
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    q = _quant_dir(tmp_path, model)
+    (q / "quant_meta.json").write_text('{"model_dir": "x", "shard')
+    with pytest.raises(StageError) as e:
+        _evaluate(cfg, tmp_path, q, model)
+    assert str(e.value).startswith(f"evaluate: {q / 'quant_meta.json'} is unreadable (JSONDecodeError: ")
+    assert str(e.value).endswith("; rerun the quantize stage") and "\n" not in str(e.value)
+
+
+def test_corrupt_gate_record_is_one_line(tmp_path):
+    from tasks.stages.evaluate import _quant_record
+
+    rec = tmp_path / "gate.json"
+    rec.write_text('{"key": "abc", "ref_sc')
+    with pytest.raises(StageError, match=r"gate.json is unreadable \(JSONDecodeError: .*; rerun the quantize stage$"):
+        _quant_record(rec)
+    rec.write_text("[1, 2]")
+    with pytest.raises(StageError, match=r"gate.json holds no JSON object \(a list\); rerun the quantize stage$"):
+        _quant_record(rec)
+
+
+# ---- 6. a registered version whose newest evaluation misses the gate -----------------------------------------------
+
+
+def _figures(passed: bool, value: float) -> dict:
+    return {
+        "stage": "ptq",
+        "passed": passed,
+        "int8_ppl": 3.0,
+        "int8_task_macro": 0.5,
+        "fp_ppl": 2.9,
+        "ppl_drop_pct": 1.0,
+        "accuracy_drop_pct": 0.5,
+        "task_accuracy_drop_pct": value,
+        "gate_metric": "task_accuracy_drop_pct",
+        "gate_value": value,
+    }
+
+
+def test_a_version_that_misses_a_re_evaluation_is_tagged_failed_and_keeps_its_aliases(cfg, tmp_path):
+    from mlflow import MlflowClient
+
+    from tasks.quant import registry
+    from tasks.stages import evaluate
+
+    cfg.evaluate.registered_model = "audit-retag"
+    model, quant = tmp_path / "hf", tmp_path / "q"
+    for d in (model, quant):
+        d.mkdir()
+        (d / "w.bin").write_bytes(b"weights")
+    meta = {"weights_sha256": "a" * 64, "method": "int8_weight_only", "backend": "torchao"}
+    ctx = SimpleNamespace(inputs={}, mlflow_run_id=None)
+    client = MlflowClient(cfg.tracking.uri)
+    assert evaluate._retag_missed(cfg, ctx, meta, _figures(False, 9.0), "d1", quant, model, None) is None  # none yet
+    key = evaluate._version_key(meta, quant, model, "d1")
+    passed = evaluate._tags(cfg.tracking.uri, ctx, meta, _figures(True, 0.5), "d1", key, {"value": 3.0}, ["t"])
+    assert passed["eval.gate_passed"] == "true" and passed["quant.passed_by"] == "ptq"
+    client.create_registered_model("audit-retag")
+    v = client.create_model_version("audit-retag", str(quant), tags=passed).version
+    registry.set_alias(cfg.tracking.uri, "audit-retag", registry.CHAMPION, str(v))
+
+    got = evaluate._retag_missed(cfg, ctx, meta, _figures(False, 9.0), "d1", quant, model, None)
+    assert got == str(v)
+    tags = client.get_model_version("audit-retag", str(v)).tags
+    assert tags["eval.gate_passed"] == "false" and tags["eval.gate_value"] == "9.0000"
+    assert tags["quant.passed_by"] == "none" and "eval.ptq_gate_value" not in tags  # no earlier figure left
+    assert registry.aliases(cfg.tracking.uri, "audit-retag") == {"champion": str(v)}  # aliases stay
+    other = evaluate._retag_missed(cfg, ctx, meta, _figures(False, 9.0), "d2", quant, model, None)
+    assert other is None  # other data: other weights' evaluation, not this version's
+
+
+# ---- 7. a gate metric with nothing to measure it on -----------------------------------------------------------------
+
+
+def test_greedy_gate_without_windows_or_prompts_is_a_config_error():
+    from tasks.config import load_config
+
+    bad = {"gate_metric": "greedy_disagreement_pct", "agreement_windows": 0, "prompts": []}
+    with pytest.raises(ConfigError) as e:
+        load_config("demo-cpu", {"evaluate": bad})
+    assert str(e.value) == (
+        "evaluate.gate_metric: greedy_disagreement_pct has nothing to be measured on (evaluate.agreement_windows is "
+        "0 and evaluate.prompts is empty); set one of them, or gate on another metric"
+    )
+    load_config("demo-cpu", {"evaluate": dict(bad, prompts=["def "])})  # prompts to generate from: fine
+    load_config("demo-cpu", {"evaluate": dict(bad, gate_metric="ppl_drop_pct")})
