@@ -176,8 +176,12 @@ def problems(err: ValidationError, model: type[BaseModel], data: dict, terse_ran
         names = [p for p in e["loc"] if isinstance(p, str)]
         where = ".".join(names) + "".join(f"[{p}]" for p in e["loc"] if isinstance(p, int))
         owner, raw = model, data
-        for name in names[:-1]:
-            owner, raw = _model(owner.model_fields[name].annotation), raw.get(name, {})
+        for i, name in enumerate(names[:-1]):
+            sub = _model(owner.model_fields[name].annotation) if name in owner.model_fields else None
+            if sub is None:  # a mapping field (evaluate.num_fewshot): the rest of the path are its keys
+                names = names[: i + 1]
+                break
+            owner, raw = sub, raw.get(name, {}) if isinstance(raw, dict) else {}
         field = owner.model_fields.get(names[-1]) if names else None
         ann = field.annotation if field else None
         item = typing.get_args(ann)[0] if typing.get_origin(ann) is list else None

@@ -273,3 +273,19 @@ def test_greedy_gate_without_windows_or_prompts_is_a_config_error():
     )
     load_config("demo-cpu", {"evaluate": dict(bad, prompts=["def "])})  # prompts to generate from: fine
     load_config("demo-cpu", {"evaluate": dict(bad, gate_metric="ppl_drop_pct")})
+
+
+def test_a_wrong_value_inside_a_mapping_setting_is_one_line():
+    """A type error on a key of a mapping field (evaluate.num_fewshot) is named by its path; it crashed the
+    one-line reporter (an AttributeError walking into the dict as if it were a section)."""
+    from tasks.config import apply_overrides, load_config
+    from tasks.errors import ConfigError
+
+    cfg = load_config("ci-tiny")
+    for value, want in (
+        ("{mmlu: abc}", "evaluate.num_fewshot.mmlu: expected an integer, got 'abc'"),
+        ("{mmlu: 1.5}", "evaluate.num_fewshot.mmlu: expected an integer, got 1.5"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            apply_overrides(cfg, {"evaluate.num_fewshot": value})
+        assert str(e.value) == want
