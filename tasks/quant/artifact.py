@@ -69,7 +69,7 @@ def save_safetensors(model: torch.nn.Module, quant_dir: Path, meta: dict) -> dic
     path = quant_dir / SAFETENSORS
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
     out = {"safetensors_bytes": path.stat().st_size, "safetensors_sha256": sha256_file(path)}
-    atomic_write_json(
+    config = atomic_write_json(
         quant_dir / QUANT_CONFIG,
         {
             "quant_method": "torchao",
@@ -84,6 +84,7 @@ def save_safetensors(model: torch.nn.Module, quant_dir: Path, meta: dict) -> dic
             "config": "config.json of the HF export (model_dir in quant_meta.json; registered beside it)",
         },
     )
+    out["quant_config_sha256"] = sha256_file(config)  # what registers it: checked by verify_output like the weights
     return out
 
 
@@ -105,15 +106,43 @@ def _unflatten(path: Path, device) -> dict:
     return {**state, **left}
 
 
+ONNX_KEYS = ("fake_quant_onnx", "deploy_onnx")
+
+
+def onnx_record(quant_dir: Path, meta: dict, written_in: Path) -> dict:
+    """AMCT's ONNX paths, written under the temporary folder `written_in`, pointed at the published `quant_dir`,
+    with their sizes ("onnx_bytes", checked by verify_output)."""
+    paths = {k: str(quant_dir / Path(meta[k]).relative_to(written_in)) for k in ONNX_KEYS if k in meta}
+    return dict(paths, onnx_bytes={k: Path(p).stat().st_size for k, p in paths.items()})
+
+
+def _onnx_problem(meta: dict) -> str | None:
+    sizes = meta.get("onnx_bytes") or {}
+    for k in ONNX_KEYS:
+        if k not in meta:
+            continue
+        path = Path(meta[k])
+        if not path.is_file():
+            return f"{path} is missing"
+        if k in sizes and path.stat().st_size != sizes[k]:
+            return f"{path} is truncated or altered ({path.stat().st_size} bytes, {sizes[k]} recorded in {META})"
+    return None
+
+
 def verify_output(quant_dir: str | Path) -> str | None:
-    """None when the saved INT8 weights match the size and sha256 recorded at write, else the problem in one line
-    (results written before checksums were recorded are trusted)."""
+    """None when the saved INT8 files (weights, safetensors + quantization_config.json, AMCT's ONNX models) match the
+    sizes and sha256 recorded at write, else the problem in one line (checksums an older result lacks are not
+    asked for)."""
     from tasks.fsutil import sha256_file
 
     quant_dir = Path(quant_dir)
     meta = read_json(quant_dir / META)
     want = meta.get("weights_sha256")
-    if meta.get("format") == "onnx" or want is None:
+    if meta.get("format") == "onnx" or any(k in meta for k in ONNX_KEYS):
+        problem = _onnx_problem(meta)
+        if problem or meta.get("format") == "onnx":
+            return problem
+    if want is None:
         return None
     path = quant_dir / WEIGHTS
     if not path.is_file():
@@ -125,6 +154,11 @@ def verify_output(quant_dir: str | Path) -> str | None:
     st = quant_dir / SAFETENSORS
     if meta.get("safetensors_sha256") and (not st.is_file() or sha256_file(st) != meta["safetensors_sha256"]):
         return f"{st} is missing or corrupt (sha256 differs from the one recorded in {META})"
+    qc = quant_dir / QUANT_CONFIG
+    if meta.get("safetensors_sha256") and not qc.is_file():
+        return f"{qc} is missing"
+    if meta.get("quant_config_sha256") and sha256_file(qc) != meta["quant_config_sha256"]:
+        return f"{qc} is corrupt (sha256 differs from the one recorded in {META})"
     return None
 
 

@@ -4,6 +4,7 @@ validation batches both stages draw from the shard set's val split."""
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from tasks.errors import StageError
@@ -26,7 +27,8 @@ def model_dir(ctx, fallback: str | None = None) -> Path:
         )
     if not path:
         raise StageError(f"{ctx.stage}: no trained model: run the train stage first or pass --model-dir")
-    path = Path(path)
+    # absolute (a flag path is read from the working directory): evaluate, run from elsewhere, finds what is recorded
+    path = Path(os.path.abspath(Path(path).expanduser()))
     if not (path / "config.json").is_file():
         raise StageError(
             f"{ctx.stage}: model checkpoint {path} is missing (no config.json there); "

@@ -99,12 +99,29 @@ def unmatched_skips(layers: list[Layer], skip_layers) -> None:
     for p in skip_layers:
         if p and p not in DEFAULT_SKIPS and not any(p in n for n in names):
             parts = sorted({part for n in names for part in n.split(".") if not part.isdigit()})
-            near = difflib.get_close_matches(p, names + parts, n=3, cutoff=0.5)
+            near = difflib.get_close_matches(p, sorted(set(names) | set(parts)), n=3, cutoff=0.5)
             raise StageError(
                 f"quantize.skip_layers: {p!r} matches no layer (entries match as substrings of the layer names"
                 + (f"; did you mean {', '.join(map(repr, near))}?" if near else f", e.g. {names[0]!r}")
                 + ")"
             )
+
+
+# AMCT's classic PTQ (create_quant_config → quantize_model, hicann/amct classic/graph_based; the API snapshot in
+# tests/fixtures/npu_api: create_quant_config(config_file, model, input_data, skip_layers, batch_num,
+# activation_offset, config_defination) takes no method) quantizes weights and activations to INT8, the activations
+# calibrated: W8A8, the method of ours it implements. Weight-only or SmoothQuant would be a label on another result.
+PTQ_FLOW_METHOD = "int8_dynamic"
+
+
+def check_flow_method(backend: str, flow: str, method: str) -> None:
+    """One line when the AMCT flow cannot do `method` (before any model is loaded)."""
+    if backend == "amct" and flow == "ptq" and method != PTQ_FLOW_METHOD:
+        raise StageError(
+            f"quantize.method {method}: quantize.amct_flow=ptq (AMCT create_quant_config) has no method setting and "
+            f"always quantizes weights and activations to INT8 (W8A8, quantize.method={PTQ_FLOW_METHOD}); set "
+            f"quantize.method={PTQ_FLOW_METHOD}, or quantize.amct_flow=llm for {method}"
+        )
 
 
 def select_layers(layers: list[Layer], backend: str, flow: str, method: str, skip_layers) -> list[str]:

@@ -8,7 +8,8 @@ then convert to the same INT8 format as PTQ.
   FakeQuantizedLinear with int8 per-channel symmetric weights (W8A8 adds int8 per-token activations), the MoE
   experts' stacked weights int8 per row — then, the converter reverted, the PTQ config on the same names
   (`quantize_` with torchao_backend._configs, what `QATConfig(<the PTQ config>, step="convert")` applies) and the
-  experts as PTQ quantizes them (torchao_backend._quantize_experts).
+  experts and the embedding (INT8 weight-only per row) as PTQ quantizes them (torchao_backend.quantize); the
+  quantized names checked against PTQ's list, as PTQ checks them.
 - AMCT (Ascend): `amct_backend.quantize_retrain` (create_quant_retrain_config → create_quant_retrain_model → train →
   save_quant_retrain_model), where the installed AMCT has those functions.
 """
@@ -83,8 +84,14 @@ def torchao_qat(
     converter.revert()  # the fine-tuned full-precision weights stay; the fake quantizers go
     model.eval().to(dtype)
     model.init_rope()
-    quantize_(model, _configs(method), filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear))
     _quantize_experts(model, method, wanted)
+    # the embedding INT8 weight-only per row whatever the method, as torchao_backend.quantize does in PTQ
+    quantize_(
+        model,
+        _configs("int8_weight_only"),
+        filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Embedding),
+    )
+    quantize_(model, _configs(method), filter_fn=lambda m, fqn: fqn in wanted and isinstance(m, torch.nn.Linear))
     return model, losses
 
 
@@ -94,7 +101,7 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
     the in-memory retrained model)."""
     from tasks.model.hf_io import load_hf
     from tasks.quant import metrics
-    from tasks.quant.artifact import DTYPES, META, WEIGHTS, save_model, save_safetensors
+    from tasks.quant.artifact import DTYPES, META, WEIGHTS, onnx_record, save_model, save_safetensors
 
     q, t = cfg.quantize, cfg.train
     started = time.time()
@@ -117,6 +124,8 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
             "weights_sha256",
             "safetensors_bytes",
             "safetensors_sha256",
+            "quant_config_sha256",
+            "onnx_bytes",
         )
     }
     meta.update(stage="qat", qat_steps=q.qat_steps, qat_lr=t.min_lr)
@@ -135,6 +144,12 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
                 DTYPES[q.dtype],
                 device,
             )
+            from tasks.quant.torchao_backend import quantized_names
+
+            done = quantized_names(model)  # the same check as PTQ's: a listed layer left unquantized is refused
+            if sorted(done) != sorted(names):
+                missed = sorted(set(names) - set(done))[:3]
+                raise StageError(f"quantize: QAT left {missed} unquantized (quant_meta.json lists them as INT8)")
             meta["format"] = "torch_state_dict"
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
@@ -164,7 +179,6 @@ def run(cfg, model_dir: Path, shard_dir: Path, ptq_meta: dict, run_dir: Path, de
     dest = ctx_dir / QAT_DIR
     swap_dir(tmp, dest)  # the previous QAT result stays until this one is complete
     if "deploy_onnx" in meta:  # the ONNX paths were written under tmp: point them at the published folder
-        for k in ("deploy_onnx", "fake_quant_onnx"):
-            meta[k] = str(dest / Path(meta[k]).relative_to(tmp))
+        meta.update(onnx_record(dest, meta, tmp))
         atomic_write_json(dest / META, meta)
     return dict(out, quant_dir=str(dest), meta=meta, losses=losses, seconds=time.time() - started)

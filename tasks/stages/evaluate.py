@@ -28,6 +28,7 @@ from tasks.fsutil import atomic_save_figure, atomic_write_json, atomic_write_tex
 from tasks.quant import gate, inputs, quality, registry, report
 from tasks.quant.artifact import META
 from tasks.quant.plan import gate_advice
+from tasks.units import MB
 
 GATE_METRICS = gate.GATE_METRICS
 MODELS = ("fp32", "bf16", "int8")
@@ -149,7 +150,7 @@ class Measurer:
             if ref_key not in self.scores:
                 self.scores[ref_key] = self.score(self.ref, self.ref_name.upper())
             self.scores["int8"] = self.score(model, "INT8")
-        mb = 1024**2
+        mb = MB  # decimal, as every figure (tasks.units)
         m = {
             "stage": stage,
             "reference": self.ref_name,

@@ -23,8 +23,18 @@ from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json, recover_dir, sha256_file, swap_dir
 from tasks.quant import inputs
 from tasks.quant.amct_config import jsonable
-from tasks.quant.artifact import DTYPES, META, WEIGHTS, describe_layers, save_model, save_safetensors, verify_output
-from tasks.quant.plan import choose_backend, select_layers, unmatched_skips
+from tasks.quant.artifact import (
+    DTYPES,
+    META,
+    WEIGHTS,
+    describe_layers,
+    onnx_record,
+    save_model,
+    save_safetensors,
+    verify_output,
+)
+from tasks.quant.plan import check_flow_method, choose_backend, select_layers, unmatched_skips
+from tasks.units import MB
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +89,11 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     if record is None:
         record = _gate(cfg, ctx, model_dir, shard_dir, out, meta, devices.torch_device(kind), kind, suite)
     g = record["final"]
+    if Path(record["quant_dir"]) != out:  # QAT's model is handed on: its sizes, not PTQ's, are the result's
+        handed_on = _result(read_json(Path(record["quant_dir"]) / META), out, reused)
+        sizes = {k: handed_on[k] for k in SIZE_FIGURES}
+        result.update(sizes, summary=handed_on["summary"])
+        tracking.log_metrics(sizes)
     result.update(
         quant_dir=record["quant_dir"],
         ptq_dir=str(out),
@@ -103,7 +118,6 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
 
     from tasks import device as devices
     from tasks.model.hf_io import load_hf
-    from tasks.model.model_dir import accepted_tokenizers
     from tasks.quant import metrics
 
     q = cfg.quantize
@@ -113,16 +127,19 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
 
         amct_error = amct_import_error()
     backend = choose_backend(q.backend, amct_error, kind, q.amct_flow, q.dtype)
+    check_flow_method(backend, q.amct_flow, q.method)
     settings = _settings(cfg, model_dir, backend, shard_dir)
     out = ctx.run_dir / "quantize"
     recover_dir(out)
-    if (out / META).is_file() and {k: read_json(out / META).get(k) for k in settings} == settings:
-        old = read_json(out / META)
+    old = _earlier(out / META)
+    if old is not None and {k: old.get(k) for k in settings} == settings:
         problem = verify_output(out)
         if problem is None and old.get("format") == "torch_state_dict" and "safetensors_sha256" not in old:
             problem = "written before the safetensors form was"
+        if problem is None and sorted(old.get("tokenizer") or []) != sorted(_tokenizers(model_dir, shard_dir)):
+            problem = "its recorded tokenizer identities are not the ones evaluate is to accept now"
         if problem is None:
-            return read_json(out / META), out, True
+            return old, out, True
         print(f"warning: quantize: {problem}; rebuilding it", file=sys.stderr, flush=True)
 
     model = load_hf(model_dir, device="cpu").eval()
@@ -153,7 +170,7 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
         layer_types={layer.name: layer.type for layer in layers if layer.name in names},
         fp32_bytes=fp32_bytes,
         bf16_bytes=bf16_bytes,
-        tokenizer=accepted_tokenizers(model_dir),  # checked by evaluate against its shard set
+        tokenizer=_tokenizers(model_dir, shard_dir),  # checked by evaluate against its shard set
     )
     try:
         if backend == "torchao":
@@ -173,6 +190,7 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
             from tasks.quant.amct_backend import quantize_ptq
 
             meta.update(quantize_ptq(model, skipped, calib, tmp / "amct", device), format="onnx")
+            meta.update(onnx_record(tmp, meta, tmp))  # their sizes, checked by verify_output
         if meta["format"] != "onnx":
             save_model(model, tmp / WEIGHTS, meta["format"])
             meta["int8_bytes"] = metrics.size_on_disk(tmp / WEIGHTS)
@@ -186,6 +204,9 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     swap_dir(tmp, out)  # an older result is replaced only by a complete new one, never a moment with neither
+    if meta["format"] == "onnx":  # AMCT wrote them under the temporary folder: point them at the published one
+        meta.update(onnx_record(out, meta, tmp))
+        atomic_write_json(out / META, meta)
     result = _result(meta, out, reused=False)
     tracking.log_params(
         {
@@ -197,12 +218,7 @@ def _ptq(cfg: PipelineConfig, ctx, model_dir: Path, shard_dir: Path, kind: str) 
             },
         }
     )
-    tracking.log_metrics(
-        {
-            k: result[k]
-            for k in ("int8_mb", "bf16_mb", "fp32_mb", "size_ratio_vs_bf16", "size_ratio_vs_fp32", "quantized_layers")
-        }
-    )
+    tracking.log_metrics({k: result[k] for k in SIZE_FIGURES})
     tracking.log_json_artifact(meta, "quantize/quant_meta.json")
     return meta, out, False
 
@@ -232,12 +248,13 @@ def _reusable_gate(cfg, model_dir: Path, shard_dir: Path, ptq_dir: Path, kind: s
     settings and the model it handed on is intact (task gate only: its key says what was measured)."""
     from tasks.quant import gate
 
-    path = ptq_dir / gate.RECORD
-    if suite is None or not path.is_file():
+    record = _earlier(ptq_dir / gate.RECORD) if suite is not None else None
+    if record is None:
         return None
-    record = read_json(path)
     final = Path(record.get("quant_dir", ""))
-    if record.get("settings") != _gate_settings(cfg, shard_dir) or not (final / META).is_file() or verify_output(final):
+    if record.get("settings") != _gate_settings(cfg, shard_dir) or _earlier(final / META) is None:
+        return None
+    if verify_output(final):
         return None
     return record if record.get("key") == gate.record_key(cfg, suite, model_dir, final, kind) else None
 
@@ -283,8 +300,39 @@ def _gate(cfg, ctx, model_dir: Path, shard_dir: Path, ptq_dir: Path, meta: dict,
     return record
 
 
+def _earlier(path: Path) -> dict | None:
+    """An earlier run's JSON record, or None when there is none or it is unreadable (a warning naming it: the
+    result is rebuilt, as a damaged model_int8.pt is)."""
+    if not path.is_file():
+        return None
+    try:
+        record = read_json(path)
+    except (OSError, ValueError) as e:
+        print(f"warning: quantize: {path} is unreadable ({e}); rebuilding it", file=sys.stderr, flush=True)
+        return None
+    if not isinstance(record, dict):
+        print(f"warning: quantize: {path} is not a JSON object; rebuilding it", file=sys.stderr, flush=True)
+        return None
+    return record
+
+
+def _tokenizers(model_dir: Path, shard_dir: Path) -> list[str]:
+    """The tokenizer identities evaluate accepts for this model: its own; for a model directory without our manifest
+    whose tokenizer check_tokenizers found the same as the shard set's, the shard set's too (as write_manifest
+    records both), so evaluate's comparison agrees with quantize's."""
+    from tasks.model.model_dir import accepted_tokenizers, read_manifest, shard_tokenizer
+
+    own = accepted_tokenizers(model_dir)
+    if not own or read_manifest(model_dir) is not None:
+        return own
+    return list(dict.fromkeys([*own, *filter(None, [shard_tokenizer(shard_dir)])]))
+
+
+SIZE_FIGURES = ("int8_mb", "bf16_mb", "fp32_mb", "size_ratio_vs_bf16", "size_ratio_vs_fp32", "quantized_layers")
+
+
 def _result(meta: dict, out: Path, reused: bool) -> dict:
-    mb = 1024**2
+    mb = MB  # decimal, as every memory figure (tasks.units)
     r = {
         "quant_dir": str(out),
         "model_dir": meta["model_dir"],
