@@ -91,7 +91,10 @@ def from_text(value: Any, annotation) -> Any:
     if typing.get_origin(annotation) is list:
         if isinstance(value, str):
             parsed = _yaml(value)
-            value = parsed if isinstance(parsed, list) else [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(parsed, list):  # comma form: a text item keeps its spaces ("def ,import ")
+                text = typing.get_args(annotation)[0] is str
+                parsed = [v if text else v.strip() for v in value.split(",") if v.strip()]
+            value = parsed
         return [from_text(v, typing.get_args(annotation)[0]) for v in value] if isinstance(value, list) else value
     kinds = {type(a) for a in _literal(annotation)} or {annotation}
     if kinds == {str}:
@@ -224,8 +227,18 @@ PIPELINE_SECTIONS = "hardware data model parallel train smoke plan profile quant
 
 
 def var_dir() -> Path:
-    """Where runs, stores and caches live: <repo>/var, or $LLM_PIPELINE_VAR_DIR (tests, shared disks)."""
-    return Path(os.environ.get("LLM_PIPELINE_VAR_DIR") or REPO_ROOT / "var")
+    """Where runs, stores and caches live: <repo>/var, or $LLM_PIPELINE_VAR_DIR (tests, shared disks): an absolute
+    path (a relative one is refused: read from each process's working directory, it would put runs in two places)."""
+    given = os.environ.get("LLM_PIPELINE_VAR_DIR")
+    if not given:
+        return REPO_ROOT / "var"
+    path = Path(given).expanduser()
+    if not path.is_absolute():
+        raise DataPrepError(
+            f"LLM_PIPELINE_VAR_DIR={given} is a relative path (each process would read it from its own working "
+            f"directory); give an absolute one, e.g. LLM_PIPELINE_VAR_DIR=$PWD/{given}"
+        )
+    return path
 
 
 def repo_path(p: str | os.PathLike) -> Path:

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from data_prep.errors import DataPrepError
 from tasks.errors import StageError, os_error_cause
 from tasks.stages import OWN_SCHEDULE, STAGES
 
@@ -48,21 +49,35 @@ def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None,
     recorded = (read_json(marker).get("config") if marker and marker.is_file() else None) or {}
     cli = Path(run_dir) / CLI_CONFIG_FILE if here else None
     remembered = (read_json(cli) if cli and cli.is_file() and not recorded.get("preset") else None) or {}
+    pending = Path(run_dir) / PENDING_CONFIG_FILE if here and not recorded.get("preset") else None
+    unfinished = ""
+    if pending and pending.is_file():  # left by a stage run that was killed (a train killed at step 200 of 300)
+        remembered, cli = _read_or_none(pending) or remembered, pending
+        unfinished = ": left by a stage run that did not finish, taken"
     sets = remembered.get("sets") or None
+    given = f" with --set {' '.join(f'{k}={v}' for k, v in sets.items())}" if sets else ""
     if config is not None:
         if sets and _preset_id(config) != remembered.get("preset"):
             log.info(f"config: --config {config}; not this run directory's --set values (for another, in {cli})")
             return config, None
+        if unfinished:
+            log.info(f"config: --config {config}{given} (from {cli}{unfinished})")
         return config, sets
     if not recorded.get("preset"):
-        preset = remembered.get("preset") or None
-        if preset:
-            given = f" with --set {' '.join(f'{k}={v}' for k, v in sets.items())}" if sets else ""
-            log.info(f"config: this run directory's ({preset}{given}, from {cli}); --config to choose another")
-        elif here and os.environ.get("LLM_PIPELINE_PRESET"):  # not the default: said
+        from tasks.config import DEFAULT_PRESET
+
+        preset, env = remembered.get("preset") or None, os.environ.get("LLM_PIPELINE_PRESET")
+        # the default preset with nothing else recorded is not worth a line, unless $LLM_PIPELINE_PRESET says another
+        if preset and (preset != DEFAULT_PRESET or sets or unfinished or (env and env != preset)):
+            not_env = f"; not $LLM_PIPELINE_PRESET's {env}" if env and env != preset else ""
             log.info(
-                f"config: {os.environ['LLM_PIPELINE_PRESET']} (from $LLM_PIPELINE_PRESET): no --config and none "
-                f"recorded in {run_dir}; --config to choose another"
+                f"config: this run directory's ({preset}{given}, from {cli}{unfinished}){not_env}; --config to choose "
+                "another"
+            )
+        elif not preset and here and env:  # not the default: said
+            log.info(
+                f"config: {env} (from $LLM_PIPELINE_PRESET): no --config and none recorded in {run_dir}; --config to "
+                "choose another"
             )
         return preset, sets
     log.info(f"config: the DAG run's ({recorded['preset']} with its Params, from {marker}); --config to choose another")
@@ -74,19 +89,51 @@ def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None,
 # train rerun after a kill keeps its --set train.steps). Rewritten once a stage accepted them (a new directory's
 # first, before its first stage runs, so that a rerun of a failed first stage takes them too).
 CLI_CONFIG_FILE = "cli-config.json"
+# <run-dir>/cli-config.pending.json: the config a stage run is using (its --config and --set values), written just
+# before the stage runs, moved to cli-config.json once it finished, removed when it failed or was refused. Left
+# behind only by a run that was killed: the next stage run there takes it (`train --set train.steps=300`, killed,
+# rerun as `train --run-dir D`: still 300), and says so.
+PENDING_CONFIG_FILE = "cli-config.pending.json"
 
 
 def _preset_id(config: str) -> str:
-    return str(Path(config).resolve()) if Path(config).is_file() else config  # a file: found from any cwd
+    """A preset name for a preset's own file (configs/ci-tiny.yaml is ci-tiny), else a file's absolute path (found
+    from any cwd), else the name."""
+    from tasks.config import CONFIG_DIR
+
+    path = Path(config)
+    if not path.is_file():
+        return config
+    if path.resolve().parent == CONFIG_DIR.resolve() and path.suffix == ".yaml":
+        return path.stem
+    return str(path.resolve())
 
 
-def remember_config(run_dir: str | Path, config: str, sets: dict | None = None) -> None:
+def remember_config(run_dir: str | Path, config: str, sets: dict | None = None, name: str = CLI_CONFIG_FILE) -> None:
     from tasks.fsutil import atomic_write_json, make_dirs
 
     make_dirs(Path(run_dir))
-    atomic_write_json(
-        Path(run_dir) / CLI_CONFIG_FILE, {"preset": _preset_id(config), **({"sets": sets} if sets else {})}
-    )
+    atomic_write_json(Path(run_dir) / name, {"preset": _preset_id(config), **({"sets": sets} if sets else {})})
+
+
+def _read_or_none(path: Path) -> dict | None:
+    from tasks.fsutil import read_json
+
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _drop_pending(pending: Path, left: dict | None) -> None:
+    """This stage run's pending config is not the directory's (it failed or was refused): put back what a killed
+    run had left there, else remove it."""
+    from tasks.fsutil import atomic_write_json
+
+    if left:
+        atomic_write_json(pending, left)
+    else:
+        pending.unlink(missing_ok=True)
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -125,10 +172,13 @@ def main(argv=None) -> int:
 
     console()  # the stages' log lines (progress, warnings) on stderr
     try:
+        from data_prep.config import var_dir
+
+        var_dir()  # a relative $LLM_PIPELINE_VAR_DIR: refused before anything is written
         if stage == "summary":
             from tasks.summary import main as summary_main
 
-            return summary_main(argv)
+            return summary_main(argv, run_config=dag_run_config)  # the run directory's config, as its stages took
         from tasks.config import load_config, parse_sets
         from tasks.runner import default_run_dir, run_stage, stage_module
 
@@ -138,6 +188,10 @@ def main(argv=None) -> int:
         if hasattr(module, "add_cli_args"):
             module.add_cli_args(parser)
         args = parser.parse_args(argv)
+        if args.config is not None and not args.config.strip():  # `--config ''` (an unset variable)
+            raise StageError(
+                "--config is empty: give a preset name or a YAML file, or leave --config out for the run directory's"
+            )
         preset, overrides = dag_run_config(args.run_dir, args.config)
         cfg = load_config(preset, overrides, sets=args.sets)
         if args.no_tracking:
@@ -159,16 +213,37 @@ def main(argv=None) -> int:
 
         # what this run directory remembers (cli-config.json; a DAG run's directory has its own): the preset
         # (--config, else $LLM_PIPELINE_PRESET: the next stage here must not fall back to demo-cpu) and --set values
-        chosen = args.config or preset or os.environ.get("LLM_PIPELINE_PRESET")
-        remember = chosen is not None and not (Path(run_dir) / DAG_RUN_FILE).is_file()
+        from tasks.config import DEFAULT_PRESET
+
+        chosen = args.config or preset or os.environ.get("LLM_PIPELINE_PRESET") or DEFAULT_PRESET
+        if Path(run_dir).exists() and not Path(run_dir).is_dir():  # before anything is remembered in it
+            raise StageError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
+        try:  # as the runner would (its line), before anything is remembered in it
+            from tasks.fsutil import make_dirs
+
+            make_dirs(Path(run_dir))
+        except OSError as e:
+            raise StageError(f"cannot create the run directory: {os_error_cause(e)}") from None
+        remember = not (Path(run_dir) / DAG_RUN_FILE).is_file()
         sets = {**(overrides or {}), **parse_sets(args.sets)} if remember else {}
+        pending = Path(run_dir) / PENDING_CONFIG_FILE
+        left = _read_or_none(pending) if remember and pending.is_file() else None  # a killed run's, kept if refused
         if remember and not (Path(run_dir) / CLI_CONFIG_FILE).is_file():  # a new directory: a failed first stage
             remember_config(run_dir, chosen, sets)  # is rerun with it
+        elif remember:  # taken by the next run if this one is killed; cli-config.json once it finished
+            remember_config(run_dir, chosen, sets, name=PENDING_CONFIG_FILE)
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
-        result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
+        try:
+            result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
+        except (Exception, SystemExit):
+            if remember:
+                _drop_pending(pending, left)
+            raise
         if remember and result.get("status") != "failed":  # a directory's config changes once a stage accepted it
             remember_config(run_dir, chosen, sets)
-    except StageError as e:
+        if remember:
+            _drop_pending(pending, left if result.get("status") == "failed" else None)
+    except (StageError, DataPrepError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # read-only/full/missing paths outside a stage (config file, var dir): one line

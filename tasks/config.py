@@ -564,7 +564,8 @@ def resolve_preset(preset_or_path: str | None) -> Path:
     candidate = CONFIG_DIR / f"{name}.yaml"
     if not candidate.is_file():
         known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
-        raise ConfigError(f"unknown preset {name!r} (known: {', '.join(known)})")
+        where = " from $LLM_PIPELINE_PRESET" if not preset_or_path and os.environ.get("LLM_PIPELINE_PRESET") else ""
+        raise ConfigError(f"unknown preset {name!r}{where} (known: {', '.join(known)})")
     return candidate
 
 

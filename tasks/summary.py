@@ -66,7 +66,9 @@ def model_lines(evaluate: dict, run_dir) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None, run_config=None) -> int:
+    """`run_config(run_dir, config)` → (preset, overrides): the run directory's config as its stages took it
+    (tasks.cli passes its dag_run_config; this module does not import the CLI, which imports it)."""
     p = argparse.ArgumentParser(prog="python -m tasks summary")
     p.add_argument("--run-dir", required=True, help="the run directory whose <stage>.json files are summarised")
     p.add_argument("--config", default=None, help="preset or YAML whose tracking settings build the MLflow links")
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     run_dir = Path(args.run_dir)
     if not args.run_dir.strip() or not run_dir.is_dir():
         raise StageError(f"summary: --run-dir {args.run_dir!r} is not a directory (no run there); check the path")
-    cfg = load_config(args.config)
+    cfg = load_config(*run_config(args.run_dir, args.config)) if run_config else load_config(args.config)
     print(render(args.run_dir, cfg))
     if args.check:
         results = load_inputs(args.run_dir)

@@ -160,7 +160,7 @@ def _configure(cfg: PipelineConfig):
         db.parent.mkdir(parents=True, exist_ok=True)
         lock = _file_lock(db.with_name(db.name + ".init-lock"))
     mlflow.set_tracking_uri(uri)
-    check_reachable(uri)
+    check_reachable(uri, source="config" if cfg.tracking.uri else "env")
     with lock:  # two processes opening a new SQLite store at once would both run its schema migrations
         client = mlflow.MlflowClient(uri)
         exp = client.get_experiment_by_name(cfg.tracking.experiment)
@@ -202,8 +202,9 @@ def _file_lock(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def check_reachable(uri: str, timeout: float = 5.0) -> None:
-    """An http(s) tracking server that does not answer fails now, in one line, not after minutes of retries."""
+def check_reachable(uri: str, timeout: float = 5.0, source: str = "") -> None:
+    """An http(s) tracking server that does not answer fails now, in one line, not after minutes of retries.
+    `source`: where the URI came from ("config": tracking.uri, "env": $MLFLOW_TRACKING_URI), which decides the fix."""
     if not uri.startswith(("http://", "https://")):
         return
     import urllib.error
@@ -214,10 +215,20 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        raise StageError(
-            f"MLflow tracking server {uri} is unreachable ({reason}); start it (make ui) or set "
-            f"MLFLOW_TRACKING_URI / tracking.uri"
-        ) from None
+        if source == "config":  # tracking.uri beats $MLFLOW_TRACKING_URI: the variable cannot help here
+            fix = (
+                "it is tracking.uri (the preset's or a --set), which beats $MLFLOW_TRACKING_URI: start it (make ui), "
+                "give another with --set tracking.uri=… (empty: $MLFLOW_TRACKING_URI, else the local store), or run "
+                "with --no-tracking"
+            )
+        elif source == "env":
+            fix = (
+                "it is $MLFLOW_TRACKING_URI: start it (make ui), or set MLFLOW_TRACKING_URI to a server that answers "
+                "(unset: the local store)"
+            )
+        else:
+            fix = "start it (make ui) or set MLFLOW_TRACKING_URI / tracking.uri"
+        raise StageError(f"MLflow tracking server {uri} is unreachable ({reason}); {fix}") from None
     # /health is exempt from MLflow's Host-header check (mlflow/server/security.py): an API path is not, and a server
     # that does not allow the name this URI uses answers every call 403 — said now, not at the first logged value
     try:

@@ -13,6 +13,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 from tasks.errors import StageError  # noqa: E402
 from tasks.model import build_model, get_preset, materialize  # noqa: E402
 from tasks.model.hf_io import load_hf, save_hf  # noqa: E402
+from tests.helpers.models import LLAMA_CONFIG  # noqa: E402
 
 SHAPE = dict(
     hidden_size=64,
@@ -251,16 +252,7 @@ def test_a_model_value_set_over_a_checkpoint_is_honoured_and_said(tmp_path, capl
     assert f"model.max_seq_len 4096 (its config.json: {plain.max_seq_len!r})" in record.message
 
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 300,
-}
+LLAMA = LLAMA_CONFIG
 
 
 @pytest.mark.parametrize(

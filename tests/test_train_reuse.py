@@ -146,13 +146,17 @@ def test_fresh_sets_the_old_export_aside(cfg, tmp_path, shards):  # noqa: F811
 
 
 def _export(run: Path, source: Path | None) -> None:
-    """hf/ as the export writes it: config.json and llm-pipeline.json recording `source` (None: an older export)."""
+    """hf/ as the export writes it: config.json, the weights and llm-pipeline.json recording their sizes and sha256
+    (a rerun checks them) and `source` (None: an older export)."""
     from tasks.fsutil import sha256_file
-    from tasks.model.model_dir import FORMAT, MANIFEST
+    from tasks.model.model_dir import FORMAT, MANIFEST, file_entry
+    from tests.helpers.models import LLAMA_CONFIG as LLAMA
 
     (run / "hf").mkdir(exist_ok=True)
-    (run / "hf" / "config.json").write_text("{}")
-    body = {"format": FORMAT, "files": {}}
+    (run / "hf" / "config.json").write_text(json.dumps(LLAMA))
+    header = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (run / "hf" / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    body = {"format": FORMAT, "files": {n: file_entry(run / "hf" / n) for n in ("config.json", "model.safetensors")}}
     if source is not None:
         body["checkpoint"] = {"name": source.name, "meta_sha256": sha256_file(source / "meta.json")}
     (run / "hf" / MANIFEST).write_text(json.dumps(body))

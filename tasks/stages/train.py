@@ -459,16 +459,22 @@ def export_current(run_dir: Path, last: Path) -> bool:
     """<run-dir>/hf holds the export of this finished run's model: config.json there and, where llm-pipeline.json
     records the checkpoint it was exported from (tasks.model.hf_export), that very checkpoint (name and meta.json
     sha256): the last one, or the one the run's summary says it exports (early stopping's best). An export of an
-    earlier run or of an earlier step is not handed back: the launch exports again."""
+    earlier run or of an earlier step is not handed back: the launch exports again. Nor is one whose files differ
+    from what llm-pipeline.json records (sizes, sha256: the check quantize and evaluate make when they load it)."""
     from tasks.fsutil import sha256_file
-    from tasks.model.model_dir import read_manifest
+    from tasks.model.model_dir import read_manifest, verify
 
     hf_dir = Path(run_dir) / "hf"
     if not (hf_dir / "config.json").is_file():
         return False
     try:
         source = (read_manifest(hf_dir) or {}).get("checkpoint")
-    except StageError:
+        verify(hf_dir)
+    except StageError as e:
+        from tasks.logs import log
+
+        cause = str(e).split("; re-export")[0]
+        log.warning(f"{cause}: not handed back; exporting {hf_dir} again from the checkpoint")
         return False
     if source is None:  # exported before the source was recorded
         return True

@@ -149,3 +149,16 @@ def tied_output_peaks() -> dict:
             peaks[cls.__name__] = (memory_stats(torch.device("cpu"))["peak_bytes"] - start) / unit
         grads[cls.__name__] = model.tok_embeddings.weight.grad.clone()
     return {**peaks, "identical": bool(torch.equal(grads["Linear"], grads["TiedOutput"]))}
+
+
+# A small Llama config.json as transformers reads it (a valid export's config for tests that write hf/ by hand).
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 300,
+}
