@@ -547,41 +547,20 @@ def test_export_friendly_attention_matches_sdpa_and_exports_at_opset_11():
 def test_ptq_keeps_sample_and_calibration_on_the_models_device(monkeypatch, tmp_path):
     """A recording stand-in for AMCT's classic API (hicann/amct master signatures): the model sits on `meta`, so any
     CPU tensor handed to it fails."""
-    import types
-
     import torch
 
     from tasks.quant import amct_backend
+    from tests.helpers.amct import fake_amct_ptq
 
     c, m = _debug_model()
     m.to("meta")
     seen = {}
-    fake = types.ModuleType("amct_pytorch")
 
-    def create_quant_config(
-        config_file, model, input_data, skip_layers=None, batch_num=1, activation_offset=True, config_defination=None
-    ):
+    def on_config(config_file, model, input_data):
         seen["attention"] = type(model.layers["0"].attention).__name__
         seen["sample"] = input_data[0].device.type
 
-    def quantize_model(
-        config_file,
-        modfied_onnx_file,
-        record_file,
-        model,
-        input_data,
-        input_names=None,
-        output_names=None,
-        dynamic_axes=None,
-    ):
-        return model
-
-    def save_model(modfied_onnx_file, record_file, save_path):
-        for suffix in ("_fake_quant_model.onnx", "_deploy_model.onnx"):
-            Path(f"{save_path}{suffix}").write_bytes(b"")
-
-    fake.create_quant_config, fake.quantize_model, fake.save_model = create_quant_config, quantize_model, save_model
-    fake.quantize = fake.convert = lambda *a, **k: None
+    fake = fake_amct_ptq(on_config)
     monkeypatch.setitem(sys.modules, "amct_pytorch", fake)
     batches = [(torch.randint(0, c.vocab_size, (2, 8)), None) for _ in range(2)]
     out = amct_backend.quantize_ptq(m, [], batches, tmp_path, torch.device("meta"))

@@ -9,7 +9,6 @@ import json
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -128,31 +127,11 @@ def test_a_missing_or_altered_quant_config_is_a_problem(ptq_dir, tmp_path):
 @pytest.fixture
 def fake_amct(monkeypatch):
     """hicann/amct master's classic PTQ calls (tests/fixtures/npu_api/amct_pytorch-master.json signatures)."""
-    fake = types.ModuleType("amct_pytorch")
+    from tests.helpers.amct import fake_amct_ptq
 
-    def create_quant_config(
-        config_file, model, input_data, skip_layers=None, batch_num=1, activation_offset=True, config_defination=None
-    ):
-        Path(config_file).write_text("{}")
-
-    def quantize_model(
-        config_file,
-        modfied_onnx_file,
-        record_file,
-        model,
-        input_data,
-        input_names=None,
-        output_names=None,
-        dynamic_axes=None,
-    ):
-        return model
-
-    def save_model(modfied_onnx_file, record_file, save_path):
-        for suffix in ("_fake_quant_model.onnx", "_deploy_model.onnx"):
-            Path(f"{save_path}{suffix}").write_bytes(b"onnx" * 10)
-
-    fake.create_quant_config, fake.quantize_model, fake.save_model = create_quant_config, quantize_model, save_model
-    fake.quantize = fake.convert = lambda *a, **k: None
+    fake = fake_amct_ptq(
+        on_config=lambda config_file, model, data: Path(config_file).write_text("{}"), onnx=b"onnx" * 10
+    )
     monkeypatch.setitem(sys.modules, "amct_pytorch", fake)
     return fake
 
