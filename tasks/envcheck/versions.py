@@ -57,6 +57,11 @@ def _toolkit_dirs(root: Path, home: str | None) -> list[tuple[Path, str]]:
     return dirs
 
 
+def install_dirs(root: str | os.PathLike) -> list[Path]:
+    """Where an Ascend install root holds something this module reads: the driver, the firmware, a CANN toolkit."""
+    return [Path(root) / "driver", Path(root) / "firmware", *(d for d, _ in _toolkit_dirs(Path(root), None))]
+
+
 def find_cann(root: str | os.PathLike = DEFAULT_ASCEND_ROOT, home: str | None = None) -> dict | None:
     """The CANN toolkit's version from `<toolkit>/<arch>-linux/ascend_toolkit_install.info`, or None."""
     for base, layout in _toolkit_dirs(Path(root), home):

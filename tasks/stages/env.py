@@ -235,8 +235,7 @@ def check_ascend_root(given: str) -> None:
     """An --ascend-root that exists but holds no Ascend install (a toolkit directory, /usr/local) would read as "no
     Ascend software installed": refused in one line, naming the root to give instead."""
     root = Path(given).absolute()
-    layouts = ("driver", "firmware", "ascend-toolkit/latest", "cann")
-    if any((root / d).is_dir() for d in layouts) or any(p.is_dir() for p in root.glob("cann-*")):
+    if any(d.is_dir() for d in versions.install_dirs(root)):
         return
     if list(root.glob("*-linux/ascend_toolkit_install.info")) or (root / "set_env.sh").is_file():
         parent = root.parent.parent if root.parent.name == "ascend-toolkit" else root.parent
