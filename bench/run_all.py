@@ -2,7 +2,8 @@
 the generated figures block of docs/benchmarks.md. This is the only writer of those three.
 
 Each bench measures its figure side by side with a baseline in the same run and reports ratios. A bench that
-fails is recorded as an error (and makes this exit non-zero) without hiding the others' figures.
+fails (or exits: SystemExit) is recorded as an error (and makes this exit non-zero) without hiding the others'
+figures; Ctrl-C or SIGTERM stops the run and still writes the figures of the benches that finished (exit 130).
 `python bench/run_all.py [name …] [--force]` runs only the named benches (e.g. `data train_step`): their figures
 replace that bench's old ones, every other figure is kept as it was, with its own provenance: the bench, date,
 machine, commit and the host's load over that bench (`HostLoad`: 1-minute load average and CPU steal).
@@ -10,7 +11,8 @@ A bench run on a loaded host (mean 1-minute load average above the CPU count) sa
 replace the same bench's figures measured on a quieter host unless `--force` (exit 3 names what was kept).
 A bench whose module sets `DETERMINISTIC = True` (figures that do not depend on the host) is never held back; the
 test of deterministic figures recomputes those and compares them with results.json.
-`python bench/run_all.py --docs` runs nothing: it rewrites results.md and the docs block from results.json.
+`python bench/run_all.py --docs` runs nothing: it rewrites results.md and the docs block from results.json (alone:
+bench names or --force beside it are refused).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -379,6 +382,53 @@ def write_outputs(doc: dict) -> None:
     atomic_write_text(DOCS, rewrite_docs(DOCS.read_text(), docs_block(doc)))
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is (as Ctrl-C is): the benches that finished are still written."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated("SIGTERM")
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _run_benches(names, base, fresh, stamps, errors, timings) -> str | None:
+    """Run the benches in turn, each one's figures into `fresh` or its one-line error into `errors` (SystemExit
+    too: a bench that exits is that bench's error, the others still run). Ctrl-C or SIGTERM stops the run: that
+    bench is recorded as interrupted and its name returned, so that what finished is still written."""
+    for name in names:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"bench_{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        started = time.time()
+        print(f"== bench {name}", flush=True)
+        stop = None
+        with HostLoad() as load:
+            try:
+                spec.loader.exec_module(mod)
+                figures = mod.run()
+                fresh[name] = figures
+                for k, v in figures.items():
+                    print(f"   {k} = {v}", flush=True)
+            except KeyboardInterrupt as e:  # stop here; the finished benches' figures are written
+                stop = "SIGTERM" if isinstance(e, _Terminated) else "KeyboardInterrupt"
+                errors[name] = f"interrupted ({stop}): no figures; rerun it"
+            except BaseException:  # SystemExit, any error: keep the other benches' figures; report this one
+                errors[name] = traceback.format_exc().strip().splitlines()[-1]
+                print(traceback.format_exc(), file=sys.stderr)
+        stamps[name] = dict(base, load=load.result(), deterministic=bool(getattr(mod, "DETERMINISTIC", False)))
+        print(f"   host: {load_label(stamps[name]['load'])}", flush=True)
+        timings[name] = round(time.time() - started, 1)
+        if stop:
+            print(
+                f"run_all: bench {name} interrupted ({stop}); writing the figures of the benches that finished",
+                file=sys.stderr,
+            )
+            return name
+    return None
+
+
 def main(argv: list[str]) -> int:
     from tasks.fsutil import atomic_write_json
 
@@ -390,6 +440,14 @@ def main(argv: list[str]) -> int:
         )
         return 2
     if "--docs" in flags:
+        others = sorted(flags - {"--docs"}) + [a for a in argv if not a.startswith("--")]
+        if others:  # --docs runs nothing: a bench name or --force beside it would be ignored without a word
+            print(
+                f"run_all: --docs runs no bench, {others[0]} does nothing beside it; use --docs alone, or run the "
+                "benches without --docs (that rewrites the docs too)",
+                file=sys.stderr,
+            )
+            return 2
         write_outputs(json.loads(RESULTS.read_text()))
         print(f"rewrote {RESULTS_MD} and the figures block of {DOCS} from {RESULTS}")
         return 0
@@ -405,24 +463,14 @@ def main(argv: list[str]) -> int:
         return 2
     fresh, stamps, errors, timings = {}, {}, {}, {}
     base = {"date": time.strftime("%Y-%m-%d"), "machine": machine(), "commit": commit()}
-    for name in names:
-        spec = importlib.util.spec_from_file_location(f"bench_{name}", HERE / f"bench_{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        started = time.time()
-        print(f"== bench {name}", flush=True)
-        with HostLoad() as load:
-            try:
-                spec.loader.exec_module(mod)
-                figures = mod.run()
-                fresh[name] = figures
-                for k, v in figures.items():
-                    print(f"   {k} = {v}", flush=True)
-            except Exception:  # keep the other benches' figures; report this one
-                errors[name] = traceback.format_exc().strip().splitlines()[-1]
-                print(traceback.format_exc(), file=sys.stderr)
-        stamps[name] = dict(base, load=load.result(), deterministic=bool(getattr(mod, "DETERMINISTIC", False)))
-        print(f"   host: {load_label(stamps[name]['load'])}", flush=True)
-        timings[name] = round(time.time() - started, 1)
+    interrupted = None
+    # SIGTERM (a CI job cancelled, `timeout` late in `make bench`) as Ctrl-C: what finished is written, not lost
+    on_term = signal.signal(signal.SIGTERM, _terminated) if _main_thread() else None
+    try:
+        interrupted = _run_benches(names, base, fresh, stamps, errors, timings)
+    finally:
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     # Read now, not at the start: another partial run that finished meanwhile keeps its figures.
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     kept = {}
@@ -449,15 +497,18 @@ def main(argv: list[str]) -> int:
         "refreshed": sorted(fresh),
         "kept": kept,
         "errors": errors,
-        "seconds": {**previous.get("seconds", {}), **timings},
-        "date": base["date"],
-        "machine": base["machine"],
+        # only the benches whose figures were taken: a kept (loaded) or failed run leaves the recorded ones as they were
+        "seconds": {**previous.get("seconds", {}), **{k: v for k, v in timings.items() if k in fresh}},
+        "date": base["date"] if fresh else previous.get("date", base["date"]),
+        "machine": base["machine"] if fresh else previous.get("machine", base["machine"]),
     }
     atomic_write_json(RESULTS, doc)
     # Rendered from the file as written (its keys sorted), as `--docs` and tests/test_bench_results.py render it: a
     # dict figure fresh from a bench keeps its insertion order in memory ({4mb, 8mb, 16mb}), not the file's.
     write_outputs(json.loads(RESULTS.read_text()))
     print(f"\nwrote {RESULTS}, {RESULTS_MD} and {DOCS}'s figures (refreshed: {', '.join(sorted(fresh)) or 'none'})")
+    if interrupted:
+        return 130  # as a shell reports Ctrl-C: the run did not finish
     return 1 if errors else 3 if kept else 0
 
 

@@ -2,7 +2,9 @@
    (inputs: --input, or inputs in --config/--set; DIR: default $LLM_PIPELINE_VAR_DIR/data, else <repo>/var/data;
    --input/--out replace the --config file's inputs/out_dir, and refuse --set inputs=/out_dir= beside them;
    relative paths in the --config file are read from the repository, as the pipeline reads that file, and those
-   on the command line from the working directory)
+   on the command line from the working directory; shard_multiple 0 is 1 here, ranks × loader workers in the
+   pipeline: to pre-build the set `python -m tasks shard` finds, --set shard_multiple= the pipeline's, e.g. 2 for
+   configs/ci-tiny.yaml)
    `python -m data_prep verify DIR [--split train]`   (tokenizer files, sizes + sha256 of every shard, against the
                                                        manifest)
 
@@ -20,6 +22,9 @@ import sys
 from data_prep.config import ShardConfig, config_paths, default_out_dir
 from data_prep.errors import DataPrepError
 
+log = logging.getLogger("data_prep")
+LOADER_ONLY = ("loader_workers", "prefetch_factor")  # data keys only the loader reads
+
 
 def _overrides(sets: list[str]) -> dict:
     out = {}
@@ -29,6 +34,18 @@ def _overrides(sets: list[str]) -> dict:
             raise DataPrepError(f"--set {item!r}: expected key=value")
         out[key.strip()] = value  # read as the field's type by the model (data_prep.config.from_text)
     return out
+
+
+def _unused_settings(overrides: dict, cfg: ShardConfig) -> None:
+    """--set of the loader's own settings: valid data keys (a preset's data: section holds them), but no shard build
+    reads them; said, not ignored without a word."""
+    loader = [k for k in LOADER_ONLY if k in overrides]
+    if loader:
+        log.warning(
+            "%s: the loader's setting(s) (the train stage's data feeding), not used by a shard build; leave them out "
+            "of --set (in the pipeline loader_workers sizes the automatic shard_multiple: give shard_multiple here)",
+            ", ".join(f"{k}={getattr(cfg, k)}" for k in loader),
+        )
 
 
 def main(argv=None) -> int:
@@ -98,7 +115,15 @@ def main(argv=None) -> int:
             )
         values.setdefault("out_dir", str(default_out_dir()))  # not ./var of the working directory
         cfg = ShardConfig.from_dict(values)
+        _unused_settings(overrides, cfg)
         result = build_shard_set(cfg)
+        if "vocab_size" in overrides and cfg.tokenizer != "train":  # as the pipeline's shard stage says it
+            log.warning(
+                "data.vocab_size %s is not used: the given tokenizer (data.tokenizer) keeps its own vocabulary of %d "
+                "tokens; unset data.vocab_size (it sizes only a BPE trained on the corpus)",
+                cfg.vocab_size,
+                result.manifest["vocab_size"],
+            )
     except DataPrepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

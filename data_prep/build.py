@@ -8,6 +8,7 @@ rewrite nothing (a cache hit); any change gives a new version beside the old one
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 from data_prep import fsio
 from data_prep.config import ShardConfig
 from data_prep.errors import DataPrepError
-from data_prep.job import PUBLISHED, Job, prepare, remember
+from data_prep.job import PUBLISHED, Job, prepare, published_instead, remember
 from data_prep.layout import read_layout, run_layout
 from data_prep.manifest import FORMAT, MANIFEST, digest, load_manifest, manifest_bytes
 from data_prep.partition import run_partition
@@ -58,26 +59,29 @@ def build_shard_set(cfg: ShardConfig, reduce_only: bool = False, report=None) ->
     each partition ("tokenize") and shard write ("write") done (the shard stage's progress lines)."""
     report = report or (lambda step, done, total: None)
     started = time.perf_counter()
-    prepared = prepare(cfg, create=not reduce_only)
-    if prepared.job is None:
-        return _hit(prepared.shard_dir, started)
-    job = prepared.job
-    if not reduce_only:
-        for i in range(len(job.partitions)):
-            run_partition(job, i, cfg.tokenize_processes, cfg.progress)
-            report("tokenize", i + 1, len(job.partitions))
-        layout = run_layout(job)
-        writes = 0 if layout["published"] else len(layout["writes"])
-        for i in range(writes):
-            run_write(job, i)
-            report("write", i + 1, writes)
-    return publish(job, verify_sha256=cfg.verify_sha256, started=started)
+    with contextlib.ExitStack() as hold:  # the key's build lock, from the index check to the publish
+        prepared = prepare(cfg, create=not reduce_only, hold=hold)
+        if prepared.job is None:
+            return _hit(prepared.shard_dir, started)
+        job = prepared.job
+        if not reduce_only:
+            for i in range(len(job.partitions)):
+                run_partition(job, i, cfg.tokenize_processes, cfg.progress)
+                report("tokenize", i + 1, len(job.partitions))
+            layout = run_layout(job)
+            writes = 0 if layout["published"] else len(layout["writes"])
+            for i in range(writes):
+                run_write(job, i)
+                report("write", i + 1, writes)
+        return publish(job, verify_sha256=cfg.verify_sha256, started=started)
 
 
 def publish(job: Job, verify_sha256: bool = False, started: float | None = None) -> BuildResult:
     """The reduce step: check every write range's record and shards (sizes; sha256 too with verify_sha256), that
     the plan's shards are each written exactly once, then write the manifest and publish the set with one rename."""
     started = time.perf_counter() if started is None else started
+    if found := job.published or published_instead(job.dir):  # an identical build published it meanwhile
+        return _hit(found, started)
     with fsio.lock(job.dir, "publish"):
         layout = read_layout(job)
         if layout is None:

@@ -266,12 +266,31 @@ def repo_input(p: str) -> str:
     if p == "stdlib":
         return p
     path, here = repo_path(p), Path(p).expanduser()
-    if not here.is_absolute() and not any(c in p for c in "*?[") and not path.exists() and here.exists():
+    if here.is_absolute():
+        return str(path)
+    if not any(c in p for c in "*?["):
+        if not path.exists() and here.exists():
+            raise DataPrepError(
+                f"{p} is read from the repository root ({path}, which does not exist), not the working directory; "
+                f"give the absolute path {here.resolve()}"
+            )
+    elif not _matches(path) and _matches(here):  # a glob: the same, for what it matches
         raise DataPrepError(
-            f"{p} is read from the repository root ({path}, which does not exist), not the working directory; give "
-            f"the absolute path {here.resolve()}"
+            f"{p} is read from the repository root ({path}, which matches nothing), not the working directory; "
+            f"give the absolute pattern {Path.cwd() / here}"
         )
     return str(path)
+
+
+def _matches(pattern: Path) -> bool:
+    """The glob matches something (pathlib's: `**` does not follow symlinked directories)."""
+    parts = pattern.parts
+    fixed = next(i for i, part in enumerate(parts + ("*",)) if any(c in part for c in "*?["))
+    root = Path(*parts[:fixed]) if fixed else Path(".")
+    try:
+        return root.is_dir() and next(root.glob("/".join(parts[fixed:])), None) is not None
+    except (OSError, ValueError):  # an unreadable directory, a pattern pathlib refuses: the reader names it
+        return False
 
 
 def config_paths(values: dict, source: str) -> dict:
@@ -357,7 +376,12 @@ class DataConfig(Section):
         return self.model_dump(exclude=_NOT_IN_KEY)
 
     def config_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.key_fields(), sort_keys=True).encode()).hexdigest()[:16]
+        """The build key's and the version's config part (and the layout's seed). vocab_size sizes only a BPE
+        trained on the corpus: beside a given tokenizer it changes no byte, so it is left out."""
+        fields = self.key_fields()
+        if self.tokenizer != "train":
+            fields.pop("vocab_size", None)
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def yaml_values(cls, path: str | Path) -> dict:

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sysconfig
+import zlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator
@@ -81,17 +82,25 @@ def _say_symlinked_dirs(root: Path, what: str) -> None:
 
 def _walk(directory: Path) -> list[Path]:
     """A directory's corpus files. Like a glob's `**`, the walk does not follow symlinked directories (a loop would
-    never end): those it passes are named in one warning line, so that a linked-in part of the corpus is not lost
-    unnoticed."""
+    never end), nor enter hidden ones: those it passes are named in one warning line, and the files it does not read
+    (other formats, hidden entries, dangling symlinks) are counted in another, so that a linked-in part of the
+    corpus is not lost unnoticed."""
     _say_symlinked_dirs(directory, f"input {directory}: symlinked directories are not followed")
-    found, passed = [], {}
-    for p in directory.rglob("*"):
-        if not p.is_file() or any(part.startswith(".") for part in p.relative_to(directory).parts):
-            continue
-        if _kind_suffix(p) in WALK_SUFFIXES:
-            found.append(p)
-        else:  # another format: not read, and said (a .json or .csv corpus beside .jsonl files is not lost unseen)
-            passed.setdefault(_kind_suffix(p) or "(no suffix)", []).append(p)
+    found, passed, hidden, dangling = [], {}, [], []
+    for dirpath, dirnames, filenames in os.walk(directory):
+        hidden += [Path(dirpath, d) for d in dirnames if d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # not entered: .git, .cache …
+        for name in filenames:
+            p = Path(dirpath, name)
+            if name.startswith("."):
+                hidden.append(p)
+            elif not p.is_file():
+                if p.is_symlink() and not p.exists():
+                    dangling.append(p)
+            elif _kind_suffix(p) in WALK_SUFFIXES:
+                found.append(p)
+            else:  # another format: not read, and said (a .json or .csv corpus beside .jsonl files is not lost unseen)
+                passed.setdefault(_kind_suffix(p) or "(no suffix)", []).append(p)
     if passed:
         counts = ", ".join(f"{k} {len(v)}" for k, v in sorted(passed.items(), key=lambda kv: (-len(kv[1]), kv[0])))
         log.warning(
@@ -103,6 +112,19 @@ def _walk(directory: Path) -> list[Path]:
             min(p for v in passed.values() for p in v),
             " ".join(sorted(WALK_SUFFIXES)),
         )
+    said = []  # what the walk skipped without looking at its format: one more line
+    if hidden:
+        said.append(
+            f"{len(hidden)} hidden entr{'y' if len(hidden) == 1 else 'ies'} (names starting with '.'; first "
+            f"{min(hidden)}): give them as inputs of their own to include them"
+        )
+    if dangling:
+        first = min(dangling)
+        said.append(
+            f"{len(dangling)} dangling symlink(s) (first {first} -> {os.readlink(first)}): fix or remove the links"
+        )
+    if said:
+        log.warning("input %s: a directory walk skipped %s", directory, "; and ".join(said))
     return sorted(found)
 
 
@@ -181,7 +203,7 @@ def _has_bom(path: Path) -> bool:
     try:
         with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
             return f.read(len(codecs.BOM_UTF8)) == codecs.BOM_UTF8
-    except (OSError, EOFError):
+    except (OSError, EOFError, zlib.error):
         return False
 
 
@@ -247,6 +269,20 @@ def _decode(raw: bytes, on_error: str, stats: CorpusStats) -> str | None:
         return None if on_error == "skip" else raw.decode("utf-8", errors="replace")
 
 
+def _encodable(text: str, on_error: str, stats: CorpusStats) -> str | None:
+    """A decoded text that holds a lone surrogate (a JSON "\\ud83d" escape without its pair) is no text UTF-8 can
+    write: counted as undecodable, like invalid UTF-8, and replaced (U+FFFD) or skipped per on_decode_error."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        stats.undecodable += 1
+        stats.first_undecodable = stats.first_undecodable or stats.path
+        return None if on_error == "skip" else text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
 def _text_file(f, max_chars: int, on_error: str, stats: CorpusStats, bom: list[bool]) -> Iterator[str]:
     head = f.read(_SNIFF_BYTES)
     if b"\0" in head:
@@ -269,7 +305,9 @@ def _text_file(f, max_chars: int, on_error: str, stats: CorpusStats, bom: list[b
 def _jsonl_file(
     f, text_field: str, max_chars: int, on_error: str, stats: CorpusStats, bom: list[bool]
 ) -> Iterator[str]:
-    limit = 8 * max_chars + 1024  # JSON escaping can double a character's bytes again
+    # JSON escaping: an astral character (an emoji) is 4 bytes of UTF-8 but 12 as \ud83d\ude00 (json.dumps'
+    # default, ensure_ascii); the exact length test is cleaned()'s
+    limit = 12 * max_chars + 1024
     first = True
     while line := f.readline(limit):
         if first and line.startswith(codecs.BOM_UTF8):  # a signature before the first record, not part of it
@@ -296,10 +334,12 @@ def _jsonl_file(
         if not isinstance(value, str):
             stats.bad_records += 1
             continue
-        yield value
+        value = _encodable(value, on_error, stats)
+        if value is not None:
+            yield value
 
 
-def _parquet_file(path: Path, text_field: str, stats: CorpusStats) -> Iterator[str]:
+def _parquet_file(path: Path, text_field: str, on_error: str, stats: CorpusStats) -> Iterator[str]:
     import pyarrow.parquet as pq
 
     with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as f:
@@ -311,10 +351,10 @@ def _parquet_file(path: Path, text_field: str, stats: CorpusStats) -> Iterator[s
         for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
             for value in batch.column(0).to_pylist():
                 stats.documents_in += 1
-                if isinstance(value, str):
-                    yield value
-                else:
+                if not isinstance(value, str):
                     stats.bad_records += 1
+                elif (value := _encodable(value, on_error, stats)) is not None:
+                    yield value
 
 
 def iter_documents(
@@ -339,7 +379,7 @@ def iter_documents(
         try:
             if kind == ".parquet":
                 digest = file_sha256(path) if digests is not None else None  # pyarrow reads by random access
-                yield from _parquet_file(path, text_field, stats)
+                yield from _parquet_file(path, text_field, on_decode_error, stats)
                 continue
             raw = HashingFile(path)
             f = gzip.GzipFile(fileobj=raw, mode="rb") if path.suffix == ".gz" else raw
@@ -349,13 +389,14 @@ def iter_documents(
                 yield from _text_file(f, max_chars, on_decode_error, stats, bom)
         except DataPrepError:
             raise
-        except (OSError, EOFError, ValueError) as e:  # gzip/parquet format errors land here too
-            if isinstance(e, (EOFError, gzip.BadGzipFile)) or stats.documents_in > seen:
+        except (OSError, EOFError, ValueError, zlib.error) as e:  # gzip/parquet format errors land here too
+            if isinstance(e, (EOFError, gzip.BadGzipFile, zlib.error)) or stats.documents_in > seen:
                 # Truncated/corrupt after documents of it were already taken: "skipping" would be untrue, and a
                 # partial file silently shapes the shard set. Refuse, naming the file.
                 raise DataPrepError(
                     f"input {path} is truncated or corrupt after {stats.documents_in - seen} "
-                    f"documents ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                    f"documents ({'zlib.error' if isinstance(e, zlib.error) else type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); "
                     f"repair or re-download it, or remove it from data.inputs"
                 ) from None
             stats.unreadable_files += 1

@@ -104,6 +104,9 @@ def lock(directory: Path, name: str):
     make_dir(locks)
     fd = os.open(locks / name, os.O_RDONLY | os.O_CREAT, FILE_MODE)
     try:
+        if os.fstat(fd).st_mode & 0o777 != FILE_MODE:  # created under a umask (the build locks outlive the build)
+            with contextlib.suppress(PermissionError):  # another user's: theirs to keep
+                os.fchmod(fd, FILE_MODE)
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:

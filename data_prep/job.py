@@ -12,6 +12,7 @@ after the other (build.build_shard_set). A step can run on any worker that sees 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -100,12 +101,22 @@ class Job:
     def out_dir(self) -> Path:
         return self.dir.parent
 
+    @property
+    def published(self) -> Path | None:
+        """The shard set an identical build published (and removed this directory): every step is then done."""
+        found = self.data.get("published")
+        return Path(found) if found else None
+
     @classmethod
     def load(cls, directory: str | Path) -> "Job":
+        """The prepared build in `directory`; one an identical build (another process, the CLI beside the DAG)
+        published and removed meanwhile is a Job whose `published` names the set (its steps have nothing to do)."""
         directory = Path(directory)
         try:
             return cls(directory, fsio.read_json(directory / JOB))
         except FileNotFoundError:
+            if found := published_instead(directory):
+                return cls(directory, {"key": directory.name.removeprefix(".tmp-"), "published": str(found)})
             raise DataPrepError(
                 f"{directory} holds no prepared build ({JOB} missing: removed, published or never prepared); "
                 "run the build again from its first step"
@@ -157,13 +168,47 @@ def lookup(out_dir: Path, key: str) -> Path | None:
     return found if version and intact(found) else None
 
 
+def published_instead(directory: Path) -> Path | None:
+    """The set published for the key of the build in `directory` (`<out_dir>/.tmp-<key>`): its index entry names a
+    whole set (an identical build published it, and removes or removed `directory`), else None."""
+    directory = Path(directory)
+    if not directory.name.startswith(".tmp-"):
+        return None
+    return lookup(directory.parent, directory.name.removeprefix(".tmp-"))
+
+
+def unless_published(job: "Job", step, done):
+    """`step()`, unless an identical build (another process; the CLI beside the DAG) published the set: then
+    `done(set path)`, also when it happens mid-step (this build's directory removed under it), never the false
+    cause a vanished file would give."""
+    if found := job.published or published_instead(job.dir):
+        return done(found)
+    try:
+        return step()
+    except (OSError, DataPrepError):
+        if found := published_instead(job.dir):
+            shutil.rmtree(job.dir, ignore_errors=True)  # what this step put back (its lock files)
+            return done(found)
+        raise
+
+
+@contextlib.contextmanager
+def build_lock(out_dir: Path, key: str):
+    """One build of a key at a time from its index check to its publish (a single-process build, the DAG's reduce):
+    a second identical build waits here, then finds the set published (a cache hit) instead of racing the first
+    through the shared `.tmp-<key>/`. The lock file lives in `<out_dir>/.index/locks/`."""
+    with fsio.lock(out_dir / INDEX, f"build-{key}"):
+        yield
+
+
 def remember(out_dir: Path, key: str, version: str) -> None:
     fsio.make_dir(out_dir / INDEX)
     fsio.write_atomic(out_dir / INDEX / key, f"{version}\n".encode())
 
 
-def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
-    """Resolve the inputs, find the published set (cache hit) or the build in progress, or (`create`) start one."""
+def prepare(cfg: ShardConfig, create: bool = True, hold: contextlib.ExitStack | None = None) -> Prepared:
+    """Resolve the inputs, find the published set (cache hit) or the build in progress, or (`create`) start one.
+    `hold`: take the key's build_lock into it (kept until the caller has published) and look the key up again."""
     started = time.time()
     cfg.validate()
     if not cfg.shard_multiple:  # 0 = automatic; alone, data_prep knows of one reader (the pipeline passes its own)
@@ -177,6 +222,10 @@ def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
     if found := lookup(out_dir, key):
         return Prepared(None, found, key)
     fsio.ensure_writable(out_dir)
+    if hold is not None:
+        hold.enter_context(build_lock(out_dir, key))
+        if found := lookup(out_dir, key):  # an identical build published it while this one waited
+            return Prepared(None, found, key)
     directory = out_dir / f".tmp-{key}"
     if (directory / PUBLISHED).is_file():  # published, then killed before it cleaned up
         version = (directory / PUBLISHED).read_text().strip()
@@ -198,7 +247,11 @@ def prepare(cfg: ShardConfig, create: bool = True) -> Prepared:
         shutil.rmtree(set_dir, ignore_errors=True)
         fsio.make_dir(set_dir)
         t0 = time.perf_counter()
-        tokenizer, tok = _tokenizer(cfg, files, set_dir)
+        try:
+            tokenizer, tok = _tokenizer(cfg, files, set_dir)
+        except DataPrepError:  # a bad tokenizer (or its companion file): nothing prepared, nothing left behind
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
         data = {
             "format": FORMAT,
             "key": key,

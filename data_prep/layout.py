@@ -21,7 +21,7 @@ from data_prep import fsio
 from data_prep.clean import SPLITS, TRAIN, VAL
 from data_prep.corpus import CorpusStats, content_key
 from data_prep.errors import DataPrepError
-from data_prep.job import Job, intact
+from data_prep.job import Job, intact, unless_published
 from data_prep.manifest import FORMAT
 from data_prep.pack import plan_shards, window_order
 from data_prep.partition import load_partition
@@ -42,7 +42,13 @@ def read_layout(job: Job) -> dict | None:
 
 
 def run_layout(job: Job, writers: int | None = None) -> dict:
-    """Plan the shard set from the complete partitions (each named when it is missing or fails verification)."""
+    """Plan the shard set from the complete partitions (each named when it is missing or fails verification); an
+    identical build that published the set meanwhile: its version, published (nothing left to write)."""
+    published = lambda found: {"version": found.name, "published": True, "content_key": ""}  # noqa: E731
+    return unless_published(job, lambda: _run_layout(job, writers), published)
+
+
+def _run_layout(job: Job, writers: int | None) -> dict:
     with fsio.lock(job.dir, "layout"):
         if (found := read_layout(job)) is not None:
             return found

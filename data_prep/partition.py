@@ -21,7 +21,7 @@ from data_prep import fsio
 from data_prep.clean import SPLITS, VAL, cleaned
 from data_prep.corpus import CorpusStats
 from data_prep.errors import DataPrepError
-from data_prep.job import Job, fault
+from data_prep.job import Job, fault, unless_published
 
 DONE = "done.json"
 DOC = np.dtype([("hash", "V16"), ("val", "u1"), ("file", "<u4")])  # docs.bin records
@@ -29,7 +29,13 @@ BATCH_DOCS, BATCH_CHARS = 256, 256 << 10  # per encode call: big enough to amort
 
 
 def run_partition(job: Job, index: int, threads: int = 1, progress: bool = False) -> dict:
-    """Build partition `index` unless it is already complete; its summary (what the DAG task returns)."""
+    """Build partition `index` unless it is already complete (or an identical build published the set); its
+    summary (what the DAG task returns)."""
+    published = lambda found: {"partition": index, "published": str(found)}  # noqa: E731
+    return unless_published(job, lambda: _run_partition(job, index, threads, progress), published)
+
+
+def _run_partition(job: Job, index: int, threads: int, progress: bool) -> dict:
     if not 0 <= index < len(job.partitions):
         raise DataPrepError(f"partition {index} does not exist (the build has {len(job.partitions)})")
     final = job.part_dir(index)

@@ -88,6 +88,22 @@ def tokenizer_identity(spec: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _json_object(path: Path) -> dict:
+    """A companion file's JSON object; anything else one line naming the file and the way out."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        why = f"{e.msg} at line {e.lineno} column {e.colno}"
+    except UnicodeDecodeError as e:
+        why = f"not UTF-8: {e.reason} at byte {e.start}"
+    else:
+        if isinstance(value, dict):
+            return value
+        kinds = {list: "an array", str: "a string", bool: "true/false", type(None): "null"}
+        why = f"it holds {kinds.get(type(value), 'a number')}"
+    raise DataPrepError(f"{path}: not a JSON object ({why}); fix it or set data.eos_token")
+
+
 def find_eos(tok: Tokenizer, spec: str, eos_token: str = "") -> tuple[str, int]:
     """EOS: the configured token, else the eos_token of the tokenizer_config.json companion (beside a tokenizer.json:
     the same file tokenizer_identity hashes, so the cache key follows it), else a usual name."""
@@ -95,7 +111,7 @@ def find_eos(tok: Tokenizer, spec: str, eos_token: str = "") -> tuple[str, int]:
     if not eos_token and spec != "train":
         cfg_path = tokenizer_file(spec).parent / "tokenizer_config.json"
         if cfg_path in tokenizer_companions(spec):
-            value = json.loads(cfg_path.read_text(encoding="utf-8")).get("eos_token")
+            value = _json_object(cfg_path).get("eos_token")
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str) and tok.token_to_id(value) is None:  # never another token in its place
                 raise DataPrepError(

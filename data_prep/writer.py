@@ -18,7 +18,7 @@ import numpy as np
 
 from data_prep import fsio
 from data_prep.errors import DataPrepError
-from data_prep.job import Job, fault
+from data_prep.job import Job, fault, unless_published
 from data_prep.layout import read_layout
 from data_prep.partition import load_partition
 from data_prep.tarfast import TarSamples
@@ -74,7 +74,13 @@ class Windows:
 
 
 def run_write(job: Job, index: int) -> dict:
-    """Write range `index` of the layout unless its record says it is done; its summary (the DAG task's XCom)."""
+    """Write range `index` of the layout unless its record says it is done (or an identical build published the
+    set); its summary (the DAG task's XCom)."""
+    published = lambda found: {"write": index, "shards": 0, "samples": 0, "published": str(found)}  # noqa: E731
+    return unless_published(job, lambda: _run_write(job, index), published)
+
+
+def _run_write(job: Job, index: int) -> dict:
     layout = read_layout(job)
     if layout is None:
         raise DataPrepError(f"{job.dir}: no layout yet (the layout step has not run)")
