@@ -16,6 +16,19 @@ import pendulum
 from airflow.sdk import Param, dag, task
 
 
+def _queue() -> str | None:
+    """The Celery queue of the health task: the env probe's (tasks.launch.placement.celery_queue), i.e. the preset's
+    hardware.device_queue with launcher local, so the check samples the device host as the device stages run there
+    (None: Airflow's default queue). Read at parse time from the site's preset, as the pipeline's stage tasks do."""
+    from tasks.config import load_config
+    from tasks.launch.placement import celery_queue
+
+    return celery_queue("env", load_config())
+
+
+QUEUE = _queue()
+
+
 @dag(
     dag_id="llm_health",
     schedule="@hourly",
@@ -36,7 +49,11 @@ from airflow.sdk import Param, dag, task
     default_args={"retries": 0},
 )
 def llm_health():
-    @task(task_id="health", doc_md="Sample devices and host, log to MLflow, fail with the cause on an alarm.")
+    @task(
+        task_id="health",
+        doc_md="Sample devices and host, log to MLflow, fail with the cause on an alarm.",
+        **({"queue": QUEUE} if QUEUE else {}),
+    )
     def health() -> dict:
         from airflow.sdk import get_current_context
 

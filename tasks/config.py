@@ -43,7 +43,7 @@ class HardwareConfig(Section):
     nproc_per_node: int = Field(0, ge=0, le=1024)  # processes per node; 0 = one per device (2 on CPU)
     nnodes: int = Field(1, ge=1, le=4096)
     node_rank: int = Field(0, ge=0, le=4095)
-    rdzv_endpoint: str = "127.0.0.1:29400"  # c10d rendezvous host:port (multi-node: the first node's address)
+    rdzv_endpoint: str = "127.0.0.1:29400"  # rendezvous host:port (multi-node: node 0's address, as all nodes reach it)
     cluster: str = "cpu-laptop"  # planner cluster preset (910b, 910c, a100-80g, h100-80g, cpu-laptop)
     device_memory_gb: float = Field(0.0, ge=0.0, le=1e5)  # 0 = from the cluster preset / measured
     intra_node_gbps: float = Field(0.0, ge=0.0, le=1e6)  # 0 = from the cluster preset
@@ -470,6 +470,18 @@ class PipelineConfig(Section):
             split_endpoint(hw.rdzv_endpoint)
         except ValueError as e:
             lines.append(f"hardware.rdzv_endpoint: {hw.rdzv_endpoint!r} {e} (node 0's address, e.g. 10.0.0.1:29400)")
+        if hw.launcher == "kubernetes" and hw.k8s_kind == "trainjob":  # TrainJob: the runtime's (k8s_job.trainjob)
+            if hw.k8s_scheduler == "volcano":
+                lines.append(
+                    "hardware.k8s_scheduler: volcano does not reach a k8s_kind trainjob (a TrainJob has no scheduler "
+                    "or PodGroup field: gang scheduling is its ClusterTrainingRuntime's podGroupPolicy); use "
+                    "k8s_kind job or pytorchjob with volcano, or k8s_scheduler default"
+                )
+            if not hw.rdzv_endpoint.strip().endswith(":29400"):
+                lines.append(
+                    f"hardware.rdzv_endpoint: port of {hw.rdzv_endpoint!r} is not used by a k8s_kind trainjob (its "
+                    "runtime sets PET_MASTER_PORT); leave the port at 29400, or use k8s_kind job or pytorchjob"
+                )
         if hw.device == "npu":
             line = watchdog_problem(t.timeout_s, hw.hccl_exec_timeout, "hardware.hccl_exec_timeout")
             lines.extend([line] if line else [])

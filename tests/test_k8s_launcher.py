@@ -55,6 +55,7 @@ def test_the_schema_is_strict_enough_to_catch_a_typo():
 
 @pytest.mark.parametrize("stage", DEVICE_STAGES)
 def test_every_device_stage_renders_as_a_valid_job_on_the_training_nodes(k8s_cfg, tmp_path, stage):
+    k8s_cfg.hardware.device = "npu"  # NPU pods (a cpu one requests no device: test_k8s_audit.py)
     name = k8s_job.job_name("llm_pipeline", "manual__1", 1, stage)
     manifests = k8s_job.render(k8s_cfg, tmp_path / "run", name, stage)
     for m in manifests:
@@ -135,6 +136,7 @@ def test_job_wait_is_bounded_and_names_what_the_pods_were_doing():
 @pytest.mark.parametrize("kind", ["pytorchjob", "trainjob"])
 @pytest.mark.parametrize("stage", DEVICE_STAGES)
 def test_kubeflow_kinds_render_the_torchrun_stages_valid_against_the_crds(k8s_cfg, tmp_path, kind, stage):
+    k8s_cfg.hardware.device = "npu"  # NPU pods (a cpu one requests no device: test_k8s_audit.py)
     k8s_cfg.hardware.k8s_kind = kind
     name = k8s_job.job_name("llm_pipeline", "manual__1", 1, stage)
     manifests = k8s_job.render(k8s_cfg, tmp_path / "run", name, stage)

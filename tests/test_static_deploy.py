@@ -170,6 +170,7 @@ def test_render_for_a_dag_run(cfg, tmp_path):
     cfg.hardware.nnodes = 4
     cfg.hardware.nproc_per_node = 8
     cfg.hardware.k8s_image = "registry.example/llm-pipeline:ascend"
+    cfg.hardware.device = "npu"  # the Ascend image: NPU pods (a cpu one requests no device: test_k8s_audit.py)
     name = k8s_job.job_name("llm_pipeline", "manual__2026-11-29T14:00:00+00:00", 2)
     assert re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", name) and len(name) <= 50
     service, job = k8s_job.render(cfg, tmp_path / "run", name)

@@ -2,12 +2,12 @@
 
 `render()` turns deploy/k8s/train-job.yaml into the manifests of one stage of one DAG run: for the multi-node stages
 (env probe, train, profile) a headless Service and an Indexed Job with one pod per node, `python -m tasks <stage>` in
-each with its node rank and torchrun's c10d rendezvous at pod 0; for smoke, quantize and evaluate one pod. With
-hardware.k8s_scheduler=volcano the pods are gang-scheduled: a Volcano PodGroup with minMember = pods, schedulerName
-volcano and the group annotation. The Job's activeDeadlineSeconds is the stage's bound (tasks/bounds.py) plus
-timeouts.k8s_pending_s. The Airflow side (tasks/launch/k8s_submit.py) submits them with the cncf provider and waits; the
-pods write `<stage>.json` into the run directory on the shared volume, where `collect_result()` reads it. Nothing
-here talks to a cluster or imports Airflow, so the rendering is tested on CPU.
+each with its node rank (the pod index) and torchrun's static rendezvous at pod 0; for smoke, quantize and evaluate one
+pod. With hardware.k8s_scheduler=volcano the pods are gang-scheduled: a Volcano PodGroup with minMember = pods,
+schedulerName volcano and the group annotation. The Job's activeDeadlineSeconds is the stage's bound (tasks/bounds.py)
+plus timeouts.k8s_pending_s. The Airflow side (tasks/launch/k8s_submit.py) submits them with the cncf provider and
+waits; the pods write `<stage>.json` into the run directory on the shared volume, where `collect_result()` reads it.
+Nothing here talks to a cluster or imports Airflow, so the rendering is tested on CPU.
 
 hardware.k8s_kind chooses what the torchrun stages (env probe, train, profile) are submitted as: `job` (the Indexed
 Job above), `pytorchjob` (Kubeflow training-operator v1: a Master and nnodes-1 Workers, the operator's
@@ -32,8 +32,8 @@ from typing import Callable
 
 import yaml
 
-from tasks.config import REPO_ROOT, PipelineConfig, get
-from tasks.errors import ConfigError, StageError
+from tasks.config import REPO_ROOT, PipelineConfig, get, split_endpoint
+from tasks.errors import ConfigError, StageError, os_error_cause
 from tasks.fsutil import atomic_write_text, read_json
 from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES
 
@@ -49,9 +49,10 @@ ASCEND_MOUNTS = ("driver", "npu-smi", "dcmi", "install-info")
 ASCEND_ENTRYPOINT = "/usr/local/bin/entrypoint-ascend.sh"
 
 
-def device_resource(cfg: PipelineConfig) -> str:
-    """The extended resource a pod requests for its accelerators: GPUs for hardware.device cuda, else NPUs."""
-    return GPU_RESOURCE if cfg.hardware.device == "cuda" else NPU_RESOURCE
+def device_resource(cfg: PipelineConfig) -> str | None:
+    """The extended resource a pod requests for its accelerators: GPUs for hardware.device cuda, none for cpu (a
+    CPU pod must not wait for, nor hold, a device plugin's chips), else NPUs (npu, auto: the template's)."""
+    return {"cuda": GPU_RESOURCE, "cpu": None}.get(cfg.hardware.device, NPU_RESOURCE)
 
 
 def devices_of(container: dict) -> int:
@@ -60,8 +61,19 @@ def devices_of(container: dict) -> int:
     return limits.get(NPU_RESOURCE) or limits.get(GPU_RESOURCE) or 0
 
 
-RDZV_PORT = 29400
+RDZV_PORT = 29400  # the template's, and hardware.rdzv_endpoint's default port
 DEFAULT_NPUS_PER_NODE = 8  # Atlas 800T A2 / A3 training servers
+
+
+def rdzv_port(hw) -> int:
+    """The rendezvous port of a multi-pod stage: hardware.rdzv_endpoint's (its host is pod 0's, known only at
+    render time); the Service port, the container port and torchrun's endpoint all take it."""
+    return split_endpoint(hw.rdzv_endpoint)[1]
+
+
+def procs_per_node(hw) -> int:
+    """torchrun's processes per pod of a multi-node stage: hardware.nproc_per_node, else a whole training server's."""
+    return hw.nproc_per_node or DEFAULT_NPUS_PER_NODE
 
 
 VOLCANO_GROUP_ANNOTATION = "scheduling.k8s.io/group-name"  # Volcano's KubeGroupNameAnnotationKey
@@ -114,10 +126,10 @@ def pod_command(cfg: PipelineConfig, run_dir: Path, config_file: Path, name: str
     hw = cfg.hardware
     n = pods(stage, cfg)
     kind = KINDS[kind_of(stage, cfg)]
-    nproc = (hw.nproc_per_node or DEFAULT_NPUS_PER_NODE) if n > 1 or stage in MULTI_NODE_STAGES else 1
+    nproc = procs_per_node(hw) if n > 1 or stage in MULTI_NODE_STAGES else 1
     sets = {"hardware.nnodes": n, "hardware.nproc_per_node": nproc, "hardware.launcher": "local"}
     if n > 1 and kind.rank_env is None:
-        sets["hardware.rdzv_endpoint"] = f"{name}-0.{name}:{RDZV_PORT}"
+        sets["hardware.rdzv_endpoint"] = f"{name}-0.{name}:{rdzv_port(hw)}"
     # The pods read the whole config as a file (a preset): what the caller set explicitly stays explicit there,
     # so a data.seq_len that differs from the shard set's fails in the pod as it would here.
     from tasks.runner import FROM_SHARD_SET
@@ -199,11 +211,12 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     if hw.device in ("cpu", "cuda"):  # the CPU/CUDA image: no Ascend entrypoint to start the command with
         container["command"] = [w for w in container["command"] if w != ASCEND_ENTRYPOINT]
     container["args"] = [pod_command(cfg, run_dir, config_file, name, stage)]
-    npus = (hw.nproc_per_node or DEFAULT_NPUS_PER_NODE) if stage in MULTI_NODE_STAGES else 1
+    npus = procs_per_node(hw) if stage in MULTI_NODE_STAGES else 1
     resource = device_resource(cfg)
     for part in ("limits", "requests"):
         container["resources"][part].pop(NPU_RESOURCE, None)
-        container["resources"][part][resource] = npus
+        if resource:
+            container["resources"][part][resource] = npus
     if resource != NPU_RESOURCE:
         container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] not in ASCEND_MOUNTS]
         pod["volumes"] = [v for v in pod["volumes"] if v["name"] not in ASCEND_MOUNTS]
@@ -213,6 +226,9 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     container["env"] = list(env.values())
     out = []
     if n > 1:
+        port = rdzv_port(hw)
+        service["spec"]["ports"] = [{**service["spec"]["ports"][0], "port": port, "targetPort": port}]
+        container["ports"] = [{**container["ports"][0], "containerPort": port}]
         pod["subdomain"] = name
         pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]["labelSelector"] = {
             "matchLabels": {"job-name": name}
@@ -242,7 +258,7 @@ def pytorchjob(job: dict, n: int, hw) -> dict:
     pod.pop("subdomain", None)  # the operator's own Services name the pods
     container = pod["containers"][0]
     container["name"] = PYTORCHJOB_CONTAINER
-    container["ports"] = [{"name": PYTORCHJOB_PORT, "containerPort": RDZV_PORT}]
+    container["ports"] = [{"name": PYTORCHJOB_PORT, "containerPort": rdzv_port(hw)}]  # → MASTER_PORT
     if "affinity" in pod:
         rule = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
         rule["labelSelector"] = {"matchLabels": {PYTORCHJOB_LABEL: name}}
@@ -261,7 +277,7 @@ def pytorchjob(job: dict, n: int, hw) -> dict:
     if hw.k8s_scheduler == "volcano":
         run_policy["schedulingPolicy"] = {"minAvailable": n}
     group, version, _, kind = PYTORCHJOB_API
-    nproc = devices_of(container)
+    nproc = procs_per_node(hw)
     return {
         "apiVersion": f"{group}/{version}",
         "kind": kind,
@@ -275,7 +291,8 @@ def trainjob(job: dict, n: int, hw) -> dict:
     image, resources and environment in spec.trainer (the MLflow secret's keys as valueFrom: a trainer takes no
     envFrom), the shared volumes and node settings through a runtime patch (PodSpecPatch: volumes, nodeSelector,
     affinity, tolerations; host networking is the runtime's to set). The torch plugin sets PET_NODE_RANK and
-    PET_MASTER_ADDR/PET_MASTER_PORT."""
+    PET_MASTER_ADDR/PET_MASTER_PORT. Gang scheduling and the rendezvous port are the runtime's: tasks/config.py refuses
+    hardware.k8s_scheduler volcano and an hardware.rdzv_endpoint port other than 29400 with this kind."""
     spec = job["spec"]
     pod = spec["template"]["spec"]
     container = pod["containers"][0]
@@ -308,7 +325,7 @@ def trainjob(job: dict, n: int, hw) -> dict:
                 "args": container["args"],
                 "env": env,
                 "numNodes": n,
-                "numProcPerNode": devices_of(container),
+                "numProcPerNode": procs_per_node(hw),
                 "resourcesPerNode": container["resources"],
             },
             "runtimePatches": [
@@ -357,11 +374,30 @@ def final_state(kind: str, obj: dict) -> tuple[bool, str]:
     return False, ""
 
 
+def set_aside_result(run_dir: str | Path, name: str, stage: str = "train") -> Path | None:
+    """Before job `name` is submitted: an earlier try's `<stage>.json` in the run directory (a failed or retried
+    submission of the same DAG run) is moved to `k8s/<stage>.before-<name>.json`, so that what collect_result() and
+    failure_cause() read afterwards is this job's pods' or nothing. Returns where it went (None: there was none)."""
+    old = Path(run_dir) / f"{stage}.json"
+    if not old.is_file():
+        return None
+    kept = Path(run_dir) / "k8s" / f"{stage}.before-{name}.json"
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        old.replace(kept)
+    except OSError as e:
+        raise StageError(
+            f"{stage} job {name}: cannot move the earlier try's {old} aside before submitting: {os_error_cause(e)}"
+        ) from None
+    return kept
+
+
 def failure_cause(
     run_dir: str | Path, name: str, reason: str, stage: str = "train", pods: str = "", selector: str = "job-name"
 ) -> str:
-    """One line: node 0's own cause (its <stage>.json on the shared volume) when it wrote one, else the failed
-    pods (`pods`, e.g. "x-1-abcde Failed (exit 137 OOMKilled)") and where their logs are."""
+    """One line: node 0's own cause (its <stage>.json on the shared volume: set_aside_result() moved an earlier
+    try's away before the submission) when it wrote one, else the failed pods (`pods`, e.g. "x-1-abcde Failed
+    (exit 137 OOMKilled)") and where their logs are."""
     path = Path(run_dir) / f"{stage}.json"
     error = read_json(path).get("error") if path.is_file() else None
     if error:
@@ -376,7 +412,8 @@ def collect_result(
     tracking_uri: str | None = None,
     stage: str = "train",
 ) -> dict:
-    """Node 0's result of the stage; its MLflow run is attached to the DAG run's parent run."""
+    """Node 0's result of the stage (this job's: set_aside_result() moved an earlier try's away before the
+    submission); its MLflow run is attached to the DAG run's parent run."""
     path = Path(run_dir) / f"{stage}.json"
     if not path.is_file():
         raise StageError(

@@ -216,6 +216,7 @@ def run_stage_job(
     manifests = k8s_job.render(cfg, run_dir, name, stage)
     volcano = cfg.hardware.k8s_scheduler == "volcano"
     job = _Submitted(hook, kind, manifests, cfg.hardware.k8s_namespace, stage, volcano)
+    k8s_job.set_aside_result(run_dir, name, stage)  # an earlier try's result must not pass for this job's
     job.call(job.submit)
     try:
         try:

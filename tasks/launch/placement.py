@@ -12,7 +12,7 @@ from tasks.config import PipelineConfig
 from tasks.device import DEVICE_STAGES  # the stages that need the accelerator (defined in the device layer)
 
 __all__ = ["DEVICE_STAGES", "MULTI_NODE_STAGES", "celery_queue", "runs_on_kubernetes"]
-# Stages that run on every node (one pod per node, torchrun c10d rendezvous at pod 0); the others use one pod.
+# Stages that run on every node (one pod per node, rendezvous at pod 0); the others use one pod.
 MULTI_NODE_STAGES = ("env", "train", "profile")
 
 
