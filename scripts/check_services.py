@@ -11,6 +11,7 @@ printed. docker/docker-compose.yml and the bare-metal recipe (docs/scale-out.md)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 TIMEOUT_S = 5
@@ -47,9 +48,31 @@ def check_db(url: str) -> str | None:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
         engine.dispose()
+    except ModuleNotFoundError as e:  # the URL's dialect picks a DB-API driver that is not installed
+        return missing_driver(url, e)
     except Exception as e:
         return _first_line(e)
     return None
+
+
+class Unusable(str):
+    """A reason that is no outage (nothing to start): the setting itself is wrong, and the reason says the fix."""
+
+
+def missing_driver(url: str, e: ModuleNotFoundError) -> Unusable:
+    """One line for a URL whose driver is not installed, naming the one to write: `postgresql://` means psycopg
+    (3) to SQLAlchemy 2, and the image ships psycopg2 (`postgresql+psycopg2://`)."""
+    import importlib.util
+
+    scheme = url.removeprefix("db+").partition("://")[0]
+    dialect = scheme.partition("+")[0]
+    have = dialect == "postgresql" and importlib.util.find_spec("psycopg2") is not None
+    fix = (
+        "write postgresql+psycopg2:// (the driver installed here)"
+        if have
+        else f"install it, or name an installed driver in the URL ({dialect}+<driver>://)"
+    )
+    return Unusable(f"its driver {e.name!r} (for {scheme}://) is not installed; {fix}")
 
 
 def check_broker(url: str) -> str | None:
@@ -92,12 +115,19 @@ def problems(executor: str, db_url: str, broker_url: str = "", result_backend: s
         if url.startswith("sqlite") and what == "metadata DB" and "Celery" not in executor:
             continue  # the embedded default: a file, created by `airflow db migrate`
         reason = check(url)
-        if reason:
+        if isinstance(reason, Unusable):
+            out.append(f"{what} at {where(url)} cannot be used: {reason} (in {setting})")
+        elif reason:
             out.append(f"{what} unreachable at {where(url)}: {reason} (start it, or fix {setting})")
     return out
 
 
 def airflow_settings() -> dict:
+    """Airflow's own reading of its configuration (airflow.cfg, AIRFLOW__* and their _CMD/_SECRET forms, defaults),
+    without `import airflow`'s start-up: that builds the metadata DB's engine, so a URL whose driver is missing (a
+    bare postgresql://) was a traceback before any check ran. `_AIRFLOW__AS_LIBRARY` is Airflow's own switch for
+    that (airflow/__init__.py: settings.initialize() is skipped; the configuration is still read on import)."""
+    os.environ["_AIRFLOW__AS_LIBRARY"] = "1"  # this process only: it runs no Airflow component
     from airflow.configuration import conf
 
     db = conf.get("database", "sql_alchemy_conn")
@@ -116,7 +146,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mlflow-backend", default="", help="also check MLflow's backend store (a SQLAlchemy URI)")
     args = ap.parse_args(argv)
-    lines = problems(**airflow_settings(), mlflow_backend=args.mlflow_backend)
+    try:
+        settings = airflow_settings()
+    except Exception as e:  # a broken airflow.cfg, an AIRFLOW__*_CMD that fails: one line, not Airflow's traceback
+        print(f"cannot read Airflow's configuration: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        return 1
+    lines = problems(**settings, mlflow_backend=args.mlflow_backend)
     for line in lines:
         print(line, file=sys.stderr)
     return 1 if lines else 0

@@ -35,11 +35,12 @@ def tracking_home(cfg, run_dir) -> tuple[str | None, dict]:
     return None, {"pipeline.origin": "cli", "pipeline.run_dir": str(run_dir)}
 
 
-def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None, dict | None]:
+def dag_run_config(run_dir: str | None, config: str | None, node: int = 0) -> tuple[str | None, dict | None]:
     """(preset, overrides) to load: --config when given, else the config of the DAG run whose directory --run-dir is
     (dag-run.json: its preset and Params; a rerun by hand must not register under the default preset's model name),
     else the config a CLI stage was given there (cli-config.json: its --config and --set values; the --set values
-    also apply under the same --config), else the default preset."""
+    also apply under the same --config), else the default preset. `node`: this stage run's hardware.node_rank (a
+    killed run's pending values are taken by the same node only: pending_file())."""
     from tasks.fsutil import read_json
     from tasks.logs import log
     from tasks.pipeline import DAG_RUN_FILE
@@ -49,7 +50,7 @@ def dag_run_config(run_dir: str | None, config: str | None) -> tuple[str | None,
     recorded = (read_json(marker).get("config") if marker and marker.is_file() else None) or {}
     cli = Path(run_dir) / CLI_CONFIG_FILE if here else None
     remembered = (read_json(cli) if cli and cli.is_file() and not recorded.get("preset") else None) or {}
-    pending = Path(run_dir) / PENDING_CONFIG_FILE if here and not recorded.get("preset") else None
+    pending = Path(run_dir) / pending_file(node) if here and not recorded.get("preset") else None
     unfinished = ""
     if pending and pending.is_file():  # left by a stage run that was killed (a train killed at step 200 of 300)
         remembered, cli = _read_or_none(pending) or remembered, pending
@@ -94,6 +95,31 @@ CLI_CONFIG_FILE = "cli-config.json"
 # behind only by a run that was killed: the next stage run there takes it (`train --set train.steps=300`, killed,
 # rerun as `train --run-dir D`: still 300), and says so.
 PENDING_CONFIG_FILE = "cli-config.pending.json"
+
+
+def pending_file(node: int) -> str:
+    """The pending config's name for hardware.node_rank `node`: every node of a multi-node job runs its stage in the
+    one shared run directory, and node 1's live pending values (its node rank among them) are no killed run's config
+    for node 0. Node 0's is PENDING_CONFIG_FILE; node N's cli-config.pending-node<N>.json (as the runner's
+    <stage>-node<N>.json). Only node 0 writes cli-config.json: the directory's config is node 0's."""
+    return PENDING_CONFIG_FILE if node == 0 else f"cli-config.pending-node{node}.json"
+
+
+def node_of(sets: list[str]) -> int:
+    """hardware.node_rank as --set gives it (the way each node of a multi-node job is started; the last one wins),
+    else 0: known before the config it helps choose is loaded. A bad value is load_config's to refuse."""
+    rank = 0
+    for item in sets or ():
+        key, sep, value = item.partition("=")
+        if sep and key.strip() == "hardware.node_rank":
+            rank = int(value) if value.strip().isdigit() else 0
+    return rank
+
+
+def result_file(stage: str, node: int) -> str:
+    """The stage's result file as tasks.runner.run_stage writes it: node 0's <stage>.json, node N's
+    <stage>-node<N>.json."""
+    return f"{stage}.json" if node == 0 else f"{stage}-node{node}.json"
 
 
 def _preset_id(config: str) -> str:
@@ -167,7 +193,7 @@ def main(argv=None) -> int:
         print(__doc__.strip() + "\n\nstages: " + ", ".join([*STAGES, *OWN_SCHEDULE]) + ", summary")
         return 0
     stage = argv.pop(0)
-    run_dir = None
+    run_dir, node = None, 0
     from tasks.logs import console
 
     console()  # the stages' log lines (progress, warnings) on stderr
@@ -192,8 +218,10 @@ def main(argv=None) -> int:
             raise StageError(
                 "--config is empty: give a preset name or a YAML file, or leave --config out for the run directory's"
             )
-        preset, overrides = dag_run_config(args.run_dir, args.config)
+        node = node_of(args.sets)
+        preset, overrides = dag_run_config(args.run_dir, args.config, node)
         cfg = load_config(preset, overrides, sets=args.sets)
+        node = cfg.hardware.node_rank
         if args.no_tracking:
             cfg.tracking.enabled = False
         if args.run_dir is not None and not args.run_dir.strip():  # `--run-dir ''` (an unset variable): not a new run
@@ -226,12 +254,12 @@ def main(argv=None) -> int:
             raise StageError(f"cannot create the run directory: {os_error_cause(e)}") from None
         remember = not (Path(run_dir) / DAG_RUN_FILE).is_file()
         sets = {**(overrides or {}), **parse_sets(args.sets)} if remember else {}
-        pending = Path(run_dir) / PENDING_CONFIG_FILE
+        pending = Path(run_dir) / pending_file(node)
         left = _read_or_none(pending) if remember and pending.is_file() else None  # a killed run's, kept if refused
-        if remember and not (Path(run_dir) / CLI_CONFIG_FILE).is_file():  # a new directory: a failed first stage
-            remember_config(run_dir, chosen, sets)  # is rerun with it
-        elif remember:  # taken by the next run if this one is killed; cli-config.json once it finished
-            remember_config(run_dir, chosen, sets, name=PENDING_CONFIG_FILE)
+        if remember and node == 0 and not (Path(run_dir) / CLI_CONFIG_FILE).is_file():  # a new directory: a failed
+            remember_config(run_dir, chosen, sets)  # first stage is rerun with it
+        elif remember:  # taken by this node's next run if this one is killed; node 0's: cli-config.json once finished
+            remember_config(run_dir, chosen, sets, name=pending.name)
         parent, tags = tracking_home(cfg, run_dir) if cfg.tracking.enabled else (None, {})
         try:
             result = run_stage(stage, cfg, run_dir, args=args, parent_run_id=parent, tags=tags)
@@ -239,8 +267,8 @@ def main(argv=None) -> int:
             if remember:
                 _drop_pending(pending, left)
             raise
-        if remember and result.get("status") != "failed":  # a directory's config changes once a stage accepted it
-            remember_config(run_dir, chosen, sets)
+        if remember and node == 0 and result.get("status") != "failed":  # a directory's config changes once a
+            remember_config(run_dir, chosen, sets)  # stage accepted it
         if remember:
             _drop_pending(pending, left if result.get("status") == "failed" else None)
     except (StageError, DataPrepError) as e:
@@ -254,11 +282,12 @@ def main(argv=None) -> int:
         return 130
     except Exception as e:  # a bug: one line on top; the stage's traceback is in <run-dir>/<stage>.json
         first = str(e).splitlines()[0] if str(e) else ""
-        where = f" (traceback in {run_dir}/{stage}.json)" if run_dir is not None else ""
+        where = f" (traceback in {run_dir}/{result_file(stage, node)})" if run_dir is not None else ""
         print(f"error: {stage}: {type(e).__name__}: {first}{where}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(result, indent=2, default=str))
     else:
-        print(f"{stage}: {result.get('status')} — {result.get('summary', '')}  (results in {run_dir}/{stage}.json)")
+        where = f"{run_dir}/{result_file(stage, node)}"
+        print(f"{stage}: {result.get('status')} — {result.get('summary', '')}  (results in {where})")
     return 0

@@ -465,6 +465,39 @@ def rendezvous_check(endpoint: str, node_rank: int, nnodes: int) -> dict:
     return check("rendezvous", "warn" if where else "ok", f"port {port} is free to listen on {bind_to}{where}")
 
 
+def loopback_check(endpoint: str, node_rank: int, nnodes: int) -> dict | None:
+    """Several nodes meeting at a loopback hardware.rdzv_endpoint (127.0.0.1, localhost, ::1): right only when every
+    node runs on this one host (a test, a rehearsal); nodes on other hosts reach their own loopback, never node 0, and
+    wait at the rendezvous until torchrun gives up (600 s). Warned, not refused: which hosts the nodes are on is not
+    known here (the cross-node probe finds out). A host name counts when it is `localhost`, or when it resolves to
+    loopback on a node other than 0 (on node 0 itself a name → 127.0.1.1 in /etc/hosts is harmless: it listens on
+    every interface)."""
+    if nnodes == 1:
+        return None
+    from tasks.config import split_endpoint
+
+    try:
+        host, port = split_endpoint(endpoint)
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a name
+            loopback = host.lower().rstrip(".") in ("localhost", "localhost.localdomain")
+            if not loopback and node_rank != 0:
+                addrs = {a[4][0].split("%")[0] for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+                loopback = bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
+    except (ValueError, socket.gaierror):  # rendezvous_check says what is wrong with it
+        return None
+    if not loopback:
+        return None
+    return check(
+        "rendezvous-loopback",
+        "warn",
+        f"hardware.rdzv_endpoint {endpoint} is a loopback address with hardware.nnodes {nnodes}: only nodes on this "
+        "host reach it (a node on another host waits at its own loopback until torchrun's 600 s rendezvous timeout); "
+        "fix: node 0's address as every node reaches it, e.g. 10.0.0.1:29400 (leave it only if all nodes run here)",
+    )
+
+
 def preflight(
     kind: str,
     hardware,
@@ -518,4 +551,6 @@ def preflight(
     checks.extend(socket_env_checks(env, interfaces, kind))
     checks.extend(algo_checks(env, kind))
     checks.append(rendezvous_check(hardware.rdzv_endpoint, hardware.node_rank, hardware.nnodes))
+    loopback = loopback_check(hardware.rdzv_endpoint, hardware.node_rank, hardware.nnodes)
+    checks.extend([loopback] if loopback else [])
     return facts, checks

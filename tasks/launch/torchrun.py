@@ -1,8 +1,8 @@
 """torchrun for a stage's ranks on this node: how many processes, the argv, the environment, the bounded run.
 
-The train and profile stages call these; the test fixtures too. One node: `--standalone`; several: torchrun's c10d
-rendezvous at hardware.rdzv_endpoint (every node runs the same stage with its hardware.node_rank). Each rank starts
-in the host-binding entry point (tasks/launch/binding.py) unless hardware.bind_cpus is off.
+The train and profile stages call these; the test fixtures too. One node: `--standalone`; several: torchrun's static
+rendezvous at hardware.rdzv_endpoint (every node runs the same stage with its hardware.node_rank; node 0 listens there).
+Each rank starts in the host-binding entry point (tasks/launch/binding.py) unless hardware.bind_cpus is off.
 """
 
 from __future__ import annotations
@@ -34,8 +34,17 @@ def world(cfg: PipelineConfig, plan: dict | None = None):
 def argv(
     cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str, log_dir: Path | None = None
 ) -> list[str]:
-    """torchrun as an argv list: standalone on one node, c10d rendezvous across nodes. `log_dir` keeps the ranks'
-    @record error files (tasks.parallel.rank_errors reads them)."""
+    """torchrun as an argv list: standalone on one node, the static rendezvous across nodes. `log_dir` keeps the
+    ranks' @record error files (tasks.parallel.rank_errors reads them).
+
+    Static, not c10d: the c10d (dynamic) rendezvous ignores --node-rank (torch/distributed/run.py warns "node_rank is
+    only used for static rdzv_backend") and numbers the nodes by host name and process id (dynamic_rendezvous.py
+    sorts its participants), so global rank 0 could start on node 1, whose launcher has no MLflow run (env()) and
+    whose stage does not write the stage's results. The static rendezvous takes --node-rank as the node's group rank
+    (run.py: rdzv_configs["rank"] = node_rank), and the agent gives group rank g the global ranks g × nproc …
+    (elastic/agent/server/api.py, _assign_worker_ranks): node_rank 0 holds global rank 0. Its TCPStore listens on
+    node 0 at the endpoint (static_tcp_rendezvous.py: is_master = rank 0), so hardware.rdzv_endpoint must be node 0's
+    address; the job is fixed-size (--nnodes N, no restarts), as every stage here is."""
     hw = cfg.hardware
     out = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
     if log_dir is not None:
@@ -49,7 +58,7 @@ def argv(
             "--node-rank",
             str(hw.node_rank),
             "--rdzv-backend",
-            "c10d",
+            "static",
             "--rdzv-endpoint",
             hw.rdzv_endpoint,
             "--rdzv-id",

@@ -98,9 +98,11 @@ def explain(
     failures: list | None = None,
     kind: str = "npu",
     alloc_conf: str = "",
+    log_name: str = "torchrun.log",
 ) -> StageError:
     """`failures`: rank_errors.collect() of this launch (each failed rank with the exception it left, if any);
-    `kind`/`alloc_conf`: the backend and the allocator settings in force (OOM advice valid for them)."""
+    `kind`/`alloc_conf`: the backend and the allocator settings in force (OOM advice valid for them); `log_name`:
+    the file in logs/ torchrun's own output went to (the train stage's: torchrun-node<N>.log with several nodes)."""
     train_dir = Path(train_dir)
     diag = train_dir / "diagnosis.json"
     if diag.is_file():
@@ -192,11 +194,11 @@ def explain(
         return StageError(
             f"a rank stopped, then torchrun's elastic agent crashed reading local rank {local}'s error file while "
             f"that rank was still writing it (a torch elastic race), so torchrun named no failed rank: see "
-            f"logs/rank-*.log and logs/torchrun.log; a retry resumes from {resume_from}",
+            f"logs/rank-*.log and logs/{log_name}; a retry resumes from {resume_from}",
             retryable=True,
         )
     tail = " | ".join(torchrun_log.strip().splitlines()[-3:])
     return StageError(
-        f"torchrun exited with code {rc}: {tail}; see logs/torchrun.log; a retry resumes from {resume_from}",
+        f"torchrun exited with code {rc}: {tail}; see logs/{log_name}; a retry resumes from {resume_from}",
         retryable=True,
     )

@@ -248,6 +248,8 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
     pins = {k: _arg(ctx, k) for k in ("dp", "tp", "pp") if _arg(ctx, k)}
     if config_pins and not pins and not what_if:  # the config's pins describe its own model and cluster
         pins = {k: getattr(cfg.parallel, k) for k in ("dp", "tp", "pp") if getattr(cfg.parallel, k)}
+    if config_pins:  # an explicit --set parallel.dp/tp/pp is pinned like --dp/--tp/--pp, what-if or not: training keeps
+        pins.update(_explicit_degrees(cfg, ("dp", "tp", "pp"), pins))  # it (tasks.layout.resolve), so size it
     pinned = config_pins and len(pins) == 3 and not what_if and not any(_arg(ctx, k) for k in ("dp", "tp", "pp"))
     par = cfg.parallel
     # What the user set explicitly (--set, DAG Params) is honoured like the flag of the same name: training keeps it
@@ -283,11 +285,44 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
         efficiency=cfg.plan.efficiency,
         pins=pins,
     )
+    if what_if:
+        _check_set_degrees(cfg, ctx, pins, pb.cluster)
     if microbatches:
         world, model = pb.cluster.world, (pins.get("tp") or 1) * (pins.get("pp") or 1)
         dps = [pins["dp"]] if "dp" in pins else [d for d in range(1, world + 1) if world % (d * model) == 0]
         _check_microbatches(pb, dps, "--micro-batch" if _arg(ctx, "micro_batch") else "train.micro_batch")
     return pb, model_desc, pinned
+
+
+def _explicit_degrees(cfg: PipelineConfig, keys: tuple, given: dict) -> dict:
+    """The degrees among `keys` set explicitly (--set, DAG Params) to a pinned value (> 0; ep ≥ 1) and not already in
+    `given` (a flag's wins): a what-if keeps them, since training runs them whatever the plan says. A what-if
+    cluster they do not divide is refused by the search ("pinned dp 3 does not divide world 16 devices")."""
+    par = cfg.parallel
+    return {
+        k: getattr(par, k) for k in keys if k not in given and f"parallel.{k}" in cfg.explicit and getattr(par, k) > 0
+    }
+
+
+def _check_set_degrees(cfg: PipelineConfig, ctx, pins: dict, cluster) -> None:
+    """Degrees set with --set that a what-if cluster cannot run (their product does not divide its devices, or all
+    three do not make them): refused in one line, naming the --set values, instead of a plan that drops them."""
+    kept = {k: v for k, v in pins.items() if f"parallel.{k}" in cfg.explicit and not _arg(ctx, k)}
+    if not kept:
+        return
+    product, world = 1, cluster.world
+    for v in pins.values():
+        product *= v
+    if world % product == 0 and (len(pins) < 3 or product == world):
+        return
+    how = "does not divide" if world % product else "is not"
+    raise StageError(
+        f"--set {' '.join(f'parallel.{k}={v}' for k, v in kept.items())}: "
+        f"{' × '.join(f'{k} {v}' for k, v in pins.items())}{f' = {product}' if len(pins) > 1 else ''} {how} the "
+        f"what-if cluster's {world} devices "
+        f"({cluster.nodes}×{cluster.devices_per_node}); training keeps these degrees, so plan a cluster they fit or "
+        "leave them out of this plan's --set"
+    )
 
 
 def _check_microbatches(pb, dps: list[int], mb_key: str) -> None:
@@ -384,6 +419,7 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         pins = {k: getattr(par, k) for k in ("dp", "ep") if getattr(par, k) > (k == "ep")}
         if "parallel.ep" in cfg.explicit:  # an explicit ep 1 too: training keeps it (EXPLICIT_LAYOUT), so size it
             pins["ep"] = par.ep
+    pins.update(_explicit_degrees(cfg, ("dp", "ep"), pins))  # explicit ones, what-if or not (training keeps them)
     if _arg(ctx, "dp"):
         pins["dp"] = _arg(ctx, "dp")
     ex = cfg.explicit
@@ -400,6 +436,7 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         recompute.remove("selective")
     mb = _arg(ctx, "micro_batch") or (cfg.train.micro_batch if "train.micro_batch" in ex else None)
     tp_pp = {k: getattr(par, k) for k in ("tp", "pp") if not what_if and getattr(par, k) > 1}
+    tp_pp.update(_explicit_degrees(cfg, ("tp", "pp"), tp_pp))
     tp_pp.update({k: _arg(ctx, k) for k in ("tp", "pp") if _arg(ctx, k)})
     seq_len = _arg(ctx, "seq_len") or cfg.data.seq_len
     global_batch = _arg(ctx, "global_batch") or cfg.train.global_batch

@@ -4,7 +4,7 @@ tasks.train.worker; DCP checkpoints under <run-dir>/checkpoints, resumed automat
 (streamed from the final checkpoint, a few tensors per rank at a time).
 
 Multi-node: run the same command on every node with hardware.nnodes, hardware.node_rank and
-hardware.rdzv_endpoint (the first node's host:port) set; the nodes meet through torchrun's c10d rendezvous.
+hardware.rdzv_endpoint (the first node's host:port) set; the nodes meet through torchrun's static rendezvous.
 """
 
 from __future__ import annotations
@@ -418,6 +418,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             failures=failures,
             kind=spec["backend"],
             alloc_conf=alloc_conf_in_force(spec["backend"], env),
+            log_name=log_name,
         )
     if export and not (run_dir / "hf" / "config.json").is_file():
         raise StageError(
