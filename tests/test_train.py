@@ -48,7 +48,15 @@ def test_killed_rank_fails_retryable_and_rerun_resumes_identically(cfg, tmp_path
     with pytest.raises(StageError) as err:
         run_stage("train", c, run_dir, args=args)
     assert err.value.retryable
-    assert "rank 1 died (killed by SIGKILL) at step 4" in str(err.value)
+    # torch elastic's own race (its agent reads rank 0's error file while @record still writes it; seen once in a
+    # loaded CI run, as in tests/test_async_checkpoint.py) leaves no end-of-run report naming the dead rank's signal
+    raced = "Failed to parse reply file" in (run_dir / "logs" / "torchrun.log").read_text()
+    expected = (
+        "torchrun's elastic agent crashed reading local rank 0's error file"
+        if raced
+        else "rank 1 died (killed by SIGKILL) at step 4"
+    )
+    assert expected in str(err.value)
     assert "resumes from checkpoint step-2" in str(err.value)
     assert max(losses(run_dir)) >= 2
 
