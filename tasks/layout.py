@@ -30,7 +30,7 @@ class Layout:
     recompute_every: int = 1
     sequence_parallel: bool = True  # only meaningful with tp > 1
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved1f1b; ignored when pp == 1
-    microbatches: int = 0  # per data-parallel rank and optimizer step (0 = local batch / micro_batch)
+    microbatches: int = 0  # per data-parallel rank and optimizer step (0 = local batch / micro_batch, which divides it)
     virtual_stages: int = 2  # per rank, for interleaved1f1b only
     micro_batch: int = 1
     global_batch: int = 1
@@ -43,7 +43,7 @@ class Layout:
 
     @property
     def n_microbatches(self) -> int:
-        return self.microbatches or max(1, self.local_batch // self.micro_batch)
+        return self.microbatches or max(1, self.local_batch // self.micro_batch)  # check() refuses a remainder
 
     @property
     def world(self) -> int:
@@ -140,13 +140,7 @@ def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[
             f"and last stage would each hold a copy) — set parallel.pp 1 (dp/tp/zero all train it)"
         )
     problems += moe_problems(lay, tcfg)
-    if lay.global_batch % lay.dp:
-        problems.append(f"train.global_batch: {lay.global_batch} is not divisible by parallel.dp {lay.dp}")
-    elif lay.local_batch % lay.n_microbatches:
-        problems.append(
-            f"train.global_batch: {lay.local_batch} sequences per dp rank do not split into "
-            f"{lay.n_microbatches} equal micro-batches (train.micro_batch {lay.micro_batch})"
-        )
+    problems += batch_problems(lay)
     if lay.pp > 1 and lay.pp_schedule != "gpipe" and lay.n_microbatches < lay.pp:
         problems.append(
             f"parallel.microbatches: {lay.n_microbatches} micro-batches per step are fewer than the "
@@ -154,6 +148,33 @@ def check(lay: Layout, tcfg, seq_len: int, world: int, world_text: str) -> list[
             f"raise train.global_batch)"
         )
     return problems
+
+
+def _divisors_text(n: int) -> str:
+    low = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    ds = sorted({*low, *(n // d for d in low)})
+    return ", ".join(map(str, ds if len(ds) <= 8 else [*ds[:4], "…", *ds[-3:]]))
+
+
+def batch_problems(lay: Layout) -> list[str]:
+    """Each dp rank's batch (train.global_batch / parallel.dp) splits into equal micro-batches: of
+    parallel.microbatches when set (train.micro_batch is then that split's size, not a setting), else of exactly
+    train.micro_batch sequences — one that does not divide it is refused, never rounded to another size."""
+    local, where = lay.local_batch, f"train.global_batch {lay.global_batch} / parallel.dp {lay.dp}"
+    if lay.global_batch % lay.dp:
+        return [f"train.global_batch: {lay.global_batch} is not divisible by parallel.dp {lay.dp}"]
+    if lay.microbatches and local % lay.microbatches:
+        return [
+            f"parallel.microbatches: {lay.microbatches} does not divide the {local} sequences per dp rank ({where}); "
+            f"set it to one that does ({_divisors_text(local)}), or 0 (train.micro_batch sets it)"
+        ]
+    if not lay.microbatches and local % lay.micro_batch:
+        return [
+            f"train.micro_batch: {lay.micro_batch} does not divide the {local} sequences per dp rank ({where}); "
+            f"set it to one that does ({_divisors_text(local)}), or train.global_batch to a multiple of "
+            f"{lay.micro_batch * lay.dp}"
+        ]
+    return []
 
 
 def moe_problems(lay: Layout, tcfg) -> list[str]:

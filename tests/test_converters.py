@@ -98,6 +98,21 @@ def test_math_attention_converter_swaps_and_reverts():
     assert {type(m) for m in model.modules() if isinstance(m, Attention)} == {Attention}
 
 
+def test_every_converter_says_what_it_did_in_its_repr():
+    """Each rank logs `model converters: <repr>, …` (docs/trainer.md): every registered converter defines its own
+    __repr__ (object's would log an address), starting with its name; math_attention's counts the blocks swapped."""
+    tcfg = get_preset("debug")
+    for name in converters.known():
+        cls = converters.REGISTRY[name]
+        assert cls.__repr__ is not object.__repr__, f"{name}: {cls.__name__} has no __repr__ of its own"
+        model = materialize(build_model(tcfg), "cpu", seed=0)
+        [conv] = converters.build([name], converters.ConvertContext("cpu", tcfg))
+        converters.apply(model, [conv])
+        assert repr(conv).startswith(f"{name}("), repr(conv)
+        if name == "math_attention":
+            assert repr(conv) == f"math_attention({tcfg.n_layers} Attention)"
+
+
 def test_a_swap_that_an_earlier_converter_made_moot_is_named_not_skipped():
     """On an NPU, npu_fused gives Attention the subclass NpuRopeAttention (here its swaps applied directly: no NPU);
     a converter listed after it that swaps Attention would find no module of exactly that class and do nothing —

@@ -127,7 +127,7 @@ def tokenizer_problem(
     """One line when the checkpoint `hf_dir` belongs to another tokenizer than the shard set: its embedding rows are
     its own tokenizer's ids, so tokens of another tokenizer would index the wrong rows (silently, when they fit).
     Our exports recorded the identity (tasks.model.model_dir); a transformers-saved directory is compared by its
-    tokenizer.json."""
+    tokenizer.json — one without it is not compared, and a warning line says so and how to add one."""
     from tokenizers import Tokenizer
 
     from tasks.model import model_dir
@@ -136,7 +136,17 @@ def tokenizer_problem(
         return model_dir.tokenizer_problem(hf_dir, shard_dir, what)
 
     own, theirs = Path(hf_dir) / "tokenizer.json", Path(shard_dir) / "tokenizer.json"
-    if not own.is_file() or not theirs.is_file() or own.read_bytes() == theirs.read_bytes():
+    if not own.is_file():
+        from tasks.logs import log
+
+        log.warning(
+            f"{what} {hf_dir}: has no tokenizer.json, so whether the shard set {shard_dir} was tokenized with the "
+            f"checkpoint's own tokenizer was not checked (another tokenizer's ids index the wrong embedding rows "
+            f"silently); copy its tokenizer.json into {hf_dir} (transformers' AutoTokenizer.from_pretrained(<its "
+            f"tokenizer files>).save_pretrained('{hf_dir}') writes one)"
+        )
+        return None
+    if not theirs.is_file() or own.read_bytes() == theirs.read_bytes():
         return None
     a, b = Tokenizer.from_file(str(own)), Tokenizer.from_file(str(theirs))
     if a.to_str() == b.to_str():  # the same tokenizer, serialised differently

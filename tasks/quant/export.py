@@ -46,6 +46,9 @@ class MathAttentionConverter:
         restore(self.swapped)
         self.swapped = []
 
+    def __repr__(self) -> str:  # each rank logs it after convert: how many blocks compute with opset-11 ops
+        return f"math_attention({len(self.swapped)} Attention)"
+
 
 @contextlib.contextmanager
 def export_friendly(model: torch.nn.Module):
