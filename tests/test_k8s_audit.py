@@ -18,7 +18,7 @@ from tasks.config import ConfigError, apply_overrides, load_config
 from tasks.errors import StageError
 from tasks.launch import k8s_job, k8s_submit
 
-from tests.helpers.k8s_api import POD_NAMES, RecordedApi
+from tests.helpers.k8s_api import POD_NAMES, RecordedApi, connected, on_kubernetes
 from tests.helpers.k8s_schema import validate
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,22 +26,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def k8s_cfg(cfg):
-    cfg.hardware.launcher = "kubernetes"
-    cfg.hardware.k8s_image = "registry.example/llm-pipeline:ascend"
-    cfg.hardware.nnodes, cfg.hardware.nproc_per_node = 2, 8
-    cfg.tracking.enabled = False
+    on_kubernetes(cfg).tracking.enabled = False
     return cfg
 
 
 @pytest.fixture
 def api_server(tmp_path, monkeypatch):
     api = RecordedApi(validate, {"Job": ["job-running", "job-complete"]})
-    kubeconfig = tmp_path / "kubeconfig.json"
-    kubeconfig.write_text(json.dumps(api.kubeconfig()))
-    conn = {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig), "namespace": "llm"}}
-    monkeypatch.setenv("AIRFLOW_CONN_K8S_LOOPBACK", json.dumps(conn))
-    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
-    yield api
+    yield connected(api, tmp_path, monkeypatch)
     api.close()
 
 

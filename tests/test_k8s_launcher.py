@@ -21,7 +21,7 @@ from tasks.bounds import stage_timeout_s
 from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES, runs_on_kubernetes
 from tasks.stages import STAGES
 
-from tests.helpers.k8s_api import DATA, POD_NAMES, RecordedApi, recorded
+from tests.helpers.k8s_api import DATA, POD_NAMES, RecordedApi, connected, on_kubernetes, recorded
 from tests.helpers.k8s_schema import validate
 from tests.helpers.mlflow_store import fresh_store
 
@@ -30,10 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def k8s_cfg(cfg):
-    cfg.hardware.launcher = "kubernetes"
-    cfg.hardware.k8s_image = "registry.example/llm-pipeline:ascend"
-    cfg.hardware.nnodes, cfg.hardware.nproc_per_node = 2, 8
-    return cfg
+    return on_kubernetes(cfg)
 
 
 def test_committed_manifests_are_valid_kubernetes_objects():
@@ -290,12 +287,7 @@ def test_the_config_offers_exactly_the_kinds_there_are():
 @pytest.fixture
 def api_server(tmp_path, monkeypatch):
     api = RecordedApi(validate, {KIND[k]: v for k, v in SUCCEEDS.items()})
-    kubeconfig = tmp_path / "kubeconfig.json"
-    kubeconfig.write_text(json.dumps(api.kubeconfig()))
-    conn = {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig), "namespace": "llm"}}
-    monkeypatch.setenv("AIRFLOW_CONN_K8S_LOOPBACK", json.dumps(conn))
-    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
-    yield api
+    yield connected(api, tmp_path, monkeypatch)
     api.close()
 
 

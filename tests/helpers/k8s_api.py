@@ -33,6 +33,25 @@ PATH = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))/namesp
 POD_NAMES = {"Job": ("0", "1"), "PyTorchJob": ("master-0", "worker-0"), "TrainJob": ("node-0-0", "node-0-1")}
 
 
+def connected(api: "RecordedApi", tmp_path: Path, monkeypatch) -> "RecordedApi":
+    """`api` as the Airflow connection `k8s_loopback` (a kubeconfig in tmp_path, namespace llm) that the launcher
+    submits to, with the pipeline's var dir in tmp_path."""
+    kubeconfig = tmp_path / "kubeconfig.json"
+    kubeconfig.write_text(json.dumps(api.kubeconfig()))
+    conn = {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kubeconfig), "namespace": "llm"}}
+    monkeypatch.setenv("AIRFLOW_CONN_K8S_LOOPBACK", json.dumps(conn))
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    return api
+
+
+def on_kubernetes(cfg):
+    """`cfg` (the tests' config fixture) set for the Kubernetes launcher: an image, 2 nodes of 8 devices."""
+    cfg.hardware.launcher = "kubernetes"
+    cfg.hardware.k8s_image = "registry.example/llm-pipeline:ascend"
+    cfg.hardware.nnodes, cfg.hardware.nproc_per_node = 2, 8
+    return cfg
+
+
 def recorded(name: str) -> dict:
     """One recording: {"source", "recorded", "adjusted", "code", "body"}."""
     return json.loads((DATA / f"{name}.json").read_text())
