@@ -108,12 +108,10 @@ def pending_file(node: int) -> str:
 def node_of(sets: list[str]) -> int:
     """hardware.node_rank as --set gives it (the way each node of a multi-node job is started; the last one wins),
     else 0: known before the config it helps choose is loaded. A bad value is load_config's to refuse."""
-    rank = 0
-    for item in sets or ():
-        key, sep, value = item.partition("=")
-        if sep and key.strip() == "hardware.node_rank":
-            rank = int(value) if value.strip().isdigit() else 0
-    return rank
+    from tasks.config import parse_sets
+
+    value = parse_sets(sets).get("hardware.node_rank", "0").strip()
+    return int(value) if value.isdigit() else 0
 
 
 def result_file(stage: str, node: int) -> str:

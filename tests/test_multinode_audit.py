@@ -317,6 +317,9 @@ def test_node_0_does_not_take_node_1s_live_pending_config(tmp_path, monkeypatch,
     assert _main(*base, "--set", "hardware.node_rank=0") == 0  # node 0's next stage runs as node 0
     assert (run / "plan.json").is_file() and json.loads((run / CLI_CONFIG_FILE).read_text()) == remembered
     assert (run / "cli-config.pending-node1.json").is_file()  # node 1's, left for node 1
+    capsys.readouterr()
     assert _main(*base, "--set", "hardware.node_rank=1") == 0  # node 1's rerun takes and then drops its own
+    err = capsys.readouterr().err  # chosen by the --set node rank before the config is loaded (tasks.cli.node_of)
+    assert "train.steps=400" in err and "cli-config.pending-node1.json: left by a stage run" in err, err
     assert not (run / "cli-config.pending-node1.json").exists()
     assert json.loads((run / CLI_CONFIG_FILE).read_text()) == remembered  # node 1 never rewrites the directory's
