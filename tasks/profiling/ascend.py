@@ -262,8 +262,11 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
         steps, note = steps_from_kernels(kernels)
         files.variants.append(note)
         files.variants += [f"note: {why}" for why in _step_trace_problems(paths)]  # the step trace was there
+    if steps:  # operators come from the kernel tables: one there but unread is said, not passed over
+        instead = "operators from op_statistic instead" if files.rows("op_statistic") else "its operators left out"
+        files.variants += [f"note: {why}: {instead}" for why in _kernel_problems(paths)]
     if not steps:
-        if problems := _step_trace_problems(paths):  # there, but unusable: say so, not "missing"
+        if problems := _step_trace_problems(paths) + _kernel_problems(paths):  # there, but unusable: not "missing"
             raise StageError(f"{root}: {'; '.join(problems)} — no step breakdown; re-run the parser or re-export")
         want = (
             "mindstudio_profiler_output/msprof_*.json"
@@ -303,18 +306,41 @@ def read_rank_folder(root: Path, fallback_rank: int) -> tuple[list[RankData], li
 def _step_trace_problems(paths: list[Path]) -> list[str]:
     """Why each step_trace_time.csv present gave no step: no data rows (0 bytes or a header only) or a header that is
     not step_trace's (an interrupted or foreign export)."""
+    return unusable_tables(paths, "step_trace_time", "step_trace")  # torch_npu's, not msprof's step_trace_*
+
+
+# The operator tables by their producers' file names (torch_npu: kernel_details.csv; msprof: op_summary_<ts>.csv):
+# one that is there under its name but whose header is not recognised would be passed over without a word. Either
+# header is read under either name (ops_from_kernels unifies them).
+KERNEL_FILES = ("kernel_details", "op_summary")
+
+
+def _kernel_problems(paths: list[Path]) -> list[str]:
+    return [
+        why for prefix in KERNEL_FILES for why in unusable_tables(paths, prefix, prefix, rows=False, also=KERNEL_FILES)
+    ]
+
+
+def unusable_tables(paths: list[Path], prefix: str, kind: str, rows: bool = True, also: tuple = ()) -> list[str]:
+    """Why each `<prefix>*.csv` present gives nothing: 0 bytes, a header that is not `kind`'s (an interrupted or
+    foreign export: the columns it lacks are named), or (rows) a header only. A header of a kind in `also` is read."""
     out = []
     for p in sorted(paths):
-        if not (p.name.startswith("step_trace_time") and p.suffix == ".csv"):  # torch_npu's, not msprof's step_trace_*
+        if not (p.name.startswith(prefix) and p.suffix == ".csv"):
             continue
         header = tables.read_header(p)
-        if tables.detect_kind(header) != "step_trace":
-            cols = ", ".join(h for h in header if h) or "none"
-            if header and any(header):
-                out.append(f"{p} header not recognised as step_trace (columns {cols})")
-            else:
+        if tables.detect_kind(header) not in (kind, *also):
+            if not (header and any(header)):
                 out.append(f"{p} has no data rows (an empty file)")
-        elif not tables.read_csv(p)[1]:
+                continue
+            cols = ", ".join(h for h in header if h) or "none"
+            lacks = tables.missing_columns(kind, header)
+            partial = 0 < len(lacks) < len(tables.SIGNATURES[kind])  # kind's file with columns lost: name those
+            out.append(
+                f"{p} header not recognised as {kind} "
+                + (f"(no column {', '.join(lacks)})" if partial else f"(columns {cols})")
+            )
+        elif rows and not tables.read_csv(p)[1]:
             out.append(f"{p} has no data rows (header only)")
     return out
 
@@ -378,6 +404,12 @@ def read_cluster(root: Path) -> tuple[list[RankData], list[str]]:
         rows = cluster_db_rows(root / CLUSTER_DB)
         files.variants.append(f"{CLUSTER_DB}: ClusterStepTraceTime")
     rows = [r for r in rows if tables.text(r.get("Type")).lower() == "rank"]
+    if not rows and (
+        problems := unusable_tables(list(root.glob("*.csv")), "cluster_step_trace_time", "cluster_step_trace")
+    ):
+        raise StageError(
+            f"{root}: {'; '.join(problems)} — run `msprof-analyze cluster -m all -d <profiling dir>` again"
+        )
     if not rows:
         raise StageError(
             f"{root}: neither cluster_step_trace_time.csv nor {CLUSTER_DB} (ClusterStepTraceTime) has rank rows — "

@@ -36,6 +36,18 @@ def _is_cluster(p: Path) -> bool:
     return False
 
 
+TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler's tensorboard_trace_handler and tasks.profiling.collect.trace_path
+
+
+def _not_a_trace(p: Path) -> str:
+    size = p.stat().st_size
+    what = "is empty (0 bytes)" if size == 0 else f"is not a torch.profiler trace ({size} bytes, no traceEvents)"
+    return (
+        f"{p} {what}: the trace was cut short or never written; collect the profile again (or move the file out "
+        "of its folder to analyse the other ranks without it)"
+    )
+
+
 def _looks_like_torch_trace(p: Path) -> bool:
     with open(p, "rb") as f:
         head = f.read(4096)
@@ -61,7 +73,11 @@ def discover(root: Path) -> tuple[list[Path], list[Path], list[Path]]:
             units.append(here)
             dirnames[:] = []
             continue
-        traces += [here / f for f in filenames if f.endswith(".json") and _looks_like_torch_trace(here / f)]
+        for f in filenames:
+            if f.endswith(".json") and _looks_like_torch_trace(here / f):
+                traces.append(here / f)
+            elif f.endswith(TRACE_SUFFIX):  # named as a trace (torch's handler, our collect) but not one: a rank lost
+                raise StageError(_not_a_trace(here / f))
         dirnames.sort()
     return sorted(units), clusters, sorted(traces)
 
@@ -71,6 +87,8 @@ def load_profile(path: str | os.PathLike) -> Profile:
     if not root.exists():
         raise StageError(f"{root}: no such file or folder")
     if root.is_file():
+        if root.name.endswith(TRACE_SUFFIX) and not _looks_like_torch_trace(root):
+            raise StageError(_not_a_trace(root))
         if root.suffix != ".json" or not _looks_like_torch_trace(root):
             raise StageError(f"{root}: not a torch.profiler trace; point at the profiling folder ({EXPECTED})")
         return Profile(str(root), "torch_trace", [read_torch_trace(root)])

@@ -106,6 +106,12 @@ def _has(header: set[str], col) -> bool:
     return any(c in header for c in col) if isinstance(col, tuple) else col in header
 
 
+def missing_columns(kind: str, header: list[str]) -> list[str]:
+    """The columns of `kind`'s signature the header lacks (alternatives joined with "/")."""
+    cols = {h.strip() for h in header}
+    return ["/".join(c) if isinstance(c, tuple) else c for c in SIGNATURES[kind] if not _has(cols, c)]
+
+
 def detect_kind(header: list[str]) -> str | None:
     cols = {h.strip() for h in header}
     for kind in _ORDER:

@@ -121,6 +121,27 @@ def reusable(
     return Path(done.get("source") or marker.parent)
 
 
+def missing_ranks(traces: Path, backend: str | None, world: int | None) -> list[int]:
+    """Ranks of `world` without their trace in `traces` (collect.make_profiler's names: `rank<r>.pt.trace.json` on
+    CPU/CUDA, `rank<r>_<time>_ascend_pt/` from torch_npu's tensorboard_trace_handler); an empty file is missing."""
+    from tasks.profiling.collect import trace_path
+
+    if not world or backend not in ("cpu", "cuda", "npu"):
+        return []
+    if backend == "npu":
+        return [r for r in range(world) if not any(p.is_dir() for p in traces.glob(f"rank{r}_*_ascend_pt"))]
+    return [r for r in range(world) if not (trace_path(traces, r).is_file() and trace_path(traces, r).stat().st_size)]
+
+
+def msprof_note(backend: str, msprof: str | None, msprof_dir: Path) -> str:
+    """The report's note under profile.use_msprof: what collected the profile, and why msprof did not."""
+    if msprof:
+        return f"msprof wrapped the run (torch_npu.profiler not started under it): {msprof_dir}"
+    if backend == "npu":
+        return "profile.use_msprof is set but msprof is not on PATH: collected with torch_npu.profiler only"
+    return f"profile.use_msprof applies to NPU runs only: this {backend} run was collected with torch.profiler"
+
+
 def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     """Run the training stage's own launcher for a few steps with `--profile-dir`; returns the folder to analyse
     (the traces, or msprof's PROF_* output when msprof wrapped the run).
@@ -133,10 +154,18 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
 
     shards = str(runner.shard_set(cfg, ctx))  # before the digest: data.seq_len follows the shard set (as train)
     traces, marker = out_dir / "traces", out_dir / "traces" / "collected.json"
-    if source := reusable(marker, cfg, shards, **planned_launch(cfg, ctx)):
-        return source, [f"reused the profile collected earlier in {source}"]
+    launch = planned_launch(cfg, ctx)
+    if source := reusable(marker, cfg, shards, **launch):
+        # not when a trace was deleted or emptied since: the rest would be reported as the whole run, fewer ranks
+        if source != traces or not missing_ranks(traces, read_json(marker).get("backend"), launch["world"]):
+            return source, [f"reused the profile collected earlier in {source}"]
     shutil.rmtree(traces, ignore_errors=True)
     spec = train.prepare(cfg, ctx)
+    if cfg.profile.analyzer == "msprof-analyze" and spec["backend"] != "npu":  # before the run, not after it
+        raise StageError(
+            f"profile.analyzer is msprof-analyze but this run collects on {spec['backend']} (torch.profiler traces, "
+            "which msprof-analyze does not read); use profile.analyzer=auto or builtin"
+        )
     notes = _npu_option_checks(cfg) if spec["backend"] == "npu" else []
     work = out_dir / "run"
     shutil.rmtree(work, ignore_errors=True)
@@ -150,11 +179,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     argv += ["--profile-dir", str(traces)]
     msprof = find_msprof() if cfg.profile.use_msprof and spec["backend"] == "npu" else None
     if cfg.profile.use_msprof:
-        notes.append(
-            f"msprof wrapped the run (torch_npu.profiler not started under it): {out_dir / 'msprof'}"
-            if msprof
-            else "profile.use_msprof is set but msprof is not on PATH: collected with torch_npu.profiler only"
-        )
+        notes.append(msprof_note(spec["backend"], msprof, out_dir / "msprof"))
     shutil.rmtree(out_dir / "msprof", ignore_errors=True)
     log_path = out_dir / "logs" / "torchrun.log"
     rc, log = torchrun.run(
@@ -179,6 +204,12 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
         raise StageError(
             f"the profiled run wrote no traces to {traces}: with {cfg.profile.steps_needed()} steps the "
             "schedule (profile.skip_first/wait/warmup/active) never reached an active step"
+        )
+    elif lost := missing_ranks(traces, spec["backend"], spec["world"]):
+        raise StageError(
+            f"the profiled run exited 0 but rank(s) {', '.join(map(str, lost))} of {spec['world']} wrote no trace "
+            f"to {traces}: see {work}/logs/rank-*.log, then run the profile stage again",
+            retryable=True,
         )
     else:
         source = traces
@@ -230,10 +261,20 @@ def _log(report: dict, paths: dict[str, Path], extra_dir: Path | None, key: dict
 
 def run(cfg: PipelineConfig, ctx) -> dict:
     out_dir = ctx.run_dir / "profile"
+    path = getattr(ctx.args, "path", None)
     if getattr(ctx.args, "action", "collect") == "analyze":
-        if not getattr(ctx.args, "path", None):
+        if not path:
             raise StageError("profile analyze needs the folder to analyse: python -m tasks profile analyze PATH")
-        source, notes, device_kind, collected = Path(ctx.args.path).expanduser().resolve(), [], None, {}
+        if getattr(ctx.args, "shard_dir", None):  # else ignored without a word: analyze runs no training
+            raise StageError(
+                "--shard-dir is for collect's training run; `profile analyze` reads only PATH: drop --shard-dir"
+            )
+        source, notes, device_kind, collected = Path(path).expanduser().resolve(), [], None, {}
+    elif path:  # `profile collect PATH` would collect and never look at PATH
+        raise StageError(
+            f"profile collect takes no PATH (got {path}): to analyse that folder run "
+            f"`python -m tasks profile analyze {path}`"
+        )
     elif not cfg.profile.enabled:
         return {"status": "ok", "summary": "skipped (profile.enabled is false)", "skipped": True}
     else:
