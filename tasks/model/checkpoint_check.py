@@ -25,6 +25,7 @@ from torch import nn
 
 from tasks.errors import StageError
 from tasks.model.init import HFWeights
+from tasks.model.model_dir import check_tensor_names
 from tasks.model.transformer import RMSNorm, TransformerBlock, embedding, rope_table
 
 LOGIT_CHUNK = 512  # positions per head matmul: logits of [chunk, vocab] fp32 at a time
@@ -65,6 +66,7 @@ def initial_loss(path, tcfg, inputs: torch.Tensor, targets: torch.Tensor, layers
     embedding, first `layers` blocks (0 = all), final norm and head, in fp32 on `device`. Returns the loss, ln(V),
     their ratio, the blocks run, and the first block whose output was not finite (None when all were)."""
     start = time.perf_counter()
+    check_tensor_names(path, tcfg)  # the index and every name checked (one line), as load_hf's and train's verify
     source = HFWeights(path, tcfg)
     check_files(source)
     k = tcfg.n_layers if layers <= 0 else min(layers, tcfg.n_layers)

@@ -69,6 +69,36 @@ def expert_hf_name(name: str, j: int) -> str:
     return f"model.layers.{m.group(1)}.mlp.experts.{j}.{proj}.weight"
 
 
+def hf_names(tcfg: TransformerConfig) -> set[str]:
+    """Every tensor name a checkpoint of `tcfg` may hold (`lm_head.weight` too when tied: HF re-ties it, some files
+    store it anyway); the model reads each (tests/test_hf_audit.py holds this to the built model's own names)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(tcfg.n_layers):
+        p = f"model.layers.{i}."
+        names |= {p + "input_layernorm.weight", p + "post_attention_layernorm.weight"}
+        names |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
+        if tcfg.qkv_bias:
+            names |= {f"{p}self_attn.{x}_proj.bias" for x in "qkv"}
+        if not tcfg.is_moe_layer(i):
+            names |= {f"{p}mlp.{proj}.weight" for proj in _EXPERT_PROJ}
+            continue
+        names.add(p + "mlp.gate.weight")
+        names |= {f"{p}mlp.experts.{j}.{proj}.weight" for j in range(tcfg.n_experts) for proj in _EXPERT_PROJ}
+        if tcfg.shared_ffn_dim:
+            names |= {f"{p}mlp.shared_expert.{proj}.weight" for proj in _EXPERT_PROJ}
+            names.add(p + "mlp.shared_expert_gate.weight")
+    return names
+
+
+def unused_tensors(tcfg: TransformerConfig, names) -> list[str]:
+    """The tensors among `names` (a checkpoint's) that a model of `tcfg` would not read: weights config.json does
+    not describe (q/k/v biases of a Qwen2 labelled Llama, an o_proj bias with attention_bias false, layers past
+    num_hidden_layers, experts past num_experts), dropped in silence if loading went on. The RoPE table some old
+    checkpoints saved (`rotary_emb.inv_freq`) is recomputed, not unused."""
+    wanted = hf_names(tcfg)
+    return sorted(n for n in names if n not in wanted and "rotary_emb.inv_freq" not in n)
+
+
 def ours_to_hf(name: str) -> str:
     top = {v: k for k, v in _TOP_NAMES.items()}
     if name in top:
@@ -131,4 +161,47 @@ def to_hf_config(tcfg: TransformerConfig, dtype="float32") -> dict:
 
 
 def read_hf_config(path: str | os.PathLike) -> TransformerConfig:
-    return TransformerConfig.from_hf_config(path)
+    """The shape in `path`'s config.json, held to what a model can be (StageError in one line naming the file): the
+    one reader of a checkpoint's config.json (load_hf, verify, HFWeights, and the pipeline's tasks.model.resolve)."""
+    try:
+        shape = TransformerConfig.from_hf_config(path)
+    except (TypeError, AttributeError, ValueError) as e:  # not an object, a number written as a string, …
+        raise StageError(
+            f"{os.path.join(path, 'config.json')}: unreadable config ({type(e).__name__}: {e}); fix the checkpoint's "
+            "config.json (transformers' save_pretrained writes a valid one)"
+        ) from None
+    return checked_hf_shape(path, shape)
+
+
+# TransformerConfig fields (as validate() names them, model.<field>) → the config.json key that set them
+_HF_KEYS = {
+    "model.n_kv_heads": "num_key_value_heads",
+    "model.n_heads": "num_attention_heads",
+    "model.dim": "hidden_size",
+    "model.n_layers": "num_hidden_layers",
+    "model.ffn_dim": "intermediate_size",
+    "model.vocab_size": "vocab_size",
+    "model.max_seq_len": "max_position_embeddings",
+    "model.rope_theta": "rope_theta",
+    "model.n_experts": "num_experts",
+    "model.top_k": "num_experts_per_tok",
+    "model.moe_ffn_dim": "moe_intermediate_size",
+    "model.mlp_only_layers": "mlp_only_layers",
+}
+
+
+def checked_hf_shape(path: str | os.PathLike, shape: TransformerConfig) -> TransformerConfig:
+    """`shape` (read from `path`'s config.json) validated before any model.* override applies: a checkpoint whose own
+    config.json is impossible (num_key_value_heads not dividing num_attention_heads: transformers cannot run it
+    either) is named by its file and its keys, not as a model.* setting the user never made."""
+    from tasks.errors import ConfigError
+
+    try:
+        return shape.validate()
+    except ConfigError as e:
+        said = str(e)
+        for ours, theirs in _HF_KEYS.items():
+            said = said.replace(ours, theirs)
+        raise StageError(
+            f"{os.path.join(path, 'config.json')}: not a valid model ({said}); fix the checkpoint's config.json"
+        ) from None

@@ -64,12 +64,28 @@ def read_manifest(path: str | os.PathLike) -> dict | None:
 
 
 def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of a model directory, its index checked (one StageError line for what is wrong). A directory
+    holding both model.safetensors and an index is refused: transformers loads model.safetensors, a reader of the
+    index loads the shards, and a save over an earlier one leaves the other stale (save_pretrained, sharded then
+    single, keeps the old index; single then sharded keeps the old model.safetensors) — which is current only its
+    writer knows."""
+    path = Path(path)
     index = path / "model.safetensors.index.json"
+    if index.is_file() and (path / "model.safetensors").is_file():
+        raise StageError(
+            f"{path}: holds both model.safetensors and model.safetensors.index.json (a save over an earlier one left "
+            "one of them stale; transformers would load model.safetensors, the index names other files); delete "
+            "the stale one (or save the model again into an empty directory)"
+        )
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise StageError(f"{index} is unreadable ({type(e).__name__}: {e}); re-export the model") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise StageError(f"{index}: weight_map is not an object of tensor name → file name; re-export the model")
         names = sorted(set(weight_map.values()))
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
@@ -103,7 +119,7 @@ def verify(path: str | os.PathLike) -> None:
     from tasks.model.hf_config import read_hf_config
 
     path = Path(path)
-    read_hf_config(path)  # config.json first: an unsupported architecture is named before any weight is looked at
+    tcfg = read_hf_config(path)  # config.json first: an unsupported architecture is named before any weight is read
     state = (str(path.resolve()), *sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir()))
     if state in _verified:
         return
@@ -124,7 +140,33 @@ def verify(path: str | os.PathLike) -> None:
                 raise StageError(f"{path / name} is corrupt ({what}); re-export the model")
     for f in safetensors_files(path):
         read_header(f)
+    check_tensor_names(path, tcfg)
     _verified[state] = None
+
+
+def check_tensor_names(path: str | os.PathLike, tcfg) -> None:
+    """StageError (one line) when the checkpoint holds a tensor a model of its config.json would not read (index
+    names, or the single file's header): its weights would be dropped in silence (transformers loads such a file
+    too, listing the keys UNEXPECTED in its load report)."""
+    from tasks.model.hf_config import unused_tensors
+    from tasks.model.safetensors_io import read_header
+
+    path = Path(path)
+    files = safetensors_files(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    else:
+        names = read_header(files[0])
+    unused = unused_tensors(tcfg, names)
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise StageError(
+            f"{path}: tensor {unused[0]!r}{more} is not part of the model its config.json describes (family "
+            f"{tcfg.family}, {tcfg.n_layers} layers, q/k/v bias {tcfg.qkv_bias}, {tcfg.n_experts} experts), so its "
+            "weights would be dropped; fix config.json to describe the weights (architectures, num_hidden_layers, "
+            "the bias settings) or use the checkpoint they belong to"
+        )
 
 
 def accepted_tokenizers(path: str | os.PathLike) -> list[str]:

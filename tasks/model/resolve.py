@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tasks.config import SHAPE_OVERRIDES, repo_path
 from tasks.errors import ConfigError
+from tasks.model.hf_config import read_hf_config
 from tasks.shape import TransformerConfig
 
 
@@ -22,7 +23,7 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
     """
     mc = cfg.model
     if mc.hf_path:
-        published = TransformerConfig.from_hf_config(repo_path(mc.hf_path))
+        published = read_hf_config(repo_path(mc.hf_path))  # validated: a bad file named as the file, not model.*
         tcfg = published.override(**mc.overrides())
         shaped = [k for k in WEIGHT_SHAPE if getattr(tcfg, k) != getattr(published, k)]
         if shaped:  # its weights cannot load into another shape (fewer layers would load, the rest dropped)
