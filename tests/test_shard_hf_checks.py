@@ -78,6 +78,16 @@ def test_tokenizer_larger_than_the_embedding_refused_before_tokenizing(cfg, tmp_
     )
 
 
+def test_missing_or_cut_weight_files_refused_before_tokenizing(cfg, tmp_path, ckpt):
+    """The weight files as smoke and train will read them (headers only): none there, or one cut short."""
+    bare = _variant(ckpt, tmp_path, "no-weights")
+    _refused(cfg, tmp_path, bare, f"{bare}: no model.safetensors or model.safetensors.index.json")
+    cut = _variant(ckpt, tmp_path, "cut", weights=True)
+    with open(cut / "model.safetensors", "r+b") as f:
+        f.truncate(64)
+    _refused(cfg, tmp_path, cut, str(cut / "model.safetensors"))
+
+
 def test_train_tokenizer_beside_hf_path_refused_before_tokenizing(cfg, tmp_path, ckpt):
     line = _refused(cfg, tmp_path, ckpt, "model.hf_path: data.tokenizer is train", tokenizer="train", error=ConfigError)
     assert f"data.tokenizer={ckpt}" in line

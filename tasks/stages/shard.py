@@ -72,7 +72,9 @@ def check_checkpoint(cfg: PipelineConfig, tokenizer: str) -> None:
     the tokenizer not the checkpoint's own (tasks.model.hf_io.tokenizer_problem; `train`, a new BPE, never is), then
     the checkpoint's config.json against the pipeline (tasks.model.resolve.from_pipeline: an unsupported
     architecture or setting, data.seq_len over its max_position_embeddings, a tokenizer larger than its
-    embedding). Only config.json and the tokenizer files are read, never the weights."""
+    embedding), then its weight files as smoke and train find them (tasks.model.model_dir: the index and every file
+    it names, each file's header, no tensor config.json does not describe). config.json, the tokenizer files and the
+    safetensors headers are read, never the weights."""
     if not cfg.model.hf_path:
         return
     from data_prep.errors import DataPrepError
@@ -102,6 +104,13 @@ def check_checkpoint(cfg: PipelineConfig, tokenizer: str) -> None:
 
         vocab = Tokenizer.from_file(str(home / "tokenizer.json")).get_vocab_size()  # as smoke counts the set's
     from_pipeline(cfg, vocab_size=vocab)
+    from tasks.model.hf_config import read_hf_config
+    from tasks.model.model_dir import check_tensor_names, safetensors_files
+    from tasks.model.safetensors_io import read_header
+
+    for f in safetensors_files(hf_dir):  # a missing or cut weight file, named before hours of tokenizing
+        read_header(f)
+    check_tensor_names(hf_dir, read_hf_config(hf_dir))
 
 
 def add_cli_args(parser) -> None:
