@@ -156,6 +156,12 @@ def derive(
                 + f", vocab {vocab}: {est_s / GB:.2f} GB estimate ({tried} candidates tried)"
             )
             return sib, record(sib, name, why, est_s)
+    if est_s <= budget.usable_bytes:  # it fits the memory: the parameter cap is what no sibling passes
+        raise ConfigError(
+            f"smoke.model=auto: no sibling of {name} is under smoke.max_params {budget.max_params:.3g}: the smallest "
+            f"({sib.n_layers} layers, hidden {sib.dim}) has {n_s / 1e6:.2f}M params; raise smoke.max_params, or set "
+            "smoke.model=same"
+        )
     raise ConfigError(
         f"smoke.model=auto: no sibling of {name} fits one device: the smallest ({sib.n_layers} layers, hidden "
         f"{sib.dim}, {n_s / 1e6:.1f}M params) needs {est_s / GB:.2f} GB (FP32 AdamW) against {budget.describe()}; "

@@ -39,7 +39,15 @@ from tasks.planner.memory import (
     num_params,
     token_flops,
 )
-from tasks.planner.search import GRAD_REDUCE_BYTES, _ring, _row, achieved_flops, feasible, fixed_micro_batch
+from tasks.planner.search import (
+    GRAD_REDUCE_BYTES,
+    _ring,
+    _row,
+    achieved_flops,
+    feasible,
+    fixed_micro_batch,
+    train_problem,
+)
 from tasks.shape import TransformerConfig
 from tasks.units import GB
 
@@ -63,6 +71,7 @@ class MoeProblem:
     pins: dict = field(default_factory=dict)  # {"dp"|"ep": n}
     tp: int = 1  # pinned by the config: dp/ep are planned over world / (tp · pp) ranks
     pp: int = 1
+    tp_refused: str = ""  # why training refuses tp > 1 with this config (train.compile, qat_int8), else ""
     # the config's own, handed to training unchanged (this planner does not choose them)
     sequence_parallel: bool = True
     pp_schedule: str = "1f1b"
@@ -244,6 +253,13 @@ def layout_problem(pb: MoeProblem, dp: int, ep: int) -> str | None:
 
 
 def candidates(pb: MoeProblem):
+    if pb.cluster.world % (pb.tp * pb.pp):  # the pinned tp × pp leave no whole data-parallel degree
+        yield (
+            {"tp": pb.tp, "pp": pb.pp},
+            f"pinned tp {pb.tp} × pp {pb.pp} does not divide world {pb.cluster.world} devices",
+            None,
+        )
+        return
     dp = pb.cluster.world // (pb.tp * pb.pp)
     if pb.pins.get("dp") and pb.pins["dp"] != dp:
         yield (
@@ -279,7 +295,9 @@ def candidates(pb: MoeProblem):
                 continue
             for zero in pb.zero_stages:
                 for rc in pb.recompute:
-                    yield None, None, layout(pb, dp=dp, ep=ep, zero=zero, recompute=rc, micro_batch=mb)
+                    lay = layout(pb, dp=dp, ep=ep, zero=zero, recompute=rc, micro_batch=mb)
+                    why = train_problem(pb, lay)  # what training refuses (pinned tp/pp vs heads, layers, …)
+                    yield (_row(lay) if why else None), why, lay
 
 
 def layout(pb: MoeProblem, dp: int, ep: int, zero: int, recompute: str, micro_batch: int) -> Layout:

@@ -28,6 +28,8 @@ def layout_name(p: dict) -> str:
 def pins(p: dict) -> str:
     """The --set flags that pin plan `p` (the planner then verifies it instead of searching)."""
     keys = ["dp", "tp", "pp", "zero", "recompute"] + (["ep"] if p.get("ep", 1) > 1 else [])
+    # a pinned layout keeps the config's schedule (tasks/stages/plan.problem): name the plan's under PP
+    keys += ["pp_schedule"] if p.get("pp", 1) > 1 and p.get("pp_schedule") else []
     sets = [f"parallel.{k}={p[k]}" for k in keys] + [f"train.micro_batch={p['micro_batch']}"]
     return " ".join(f"--set {s}" for s in sets)
 

@@ -30,7 +30,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
-from tasks.layout import DP_BUCKET_BYTES, DP_FIRST_BUCKET_BYTES, Layout
+from tasks.layout import DP_BUCKET_BYTES, DP_FIRST_BUCKET_BYTES, Layout, check
 from tasks.planner.memory import PRECISION_BYTES, estimate, flops_per_token, recomputed_share
 from tasks.shape import TransformerConfig
 from tasks.units import GB
@@ -60,6 +60,8 @@ class Problem:
     flash_attention: bool = True  # the model's SDPA is a fused kernel on every backend
     efficiency: float = 0.4
     pins: dict = field(default_factory=dict)  # {"dp"|"tp"|"pp": n} fixes that degree
+    tp_refused: str = ""  # why training refuses tp > 1 with this config (train.compile, qat_int8), else ""
+    kept_schedule: str = ""  # parallel.pp_schedule training keeps whatever pp the plan picks (explicit or pinned)
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,6 +73,8 @@ def layout_problem(pb: Problem, dp: int, tp: int, pp: int) -> str | None:
     c, sh = pb.cluster, pb.shape
     if dp * tp * pp != c.world:
         return f"dp {dp} × tp {tp} × pp {pp} = {dp * tp * pp} ≠ world {c.world} devices"
+    if tp > 1 and pb.tp_refused:
+        return pb.tp_refused
     if tp > c.devices_per_node:
         return f"tp {tp} spans nodes ({c.devices_per_node} devices per node)"
     if c.devices_per_node % tp:
@@ -91,10 +95,26 @@ def layout_problem(pb: Problem, dp: int, tp: int, pp: int) -> str | None:
     return None
 
 
+def train_problem(pb, lay: Layout) -> str | None:
+    """Why the training stage would refuse `lay` (its own check, tasks.layout.check, and tp > 1 where the config
+    refuses tensor parallelism: `pb.tp_refused`), or None: the plan never chooses a layout training refuses.
+    Shared by the dense and the mixture-of-experts search."""
+    if lay.tp > 1 and getattr(pb, "tp_refused", ""):
+        return pb.tp_refused
+    if pb.shape is None:  # a bare parameter count: no shape to check
+        return None
+    c = pb.cluster
+    problems = check(lay, pb.shape, pb.seq_len, c.world, f"{c.nodes}×{c.devices_per_node} {c.name} devices")
+    return problems[0] if problems else None
+
+
 def schedule_problem(pb: Problem, lay: Layout) -> str | None:
     p, m = lay.pp, lay.n_microbatches
-    if lay.pp_schedule == "1f1b" and m < p:  # torch.distributed.pipelining.Schedule1F1B refuses it
-        return f"1f1b needs >= {p} micro-batches per rank, got {m}"
+    if p == 1:  # no pipeline: a kept interleaved schedule is train_problem's (it needs pp >= 2)
+        return None
+    # torch.distributed.pipelining.Schedule1F1B refuses it; training (tasks.layout.check) also for interleaved 1F1B
+    if lay.pp_schedule in ("1f1b", "interleaved1f1b") and m < p:
+        return f"{lay.pp_schedule} needs >= {p} micro-batches per rank, got {m}"
     if lay.pp_schedule == "interleaved1f1b":
         if pb.shape is not None and pb.shape.n_layers % (p * lay.virtual_stages):
             return (
@@ -250,7 +270,8 @@ def candidates(pb: Problem):
                         None,
                     )
                     continue
-                for sched in pb.schedules if pp > 1 else ["1f1b"]:
+                # pp 1 runs no schedule, but one training keeps is checked (interleaved 1F1B needs pp >= 2)
+                for sched in pb.schedules if pp > 1 else [pb.kept_schedule or "1f1b"]:
                     for zero in zeros:
                         for rc in recomputes:
                             lay = Layout(
@@ -268,7 +289,7 @@ def candidates(pb: Problem):
                                 global_batch=pb.global_batch,
                                 flash_attention=pb.flash_attention,
                             )
-                            yield _row(lay), schedule_problem(pb, lay), lay
+                            yield _row(lay), schedule_problem(pb, lay) or train_problem(pb, lay), lay
 
 
 def _row(lay: Layout) -> dict:

@@ -239,6 +239,17 @@ def _fused_attention(cfg: PipelineConfig) -> bool:
     return fused_attention_available(cfg.hardware.cluster)
 
 
+def _tp_refused(cfg: PipelineConfig) -> str:
+    """Why training refuses tensor parallelism with this config (tasks/stages/train.prepare: train.compile,
+    tasks/parallel/compile.compile_problem; the qat_int8 converter, tasks/quant/fake_quant.py), else "": the plan
+    then plans tp 1 only, never a layout train would refuse."""
+    if cfg.train.compile:
+        return "tp > 1: train.compile refuses tensor parallelism (set train.compile=false to plan tp > 1)"
+    if "qat_int8" in cfg.model.converters:
+        return "tp > 1: the qat_int8 converter (model.converters) refuses tensor parallelism; drop it to plan tp > 1"
+    return ""
+
+
 def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem, str, bool]:
     """The planning problem from flags and config; also the model description and whether the config pins the
     whole layout (then its zero/recompute/schedule/micro-batch are taken as they are)."""
@@ -284,6 +295,8 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
         flash_attention=cfg.plan.flash_attention and _fused_attention(cfg),
         efficiency=cfg.plan.efficiency,
         pins=pins,
+        tp_refused=_tp_refused(cfg),
+        kept_schedule=par.pp_schedule if pinned or "parallel.pp_schedule" in ex else "",
     )
     if what_if:
         _check_set_degrees(cfg, ctx, pins, pb.cluster)
@@ -361,9 +374,20 @@ def _choose(result: dict, pinned: bool, pb: Problem, model_desc: str, plan_path:
     if pinned and closest and "total_bytes" in closest:
         return closest, "warn"
     c = pb.cluster
+    fix = ""
+    if closest and "total_bytes" in closest:  # the cause is memory: name what lowers it
+        fix = (
+            "; to fit, add devices (hardware.nnodes, or --nodes for a what-if) or memory per device, or plan a "
+            f"{'shorter sequence (--seq-len) or a ' if getattr(pb, 'shape', None) is not None else ''}smaller model"
+        )
+    if closest and "total_bytes" not in closest:  # nothing got as far as memory: every distinct reason counts
+        others = list(dict.fromkeys(r["reason"] for r in rejected if r["reason"] != closest["reason"]))
+        if others:
+            more = f"; +{len(others) - 3} more" if len(others) > 3 else ""
+            closest = {"reason": f"{closest['reason']} (also: {'; '.join(others[:3])}{more})"}
     raise StageError(
         f"no feasible plan for {model_desc.split(' (')[0]} on {c.nodes}×{c.devices_per_node} {c.name} "
-        f"devices of {c.memory_gb:g} GB: closest {closest['reason'] if closest else 'none tried'} "
+        f"devices of {c.memory_gb:g} GB: closest {closest['reason'] if closest else 'none tried'}{fix} "
         f"(see {plan_path})"
     )
 
@@ -459,9 +483,10 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
         sequence_parallel=par.sequence_parallel,
         pp_schedule=par.pp_schedule,
         virtual_stages=par.virtual_stages,
+        tp_refused=_tp_refused(cfg),
         **tp_pp,
     )
-    if pb.microbatches:
+    if pb.microbatches and pb.cluster.world % (pb.tp * pb.pp) == 0:  # else the search names the pinned tp × pp
         _check_microbatches(
             pb,
             [pb.cluster.world // (pb.tp * pb.pp)],
@@ -571,7 +596,12 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         }
     )
     parallel = {k: chosen[k] for k in planned}
-    parallel["pp_schedule"] = chosen["pp_schedule"] if chosen["pp"] > 1 else cfg.parallel.pp_schedule
+    # without PP the config's schedule, unless it is interleaved 1F1B, which training refuses below pp 2 (an
+    # explicit one rules pp 1 out in the search)
+    own = cfg.parallel.pp_schedule
+    parallel["pp_schedule"] = (
+        chosen["pp_schedule"] if chosen["pp"] > 1 else ("1f1b" if own == "interleaved1f1b" else own)
+    )
     parallel["virtual_stages"] = chosen["virtual_stages"] if chosen["pp_schedule"] == "interleaved1f1b" else 1
     parallel["sequence_parallel"] = chosen["sequence_parallel"]
     ep = f"·ep{chosen['ep']}" if moe is not None else ""
