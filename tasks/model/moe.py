@@ -16,8 +16,10 @@ Load balancing: each MoE layer adds `aux_loss_coef` × E · Σ_e f_e · P_e (Swi
 sequence's top-k assignments that go to expert e, P_e the mean router probability), computed per sequence and
 averaged over sequences — so data-parallel and micro-batch splits give the same loss (a per-batch statistic would
 not). Its gradient is attached to the layer's output (Megatron's aux-loss scaler) so no training loop has to carry
-it; `set_aux_scale` matches it to the micro-batch division of the LM loss. Router statistics (tokens per expert,
-the aux value, dropped assignments) accumulate in each layer for the trainer to log (`collect_stats`).
+it; `set_aux_scale` matches it to the micro-batch division of the LM loss, `set_loss_scaler` to FP16's loss scale.
+With `aux_loss_coef` 0 nothing joins the loss, but the statistic is still computed for the log. Router statistics
+(tokens per expert, the aux value, dropped assignments) accumulate in each layer for the trainer to log
+(`collect_stats`).
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ class MoE(nn.Module):
         self.shared = FeedForward(c.dim, c.shared_ffn_dim) if c.shared_ffn_dim else None
         self.shared_gate = nn.Linear(c.dim, 1, bias=False) if c.shared_ffn_dim else None
         self.aux_scale = 1.0  # set_aux_scale: 1 / micro-batches per step
+        self.loss_scaler = None  # FP16: the step's LossScaler (set_loss_scaler): its scale multiplies the LM loss
         self.dispatcher = None  # tasks.parallel.ep.AllToAllDispatcher under expert parallelism
         self.reset_stats()
 
@@ -180,10 +183,17 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
         out = out.view(b, s, d)
-        if self.training and self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            aux = self.aux_loss(probs, top_i, b)
+        if self.training and torch.is_grad_enabled():
+            if self.aux_loss_coef > 0:
+                aux = self.aux_loss(probs, top_i, b)
+                scale = self.aux_loss_coef * self.aux_scale
+                if self.loss_scaler is not None:  # scaled like the LM loss, or unscaling would divide it away
+                    scale *= self.loss_scaler.scale
+                out = _AuxLoss.apply(out, aux, scale)
+            else:  # off: no gradient, but moe_aux_loss still reports the balance (not a 0.0 that reads as perfect)
+                with torch.no_grad():
+                    aux = self.aux_loss(probs, top_i, b)
             self.count_aux(aux)
-            out = _AuxLoss.apply(out, aux, self.aux_loss_coef * self.aux_scale)
         return out
 
     def count_aux(self, aux: torch.Tensor) -> None:
@@ -224,6 +234,14 @@ def moe_layers(model) -> list[tuple[str, MoE]]:
 def set_aux_scale(model, scale: float) -> None:
     for _, m in moe_layers(model):
         m.aux_scale = scale
+
+
+def set_loss_scaler(model, scaler) -> None:
+    """FP16 (tasks/train/loss_scale.py): the LM loss is multiplied by `scaler.scale` before backward and every
+    gradient divided by it after; the aux loss's gradient must be scaled the same way (read at each forward: the
+    scale changes between steps)."""
+    for _, m in moe_layers(model):
+        m.loss_scaler = scaler
 
 
 def collect_stats(models, reset: bool = True) -> dict:

@@ -12,6 +12,8 @@ from tasks.shape import TransformerConfig
 # override (tasks.config.SHAPE_OVERRIDES, a new one too) changes a weight's shape there: refused, never applied.
 NOT_IN_WEIGHTS = ("rope_theta", "max_seq_len", "top_k", "aux_loss_coef", "capacity_factor")
 WEIGHT_SHAPE = tuple(k for k in SHAPE_OVERRIDES if k not in NOT_IN_WEIGHTS)
+# model.* overrides only a mixture-of-experts model reads (model.n_experts on a dense preset fails in validate())
+MOE_ONLY = ("top_k", "moe_ffn_dim", "aux_loss_coef", "capacity_factor")
 
 
 def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
@@ -45,6 +47,13 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
             )
     else:
         tcfg = TransformerConfig.from_preset(mc.preset, tokenizer_vocab=vocab_size, **mc.overrides())
+    moe_only = [k for k in MOE_ONLY if k in mc.overrides()]
+    if moe_only and not tcfg.n_experts:  # a dense model has no router or experts: never a silently ignored value
+        model = f"model.hf_path {mc.hf_path}" if mc.hf_path else f"model.preset {mc.preset}"
+        raise ConfigError(
+            f"model.{', model.'.join(moe_only)}: mixture-of-experts settings, but {model} is dense (no experts); "
+            "unset them or choose a MoE model (model.preset moe-demo)"
+        )
     tcfg.validate()
     if vocab_size and vocab_size > tcfg.vocab_size and mc.hf_path:
         raise ConfigError(

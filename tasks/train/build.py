@@ -211,6 +211,11 @@ def build_step(
     else:
         pp_group = None
         forward_backward = PlainStep(model.modules[0], lay.n_microbatches, autocast, plain_loss, scaler)
+    if scaler is not None:  # FP16: the MoE aux loss's gradient scaled like the LM loss (tasks/model/moe.py)
+        from tasks.model.moe import set_loss_scaler
+
+        for part in model.modules:
+            set_loss_scaler(part, scaler)
 
     # Replicated data parallel: each replica group's gradients all-reduced in buckets from backward hooks (one
     # backward per micro-batch through every parameter), finished before clipping.
