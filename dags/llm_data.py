@@ -16,12 +16,11 @@ from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
 from tasks.bounds import task_timeout_s
 from tasks.config import load_config
-from tasks.pipeline import bound_from_run_config, end_parent_run, param_schemas
+from tasks.pipeline import DATA_PARAMS, bound_from_run_config, end_parent_run, param_schemas
 from tasks.shard_fanout import shard_fanout
 
 SHARD_SET = AssetAlias("llm-shard-set")
 SHARD_TIMEOUT_S = task_timeout_s("shard", load_config())  # the default preset's; again from the run's at task start
-DATA_PARAMS = ("preset", "data_inputs", "max_documents", "tokenizer", "vocab_size", "seq_len", "partitions")
 
 
 @dag(
@@ -48,18 +47,21 @@ def llm_data():
     )
     def shard(*, outlet_events=None) -> dict:
         from airflow.sdk import get_current_context
-        from airflow.sdk.exceptions import AirflowFailException
 
-        from tasks.errors import StageError
-        from tasks.pipeline import DATA_DAG_SHARD_ARGS, run_for_dag_run
+        from tasks.errors import StageError, os_error_cause
+        from tasks.logs import to_logging
+        from tasks.pipeline import DATA_DAG_SHARD_ARGS, failure, run_for_dag_run
 
         ctx = get_current_context()
-        try:
-            result = run_for_dag_run(
-                "shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], args=DATA_DAG_SHARD_ARGS
-            )
-        except StageError as e:
-            raise AirflowFailException(str(e)) from None
+        with to_logging():  # as the fan-out's tasks and llm_pipeline's: a known cause is the log's one ERROR line
+            try:
+                result = run_for_dag_run(
+                    "shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], args=DATA_DAG_SHARD_ARGS
+                )
+            except StageError as e:
+                raise failure(str(e)) from None
+            except OSError as e:  # a full or read-only disk: the path and the errno's meaning
+                raise failure(os_error_cause(e)) from None
         if not result.get("cache_hit", False):
             outlet_events[SHARD_SET].add(
                 Asset(uri=result["asset_uri"], name=f"llm-{result['version']}"),

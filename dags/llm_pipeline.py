@@ -119,7 +119,7 @@ def run_stage_task(stage: str, args: dict | None = None) -> dict:
     published = published_shard_set(triggering_shard_sets(ctx)) if stage == "shard" else None
     with to_logging():
         try:
-            cfg = config_for_run(params, default_run_dir(dag_id, run_id))
+            cfg = config_for_run(params, default_run_dir(dag_id, run_id), dag_id)
             if runs_on_kubernetes(stage, cfg):
                 from tasks.launch.k8s_submit import run_stage_job  # imports the cncf provider itself
 

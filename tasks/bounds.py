@@ -24,6 +24,10 @@ FALLBACK_STEP_S = 10.0
 # Airflow's execution_timeout is the backstop: it fires this much after the stage's own bound, so the stage's own,
 # more specific cause (which rank, which step) is what the operator reads.
 GRACE_S = 120
+# The most an Airflow execution_timeout may be: the task runner arms it with setitimer, which refuses 2**63 ns (292
+# years) and more with an OverflowError, the task's only log line; train.steps up to 1e9 at the fallback 10 s/step
+# asked 4e10 s. 10**9 s (31 years) bounds nothing a run can reach.
+MAX_TASK_TIMEOUT_S = 10**9
 
 
 def planner_step_s(run_dir: str | Path | None) -> float | None:
@@ -74,11 +78,12 @@ def stage_timeout_s(stage: str, cfg: PipelineConfig, run_dir: str | Path | None 
 
 
 def task_timeout_s(stage: str, cfg: PipelineConfig, run_dir: str | Path | None = None) -> int:
-    """The Airflow task's execution_timeout: the stage's bound (+ scheduling time for a Job) + a grace period."""
+    """The Airflow task's execution_timeout: the stage's bound (+ scheduling time for a Job) + a grace period, at most
+    MAX_TASK_TIMEOUT_S."""
     seconds = stage_timeout_s(stage, cfg, run_dir) + GRACE_S
     if cfg.hardware.launcher == "kubernetes":
         seconds += cfg.timeouts.k8s_pending_s
-    return seconds
+    return min(seconds, MAX_TASK_TIMEOUT_S)
 
 
 def run_bounded(argv: list[str], *, env: dict, cwd, log_path: Path, timeout_s: float, what: str, how: str = "") -> int:

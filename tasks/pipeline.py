@@ -37,7 +37,7 @@ PARAMS = [
         "hardware.nproc_per_node",
         "Hardware",
         "Processes per node",
-        "Training ranks per node: one per NPU/GPU; on CPU the number of gloo ranks.",
+        "Training ranks per node: one per NPU/GPU; on CPU the number of gloo ranks; 0 = one per device (2 on CPU).",
     ),
     ("nnodes", "hardware.nnodes", "Hardware", "Nodes", "Nodes in the torchrun c10d rendezvous."),
     (
@@ -114,8 +114,20 @@ PARAMS = [
         "training; not with TP > 1).",
     ),
     ("dp", "parallel.dp", "Parallelism", "Data parallel (DP)", "0 = chosen by the planner."),
-    ("tp", "parallel.tp", "Parallelism", "Tensor parallel (TP)", "Within a node; divides heads and KV heads."),
-    ("pp", "parallel.pp", "Parallelism", "Pipeline parallel (PP)", "Across nodes; divides the layers."),
+    (
+        "tp",
+        "parallel.tp",
+        "Parallelism",
+        "Tensor parallel (TP)",
+        "Within a node; divides heads and KV heads. 0 = chosen by the planner.",
+    ),
+    (
+        "pp",
+        "parallel.pp",
+        "Parallelism",
+        "Pipeline parallel (PP)",
+        "Across nodes; divides the layers. 0 = chosen by the planner.",
+    ),
     (
         "ep",
         "parallel.ep",
@@ -254,39 +266,111 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     return out
 
 
-def overrides_from_params(params: dict) -> tuple[str | None, dict]:
+# The Params of a DAG that takes only some of PARAMS (the form's order is PARAMS'). llm_data builds and publishes a
+# shard set: the data Params that decide its contents (val_fraction too: "reshard with a larger data.val_fraction"),
+# and partitions. Any other DAG takes them all.
+DATA_PARAMS = (
+    "preset",
+    "data_inputs",
+    "max_documents",
+    "tokenizer",
+    "vocab_size",
+    "seq_len",
+    "val_fraction",
+    "partitions",
+)
+DAG_PARAMS = {"llm_data": DATA_PARAMS}
+
+
+def param_names(dag_id: str | None = None) -> tuple[str, ...]:
+    """The Param names DAG `dag_id` takes (None: llm_pipeline's, all of PARAMS)."""
+    return DAG_PARAMS.get(dag_id or "") or tuple(name for name, *_ in PARAMS)
+
+
+def overrides_from_params(params: dict, dag_id: str | None = None) -> tuple[str | None, dict]:
     """Split trigger Params into (preset, {config.key: value}); an unknown name (a typo in `--conf`, which Airflow
-    merges into the Params unchecked) is refused in one line naming it and the known ones.
+    merges into the Params unchecked, or another DAG's Param: `steps` given to llm_data would be ignored) is refused
+    in one line naming it and the known ones.
 
     null (the form's empty field, or a key left out of `--conf`) means "the chosen preset's value"; any other value
     is the user's and always wins, whatever the preset's default is.
     """
     keys = {name: key for name, key, *_ in PARAMS}
-    unknown = sorted(n for n in params if n not in keys)
+    names = param_names(dag_id)
+    unknown = sorted(n for n in params if n not in names)
     if unknown:
+        others = [n for n in unknown if n in keys]  # llm_pipeline's, not this DAG's
+        whose = f"; {', '.join(map(repr, others))}: llm_pipeline's, not {dag_id}'s" if others else ""
         raise ConfigError(
             f"unknown DAG Param{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
-            f"(known: {', '.join(keys)})"
+            f"(known: {', '.join(names)}{whose})"
         )
     preset = params.get("preset")
     overrides = {keys[n]: v for n, v in params.items() if keys.get(n) is not None and v is not None}
     return preset, overrides
 
 
-def config_for_params(params: dict) -> PipelineConfig:
+def early_problems(cfg: PipelineConfig) -> list[str]:
+    """What a later stage would refuse, found at the run's first task: a model preset or converter name no one
+    registers (smoke, plan and train build the model, after env and shard: hours of tokenizing), a blank entry in
+    evaluate.tasks (the form's text areas send an empty last line as ""; quantize and evaluate, after training,
+    found it no lm-eval task)."""
+    problems = []
+    if any(not str(t).strip() for t in cfg.evaluate.tasks):
+        problems.append(
+            f"evaluate.tasks: {cfg.evaluate.tasks} has a blank entry (an empty line in Evaluation tasks); remove it"
+        )
+    if not cfg.model.hf_path:  # with a checkpoint its config.json is the shape; the shard stage checks it
+        from tasks.shape import PRESETS  # torch-free
+
+        if cfg.model.preset not in PRESETS:
+            problems.append(f"model.preset: unknown preset {cfg.model.preset!r} (known: {', '.join(PRESETS)})")
+    if "model.converters" in cfg.explicit:  # a preset's are checked by its tests; the registry imports torch
+        from tasks.model.converters import check_names
+
+        try:
+            check_names(cfg.model.converters)
+        except ConfigError as e:
+            problems.append(str(e))
+    return problems
+
+
+def config_for_params(params: dict, dag_id: str | None = None) -> PipelineConfig:
     """The DAG's config: Params over the preset, and shards hashed against their manifest wherever they are read
-    (data.verify_sha256: a shard with the right size and altered bytes is caught before it is trained on)."""
-    preset, overrides = overrides_from_params(params)
+    (data.verify_sha256: a shard with the right size and altered bytes is caught before it is trained on).
+    `dag_id`: whose Params (llm_data takes DATA_PARAMS only; None: llm_pipeline's)."""
+    preset, overrides = overrides_from_params(params, dag_id)
     cfg = load_config(preset, overrides=overrides)
     cfg.data.verify_sha256 = True
-    problem = tracking.model_name_problem(cfg.evaluate.registered_model)  # refused now, not after the whole run
-    if problem:
-        raise ConfigError(problem)
+    problems = [tracking.model_name_problem(cfg.evaluate.registered_model)]  # refused now, not after the whole run
+    problems += early_problems(cfg) if dag_id not in DAG_PARAMS else []  # llm_data builds no model
+    problems = [p for p in problems if p]
+    if problems:
+        raise ConfigError("; ".join(problems))
     return cfg
 
 
+def form_problems(params: dict, dag_id: str | None = None) -> list[str]:
+    """What the trigger form, and Airflow's check of `--conf` against the same JSON schemas, refuses before a run
+    starts: a value of the wrong JSON type ("2" for an integer, "yes" for a boolean, a text for a list), null for
+    the preset, a preset file outside configs/. The config model would coerce some of them (make run's check
+    passed, then Airflow refused the run)."""
+    import jsonschema
+
+    schemas = param_schemas()
+    problems = []
+    for name in (n for n in param_names(dag_id) if n in params):
+        schema = {k: v for k, v in schemas[name].items() if k not in ("title", "description", "section")}
+        try:
+            jsonschema.validate(params[name], schema, format_checker=jsonschema.FormatChecker())
+        except jsonschema.ValidationError as e:
+            problems.append(f"{name}: {e.message} (the trigger form's schema, which Airflow checks)")
+    return problems
+
+
 def check_conf(text: str) -> PipelineConfig:
-    """`make run CONF=…`, checked before Airflow starts: a JSON object of known Params whose config validates."""
+    """`make run CONF=…`, checked before Airflow starts: a JSON object of known Params, each of the type its form
+    field takes, whose config validates."""
 
     def no_duplicates(pairs: list) -> dict:  # JSON, like YAML, would silently keep the last of two equal keys
         seen = [k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])]
@@ -303,17 +387,22 @@ def check_conf(text: str) -> PipelineConfig:
             f"must be a JSON object of DAG Params, not {type(conf).__name__} {text.strip()[:60]}; "
             'e.g. CONF=\'{"preset": "ci-tiny", "steps": 20}\''
         )
-    return config_for_params(conf)
+    cfg = config_for_params(conf)  # its lines name the config keys (train.steps: 0 must be in [1, …])
+    problems = form_problems(conf)  # then what the config would coerce but Airflow refuses
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return cfg
 
 
-def config_for_run(params: dict, run_dir) -> PipelineConfig:
-    """The run's config: Params, and for a run triggered by a published shard set, that set's own data shape
-    (seq_len, vocabulary: the shard stage recorded them), so every stage reads exactly what was published."""
+def config_for_run(params: dict, run_dir, dag_id: str | None = None) -> PipelineConfig:
+    """The run's config: Params (`dag_id`'s: config_for_params), and for a run triggered by a published shard set,
+    that set's own data shape (seq_len, vocabulary: the shard stage recorded them), so every stage reads exactly what
+    was published."""
     from pathlib import Path
 
     from tasks.fsutil import read_json
 
-    cfg = config_for_params(params)
+    cfg = config_for_params(params, dag_id)
     shard = Path(run_dir) / "shard.json"
     result = read_json(shard) if shard.is_file() else {}
     if result.get("published") and result.get("status") != "failed":
@@ -376,7 +465,7 @@ def run_for_dag_run(
     report = os.environ.get("LLM_PIPELINE_RUN_DIR_FILE")  # set by `make run`: which run directory is its own
     if report:
         atomic_write_text(report, f"{run_dir}\n")
-    cfg = config_for_run(params, run_dir)
+    cfg = config_for_run(params, run_dir, dag_id)
     parent = join_dag_run(cfg, dag_id, run_id, try_number)
     if parent and published and stage == "shard":
         tracking.record_asset_event(cfg, parent, published)
@@ -392,7 +481,7 @@ def finish_dag_run(
     from tasks.fsutil import read_json
 
     run_dir = default_run_dir(dag_id, run_id)
-    cfg = config_for_params(params)
+    cfg = config_for_params(params, dag_id)
     if not cfg.tracking.enabled:
         return None
     shard = run_dir / "shard.json"
@@ -415,15 +504,20 @@ def end_parent_run(success: bool):
     def callback(context) -> None:
         dag, dag_run = context["dag"], context.get("dag_run")
         params = dict(context.get("params") or {}) or {**dag.params.dump(), **(getattr(dag_run, "conf", None) or {})}
-        finish_dag_run(
-            params,
-            dag.dag_id,
-            context["run_id"],
-            success,
-            started_at=getattr(dag_run, "start_date", None),
-            ended_at=getattr(dag_run, "end_date", None),
-            reason=str(context.get("reason") or ""),
-        )
+        from tasks.errors import StageError
+
+        try:
+            finish_dag_run(
+                params,
+                dag.dag_id,
+                context["run_id"],
+                success,
+                started_at=getattr(dag_run, "start_date", None),
+                ended_at=getattr(dag_run, "end_date", None),
+                reason=str(context.get("reason") or ""),
+            )
+        except StageError as e:  # Params the first task refused in its one line: no parent run was started
+            log.warning(f"no MLflow parent run to end: {e}")
 
     callback.__name__ = f"end_parent_run_{'success' if success else 'failure'}"
     return callback
@@ -434,7 +528,7 @@ def print_summary(params: dict, dag_id: str, run_id: str, answer: dict | None = 
     directory. `answer`: the approve task's response (HITL payload), None when it did not run."""
     from tasks.summary import render
 
-    cfg = config_for_params(params)
+    cfg = config_for_params(params, dag_id)
     run_dir = default_run_dir(dag_id, run_id)
     experiment_id = None
     if cfg.tracking.enabled:
@@ -555,7 +649,7 @@ def approval_of(result: dict, cfg: PipelineConfig) -> dict:
 
 def _evaluation(params: dict, dag_id: str, run_id: str):
     run_dir = default_run_dir(dag_id, run_id)
-    cfg = config_for_run(params, run_dir)
+    cfg = config_for_run(params, run_dir, dag_id)
     path = run_dir / "evaluate.json"
     return run_dir, cfg, (read_json(path) if path.is_file() else {})
 
@@ -666,7 +760,7 @@ def shard_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
     from tasks.stages.shard import shard_config
 
     run_dir = default_run_dir(dag_id, run_id)
-    cfg = config_for_run(params, run_dir)
+    cfg = config_for_run(params, run_dir, dag_id)
     threads = cfg.data.tokenize_processes
     try:
         if step == "prepare":
@@ -717,7 +811,7 @@ def bound_from_run_config(context, stage: str | None = None) -> None:
     task = context["task"]
     run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
     try:
-        cfg = config_for_run(dict(context["params"]), run_dir)
+        cfg = config_for_run(dict(context["params"]), run_dir, context["dag"].dag_id)
     except StageError:
         return  # the stage itself refuses the config, in one line; the parse-time bound stays
     task.execution_timeout = pendulum.duration(seconds=task_timeout_s(stage or task.task_id, cfg, run_dir))
