@@ -120,7 +120,7 @@ def test_a_presets_own_file_is_that_preset(tmp_path):
 
 
 def _safetensors(path: Path) -> None:
-    header = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    header = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
     path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
 
 

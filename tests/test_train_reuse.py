@@ -154,7 +154,7 @@ def _export(run: Path, source: Path | None) -> None:
 
     (run / "hf").mkdir(exist_ok=True)
     (run / "hf" / "config.json").write_text(json.dumps(LLAMA))
-    header = json.dumps({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    header = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
     (run / "hf" / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
     body = {"format": FORMAT, "files": {n: file_entry(run / "hf" / n) for n in ("config.json", "model.safetensors")}}
     if source is not None:

@@ -83,6 +83,7 @@ _NOT_SHAPING = {
         "eval_every",
         "eval_samples",
         "early_stop_patience",
+        "rehearsal_steps",  # measures the first steps' memory and time against the plan: trains nothing differently
     }
 }
 SHAPING_SECTIONS = ("model", "train", "data")
@@ -96,23 +97,56 @@ def shaping_config(config: dict) -> dict:
     out = {}
     for sec in SHAPING_SECTIONS:
         for k, v in (config.get(sec) or {}).items():
-            if k in _NOT_SHAPING.get(sec, ()) or (sec == "data" and k not in _DATA_SHAPING):
-                continue
-            out[f"{sec}.{k}"] = v
+            if _shapes(f"{sec}.{k}"):
+                out[f"{sec}.{k}"] = v
     if "qat_int8" in (config.get("model") or {}).get("converters", ()):
         out.update({f"quantize.{k}": (config.get("quantize") or {}).get(k) for k in _QAT_SHAPING})
     return out
 
 
+def _shapes(key: str) -> bool:
+    """Whether setting `key` ('section.key') shapes training (quantize.* keys: shaping_config decides)."""
+    sec, _, k = key.partition(".")
+    if sec not in SHAPING_SECTIONS:
+        return sec == "quantize"
+    return k not in _NOT_SHAPING.get(sec, ()) and (sec != "data" or k in _DATA_SHAPING)
+
+
 def config_changes(path: Path, config: dict) -> list[str]:
-    """'key: old → new' for each training-shaping setting that differs from what checkpoint `path` was saved with."""
+    """'key: old → new' for each training-shaping setting that differs from what checkpoint `path` was saved with
+    (a key an older version counted as shaping, recorded in its meta.json, is judged by today's rule)."""
     saved = read_meta(path).get("shaping")
     if saved is None:
         return []
+    saved = {k: v for k, v in saved.items() if _shapes(k)}
     now = shaping_config(config)
     return [
         f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
     ]
+
+
+def resume_problem(path: Path, config: dict) -> str | None:
+    """The one-line refusal when checkpoint `path` cannot carry on under `config`, else None: another
+    train.optimizer (its state has other tensors and settings: the load failed on every rank, at every retry), or
+    another model.hf_path (a resume continues the checkpoint's weights: the new path's would be ignored)."""
+    from data_prep.config import repo_path
+
+    saved = read_meta(path).get("shaping") or {}
+    was, now = saved.get("train.optimizer"), (config.get("train") or {}).get("optimizer")
+    if was is not None and was != now:
+        return (
+            f"checkpoint {path} was trained with train.optimizer {was}, this config asks for {now}: its optimizer "
+            f"state does not load into another optimizer; set train.optimizer={was} to resume it, or use --fresh to "
+            "start over, or a new --run-dir"
+        )
+    was, now = saved.get("model.hf_path"), (config.get("model") or {}).get("hf_path")
+    if was is not None and now and (not was or repo_path(was) != repo_path(now)):
+        return (
+            f"checkpoint {path} was trained from model.hf_path {was or '(none: random init)'}, this config names "
+            f"{now}: a resume continues the checkpoint's weights, never {now}'s; use --fresh (or a new --run-dir) "
+            f"to start from {now}, or set model.hf_path back to resume"
+        )
+    return None
 
 
 def shard_digest(shard_dir: str | os.PathLike) -> str | None:
@@ -175,14 +209,24 @@ def verify(path: Path) -> str | None:
 
 
 def latest_verified(ckpt_dir: Path) -> tuple[tuple[int, Path] | None, list[str]]:
-    """(newest checkpoint that verifies or None, ['step-N: problem' for each newer one skipped])."""
+    """(newest checkpoint that verifies or None, ['step-N: problem' for each newer one skipped, newest first; a
+    step-N directory without meta.json included])."""
     skipped = []
+    found = None
     for step, path in reversed(complete_checkpoints(ckpt_dir)):
         problem = verify(path)
         if problem is None:
-            return (step, path), skipped
+            found = (step, path)
+            break
         skipped.append(f"{path.name}: {problem}")
-    return None, skipped
+    # A step-N directory without meta.json is no checkpoint (a save renames it into place only after writing it): one
+    # newer than the one resumed was damaged, and is named rather than passed over in silence.
+    ckpt_dir = Path(ckpt_dir)
+    for p in ckpt_dir.iterdir() if ckpt_dir.is_dir() else ():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir() and not (p / "meta.json").is_file() and (found is None or int(m.group(1)) > found[0]):
+            skipped.append(f"{p.name}: meta.json is missing")
+    return found, sorted(skipped, key=lambda note: -step_of(note.split(":")[0]))
 
 
 def cleanup_partial(ckpt_dir: Path) -> None:
@@ -477,8 +521,13 @@ class CheckpointManager:
         opts = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
         changed = None
         for part, (opt, sched) in zip(parts, optimizers):
+            # This run's hyper-parameters (train.weight_decay, the device's foreach…), as for the lr below: loading
+            # the saved param_groups would otherwise bring back the saved run's values over a changed config.
+            mine = [{k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")} for g in opt.param_groups]
             set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
             set_optimizer_state_dict(part, opt, state["optim"], options=opts)
+            for group, hyper in zip(opt.param_groups, mine):
+                group.update(hyper)
             changed = load_schedule(opt, sched, meta["lr_scheduler"]) or changed
         notes = [changed] if changed else []
         # The loader position is global (the same on every dp rank, valid for any layout): dp rank 0's file.

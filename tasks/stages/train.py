@@ -112,6 +112,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
                 None,
                 [
                     ckpt.unsafe_state(last[1]),
+                    None if finished_at(cfg, last) else ckpt.resume_problem(last[1], cfg.to_dict()),
                     ckpt.shard_set_problem(last[1], shard_dir),
                     identity_problem(
                         meta.get("tokenizer"),
@@ -332,9 +333,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         last = (ckpt.step_of(spec["resume_from"]), spec["resume_from"]) if spec.get("resume_from") else None
     else:
         last = ckpt.latest(run_dir / "checkpoints")
-    if last and last[0] > cfg.train.steps:  # handing back step-N's model as train.steps' would be silent
+    newest = ckpt.latest(run_dir / "checkpoints")  # verified or not: a damaged step-M still went past train.steps
+    if newest and newest[0] > cfg.train.steps:  # handing back step-N's model as train.steps' would be silent
         raise StageError(
-            f"train.steps: {cfg.train.steps}, but {run_dir} already holds checkpoint {Path(last[1]).name}, trained "
+            f"train.steps: {cfg.train.steps}, but {run_dir} already holds checkpoint {Path(newest[1]).name}, trained "
             "past it; use a new --run-dir for a shorter run, or raise train.steps to continue this one"
         )
     finished = finished_at(cfg, last)
