@@ -46,6 +46,22 @@ from data_prep.manifest import check_files, load_manifest, shards
 ORDER = "global/1"  # the state_dict's position format: global samples consumed in the epoch
 
 
+SHORT_SPLIT_FIX = "use a smaller batch, or shard more data (a larger corpus or a shorter seq_len)"
+
+
+def batch_problem(manifest: dict, split: str, batch_size: int, dp_world: int, fix: str = SHORT_SPLIT_FIX) -> str | None:
+    """The one line when `split` holds less than one global batch (batch_size × dp_world samples: not one step
+    could be read), else None. ShardLoader refuses such a split; the train stage asks before it launches."""
+    entries = shards(manifest, split)
+    total = sum(e["samples"] for e in entries)
+    if total >= batch_size * dp_world:
+        return None
+    return (
+        f"split {split!r} of {manifest['version']} has {len(entries)} shard(s) and {total} samples: not one batch of "
+        f"{batch_size} for each of {dp_world} rank(s) ({batch_size * dp_world}); {fix}"
+    )
+
+
 def epoch_order(n_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     """Manifest indices of the shards in this epoch's order."""
     return [
@@ -234,11 +250,9 @@ class ShardLoader:
             with_keys,
         )
         self._batches = None  # the StatefulDataLoader iterator; its next batch is at (epoch, samples)
-        if len(self) == 0:
-            raise DataPrepError(
-                f"split {split!r} of {self.manifest['version']} has {len(self.entries)} shard(s) and "
-                f"{self.total} samples: not one batch of {batch_size} for each of {dp_world} rank(s)"
-            )
+        short = batch_problem(self.manifest, split, batch_size, dp_world)
+        if short:
+            raise DataPrepError(short)
 
     @property
     def global_batch(self) -> int:
@@ -316,6 +330,12 @@ class ShardLoader:
         mine = self.state_dict()
         for key in ("version", "seed", "shuffle"):
             if state.get(key) != mine[key]:
-                raise DataPrepError(f"cannot resume the data stream: {key} was {state.get(key)!r}, now {mine[key]!r}")
+                # The saved (epoch, samples) counts positions of another order: kept, it would skip samples never
+                # read and repeat others. The loader stays at the start; the caller decides (the trainer notes it).
+                back = "the saved shard set" if key == "version" else f"{key} {state.get(key)!r}"
+                raise DataPrepError(
+                    f"cannot resume the data stream: {key} was {state.get(key)!r}, now {mine[key]!r}, another "
+                    f"sample order; it restarts at epoch 0 (use {back} to continue where it stopped)"
+                )
         self.epoch, self.samples = int(state["epoch"]), int(state["samples"])
         self._batches = None  # dropped: its workers stop (the iterator's own cleanup), a new one starts here

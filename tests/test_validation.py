@@ -121,7 +121,7 @@ def test_plan_rounds_to_global_batches_and_warns_when_short():
     t.eval_samples, t.eval_every = 1000, 7
     got, notes = plan(t, lay, manifest)
     assert got["batches"] == 12 and got["every"] == 7 and "uses 96 of them" in notes[0], (got, notes)
-    t.eval_samples = 0
+    t.eval_samples, t.eval_every = 0, 0  # off (eval_every given with it: tests/test_loader_audit.py)
     assert plan(t, lay, manifest) == (None, [])
 
 

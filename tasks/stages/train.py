@@ -76,6 +76,10 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
         lay, tcfg, cfg.data.seq_len, world, f"hardware.nnodes {hw.nnodes} × {nproc} processes per node{hint}"
     )
     problems.extend(filter(None, [fault_problem(os.environ.get(FAULT_ENV, ""), world)]))
+    from data_prep.loader import batch_problem  # every rank's loader would refuse it, after the launch
+
+    fix = "lower train.global_batch, or shard more data (a larger corpus or a shorter data.seq_len)"
+    problems.extend(filter(None, [batch_problem(manifest, "train", lay.local_batch, lay.dp, fix)]))
     validation, val_notes = validation_plan(cfg, lay, manifest, shard_dir, problems)
     from tasks.device import hccl_timeout_problem, precision_problem
 
@@ -144,6 +148,11 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     if problems:
         raise ConfigError(problems)
     warnings_.extend(val_notes)
+    if cfg.data.loader_workers == 0 and "data.prefetch_factor" in cfg.explicit:  # torch prefetches only in workers
+        warnings_.append(
+            f"data.prefetch_factor {cfg.data.prefetch_factor} is not used: data.loader_workers 0 reads batches in the "
+            "training process; set data.loader_workers (>= 1, or -1) to prefetch, or leave data.prefetch_factor out"
+        )
     t = cfg.train
     if t.warmup_steps > t.steps:  # the linear warm-up never ends: the run never trains at train.lr, nor decays
         warnings_.append(

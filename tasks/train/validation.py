@@ -28,6 +28,11 @@ def plan(train_cfg, lay, manifest: dict) -> tuple[dict | None, list[str]]:
     """(the validation plan for the launch spec, or None when off; warnings, one line each). The slice is
     train.eval_samples rounded up to whole global batches, at most the val split's whole global batches."""
     if not train_cfg.eval_samples:
+        if train_cfg.eval_every:  # a cadence asked for with nothing to evaluate: said, not silently dropped
+            return None, [
+                f"train.eval_every {train_cfg.eval_every} is not used: train.eval_samples 0 turns the validation loss "
+                "off; set train.eval_samples (e.g. 64) to evaluate, or leave train.eval_every out"
+            ]
         return None, []
     g = lay.global_batch
     have = manifest["splits"].get("val", {}).get("samples", 0)
