@@ -86,3 +86,41 @@ def test_prefetch_factor_without_loader_workers_is_said_unused(cfg, tmp_path, sh
     ]
     assert warnings("r2", **{"data.prefetch_factor": 4, "data.loader_workers": 2}) == []  # the workers prefetch
     assert warnings("r3") == []  # not given: nothing to say
+
+
+def test_a_resume_compares_only_evaluations_of_the_same_validation_slice(shards, capsys):
+    """Early stopping's best val.loss after a resume: an earlier evaluation that scored another slice (eval_samples or
+    global_batch changed) is not compared; one logged before val.samples existed counts as before."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tasks.train.validation import Validation
+
+    lay = SimpleNamespace(global_batch=2, local_batch=2, dp=1)
+    trainer = SimpleNamespace(
+        spec={"shard_dir": str(shards)},
+        lay=lay,
+        coords={"dp": 0},
+        device=torch.device("cpu"),
+        rank=0,
+        ckpt=SimpleNamespace(pinned=None),
+        history=[
+            {"step": 1, "loss": 6.0, "val.loss": 5.0},  # before val.samples was logged
+            {"step": 2, "loss": 5.0, "val.loss": 1.0, "val.samples": 64},  # another slice: lower, not comparable
+            {"step": 4, "loss": 4.0, "val.loss": 3.0, "val.samples": 4},  # this run's slice (2 batches × 2)
+        ],
+    )
+    hook = Validation({"every": 2, "batches": 2}, patience=3)
+    hook.on_start(trainer)
+    assert hook.samples == 4 and hook.best == (4, 3.0) and trainer.ckpt.pinned == 4, hook.best
+    out = capsys.readouterr().out
+    assert "1 earlier evaluation(s) (steps 2–2) scored 64 samples, this run scores 4: not compared" in out, out
+    metrics = {}
+    hook.every = 1
+    trainer.cfg = SimpleNamespace(train=SimpleNamespace(steps=10))
+    trainer.call = lambda *a: None
+    trainer.step_fn = SimpleNamespace(validate=lambda batches: 2.5)
+    trainer.parts = []
+    hook.after_step(trainer, 5, metrics)
+    assert metrics["val.samples"] == 4 and metrics["val.loss"] == 2.5 and hook.best == (5, 2.5), metrics

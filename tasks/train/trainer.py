@@ -114,7 +114,7 @@ class Trainer:
     hooks: list[Hook]
     step: int  # the step running (or last run)
     stalls: list[float]  # seconds each checkpoint held training up (the whole save, or its staging)
-    history: list[dict]  # a resumed run's metrics.jsonl records up to its step ({step, loss, val.loss}), every rank
+    history: list[dict]  # a resumed run's metrics.jsonl rows up to its step ({step, loss, val.loss, val.samples})
     save_now: bool  # a hook asks for a checkpoint of the running step (reset after it)
     # {step, reason}: a hook ended the run cleanly (finish_early), or the resumed checkpoint had
     early_stop: dict | None
@@ -264,7 +264,7 @@ class Trainer:
         if self.rank == 0:
             path = self.run_dir / "metrics.jsonl"
             rows = read_metrics(path) if self.start and path.is_file() else []
-            keep = ("step", "loss", "val.loss")
+            keep = ("step", "loss", "val.loss", "val.samples")
             history[0] = [{k: r[k] for k in keep if k in r} for r in rows if r["step"] <= self.start]
         collectives.broadcast_object_list(history, src=0)
         self.history = history[0]

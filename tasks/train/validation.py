@@ -68,6 +68,7 @@ class Validation(Hook):
         self.batches: list = []  # this rank's share of the slice, on the device
         self.best: tuple[int, float] | None = None  # (step, val.loss)
         self.since_best = 0  # evaluations since the best
+        self.samples = 0  # validation samples per evaluation (on_start)
 
     def on_start(self, trainer) -> None:
         from data_prep.loader import ShardLoader
@@ -84,9 +85,24 @@ class Validation(Hook):
         )
         stream = iter(loader)
         self.batches = [tuple(t.to(trainer.device) for t in next(stream)) for _ in range(self.n_batches)]
+        self.samples = self.n_batches * lay.global_batch  # the slice every evaluation of this run scores
+        other = []
         for row in trainer.history:  # a resumed run: the evaluations before its first step
-            if row.get("val.loss") is not None:
-                self.record(row["step"], row["val.loss"])
+            if row.get("val.loss") is None:
+                continue
+            # one that scored another slice (train.eval_samples or global_batch changed) is no loss to compare with;
+            # a row without val.samples predates it and counts as before
+            if row.get("val.samples", self.samples) != self.samples:
+                other.append(row)
+                continue
+            self.record(row["step"], row["val.loss"])
+        if other and trainer.rank == 0:
+            print(
+                f"validation: {len(other)} earlier evaluation(s) (steps {other[0]['step']}–{other[-1]['step']}) scored "
+                f"{other[0]['val.samples']} samples, this run scores {self.samples}: not compared for the best "
+                "checkpoint or early stopping",
+                flush=True,
+            )
         if self.patience and self.best:
             trainer.ckpt.pinned = self.best[0]
 
@@ -117,6 +133,7 @@ class Validation(Hook):
         t0 = time.perf_counter()
         metrics["val.loss"] = loss = self.evaluate(trainer)
         metrics["val.time_s"] = time.perf_counter() - t0  # not in step_time_s: the evaluation's own cost
+        metrics["val.samples"] = self.samples  # which slice (a resume with another one does not compare losses)
         improved = self.record(step, loss)
         if not self.patience:
             return
@@ -140,7 +157,7 @@ class Validation(Hook):
         best = self.best_checkpoint(trainer)
         summary["validation"] = {
             "every": self.every,
-            "samples": self.n_batches * trainer.lay.global_batch,
+            "samples": self.samples,
             "best_step": self.best[0] if self.best else None,
             "best_loss": self.best[1] if self.best else None,
             "best_checkpoint": str(best) if best else None,
