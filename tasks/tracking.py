@@ -154,16 +154,33 @@ def _configure(cfg: PipelineConfig):
 
     bound_http()
     uri = tracking_uri(cfg)
+    source = "config" if cfg.tracking.uri else "env"
     lock = contextlib.nullcontext()
     if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///") :])
-        db.parent.mkdir(parents=True, exist_ok=True)
+        db = Path(uri[len("sqlite:///") :].split("?", 1)[0])
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            from tasks.errors import os_error_cause
+
+            raise StageError(store_problem(uri, source, os_error_cause(e))) from None
+        problem = sqlite_problem(db)  # before MLflow, which retries an unopenable file for ~100 s
+        if problem:
+            raise StageError(store_problem(uri, source, problem))
         lock = _file_lock(db.with_name(db.name + ".init-lock"))
-    mlflow.set_tracking_uri(uri)
-    check_reachable(uri, source="config" if cfg.tracking.uri else "env")
-    with lock:  # two processes opening a new SQLite store at once would both run its schema migrations
-        client = mlflow.MlflowClient(uri)
-        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    check_reachable(uri, source=source)
+    try:
+        with lock:  # two processes opening a new SQLite store at once would both run its schema migrations
+            client = mlflow.MlflowClient(uri)
+            exp = client.get_experiment_by_name(cfg.tracking.experiment)
+    except Exception as e:  # a URI MLflow cannot use (a scheme typo, a missing DB driver, a file store): one line
+        raise StageError(store_problem(uri, source, _store_cause(e))) from None
+    if exp is not None and exp.lifecycle_stage == "deleted":  # MLflow refuses runs in it, and a new one of its name
+        raise StageError(
+            f"MLflow experiment {cfg.tracking.experiment!r} (id {exp.experiment_id}) at {redact(uri)} is deleted: "
+            f"restore it (MLflow UI, or `mlflow experiments restore --experiment-id {exp.experiment_id}`), or use "
+            "another name with --set tracking.experiment=…"
+        )
     if exp is None:
         root = cfg.tracking.artifact_root or str(var_dir() / "mlartifacts")
         if "://" not in root:
@@ -178,7 +195,7 @@ def _configure(cfg: PipelineConfig):
             exp = client.get_experiment_by_name(cfg.tracking.experiment)
             if exp is None:
                 raise StageError(
-                    f"cannot create MLflow experiment {cfg.tracking.experiment!r} at {uri} "
+                    f"cannot create MLflow experiment {cfg.tracking.experiment!r} at {redact(uri)} "
                     f"({str(e).splitlines()[0] if str(e) else type(e).__name__})"
                 ) from None
             exp_id = exp.experiment_id
@@ -186,8 +203,66 @@ def _configure(cfg: PipelineConfig):
         exp_id = exp.experiment_id
         if EXPERIMENT_KIND_TAG not in exp.tags:  # made by an older version; a kind someone chose stays
             client.set_experiment_tag(exp_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    mlflow.set_tracking_uri(uri)  # process-wide only once the store is known good: a refused URI is not left behind
     mlflow.set_experiment(experiment_id=exp_id)
     return mlflow, client, exp_id
+
+
+def redact(uri: str) -> str:
+    """A URI as it may be shown or logged: the password of `scheme://user:password@host` replaced by `***`."""
+    return re.sub(r"^([\w+.-]+://[^/@:]*):[^/]*@", r"\1:***@", str(uri))
+
+
+def store_problem(uri: str, source: str, cause: str) -> str:
+    """One line for a tracking URI MLflow cannot use: the URI (no password), why, and where to fix it."""
+    if source == "config":
+        fix = (
+            "fix tracking.uri (the preset's or a --set; empty: $MLFLOW_TRACKING_URI, else the local store), "
+            "or run with --no-tracking"
+        )
+    else:
+        fix = f"fix $MLFLOW_TRACKING_URI (unset: the local store {default_uri()}), or run with --no-tracking"
+    return f"MLflow tracking store {redact(uri)} is unusable ({cause}); {fix}"
+
+
+def sqlite_problem(db: Path) -> str | None:
+    """Why SQLite cannot hold an MLflow store at `db` (a directory, not a database, not writable), else None."""
+    import sqlite3
+
+    if db.is_dir():
+        return f"{db} is a directory, not an SQLite file"
+    if not os.access(db.parent, os.W_OK | os.X_OK):  # SQLite writes its journal beside the file
+        return f"{db.parent} is not writable"
+    if db.exists():
+        if not os.access(db, os.R_OK | os.W_OK):
+            return f"{db} is not readable and writable"
+        try:
+            conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+            try:
+                conn.execute("PRAGMA schema_version")
+            finally:
+                conn.close()
+        except sqlite3.Error as e:
+            if "locked" in str(e) or "busy" in str(e):  # another task writing to it: a store in use, not a broken one
+                return None
+            return f"{db}: {e}"
+    return None
+
+
+def _store_cause(e: Exception) -> str:
+    """The short reason MLflow (or its DB driver) gives for refusing a store URI."""
+    text = str(getattr(e, "message", None) or e).strip()
+    if isinstance(e, ModuleNotFoundError):
+        return (
+            f"its database driver is not installed (No module named {e.name!r}): install it, or log through an "
+            "MLflow server (http://…)"
+        )
+    if "unsupported URI" in text:
+        return "an unknown scheme; MLflow takes sqlite:///<file>, http(s)://<server>, postgresql://, mysql://, …"
+    if "filesystem tracking backend" in text:
+        return "a file store (a plain path or file:), which MLflow 3 refuses unless MLFLOW_ALLOW_FILE_STORE=true; use sqlite:///<path>/mlflow.db"
+    first = text.splitlines()[0] if text else ""
+    return f"{type(e).__name__}: {first[:300]}"
 
 
 @contextlib.contextmanager
@@ -207,13 +282,14 @@ def check_reachable(uri: str, timeout: float = 5.0, source: str = "") -> None:
     `source`: where the URI came from ("config": tracking.uri, "env": $MLFLOW_TRACKING_URI), which decides the fix."""
     if not uri.startswith(("http://", "https://")):
         return
+    import http.client
     import urllib.error
     import urllib.parse
     import urllib.request
 
     try:
         urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout).read()
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:  # InvalidURL: a bad port
         reason = getattr(e, "reason", e)
         if source == "config":  # tracking.uri beats $MLFLOW_TRACKING_URI: the variable cannot help here
             fix = (
@@ -228,7 +304,7 @@ def check_reachable(uri: str, timeout: float = 5.0, source: str = "") -> None:
             )
         else:
             fix = "start it (make ui) or set MLFLOW_TRACKING_URI / tracking.uri"
-        raise StageError(f"MLflow tracking server {uri} is unreachable ({reason}); {fix}") from None
+        raise StageError(f"MLflow tracking server {redact(uri)} is unreachable ({reason}); {fix}") from None
     # /health is exempt from MLflow's Host-header check (mlflow/server/security.py): an API path is not, and a server
     # that does not allow the name this URI uses answers every call 403 — said now, not at the first logged value
     try:
@@ -240,7 +316,7 @@ def check_reachable(uri: str, timeout: float = 5.0, source: str = "") -> None:
                 f"MLflow tracking server {uri} refuses the host name {host!r} (403 Invalid Host header): start it "
                 f"with --allowed-hosts including {host} (or MLFLOW_SERVER_ALLOWED_HOSTS; docs/scale-out.md)"
             ) from None
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         pass  # it answered /health: anything else here is for the call that needs it to say
 
 
@@ -276,7 +352,7 @@ def parent_run(cfg: PipelineConfig, dag_id: str, run_id: str, try_number: int = 
     from mlflow.entities import Param
 
     client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in config_params(cfg).items()])
-    client.log_text(run.info.run_id, json.dumps(cfg.to_dict(), indent=2), "config.json")
+    client.log_text(run.info.run_id, json.dumps(shown_config(cfg), indent=2), "config.json")
     return run.info.run_id
 
 
@@ -290,8 +366,16 @@ def config_params(cfg: PipelineConfig) -> dict[str, str]:
     """The run's whole config, flattened: `train.lr`, `model.preset`, `parallel.dp`, … (the preset as
     `config.preset`): what makes runs comparable side by side in MLflow."""
     flat = {"config.preset": cfg.preset or ""}
-    flat.update({sanitize_key(k): param_value(v) for k, v in _flatten(cfg.to_dict()).items()})
+    flat.update({sanitize_key(k): param_value(v) for k, v in _flatten(shown_config(cfg)).items()})
     return flat
+
+
+def shown_config(cfg: PipelineConfig) -> dict:
+    """The config as MLflow stores it (params, the parent's config.json): a password in tracking.uri replaced."""
+    d = cfg.to_dict()
+    if d.get("tracking", {}).get("uri"):
+        d["tracking"]["uri"] = redact(d["tracking"]["uri"])
+    return d
 
 
 def record_asset_event(cfg: PipelineConfig, parent_run_id: str, event: dict) -> None:
@@ -418,6 +502,7 @@ def stage_run(
     run = mlflow.start_run(run_name=stage, tags=all_tags, log_system_metrics=False)  # ours: sysmetrics below
     status = "FAILED"
     monitor = None
+    _STAGE.update(run_dir=Path(run_dir) if run_dir is not None else None, uri=tracking_uri(cfg), down=False)
     try:
         with best_effort("the config as params"):
             log_params(config_params(cfg))
@@ -426,6 +511,7 @@ def stage_run(
         yield run.info.run_id
         status = "FINISHED"
     finally:
+        _STAGE.clear()
         if monitor is not None:
             with best_effort("the last system metrics"):
                 monitor.finish()
@@ -441,6 +527,56 @@ def stage_run(
                 f"could not mark MLflow run {run.info.run_id} {status} ({_short(e)}); "
                 + (f"sent by `python -m tasks.tracking flush --run-dir {run_dir}`" if run_dir else "it stays RUNNING")
             )
+
+
+# The stage run being logged to (stage_run): its run directory and tracking URI, and whether MLflow failed during it.
+_STAGE: dict = {}
+
+
+def _during_stage(what: str, entry, call) -> None:
+    """An MLflow call made while a stage works (its figures, params, artifacts, tags). MLflow failing here is a
+    warning, never the stage's failure: the value waits in <run-dir>/tracking-pending.json (`entry()`, None: nothing
+    that can wait) for the next stage or `python -m tasks.tracking flush`, and the stage's later calls wait there
+    at once instead of on a dead server. Outside a stage run (no run directory) the error is the caller's."""
+    run_dir = _STAGE.get("run_dir")
+    if run_dir is None:
+        return call()
+    first = None
+    if not _STAGE.get("down"):
+        try:
+            return call()
+        except Exception as e:
+            if refused(e):  # MLflow answered, and says no (e.g. a param changed): sending it later cannot help
+                _warn(f"MLflow refused the stage's {what} ({_short(e)}); not logged")
+                return None
+            _STAGE["down"] = True
+            first = e
+    pending, run_id = entry() if entry else None, active_run_id()
+    kept = "not kept (it cannot wait)"
+    if pending is not None and run_id:
+        try:
+            defer(run_dir, {"uri": _STAGE["uri"], "run_id": run_id, **pending})
+            kept = f"kept in {Path(run_dir) / PENDING}"
+        except OSError as o:
+            kept = f"not kept either ({o.strerror})"
+    if first is not None:
+        _warn(
+            f"MLflow failed during the stage ({_short(first)}): {what} {kept}, and so are the stage's later values "
+            f"(sent by the next stage or `python -m tasks.tracking flush --run-dir {run_dir}`)"
+        )
+    elif pending is None:
+        _warn(f"{what} not logged to MLflow (down since earlier in the stage); {kept}")
+    return None
+
+
+# MLflow's answers that refuse a request for good (mlflow/protos/databricks.proto): it is not down, and the same
+# request sent again later is refused again. Not BAD_REQUEST: MLflow's SQL store also says it for a broken database
+# (mlflow/store/db/utils.py, any SQLAlchemyError but OperationalError), which may be mended.
+REFUSALS = {"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "RESOURCE_DOES_NOT_EXIST"}
+
+
+def refused(e: BaseException) -> bool:
+    return getattr(e, "error_code", None) in REFUSALS
 
 
 def _short(e: BaseException) -> str:
@@ -600,9 +736,18 @@ def _replay(entry: dict) -> int:
         import time as _time
 
         now = int(_time.time() * 1000)
+        step = int(entry.get("step", 0))
         client.log_batch(
-            entry["run_id"], metrics=[Metric(k, v, now, 0) for k, v in entry["final"].items()], synchronous=True
+            entry["run_id"], metrics=[Metric(k, v, now, step) for k, v in entry["final"].items()], synchronous=True
         )
+    if "params" in entry:
+        from mlflow.entities import Param
+
+        out = _new_params(client.get_run(entry["run_id"]).data.params, entry["params"])
+        if out:
+            client.log_batch(entry["run_id"], params=[Param(k, v) for k, v in out.items()], synchronous=True)
+    for name, text in entry.get("texts", []):
+        client.log_text(entry["run_id"], text, name)
     for key, value in entry.get("tags", {}).items():
         client.set_tag(entry["run_id"], key, value)
     for name, columns in entry.get("tables", []):
@@ -633,15 +778,22 @@ def flush_pending(run_dir: Path) -> int:
         try:
             sent += _replay(entry)
         except Exception as e:
+            if refused(e):  # kept, it would hold this run's later entries (its status) back for ever
+                _warn(f"MLflow refused a pending entry for run {entry['run_id']} ({_short(e)}); dropped")
+                continue
             left.append(entry)
             stuck.add(entry["run_id"])
             what = entry.get("metrics") or (
                 "final metrics"
                 if "final" in entry
+                else "params"
+                if "params" in entry
                 else f"tags {entry['tags']}"
                 if "tags" in entry
                 else f"artifacts {[p for p, _ in entry['files']] + [t for t, _ in entry['tables']]}"
                 if "files" in entry
+                else f"artifacts {[n for n, _ in entry['texts']]}"
+                if "texts" in entry
                 else f"status {entry.get('status')}"
             )
             _warn(f"still cannot send {what} to MLflow run {entry['run_id']} ({_short(e)})")
@@ -694,15 +846,24 @@ def log_params(params: dict) -> None:
     import mlflow
 
     flat = {sanitize_key(k): param_value(v) for k, v in _flatten(params).items()}
-    have = mlflow.MlflowClient().get_run(run_id).data.params
+
+    def call():
+        out = _new_params(mlflow.MlflowClient().get_run(run_id).data.params, flat)
+        if out:
+            mlflow.log_params(out)
+
+    _during_stage("params", lambda: {"params": flat}, call)
+
+
+def _new_params(have: dict, flat: dict) -> dict:
+    """The params of `flat` the run lacks; a key it holds with another value as `<key>.resolved`."""
     out = {}
     for k, v in flat.items():
         if k in have and have[k] != v:
             k = sanitize_key(f"{k}.resolved")
         if have.get(k) != v:
             out[k] = v
-    if out:
-        mlflow.log_params(out)
+    return out
 
 
 def metric_key(name: str, prefix: str = "train") -> str:
@@ -722,7 +883,11 @@ def log_metrics(metrics: dict, step: int | None = None) -> None:
         if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
     if clean:
-        mlflow.log_metrics(clean, step=step)
+        _during_stage(
+            "metrics",
+            lambda: {"final": clean, **({"step": int(step)} if step is not None else {})},
+            lambda: mlflow.log_metrics(clean, step=step),
+        )
 
 
 def log_artifact(path: str | os.PathLike, artifact_path: str | None = None) -> None:
@@ -731,7 +896,11 @@ def log_artifact(path: str | os.PathLike, artifact_path: str | None = None) -> N
     import mlflow
 
     p = Path(path)
-    (mlflow.log_artifacts if p.is_dir() else mlflow.log_artifact)(str(p), artifact_path)
+    _during_stage(
+        f"artifact {p.name}",
+        lambda: {"files": [[str(p), artifact_path]], "tables": []},
+        lambda: (mlflow.log_artifacts if p.is_dir() else mlflow.log_artifact)(str(p), artifact_path),
+    )
 
 
 def log_json_artifact(obj, name: str) -> None:
@@ -739,7 +908,8 @@ def log_json_artifact(obj, name: str) -> None:
         return
     import mlflow
 
-    mlflow.log_text(json.dumps(obj, indent=2, sort_keys=True, default=str), name)
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str)
+    _during_stage(f"artifact {name}", lambda: {"texts": [[name, text]]}, lambda: mlflow.log_text(text, name))
 
 
 def log_table(columns: dict[str, list], name: str) -> None:
@@ -748,7 +918,11 @@ def log_table(columns: dict[str, list], name: str) -> None:
         return
     import mlflow
 
-    mlflow.log_table(data=columns, artifact_file=name)
+    _during_stage(
+        f"table {name}",
+        lambda: {"files": [], "tables": [[name, [list(c) for c in columns.items()]]]},
+        lambda: mlflow.log_table(data=columns, artifact_file=name),
+    )
 
 
 def log_figure(fig, name: str) -> None:
@@ -756,7 +930,7 @@ def log_figure(fig, name: str) -> None:
         return
     import mlflow
 
-    mlflow.log_figure(fig, name)
+    _during_stage(f"figure {name}", None, lambda: mlflow.log_figure(fig, name))
 
 
 def set_tags(tags: dict) -> None:
@@ -764,7 +938,8 @@ def set_tags(tags: dict) -> None:
         return
     import mlflow
 
-    mlflow.set_tags({k: str(v) for k, v in tags.items()})
+    clean = {k: str(v) for k, v in tags.items()}
+    _during_stage("tags", lambda: {"tags": clean}, lambda: mlflow.set_tags(clean))
 
 
 def subprocess_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
