@@ -342,4 +342,5 @@ def _tag_error(cfg, run_dir: Path, run_id, cause: str) -> None:
     """The failed stage's one-line cause on its MLflow run: now, or pending (MLflow down) for the next flush."""
     if run_id:
         uri = tracking.tracking_uri(cfg)
-        tracking.set_tags_or_defer(run_dir, uri, {"pipeline.error": cause[:5000]}, "the stage's error tag")
+        tags = {"pipeline.status": "failed", "pipeline.error": cause[:5000]}  # status: a filter on it finds failures
+        tracking.set_tags_or_defer(run_dir, uri, tags, "the stage's error tag")

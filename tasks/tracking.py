@@ -79,12 +79,21 @@ DEFAULT_UI_URL = "http://127.0.0.1:5000"
 def ui_url(cfg: PipelineConfig | None = None) -> str:
     """The MLflow UI's base URL, one setting read by everything that prints or serves a run link (the end-of-run
     summary, the pipeline's closing hint, plugins/mlflow_link.py): tracking.ui_url when set, else $MLFLOW_UI_URL
-    (`make ui` and docker-compose export it), else http://127.0.0.1:5000 on port $MLFLOW_PORT when set (the port
-    `make ui` serves on) — as tracking_uri() does for the store."""
+    (`make ui` and docker-compose export it), else the tracking server itself when the store is one (an http(s)
+    tracking URI: `mlflow server` serves its UI there; the URI's user and password left out), else
+    http://127.0.0.1:5000 on port $MLFLOW_PORT when set (the port `make ui` serves on)."""
+    from urllib.parse import urlsplit, urlunsplit
+
     if cfg is not None and cfg.tracking.ui_url:
         return cfg.tracking.ui_url.rstrip("/")
     default = DEFAULT_UI_URL
-    if os.environ.get("MLFLOW_PORT", "").strip().isdigit():
+    store = tracking_uri(cfg)
+    if store.startswith(("http://", "https://")):
+        u = urlsplit(store)
+        host = u.netloc.rsplit("@", 1)[-1]  # without user:password@
+        if host:
+            default = urlunsplit((u.scheme, host, u.path, "", ""))
+    elif os.environ.get("MLFLOW_PORT", "").strip().isdigit():
         default = f"{DEFAULT_UI_URL.rsplit(':', 1)[0]}:{os.environ['MLFLOW_PORT'].strip()}"
     return (os.environ.get("MLFLOW_UI_URL") or default).rstrip("/")
 

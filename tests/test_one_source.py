@@ -119,6 +119,13 @@ def test_one_mlflow_ui_url_setting(monkeypatch):
     assert tracking.ui_url(None) == tracking.DEFAULT_UI_URL
     monkeypatch.setenv("MLFLOW_PORT", "5077")  # `make ui MLFLOW_PORT=5077`: the printed links follow the port
     assert tracking.ui_url(None) == "http://127.0.0.1:5077"
+    # An `mlflow server` store serves its own UI: the links go there (never its user and password), not to 127.0.0.1
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://u:secret@mlflow.internal:5005/")
+    assert tracking.ui_url(None) == "http://mlflow.internal:5005"
+    monkeypatch.setenv("MLFLOW_UI_URL", "https://mlflow.example.com")  # a public address set for the UI wins
+    assert tracking.ui_url(None) == "https://mlflow.example.com"
+    monkeypatch.delenv("MLFLOW_UI_URL")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.delenv("MLFLOW_PORT")
     sys.path.insert(0, str(REPO / "plugins"))
     try:

@@ -60,6 +60,7 @@ def test_failure_is_recorded_as_one_line(cfg, tmp_path, toy_stage):
     assert saved["status"] == "failed" and saved["error"] == "the input is bad second line folded"
     run = mlflow.MlflowClient(cfg.tracking.uri).get_run(saved["mlflow_run_id"])
     assert run.info.status == "FAILED" and run.data.tags["pipeline.error"] == saved["error"]
+    assert run.data.tags["pipeline.status"] == "failed"  # a filter on the status tag finds the failures too
 
 
 def test_a_stage_that_writes_its_own_result_file_is_stopped_not_overwritten_in_silence(cfg, tmp_path, toy_stage):

@@ -546,7 +546,6 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         {
             "evaluate.max_drop_pct": max_drop,
             "evaluate.gate_metric": cfg.evaluate.gate_metric,
-            "evaluate.tasks": ",".join(cfg.evaluate.tasks),
             "evaluate.limit": cfg.evaluate.limit,
             "evaluate.data_digest": digest,
             "split.rule": split["rule"],
