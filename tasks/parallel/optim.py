@@ -86,7 +86,8 @@ def load_schedule(opt, sched, saved: dict) -> str | None:
 
 
 def grad_norm_and_clip(params, max_norm: float, pp_group=None):
-    """Global L2 norm of all gradients, then scale them so the norm is at most `max_norm` (0 = no clipping).
+    """Global L2 norm of all gradients, then scale them so the norm is at most `max_norm` (0 = no clipping; a
+    non-finite norm leaves them unscaled: that step is not taken, and the diagnosis names the non-finite ones).
 
     Each rank sums the squares of its local shards; a DTensor's partial sums are all-reduced over the mesh axes
     it is sharded on (FSDP's dp, TP's tp) and not over the axes it is replicated on (a Partial gradient is summed
@@ -129,5 +130,8 @@ def grad_norm_and_clip(params, max_norm: float, pp_group=None):
     norm = total.sqrt()
     if max_norm > 0 and locals_:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        # A non-finite norm skips the step (the guard): leave the gradients as backward made them, for the diagnosis
+        # (a NaN coefficient would make every gradient NaN, an inf norm's 0 would zero the finite ones).
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
         torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
     return norm

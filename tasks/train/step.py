@@ -147,12 +147,16 @@ class TrainStep:
         if self.grad_sync is not None:
             self.grad_sync()
         lr = self.optimizers[0][0].param_groups[0]["lr"]
-        if self.scaler is not None and self.scaler.unscale_and_check(self.params):
-            self.scaler.update(found_inf=True)  # GradScaler's rule: skip the update, lower the scale
+        loss = loss.item()
+        # FP16: gradients that overflowed under the scale skip the step and lower the scale (GradScaler's rule). A
+        # non-finite loss was computed unscaled: no lower scale cures it, so it goes to `check` as under BF16/FP32
+        # (the loss is global: every rank takes the same branch).
+        if self.scaler is not None and self.scaler.unscale_and_check(self.params) and math.isfinite(loss):
+            self.scaler.update(found_inf=True)
             self.zero_grad()
-            return StepResult(loss.item(), None, lr, overflow=True)
+            return StepResult(loss, None, lr, overflow=True)
         norm = self.clip()
-        result = StepResult(loss.item(), norm.item(), lr)
+        result = StepResult(loss, norm.item(), lr)
         result.verdict = self.check(result.loss, result.grad_norm)
         if result.verdict is None:
             self.update()
@@ -196,8 +200,11 @@ def single_process(
     `autocast`: a factory of the autocast context (None = fp32); `converters`: the model converters applied to
     `model`, whose post_optimizer_hook runs after each update; `scaler`: FP16's LossScaler, as the trainer's."""
     from tasks.model.converters import post_optimizer
+    from tasks.model.moe import set_loss_scaler
 
     after = [lambda: post_optimizer(converters, [model])] if converters else []
+    if scaler is not None:  # FP16: the MoE aux loss's gradient scaled like the LM loss, as build_step does
+        set_loss_scaler(model, scaler)
     params = list(model.parameters())
     plain = PlainStep(model, 1, autocast, scaler=scaler)
     return TrainStep(plain, [(optimizer, scheduler)], params, grad_clip, after_update=after, scaler=scaler)
