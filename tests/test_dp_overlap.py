@@ -84,3 +84,24 @@ def test_zero1_broadcast_is_one_collective_per_bucket(group, monkeypatch):
     assert len(sent) == 2 and sum(sent) == sum(p.numel() for _, p in named)
     for (_, p), b in zip(named, before):
         torch.testing.assert_close(p, b)
+
+
+def test_a_bucket_sent_by_finish_is_scaled_once(group):
+    """A pipeline schedule scales the gradients (1/micro-batches) after its last backward, before finish(): a bucket
+    the hooks sent carries the unscaled sum (× scale on the way back), one that finish() sends carries the scaled one
+    (never × scale again). Here layer 2 sat out the second micro-batch: layers 1 and 0 wait behind it."""
+    model = _model()
+    params = list(model.parameters())
+    reducer = dp.GradBuckets(params, group, size=1, accumulations=2, scale=0.5, first_bytes=16_000, bytes_=16_000)
+    assert [len(b) for b in reducer.buckets] == [2, 2, 2, 2]  # one layer (weight, bias) per bucket, layer 3 first
+    x = torch.randn(8, 64)
+    model(x).square().mean().backward()
+    model[3](torch.relu(model[1](model[0](x)))).sum().backward()  # layer 2 sits out: 1 of 2 accumulations
+    assert reducer.next == 1  # layer 3 sent from its hook; layer 2 never completes, so 1 and 0 wait for finish()
+    for p in params:  # what the schedule does at the end of its step (scale_grads: 1 / micro-batches)
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+    want = [p.grad.clone() for p in params]  # one rank: the average is its own, scaled once
+    reducer.finish()
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w)

@@ -45,7 +45,8 @@ class GradBuckets:
     rank issues the same collectives in the same order whatever its timing. `finish()` (before clipping and the
     optimizer) launches the buckets backward did not complete, waits for all, and writes gradient × `scale` / size
     back. `scale`: a factor the caller applies to the gradients after backward (a pipeline schedule's
-    1/micro-batches, tasks/train/step.PipelineStep), applied here since the write-back replaces the gradients."""
+    1/micro-batches, tasks/train/step.PipelineStep), applied here to the buckets the hooks sent (the write-back
+    replaces the gradients); a bucket finish() sends already holds the scaled gradients and gets 1 / size only."""
 
     def __init__(self, params, group, size: int, accumulations: int = 1, scale: float = 1.0, **bucket_bytes):
         self.params = [p for p in reversed(list(params)) if p.requires_grad]
@@ -62,7 +63,7 @@ class GradBuckets:
         self.count = {id(p): 0 for p in self.params}
         self.waiting = [len(b) for b in self.buckets]  # parameters not yet at their last accumulation
         self.next = 0  # the next bucket to launch
-        self.inflight: list[tuple[int, object, object]] = []  # (bucket, flat, work)
+        self.inflight: list[tuple[int, object, float, object]] = []  # (bucket, flat, factor, work)
 
     def _accumulated(self, p) -> None:
         k = id(p)
@@ -72,7 +73,8 @@ class GradBuckets:
             while self.next < len(self.buckets) and self.waiting[self.next] == 0:
                 self._launch(self.next)
 
-    def _launch(self, b: int) -> None:
+    def _launch(self, b: int, scaled: bool = False) -> None:
+        """All-reduce bucket `b`; `scaled`: its gradients already hold the caller's `scale` (sent by finish())."""
         from torch._utils import _flatten_dense_tensors
 
         from tasks import collectives
@@ -80,7 +82,8 @@ class GradBuckets:
         grads = [_local(self.params[i].grad) for i in self.buckets[b] if self.params[i].grad is not None]
         if grads:
             flat = _flatten_dense_tensors(grads)
-            self.inflight.append((b, flat, collectives.all_reduce(flat, group=self.group, async_op=True)))
+            factor = (1.0 if scaled else self.scale) / self.size
+            self.inflight.append((b, flat, factor, collectives.all_reduce(flat, group=self.group, async_op=True)))
         self.next = b + 1
 
     def finish(self) -> None:
@@ -88,16 +91,16 @@ class GradBuckets:
         from torch._utils import _unflatten_dense_tensors
 
         while self.next < len(self.buckets):
-            self._launch(self.next)
+            self._launch(self.next, scaled=True)
         late = [p for p in self.params if self.count[id(p)] > self.accumulations]
         if late:  # a gradient accumulated after its bucket was sent: its average would miss that part
             raise RuntimeError(
                 f"data parallel: {len(late)} gradients accumulated {self.count[id(late[0])]} times in one step, "
                 f"{self.accumulations} expected (a backward outside the train step's micro-batches?)"
             )
-        for b, flat, work in self.inflight:
+        for b, flat, factor, work in self.inflight:
             work.wait()
-            flat.mul_(self.scale / self.size)
+            flat.mul_(factor)
             grads = [_local(self.params[i].grad) for i in self.buckets[b] if self.params[i].grad is not None]
             for dst, src in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 dst.copy_(src)
