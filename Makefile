@@ -17,6 +17,21 @@ unexport CONF
 
 .PHONY: help venv pyc run test test-fast lint bench db clean ui stop browser services npu-api device-check
 
+# Make makes its goals in order: `make bench data` made `bench` (every bench, tens of minutes, their figures replaced)
+# and only then stopped at "No rule to make target 'data'". A goal that is no target here is refused before anything
+# runs; bench names go in BENCH (`make bench BENCH="data train_step"`), as literal text like CONF.
+GOALS := help venv pyc run test test-fast lint bench db clean ui stop browser services npu-api device-check \
+  $(STAMP) .venv-titan/.installed
+NOT_GOALS := $(filter-out $(GOALS),$(MAKECMDGOALS))
+ifneq ($(NOT_GOALS),)
+ifneq ($(filter bench,$(MAKECMDGOALS)),)
+$(error make bench: '$(firstword $(NOT_GOALS))' is not a make target; name benches in BENCH: make bench BENCH="$(NOT_GOALS)")
+endif
+$(error '$(firstword $(NOT_GOALS))' is not a make target (make help lists them); nothing was run)
+endif
+export LLM_BENCH_NAMES := $(value BENCH)
+unexport BENCH
+
 help:
 	@echo "make run    - set up .venv, migrate Airflow's DB, run the llm_pipeline DAG end to end on CPU (airflow dags test)"
 	@echo "make test   - set up .venv and run the whole test suite (what CI runs)"
@@ -24,7 +39,7 @@ help:
 	@echo "make lint   - ruff check + ruff format --check (also the first step of make test)"
 	@echo "make ui     - Airflow (standalone) + MLflow servers on 127.0.0.1 with a login; make stop stops them"
 	@echo "make clean  - remove var/ or \$$LLM_PIPELINE_VAR_DIR (runs, shard sets, the Airflow DB and MLflow store of make run)"
-	@echo "make bench  - run the benchmarks; writes bench/results.json, bench/results.md and the figures in docs/benchmarks.md"
+	@echo "make bench  - run the benchmarks (BENCH=\"data moe\": only those); writes bench/results.json, bench/results.md, the figures in docs/benchmarks.md"
 	@echo "make npu-api - refresh tests/fixtures/npu_api from the pinned torch-npu wheels (downloaded, never installed)"
 	@echo "make device-check - on a CUDA host: the device paths (train, MoE, smoke, profile, INT8, evaluate, vs torchtitan)"
 
@@ -89,8 +104,8 @@ browser:  ## Debian's chromium for tests/test_browser.py (apt-get; a no-op when 
 services:  ## Debian's postgresql + redis-server for tests/test_celery_cluster.py (apt-get; a no-op when installed)
 	@bash scripts/install-services.sh
 
-bench: venv
-	@$(ENV) python bench/run_all.py
+bench: venv  ## BENCH="data train_step": only those (bench/run_all.py NAME …); split into words, never run by a shell
+	@$(ENV) set -f && python bench/run_all.py $$LLM_BENCH_NAMES
 
 clean:
 	@bash scripts/clean.sh

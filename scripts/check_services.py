@@ -39,6 +39,7 @@ def _first_line(e: BaseException) -> str:
 def check_db(url: str) -> str | None:
     """None when a connection to the SQLAlchemy URL opens; else the reason in one line."""
     from sqlalchemy import create_engine, text
+    from sqlalchemy.exc import ArgumentError
     from sqlalchemy.pool import NullPool
 
     url = url.removeprefix("db+")  # Celery's database result backend: db+<SQLAlchemy URL>
@@ -50,6 +51,8 @@ def check_db(url: str) -> str | None:
         engine.dispose()
     except ModuleNotFoundError as e:  # the URL's dialect picks a DB-API driver that is not installed
         return missing_driver(url, e)
+    except ArgumentError as e:  # not a URL at all: nothing to start ("start it" was the advice)
+        return Unusable(f"{_first_line(e)}; write one such as postgresql+psycopg2://user@host:5432/db")
     except Exception as e:
         return _first_line(e)
     return None

@@ -24,4 +24,18 @@ esac
 if git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 && [ -n "$(git -C "$repo" ls-files -- "$rel" | head -1)" ]; then
   keep "holds files git tracks (it is part of the code)"
 fi
+# What is running from it would lose its files underneath it (and `make stop` its pid files, leaving the servers
+# orphaned on their ports): refused while `make ui`'s servers or a `make run` are running from this var dir.
+for name in airflow mlflow; do
+  pid="$(cat "$abs/$name.pid" 2>/dev/null || true)"
+  if [[ "$pid" =~ ^[0-9]+$ ]] && ps -o stat= -p "$pid" 2>/dev/null | grep -qv '^Z'; then
+    echo "make clean: make ui's $name (pid $pid) is running from $var; run make stop first, then make clean" >&2
+    exit 1
+  fi
+done
+if [ -e "$abs/logs/.make-run.lock" ] && ! flock -n "$abs/logs/.make-run.lock" true 2>/dev/null; then
+  echo "make clean: a make run is running from $var ($(cat "$abs/logs/.make-run.holder" 2>/dev/null || echo '?'));" \
+    "wait for it (or stop it with Ctrl-C), then make clean" >&2
+  exit 1
+fi
 rm -rf -- "$abs"

@@ -6,6 +6,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 umask 022
 var="${LLM_PIPELINE_VAR_DIR:-var}"
+# A relative one was Airflow's traceback ("Cannot use relative path: sqlite:///…") and a stray directory in the
+# checkout; the stages refuse it too (data_prep.config.var_dir): refused here first, in their words.
+if [ -n "${LLM_PIPELINE_VAR_DIR:-}" ] && [ "${LLM_PIPELINE_VAR_DIR#/}" = "$LLM_PIPELINE_VAR_DIR" ]; then
+  echo "error: LLM_PIPELINE_VAR_DIR=$LLM_PIPELINE_VAR_DIR is a relative path (each process would read it from its own working directory); give an absolute one, e.g. LLM_PIPELINE_VAR_DIR=\$PWD/$LLM_PIPELINE_VAR_DIR" >&2
+  exit 2
+fi
 probe_err=$( { mkdir -p "$var/logs" && head -c 65536 /dev/zero > "$var/logs/.write-probe" && rm -f "$var/logs/.write-probe"; } 2>&1 )
 if [ $? -ne 0 ]; then
   rm -f "$var/logs/.write-probe" 2>/dev/null

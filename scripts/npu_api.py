@@ -327,6 +327,30 @@ def torch_npu_snapshot(version: str, slim: Path | None = None) -> dict:
     }
 
 
+def amct_git_problem(git_dir: Path) -> str | None:
+    """Why `--amct-git DIR` / $AMCT_GIT_DIR cannot give the AMCT snapshots, in one line (None: it can): not a git
+    directory, or one without a release of AMCT_REFS. Checked first, so no snapshot is half refreshed."""
+    given = f"--amct-git / AMCT_GIT_DIR {git_dir}"
+    fix = (
+        "clone it (git clone --mirror https://github.com/hicann/amct) or unset AMCT_GIT_DIR to keep the committed ones"
+    )
+    try:
+        where = subprocess.run(["git", "--git-dir", str(git_dir), "rev-parse", "--git-dir"], capture_output=True)
+    except OSError as e:  # no git on PATH
+        return f"{given}: cannot run git ({e.strerror or e}); install git, or {fix}"
+    if where.returncode != 0:
+        return f"{given} is not a git directory of hicann/amct; {fix}"
+    for ref in AMCT_REFS:
+        found = subprocess.run(
+            ["git", "--git-dir", str(git_dir), "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}"],
+            capture_output=True,
+        )
+        if found.returncode != 0:
+            fetch = f"git --git-dir {git_dir} fetch origin {ref}:{ref}"
+            return f"{given} has no {ref!r} (branches {', '.join(AMCT_REFS)} are read); fetch it: {fetch}"
+    return None
+
+
 def amct_snapshot(git_dir: Path, ref: str) -> dict:
     """AMCT's surface from a git checkout of hicann/amct at `ref` (no work tree needed)."""
 
@@ -490,6 +514,9 @@ def main(argv=None) -> int:
         "committed AMCT snapshots are kept",
     )
     args = p.parse_args(argv)
+    if args.amct_git and (problem := amct_git_problem(Path(args.amct_git))):
+        print(f"npu-api: {problem}", file=sys.stderr)  # before any download: nothing is rewritten
+        return 2
     for version in torch_npu_pins():
         try:
             snap = torch_npu_snapshot(version)

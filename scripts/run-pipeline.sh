@@ -41,11 +41,20 @@ fi
 echo "pid $$, log $log" > "$var/logs/.make-run.holder"
 # On screen: each task as it starts, the stages' progress lines, a failure's one-line cause, and once, that an
 # approval waits for a person — as each line arrives (scripts/screen_filter.py; not awk: mawk reads a pipe in blocks).
-airflow dags test llm_pipeline --conf "$conf" 2>&1 | tee "$log" | python -u scripts/screen_filter.py
+# Ctrl-C reaches the whole foreground group: Airflow fails the running task and ends the run on its own. The log's
+# tee and the screen filter ignore it, so both get Airflow's last lines (the filter's KeyboardInterrupt traceback and a
+# log cut at the Ctrl-C were all a user saw), and this script says it was interrupted, then exits 130.
+interrupted=
+trap 'interrupted=1' INT
+airflow dags test llm_pipeline --conf "$conf" 2>&1 | (trap '' INT && exec tee "$log") \
+  | (trap '' INT && exec python -u scripts/screen_filter.py)
 status=${PIPESTATUS[0]}
+trap - INT
 run=$(cat "$LLM_PIPELINE_RUN_DIR_FILE" 2>/dev/null); rm -f "$LLM_PIPELINE_RUN_DIR_FILE"
 echo
+stopped="make run was interrupted (Ctrl-C): the tasks still to run did not run; the full log is $log; \`make run\` again starts a new run"
 if [ -z "$run" ]; then
+  [ -z "$interrupted" ] || { echo "error: $stopped" >&2; exit 130; }
   cause=$(grep -m1 -oE "(ParamValidationError|ConfigError|StageError|AirflowFailException): .*|\[error +\] .* \[tasks\.pipeline\]" "$log" \
     | sed -E 's/^\[error +\] //; s/ +\[tasks\.pipeline\]$//' | cut -c1-300)
   echo "error: no stage ran: ${cause:-see $log}"; exit 1
@@ -54,4 +63,5 @@ python -m tasks summary --run-dir "$run" --config "$preset" --check || status=1 
 echo
 echo "Took $(( $(date +%s) - start )) s. Run directory: $run  Log: $log"
 python -c 'import sys; from tasks.config import load_config; from tasks.tracking import ui_hint; print(ui_hint(load_config(sys.argv[1])))' "$preset"
+[ -z "$interrupted" ] || { echo "error: $stopped" >&2; exit 130; }
 exit $status

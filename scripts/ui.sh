@@ -21,7 +21,13 @@ number UI_WAIT_S "${UI_WAIT_S:-180}" 999999 180
 number STOP_WAIT_S "${STOP_WAIT_S:-20}" 999999 20  # scripts/stop.sh's, run if a server fails to start
 umask 022  # files 0644, directories 0755 whatever the caller's umask (secrets below: 077)
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-var="$(mkdir -p "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && cd "${LLM_PIPELINE_VAR_DIR:-$repo/var}" && pwd)"
+given="${LLM_PIPELINE_VAR_DIR:-$repo/var}"
+# A var dir that takes no write was mkdir's (or Permission denied) lines with no fix: one line, before anything starts.
+if ! probe_err=$( { mkdir -p "$given/logs" && : > "$given/logs/.write-probe" && rm -f "$given/logs/.write-probe"; } 2>&1 ); then
+  echo "ui: $given is not writable ($(printf '%s' "$probe_err" | head -n1 | sed 's/.*: //')): fix its permissions, or set LLM_PIPELINE_VAR_DIR to a writable directory" >&2
+  exit 2
+fi
+var="$(cd "$given" && pwd)"
 host=127.0.0.1
 af_port=$((10#${AIRFLOW_PORT:-8080}))
 ml_port=$((10#${MLFLOW_PORT:-5000}))
@@ -48,8 +54,12 @@ for name in airflow mlflow; do
     exit 1
   fi
 done
-for port in "$af_port" "$ml_port"; do
-  if port_busy "$port"; then echo "ui: port $port on $host is already in use (set AIRFLOW_PORT / MLFLOW_PORT)" >&2; exit 1; fi
+for name in AIRFLOW_PORT MLFLOW_PORT; do  # the variable that names the busy port, so the fix is clear
+  port=$af_port; [ "$name" = AIRFLOW_PORT ] || port=$ml_port
+  if port_busy "$port"; then
+    echo "ui: $name=$port: $host:$port is already in use by another program (or a make ui of another LLM_PIPELINE_VAR_DIR): stop it, or set $name to a free port" >&2
+    exit 1
+  fi
 done
 
 # Secrets are generated once per state dir, kept private (0600, and so are the logs), never committed (var/ is
