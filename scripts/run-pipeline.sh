@@ -57,7 +57,7 @@ if [ -z "$run" ]; then
   [ -z "$interrupted" ] || { echo "error: $stopped" >&2; exit 130; }
   cause=$(grep -m1 -oE "(ParamValidationError|ConfigError|StageError|AirflowFailException): .*|\[error +\] .* \[tasks\.pipeline\]" "$log" \
     | sed -E 's/^\[error +\] //; s/ +\[tasks\.pipeline\]$//' | cut -c1-300)
-  echo "error: no stage ran: ${cause:-see $log}"; exit 1
+  echo "error: no stage ran: ${cause:-see $log}" >&2; exit 1
 fi
 python -m tasks summary --run-dir "$run" --config "$preset" --check || status=1  # the run's preset's MLflow links
 echo

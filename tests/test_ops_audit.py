@@ -100,30 +100,54 @@ sys.exit(3)
 """
 
 
-def test_ctrl_c_of_make_run_keeps_the_log_says_so_and_exits_130(tmp_path):
-    """Ctrl-C (SIGINT to the foreground group) killed the log's tee and the screen filter (a KeyboardInterrupt
-    traceback on screen): the log stopped at the Ctrl-C, Airflow's own closing lines went nowhere (its DAG run was
-    left `running`), and make run ended in exit 1 without saying it was interrupted. The real script, a checkout of
-    links and an `airflow` that behaves as `dags test` does on SIGINT."""
+def _fake_checkout(tmp_path, airflow: str) -> tuple[Path, dict]:
+    """A checkout of links to this one with `airflow` replaced by the script `airflow`, and run-pipeline.sh's env."""
     root = tmp_path / "checkout"
     root.mkdir()
     for name in ("scripts", "tasks", "data_prep", "configs", "dags", "plugins"):
         (root / name).symlink_to(REPO / name)
     fake = root / ".venv" / "bin" / "airflow"
     fake.parent.mkdir(parents=True)
-    fake.write_text(FAKE_AIRFLOW.format(python=sys.executable))
+    fake.write_text(airflow.format(python=sys.executable))
     fake.chmod(0o755)
-    var, ready, log = tmp_path / "var", tmp_path / "ready", tmp_path / "make-run.log"
     env = _env(
-        LLM_PIPELINE_VAR_DIR=str(var),
+        LLM_PIPELINE_VAR_DIR=str(tmp_path / "var"),
         LLM_PIPELINE_CONF='{"preset": "ci-tiny"}',
-        LLM_RUN_LOG=str(log),
+        LLM_RUN_LOG=str(tmp_path / "make-run.log"),
         FAKE_RUN_DIR=str(tmp_path / "run"),
-        FAKE_READY=str(ready),
+        FAKE_READY=str(tmp_path / "ready"),
         PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     )
     for k in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__LOGGING__BASE_LOG_FOLDER", "MLFLOW_TRACKING_URI"):
         env.pop(k, None)
+    return root, env
+
+
+FAKE_AIRFLOW_REFUSED = """#!{python}
+# `airflow dags test` whose first task refuses the run's Params: no run directory, one ERROR line, exit 1.
+print("ConfigError: train.steps: -1 must be in [0, 1000000000]", flush=True)
+raise SystemExit(1)
+"""
+
+
+def test_a_run_no_stage_of_which_ran_says_why_on_stderr(tmp_path):
+    """`error: no stage ran: <cause>` went to stdout, beside the screen's progress, where every other error line of
+    make run goes to stderr (a wrapper reading stderr saw nothing)."""
+    root, env = _fake_checkout(tmp_path, FAKE_AIRFLOW_REFUSED)
+    out = subprocess.run(["bash", str(root / "scripts" / "run-pipeline.sh")], env=env, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    want = "error: no stage ran: ConfigError: train.steps: -1 must be in [0, 1000000000]"
+    assert out.stderr.strip().splitlines()[-1] == want and want not in out.stdout, (out.stdout, out.stderr)
+
+
+def test_ctrl_c_of_make_run_keeps_the_log_says_so_and_exits_130(tmp_path):
+    """Ctrl-C (SIGINT to the foreground group) killed the log's tee and the screen filter (a KeyboardInterrupt
+    traceback on screen): the log stopped at the Ctrl-C, Airflow's own closing lines went nowhere (its DAG run was
+    left `running`), and make run ended in exit 1 without saying it was interrupted. The real script, a checkout of
+    links and an `airflow` that behaves as `dags test` does on SIGINT."""
+    root, env = _fake_checkout(tmp_path, FAKE_AIRFLOW)
+    var, ready, log = tmp_path / "var", tmp_path / "ready", tmp_path / "make-run.log"
     proc = subprocess.Popen(["bash", str(root / "scripts" / "run-pipeline.sh")], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
