@@ -179,7 +179,9 @@ def run_stage(
         cfg = copy.deepcopy(cfg)
         cfg.tracking.experiment += suffix
     tags = {**getattr(module, "RUN_TAGS", {}), **(tags or {})}
-    run_dir = Path(run_dir)
+    # absolute: torchrun's ranks start in the repository (tasks.launch.torchrun), so a relative --run-dir given from
+    # anywhere else named files they could not find (train, profile: "rank 0 died … at step ?")
+    run_dir = Path(run_dir).absolute()
     if run_dir.exists() and not run_dir.is_dir():
         raise StageError(f"--run-dir {run_dir} is a file, not a directory; choose another --run-dir")
     try:
