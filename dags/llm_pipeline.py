@@ -132,7 +132,8 @@ def run_stage_task(stage: str, args: dict | None = None) -> dict:
             raise failure(os_error_cause(e)) from None
         except Exception as e:  # a Python exception in the stage itself: a retry would fail the same way
             first = str(e).splitlines()[0] if str(e) else ""
-            cause = f"{stage}: {type(e).__name__}: {first} (traceback below and in <run-dir>/{stage}.json)"
+            where = default_run_dir(dag_id, run_id) / f"{stage}.json"
+            cause = f"{stage}: {type(e).__name__}: {first} (traceback below and in {where})"
             failure(cause)
             raise AirflowFailException(cause) from e
 

@@ -214,3 +214,27 @@ def test_an_empty_line_in_evaluation_tasks_is_refused_at_the_first_task():
     assert str(e.value) == (
         "evaluate.tasks: ['demo-continuation', ''] has a blank entry (an empty line in Evaluation tasks); remove it"
     )
+
+
+def test_a_stage_bug_names_its_real_result_file(monkeypatch, tmp_path):
+    """A Python exception in a stage ended its task on `… (traceback below and in <run-dir>/env.json)`: a literal
+    placeholder where the run directory is known."""
+    from types import SimpleNamespace
+
+    from airflow.exceptions import AirflowFailException
+    from airflow.sdk.execution_time.context import set_current_context
+
+    import tasks.pipeline
+    from tasks.runner import default_run_dir
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    monkeypatch.setattr(tasks.pipeline, "run_for_dag_run", bug)
+    dag = _dag("llm_pipeline")
+    context = {"dag": dag, "run_id": "manual__1", "params": {"preset": "ci-tiny"}, "ti": SimpleNamespace(try_number=1)}
+    with set_current_context(context), pytest.raises(AirflowFailException) as e:
+        dag.get_task("env").python_callable()
+    where = default_run_dir("llm_pipeline", "manual__1") / "env.json"
+    assert str(e.value) == f"env: RuntimeError: boom (traceback below and in {where})", str(e.value)
