@@ -267,6 +267,14 @@ def _run_locked(
             _record_failure(result_path, stage, cause, run_id, started, traceback.format_exc())
             _tag_error(cfg, run_dir, run_id, cause)
             raise
+        except BaseException as e:  # stopped from outside (Ctrl-C, Airflow's timeout or kill): said in the record too
+            what = str(e).splitlines()[0] if str(e) else ""
+            cause = (
+                f"{stage}: stopped before it finished ({type(e).__name__}{': ' + what if what else ''}): "
+                "timed out, killed or interrupted; rerun the stage"
+            )
+            _record_failure(result_path, stage, cause, run_id, started)  # local only: no MLflow call while stopping
+            raise
         result = dict(result or {})
         result.setdefault("status", "ok")
         result.setdefault("summary", "")

@@ -63,6 +63,24 @@ def test_failure_is_recorded_as_one_line(cfg, tmp_path, toy_stage):
     assert run.data.tags["pipeline.status"] == "failed"  # a filter on the status tag finds the failures too
 
 
+def test_a_stage_stopped_from_outside_leaves_a_record_saying_so(cfg, tmp_path, toy_stage):
+    """Ctrl-C, Airflow's timeout (AirflowTaskTimeout) or its SIGTERM handler raise BaseExceptions: the stage left no
+    record, and the summary could not tell a stopped stage from one never started. The earlier result is kept."""
+    (tmp_path / "toy.json").write_text(json.dumps({"stage": "toy", "status": "ok", "summary": "toy ok"}))
+
+    def interrupted(cfg, ctx):
+        raise KeyboardInterrupt
+
+    sys.modules["tests_toy_stage"].run = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_stage("toy", cfg, tmp_path)
+    saved = json.loads((tmp_path / "toy.json").read_text())
+    assert saved["status"] == "failed", saved
+    want = "toy: stopped before it finished (KeyboardInterrupt): timed out, killed or interrupted; rerun the stage"
+    assert saved["error"] == want, saved["error"]
+    assert saved["previous"]["summary"] == "toy ok"  # the completed record kept
+
+
 def test_a_stage_that_writes_its_own_result_file_is_stopped_not_overwritten_in_silence(cfg, tmp_path, toy_stage):
     """<run-dir>/<stage>.json is the runner's (run()'s return value): a stage's own output written there would be
     replaced without a word. It fails in one line naming the file and where outputs go; a result file left by an
