@@ -30,7 +30,7 @@ from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json, recover_dir, sha256_file, swap_dir
 
 NAME = "demo-continuation"
-FORMAT = 1  # bump when the construction changes: a task written by another rule is rebuilt
+FORMAT = 2  # bump when the construction changes: a task written by another rule is rebuilt (2: fewshot_split)
 CHOICES = 4
 CONTEXT_CHARS = (48, 256)  # a passage of at least / at most this many characters
 SPAN_CHARS = 16  # every choice: this many characters from a word boundary
@@ -165,6 +165,9 @@ def yaml_text(jsonl: Path, source: str) -> str:
             "  data_files:",
             f"    test: {json.dumps(str(jsonl))}",
             "test_split: test",
+            # shots (evaluate.num_fewshot) come from the same rows: named, lm-eval leaves the prompt's own row out
+            # (left to its fallback, a prompt could show its own answer as an example)
+            "fewshot_split: test",
             "output_type: multiple_choice",
             "doc_to_text: context",
             "doc_to_choice: choices",

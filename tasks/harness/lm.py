@@ -5,9 +5,12 @@ Semantics follow lm-eval 0.4.13's HFLM (lm_eval/models/huggingface.py) so that s
 (context, continuation) encoding (TemplateLM._encode_pair), left truncation to max_length + 1 tokens, the
 continuation's log-probabilities summed in fp32, greedy-match flags, rolling windows (utils.get_rolling_token_windows)
 and greedy generation until a stop sequence (models.utils.normalize_gen_kwargs / handle_stop_sequences /
-postprocess_generated_text). Faster where it can be: requests that share a context (the choices of a multiple-choice
-question) prefill it once and score every choice against that cache; the output projection runs only on the
-positions that are scored.
+postprocess_generated_text). Where HFLM fails on an assertion or a 0-length input, or would decode otherwise, this
+says so in one line or takes lm-eval's own rule: a continuation that adds no token to its context (StageError), a
+generation kwarg greedy decoding cannot honour (greedy_problem: num_beams, repetition_penalty, max_length), an empty
+prompt (the prefix token, as an empty context). Faster where it can be: requests that share a context (the choices
+of a multiple-choice question) prefill it once and score every choice against that cache; the output projection runs
+only on the positions that are scored.
 
 Progress: lm-eval hands over every task's requests of one type at once; they run task by task, each with progress
 lines (tasks.logs.Progress: `progress: evaluate INT8 demo-continuation request 600/1200 (50%), 410 requests/s, ETA
@@ -25,6 +28,7 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
+from tasks.errors import StageError
 from tasks.model.generate import hidden_cached
 
 
@@ -108,6 +112,16 @@ class ProjectLM(TemplateLM):
         self, requests, disable_tqdm: bool = False, unit: str = "request", **kwargs
     ) -> list[tuple[float, bool]]:
         """requests: [(cache key, context ids, continuation ids)] → [(log-probability, is greedy)] in order."""
+        for key, ctx, cont in requests:
+            if not cont:  # HFLM asserts here; scoring no token would read as probability 1, the choice always picked
+                context, continuation = key if isinstance(key, tuple) and len(key) == 2 else ("", "")
+                where = f"task {self._task}: " if self._task else ""
+                raise StageError(
+                    f"{self.label}: {where}the continuation {continuation!r} of the context "
+                    f"...{context[-40:]!r} is no token of its own: the tokenizer merges it into the context's last "
+                    "token (lm-eval scores the tokens after the context's); begin the task's choices with a separator "
+                    "(target_delimiter, default ' ')"
+                )
         meter = self._meter(len(requests), unit)
         out: list = [None] * len(requests)
         shared, plain = defaultdict(list), []
@@ -202,13 +216,15 @@ class ProjectLM(TemplateLM):
         for chunk in batches.get_batched(n=self.batch_size):
             contexts, all_kwargs = zip(*chunk)
             kwargs = normalize_gen_kwargs(all_kwargs[0], self.max_gen_toks)
-            if kwargs.get("do_sample"):
-                raise ValueError("generation with do_sample=true: this wrapper decodes greedily only")
+            if problem := greedy_problem(kwargs):
+                raise StageError(f"{self.label}: task {self._task or '(unnamed)'} {problem}")
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
             max_gen = kwargs.pop("max_gen_toks")
             if max_gen >= self.max_length:
                 raise ValueError(f"max_gen_toks {max_gen} is not below the model's context {self.max_length}")
-            prompts = [self.tok_encode(c)[-(self.max_length - max_gen) :] for c in contexts]
+            # an empty prompt (no BOS added) starts from the prefix token, as lm-eval's loglikelihood does for an
+            # empty context (HFLM's generate fails on a 0-length input)
+            prompts = [(self.tok_encode(c) or [self.prefix_token_id])[-(self.max_length - max_gen) :] for c in contexts]
             for context, toks in zip(contexts, self._greedy(prompts, max_gen, until)):
                 text = postprocess_generated_text(self.tok.decode(toks), until, None)
                 res.append(text)
@@ -253,6 +269,32 @@ class Meter:
         self.done += n
         took = time.monotonic() - self.t0
         self.progress.update(self.done, **{f"{self.unit}s_per_s": self.done / took if took > 0 else None})
+
+
+# Generation kwargs (after lm-eval's normalize_gen_kwargs) that greedy decoding honours as they are: sampling's own
+# knobs do nothing without sampling (transformers ignores them with do_sample false, as HFLM runs it).
+_GREEDY_NOOPS = {"until", "max_gen_toks", "do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p"}
+_GREEDY_DEFAULTS = {"num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+
+
+def greedy_problem(kwargs: dict) -> str | None:
+    """Why this wrapper cannot run these normalized generation kwargs as lm-eval's HFLM would (None: it can). It
+    decodes greedily until a stop sequence, EOS or max_gen_toks: sampling, a beam search, a repetition penalty or a
+    total `max_length` would be ignored silently and score another decoding than the task asks for."""
+    if kwargs.get("do_sample"):
+        return (
+            "samples (do_sample/temperature); the gate compares models on greedy decoding: set "
+            "generation_kwargs.do_sample: false in its YAML"
+        )
+    for key, value in kwargs.items():
+        if key in _GREEDY_NOOPS or (key in _GREEDY_DEFAULTS and value == _GREEDY_DEFAULTS[key]):
+            continue
+        fix = "give max_gen_toks (new tokens) instead" if key == "max_length" else "remove it from its YAML"
+        return (
+            f"generates with generation_kwargs.{key}: {value!r}, which the models' greedy decoding cannot honour (it "
+            f"stops at until, EOS or max_gen_toks, nothing else); {fix}"
+        )
+    return None
 
 
 def default_max_gen_toks(max_length: int) -> int:

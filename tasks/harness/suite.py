@@ -67,6 +67,7 @@ class Suite:
     specs: dict[str, str] = field(default_factory=dict)  # entry → what lm-eval loaded (a name or a YAML's path)
     data_files: dict[str, list[str]] = field(default_factory=dict)  # leaf task → local files its YAML reads
     versions: dict[str, str] = field(default_factory=dict)  # leaf task → its version (YAML metadata)
+    filters: dict[str, str] = field(default_factory=dict)  # leaf task → the filter its metric is read through
 
 
 # lm-eval's own tasks too? → the last TaskManager of that kind, with its include folders and their YAML fingerprint
@@ -128,6 +129,9 @@ def _load_one(tm, entry: str, spec: str):
             + "; give a name from `lm-eval ls tasks` or the path of a task YAML"
         ) from None
     except (FileNotFoundError, ConnectionError) as e:  # offline datasets: not in the cache / data_files missing
+        lost_include = _include_problem(spec) if is_path(entry) else None
+        if lost_include:  # the YAML's own chain, not its dataset
+            raise StageError(f"evaluate.tasks: {entry}: {lost_include}") from None
         relative = [p for p in _relative_data_files(spec) if not Path(p).exists()] if is_path(entry) else []
         if relative:  # lm-eval passes data_files to datasets as they are: a relative path is the cwd's
             beside = Path(spec).parent / relative[0]
@@ -154,6 +158,32 @@ def _load_one(tm, entry: str, spec: str):
         raise StageError(
             f"evaluate.tasks: {entry}: {problem or f'lm-eval rejects this task ({_first_line(e)})'}"
         ) from None
+
+
+def _include_problem(spec: str, seen: set | None = None) -> str | None:
+    """An `include:` of the task YAML (or of a YAML it includes) that names no file; lm-eval reads it from the
+    including YAML's folder (lm_eval/tasks/_yaml_loader.py, load_yaml). None when every include exists."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    path = Path(spec).resolve()
+    seen = seen if seen is not None else set()
+    if path in seen:
+        return None
+    seen.add(path)
+    try:
+        includes = load_yaml(path, resolve_func=False, recursive=False).get("include")
+    except Exception:  # noqa: BLE001 — lm-eval reports its own problem with this YAML
+        return None
+    for inc in includes if isinstance(includes, list) else [includes] if includes else []:
+        target = Path(inc) if Path(str(inc)).is_absolute() else path.parent / str(inc)
+        if not target.is_file():
+            return (
+                f"include: {inc!r} (in {path.name}) names no file ({target}: an include is read from the including "
+                "YAML's folder); write the name of an existing YAML"
+            )
+        if problem := _include_problem(str(target), seen):
+            return problem
+    return None
 
 
 def _column_problem(spec: str) -> str | None:
@@ -328,6 +358,10 @@ def _check_metrics(suite: Suite, metrics: list[str]) -> None:
                 "better; only higher-is-better metrics are gated: give a task reporting one (e.g. acc) or drop it"
             )
         suite.metric[name] = chosen
+        # lm-eval reports each metric per filter ("exact_match,strict-match" for gsm8k's filter_list): "none" when
+        # the task has that filter (no filter_list: take_first), else its YAML's first
+        names = [f.name for f in getattr(task, "_filters", [])]
+        suite.filters[name] = "none" if "none" in names or not names else names[0]
 
 
 def _apply_fewshot(suite: Suite, fewshot: dict) -> None:
@@ -387,18 +421,17 @@ def _leaves(suite: Suite, group: str) -> list[str]:
 
 
 def _check_greedy(suite: Suite) -> None:
-    """Generation tasks decode greedily (no model needed: checked by load, so the shard stage finds it)."""
+    """Generation tasks decode greedily, with nothing greedy decoding would ignore (num_beams, repetition_penalty,
+    max_length: tasks.harness.lm.greedy_problem); no model needed: checked by load, so the shard stage finds it."""
     from lm_eval.models.utils import normalize_gen_kwargs
 
+    from tasks.harness.lm import greedy_problem
+
     for name, task in suite.loaded["tasks"].items():
-        if (
-            task.OUTPUT_TYPE == "generate_until"
-            and normalize_gen_kwargs(task.config.generation_kwargs or {})["do_sample"]
-        ):
-            raise StageError(
-                f"evaluate.tasks: task {name} samples (do_sample/temperature); the gate compares models on greedy "
-                "decoding: set generation_kwargs.do_sample: false in its YAML"
-            )
+        if task.OUTPUT_TYPE == "generate_until":
+            problem = greedy_problem(normalize_gen_kwargs(task.config.generation_kwargs or {}))
+            if problem:
+                raise StageError(f"evaluate.tasks: task {name} {problem}")
 
 
 def check_generation(suite: Suite, max_length: int, who: str) -> None:
@@ -433,13 +466,14 @@ def score(lm, suite: Suite) -> dict:
     leaves = {}
     for name, metric in suite.metric.items():
         r = res["results"][name]
-        leaves[name] = {"metric": metric, "value": float(r[f"{metric},none"]), "n": int(r.get("sample_len", 0))}
+        value = r[f"{metric},{suite.filters.get(name, 'none')}"]
+        leaves[name] = {"metric": metric, "value": float(value), "n": int(r.get("sample_len", 0))}
         leaves[name]["shots"] = int(suite.loaded["tasks"][name].get_config("num_fewshot") or 0)
     entries = {}
     for entry, names in suite.entries.items():
         group = res.get("groups", {}).get(suite.groups.get(entry, ""), {})
         metric = leaves[names[0]]["metric"]
-        value = group.get(f"{metric},none")
+        value = group.get(f"{metric},{suite.filters.get(names[0], 'none')}")
         if not isinstance(value, (int, float)):  # no aggregate for this group (or a tag): mean of its tasks
             value = sum(leaves[n]["value"] for n in names) / len(names)
         entries[entry] = {

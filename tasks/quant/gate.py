@@ -59,8 +59,8 @@ def check_suite(cfg, run_dir: Path, shard_dir: Path) -> None:
     a metric of evaluate.task_metrics) — all but the fit to the model's context, which needs the model. lm-eval's
     task index (~10 s) is read only when there is such an entry."""
     demo = write_demo_task(cfg, run_dir, shard_dir)
-    if any(entry != "demo-continuation" for entry in cfg.evaluate.tasks):
-        _load(cfg, demo)
+    if cfg.evaluate.num_fewshot or any(entry != "demo-continuation" for entry in cfg.evaluate.tasks):
+        _load(cfg, demo)  # evaluate.num_fewshot too: the names it gives, the rows its shots draw from
 
 
 def _load(cfg, demo: Path | None):
