@@ -155,8 +155,19 @@ def test_ctrl_c_of_make_run_keeps_the_log_says_so_and_exits_130(tmp_path):
         while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert ready.exists(), proc.communicate(timeout=30)
+        # Ctrl-C once the log's tee and the screen filter are up (each sets its `trap '' INT` first: a user's Ctrl-C
+        # comes seconds later; on a loaded host the test's could come between a subshell's fork and its trap): the
+        # filter has shown the task, and the tee has written its line to the log.
+        seen = []
+        while not any("… smoke" in line for line in seen) and time.monotonic() < deadline:
+            seen.append(proc.stdout.readline())
+            if not seen[-1]:
+                break
+        while "starting task_id=smoke" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends the foreground group on Ctrl-C
         out, err = proc.communicate(timeout=60)
+        out = "".join(seen) + out
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
