@@ -20,7 +20,7 @@ import logging
 import sys
 
 from data_prep.config import ShardConfig, config_paths, default_out_dir
-from data_prep.errors import DataPrepError
+from data_prep.errors import DataPrepError, OneLineParser
 
 log = logging.getLogger("data_prep")
 LOADER_ONLY = ("loader_workers", "prefetch_factor")  # data keys only the loader reads
@@ -49,7 +49,7 @@ def _unused_settings(overrides: dict, cfg: ShardConfig) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m data_prep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)

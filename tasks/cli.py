@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from data_prep.errors import DataPrepError
+from data_prep.errors import DataPrepError, OneLineParser
 from tasks.errors import StageError, os_error_cause
 from tasks.stages import OWN_SCHEDULE, STAGES
 
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         from tasks.runner import default_run_dir, run_stage, stage_module
 
         module = stage_module(stage)
-        parser = argparse.ArgumentParser(prog=f"python -m tasks {stage}", description=(module.__doc__ or "").strip())
+        parser = OneLineParser(prog=f"python -m tasks {stage}", description=(module.__doc__ or "").strip())
         _common(parser)
         if hasattr(module, "add_cli_args"):
             module.add_cli_args(parser)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 
+from data_prep.errors import OneLineParser
 from tasks.config import load_config
 from tasks.errors import StageError
 from tasks.fsutil import read_json
@@ -167,7 +167,7 @@ def model_lines(evaluate: dict, run_dir) -> list[str]:
 def main(argv=None, run_config=None) -> int:
     """`run_config(run_dir, config)` → (preset, overrides): the run directory's config as its stages took it
     (tasks.cli passes its dag_run_config; this module does not import the CLI, which imports it)."""
-    p = argparse.ArgumentParser(prog="python -m tasks summary")
+    p = OneLineParser(prog="python -m tasks summary")
     p.add_argument("--run-dir", required=True, help="the run directory whose <stage>.json files are summarised")
     p.add_argument("--config", default=None, help="preset or YAML whose tracking settings build the MLflow links")
     p.add_argument("--check", action="store_true", help="exit 1 unless every stage finished ok or warn")

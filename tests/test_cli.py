@@ -24,6 +24,9 @@ def cli(*args, cwd=REPO):
         (["nope"], "error: unknown stage 'nope' (stages: env, shard, smoke, plan, train, profile, quantize, evaluate)"),
         (["plan", "--config", "nope"], "error: unknown preset 'nope'"),
         (["plan", "--set", "train.steps=zero"], "error: train.steps: expected an integer, got 'zero'"),
+        # a mistyped flag: argparse's 18-line usage block before; one line naming the flag and where flags are listed
+        (["plan", "--stpes", "3"], "error: python -m tasks plan: unrecognized arguments: --stpes 3 (`python -m tasks "),
+        (["summary", "--run-dri", "x"], "error: python -m tasks summary: "),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle):
