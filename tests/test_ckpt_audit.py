@@ -14,29 +14,12 @@ import torch
 import torch.distributed as dist
 
 from tasks.errors import ConfigError
-from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
+from tests.helpers.train_fixture import configure, context, fake_run, shards  # noqa: F401
 
 
 def _checkpoint(cfg, run: Path, shards: Path, step: int) -> Path:  # noqa: F811
-    """A run directory whose newest checkpoint step-`step` was saved by `cfg` on `shards` (meta.json as the trainer
-    writes it, no tensors)."""
-    from data_prep.manifest import digest
-    from tasks.model.model_dir import shard_tokenizer
-    from tasks.parallel.checkpoint import shaping_config
-    from tasks.stages import train
-
-    spec = train.prepare(cfg, context(run, shards))
-    path = run / "checkpoints" / f"step-{step}"
-    path.mkdir(parents=True)
-    meta = {
-        "step": step,
-        "model": spec["model"],
-        "shaping": shaping_config(cfg.to_dict()),
-        "tokenizer": shard_tokenizer(shards),
-        "manifest_digest": digest(shards),
-    }
-    (path / "meta.json").write_text(json.dumps(meta))
-    return path
+    """A run directory whose newest checkpoint step-`step` was saved by `cfg` on `shards` (meta.json only)."""
+    return fake_run(cfg, run, shards, step, with_metrics=False)
 
 
 def test_rehearsal_steps_does_not_shape_training(tmp_path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tasks.errors import ConfigError
-from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
+from tests.helpers.train_fixture import configure, context, fake_run, shards  # noqa: F401
 
 
 @pytest.fixture
@@ -22,31 +22,6 @@ def other_shards(tmp_path, shards):  # noqa: F811
     shutil.copytree(shards, other)
     (other / "manifest.json").write_text((other / "manifest.json").read_text() + "\n")
     return other
-
-
-def fake_run(cfg, run: Path, shards: Path, step: int, digest: bool = True) -> Path:  # noqa: F811
-    """A run directory whose newest checkpoint step-`step` was saved by `cfg` on `shards` (meta.json as the trainer
-    writes it, no tensors) with its metrics; returns the checkpoint."""
-    from data_prep.manifest import digest as manifest_digest
-    from tasks.model.model_dir import shard_tokenizer
-    from tasks.parallel.checkpoint import shaping_config
-    from tasks.stages import train
-
-    spec = train.prepare(cfg, context(run, shards))  # no checkpoint yet: the model shape the stage computes
-    path = run / "checkpoints" / f"step-{step}"
-    path.mkdir(parents=True)
-    meta = {
-        "step": step,
-        "model": spec["model"],
-        "shaping": shaping_config(cfg.to_dict()),
-        "tokenizer": shard_tokenizer(shards),
-        **({"manifest_digest": manifest_digest(shards)} if digest else {}),
-    }
-    (path / "meta.json").write_text(json.dumps(meta))
-    (run / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": s, "loss": 6.0 - s / 10, "tokens_per_s": 100.0}) + "\n" for s in range(1, step + 1))
-    )
-    return path
 
 
 def test_checkpoint_meta_records_the_shard_set(tmp_path, shards):  # noqa: F811

@@ -94,6 +94,34 @@ SGD = {
 }
 
 
+def fake_run(cfg, run: Path, shards: Path, step: int, digest: bool = True, with_metrics: bool = True) -> Path:
+    """A run directory whose newest checkpoint step-`step` was saved by `cfg` on `shards` (meta.json as the trainer
+    writes it, no tensors) with its metrics (unless not `with_metrics`); returns the checkpoint."""
+    from data_prep.manifest import digest as manifest_digest
+    from tasks.model.model_dir import shard_tokenizer
+    from tasks.parallel.checkpoint import shaping_config
+    from tasks.stages import train
+
+    spec = train.prepare(cfg, context(run, shards))  # no checkpoint yet: the model shape the stage computes
+    path = run / "checkpoints" / f"step-{step}"
+    path.mkdir(parents=True)
+    meta = {
+        "step": step,
+        "model": spec["model"],
+        "shaping": shaping_config(cfg.to_dict()),
+        "tokenizer": shard_tokenizer(shards),
+        **({"manifest_digest": manifest_digest(shards)} if digest else {}),
+    }
+    (path / "meta.json").write_text(json.dumps(meta))
+    if with_metrics:
+        (run / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": s, "loss": 6.0 - s / 10, "tokens_per_s": 100.0}) + "\n" for s in range(1, step + 1)
+            )
+        )
+    return path
+
+
 def metrics(run_dir: Path) -> dict[int, dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
