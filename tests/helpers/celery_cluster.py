@@ -97,6 +97,9 @@ class Cluster:
             # that starts processes (shard's tokenizer pool) fails there: "daemonic processes are not allowed to
             # have children". Parallelism comes from more workers.
             "AIRFLOW__CELERY__POOL": "solo",
+            # as deployed (docker/docker-compose.yml): a solo worker reserves only the task it runs (Airflow's
+            # default concurrency 16 let one worker hold 16 ready tasks while the other sat idle)
+            "AIRFLOW__CELERY__WORKER_CONCURRENCY": "1",
             "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_dir),
             "AIRFLOW__CORE__PLUGINS_FOLDER": str(REPO / "plugins"),
             "AIRFLOW__CORE__PARALLELISM": "8",
