@@ -15,7 +15,17 @@ The rules (each from the source that enforces it):
   cuda under NCCL; on the CPU imitation below, cpu). A bookkeeping tensor made without `device=` lives on the CPU
   and breaks this rule on every accelerator run. On a CPU host every tensor is on the CPU, so this rule cannot
   fire there: tests/test_collectives.py checks it by naming the device type, and `make device-check` on a GPU.
-- Dense and contiguous (the same functions: "Tensors must be contiguous").
+- Dense and contiguous (the same functions: "Tensors must be contiguous"). Dense = the strided layout: every
+  sparse layout (COO, CSR, CSC, BSR, BSC) is refused, in one line (a CSR tensor's `is_contiguous()` raises).
+- Complex tensors: torch.distributed itself hands the backend `torch.view_as_real(t)` in all_reduce(_coalesced),
+  broadcast, all_gather(_single/_coalesced), all_to_all(_single), scatter and isend/irecv (so send/recv), never in
+  reduce, reduce_scatter(_single/_tensor) (torch/distributed/distributed_c10d.py, torch 2.13): the rules below
+  apply to the real dtype there (complex64 → float32, complex128 → float64) and to the complex dtype itself in the
+  others, where HCCL's table has no complex type. NCCL views complex as real in its reduce_scatter too (checked on
+  an H200, torch 2.11.0+cu130: reduce_scatter_tensor of complex64 runs; 2026-12 device audit).
+- Contiguity under NCCL is judged in the tensor's suggested memory format (the same H200 run: a channels_last
+  tensor is all-reduced, a transposed one is refused with "Tensors must be contiguous"); HCCL's is kept to plain
+  `is_contiguous()` (no device evidence either way).
 - Data type per operation:
   HCCL (ProcessGroupHCCL.cpp `checkSupportedDataType`, identical on v2.10.0-26.0.0, v2.11.0-26.1.0,
   v2.12.0-26.1.0): the reducing operations (allreduce, allreduce_coalesced, reduce, _reduce_oop, reduce_scatter,
@@ -82,6 +92,9 @@ _NCCL_ANY = frozenset(
 )
 _REDUCING = {"all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter"}
 _HCCL_CASTS = {"all_reduce", "all_reduce_coalesced", "reduce"}  # bool/uint8 → int32 before the check
+# torch.distributed views a complex tensor as real before the backend sees it in these (distributed_c10d.py)
+_VIEWED_AS_REAL = {"all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_to_all", "send", "recv"}
+_NCCL_VIEWED_AS_REAL = _VIEWED_AS_REAL | {"reduce_scatter"}  # ProcessGroupNCCL views it itself (device audit)
 
 HCCL_SOURCE = "Ascend/pytorch v2.12.0-26.1.0 torch_npu/csrc/distributed/ProcessGroupHCCL.cpp"
 NCCL_SOURCE = "pytorch/pytorch torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp + NCCLUtils.hpp"
@@ -110,6 +123,13 @@ def allowed_dtypes(backend: str, op: str) -> frozenset:
     return _NCCL_ANY - _FP8 if op in _REDUCING else _NCCL_ANY
 
 
+def _dense_in_channels_last(t: torch.Tensor) -> bool:
+    """Contiguous in the channels-last format of its rank (what C++'s suggest_memory_format picks for such a
+    tensor; Python has no suggest_memory_format)."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return fmt is not None and t.is_contiguous(memory_format=fmt)
+
+
 def rule_violation(backend: str, op: str, t: torch.Tensor, device_type: str) -> str | None:
     """Why `backend` would refuse tensor `t` in collective `op` on a run whose device type is `device_type`."""
     source = HCCL_SOURCE if backend == "hccl" else NCCL_SOURCE
@@ -117,15 +137,24 @@ def rule_violation(backend: str, op: str, t: torch.Tensor, device_type: str) -> 
     if t.device.type != device_type:
         return (
             f"a {t.device.type} tensor on a {device_type} run: {name} serves {DEVICE_TYPE[backend]} tensors only "
-            f'("Tensors must be {DEVICE_TYPE[backend].upper()} and dense", {source}); create it with '
+            f'("Tensors must be {DEVICE_TYPE[backend].upper()} and dense", {source}; torch: "No backend type '
+            f'associated with device type {t.device.type}"); create it with '
             f"device= the model's device"
         )
-    if t.is_sparse or not t.is_contiguous():
-        return f'a sparse or non-contiguous tensor ("Tensors must be contiguous", {source}); pass .contiguous()'
-    if t.dtype not in allowed_dtypes(backend, op):
+    if t.layout != torch.strided:
+        return (
+            f'a {str(t.layout).removeprefix("torch.")} tensor ("Tensors must be {DEVICE_TYPE[backend].upper()} '
+            f'and dense", {source}); pass .to_dense()'
+        )
+    if not (t.is_contiguous() or (backend == "nccl" and _dense_in_channels_last(t))):
+        return f'a non-contiguous tensor ("Tensors must be contiguous", {source}); pass .contiguous()'
+    viewed = _NCCL_VIEWED_AS_REAL if backend == "nccl" else _VIEWED_AS_REAL
+    dtype = t.dtype.to_real() if t.is_complex() and op in viewed else t.dtype
+    shown = f"{t.dtype} (sent as {dtype}: torch views complex as real)" if dtype != t.dtype else str(t.dtype)
+    if dtype not in allowed_dtypes(backend, op):
         ok = ", ".join(sorted(str(d).removeprefix("torch.") for d in allowed_dtypes(backend, op)))
-        return f"{t.dtype} is not supported by {name}'s {op} ({source}; takes {ok}); use float32 or int64"
-    if backend == "hccl" and t.dtype == torch.float64:
+        return f"{shown} is not supported by {name}'s {op} ({source}; takes {ok}); use float32 or int64"
+    if backend == "hccl" and dtype == torch.float64:
         return (
             "float64 on the wire: this project's rule under strict=hccl (HCCL's reductions refuse fp64 before "
             "Ascend950, NPU fp64 compute runs on the AI CPU); send float32, or exact int64 (e.g. nanoseconds)"
