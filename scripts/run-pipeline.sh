@@ -43,13 +43,18 @@ echo "pid $$, log $log" > "$var/logs/.make-run.holder"
 # approval waits for a person — as each line arrives (scripts/screen_filter.py; not awk: mawk reads a pipe in blocks).
 # Ctrl-C reaches the whole foreground group: Airflow fails the running task and ends the run on its own. The log's
 # tee and the screen filter ignore it, so both get Airflow's last lines (the filter's KeyboardInterrupt traceback and a
-# log cut at the Ctrl-C were all a user saw), and this script says it was interrupted, then exits 130.
+# log cut at the Ctrl-C were all a user saw), and this script says it was interrupted, then exits 130. The filter also
+# records the Ctrl-C in $LLM_RUN_INTERRUPTED: this shell's own trap missed one now and then on a loaded host.
 interrupted=
 trap 'interrupted=1' INT
+export LLM_RUN_INTERRUPTED="$var/logs/.make-run-$$.interrupted"  # the screen filter records a Ctrl-C there too
+rm -f "$LLM_RUN_INTERRUPTED"
 airflow dags test llm_pipeline --conf "$conf" 2>&1 | (trap '' INT && exec tee "$log") \
   | (trap '' INT && exec python -u scripts/screen_filter.py)
 status=${PIPESTATUS[0]}
 trap - INT
+[ ! -e "$LLM_RUN_INTERRUPTED" ] || interrupted=1
+rm -f "$LLM_RUN_INTERRUPTED"
 run=$(cat "$LLM_PIPELINE_RUN_DIR_FILE" 2>/dev/null); rm -f "$LLM_PIPELINE_RUN_DIR_FILE"
 echo
 stopped="make run was interrupted (Ctrl-C): the tasks still to run did not run; the full log is $log; \`make run\` again starts a new run"

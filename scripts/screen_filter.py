@@ -10,7 +10,9 @@ the run (a progress line reached it only when ~4 KB more log had followed it) un
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
 import sys
 
 TASK = re.compile(r".*task_id=(\S*)")
@@ -32,7 +34,22 @@ def screen_line(line: str, asked: bool) -> str | None:
     return None
 
 
+def record_ctrl_c(flag: str) -> None:
+    """Ctrl-C reaches the whole foreground group: this filter keeps reading (Airflow's last lines follow) and records
+    it in `flag` (run-pipeline.sh: $LLM_RUN_INTERRUPTED), which run-pipeline.sh reads when the pipe ends — its own
+    bash trap alone missed one now and then on a loaded host. Started with SIGINT ignored (run-pipeline.sh's
+    `trap ''`), so a Ctrl-C before this handler exists is ignored, never a KeyboardInterrupt."""
+
+    def caught(signum, frame):
+        with open(flag, "a", encoding="utf-8"):
+            pass
+
+    signal.signal(signal.SIGINT, caught)
+
+
 def main() -> None:
+    if flag := os.environ.get("LLM_RUN_INTERRUPTED"):
+        record_ctrl_c(flag)
     # Line by line as the pipe delivers them (TextIOWrapper's readline returns what has arrived), never a block.
     stdin = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
     asked = False
