@@ -121,8 +121,56 @@ class RunDirLock:
             self.fd = None
 
 
+def lock_holder(run_dir, node: int = 0) -> dict | None:
+    """The last stage that took the run directory's lock (RunDirLock's `.lock`: pid, host, stage, since) with `held`:
+    True while it still holds it (running now), False when it let go, None when this host cannot tell (another
+    host's). Read without taking the lock: a reader (the summary) must never make a starting stage fail "in use"."""
+    path = Path(run_dir) / (".lock" if node == 0 else f".lock-node{node}")
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        holder, st = _holder(fd), os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not holder.get("stage"):
+        return None
+    if holder.get("host") not in (None, socket.gethostname()):
+        return {**holder, "held": None}
+    return {**holder, "held": _lock_held(st.st_dev, st.st_ino)}
+
+
+def _lock_held(dev: int, ino: int) -> bool | None:
+    """Whether some process holds a lock on the file (device, inode), from /proc/locks (Linux: `N: FLOCK ADVISORY
+    WRITE PID MAJ:MIN:INODE 0 EOF`; POSIX too: NFS emulates flock with POSIX locks), else None (not knowable without
+    taking the lock)."""
+    try:
+        text = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        fields = line.split()
+        kind = next((k for k in ("FLOCK", "POSIX") if k in fields), None)
+        if kind is None or "->" in fields:  # "->": a process waiting for the lock, not holding it
+            continue
+        at = fields.index(kind) + 4
+        parts = fields[at].split(":") if at < len(fields) else []
+        try:
+            if len(parts) == 3 and (int(parts[0], 16), int(parts[1], 16), int(parts[2])) == (
+                os.major(dev),
+                os.minor(dev),
+                ino,
+            ):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
 def _holder(fd: int) -> dict:
     try:
-        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+        holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
     except (OSError, ValueError):
         return {}
+    return holder if isinstance(holder, dict) else {}

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 from data_prep.errors import OneLineParser
 from tasks.config import load_config
 from tasks.errors import StageError
+from tasks import procs
 from tasks.fsutil import read_json
 from tasks.runner import LOCATION
 from tasks.stages import STAGES, TITLES
@@ -41,50 +40,10 @@ def read_results(run_dir) -> dict:
     return results
 
 
-def lock_holder(run_dir) -> dict | None:
-    """The last stage that took the run directory's lock (`.lock`: pid, host, stage, since) with `held`: True while
-    it still holds it (running now), False when it let go, None when this host cannot tell (another host's).
-    Read without taking the lock: a summary must never make a starting stage fail with "in use"."""
-    import socket
-
-    path = Path(run_dir) / ".lock"
-    try:
-        holder = json.loads(path.read_text(encoding="utf-8") or "{}")
-        st = path.stat()
-    except (OSError, ValueError):
-        return None
-    if not isinstance(holder, dict) or holder.get("stage") not in STAGES:
-        return None
-    if holder.get("host") not in (None, socket.gethostname()):
-        return {**holder, "held": None}
-    return {**holder, "held": _lock_held(st.st_dev, st.st_ino)}
-
-
-def _lock_held(dev: int, ino: int) -> bool | None:
-    """Whether some process holds a lock on the file (device, inode), from /proc/locks (Linux: `N: FLOCK ADVISORY
-    WRITE PID MAJ:MIN:INODE 0 EOF`; POSIX too: NFS emulates flock with POSIX locks), else None (not knowable without
-    taking the lock)."""
-    try:
-        text = Path("/proc/locks").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        fields = line.split()
-        kind = next((k for k in ("FLOCK", "POSIX") if k in fields), None)
-        if kind is None or "->" in fields:  # "->": a process waiting for the lock, not holding it
-            continue
-        at = fields.index(kind) + 4
-        parts = fields[at].split(":") if at < len(fields) else []
-        try:
-            if len(parts) == 3 and (int(parts[0], 16), int(parts[1], 16), int(parts[2])) == (
-                os.major(dev),
-                os.minor(dev),
-                ino,
-            ):
-                return True
-        except ValueError:
-            continue
-    return False
+def _stage_holder(run_dir) -> dict | None:
+    """procs.lock_holder of the run directory when the lock's last taker is one of the pipeline's stages."""
+    holder = procs.lock_holder(run_dir)
+    return holder if holder and holder.get("stage") in STAGES else None
 
 
 def _seconds(value) -> str:
@@ -94,7 +53,7 @@ def _seconds(value) -> str:
 def render(run_dir, cfg=None, experiment_id: str | None = None) -> str:
     """The table; MLflow links on tracking.ui_url() of `cfg` (None: $MLFLOW_UI_URL or the default)."""
     results = read_results(run_dir)
-    holder = lock_holder(run_dir)
+    holder = _stage_holder(run_dir)
     lines = [f"{'stage':<28} {'status':<8} {'secs':>7}  key figure", "-" * 100]
     for stage in STAGES:
         r = results.get(stage)
@@ -185,7 +144,7 @@ def main(argv=None, run_config=None) -> int:
     print(render(args.run_dir, cfg))
     if args.check:
         results = read_results(args.run_dir)
-        held = (lock_holder(args.run_dir) or {}).get("held")
+        held = (_stage_holder(args.run_dir) or {}).get("held")
         return 0 if not held and all(results.get(s, {}).get("status") in ("ok", "warn") for s in STAGES) else 1
     return 0
 
