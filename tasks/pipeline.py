@@ -321,10 +321,9 @@ def early_problems(cfg: PipelineConfig) -> list[str]:
             f"evaluate.tasks: {cfg.evaluate.tasks} has a blank entry (an empty line in Evaluation tasks); remove it"
         )
     if not cfg.model.hf_path:  # with a checkpoint its config.json is the shape; the shard stage checks it
-        from tasks.shape import PRESETS  # torch-free
+        from tasks.shape import preset_problem  # torch-free
 
-        if cfg.model.preset not in PRESETS:
-            problems.append(f"model.preset: unknown preset {cfg.model.preset!r} (known: {', '.join(PRESETS)})")
+        problems.append(preset_problem(cfg.model.preset))
     if "model.converters" in cfg.explicit:  # a preset's are checked by its tests; the registry imports torch
         from tasks.model.converters import check_names
 
@@ -332,7 +331,7 @@ def early_problems(cfg: PipelineConfig) -> list[str]:
             check_names(cfg.model.converters)
         except ConfigError as e:
             problems.append(str(e))
-    return problems
+    return [p for p in problems if p]
 
 
 def config_for_params(params: dict, dag_id: str | None = None) -> PipelineConfig:

@@ -56,8 +56,8 @@ class TransformerConfig:
     def from_preset(cls, name: str, *, tokenizer_vocab: int | None = None, **overrides) -> "TransformerConfig":
         """Preset `name` with `overrides` (field → value; None keeps the preset's). A preset without a vocabulary
         takes `tokenizer_vocab` (the shard set's tokenizer's size), or without one its STANDALONE_VOCAB size."""
-        if name not in PRESETS:
-            raise ConfigError(f"model.preset: unknown preset {name!r} (known: {', '.join(PRESETS)})")
+        if problem := preset_problem(name):
+            raise ConfigError(problem)
         tcfg = PRESETS[name].override(**overrides)
         if tcfg.vocab_size is None:
             tcfg.vocab_size = tokenizer_vocab or STANDALONE_VOCAB[name]
@@ -312,6 +312,11 @@ PRESETS: dict[str, TransformerConfig] = {
 }
 # The vocabulary of a preset without one when no tokenizer is given (tests, benchmarks, `plan --model`).
 STANDALONE_VOCAB = {"debug": 256, "demo": 2048, "moe-demo": 2048}
+
+
+def preset_problem(name: str) -> str | None:
+    """The one line for a model preset no one registers, else None."""
+    return None if name in PRESETS else f"model.preset: unknown preset {name!r} (known: {', '.join(PRESETS)})"
 
 
 def get_preset(name: str) -> TransformerConfig:
