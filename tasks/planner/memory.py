@@ -225,7 +225,7 @@ def stage_breakdown(
     """Bytes on one device of pipeline stage `stage` (0 = holds the embedding, pp-1 = holds the output layer)."""
     t, p, A = lay.tp, lay.pp, PRECISION_BYTES[precision]
     first, last = stage == 0, stage == p - 1
-    layers = shape.n_layers / p
+    layers = len(rank_layers(shape.n_layers, lay, stage))  # its own count: pp need not divide the layers
     h, v = shape.dim, shape.vocab_size
     # Matrices and the vocabulary are split by TP; norm weights are replicated (2h per layer, h final norm).
     n = layers * ((shape.layer_params - 2 * h) / t + 2 * h)
@@ -306,7 +306,9 @@ def estimate(
     n_params: float | None = None,
     reserve_bytes: float = 0.0,
 ) -> dict:
-    """Per-device peak bytes: the worse of the first and the last pipeline stage, plus the runtime reserve.
+    """Per-device peak bytes: the worse of the first and the last pipeline stage, plus the runtime reserve. Each
+    stage counts its own layers (rank_layers: pp need not divide them); the first holds the most of them (earlier
+    stages take the remainder), the embedding and the most micro-batches in flight, so no middle stage needs more.
 
     With `shape` None only the model states of `n_params` parameters are known (split evenly over tp·pp).
     """

@@ -8,7 +8,9 @@ Step time (communication is added to compute except where the trainer overlaps i
   12·L·h·s attention),
   plus the recomputed forward (full: 2 × layer params + 4·L·h·s per token; selective: the attention core 4·L·h·s,
   or nothing with fused attention, where selective recomputes element-wise ops only) of the layers recompute wraps
-  (with parallel.recompute_every k, those whose index is a multiple of k: memory.recomputed_share);
+  (with parallel.recompute_every k, those whose index is a multiple of k: memory.recomputed_share); where pp
+  (× virtual stages) does not divide the layers, training splits them unevenly (tasks/parallel/pp.layer_ranges) and
+  the rank with the most layers (the first) bounds the step: the layers' compute, TP traffic and DP shard are its;
 - pipeline bubble: compute × (m + p − 1)/m for GPipe and 1F1B (bubble fraction (p − 1)/(m + p − 1)),
   × (1 + (p − 1)/(v·m)) for interleaved 1F1B (Narayanan et al. 2021, §2.2);
 - TP: 4 all-reduces of s·b·h activations per layer and micro-batch (2 forward, 2 backward; 2 more forward with full
@@ -31,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from tasks.planner.cluster import Cluster
 from tasks.layout import DP_BUCKET_BYTES, DP_FIRST_BUCKET_BYTES, Layout, check
-from tasks.planner.memory import PRECISION_BYTES, estimate, flops_per_token, recomputed_share
+from tasks.planner.memory import PRECISION_BYTES, estimate, flops_per_token, rank_layers, recomputed_share
 from tasks.shape import TransformerConfig
 from tasks.units import GB
 
@@ -84,8 +86,8 @@ def layout_problem(pb: Problem, dp: int, tp: int, pp: int) -> str | None:
             return f"tp {tp} does not divide {sh.n_heads} heads"
         if sh.n_kv_heads % tp:
             return f"tp {tp} does not divide {sh.n_kv_heads} KV heads"
-        if sh.n_layers % pp:
-            return f"pp {pp} does not divide {sh.n_layers} layers"
+        if pp > sh.n_layers:  # training splits the layers unevenly (pp.layer_ranges) but gives each stage one
+            return f"pp {pp} exceeds the {sh.n_layers} layers (a pipeline stage holds at least one)"
         if sh.tie_embeddings and pp > 1:  # the trainer (tasks/layout.check) keeps a tied embedding on one stage
             return f"tied embeddings need pp = 1 (pp {pp})"
     if pb.sequence_parallel and tp > 1 and pb.seq_len % tp:
@@ -115,11 +117,7 @@ def schedule_problem(pb: Problem, lay: Layout) -> str | None:
     # torch.distributed.pipelining.Schedule1F1B refuses it; training (tasks.layout.check) also for interleaved 1F1B
     if lay.pp_schedule in ("1f1b", "interleaved1f1b") and m < p:
         return f"{lay.pp_schedule} needs >= {p} micro-batches per rank, got {m}"
-    if lay.pp_schedule == "interleaved1f1b":
-        if pb.shape is not None and pb.shape.n_layers % (p * lay.virtual_stages):
-            return (
-                f"interleaved: pp {p} × {lay.virtual_stages} virtual stages does not divide {pb.shape.n_layers} layers"
-            )
+    if lay.pp_schedule == "interleaved1f1b":  # uneven stages train (pp.layer_ranges); more than layers: train_problem
         rounds = max(1, m // p)  # ScheduleInterleaved1F1B's own check
         if m % rounds:
             return f"interleaved: {m} micro-batches is not a multiple of {rounds} rounds"
@@ -154,8 +152,10 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     A = PRECISION_BYTES[pb.precision]
     peak = achieved_flops(c, pb.precision, pb.efficiency)
     per_token = flops_per_token(sh, s, pb.n_params)
+    p, m = lay.pp, lay.n_microbatches
     if sh is None:
         layer_params = 0.0
+        stage_layers = 0.0
     else:
         L, h = sh.n_layers, sh.dim
         attention_fwd = 4.0 * L * h * s
@@ -165,8 +165,14 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
         extra = {"full": 2.0 * L * sh.layer_params + attention_fwd, "selective": selective}.get(lay.recompute, 0.0)
         per_token += extra * recomputed_share(L, lay)  # parallel.recompute_every: only the wrapped layers
         layer_params = sh.layer_params
+        # The slowest pipeline rank bounds the step: the one holding the most layers (tasks/parallel/pp.py splits
+        # them unevenly when pp (× virtual stages) does not divide them; earlier stages take the remainder), so the
+        # layers' share of the compute is that rank's layer count × pp, not all of them (the same when even).
+        stage_layers = float(len(rank_layers(L, lay, 0)))
+        outside = 6.0 * (sh.dim + sh.embedding_params)  # flops_per_token's non-layer part: final norm, output
+        if stage_layers * p != L:
+            per_token = outside + (per_token - outside) * stage_layers * p / L
     compute = tokens * per_token / (c.world * peak)
-    p, m = lay.pp, lay.n_microbatches
     if p == 1:
         bubble = 0.0
     elif lay.pp_schedule == "interleaved1f1b":
@@ -179,11 +185,11 @@ def step_time(pb: Problem, lay: Layout) -> dict[str, float]:
     if sh is not None:
         act = s * lay.micro_batch * sh.dim * A
         per_mb = 4 + (2 * recomputed_share(sh.n_layers, lay) if lay.recompute == "full" else 0)
-        tp_s = per_mb * m * (sh.n_layers / p) * _ring(act, lay.tp, c.intra_gbps)
+        tp_s = per_mb * m * stage_layers * _ring(act, lay.tp, c.intra_gbps)
         pp_bw = c.inter_gbps if lay.tp * p > c.devices_per_node else c.intra_gbps
         chunks = lay.virtual_stages if lay.pp_schedule == "interleaved1f1b" else 1
         pp_s = 0.0 if p == 1 else 2 * m * chunks * act / (pp_bw * GB)
-    shard = (sh.n_layers / p * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
+    shard = (stage_layers * layer_params + sh.embedding_params) / lay.tp if sh else pb.n_params / (lay.tp * p)
     dp_bw = c.inter_gbps if c.world > c.devices_per_node else c.intra_gbps
     grads = _ring(shard * GRAD_REDUCE_BYTES, lay.dp, dp_bw, 1.0)  # one reduce-scatter
     if lay.zero < 2:
