@@ -104,14 +104,20 @@ browser:  ## Debian's chromium for tests/test_browser.py (apt-get; a no-op when 
 services:  ## Debian's postgresql + redis-server for tests/test_celery_cluster.py (apt-get; a no-op when installed)
 	@bash scripts/install-services.sh
 
+# scripts/airflow-env.sh (in ENV) creates the var dir's logs/: a relative LLM_PIPELINE_VAR_DIR is refused first, in
+# scripts/migrate-db.sh's words (make run / make db), so no stray var dir appears in the checkout.
+ABS_VAR := v="$${LLM_PIPELINE_VAR_DIR:-}"; case "$$v" in "" | /*) ;; *) echo "error: LLM_PIPELINE_VAR_DIR=$$v is a" \
+  "relative path (each process would read it from its own working directory); give an absolute one, e.g." \
+  "LLM_PIPELINE_VAR_DIR=\$$PWD/$$v" >&2; exit 2 ;; esac;
+
 bench: venv  ## BENCH="data train_step": only those (bench/run_all.py NAME …); split into words, never run by a shell
-	@$(ENV) set -f && python bench/run_all.py $$LLM_BENCH_NAMES
+	@$(ABS_VAR) $(ENV) set -f && python bench/run_all.py $$LLM_BENCH_NAMES
 
 clean:
 	@bash scripts/clean.sh
 
 npu-api: venv  ## snapshot torch_npu's (pinned wheels, downloaded not installed) and AMCT's API into tests/fixtures/npu_api
-	@$(ENV) python scripts/npu_api.py  # AMCT_GIT_DIR reaches it through the environment, never the command line
+	@$(ABS_VAR) $(ENV) python scripts/npu_api.py  # AMCT_GIT_DIR reaches it through the environment, never the command line
 
 # On a CUDA host (< 10 minutes after the installs): train steps of the demo and MoE models, smoke, profile with
 # torch.profiler, INT8 quantize + evaluate, all in strict NCCL mode, and the throughput against torchtitan 0.3.0

@@ -26,10 +26,11 @@ if git -C "$repo" rev-parse --git-dir >/dev/null 2>&1 && [ -n "$(git -C "$repo" 
 fi
 # What is running from it would lose its files underneath it (and `make stop` its pid files, leaving the servers
 # orphaned on their ports): refused while `make ui`'s servers or a `make run` are running from this var dir.
+# shellcheck source=scripts/pidfile.sh
+source "$repo/scripts/pidfile.sh"  # a pid file counts only while its pid is still the process ui.sh started
 for name in airflow mlflow; do
-  pid="$(cat "$abs/$name.pid" 2>/dev/null || true)"
-  if [[ "$pid" =~ ^[0-9]+$ ]] && ps -o stat= -p "$pid" 2>/dev/null | grep -qv '^Z'; then
-    echo "make clean: make ui's $name (pid $pid) is running from $var; run make stop first, then make clean" >&2
+  if pid_live "$abs/$name.pid" || pid_group_left "$abs/$name.pid"; then
+    echo "make clean: make ui's $name (pid $pid_of) is running from $var; run make stop first, then make clean" >&2
     exit 1
   fi
 done

@@ -3,7 +3,8 @@
 # components; SIGTERM to it alone would orphan them), MLflow gets SIGTERM. ui.sh started each in its own session
 # (setsid), so the PID is also the process-group id. Airflow task processes start their own sessions, so the
 # descendants are listed before the signal: whatever of the group or that list is left after STOP_WAIT_S (20)
-# seconds gets SIGTERM, then SIGKILL. Zombies don't count as alive (PID 1 in a container may never reap them).
+# seconds gets SIGTERM, then SIGKILL. Zombies don't count as alive (PID 1 in a container may never reap them). A pid
+# file whose pid is no longer the process ui.sh started (scripts/pidfile.sh) is removed, and nothing is signalled.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 var="${LLM_PIPELINE_VAR_DIR:-$repo/var}"
@@ -16,6 +17,8 @@ if ! [[ "$wait_s" =~ ^[0-9]{1,6}$ ]]; then
 fi
 wait_s=$((10#$wait_s))  # 08 is eight, not an octal error
 
+# shellcheck source=scripts/pidfile.sh
+source "$repo/scripts/pidfile.sh"  # pid_live / pid_group_left: the pid file's process is still the one recorded
 group_alive() { ps -eo pgid=,stat= | awk -v g="$1" '$1 == g && $2 !~ /^Z/ {found = 1} END {exit !found}'; }
 
 descendants() {  # every process below $1, whatever its session
@@ -35,8 +38,13 @@ wait_gone() {  # pgid seconds pids...
 stop() {  # name signal
   local pidfile="$var/$1.pid" pid
   [ -f "$pidfile" ] || { echo "stop: $1 not running (no $pidfile)"; return 0; }
-  pid="$(cat "$pidfile")"
-  if ! group_alive "$pid"; then echo "stop: $1 not running (stale pid $pid)"; rm -f "$pidfile"; return 0; fi
+  # Only the process ui.sh started (or, once it exited, its group): a pid alone may be another program's now.
+  if ! pid_live "$pidfile" && ! pid_group_left "$pidfile"; then
+    echo "stop: $1 not running (stale pid ${pid_of:-?}: not the $1 make ui started; nothing signalled)"
+    rm -f "$pidfile"
+    return 0
+  fi
+  pid=$pid_of
   local kids; kids=$(descendants "$pid")
   kill -s "$2" "$pid" 2>/dev/null
   # shellcheck disable=SC2086

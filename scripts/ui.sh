@@ -46,12 +46,21 @@ export AIRFLOW__API__BASE_URL="http://$host:$af_port"
 export MLFLOW_UI_URL="${MLFLOW_UI_URL:-http://$host:$ml_port}"   # read by plugins/mlflow_link.py
 mkdir -p "$var/logs"
 
-running() { [ -f "$1" ] && ps -o stat= -p "$(cat "$1")" 2>/dev/null | grep -qv '^Z'; }  # a zombie is not running
+# shellcheck source=scripts/pidfile.sh
+source "$repo/scripts/pidfile.sh"  # pid_live: the pid file names the very process this script started, still running
+running() { pid_live "$1"; }
 port_busy() { python -c 'import socket,sys; s=socket.socket(); sys.exit(s.connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0)' "$1"; }
 for name in airflow mlflow; do
   if running "$var/$name.pid"; then
-    echo "ui: $name already running (pid $(cat "$var/$name.pid")); run 'make stop' first" >&2
+    echo "ui: $name already running (pid $pid_of); run 'make stop' first" >&2
     exit 1
+  elif pid_group_left "$var/$name.pid"; then  # its first process exited, the rest of its group did not
+    echo "ui: $name's processes are still running (process group $pid_of); run 'make stop' first" >&2
+    exit 1
+  elif [ -e "$var/$name.pid" ]; then  # its process exited, or the pid is another program's now (after a reboot)
+    echo "ui: $var/$name.pid is stale (pid ${pid_of:-?} is no longer the $name make ui started: it exited, or the" \
+      "host rebooted): replacing it" >&2
+    rm -f "$var/$name.pid"
   fi
 done
 for name in AIRFLOW_PORT MLFLOW_PORT; do  # the variable that names the busy port, so the fix is clear
@@ -104,13 +113,13 @@ export MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:
 setsid mlflow server --app-name basic-auth --host "$host" --port "$ml_port" --workers 1 \
   --backend-store-uri "$MLFLOW_TRACKING_URI" --default-artifact-root "$var/mlartifacts" \
   > "$var/logs/mlflow-server.log" 2>&1 < /dev/null &
-echo $! > "$var/mlflow.pid"
+pid_write "$var/mlflow.pid" $!
 
 # Defence in depth: a generated password line (a user added to simple_auth_manager_users later) is redacted.
 setsid python "$repo/scripts/sigint-exec.py" airflow standalone \
   > >(sed -u -E "s/(Password for user '[^']*': ).*/\1<redacted: see $(basename "$af_pw_file")>/" \
        >> "$var/logs/airflow-standalone.log" 2>&1) 2>&1 < /dev/null &
-echo $! > "$var/airflow.pid"
+pid_write "$var/airflow.pid" $!
 
 fail() { bash "$repo/scripts/stop.sh" >&2; exit 1; }  # leave nothing half-started behind
 wait_for() {  # name url pidfile log
