@@ -179,13 +179,15 @@ def config_from_hf(hf: dict) -> TransformerConfig:
     types = [d.get("rope_type", d.get("type")) for d in (hf.get("rope_parameters"), hf.get("rope_scaling")) if d]
     rope_type = next((t for t in types if t not in (None, "default")), "default")
     heads = hf["num_attention_heads"]
+    windowed = _windowed_layers(hf, family)
     unsupported = {
-        f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") != "silu",
+        f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") not in SILU_ACTS,
         f"rope_type {rope_type!r}": rope_type != "default",
         "attention_bias (o_proj bias)": family == "llama" and hf.get("attention_bias", False),
-        "mlp_bias": hf.get("mlp_bias", False),
+        # transformers' Qwen2 / Qwen2-MoE MLPs are bias-free whatever mlp_bias says (only LlamaMLP reads it)
+        "mlp_bias": family == "llama" and hf.get("mlp_bias", False),
         "head_dim != hidden_size / heads": hf.get("head_dim") not in (None, hf["hidden_size"] // heads),
-        "use_sliding_window": hf.get("use_sliding_window", False),
+        f"use_sliding_window (layers not full attention: {', '.join(windowed)})": bool(windowed),
     }
     bad = [k for k, v in unsupported.items() if v]
     if bad:
@@ -209,6 +211,34 @@ def config_from_hf(hf: dict) -> TransformerConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **moe,
     )
+
+
+# hidden_act names transformers' ACT2FN maps to SiLU (transformers/activations.py: "silu", and "swish" as nn.SiLU)
+SILU_ACTS = ("silu", "swish")
+
+
+def _windowed_layers(hf: dict, family: str) -> list[str]:
+    """The layers ("index type") transformers would not run with full causal attention: for Qwen2 / Qwen2-MoE their
+    `layer_types`, from config.json or as their Config derives it from use_sliding_window, sliding_window and
+    max_window_layers (a use_sliding_window no layer takes up is full attention there, as here). LlamaConfig has no
+    window (transformers ignores the key): a Llama config setting it, likely a mislabelled windowed model, is
+    refused."""
+    n = hf["num_hidden_layers"]
+    use = hf.get("use_sliding_window", False)
+    if family == "llama":
+        return [f"0..{n - 1} use_sliding_window"] if use else []
+    types = hf.get("layer_types")
+    if types is None and family == "qwen2":  # Qwen2Config: sliding_window None unless use_sliding_window
+        window = hf.get("sliding_window", 4096) if use else None
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    elif types is None:  # Qwen2MoeConfig: every other layer below max_window_layers
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if use and (i + 1) % 2 and i < first else "full_attention" for i in range(n)]
+    if not isinstance(types, list) or len(types) != n:
+        return [f"0..{n - 1} layer_types {types!r} (not one type per layer)"]
+    types = [{"attention": "full_attention"}.get(t, t) for t in types]  # transformers' legacy name
+    return [f"{i} {t}" for i, t in enumerate(types) if t != "full_attention"]
 
 
 def _moe_from_hf(hf: dict) -> dict:

@@ -162,8 +162,9 @@ def _relabel(path, **config):
     [
         # a Qwen2 checkpoint labelled Llama: its q/k/v biases (6 tensors) were dropped, the logits off by ~0.7
         ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "model.layers.0.self_attn.k_proj.bias", 5),
-        # config.json cut to fewer layers than the weights hold: layer 1's 12 tensors dropped
-        ({"num_hidden_layers": 1}, "model.layers.1.input_layernorm.weight", 11),
+        # config.json cut to fewer layers than the weights hold (its layer_types too, which transformers checks
+        # against num_hidden_layers): layer 1's 12 tensors dropped
+        ({"num_hidden_layers": 1, "layer_types": ["full_attention"]}, "model.layers.1.input_layernorm.weight", 11),
     ],
 )
 def test_weights_its_config_json_does_not_describe_are_refused_not_dropped(tmp_path, config, first, more):
