@@ -78,7 +78,7 @@ ALONE_FILES := $(shell grep -l 'mark\.alone' tests/test_*.py)
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint db browser services
-	@$(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
+	@$(ABS_VAR) $(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
 	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
 	b=0; python -m pytest -q -m alone $(or $(PYTEST_ARGS),$(ALONE_FILES)) || b=$$?; \
 	if [ $$a$$b = 55 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; exit 5; fi; \
@@ -90,7 +90,7 @@ lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test 
 
 # The tests make their own temporary Airflow and MLflow stores, so var/'s DB is not migrated first.
 test-fast: venv pyc browser services
-	@$(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
+	@$(ABS_VAR) $(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 
 ui: venv  ## Airflow (standalone) + MLflow server on 127.0.0.1, both with a login; prints where the passwords are
 	@bash scripts/ui.sh
@@ -123,7 +123,7 @@ npu-api: venv  ## snapshot torch_npu's (pinned wheels, downloaded not installed)
 # torch.profiler, INT8 quantize + evaluate, all in strict NCCL mode, and the throughput against torchtitan 0.3.0
 # (installed once into .venv-titan: requirements-titan.txt). Report: var/device-check/device-check.json.
 device-check: venv .venv-titan/.installed
-	@$(ENV) python bench/device_check.py --out var/device-check --titan-python .venv-titan/bin/python
+	@$(ABS_VAR) $(ENV) python bench/device_check.py --out var/device-check --titan-python .venv-titan/bin/python
 
 .venv-titan/.installed: requirements-titan.txt
 	test -x .venv-titan/bin/python || $(PYTHON) -m venv .venv-titan
