@@ -160,6 +160,19 @@ def _drop_pending(pending: Path, left: dict | None) -> None:
         pending.unlink(missing_ok=True)
 
 
+def refuse_early(cfg) -> None:
+    """What the DAG's first task refuses (tasks.pipeline.early_problems: a model preset or converter name nothing
+    registers, a blank evaluate.tasks entry), refused by every stage run from the command line before it does
+    anything: `shard --set model.preset=typo` tokenized a whole shard set (and remembered the typo in cli-config.json)
+    before smoke refused it."""
+    from tasks.errors import ConfigError
+    from tasks.pipeline import early_problems
+
+    problems = early_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -219,6 +232,7 @@ def main(argv=None) -> int:
         node = node_of(args.sets)
         preset, overrides = dag_run_config(args.run_dir, args.config, node)
         cfg = load_config(preset, overrides, sets=args.sets)
+        refuse_early(cfg)  # before the run directory remembers anything
         node = cfg.hardware.node_rank
         if args.no_tracking:
             cfg.tracking.enabled = False

@@ -114,6 +114,46 @@ def _fingerprint(folders: list[str]) -> tuple:
     return tuple(out)
 
 
+def unknown_name(tm, entry: str) -> str:
+    """The one line for an evaluate.tasks name that lm-eval's index `tm` does not know (load, check_names)."""
+    close = difflib.get_close_matches(entry, tm.all_tasks, n=3)
+    return (
+        f"evaluate.tasks: {entry!r} is not an lm-eval task, group or tag"
+        + (f" (close: {', '.join(close)})" if close else "")
+        + "; give a name from `lm-eval ls tasks` or the path of a task YAML"
+    )
+
+
+def yaml_file(entry: str) -> Path:
+    """A YAML entry's file (a relative path is the repository's), else the one line (load, check_names)."""
+    from tasks.config import repo_path
+
+    path = repo_path(entry)
+    if not path.is_file():
+        here = Path.cwd() / entry
+        raise StageError(
+            f"evaluate.tasks: {entry}: no such task YAML file ({path}: a relative path is read from the repository"
+            + (f"; {here} exists: give its absolute path)" if here.is_file() else "; give an absolute path)")
+        )
+    return path
+
+
+def check_names(entries: list[str], defaults: bool = True) -> None:
+    """evaluate.tasks checked by name only, no task built and no dataset read: every YAML path names a file and
+    every other entry but demo-continuation is a name lm-eval's index knows (load's own two lines). The env stage's
+    early check, so that a mistyped name stops the run at its first task, not at shard after tokenizing; load checks
+    the rest. lm-eval's own ~14 700 tasks are indexed (about 7 s of CPU) only for a name the listed YAMLs' folders do
+    not define; `defaults` False: those folders' tasks only."""
+    paths = [yaml_file(e) for e in entries if e != "demo-continuation" and is_path(e)]
+    names = [e for e in entries if e != "demo-continuation" and not is_path(e)]
+    if not names:
+        return
+    tm = _manager(names, paths) if defaults else _task_manager(sorted({str(p.parent) for p in paths}), False)
+    for name in names:
+        if name not in tm.all_tasks:
+            raise StageError(unknown_name(tm, name))
+
+
 def _load_one(tm, entry: str, spec: str):
     try:
         return tm.load([spec])
@@ -122,12 +162,7 @@ def _load_one(tm, entry: str, spec: str):
             problem = _split_problem(spec, e.args[0] if e.args else None)
             problem = problem or f"lm-eval rejects this task ({_first_line(e)})"
             raise StageError(f"evaluate.tasks: {entry}: {problem}") from None
-        close = difflib.get_close_matches(entry, tm.all_tasks, n=3)
-        raise StageError(
-            f"evaluate.tasks: {entry!r} is not an lm-eval task, group or tag"
-            + (f" (close: {', '.join(close)})" if close else "")
-            + "; give a name from `lm-eval ls tasks` or the path of a task YAML"
-        ) from None
+        raise StageError(unknown_name(tm, entry)) from None
     except (FileNotFoundError, ConnectionError) as e:  # offline datasets: not in the cache / data_files missing
         lost_include = _include_problem(spec) if is_path(entry) else None
         if lost_include:  # the YAML's own chain, not its dataset
@@ -248,23 +283,13 @@ def _first_line(e: BaseException) -> str:
 
 def load(entries: list[str], demo_yaml: Path | None, limit: int | None, fewshot: dict, metrics: list[str]) -> Suite:
     """Load and check every entry (datasets read now, offline), before any model is loaded."""
-    from tasks.config import repo_path
-
     offline()
     specs = {}
     for entry in entries:
         if entry == "demo-continuation":
             specs[entry] = str(demo_yaml)
         elif is_path(entry):
-            path = repo_path(entry)
-            if not path.is_file():
-                here = Path.cwd() / entry
-                raise StageError(
-                    f"evaluate.tasks: {entry}: no such task YAML file ({path}: a relative path is read from the "
-                    "repository"
-                    + (f"; {here} exists: give its absolute path)" if here.is_file() else "; give an absolute path)")
-                )
-            specs[entry] = str(path)
+            specs[entry] = str(yaml_file(entry))
         else:
             specs[entry] = entry
     tm = _manager(list(specs), [Path(s) for s in specs.values() if is_path(s)])

@@ -148,6 +148,16 @@ def probe_sizes(cfg: PipelineConfig) -> list[float]:
     return out
 
 
+def check_eval_tasks(cfg: PipelineConfig, lm_eval_tasks: bool = True) -> None:
+    """evaluate.tasks refused at the run's first task: a YAML path naming no file or a name lm-eval's task index does
+    not know (tasks.harness.suite.check_names: the lines the shard stage's full load gives, there only after
+    tokenizing). Costs lm-eval's index (about 7 s of CPU) only for a name no listed YAML's folder defines;
+    `lm_eval_tasks` False: those folders' tasks only."""
+    from tasks.harness.suite import check_names
+
+    check_names(list(cfg.evaluate.tasks), defaults=lm_eval_tasks)
+
+
 def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, checks: list) -> None:
     if getattr(ctx.args, "no_probe", False) or not cfg.hardware.collective_probe:
         how = "--no-probe" if getattr(ctx.args, "no_probe", False) else "hardware.collective_probe false"
@@ -251,6 +261,7 @@ def check_ascend_root(given: str) -> None:
 
 def run(cfg: PipelineConfig, ctx) -> dict:
     probe_sizes(cfg)  # a bad value fails now, not after the slow checks
+    check_eval_tasks(cfg)  # a mistyped evaluate.tasks entry: now, not at shard
     given = getattr(ctx.args, "ascend_root", None)
     if given and not os.path.isdir(given):  # a mistyped root would read as "no CANN here": said, not a warning
         raise ConfigError(
