@@ -56,7 +56,12 @@ def llm_data():
         with to_logging():  # as the fan-out's tasks and llm_pipeline's: a known cause is the log's one ERROR line
             try:
                 result = run_for_dag_run(
-                    "shard", dict(ctx["params"]), ctx["dag"].dag_id, ctx["run_id"], args=DATA_DAG_SHARD_ARGS
+                    "shard",
+                    dict(ctx["params"]),
+                    ctx["dag"].dag_id,
+                    ctx["run_id"],
+                    ctx["ti"].try_number,  # on the stage's MLflow run: a cleared task's try 2 is told apart
+                    args=DATA_DAG_SHARD_ARGS,
                 )
             except StageError as e:
                 raise failure(str(e)) from None

@@ -459,7 +459,8 @@ def run_for_dag_run(
 
     `published` (tasks.pipeline.published_shard_set) is the asset event that triggered the run: the shard stage
     then adopts that exact shard set (manifest digest checked) instead of re-sharding, and the event is recorded on
-    the MLflow parent run. `args`: stage flags to set (dest → value), e.g. the shard stage's reduce=True."""
+    the MLflow parent run. `args`: stage flags to set (dest → value), e.g. the shard stage's reduce=True.
+    `try_number`: the Airflow task's try (ctx["ti"].try_number), tagged on the stage's child run."""
     run_dir = default_run_dir(dag_id, run_id)
     report = os.environ.get("LLM_PIPELINE_RUN_DIR_FILE")  # set by `make run`: which run directory is its own
     if report:
@@ -468,7 +469,10 @@ def run_for_dag_run(
     parent = join_dag_run(cfg, dag_id, run_id, try_number)
     if parent and published and stage == "shard":
         tracking.record_asset_event(cfg, parent, published)
-    result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published, args), parent_run_id=parent)
+    # The task's own try on its child run (the parent's airflow.try_number is the try of the task that created it):
+    # a retried or cleared stage's runs sit side by side under one parent, told apart by this tag.
+    tries = {"airflow.try_number": str(try_number)}
+    result = run_stage(stage, cfg, run_dir, args=stage_args(stage, published, args), parent_run_id=parent, tags=tries)
     result["run_dir"] = str(run_dir)
     return result
 

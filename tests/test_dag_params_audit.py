@@ -151,13 +151,16 @@ def test_llm_data_takes_its_own_params(monkeypatch, tmp_path):
 def test_llm_data_shard_task_ends_on_its_one_line_cause(monkeypatch, tmp_path):
     """llm_data's own `shard` task ended a known cause with AirflowFailException (its frames under the cause in the
     task log); it ends as the fan-out's tasks and llm_pipeline's do: the cause logged at ERROR, a StageFailure."""
+    from types import SimpleNamespace
+
     from airflow.sdk.execution_time.context import set_current_context
 
     from tasks.pipeline import StageFailure
 
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
     dag = _dag("llm_data")
-    context = {"dag": dag, "run_id": "manual__1", "params": {"preset": "ci-tiny", "seq_len": 4}}
+    ti = SimpleNamespace(try_number=1)  # the task instance every task's context holds (the shard task reads its try)
+    context = {"dag": dag, "run_id": "manual__1", "params": {"preset": "ci-tiny", "seq_len": 4}, "ti": ti}
     with set_current_context(context), pytest.raises(StageFailure) as e:
         dag.get_task("shard").python_callable(outlet_events={})
     assert str(e.value).startswith("data.seq_len: 4 must be in [8, "), str(e.value)

@@ -152,7 +152,10 @@ class TrainStep:
         # non-finite loss was computed unscaled: no lower scale cures it, so it goes to `check` as under BF16/FP32
         # (the loss is global: every rank takes the same branch).
         if self.scaler is not None and self.scaler.unscale_and_check(self.params) and math.isfinite(loss):
+            floor = self.scaler.at_floor  # no lower scale cures this overflow (loss_scale.MIN_SCALE)
             self.scaler.update(found_inf=True)
+            if floor:  # the guard's verdict on a non-finite gradient norm, naming the cause: the trainer stops the run
+                return StepResult(loss, None, lr, verdict=self.floor_verdict(loss), overflow=True)
             self.zero_grad()
             return StepResult(loss, None, lr, overflow=True)
         norm = self.clip()
@@ -163,6 +166,15 @@ class TrainStep:
             if self.scaler is not None:
                 self.scaler.update(found_inf=False)
         return result
+
+    def floor_verdict(self, loss: float):
+        """FP16 overflowed at the loss scale floor: `check`'s verdict on the non-finite gradient norm (the trainer's
+        guard: a Divergence condemning this step only, the weights untouched), its `what` the scaler's cause and fix.
+        The gradients are kept for diagnosis.json (which parameters overflowed), as for any verdict."""
+        import dataclasses
+
+        verdict, cause = self.check(loss, math.inf), self.scaler.floor_cause()
+        return dataclasses.replace(verdict, what=cause) if dataclasses.is_dataclass(verdict) else cause
 
     @torch.no_grad()
     def validate(self, batches: list) -> float:
