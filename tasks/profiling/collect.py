@@ -29,6 +29,13 @@ def trace_path(out_dir: str | os.PathLike, rank: int) -> Path:
     return Path(out_dir) / f"rank{rank}.pt.trace.json"
 
 
+def active_steps(pcfg: ProfileConfig) -> range:
+    """The training steps (1-based, as metrics.jsonl numbers them) the profiler records: after skip_first, wait and
+    warmup, `active` of them (the schedule below, one cycle; prof.step() follows each training step)."""
+    first = pcfg.skip_first + pcfg.wait + pcfg.warmup + 1
+    return range(first, first + pcfg.active)
+
+
 class _Off:
     """What make_profiler returns without a profile directory: the training loop stays the same, unprofiled."""
 

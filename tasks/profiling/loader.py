@@ -1,25 +1,28 @@
 """`load_profile(PATH)`: find what a folder holds and read it into one Profile.
 
 PATH may be one rank's `*_ascend_pt` or `ASCEND_PROFILER_OUTPUT`, a folder of ranks, an msprof `PROF_*` folder, an
-msprof-analyze `cluster_analysis_output` (or a folder holding one), torch.profiler traces, or one trace file. When a
-folder holds several kinds, per-rank Ascend data wins over the cluster summary (it has operators too), which wins
-over traces.
+msprof-analyze `cluster_analysis_output` (or a folder holding one), torch.profiler traces (`*.json`, or `*.json.gz`
+from torch's use_gzip export), or one trace file. When a folder holds several kinds, per-rank Ascend data wins over
+the cluster summary (it has operators too), which wins over traces.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
+import zlib
 from pathlib import Path
 
 from tasks.errors import StageError
 from tasks.profiling import ascend, tables
+from tasks.profiling import timeline as tl
 from tasks.profiling.model import Profile
 from tasks.profiling.torch_trace import read_torch_trace
 
 CLUSTER_DIR = "cluster_analysis_output"
 EXPECTED = (
     "*_ascend_pt/ or ASCEND_PROFILER_OUTPUT/, PROF_*/mindstudio_profiler_output/, cluster_analysis_output/, "
-    "or torch.profiler *.json traces"
+    "or torch.profiler *.json / *.json.gz traces"
 )
 
 
@@ -36,7 +39,8 @@ def _is_cluster(p: Path) -> bool:
     return False
 
 
-TRACE_SUFFIX = ".pt.trace.json"  # torch.profiler's tensorboard_trace_handler and tasks.profiling.collect.trace_path
+# torch.profiler's tensorboard_trace_handler (+ ".gz" with use_gzip=True) and tasks.profiling.collect.trace_path
+TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 
 
 def _not_a_trace(p: Path) -> str:
@@ -48,9 +52,18 @@ def _not_a_trace(p: Path) -> str:
     )
 
 
+def _is_trace_name(name: str) -> bool:
+    """A Chrome trace by name: *.json, or *.json.gz (torch's `tensorboard_trace_handler(use_gzip=True)` writes
+    `<worker>.<ns>.pt.trace.json.gz`)."""
+    return name.endswith((".json", ".json.gz"))
+
+
 def _looks_like_torch_trace(p: Path) -> bool:
-    with open(p, "rb") as f:
-        head = f.read(4096)
+    try:
+        with tl.open_trace(p, "rb") as f:
+            head = f.read(4096)
+    except (EOFError, zlib.error, gzip.BadGzipFile):  # a .gz cut short before 4 KiB, or not gzip: not a trace
+        return False
     return b'"traceEvents"' in head or b'"schemaVersion"' in head
 
 
@@ -74,9 +87,9 @@ def discover(root: Path) -> tuple[list[Path], list[Path], list[Path]]:
             dirnames[:] = []
             continue
         for f in filenames:
-            if f.endswith(".json") and _looks_like_torch_trace(here / f):
+            if _is_trace_name(f) and _looks_like_torch_trace(here / f):
                 traces.append(here / f)
-            elif f.endswith(TRACE_SUFFIX):  # named as a trace (torch's handler, our collect) but not one: a rank lost
+            elif f.endswith(TRACE_SUFFIXES):  # named as a trace (torch's handler, our collect) but not one: a rank lost
                 raise StageError(_not_a_trace(here / f))
         dirnames.sort()
     return sorted(units), clusters, sorted(traces)
@@ -87,9 +100,9 @@ def load_profile(path: str | os.PathLike) -> Profile:
     if not root.exists():
         raise StageError(f"{root}: no such file or folder")
     if root.is_file():
-        if root.name.endswith(TRACE_SUFFIX) and not _looks_like_torch_trace(root):
+        if root.name.endswith(TRACE_SUFFIXES) and not _looks_like_torch_trace(root):
             raise StageError(_not_a_trace(root))
-        if root.suffix != ".json" or not _looks_like_torch_trace(root):
+        if not _is_trace_name(root.name) or not _looks_like_torch_trace(root):
             raise StageError(f"{root}: not a torch.profiler trace; point at the profiling folder ({EXPECTED})")
         return Profile(str(root), "torch_trace", [read_torch_trace(root)])
     units, clusters, traces = discover(root)

@@ -5,25 +5,31 @@ An expert that receives far more than the mean number of tokens sets the pace of
 matmul is the longest; with expert parallelism its rank's all-to-all and compute are the longest — the other ranks
 wait). Fires when the busiest expert's tokens over the mean exceed `max_over_mean` (default 1.5, the capacity
 factor commonly used to bound dropping, e.g. GShard / Switch Transformer's 1.25–2.0 range) in any layer, averaged
-over the logged steps. All-to-all itself is counted as communication by tasks.profiling.model.categorize.
+over the logged steps — the profiler's active (recorded) steps only when the stage passes them
+(tasks.profiling.collect.active_steps), as every other figure of the profile: the skipped and warm-up steps' routing
+is left out. All-to-all itself is counted as communication by tasks.profiling.model.categorize.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from pathlib import Path
 
 MAX_OVER_MEAN = 1.5
 
 
-def expert_load(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) -> dict | None:
+def expert_load(
+    metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN, steps: Container[int] | None = None
+) -> dict | None:
     """What the rule evaluated: per layer the busiest expert's tokens over the mean, summed over the logged steps
-    of the run's router statistics; None for a run without them (a dense model)."""
+    of the run's router statistics (only those whose `step` is in `steps` when given: the profiler's active steps);
+    None for a run without them (a dense model)."""
     path = Path(metrics_path)
     if not path.is_file():
         return None
     records = [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
-    records = [r for r in records if r.get("moe_tokens_per_expert")]
+    records = [r for r in records if r.get("moe_tokens_per_expert") and (steps is None or r.get("step") in steps)]
     if not records:
         return None
     by_layer: dict[str, list[float]] = {}
@@ -44,8 +50,10 @@ def expert_load(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) 
     }
 
 
-def expert_imbalance(metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN) -> list[dict]:
-    load = expert_load(metrics_path, max_over_mean)
+def expert_imbalance(
+    metrics_path: str | Path, max_over_mean: float = MAX_OVER_MEAN, steps: Container[int] | None = None
+) -> list[dict]:
+    load = expert_load(metrics_path, max_over_mean, steps)
     if not load or load["worst_layer"] is None or load["max_over_mean"] <= max_over_mean:
         return []
     worst, ratio = load["worst_layer"], load["max_over_mean"]

@@ -1,13 +1,16 @@
 """Chrome-trace reading and interval arithmetic, shared by torch.profiler traces and Ascend's trace_view.json.
 
 Ascend writes `ts` as strings ("1704161511422904.204") and the file as a bare array; torch writes numbers inside
-`{"traceEvents": [...]}`. Both are µs.
+`{"traceEvents": [...]}`. Both are µs. A `*.gz` trace (torch's `tensorboard_trace_handler(use_gzip=True)`
+writes `<worker>.<ns>.pt.trace.json.gz`) is read through gzip.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
+import zlib
 from pathlib import Path
 
 from tasks.errors import StageError
@@ -15,14 +18,26 @@ from tasks.errors import StageError
 STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 
 
+def open_trace(path: Path, mode: str = "rt"):
+    """The trace file, decompressed when its name ends in .gz (torch's use_gzip export)."""
+    if str(path).endswith(".gz"):
+        return gzip.open(path, mode, **({"encoding": "utf-8"} if "t" in mode else {}))
+    return open(path, mode, **({"encoding": "utf-8"} if "t" in mode else {}))
+
+
 def load_trace(path: Path) -> tuple[dict, list[dict]]:
     """(top-level metadata, events) with numeric ts/dur; a truncated or non-trace file fails naming it."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_trace(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise StageError(
             f"{path}: not valid JSON (line {e.lineno}: {e.msg}); the trace was cut short or is still being written"
+        ) from None
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:  # a .gz cut short or not gzip at all
+        raise StageError(
+            f"{path}: not a complete gzip file ({e}); the trace was cut short or is still being written: "
+            "collect the profile again"
         ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise StageError(f"{path}: unreadable ({e})") from None

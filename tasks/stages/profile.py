@@ -10,6 +10,7 @@ traces — in pure Python on any machine. Writes <run-dir>/profile/{report.json,
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -106,15 +107,33 @@ def planned_launch(cfg: PipelineConfig, ctx) -> dict:
     return {"layout": layouts.resolve(cfg, plan, world).to_dict(), "world": world}
 
 
+# profile.* settings that change only the analysis of the collected traces (or whether the stage runs at all), never
+# what the profiled run collects: changing them re-analyses the traces of an earlier collect instead of collecting again
+ANALYSIS_ONLY = ("enabled", "analyzer", "fail_on_regression", "regression_threshold")
+
+
+def collect_digest(cfg: PipelineConfig) -> str:
+    """The config's digest without the analysis-only profile settings (ANALYSIS_ONLY): what a collect depends on."""
+    body = {k: v for k, v in cfg.to_dict().items() if k != "preset"}
+    body["profile"] = {k: v for k, v in body["profile"].items() if k not in ANALYSIS_ONLY}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def reusable(
     marker: Path, cfg: PipelineConfig, shard_dir: str, layout: dict | None = None, world: int | None = None
 ) -> Path | None:
     """The folder an earlier collect in this run directory left, when it profiled this config on this shard set
     (a --shard-dir is not part of the config's digest: another set is another profile) with this layout and world
     size (`planned_launch`: a re-plan — `plan --zero 3` after a collect under zero 1 — changes neither the config nor
-    the shard set, only what train.prepare would launch). A marker without them (older) is not reused."""
+    the shard set, only what train.prepare would launch). A marker without them (older) is not reused. "This config"
+    is `collect_digest`'s: a change of profile.analyzer or the regression settings only re-analyses (a marker
+    written before collect_hash existed is compared by the whole config's digest)."""
     done = read_json(marker) if marker.is_file() else {}
-    if done.get("config_hash") != cfg.digest() or done.get("shard_dir") != shard_dir:
+    if "collect_hash" in done:
+        same = done["collect_hash"] == collect_digest(cfg)
+    else:
+        same = done.get("config_hash") == cfg.digest()
+    if not same or done.get("shard_dir") != shard_dir:
         return None
     if done.get("layout") != layout or done.get("world") != world:
         return None
@@ -217,6 +236,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
         marker,
         {
             "config_hash": cfg.digest(),
+            "collect_hash": collect_digest(cfg),  # what reuse compares (analysis-only settings left out)
             "shard_dir": shards,
             "steps": cfg.profile.steps_needed(),
             "backend": spec["backend"],
@@ -295,10 +315,13 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     report["baseline_key"], report["baseline_note"] = key, note
     report["findings"] += regressions
     if getattr(ctx.args, "action", "collect") != "analyze":  # router statistics of the profiled run (MoE models)
-        from tasks.profiling.moe_rules import expert_imbalance, expert_load
+        from tasks.profiling.collect import active_steps
+        from tasks.profiling.moe_rules import MAX_OVER_MEAN, expert_imbalance, expert_load
 
-        report["moe"] = expert_load(out_dir / "run" / "metrics.jsonl")
-        report["findings"] += expert_imbalance(out_dir / "run" / "metrics.jsonl")
+        # the recorded steps only, as the trace's figures: not the skipped / warm-up steps' routing
+        active = active_steps(cfg.profile)
+        report["moe"] = expert_load(out_dir / "run" / "metrics.jsonl", MAX_OVER_MEAN, active)
+        report["findings"] += expert_imbalance(out_dir / "run" / "metrics.jsonl", MAX_OVER_MEAN, active)
     paths = write_outputs(report, out_dir)
     if ctx.mlflow_run_id:
         _log(report, paths, analyze_dir, key)
