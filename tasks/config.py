@@ -22,6 +22,7 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from data_prep.config import DataConfig, Section, problems, repo_path, rule_error, var_dir, yaml_mapping  # noqa: F401 (repo_path, var_dir: tasks' names for them)
 from tasks.errors import ConfigError
+from tasks.shape import PRESETS as MODEL_PRESETS, preset_problem  # torch-free
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO_ROOT / "configs"
@@ -114,6 +115,7 @@ SHAPE_OVERRIDES = (  # ModelConfig's fields that override the preset's Transform
     "n_experts",
     "top_k",
     "moe_ffn_dim",
+    "shared_ffn_dim",
     "aux_loss_coef",
     "capacity_factor",
 )
@@ -123,7 +125,9 @@ class ModelConfig(Section):
     """What the user sets about the model; tasks.model.resolve turns it into the one shape type,
     `TransformerConfig.from_preset(preset, **overrides())` or `from_hf_config(hf_path, **overrides())`."""
 
-    preset: str = "demo"  # tasks.shape presets: debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …
+    # tasks.shape's registered presets (debug, demo, qwen2-0.5b, … llama-13b, moe-demo, …): its JSON schema's enum is
+    # the trigger form's dropdown; a name nobody registers is refused (below) unless hf_path gives the shape
+    preset: str = Field("demo", json_schema_extra={"enum": list(MODEL_PRESETS)})
     hf_path: str = ""  # initialise from a local HF directory instead of random weights
     # Shape overrides; unset (None) = the preset's (or hf_path's config.json's). vocab_size unset on a CPU-sized
     # preset (debug, demo, moe-demo, which have no vocabulary of their own): the shard set's tokenizer's.
@@ -139,6 +143,7 @@ class ModelConfig(Section):
     n_experts: int | None = Field(None, ge=1, le=4096)
     top_k: int | None = Field(None, ge=1, le=4096)
     moe_ffn_dim: int | None = Field(None, ge=1, le=1 << 22)
+    shared_ffn_dim: int | None = Field(None, ge=1, le=1 << 22)  # the shared expert's (shared_expert_intermediate_size)
     aux_loss_coef: float | None = Field(None, ge=0.0, le=100.0)  # router load-balancing loss (0 = off)
     capacity_factor: float | None = Field(None, ge=0.0, le=1000.0)  # 0 = dropless; > 0 drops above it
     # Model converters applied in this order to the built model, before any parallelism (tasks/model/converters.py,
@@ -148,6 +153,14 @@ class ModelConfig(Section):
     # npu_fused's kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu): auto = on an NPU, those the
     # installed torch_npu has and the SoC supports; off = plain PyTorch everywhere (tasks/model/npu_kernels.py)
     npu_kernels: Literal["auto", "off"] = "auto"
+
+    @model_validator(mode="after")
+    def _registered_preset(self):
+        """model.preset must be registered (with hf_path the checkpoint's config.json is the shape: any name)."""
+        problem = None if self.hf_path else preset_problem(self.preset)
+        if problem:
+            raise rule_error([problem.removeprefix("model.")])  # problems() names it model.preset again
+        return self
 
     def overrides(self) -> dict:
         """The shape fields the user set ({name: value}): the `**overrides` of TransformerConfig.from_preset."""

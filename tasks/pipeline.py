@@ -18,6 +18,7 @@ from tasks.errors import ConfigError
 from tasks.fsutil import atomic_write_json, atomic_write_text, read_json
 from tasks.config import CONFIG_DIR, DEFAULT_PRESET, PipelineConfig, get, load_config
 from tasks.runner import default_run_dir, run_stage
+from tasks.shape import PRESETS as MODEL_PRESETS  # torch-free
 from tasks.summary import APPROVAL_FILE
 
 log = logging.getLogger("tasks.pipeline")
@@ -93,8 +94,8 @@ PARAMS = [
         "model.preset",
         "Model",
         "Model preset",
-        "Shapes: debug, demo, qwen2-0.5b/1.5b/7b, llama3-8b/70b, llama-13b; mixture of experts: moe-demo, "
-        "qwen1.5-moe-a2.7b, qwen2-57b-a14b.",
+        "The model's shape: a preset registered in tasks/shape.py (the list); with Start from HF checkpoint the "
+        "checkpoint's config.json is the shape.",
     ),
     (
         "hf_path",
@@ -198,6 +199,7 @@ PARAMS = [
 ]
 
 LABELS = {  # readable labels for enum values in the trigger form
+    "model.preset": {name: f"{name} (mixture of experts)" for name, shape in MODEL_PRESETS.items() if shape.n_experts},
     "parallel.zero": {
         0: "0 — replicated DP (gradient all-reduce)",
         1: "1 — + AdamW states sharded",
@@ -339,7 +341,12 @@ def config_for_params(params: dict, dag_id: str | None = None) -> PipelineConfig
     (data.verify_sha256: a shard with the right size and altered bytes is caught before it is trained on).
     `dag_id`: whose Params (llm_data takes DATA_PARAMS only; None: llm_pipeline's)."""
     preset, overrides = overrides_from_params(params, dag_id)
-    cfg = load_config(preset, overrides=overrides)
+    try:
+        cfg = load_config(preset, overrides=overrides)
+    except ConfigError as e:  # a refused registered model name is still named in the same line
+        name = overrides.get("evaluate.registered_model")
+        problem = tracking.model_name_problem(name) if isinstance(name, str) else None
+        raise ConfigError(f"{problem}; {e}" if problem else str(e)) from None
     cfg.data.verify_sha256 = True
     problems = [tracking.model_name_problem(cfg.evaluate.registered_model)]  # refused now, not after the whole run
     problems += early_problems(cfg) if dag_id not in DAG_PARAMS else []  # llm_data builds no model

@@ -87,6 +87,22 @@ class TransformerConfig:
         changes = {k: v for k, v in overrides.items() if v is not None}
         return dataclasses.replace(self, **{"mlp_only_layers": list(self.mlp_only_layers), **changes})
 
+    def capacity_note(self) -> str | None:
+        """The one line for a MoE model trained with a capacity factor (the train stage's launch warnings, the
+        export's log; the export's llm-pipeline.json records the factor: tasks.model.moe.note_capacity), else None:
+        transformers' Qwen2MoeSparseMoeBlock has no capacity, so the export, and the quantize and evaluate stages
+        that load it, compute the dropless function, not the one trained (what DeepSpeed's eval_capacity_factor,
+        ST-MoE's 2.0 at evaluation, do deliberately: here it is said)."""
+        if not (self.n_experts and self.capacity_factor > 0):
+            return None
+        return (
+            f"model.capacity_factor {self.capacity_factor:g}: training drops the expert assignments above "
+            f"ceil({self.capacity_factor:g} · tokens · top_k / experts) per expert (moe_dropped_frac; its validation "
+            "loss too), but the Hugging Face export (Qwen2MoeForCausalLM has no capacity), transformers and the "
+            "quantize and evaluate stages route every token: they compute the dropless model, not the one trained; "
+            "set model.capacity_factor 0 to train what is exported"
+        )
+
     def is_moe_layer(self, i: int) -> bool:
         return self.n_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 

@@ -105,27 +105,44 @@ def _routing_flips(name: str, ref: torch.Tensor, refs: dict, cand: dict) -> int:
     return int((chosen[0] != chosen[1]).any(dim=-1).sum())
 
 
-def _model(tcfg, state: dict, dev):
+def _model(tcfg, state: dict, dev, converters=()):
+    """The model on `dev` from `state`, with `converters` (built ones) applied as the smoke curves and the trainer
+    apply them: before the weights load."""
     from tasks.model import build_model
+    from tasks.model.converters import apply
 
     model = build_model(tcfg).to_empty(device=dev)
+    apply(model, converters)
     model.tie_weights()
     model.load_state_dict(state)
     model.init_rope()
     return model.eval()
 
 
-def compare_with_cpu(tcfg, state: dict, tokens: torch.Tensor, dev, precision: str, tolerance: float) -> dict:
+def compare_with_cpu(
+    tcfg, state: dict, tokens: torch.Tensor, dev, precision: str, tolerance: float, converters=(), cfg=None
+) -> dict:
     """One forward on `dev` in `precision` (fp32 | bf16 | fp16 autocast) against FP32 on the CPU, same weights and
-    tokens. On a CPU-only host `dev` is the CPU itself, so this compares CPU BF16 with CPU FP32."""
+    tokens. On a CPU-only host `dev` is the CPU itself, so this compares CPU BF16 with CPU FP32.
+
+    Both models get `converters` (model.converters; `cfg`: the run's config, for their settings), each built for its
+    own side's device as training builds them: the CPU reference then computes the function training trains
+    (qat_int8's fake-quantized weights, math_attention's explicit ops), and npu_fused, whose NPU kernels exist only
+    on an NPU, is the identity there: the reference keeps the plain PyTorch ops the fused kernels are checked
+    against."""
+    from tasks.model.converters import ConvertContext, build
+
+    ref_convs = build(converters, ConvertContext("cpu", tcfg, cfg))
     reference = capture(
-        _model(tcfg, state, torch.device("cpu")), tokens.cpu(), devices.autocast(torch.device("cpu"), "fp32")
+        _model(tcfg, state, torch.device("cpu"), ref_convs), tokens.cpu(), devices.autocast(torch.device("cpu"), "fp32")
     )
-    model = _model(tcfg, state, dev)
+    convs = build(converters, ConvertContext(dev.type, tcfg, cfg))
+    model = _model(tcfg, state, dev, convs)
     candidate = capture(model, tokens.to(dev), devices.autocast(dev, precision))
     del model
     out = compare(reference, candidate, tolerance)
     out.update(device=str(dev), precision=precision, reference="cpu fp32", tokens=list(tokens.shape))
+    out["converters"] = {"device": [repr(c) for c in convs], "cpu": [repr(c) for c in ref_convs]}
     return out
 
 

@@ -165,6 +165,29 @@ def write_streaming(path: Path, entries: list[tuple], read) -> int:
     return offset
 
 
+def start_dtype(hf_path: str | os.PathLike | None) -> torch.dtype | None:
+    """The dtype the export keeps: bfloat16 when the checkpoint the training started from (model.hf_path) stores
+    every floating-point weight in bfloat16, as published checkpoints do (transformers' save_pretrained writes a
+    model in the dtype it holds, and training here holds fp32 master weights: an fp32 export of it is twice the size,
+    labelled float32). Else None: the checkpoint's own dtype (fp32), as for a run from scratch; a float16 checkpoint
+    too, as fp32 weights trained past float16's range would become inf. Read from the safetensors headers (what the
+    files hold, not what config.json says); no hf_path, or no weights there any more: None."""
+    from tasks.model.safetensors_io import read_header
+
+    if not hf_path:
+        return None
+    home = Path(hf_path)
+    index = home / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({home / f for f in json.loads(index.read_text())["weight_map"].values()})
+    elif (home / "model.safetensors").is_file():
+        files = [home / "model.safetensors"]
+    else:
+        return None
+    floats = {e.dtype for f in files for e in read_header(f).values() if e.dtype.is_floating_point}
+    return torch.bfloat16 if floats == {torch.bfloat16} else None
+
+
 def export_from_checkpoint(
     ckpt: str | os.PathLike,
     tcfg: TransformerConfig,
@@ -182,7 +205,8 @@ def export_from_checkpoint(
     `barrier` callable) and writes its share of the files (`file_bytes` None: about 1/world of the model per file,
     at most FILE_BYTES, so every rank takes part). `stats` receives this rank's written_bytes and
     largest_tensor_bytes. `hf_path`: the checkpoint the training started from (model.hf_path), whose special token
-    ids and generation_config.json the export carries (else those of the tokenizer's source checkpoint)."""
+    ids and generation_config.json the export carries (else those of the tokenizer's source checkpoint), and whose
+    weights' dtype it keeps when that is bfloat16 (start_dtype; `dtype` None: else the checkpoint's own, fp32)."""
     from tasks.fsutil import recover_dir, swap_dir
     from tasks.model.hf_io import _copy_tokenizer, write_config
     from tasks.model.model_dir import write_manifest
@@ -196,6 +220,8 @@ def export_from_checkpoint(
         tmp.mkdir(parents=True)
     barrier()
     tensors = checkpoint_tensors(ckpt, tcfg)
+    if dtype is None:
+        dtype = start_dtype(hf_path)  # a bf16 checkpoint fine-tuned here comes back in bf16, as it came
     if file_bytes is None:
         total = sum(_numel(shape) * (dtype or dt).itemsize for _, shape, dt in tensors)
         file_bytes = min(FILE_BYTES, -(-total // world))
@@ -238,6 +264,9 @@ def export_from_checkpoint(
             body = json.loads(manifest.read_text(encoding="utf-8"))
             body["checkpoint"] = {"name": ckpt.name, "meta_sha256": sha256_file(ckpt / "meta.json")}
             atomic_write_json(manifest, body)
+        from tasks.model.moe import note_capacity
+
+        note_capacity(manifest, tcfg)  # trained with a capacity factor: said, and recorded (HF Qwen2-MoE has none)
         swap_dir(tmp, out)  # the old export stays until the new one is complete
     barrier()
     return out

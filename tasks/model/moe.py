@@ -11,6 +11,7 @@ strides allow (16-byte aligned rows), else with a loop over experts — the same
 
 Dropless by default; with `capacity_factor` > 0 an expert takes at most ⌈cf · tokens · k / E⌉ assignments (first
 come, in token order), the rest contribute nothing (the shared expert and the residual still carry the token).
+transformers' Qwen2-MoE has no capacity: the export computes the dropless model, and says so (`note_capacity`).
 
 Load balancing: each MoE layer adds `aux_loss_coef` × E · Σ_e f_e · P_e (Switch/HF form: f_e the fraction of the
 sequence's top-k assignments that go to expert e, P_e the mean router probability), computed per sequence and
@@ -25,7 +26,9 @@ With `aux_loss_coef` 0 nothing joins the loss, but the statistic is still comput
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -271,3 +274,20 @@ def summarise(tokens: dict, aux_sum: float, calls: int, dropped: int) -> dict:
         "moe_load_max_over_mean": max(ratios) if ratios else 0.0,
         "moe_dropped_frac": dropped / total if total else 0.0,
     }
+
+
+def note_capacity(manifest, tcfg) -> None:
+    """The export of a model trained with a capacity factor (tasks.model.hf_export): its warning line in the training
+    job's log (TransformerConfig.capacity_note) and, in the export's llm-pipeline.json, `moe_capacity`: the factor
+    it was trained with and that the exported model routes every token (HF Qwen2-MoE has no capacity)."""
+    from pathlib import Path
+
+    from tasks.fsutil import atomic_write_json
+
+    note = tcfg.capacity_note()
+    if note is None:
+        return
+    print(f"warning: {note}", file=sys.stderr, flush=True)
+    body = json.loads(Path(manifest).read_text(encoding="utf-8"))
+    body["moe_capacity"] = {"trained_capacity_factor": tcfg.capacity_factor, "exported_routes": "every token"}
+    atomic_write_json(manifest, body)

@@ -13,7 +13,7 @@ from tasks.shape import TransformerConfig
 NOT_IN_WEIGHTS = ("rope_theta", "max_seq_len", "top_k", "aux_loss_coef", "capacity_factor")
 WEIGHT_SHAPE = tuple(k for k in SHAPE_OVERRIDES if k not in NOT_IN_WEIGHTS)
 # model.* overrides only a mixture-of-experts model reads (model.n_experts on a dense preset fails in validate())
-MOE_ONLY = ("top_k", "moe_ffn_dim", "aux_loss_coef", "capacity_factor")
+MOE_ONLY = ("top_k", "moe_ffn_dim", "shared_ffn_dim", "aux_loss_coef", "capacity_factor")
 
 
 def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:

@@ -287,14 +287,17 @@ def log_memory_estimate(cfg, tcfg, seq_len: int, peak_bytes: int) -> float:
 
 
 def compare_precision(cfg, tcfg, state: dict, tokens, dev) -> dict:
-    """smoke.compare_with_cpu: per-layer errors of one forward on the device against FP32 on the CPU (MLflow:
-    smoke.compare.* metrics, the per-layer max relative error as a step series, smoke/compare.json)."""
+    """smoke.compare_with_cpu: per-layer errors of one forward on the device against FP32 on the CPU, both models
+    with model.converters as the curves apply them (MLflow: smoke.compare.* metrics, the per-layer max relative
+    error as a step series, smoke/compare.json)."""
     from tasks.model import compare as cmp
 
     precision = cfg.smoke.compare_precision
     if precision == "bf16" and not devices.bf16_supported(dev.type):
         precision = "fp16" if devices.fp16_supported(dev.type) else "fp32"
-    return cmp.compare_with_cpu(tcfg, state, tokens, dev, precision, cfg.smoke.compare_tolerance)
+    return cmp.compare_with_cpu(
+        tcfg, state, tokens, dev, precision, cfg.smoke.compare_tolerance, cfg.model.converters, cfg
+    )
 
 
 def log_compare(result: dict) -> None:

@@ -148,6 +148,7 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
     if problems:
         raise ConfigError(problems)
     warnings_.extend(val_notes)
+    warnings_.extend(filter(None, [tcfg.capacity_note()]))  # trained with capacity, exported dropless
     if cfg.data.loader_workers == 0 and "data.prefetch_factor" in cfg.explicit:  # torch prefetches only in workers
         warnings_.append(
             f"data.prefetch_factor {cfg.data.prefetch_factor} is not used: data.loader_workers 0 reads batches in the "
