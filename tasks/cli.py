@@ -23,16 +23,21 @@ def tracking_home(cfg, run_dir) -> tuple[str | None, dict]:
     """(parent run id, tags) of a stage run started from the command line. In a DAG run's directory (a
     Kubernetes Job's pod, a rerun by hand: tasks.pipeline.DAG_RUN_FILE) it joins that DAG run's MLflow parent;
     anywhere else it goes to the experiment `<tracking.experiment>-cli`, so the pipeline's experiment lists the
-    DAG runs only."""
+    DAG runs only. A Kubernetes Job's pod is told its Airflow task's try (tasks.runner.TRY_ENV): tagged
+    airflow.try_number, as a stage run on the Airflow worker is."""
     from tasks.fsutil import read_json
+    from tasks.runner import TRY_ENV
     from tasks.pipeline import DAG_RUN_FILE
 
+    tags = {"pipeline.origin": "cli"}
+    if os.environ.get(TRY_ENV, "").strip():
+        tags["airflow.try_number"] = os.environ[TRY_ENV].strip()
     marker = Path(run_dir) / DAG_RUN_FILE
     record = read_json(marker) if marker.is_file() else {}
     if record.get("parent_run_id"):
-        return record["parent_run_id"], {"pipeline.origin": "cli"}
+        return record["parent_run_id"], tags
     cfg.tracking.experiment += CLI_EXPERIMENT_SUFFIX
-    return None, {"pipeline.origin": "cli", "pipeline.run_dir": str(run_dir)}
+    return None, {**tags, "pipeline.run_dir": str(run_dir)}
 
 
 def dag_run_config(run_dir: str | None, config: str | None, node: int = 0) -> tuple[str | None, dict | None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 import time
 import traceback
@@ -17,6 +18,11 @@ from tasks.errors import ConfigError, StageError, os_error_cause
 from tasks.fsutil import atomic_write_json, atomic_write_text, make_dirs, read_json, set_umask
 from tasks.procs import RunDirLock
 from tasks.stages import OWN_SCHEDULE, STAGES
+
+
+# A Kubernetes Job's pod is told its job's name and its Airflow task's try (tasks.launch.k8s_job.render): the name is
+# stamped into the stage's result (_k8s_stamp), the try tags the stage's MLflow child run (tasks/cli.py tracking_home).
+JOB_ENV, TRY_ENV = "LLM_PIPELINE_K8S_JOB", "LLM_PIPELINE_TRY_NUMBER"
 
 log = logging.getLogger("tasks.runner")
 
@@ -278,7 +284,7 @@ def _run_locked(
         result = dict(result or {})
         result.setdefault("status", "ok")
         result.setdefault("summary", "")
-        result.update(stage=stage, mlflow_run_id=run_id, seconds=round(time.time() - started, 2))
+        result.update(stage=stage, mlflow_run_id=run_id, seconds=round(time.time() - started, 2), **_k8s_stamp())
         if run_id:
             result["mlflow_experiment_id"] = tracking.active_experiment_id()
             tracking.set_tags_or_defer(
@@ -339,6 +345,7 @@ def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, 
         "mlflow_run_id": run_id,
         "seconds": round(time.time() - started, 2),
         "traceback": trace,
+        **_k8s_stamp(),
     }
     if previous := _previous_result(path):
         record["previous"] = previous
@@ -346,6 +353,14 @@ def _record_failure(path: Path, stage: str, cause: str, run_id, started: float, 
         atomic_write_json(path, record)
     except OSError as e:
         log.warning(f"could not write the failure record ({os_error_cause(e)})")
+
+
+def _k8s_stamp() -> dict:
+    """In a Kubernetes Job's pod, the job's name (JOB_ENV, set by its manifest: tasks.launch.k8s_job.render) as
+    `k8s_job`: the Airflow side takes only a result its own job wrote (k8s_job.collect_result), never an earlier
+    try's."""
+    job = os.environ.get(JOB_ENV, "").strip()
+    return {"k8s_job": job} if job else {}
 
 
 def _tag_error(cfg, run_dir: Path, run_id, cause: str) -> None:

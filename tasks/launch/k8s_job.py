@@ -36,6 +36,7 @@ from tasks.config import REPO_ROOT, PipelineConfig, get, split_endpoint
 from tasks.errors import ConfigError, StageError, os_error_cause
 from tasks.fsutil import atomic_write_text, read_json
 from tasks.launch.placement import DEVICE_STAGES, MULTI_NODE_STAGES
+from tasks.runner import JOB_ENV, TRY_ENV
 
 TEMPLATE = REPO_ROOT / "deploy" / "k8s" / "train-job.yaml"
 NPU_RESOURCE = "huawei.com/Ascend910"  # the Ascend device plugin's resource (the template's)
@@ -103,6 +104,9 @@ TRAINJOB_PATCH_MANAGER = "llm-pipeline"
 # The operators also set these for a process that is itself a rank; the stage process is not one (torchrun sets
 # its children's own), so they are dropped before it starts (tracking.is_rank0 reads RANK).
 OPERATOR_RANK_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What every pod is told about its submission (tasks.runner's JOB_ENV, TRY_ENV: the runner stamps the job's name into
+# the stage's result, and the stage's MLflow child run is tagged with the try): collect_result() takes only a result
+# stamped with this job's name, never a still-running earlier try's.
 
 
 def kind_of(stage: str, cfg: PipelineConfig) -> str:
@@ -169,9 +173,12 @@ def podgroup(name: str, namespace: str, labels: dict, min_member: int) -> dict:
     }
 
 
-def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "train") -> list[dict]:
+def render(
+    cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "train", try_number: int = 1
+) -> list[dict]:
     """The manifests of one stage's Job ([Service,] [PodGroup,] Job); also writes the config the pods read into the
-    run directory. Multi-node stages get the rendezvous Service; volcano adds the PodGroup."""
+    run directory. Multi-node stages get the rendezvous Service; volcano adds the PodGroup. The pods' environment
+    names the job and the Airflow task's try (JOB_ENV, TRY_ENV)."""
     hw = cfg.hardware
     if stage not in DEVICE_STAGES:
         raise ConfigError(f"stage {stage!r} runs on the Airflow worker, not as a Kubernetes Job")
@@ -223,6 +230,8 @@ def render(cfg: PipelineConfig, run_dir: str | Path, name: str, stage: str = "tr
     env = {e["name"]: e for e in container["env"]}
     env["HCCL_CONNECT_TIMEOUT"]["value"] = str(hw.hccl_connect_timeout)
     env["HCCL_EXEC_TIMEOUT"] = {"name": "HCCL_EXEC_TIMEOUT", "value": str(hw.hccl_exec_timeout)}
+    env[JOB_ENV] = {"name": JOB_ENV, "value": name}
+    env[TRY_ENV] = {"name": TRY_ENV, "value": str(try_number)}
     container["env"] = list(env.values())
     out = []
     if n > 1:
@@ -392,14 +401,23 @@ def set_aside_result(run_dir: str | Path, name: str, stage: str = "train") -> Pa
     return kept
 
 
+def written_by(result: dict, name: str) -> str | None:
+    """The job that wrote `result` when it is another than `name` (its pods stamp their job's name, JOB_ENV, into
+    `k8s_job`): an earlier try's job that was still running when this try set its result aside and wrote after.
+    None: this job's, or unstamped (an image older than the stamp)."""
+    other = result.get("k8s_job")
+    return other if other and other != name else None
+
+
 def failure_cause(
     run_dir: str | Path, name: str, reason: str, stage: str = "train", pods: str = "", selector: str = "job-name"
 ) -> str:
     """One line: node 0's own cause (its <stage>.json on the shared volume: set_aside_result() moved an earlier
-    try's away before the submission) when it wrote one, else the failed pods (`pods`, e.g. "x-1-abcde Failed
-    (exit 137 OOMKilled)") and where their logs are."""
+    try's away before the submission; one another job wrote since is not this job's) when it wrote one, else the
+    failed pods (`pods`, e.g. "x-1-abcde Failed (exit 137 OOMKilled)") and where their logs are."""
     path = Path(run_dir) / f"{stage}.json"
-    error = read_json(path).get("error") if path.is_file() else None
+    record = read_json(path) if path.is_file() else {}
+    error = None if written_by(record, name) else record.get("error")
     if error:
         return f"{stage} job {name} failed ({reason}): {error}"
     return f"{stage} job {name} failed ({reason}){'; ' + pods if pods else ''}; see `kubectl logs -l {selector}={name}`"
@@ -411,9 +429,11 @@ def collect_result(
     parent_run_id: str | None = None,
     tracking_uri: str | None = None,
     stage: str = "train",
+    selector: str = "job-name",
 ) -> dict:
     """Node 0's result of the stage (this job's: set_aside_result() moved an earlier try's away before the
-    submission); its MLflow run is attached to the DAG run's parent run."""
+    submission, and one stamped by another job, an earlier try's still running then, is refused: retryable); its
+    MLflow run is attached to the DAG run's parent run."""
     path = Path(run_dir) / f"{stage}.json"
     if not path.is_file():
         raise StageError(
@@ -421,6 +441,14 @@ def collect_result(
             "same path in the pods and on the Airflow workers?)"
         )
     result = read_json(path)
+    other = written_by(result, name)
+    if other:
+        raise StageError(
+            f"{stage} job {name} completed, but {path} was written by job {other} (an earlier try's, still running "
+            f"after this try set its result aside), not by this job: not taken; stop {other} if it still runs "
+            f"(`kubectl get pods -l {selector}={other}`) and retry the task",
+            retryable=True,
+        )
     if result.get("status") == "failed":
         raise StageError(failure_cause(run_dir, name, "stage failed", stage), retryable=stage == "train")
     if parent_run_id and result.get("mlflow_run_id"):

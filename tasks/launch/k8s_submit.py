@@ -213,7 +213,7 @@ def run_stage_job(
     parent = tracking.parent_run(cfg, dag_id, run_id, try_number) if cfg.tracking.enabled else None
     name = k8s_job.job_name(dag_id, run_id, try_number, stage)
     kind = k8s_job.kind_of(stage, cfg)
-    manifests = k8s_job.render(cfg, run_dir, name, stage)
+    manifests = k8s_job.render(cfg, run_dir, name, stage, try_number)
     volcano = cfg.hardware.k8s_scheduler == "volcano"
     job = _Submitted(hook, kind, manifests, cfg.hardware.k8s_namespace, stage, volcano)
     k8s_job.set_aside_result(run_dir, name, stage)  # an earlier try's result must not pass for this job's
@@ -241,7 +241,8 @@ def run_stage_job(
             cause = k8s_job.failure_cause(run_dir, name, reason, stage, pods, k8s_job.KINDS[kind].pod_selector)
             # train is retryable: the next try submits a new job that resumes from the DCP checkpoint.
             raise StageError(cause, retryable=stage == "train")
-        return k8s_job.collect_result(run_dir, name, parent, tracking.tracking_uri(cfg), stage)
+        selector = k8s_job.KINDS[kind].pod_selector
+        return k8s_job.collect_result(run_dir, name, parent, tracking.tracking_uri(cfg), stage, selector)
     finally:
         try:
             job.cleanup()
