@@ -819,8 +819,8 @@ def bound_from_run_config(context, stage: str | None = None) -> None:
     from tasks.runner import default_run_dir
 
     task = context["task"]
-    run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
-    try:
+    try:  # a relative $LLM_PIPELINE_VAR_DIR too: raised here, before the task body, it would be retried
+        run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
         cfg = config_for_run(dict(context["params"]), run_dir, context["dag"].dag_id)
     except StageError:
         return  # the stage itself refuses the config, in one line; the parse-time bound stays

@@ -146,8 +146,14 @@ def safe_name(name: str) -> str:
 
 def default_run_dir(*parts: str) -> Path:
     """var/runs/<part>/…: one directory per DAG run (dag id / run id) or per CLI invocation (cli-<time>)."""
+    from data_prep.errors import DataPrepError
+
     parts = parts or (time.strftime("cli-%Y%m%d-%H%M%S"),)
-    return var_dir().joinpath("runs", *(safe_name(p) for p in parts))
+    try:  # a relative $LLM_PIPELINE_VAR_DIR: a config error (one line, not retried by the DAG's tasks), not a crash
+        root = var_dir()
+    except DataPrepError as e:
+        raise ConfigError(str(e)) from None
+    return root.joinpath("runs", *(safe_name(p) for p in parts))
 
 
 def load_inputs(run_dir) -> dict:

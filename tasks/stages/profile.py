@@ -112,10 +112,26 @@ def planned_launch(cfg: PipelineConfig, ctx) -> dict:
 ANALYSIS_ONLY = ("enabled", "analyzer", "fail_on_regression", "regression_threshold")
 
 
+# Config sections the profiled run (train.prepare, the launch, the ranks) never reads, so their change cannot change
+# what a collect records: smoke (the smoke stage's model choice: tasks/model/sibling.py), evaluate (the evaluate
+# stage, its gate and the registry), tracking (the profiled run gets no MLflow run: collect passes torchrun.env no
+# run id and it drops MLFLOW_RUN_ID, so the ranks' `tracking.enabled and MLFLOW_RUN_ID` is false either way), timeouts
+# (bounds on how long a stage may take: a collect that finished ran within them) and quantize, which only the
+# qat_int8 model converter reads (quantize.method and skip_layers: kept when model.converters lists it, as
+# tasks.parallel.checkpoint.shaping_config keeps them). Any other section, a new one included, collects again.
+NOT_COLLECTED = ("smoke", "evaluate", "tracking", "timeouts", "quantize")
+
+
 def collect_digest(cfg: PipelineConfig) -> str:
-    """The config's digest without the analysis-only profile settings (ANALYSIS_ONLY): what a collect depends on."""
-    body = {k: v for k, v in cfg.to_dict().items() if k != "preset"}
+    """The config's digest without what a collect does not depend on: the sections the profiled run never reads
+    (NOT_COLLECTED, but the quantize settings qat_int8 trains with) and the analysis-only profile settings
+    (ANALYSIS_ONLY)."""
+    from tasks.parallel.checkpoint import shaping_config
+
+    config = cfg.to_dict()
+    body = {k: v for k, v in config.items() if k != "preset" and k not in NOT_COLLECTED}
     body["profile"] = {k: v for k, v in body["profile"].items() if k not in ANALYSIS_ONLY}
+    body["qat"] = {k: v for k, v in shaping_config(config).items() if k.startswith("quantize.")}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
 
 
