@@ -30,7 +30,8 @@ class Layout:
     recompute_every: int = 1
     sequence_parallel: bool = True  # only meaningful with tp > 1
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved1f1b; ignored when pp == 1
-    microbatches: int = 0  # per data-parallel rank and optimizer step (0 = local batch / micro_batch, which divides it)
+    microbatches: int = 0  # per data-parallel rank and optimizer step (0 = local batch / micro_batch, which divides it;
+    # set: micro_batch × microbatches = local batch)
     virtual_stages: int = 2  # per rank, for interleaved1f1b only
     micro_batch: int = 1
     global_batch: int = 1
@@ -105,6 +106,9 @@ def resolve(cfg, plan_result: dict | None, world: int) -> Layout:
     lay.tp = lay.tp or 1
     lay.pp = lay.pp or 1
     lay.dp = lay.dp or max(1, world // (lay.tp * lay.pp))
+    m, local = lay.microbatches, lay.local_batch
+    if m and "train.micro_batch" not in explicit and lay.global_batch % lay.dp == 0 and local % m == 0:
+        lay.micro_batch = local // m  # the split's size; one set explicitly is kept, for check() to compare
     return lay
 
 
@@ -158,8 +162,9 @@ def _divisors_text(n: int) -> str:
 
 def batch_problems(lay: Layout) -> list[str]:
     """Each dp rank's batch (train.global_batch / parallel.dp) splits into equal micro-batches: of
-    parallel.microbatches when set (train.micro_batch is then that split's size, not a setting), else of exactly
-    train.micro_batch sequences — one that does not divide it is refused, never rounded to another size."""
+    parallel.microbatches when set (train.micro_batch is then that split's size — resolve() sets it unless it was set
+    explicitly, and one that disagrees is refused, never ignored), else of exactly train.micro_batch sequences — one
+    that does not divide it is refused, never rounded to another size."""
     local, where = lay.local_batch, f"train.global_batch {lay.global_batch} / parallel.dp {lay.dp}"
     if lay.global_batch % lay.dp:
         return [f"train.global_batch: {lay.global_batch} is not divisible by parallel.dp {lay.dp}"]
@@ -167,6 +172,13 @@ def batch_problems(lay: Layout) -> list[str]:
         return [
             f"parallel.microbatches: {lay.microbatches} does not divide the {local} sequences per dp rank ({where}); "
             f"set it to one that does ({_divisors_text(local)}), or 0 (train.micro_batch sets it)"
+        ]
+    if lay.microbatches and lay.micro_batch * lay.microbatches != local:
+        m, mb = lay.microbatches, lay.micro_batch
+        agree = [f"train.micro_batch {local // m}", *([f"parallel.microbatches {local // mb}"] * (local % mb == 0))]
+        return [
+            f"train.micro_batch: {mb} × parallel.microbatches {m} = {mb * m} ≠ the {local} sequences per dp rank "
+            f"({where}); set {' or '.join(agree)}, or leave one of the two unset"
         ]
     if not lay.microbatches and local % lay.micro_batch:
         return [

@@ -83,7 +83,7 @@ def test_pipeline_split_of_tied_embeddings_is_refused_with_the_fix():
 
     tcfg = get_preset("qwen2-0.5b")
     assert not check(Layout(dp=2, tp=2, global_batch=4), tcfg, 128, 4, "test")
-    [problem] = check(Layout(dp=1, tp=2, pp=2, global_batch=4, microbatches=2), tcfg, 128, 4, "test")
+    [problem] = check(Layout(dp=1, tp=2, pp=2, global_batch=4, micro_batch=2, microbatches=2), tcfg, 128, 4, "test")
     assert problem.startswith("parallel.pp: 2 splits the model's tied embeddings") and "set parallel.pp 1" in problem
 
 

@@ -51,7 +51,7 @@ def shard_set(root: Path, docs: int = 300, seed: int = 0, **tokenizer) -> Path:
     ).shard_dir
 
 
-def tiny_trained(base: Path, steps: int = 40, vocab_size: int = 256, name: str = "quant-tiny") -> dict:
+def tiny_trained(base: Path, steps: int = 40, vocab_size: int = 257, name: str = "quant-tiny") -> dict:
     """{"shard_dir", "model_dir"} under base/<name>, built on first use (another vocab_size: other data, another
     tokenizer — a retrain on new data)."""
     import torch
