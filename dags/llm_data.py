@@ -16,6 +16,7 @@ from airflow.sdk import Asset, AssetAlias, Param, dag, task
 
 from tasks.bounds import task_timeout_s
 from tasks.config import load_config
+from tasks.notify import notify_failure
 from tasks.pipeline import DATA_PARAMS, bound_from_run_config, end_parent_run, param_schemas
 from tasks.shard_fanout import shard_fanout
 
@@ -42,6 +43,7 @@ def llm_data():
         trigger_rule="none_failed",
         execution_timeout=pendulum.duration(seconds=SHARD_TIMEOUT_S),
         pre_execute=bound_from_run_config,
+        on_failure_callback=notify_failure,  # the one-line cause in var/notifications.jsonl, as llm_pipeline's tasks
         doc_md="Check every partition's and write range's output, write the manifest, publish the shard set; emit "
         "the asset event when it is new. A missing or bad output is named and nothing is published.",
     )
@@ -74,7 +76,7 @@ def llm_data():
             )
         return result
 
-    shard_fanout(shard(), SHARD_TIMEOUT_S)
+    shard_fanout(shard(), SHARD_TIMEOUT_S, on_failure_callback=notify_failure)
 
 
 llm_data()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import Param, dag, task
 
+from tasks.notify import notify_failure
+
 
 def _queue() -> str | None:
     """The Celery queue of the health task: the env probe's (tasks.launch.placement.celery_queue), i.e. the preset's
@@ -52,6 +54,7 @@ def llm_health():
     @task(
         task_id="health",
         doc_md="Sample devices and host, log to MLflow, fail with the cause on an alarm.",
+        on_failure_callback=notify_failure,  # an alarm's one line in var/notifications.jsonl, as every stage's
         **({"queue": QUEUE} if QUEUE else {}),
     )
     def health() -> dict:

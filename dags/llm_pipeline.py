@@ -40,6 +40,7 @@ from tasks.pipeline import (  # light: no torch, no mlflow
     param_schemas,
     time_schedule,
 )
+from tasks.notify import notify_failure  # light: no torch, no mlflow
 from tasks.shard_fanout import shard_fanout
 from tasks.stages import STAGES, TITLES
 
@@ -136,15 +137,6 @@ def run_stage_task(stage: str, args: dict | None = None) -> dict:
             cause = f"{stage}: {type(e).__name__}: {first} (traceback below and in {where})"
             failure(cause)
             raise AirflowFailException(cause) from e
-
-
-def notify_failure(context) -> None:
-    """A failed task's notification carries the stage's one-line cause (see tasks/notify.py)."""
-    from tasks.notify import record_failure
-
-    ti = context["ti"]
-    stage = "shard" if ti.task_id.startswith("shard_") else ti.task_id  # the shard stage's fan-out tasks
-    record_failure(ti.dag_id, context["run_id"], stage, context.get("exception"))
 
 
 # The train task retries only what a retry can fix (StageError.retryable: a rank killed by a signal, a lost peer, a

@@ -18,17 +18,30 @@ log = logging.getLogger(__name__)
 
 
 def failure_cause(dag_id: str, run_id: str, stage: str, exception=None) -> str:
-    """The stage's own one-line cause when it recorded one, else the exception's first line."""
-    path = default_run_dir(dag_id, run_id) / f"{stage}.json"
-    if path.is_file():
-        try:
-            recorded = read_json(path).get("error")
-        except (OSError, ValueError):
-            recorded = None
-        if recorded:
-            return recorded
-    text = str(exception or "unknown failure")
-    return text.splitlines()[0] if text else type(exception).__name__
+    """The failed try's one-line cause: a StageFailure's own (the task log's ERROR line; the stage's record may be an
+    earlier try's or another mapped task's), a timeout's (the stage and the bound to raise), else the stage's record
+    (a bug's, written by the runner with any CANN diagnosis), else the exception's first non-empty line. Never raises:
+    it runs in the failure callback."""
+    from tasks.errors import StageError
+    from tasks.pipeline import StageFailure
+
+    if isinstance(exception, StageFailure) and str(exception):
+        return str(exception)
+    text = next((line for line in str(exception or "").splitlines() if line.strip()), "")
+    if type(exception).__name__ == "AirflowTaskTimeout":  # "Timeout, PID: N" names neither the stage nor the fix
+        return (
+            f"{stage}: stopped at its Airflow execution_timeout ({text}); "
+            "if it was only slow, raise its bound (timeouts.*)"
+        )
+    try:  # a relative $LLM_PIPELINE_VAR_DIR is a ConfigError here: the exception still names the cause
+        recorded = read_json(default_run_dir(dag_id, run_id) / f"{stage}.json").get("error")
+    except (OSError, ValueError, AttributeError, StageError):  # no record, unreadable, not an object
+        recorded = None
+    if recorded and isinstance(recorded, str):
+        return recorded
+    if not text:
+        return type(exception).__name__ if exception is not None else "unknown failure"
+    return text
 
 
 def record_failure(dag_id: str, run_id: str, stage: str, exception=None) -> dict:
@@ -44,8 +57,26 @@ def record_failure(dag_id: str, run_id: str, stage: str, exception=None) -> dict
 
 
 def deliver(note: dict) -> None:
-    path = var_dir() / "notifications.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(note) + "\n")
+    """Log the note (the task log's line) and append it to var/notifications.jsonl; a var dir that cannot take it
+    (relative, read-only, full) is one warning line, never a traceback in the failure callback."""
+    from data_prep.errors import DataPrepError
+    from tasks.errors import os_error_cause
+
     log.error("%s %s failed at %s: %s", note["dag_id"], note["run_id"], note["stage"], note["cause"])
+    try:
+        path = var_dir() / "notifications.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(note) + "\n")
+    except DataPrepError as e:
+        log.warning("notification not appended to notifications.jsonl: %s", e)
+    except OSError as e:
+        log.warning("notification not appended to notifications.jsonl: %s", os_error_cause(e))
+
+
+def notify_failure(context) -> None:
+    """Airflow's on_failure_callback of every stage task (llm_pipeline's, llm_data's shard tasks, llm_health's health):
+    the failed task's notification with its one-line cause."""
+    ti = context["ti"]
+    stage = "shard" if ti.task_id.startswith("shard_") else ti.task_id  # the shard stage's fan-out tasks
+    record_failure(ti.dag_id, context["run_id"], stage, context.get("exception"))
