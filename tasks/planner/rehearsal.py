@@ -66,13 +66,25 @@ def spec(
     }
 
 
+def _identity(p: dict) -> tuple:
+    """What `pins()` would pin: two layouts with the same pins are the same run. The schedule counts only under PP (the
+    planner writes `none` at pp 1, the run keeps its config's `parallel.pp_schedule`, which pp 1 ignores)."""
+    pp = p.get("pp", 1)
+    return (
+        *(p.get(k) for k in ("dp", "tp", "zero", "recompute", "micro_batch")),
+        pp,
+        p.get("ep") or 1,
+        p.get("pp_schedule") if pp > 1 else None,
+    )
+
+
 def next_plan(sp: dict, memory_ratio: float) -> dict | None:
     """The best-ranked alternative other than the layout being run whose estimate, scaled by how far the measured
     peak exceeded the estimate (`memory_ratio`, at least 1), still fits the capacity."""
     k = max(1.0, memory_ratio)
-    same = {key: sp["chosen"].get(key) for key in sp["chosen"]}
+    same = _identity(sp["chosen"])
     for p in sp["alternatives"]:
-        if {key: p.get(key) for key in same} == same:
+        if _identity(p) == same:
             continue
         if p["total_bytes"] * k <= sp["capacity_bytes"]:
             return p

@@ -532,7 +532,9 @@ def rehearsal_spec(cfg: PipelineConfig, ctx, spec: dict, lay: layouts.Layout) ->
         "microbatches": m,
     }
     planned = doc.get("chosen") or {}
-    same = all(planned.get(k) == run[k] for k in ("dp", "tp", "pp", "zero", "recompute", "micro_batch"))
+    same = all(planned.get(k) == run[k] for k in ("dp", "tp", "pp", "zero", "recompute", "micro_batch")) and (
+        planned.get("ep", 1) == run["ep"] and (run["pp"] == 1 or planned.get("pp_schedule") == run["pp_schedule"])
+    )  # another expert split or pipeline schedule is another step time: reported, not judged against this one
     chosen = {**run, "step_s": planned.get("step_s") if same else 0.0}
     capacity = (c.memory_gb - (0.0 if cpu else c.reserve_gb)) * GB
     return rehearsal.spec(
