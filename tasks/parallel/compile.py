@@ -22,6 +22,7 @@ an eager "npu" backend and warns.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 # Inductor on CPU: up to this sequence length the compiled blocks compute attention through SDPA's math backend
@@ -39,7 +40,8 @@ def backend(device_type: str) -> str:
 
 
 def compile_problem(device_type: str, tp: int = 1) -> str | None:
-    """Why train.compile cannot run here (one line), else None: inductor's CPU code needs a C compiler; tensor
+    """Why train.compile cannot run here (one line), else None: inductor's CPU code needs a C compiler, and so does
+    Triton's on CUDA; tensor
     parallelism is refused (torch 2.13: the compiled block's backward loses the DTensor placements of its boundary
     gradients — with ZeRO 2/3 the gradient norm came out 19 % low at the first step, the loss curve drifting, with
     ZeRO 0/1 backward raised "'Tensor' object has no attribute '_local_tensor'" in DTensor's redistribute)."""
@@ -52,6 +54,13 @@ def compile_problem(device_type: str, tp: int = 1) -> str | None:
         return (
             "train.compile: inductor compiles CPU kernels with a C++ compiler and none is on PATH (cc/gcc/g++); "
             "install one (apt-get install g++) or set train.compile=false"
+        )
+    # Triton (inductor's CUDA kernels) builds its driver module with $CC, else gcc, else clang, and raises "Failed to
+    # find C compiler" at the first kernel otherwise (triton/runtime/build.py): a traceback after launch, not a line
+    if device_type == "cuda" and not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        return (
+            "train.compile: Triton builds inductor's CUDA kernels with a C compiler and none is found (CC, gcc, "
+            "clang); install one (apt-get install gcc), set CC, or set train.compile=false"
         )
     return None
 
