@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
 
 from tasks.errors import ConfigError
@@ -220,11 +221,24 @@ def choose(cfg, tcfg: TransformerConfig, vocab: int, seq_len: int) -> tuple[Tran
     """The smoke model for `smoke.model` (auto | same | a preset) and its `smoke_model` record."""
     name = cfg.model.hf_path or cfg.model.preset
     choice = cfg.smoke.model.strip()
+    if choice == AUTO:
+        return derive(tcfg, name, vocab, estimator(cfg, seq_len), budget_of(cfg))
     if choice == SAME:
-        return tcfg, record(tcfg, name, "smoke.model=same: the configured model")
-    if choice != AUTO:
-        return named(tcfg, name, choice, vocab)
-    return derive(tcfg, name, vocab, estimator(cfg, seq_len), budget_of(cfg))
+        chosen, info = tcfg, record(tcfg, name, "smoke.model=same: the configured model")
+    else:
+        chosen, info = named(tcfg, name, choice, vocab)
+    # A model the user names is trained as named; one the estimate says cannot fit is said before it is built (the
+    # process is otherwise killed for memory with no line of its own; auto would have derived a sibling that fits)
+    est, budget = estimator(cfg, seq_len)(chosen), budget_of(cfg)
+    info["estimate_bytes"] = int(est)
+    if est > budget.usable_bytes:
+        print(
+            f"warning: smoke.model={choice}: {est / GB:.1f} GB FP32 AdamW estimate > {budget.describe()}: it may be "
+            "killed for memory; smoke.model=auto derives a sibling that fits",
+            file=sys.stderr,
+            flush=True,
+        )
+    return chosen, info
 
 
 def ln_vocab(tcfg: TransformerConfig) -> float:
