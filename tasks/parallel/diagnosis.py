@@ -61,13 +61,44 @@ def oom_advice(stats: dict, kind: str = "npu", alloc_conf: str = "") -> str:
     return f"{frag}{shown}: set {var}=expandable_segments:True, or keep it False and add max_split_size_mb:128"
 
 
-def next_feasible_plan(plans: list[dict], layout: dict) -> str:
-    """The planner's best-ranked feasible plan that differs from the one that ran out of memory."""
-    key = ("dp", "tp", "pp", "zero", "recompute", "micro_batch")
-    for p in plans:
-        if all(k in p for k in ("dp", "tp", "pp")) and any(p.get(k) != layout.get(k) for k in key):
-            return ", ".join(f"{k}={p[k]}" for k in key if k in p)
-    return ""
+def next_feasible_plan(plans: list[dict], layout: dict, estimate_bytes: float | None = None, kind: str = "npu") -> str:
+    """The planner's best-ranked plan other than the layout that ran out of memory (`layout`: the launch spec's;
+    compared as tasks.planner.rehearsal.layout_identity, so a plan differing only in ep or, under PP, the schedule is
+    another run), named with the --set flags that pin it (rehearsal.pins). `estimate_bytes`: the planner's figure for
+    the failed layout (the OOM file's: without the runtime reserve on an accelerator, with it on CPU). Like
+    rehearsal.next_plan, each alternative is scaled by the measured/estimated ratio, which the failure proves is at
+    least capacity / estimate; the capacity cancels, so an alternative fits only when its estimate is below the
+    failed layout's. The first that does is named; none does: the advice says so; no estimate to compare: the
+    best-ranked other plan."""
+    from tasks.planner.rehearsal import layout_identity, pins
+
+    run = dict(layout)
+    m, dp, batch = layout.get("microbatches"), layout.get("dp"), layout.get("global_batch")
+    if m and dp and batch:  # the micro-batch the run used (as train.rehearsal_spec computes it)
+        run["micro_batch"] = batch // dp // m
+    same = layout_identity(run)
+    need = ("dp", "tp", "pp", "zero", "recompute", "micro_batch")  # what pins() names
+    others = [p for p in plans if all(k in p for k in need) and layout_identity(p) != same]
+    if not others:
+        return ""
+
+    def own(p: dict) -> float:  # the alternative's figure in the terms of estimate_bytes
+        return p["total_bytes"] - (0.0 if kind == "cpu" else p.get("reserve_bytes", 0.0))
+
+    def name(p: dict) -> str:
+        keys = ["dp", "tp", "pp", "zero", "recompute", "micro_batch"] + (["ep"] if p.get("ep", 1) > 1 else [])
+        keys += ["pp_schedule"] if p.get("pp", 1) > 1 and p.get("pp_schedule") else []
+        return ", ".join(f"{k}={p[k]}" for k in keys if k in p)
+
+    if not estimate_bytes or not all("total_bytes" in p for p in others):
+        return f"{name(others[0])}: {pins(others[0])}"
+    fit = next((p for p in others if own(p) < estimate_bytes), None)
+    if fit is None:
+        return (
+            f"none — no other planned layout is estimated below the {estimate_bytes / GB:.1f} GB of the one that ran "
+            "out: lower train.micro_batch or add devices"
+        )
+    return f"{name(fit)} (estimated {own(fit) / GB:.1f} GB/device): {pins(fit)}"
 
 
 def _torchrun_failures(log_text: str) -> list[tuple[int, int]]:
@@ -136,7 +167,7 @@ def explain(
         o = json.loads(ooms[0].read_text())
         s = o["memory"]
         est = f"planner estimated {o['estimate_bytes'] / GB:.1f} GB/device; " if o.get("estimate_bytes") else ""
-        nxt = next_feasible_plan(plans, layout)
+        nxt = next_feasible_plan(plans, layout, o.get("estimate_bytes"), kind)
         return StageError(
             f"out of memory on rank {o['rank']} at step {o['step']}: {est}allocated "
             f"{s['allocated_bytes'] / GB:.1f} GB, reserved {s['reserved_bytes'] / GB:.1f} GB; "

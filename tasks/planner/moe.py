@@ -341,20 +341,18 @@ def _line(p: dict) -> str:
     )
 
 
-def render(result: dict, header: str, top_k: int = 10) -> str:
+def _rejected_name(r: dict) -> str:
+    keys = (("zero", "zero"), ("recompute", ""), ("micro_batch", "mb"))
+    return " ".join([f"dp{r.get('dp')}·ep{r.get('ep')}"] + [f"{label}{r[k]}" for k, label in keys if k in r])
+
+
+def render(result: dict, header: str, top_k: int = 10, rejected_k: int = 10) -> str:
+    """Like tasks.planner.table.render: the top_k feasible plans, then the rejections by its rule."""
+    from tasks.planner.table import rejected_lines
+
     lines = [header, "", f"feasible plans: {len(result['plans'])} (memory per device incl. the runtime reserve)"]
     lines += [f"  {i:>2} {_line(p)}" for i, p in enumerate(result["plans"][:top_k], 1)]
-    lines += ["", f"rejected: {len(result['rejected'])}"]
-    seen, by_memory = set(), 0
-    for r in result["rejected"]:
-        if "total_bytes" in r:
-            by_memory += 1
-            if by_memory > 5:  # the five closest to fitting
-                continue
-        elif r["reason"] in seen:
-            continue
-        seen.add(r["reason"])
-        lines.append(f"  dp{r.get('dp')}·ep{r.get('ep')}: {r['reason']}")
-        if len(lines) > 40:
-            break
+    if len(result["plans"]) > top_k:
+        lines.append(f"    … {len(result['plans']) - top_k} more in plan.json")
+    lines += rejected_lines(result["rejected"], lambda r: f"{_rejected_name(r)}: {r['reason']}", rejected_k)
     return "\n".join(lines)

@@ -66,7 +66,7 @@ def spec(
     }
 
 
-def _identity(p: dict) -> tuple:
+def layout_identity(p: dict) -> tuple:
     """What `pins()` would pin: two layouts with the same pins are the same run. The schedule counts only under PP (the
     planner writes `none` at pp 1, the run keeps its config's `parallel.pp_schedule`, which pp 1 ignores)."""
     pp = p.get("pp", 1)
@@ -82,9 +82,9 @@ def next_plan(sp: dict, memory_ratio: float) -> dict | None:
     """The best-ranked alternative other than the layout being run whose estimate, scaled by how far the measured
     peak exceeded the estimate (`memory_ratio`, at least 1), still fits the capacity."""
     k = max(1.0, memory_ratio)
-    same = _identity(sp["chosen"])
+    same = layout_identity(sp["chosen"])
     for p in sp["alternatives"]:
-        if _identity(p) == same:
+        if layout_identity(p) == same:
             continue
         if p["total_bytes"] * k <= sp["capacity_bytes"]:
             return p

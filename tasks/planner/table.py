@@ -62,14 +62,21 @@ def render(result: dict, header: str, top_k: int = 10, rejected_k: int = 10, pin
     lines += [plan_line(i, p, unit) for i, p in enumerate(plans[:top_k], 1)]
     if len(plans) > top_k:
         lines.append(f"    … {len(plans) - top_k} more in plan.json")
-    lines += ["", f"rejected: {len(rejected)}"]
+    lines += rejected_lines(rejected, lambda r: f"{_layout_name(r):<58} {r['reason']}", rejected_k)
+    return "\n".join(lines)
+
+
+def rejected_lines(rejected: list[dict], line, k: int = 10) -> list[str]:
+    """The printed rejections, one rule for the dense and the mixture-of-experts table: the count, each distinct
+    structural reason once and the `k` memory rejections closest to fitting (`rejected` sorted so), each as
+    `line(r)`, then how many more plan.json holds."""
     by_memory = [r for r in rejected if "total_bytes" in r]  # closest to fitting first
     structural = {}
     for r in rejected:
         if "total_bytes" not in r:
             structural.setdefault(r["reason"], r)  # each distinct reason once
-    shown = list(structural.values())[:rejected_k] + by_memory[:rejected_k]
-    lines += [f"  {_layout_name(r):<58} {r['reason']}" for r in shown]
+    shown = list(structural.values())[:k] + by_memory[:k]
+    lines = ["", f"rejected: {len(rejected)}"] + [f"  {line(r)}" for r in shown]
     if len(rejected) > len(shown):
         lines.append(f"  … {len(rejected) - len(shown)} more in plan.json")
-    return "\n".join(lines)
+    return lines
