@@ -102,3 +102,13 @@ def test_the_moe_table_says_how_many_rejections_it_leaves_out(tmp_path, capsys):
         assert shown == min(k, len(doc["plans"]))
         more = len(doc["plans"]) - shown
         assert (f"    … {more} more in plan.json" in lines) == (more > 0), text
+
+
+def test_pins_name_interleaved_1f1bs_virtual_stages():
+    """An interleaved plan is pinned with its chunks per rank (a config's other parallel.virtual_stages is another
+    run); any other schedule is not."""
+    from tasks.planner.rehearsal import pins
+
+    plan = {"dp": 2, "tp": 1, "pp": 2, "zero": 1, "recompute": "none", "micro_batch": 1, "virtual_stages": 4}
+    assert "--set parallel.virtual_stages=4" in pins({**plan, "pp_schedule": "interleaved1f1b"})
+    assert "virtual_stages" not in pins({**plan, "pp_schedule": "1f1b"})

@@ -30,6 +30,12 @@ def pins(p: dict) -> str:
     keys = ["dp", "tp", "pp", "zero", "recompute"] + (["ep"] if p.get("ep", 1) > 1 else [])
     # a pinned layout keeps the config's schedule (tasks/stages/plan.problem): name the plan's under PP
     keys += ["pp_schedule"] if p.get("pp", 1) > 1 and p.get("pp_schedule") else []
+    # interleaved 1F1B's chunks per rank are the plan's too (a config's other parallel.virtual_stages is another run)
+    keys += (
+        ["virtual_stages"]
+        if "pp_schedule" in keys and p["pp_schedule"] == "interleaved1f1b" and "virtual_stages" in p
+        else []
+    )
     sets = [f"parallel.{k}={p[k]}" for k in keys] + [f"train.micro_batch={p['micro_batch']}"]
     return " ".join(f"--set {s}" for s in sets)
 
