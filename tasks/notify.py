@@ -28,6 +28,8 @@ def failure_cause(dag_id: str, run_id: str, stage: str, exception=None) -> str:
     if isinstance(exception, StageFailure) and str(exception):
         return str(exception)
     text = next((line for line in str(exception or "").splitlines() if line.strip()), "")
+    if stage == "shard" and type(exception).__name__ == "AirflowFailException" and text:
+        return text  # a fan-out step's bug (tasks.shard_fanout._call): no runner record is its, shard.json another's
     if type(exception).__name__ == "AirflowTaskTimeout":  # "Timeout, PID: N" names neither the stage nor the fix
         return (
             f"{stage}: stopped at its Airflow execution_timeout ({text}); "
@@ -44,12 +46,18 @@ def failure_cause(dag_id: str, run_id: str, stage: str, exception=None) -> str:
     return text
 
 
-def record_failure(dag_id: str, run_id: str, stage: str, exception=None) -> dict:
+def record_failure(
+    dag_id: str, run_id: str, stage: str, exception=None, task_id: str | None = None, map_index: int = -1
+) -> dict:
+    """The note of one failed try: `task_id` and `map_index` (-1: not mapped) say which task, e.g. which partition of
+    the shard fan-out (`shard_partition`, map_index 3), where `stage` alone says only "shard"."""
     note = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dag_id": dag_id,
         "run_id": run_id,
         "stage": stage,
+        "task_id": task_id or stage,
+        "map_index": map_index,
         "cause": failure_cause(dag_id, run_id, stage, exception),
     }
     deliver(note)
@@ -79,4 +87,12 @@ def notify_failure(context) -> None:
     the failed task's notification with its one-line cause."""
     ti = context["ti"]
     stage = "shard" if ti.task_id.startswith("shard_") else ti.task_id  # the shard stage's fan-out tasks
-    record_failure(ti.dag_id, context["run_id"], stage, context.get("exception"))
+    map_index = getattr(ti, "map_index", None)
+    record_failure(
+        ti.dag_id,
+        context["run_id"],
+        stage,
+        context.get("exception"),
+        task_id=ti.task_id,
+        map_index=-1 if map_index is None else map_index,
+    )

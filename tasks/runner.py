@@ -280,11 +280,7 @@ def _run_locked(
             _tag_error(cfg, run_dir, run_id, cause)
             raise
         except BaseException as e:  # stopped from outside (Ctrl-C, Airflow's timeout or kill): said in the record too
-            what = str(e).splitlines()[0] if str(e) else ""
-            cause = (
-                f"{stage}: stopped before it finished ({type(e).__name__}{': ' + what if what else ''}): "
-                "timed out, killed or interrupted; rerun the stage"
-            )
+            cause = _stopped_cause(stage, cfg, run_dir, e)
             _record_failure(result_path, stage, cause, run_id, started)  # local only: no MLflow call while stopping
             raise
         result = dict(result or {})
@@ -298,6 +294,27 @@ def _run_locked(
             )
     atomic_write_json(result_path, result)
     return result
+
+
+def _stopped_cause(stage: str, cfg, run_dir: Path, e: BaseException) -> str:
+    """The record of a stage stopped from outside. Airflow's execution_timeout (AirflowTaskTimeout, raised in the
+    stage's process) recurs on a rerun under the same bound: name the bound and its key. A kill (Airflow's SIGTERM:
+    AirflowTaskTerminated) or an interrupt (KeyboardInterrupt) does not: rerun. A SIGKILL leaves no record."""
+    what = str(e).splitlines()[0] if str(e) else ""
+    stopped = f"{stage}: stopped before it finished ({type(e).__name__}{': ' + what if what else ''})"
+    if type(e).__name__ != "AirflowTaskTimeout":
+        return f"{stopped}: killed or interrupted; rerun the stage"
+    try:
+        from tasks.bounds import stage_timeout
+
+        seconds, how = stage_timeout(stage, cfg, run_dir)
+        bound = f"its bound is {seconds} s ({how})"
+    except (StageError, OSError, ValueError):  # while stopping: the record must still be written
+        bound = "its bound is in the config's `timeouts` (tasks/bounds.py)"
+    return (
+        f"{stopped}: Airflow's execution_timeout; a rerun meets the same bound: {bound}; if it was only slow, "
+        "raise it, else find where it hung in the log"
+    )
 
 
 def _file_identity(path: Path):

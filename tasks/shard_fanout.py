@@ -5,10 +5,17 @@ shard_prepare → shard_partition.expand(one per partition) → shard_layout →
 → the DAG's own `shard` task (the shard stage with --reduce: checks every output, writes the manifest, publishes).
 A mapped task keeps nothing outside the build's directory under data.out_dir and carries only paths and indices in
 XCom, so it can run on any worker that sees that directory; a worker killed mid-task is retried and the step is
-redone from its start (tasks.pipeline.shard_step, data_prep.job).
+redone from its start (tasks.pipeline.shard_step, data_prep.job). A known cause, a bug in a step and Airflow's
+execution_timeout fail at once: a retry would meet the same input under the same bound.
 """
 
 from __future__ import annotations
+
+
+def bug_line(e: BaseException) -> str:
+    """A Python exception's one line: its type and its message's first line."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _call(step: str, arg=None, skip=None):
@@ -30,6 +37,12 @@ def _call(step: str, arg=None, skip=None):
             raise failure(str(e)) from None
         except OSError as e:  # a full or read-only disk: the path and the errno's meaning, not retried
             raise failure(os_error_cause(e)) from None
+        except Exception as e:  # a bug in the step (KeyError, UnicodeDecodeError…): a retry would fail the same way
+            from airflow.sdk.exceptions import AirflowFailException
+
+            cause = f"shard: {step}: {bug_line(e)} (traceback below)"
+            failure(cause)
+            raise AirflowFailException(cause) from e  # fails at once (no retry), the traceback stays in the log
 
 
 def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
@@ -51,9 +64,20 @@ def shard_fanout(reduce, timeout_s: int, skip=None, **task_kwargs):
         pre_execute=functools.partial(bound_from_run_config, stage="shard"),
         **task_kwargs,
     )
-    # A killed worker is retried; a known cause (bad input: tasks.pipeline.StageFailure) fails at once.
+    # Only a killed worker is retried (the step is redone from its start). A known cause (tasks.pipeline.StageFailure)
+    # and Airflow's own timeout fail at once: a retry would meet the same input under the same bound; a bug is an
+    # AirflowFailException (_call), which never reaches the policy. A SIGKILLed task process never reaches it either:
+    # its retry is the supervisor's (airflow/sdk/execution_time/supervisor.py, ActivitySubprocess.final_state: a
+    # non-zero exit with the server's should_retry → UP_FOR_RETRY) or, a lost worker host, the scheduler's.
     known_cause_fails = ExceptionRetryPolicy(
-        rules=[RetryRule(exception="tasks.pipeline.StageFailure", action=RetryAction.FAIL, reason="a known cause")]
+        rules=[
+            RetryRule(exception="tasks.pipeline.StageFailure", action=RetryAction.FAIL, reason="a known cause"),
+            RetryRule(
+                exception="airflow.sdk.exceptions.AirflowTaskTimeout",
+                action=RetryAction.FAIL,
+                reason="stopped at its execution_timeout: a retry would meet the same bound (timeouts.shard_s)",
+            ),
+        ]
     )
     retry = dict(retries=2, retry_delay=pendulum.duration(seconds=5), retry_policy=known_cause_fails)
 

@@ -60,6 +60,11 @@ def test_the_try_s_own_cause_wins_over_an_earlier_try_s_record(tmp_path, monkeyp
     _record("shard", {"stage": "shard", "status": "failed", "error": "shard: partition 1: b.jsonl.gz is truncated"})
     mine = "shard: partition 0: a.jsonl.gz is truncated"
     assert notify.failure_cause(DAG, RUN, "shard", StageFailure(mine)) == mine
+    # a bug in another partition's step (shard_fanout._call's AirflowFailException): its own line, not partition 1's
+    from airflow.sdk.exceptions import AirflowFailException
+
+    bug = "shard: partition: KeyError: 'job' (traceback below)"
+    assert notify.failure_cause(DAG, RUN, "shard", AirflowFailException(bug)) == bug
 
 
 def test_a_bug_takes_the_runner_s_record_a_timeout_names_its_bound(tmp_path, monkeypatch):

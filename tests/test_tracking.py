@@ -76,7 +76,7 @@ def test_a_stage_stopped_from_outside_leaves_a_record_saying_so(cfg, tmp_path, t
         runner.run_stage("toy", cfg, tmp_path)
     saved = json.loads((tmp_path / "toy.json").read_text())
     assert saved["status"] == "failed", saved
-    want = "toy: stopped before it finished (KeyboardInterrupt): timed out, killed or interrupted; rerun the stage"
+    want = "toy: stopped before it finished (KeyboardInterrupt): killed or interrupted; rerun the stage"
     assert saved["error"] == want, saved["error"]
     assert saved["previous"]["summary"] == "toy ok"  # the completed record kept
 
