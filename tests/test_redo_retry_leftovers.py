@@ -46,22 +46,18 @@ def _ids(change: dict) -> str:
     return next(iter(change))
 
 
-@pytest.mark.parametrize("change", NOT_READ, ids=_ids)
-def test_a_setting_the_profiled_run_never_reads_reuses_the_collect(change, tmp_path):
+@pytest.mark.parametrize(
+    "change, reused",
+    [(c, True) for c in NOT_READ] + [(c, False) for c in READ],
+    ids=lambda v: _ids(v) if isinstance(v, dict) else ("reused" if v else "collects again"),
+)
+def test_a_collect_is_reused_exactly_when_the_profiled_run_reads_no_changed_setting(change, reused, tmp_path):
+    """A setting the profiled run never reads reuses the collect; one it reads collects again."""
     cfg = load_config("demo-cpu")
     marker, launch = tmp_path / "traces" / "collected.json", {"layout": {"dp": 2}, "world": 2}
     atomic_write_json(marker, {"collect_hash": stage.collect_digest(cfg), "shard_dir": "S", **launch})
     apply_overrides(cfg, change)
-    assert stage.reusable(marker, cfg, "S", **launch) == marker.parent
-
-
-@pytest.mark.parametrize("change", READ, ids=_ids)
-def test_a_setting_the_profiled_run_reads_collects_again(change, tmp_path):
-    cfg = load_config("demo-cpu")
-    marker, launch = tmp_path / "traces" / "collected.json", {"layout": {"dp": 2}, "world": 2}
-    atomic_write_json(marker, {"collect_hash": stage.collect_digest(cfg), "shard_dir": "S", **launch})
-    apply_overrides(cfg, change)
-    assert stage.reusable(marker, cfg, "S", **launch) is None
+    assert stage.reusable(marker, cfg, "S", **launch) == (marker.parent if reused else None)
 
 
 def test_the_quantize_settings_qat_int8_trains_with_collect_again():
