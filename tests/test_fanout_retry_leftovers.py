@@ -50,6 +50,10 @@ def test_a_bug_in_a_step_is_one_line_and_an_airflow_fail_exception(llm_data, tmp
     from tasks.shard_fanout import _call
 
     monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    # as in a task process: no CLI console handler (an earlier in-process CLI test's would echo the line to stderr,
+    # which to_logging turns into a second record; tasks.logs.console)
+    tasks_log = logging.getLogger("tasks")
+    monkeypatch.setattr(tasks_log, "handlers", [h for h in tasks_log.handlers if not getattr(h, "_tasks_console", 0)])
     context = {"params": llm_data.params, "dag": llm_data, "run_id": RUN}
     with set_current_context(context), caplog.at_level(logging.ERROR), pytest.raises(AirflowFailException) as e:
         _call("partition", {})  # no "job": a KeyError inside the step, as a bug would raise
