@@ -166,10 +166,10 @@ def _drop_pending(pending: Path, left: dict | None) -> None:
 
 
 def refuse_early(cfg) -> None:
-    """What the DAG's first task refuses (tasks.pipeline.early_problems: a model preset or converter name nothing
+    """What the DAG's first task refuses (tasks.pipeline.early_problems: a converter name nothing
     registers, a blank evaluate.tasks entry), refused by every stage run from the command line before it does
-    anything: `shard --set model.preset=typo` tokenized a whole shard set (and remembered the typo in cli-config.json)
-    before smoke refused it."""
+    anything (an unknown model.preset, which tokenized a whole shard set before smoke refused it, is load_config's
+    own refusal now: ModelConfig._registered_preset)."""
     from tasks.errors import ConfigError
     from tasks.pipeline import early_problems
 

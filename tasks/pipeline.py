@@ -313,8 +313,9 @@ def overrides_from_params(params: dict, dag_id: str | None = None) -> tuple[str 
 
 
 def early_problems(cfg: PipelineConfig) -> list[str]:
-    """What a later stage would refuse, found at the run's first task: a model preset or converter name no one
-    registers (smoke, plan and train build the model, after env and shard: hours of tokenizing), a blank entry in
+    """What a later stage would refuse, found at the run's first task: a converter name no one registers (smoke,
+    plan and train build the model, after env and shard: hours of tokenizing; an unregistered model preset is the
+    config's own refusal, ModelConfig._registered_preset), a blank entry in
     evaluate.tasks (the form's text areas send an empty last line as ""; quantize and evaluate, after training,
     found it no lm-eval task)."""
     problems = []
@@ -322,10 +323,6 @@ def early_problems(cfg: PipelineConfig) -> list[str]:
         problems.append(
             f"evaluate.tasks: {cfg.evaluate.tasks} has a blank entry (an empty line in Evaluation tasks); remove it"
         )
-    if not cfg.model.hf_path:  # with a checkpoint its config.json is the shape; the shard stage checks it
-        from tasks.shape import preset_problem  # torch-free
-
-        problems.append(preset_problem(cfg.model.preset))
     if "model.converters" in cfg.explicit:  # a preset's are checked by its tests; the registry imports torch
         from tasks.model.converters import check_names
 
