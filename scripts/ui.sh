@@ -88,12 +88,17 @@ ml_pw_where="${MLFLOW_AUTH_ADMIN_PASSWORD:+\$MLFLOW_AUTH_ADMIN_PASSWORD (your en
 ml_pw_where="${ml_pw_where:-$ml_password_file}"
 export MLFLOW_AUTH_ADMIN_PASSWORD="${MLFLOW_AUTH_ADMIN_PASSWORD:-$(secret "$ml_password_file")}"
 export MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:-$(secret "$var/mlflow_flask_secret")}"  # CSRF
+# auth_cache_ttl_seconds: MLflow checks the basic-auth password on every request (werkzeug scrypt, ~0.1 s of CPU
+# each), and one page of its UI makes dozens of API calls: seconds of CPU per page. With the cache (MLflow's own, off
+# by default) a password that checked out is trusted again for 60 s by the server process (keyed by an HMAC of it
+# with a per-process key, never stored): a changed or removed password keeps working for up to 60 s more.
 cat > "$var/mlflow_basic_auth.ini" <<EOF
 [mlflow]
 default_permission = READ
 database_uri = sqlite:///$var/mlflow_auth.db
 admin_username = admin
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = 60
 EOF
 export MLFLOW_AUTH_CONFIG_PATH="$var/mlflow_basic_auth.ini"
 private_sqlite "sqlite:///$var/mlflow_auth.db"  # the admin's password hash (scripts/airflow-env.sh)
