@@ -159,6 +159,8 @@ class Cluster:
         port = str(self.ports["pg"])
         opts = ["-c", "listen_addresses=127.0.0.1", "-p", port, "-k", str(pgdata), "-c", "fsync=off"]
         opts += ["-c", "full_page_writes=off", "-c", "max_connections=200", "-c", "shared_buffers=64MB"]
+        # a throwaway cluster (fsync is off already): no commit waits for its WAL record to be written
+        opts += ["-c", "synchronous_commit=off"]
         proc = self._spawn("postgres", [pg_bin("postgres"), "-D", str(pgdata), *opts], user=user)
         wait_for(
             lambda: (
