@@ -92,9 +92,9 @@ def test_qwen2_0_5b_cut_on_4_ranks_from_meta_and_from_hf_exports_matching_logits
     )
     spec_hf = write_spec(imported, tmp_path / "imported", shards, export=export)
     # glibc's malloc asks for transparent huge pages (madvise mode, glibc >= 2.35): gloo's CPU stand-in for FSDP's
-    # collectives allocates and frees 544 MB buffers every step, page-faulted 4 KB at a time without it (measured here:
-    # 122 → 97–99 CPU s, 72 → 49–54 s of it in the kernel). What each rank allocates, and so the RSS figures checked below,
-    # is the same; a kernel with THP off ignores the hint.
+    # collectives allocates and frees 544 MB buffers every step, page-faulted 4 KB at a time without it (measured
+    # here: 122 → 97–99 CPU s, 72 → 49–54 s of it in the kernel). What each rank allocates, and so the RSS figures
+    # checked below, is the same; a kernel with THP off ignores the hint.
     thp = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     rc, out = torchrun(meta, 4, [spec_meta, spec_hf], tmp_path / "torchrun.log", thp)
     assert rc == 0, out[-3000:]
