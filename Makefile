@@ -68,21 +68,16 @@ run: db
 	@bash scripts/run-pipeline.sh
 
 # Three worker processes on two cores (the tests wait on processes, servers and schedulers often: a third worker fills
-# those waits), a test file each at a time (module fixtures stay in one process), then the tests marked `alone` (they
-# need the host's memory to themselves). pytest's exit 5 = "none selected": fine for one part (PYTEST_ARGS naming one
-# file), an error when PYTEST_ARGS selects nothing at all. --cpu-durations: the 30 tests that used the most CPU.
+# those waits), a test file each at a time (module fixtures stay in one process), the files longest first and those
+# marked `last` (much of the host's memory) after all others (tests/conftest.py). pytest's exit 5 = "none selected":
+# PYTEST_ARGS selects nothing. --cpu-durations: the 30 tests that used the most CPU.
 TEST_WORKERS ?= 3
-# The alone part collects only the files that mark a test `alone` (collecting all ~100 takes ~9 s), unless PYTEST_ARGS
-# names what to run.
-ALONE_FILES := $(shell grep -l 'mark\.alone' tests/test_*.py)
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint db browser services
-	@$(ABS_VAR) $(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) -m "not alone" $(PYTEST_ARGS) || a=$$?; \
-	[ $$a -eq 0 ] || [ $$a -eq 5 ] || exit $$a; \
-	b=0; python -m pytest -q -m alone $(or $(PYTEST_ARGS),$(ALONE_FILES)) || b=$$?; \
-	if [ $$a$$b = 55 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; exit 5; fi; \
-	[ $$b -eq 0 ] || [ $$b -eq 5 ] || exit $$b
+	@$(ABS_VAR) $(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) $(PYTEST_ARGS) || a=$$?; \
+	if [ $$a -eq 5 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; fi; \
+	exit $$a
 
 lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test runs it first
 	@$(VENV)/bin/ruff check --no-cache .
