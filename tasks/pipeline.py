@@ -223,6 +223,11 @@ LABELS = {  # readable labels for enum values in the trigger form
 
 FROM_PRESET = "from the preset"  # how an empty (null) field reads in the trigger form
 FORM_KEYS = ("type", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "items", "minItems")
+# Each Param's schema names JSON Schema draft 7 (every key above means the same there as in 2020-12, jsonschema's
+# default): Airflow checks each Param's schema against its draft's metaschema on every validation — about 5,200 times
+# in one `airflow dags test` (DAG serialization compares and prints ParamsDicts) — and draft 7's check costs 0.05 ms
+# where 2020-12's costs 0.19 (measured here, jsonschema.validate).
+DRAFT = {"$schema": "http://json-schema.org/draft-07/schema#"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -253,11 +258,11 @@ def param_schemas(cfg: PipelineConfig | None = None) -> dict[str, dict]:
     for name, key, section, title, desc in PARAMS:
         if key is None:
             out[name] = dict(
-                default=preset, type="string", enum=presets, title=title, section=section, description=desc
+                DRAFT, default=preset, type="string", enum=presets, title=title, section=section, description=desc
             )
             continue
         model = field_schema(key)
-        schema = {k: model[k] for k in FORM_KEYS if k in model}
+        schema = DRAFT | {k: model[k] for k in FORM_KEYS if k in model}
         schema.update(default=None, type=[model["type"], "null"], title=title, section=section)
         values = "; ".join(f"{c.preset or preset}: {_shown(get(c, key))}" for c in [cfg, *others])
         schema["description"] = f"{desc} Empty = the chosen preset's value ({values})."
