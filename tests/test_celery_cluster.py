@@ -93,8 +93,8 @@ def test_device_stages_go_to_the_presets_device_queue(tmp_path):
     preset["hardware"]["device_queue"] = DEVICE_QUEUE
     (tmp_path / "site.yaml").write_text(yaml.safe_dump(preset))
     # Both parses in one process (Airflow imported once: ~3 s of CPU saved): the DAG file is executed afresh by each
-    # DagBag and reads $LLM_PIPELINE_PRESET when parsed (load_config keeps nothing), as the dag-processor's parse
-    # children do after its pre-imports; a preset remembered from the first parse would fail the second's assertion.
+    # DagBag and reads $LLM_PIPELINE_PRESET when parsed (load_config reads it on every call), as the dag-processor's
+    # parse children do after its pre-imports; a preset remembered from the first parse would fail the second's check.
     code = (
         "import json, os, sys; from airflow.dag_processing.dagbag import DagBag\n"
         "for preset in sys.argv[1:]:\n"
