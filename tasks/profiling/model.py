@@ -5,6 +5,7 @@ Times are microseconds (the unit of every Ascend CSV and of Chrome traces) unles
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -92,6 +93,7 @@ _CUBE = re.compile(
 )
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a trace repeats a few hundred names over its ~100k events
 def categorize(name: str, core: str = "") -> str:
     """cube/matmul, attention, vector, ai_cpu or communication — by the core type first, then the name."""
     core_u = (core or "").upper()
