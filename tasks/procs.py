@@ -8,12 +8,16 @@
 - `RunDirLock`: an exclusive flock on `<run-dir>/.lock[-nodeN]` for the writing stages; a second writer fails at
   once in one line naming the holder's pid, host and stage. The kernel drops the lock when the holder dies, so a
   killed run never leaves a stale lock.
+- `skip_exit_collection()`: a stage's process ends without the interpreter's full garbage collections over its
+  ~1M objects at shutdown.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import fcntl
+import gc
 import json
 import os
 import signal
@@ -26,6 +30,19 @@ from pathlib import Path
 from tasks.errors import StageError
 
 PR_SET_PDEATHSIG = 1
+_exit_collection_skipped = False
+
+
+def skip_exit_collection() -> None:
+    """At exit (atexit, before the interpreter tears its modules down): gc.freeze() moves every object into the
+    permanent generation, which the full collections of that teardown never scan. A process that ran a stage holds
+    ~1M of them (Airflow's execution API models, torch, MLflow); the collections found nothing worth the time — an
+    `airflow dags test` stopped at env spent 2.5 of its 13 CPU s there. Objects are still freed by reference count;
+    only cyclic garbage is left to the exiting process (CPython never promises `__del__` at exit). Once a process."""
+    global _exit_collection_skipped
+    if not _exit_collection_skipped:
+        atexit.register(gc.freeze)
+        _exit_collection_skipped = True
 
 
 def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) -> None:

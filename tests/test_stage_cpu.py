@@ -35,3 +35,43 @@ def test_dag_params_validate_under_draft_7_with_the_same_verdicts():
         for value in [*samples, schema.get("default"), *schema.get("enum", [])]:
             want = Draft202012Validator(plain).is_valid(value)
             assert Draft7Validator(schema).is_valid(value) == want, (name, value)
+
+
+def test_a_stage_process_freezes_its_objects_at_exit_once(tmp_path):
+    """run_stage registers gc.freeze as an exit handler, once per process (tasks.procs.skip_exit_collection;
+    bench/bench_exit.py measures what it saves): after stages — here two that fail at once, their --run-dir a file —
+    the process's exit handlers leave its objects frozen, out of the teardown's full collections."""
+    import subprocess
+    import sys
+
+    from tests.helpers.dags import REPO
+
+    code = (
+        "import atexit, gc, sys\n"
+        "from tasks.config import load_config\n"
+        "from tasks.errors import StageError\n"
+        "from tasks.runner import run_stage\n"
+        "counts = []\n"
+        "for _ in range(2):\n"
+        "    try:\n"
+        "        run_stage('plan', load_config('ci-tiny'), sys.argv[1])\n"
+        "    except StageError as e:\n"
+        "        assert 'is a file' in str(e), e\n"
+        "    counts.append(atexit._ncallbacks())\n"
+        "frozen = gc.get_freeze_count()\n"
+        "atexit._run_exitfuncs()\n"
+        "print(counts[0] == counts[1], frozen, gc.get_freeze_count())\n"
+    )
+    (tmp_path / "file").write_text("")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "HOME": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "file")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    once, before, after = out.stdout.split()
+    assert once == "True" and int(before) == 0 and int(after) > 10_000, out.stdout
