@@ -8,8 +8,8 @@
 - `RunDirLock`: an exclusive flock on `<run-dir>/.lock[-nodeN]` for the writing stages; a second writer fails at
   once in one line naming the holder's pid, host and stage. The kernel drops the lock when the holder dies, so a
   killed run never leaves a stale lock.
-- `skip_exit_collection()`: a stage's process ends without the interpreter's full garbage collections over its
-  ~1M objects at shutdown.
+- `freeze_long_lived()` / `skip_exit_collection()`: the cyclic garbage collector's full passes skip what a stage's
+  process keeps to its end (imported modules, Airflow's API models) — while it runs and at its shutdown.
 """
 
 from __future__ import annotations
@@ -31,6 +31,17 @@ from tasks.errors import StageError
 
 PR_SET_PDEATHSIG = 1
 _exit_collection_skipped = False
+
+
+def freeze_long_lived() -> None:
+    """At a point where nothing of the work before is meant to stay (a stage's start; a rank between its specs):
+    collect that work's cyclic garbage, then move every object still alive into the permanent generation
+    (gc.freeze), which later collections never scan. They scan only what the work after creates — an `airflow dags
+    test` process holds ~1M objects by its later stages and a rank ~300k after its imports, and their full passes
+    were 15-30 % of their CPU. Objects are still freed by reference count; only one frozen here that later joins
+    a garbage cycle stays until the process ends."""
+    gc.collect()
+    gc.freeze()
 
 
 def skip_exit_collection() -> None:

@@ -16,7 +16,7 @@ from tasks import tracking
 from tasks.config import PipelineConfig, repo_path, var_dir
 from tasks.errors import ConfigError, StageError, os_error_cause
 from tasks.fsutil import atomic_write_json, atomic_write_text, make_dirs, read_json, set_umask
-from tasks.procs import RunDirLock, skip_exit_collection
+from tasks.procs import RunDirLock, freeze_long_lived, skip_exit_collection
 from tasks.stages import OWN_SCHEDULE, STAGES
 
 
@@ -180,6 +180,7 @@ def run_stage(
     may set `EXPERIMENT_SUFFIX` (its runs go to `<tracking.experiment><suffix>`) and `RUN_TAGS`."""
     module = stage_module(stage)
     set_umask()  # 0644 files, 0755 directories for the stage and its children, whatever the caller's umask
+    freeze_long_lived()  # what the caller's process holds so far (Airflow, the stages before) out of later GC passes
     skip_exit_collection()
     if cfg.tracking.enabled:  # the registry name is refused by the first stage, not by evaluate after the whole run
         problem = tracking.model_name_problem(cfg.evaluate.registered_model)

@@ -92,7 +92,7 @@ def _main(argv=None) -> int:
     import torch.distributed as dist
 
     from tasks.device import detect, torch_device
-    from tasks.procs import die_with_parent
+    from tasks.procs import die_with_parent, freeze_long_lived
     from tasks.train.trainer import Trainer
 
     die_with_parent(signal.SIGKILL)  # torchrun gone (kill -9) → this rank goes too, never an orphan that trains on
@@ -105,6 +105,7 @@ def _main(argv=None) -> int:
         dist.init_process_group(
             backend.dist_backend, timeout=timedelta(seconds=specs[0]["config"]["train"]["timeout_s"])
         )
+    freeze_long_lived()  # torch, the device layer and the process group: out of the GC passes of the training steps
     code, stopped = 0, False
     for spec in specs:
         trainer = Trainer(spec, device)
@@ -112,6 +113,7 @@ def _main(argv=None) -> int:
         source, stopped = trainer.export_from, trainer.stopped
         del trainer
         gc.collect()  # the trainer and its hooks reference each other: free the model and loader workers now
+        gc.freeze()  # what stays (FSDP2, DTensor, dynamo, imported by the first spec) out of the next specs' passes
         if code:
             break
         if spec.get("export"):
