@@ -112,8 +112,9 @@ def _main(argv=None) -> int:
         code = trainer.fit(args.profile_dir)
         source, stopped = trainer.export_from, trainer.stopped
         del trainer
-        gc.collect()  # the trainer and its hooks reference each other: free the model and loader workers now
-        gc.freeze()  # what stays (FSDP2, DTensor, dynamo, imported by the first spec) out of the next specs' passes
+        # the trainer and its hooks reference each other: free the model and loader workers now, and keep what stays
+        # (FSDP2, DTensor, dynamo, imported by the first spec) out of the next specs' GC passes
+        freeze_long_lived()
         if code:
             break
         if spec.get("export"):
