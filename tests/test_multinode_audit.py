@@ -36,14 +36,17 @@ def test_multinode_argv_is_torchruns_static_rendezvous_with_the_node_rank():
     from tasks.launch import torchrun
 
     cfg = _cfg("hardware.nnodes=2", "hardware.node_rank=1", "hardware.rdzv_endpoint=10.0.0.1:29411")
-    argv = torchrun.argv(cfg, 1, [Path("launch.json")], rdzv_id="r1")
-    assert argv[1:3] == ["-m", "torch.distributed.run"]
-    args = parse_args(argv[3:])
-    assert (args.rdzv_backend, args.node_rank, args.nnodes, args.rdzv_endpoint) == ("static", 1, "2", "10.0.0.1:29411")
-    config, _, _ = config_from_args(args)
-    assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == 1
-    assert (config.min_nodes, config.max_nodes, config.max_restarts) == (2, 2, 0)
-    assert "--standalone" in torchrun.argv(_cfg(), 1, [], rdzv_id="r1")  # one node: unchanged
+    for backend, launcher in (("npu", ["-m", "torch.distributed.run"]), ("cpu", ["-u", "-m", torchrun.AGENT])):
+        # device ranks: torch.distributed.run; CPU ranks: the forking agent, which takes the same arguments
+        argv = torchrun.argv(cfg, 1, [Path("launch.json")], rdzv_id="r1", backend=backend)
+        assert argv[1 : 1 + len(launcher)] == launcher
+        args = parse_args(argv[1 + len(launcher) :])
+        got = (args.rdzv_backend, args.node_rank, args.nnodes, args.rdzv_endpoint)
+        assert got == ("static", 1, "2", "10.0.0.1:29411")
+        config, _, _ = config_from_args(args)
+        assert config.rdzv_backend == "static" and config.rdzv_configs["rank"] == 1
+        assert (config.min_nodes, config.max_nodes, config.max_restarts) == (2, 2, 0)
+        assert "--standalone" in torchrun.argv(_cfg(), 1, [], rdzv_id="r1", backend=backend)  # one node: unchanged
 
 
 PROBE = """
@@ -74,7 +77,7 @@ def test_two_nodes_on_this_host_put_global_rank_0_on_node_rank_0(tmp_path):
     for node in (1, 0):
         cfg = _cfg("hardware.nnodes=2", f"hardware.node_rank={node}", f"hardware.rdzv_endpoint=127.0.0.1:{port}")
         cfg.tracking.enabled = True
-        argv = torchrun.argv(cfg, 1, [], rdzv_id="multinode-test")
+        argv = torchrun.argv(cfg, 1, [], rdzv_id="multinode-test", backend="cpu")  # the forking agent
         entry = binding.entry(cfg)
         start = next(i for i in range(len(argv)) if argv[i : i + len(entry)] == entry)
         argv = argv[:start] + [str(script), str(tmp_path)]

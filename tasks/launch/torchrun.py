@@ -2,7 +2,9 @@
 
 The train and profile stages call these; the test fixtures too. One node: `--standalone`; several: torchrun's static
 rendezvous at hardware.rdzv_endpoint (every node runs the same stage with its hardware.node_rank; node 0 listens there).
-Each rank starts in the host-binding entry point (tasks/launch/binding.py) unless hardware.bind_cpus is off.
+Each rank starts in the host-binding entry point (tasks/launch/binding.py) unless hardware.bind_cpus is off. CPU ranks
+are forked by tasks/launch/agent.py (torchrun's own agent, `--start-method fork`, after the imports every rank needs);
+device ranks are exec'd by torch.distributed.run.
 """
 
 from __future__ import annotations
@@ -31,11 +33,21 @@ def world(cfg: PipelineConfig, plan: dict | None = None):
     return backend, nproc, nproc * hw.nnodes
 
 
+AGENT = "tasks.launch.agent"  # torchrun for CPU ranks, forked (a string: this module does not import torch)
+
+
 def argv(
-    cfg: PipelineConfig, nproc: int, spec_paths: list[Path], rdzv_id: str, log_dir: Path | None = None
+    cfg: PipelineConfig,
+    nproc: int,
+    spec_paths: list[Path],
+    rdzv_id: str,
+    log_dir: Path | None = None,
+    *,
+    backend: str,
 ) -> list[str]:
     """torchrun as an argv list: standalone on one node, the static rendezvous across nodes. `log_dir` keeps the
-    ranks' @record error files (tasks.parallel.rank_errors reads them).
+    ranks' @record error files (tasks.parallel.rank_errors reads them). `backend` (npu, cuda, cpu): CPU ranks are
+    forked by AGENT, which takes torch.distributed.run's arguments; device ranks are exec'd by torch.distributed.run.
 
     Static, not c10d: the c10d (dynamic) rendezvous ignores --node-rank (torch/distributed/run.py warns "node_rank is
     only used for static rdzv_backend") and numbers the nodes by host name and process id (dynamic_rendezvous.py
@@ -46,7 +58,8 @@ def argv(
     node 0 at the endpoint (static_tcp_rendezvous.py: is_master = rank 0), so hardware.rdzv_endpoint must be node 0's
     address; the job is fixed-size (--nnodes N, no restarts), as every stage here is."""
     hw = cfg.hardware
-    out = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    launcher = ["-u", "-m", AGENT] if backend == "cpu" else ["-m", "torch.distributed.run"]
+    out = [sys.executable, *launcher, "--nproc-per-node", str(nproc), "--max-restarts", "0"]
     if log_dir is not None:
         out += ["--log-dir", str(log_dir)]
     if hw.nnodes == 1:

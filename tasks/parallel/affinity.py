@@ -4,7 +4,9 @@ data loader is sized from the cores it was given.
 The launcher computes the plan (tasks/launch/binding.py) and hands it over in $LLM_PIPELINE_CPU_BINDING (JSON, one
 entry per local rank); torchrun starts `python -m tasks.parallel.affinity --worker MODULE <worker args>` per rank.
 The rank binds itself with `numactl --physcpubind=… --localalloc` when numactl is on PATH (exec, same PID), else the
-taskset equivalent os.sched_setaffinity; then the worker module runs. Nothing here imports torch or another project
+taskset equivalent os.sched_setaffinity; then the worker module runs. A rank forked by tasks/launch/agent.py always
+uses sched_setaffinity (an exec would throw the fork away; Linux's default memory policy allocates on the local node
+as --localalloc does). Nothing here imports torch or another project
 module: it runs before the worker in every rank.
 """
 
@@ -17,6 +19,7 @@ import shutil
 import sys
 
 ENV = "LLM_PIPELINE_CPU_BINDING"  # the plan this entry point applies (one entry per local rank)
+FORKED = "LLM_PIPELINE_FORKED_RANK"  # set by tasks/launch/agent.py in each rank it forks
 
 
 def apply(entry: dict, argv: list[str], worker: str) -> None:
@@ -29,7 +32,7 @@ def apply(entry: dict, argv: list[str], worker: str) -> None:
         file=sys.stderr,
         flush=True,
     )
-    numactl = shutil.which("numactl")
+    numactl = None if os.environ.get(FORKED) else shutil.which("numactl")
     if cpus and numactl:
         os.environ["LLM_PIPELINE_BOUND"] = "1"
         os.execv(

@@ -160,6 +160,9 @@ def read_heartbeats(directory: Path) -> dict[int, dict]:
     return beats
 
 
+PRELOADED_RSS = "LLM_PIPELINE_PRELOADED_RSS"  # what the forking agent's RSS grew by importing them (tasks/launch/agent)
+
+
 class PhasePeaks:
     """This rank's memory peak per phase (init, train, checkpoint, export): the peak counter is reset when a phase
     starts and read when it ends (on CPU the RSS high-water mark, VmHWM, reset through /proc/self/clear_refs), so
@@ -171,6 +174,11 @@ class PhasePeaks:
 
         self.device, self.peaks, self.current = device, {}, None
         self.base_bytes = memory_stats(device)["allocated_bytes"]
+        if getattr(device, "type", device) == "cpu":
+            # A rank forked by tasks/launch/agent.py already holds the modules an exec'd rank imports while building
+            # its parallel model (FSDP2, DTensor, DCP); they stay the training's, as exec'd: the CPU runtime
+            # reserve (tasks/planner/cluster.py) counts them.
+            self.base_bytes -= int(os.environ.get(PRELOADED_RSS, "0"))
 
     def enter(self, phase: str) -> None:
         from tasks.device import reset_peak

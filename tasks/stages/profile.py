@@ -210,7 +210,9 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     )
     spec.update(run_dir=str(work), resume=False, validation=None)
     spec_path = atomic_write_json(work / "launch.json", spec)
-    argv = torchrun.argv(cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile")
+    argv = torchrun.argv(
+        cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile", backend=spec["backend"]
+    )
     argv += ["--profile-dir", str(traces)]
     msprof = find_msprof() if cfg.profile.use_msprof and spec["backend"] == "npu" else None
     if cfg.profile.use_msprof:

@@ -394,7 +394,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     shutil.rmtree(elastic_dir, ignore_errors=True)
     elastic_dir.mkdir(parents=True, exist_ok=True)
     offsets = rank_errors.log_offsets(logs)
-    argv = torchrun.argv(cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir)
+    argv = torchrun.argv(
+        cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir, backend=spec["backend"]
+    )
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
     env = torchrun.env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
     binding.record(env, train_dir)

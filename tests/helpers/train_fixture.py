@@ -72,7 +72,7 @@ def torchrun(cfg, nproc: int, specs: list[Path], log: Path, env_extra: dict | No
     """One real torchrun launch of the worker over several specs; returns (rc, torchrun output)."""
     from tasks.launch import torchrun as launch
 
-    argv = launch.argv(cfg, nproc, specs, rdzv_id="test")
+    argv = launch.argv(cfg, nproc, specs, rdzv_id="test", backend="cpu")
     env = launch.env(cfg, "cpu", nproc, None)
     env.update(env_extra or {})
     return launch.run(argv, env, log)

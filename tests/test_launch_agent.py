@@ -1,0 +1,107 @@
+"""The forking agent for CPU ranks (tasks/launch/agent.py): what a forked rank holds and restores, every failed rank
+in torchrun's report, and a forked rank's RSS counting the libraries' pages its parent had mapped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+RANK_STATE = """
+import json, os, signal, sys
+import tasks.launch.agent as agent  # already imported by the agent: no new import in the rank
+import torch._inductor.config as inductor
+state = {
+    "preloaded": [m for m in agent.BASE + agent.LAZY if m in sys.modules],
+    "forked": os.environ.get("LLM_PIPELINE_FORKED_RANK"),
+    "preloaded_rss": int(os.environ.get("LLM_PIPELINE_PRELOADED_RSS", "0")),
+    "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+    "compile_threads": inductor.compile_threads,
+    "rank": int(os.environ["RANK"]),
+    "rss_file": next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("RssFile:")),
+}
+open(os.path.join(sys.argv[1], f"rank{state['rank']}.json"), "w").write(json.dumps(state))
+"""
+
+# rank 1 is killed (no Python exception, no error file); rank 0 raises what a survivor of a lost peer raises; both
+# are gone before the agent's next look (--monitor-interval 1), where torch.multiprocessing names the first in rank
+# order only
+KILLED_AND_SURVIVOR = """
+import os, signal
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+"""
+
+
+def _agent(script: Path, *args: str, nproc: int = 2, log_dir: Path | None = None):
+    argv = [sys.executable, "-u", "-m", "tasks.launch.agent", "--standalone", "--nproc-per-node", str(nproc)]
+    argv += ["--max-restarts", "0", "--monitor-interval", "1"]
+    argv += ["--log-dir", str(log_dir)] if log_dir else []
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([*argv, str(script), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+
+
+def test_a_forked_rank_holds_the_imports_and_a_fresh_interpreters_handlers(tmp_path):
+    script = tmp_path / "state.py"
+    script.write_text(RANK_STATE)
+    out = _agent(script, str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    import tasks.launch.agent as agent
+
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["preloaded"] == list(agent.BASE + agent.LAZY) and got["forked"] == "1", got
+        assert 20e6 < got["preloaded_rss"] < 300e6, got  # FSDP2, DTensor, DCP, dynamo: ~77 MB here
+        # the agent's SIGTERM handler raises SignalException: a rank torchrun stops must die of the signal
+        assert got["sigterm_default"] and got["sigint_default"], got
+        assert got["compile_threads"] is None, got  # decided from the rank's own cores, not the agent's
+        assert got["rss_file"] > 40e6, got  # libtorch's pages the agent had mapped (~80 MB; 7 MB unpopulated)
+
+
+def test_every_failed_rank_is_in_the_report_with_the_killed_one_by_its_signal(tmp_path):
+    from tasks.parallel import rank_errors
+
+    script = tmp_path / "fail.py"
+    script.write_text(KILLED_AND_SURVIVOR)
+    out = _agent(script, log_dir=tmp_path / "elastic")
+    assert out.returncode != 0
+    report = dict(rank_errors.torchrun_failures(out.stderr))
+    assert report == {0: 1, 1: -signal.SIGKILL}, out.stderr[-3000:]
+    failures = rank_errors.collect(out.stderr, tmp_path, 0, 2)
+    assert rank_errors.root_cause(failures).rank == 1  # the killed rank, not the survivor's collective error
+
+
+def test_a_forked_process_maps_the_library_pages_its_parent_had():
+    """Linux's fork copies no page-table entries of file mappings without anonymous pages (mm/memory.c
+    copy_page_range: "Don't copy ptes where a page fault will fill them correctly"), so a forked rank's RSS lacks the
+    libraries' pages until it touches them, and those would count as the training's (PhasePeaks); an exec'd rank
+    mapped them while importing. populate() maps them at the fork."""
+    import torch  # noqa: F401  (libtorch's pages mapped here, as in the agent)
+
+    from tasks.launch import agent
+
+    def rss_file() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("RssFile:"))
+
+    parent = rss_file()
+    runs = agent.resident_file_pages()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: before and after populate(), then gone without the parent's teardown
+        before = rss_file()
+        agent.populate(runs)
+        os.write(w, f"{before} {rss_file()}".encode())
+        os._exit(0)
+    os.close(w)
+    before, after = map(int, os.read(r, 100).split())
+    os.waitpid(pid, 0)
+    assert before < 0.5 * parent, (before, parent)  # the fork left them out
+    assert after > 0.9 * parent, (after, parent)
