@@ -1,5 +1,5 @@
 """Starting CPU ranks: the forking agent (tasks/launch/agent.py, what train and profile use on CPU) against
-torch.distributed.run exec'ing each rank, in the same run. The job is RANKS gloo ranks that each do what a training
+torch.distributed.run exec'ing each rank, in the same run. The job is RANKS gloo ranks (2) that each do what a training
 rank does before its first step, in miniature: the process group, an FSDP2-sharded layer, one forward and backward,
 and a DCP save. Each variant's median user + sys CPU (the launcher and its ranks, all reaped) over RUNS jobs; the
 ratio is forked over exec'd (< 1: cheaper)."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 3
-RANKS = 4
+RANKS = 2  # the CPU default (dp 2): more ranks than cores would load the host by themselves
 RANK = """
 import os, sys
 import torch
@@ -51,8 +51,8 @@ def run() -> dict:
             fork.append(_cpu(["-u", "-m", "tasks.launch.agent"], script, Path(tmp) / f"fork{i}"))
     e, f = statistics.median(exec_), statistics.median(fork)
     return {
-        "launch.cpu_s_4_gloo_ranks_exec": round(e, 2),
-        "launch.cpu_s_4_gloo_ranks_forked": round(f, 2),
+        "launch.cpu_s_2_gloo_ranks_exec": round(e, 2),
+        "launch.cpu_s_2_gloo_ranks_forked": round(f, 2),
         "launch.cpu_ratio_forked_vs_exec": round(f / e, 3),
     }
 
