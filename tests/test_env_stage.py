@@ -73,6 +73,7 @@ def test_cli_probe_really_ran_two_gloo_ranks(cli_run):
     # gloo, or under the test session's strict mode gloo behind HCCL's checks (tasks/collectives.py)
     want = "gloo_as_hccl" if os.environ.get("LLM_PIPELINE_STRICT_COLLECTIVES") == "hccl" else "gloo"
     assert (p["world_size"], p["backend"], p["allreduce_ok"], p["allreduce_max_error"]) == (2, want, True, 0.0)
+    assert p["ranks_forked"]  # the ranks started as training's CPU ranks do (tasks/launch/agent.py)
     expected = [float(s) for s in load_config("demo-cpu").hardware.probe_sizes_mb]
     assert [s["size_mb"] for s in p["sizes"]] == expected  # hardware.probe_sizes_mb
     assert all(s["busbw_gbps"] > 0 and s["seconds"] > 0 for s in p["sizes"])

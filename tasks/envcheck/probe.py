@@ -19,12 +19,15 @@ from tasks.fsutil import read_json
 DEFAULT_EXPECTED_BUS_GBPS = {"npu": 50.0}  # HCCS intra-node, 910B; CUDA/CPU: no default expectation
 
 
-def command(kind: str, nproc: int, sizes_mb: list[float], out: Path, timeout_s: int = 120) -> list[str]:
-    """The torchrun argv (torch.distributed.run of this interpreter, so the venv's torch is the one probed)."""
+def command(
+    kind: str, nproc: int, sizes_mb: list[float], out: Path, timeout_s: int = 120, launcher: list[str] | None = None
+) -> list[str]:
+    """The torchrun argv (this interpreter's, so the venv's torch is the one probed). `launcher`: what starts torchrun
+    (the env stage passes tasks.launch.torchrun.launcher(kind): the ranks start as training's do); default
+    torch.distributed.run."""
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *(launcher or ["-m", "torch.distributed.run"]),
         "--standalone",
         "--nnodes=1",
         f"--nproc-per-node={nproc}",
@@ -45,7 +48,13 @@ def _last_error(text: str) -> str:
 
 
 def run(
-    kind: str, nproc: int, sizes_mb: list[float], out: Path, env_extra: dict | None = None, timeout_s: int = 300
+    kind: str,
+    nproc: int,
+    sizes_mb: list[float],
+    out: Path,
+    env_extra: dict | None = None,
+    timeout_s: int = 300,
+    launcher: list[str] | None = None,
 ) -> dict:
     """Launch the probe and return its result, or {"error": one line} when it fails or hangs."""
     out = Path(out)
@@ -54,7 +63,7 @@ def run(
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # Own session: on a hang the whole torchrun tree (agent and ranks) is killed, not just the agent.
     proc = subprocess.Popen(
-        command(kind, nproc, sizes_mb, out, timeout_s=min(timeout_s, 600)),
+        command(kind, nproc, sizes_mb, out, timeout_s=min(timeout_s, 600), launcher=launcher),
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from tasks import collectives
 from tasks import device as devlayer
 from tasks.fsutil import atomic_write_json
+from tasks.parallel.affinity import FORKED
 
 CHECK_ELEMS = 4096
 CYCLE = 16  # element i of rank r is (i + r) % CYCLE
@@ -82,6 +83,7 @@ def main() -> None:
     result = {
         "world_size": world,
         "backend": dist.get_backend(),
+        "ranks_forked": bool(os.environ.get(FORKED)),  # started as training's CPU ranks are (tasks/launch/agent.py)
         **_correctness(dev, world, rank),
         "sizes": [_bandwidth(dev, world, s, args.iters) for s in args.sizes_mb],
     }
@@ -89,6 +91,8 @@ def main() -> None:
         atomic_write_json(args.out, result)
     collectives.barrier()
     dist.destroy_process_group()
+    if os.environ.get(FORKED):
+        return  # forked by tasks/launch/agent.py: elastic's _wrap sends the return value, then the process os._exits
     # A rare SIGABRT at interpreter exit after destroy_process_group fails torchrun; the work is done and saved.
     os._exit(0)
 

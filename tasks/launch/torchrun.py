@@ -36,6 +36,12 @@ def world(cfg: PipelineConfig, plan: dict | None = None):
 AGENT = "tasks.launch.agent"  # torchrun for CPU ranks, forked (a string: this module does not import torch)
 
 
+def launcher(backend: str) -> list[str]:
+    """The interpreter's arguments that start torchrun for `backend`'s ranks: AGENT forks CPU ranks (it takes
+    torch.distributed.run's arguments); torch.distributed.run exec's device ranks."""
+    return ["-u", "-m", AGENT] if backend == "cpu" else ["-m", "torch.distributed.run"]
+
+
 def argv(
     cfg: PipelineConfig,
     nproc: int,
@@ -58,8 +64,7 @@ def argv(
     node 0 at the endpoint (static_tcp_rendezvous.py: is_master = rank 0), so hardware.rdzv_endpoint must be node 0's
     address; the job is fixed-size (--nnodes N, no restarts), as every stage here is."""
     hw = cfg.hardware
-    launcher = ["-u", "-m", AGENT] if backend == "cpu" else ["-m", "torch.distributed.run"]
-    out = [sys.executable, *launcher, "--nproc-per-node", str(nproc), "--max-restarts", "0"]
+    out = [sys.executable, *launcher(backend), "--nproc-per-node", str(nproc), "--max-restarts", "0"]
     if log_dir is not None:
         out += ["--log-dir", str(log_dir)]
     if hw.nnodes == 1:

@@ -185,12 +185,15 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
             checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
         checks.extend(crossnode.judge(result, cfg.hardware))
         return
+    from tasks.launch.torchrun import launcher
+
     result = probe.run(
         backend.kind,
         nproc,
         probe_sizes(cfg),
         ctx.run_dir / "env" / "probe.json",
         env_extra=device.launch_env(backend, cfg.hardware),
+        launcher=launcher(backend.kind),  # the ranks start as training's do (forked on CPU)
     )
     facts["probe"] = result
     checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
