@@ -55,7 +55,7 @@ def test_two_nodes_probe_every_link_through_the_env_stage(tmp_path):
         assert p.returncode == 0, err[-3000:]
     report = json.loads((run_dir / "env" / "env.json").read_text())
     probe = report["probe"]
-    assert probe["world_size"] == 2 and probe["allreduce_ok"]
+    assert probe["world_size"] == 2 and probe["allreduce_ok"] and probe["ranks_forked"]  # as training's CPU ranks
     nodes = {n["node"]: n for n in probe["nodes"]}
     assert set(nodes) == {0, 1} and all(n["host"] == socket.gethostname() and n["reachable"] for n in nodes.values())
     assert nodes[0]["clock_offset_ms"] == 0.0 and abs(nodes[1]["clock_offset_ms"]) < 100  # one clock here

@@ -43,11 +43,13 @@ def command(
     sizes_mb: list[float],
     out: Path,
     timeout_s: int = PROBE_TIMEOUT_S,
+    launcher: list[str] | None = None,
 ) -> list[str]:
+    """`launcher`: what starts torchrun (the env stage passes tasks.launch.torchrun.launcher(kind)); default
+    torch.distributed.run."""
     return [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *(launcher or ["-m", "torch.distributed.run"]),
         f"--nnodes={nnodes}",
         f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d",
@@ -105,6 +107,7 @@ def run(
     join_timeout_s: int,
     env_extra: dict | None = None,
     probe_timeout_s: int = PROBE_TIMEOUT_S,
+    launcher: list[str] | None = None,
 ) -> dict:
     """This node's part of the probe; returns the result (every node gets it) or {"error": one line}."""
     run_dir = Path(run_dir)
@@ -117,7 +120,9 @@ def run(
     out.unlink(missing_ok=True)
     env = {**os.environ, **(env_extra or {}), "LLM_NODE_RANK": str(hw.node_rank)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    argv = command(kind, nproc, hw.nnodes, hw.rdzv_endpoint, rdzv_id, join_timeout_s, sizes_mb, out, probe_timeout_s)
+    argv = command(
+        kind, nproc, hw.nnodes, hw.rdzv_endpoint, rdzv_id, join_timeout_s, sizes_mb, out, probe_timeout_s, launcher
+    )
     log = run_dir / "env" / f"crossnode-node{hw.node_rank}.log"
     bound = join_timeout_s + probe_timeout_s + 60
     try:

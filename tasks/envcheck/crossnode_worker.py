@@ -21,6 +21,7 @@ from tasks import collectives
 from tasks import device as devlayer
 from tasks.envcheck.probe_worker import _bandwidth, _correctness
 from tasks.fsutil import atomic_write_json
+from tasks.parallel.affinity import FORKED
 
 
 def _matmul_ms(dev, n: int = 256, iters: int = 5) -> float:
@@ -109,6 +110,7 @@ def main() -> None:
     result = {
         "world_size": world,
         "backend": dist.get_backend(),
+        "ranks_forked": bool(os.environ.get(FORKED)),  # started as training's CPU ranks are (tasks/launch/agent.py)
         **_correctness(dev, world, rank),
         "sizes": [_bandwidth(dev, world, s, args.iters) for s in args.sizes_mb],
     }
@@ -129,6 +131,8 @@ def main() -> None:
         atomic_write_json(args.out, shared[0])
     collectives.barrier()
     dist.destroy_process_group()
+    if os.environ.get(FORKED):
+        return  # forked by tasks/launch/agent.py: elastic's _wrap sends the return value, then the process os._exits
     os._exit(0)  # see probe_worker: a rare SIGABRT at exit after destroy_process_group fails torchrun
 
 

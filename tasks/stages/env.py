@@ -166,6 +166,8 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
     if any(c["status"] == "fail" for c in checks):
         checks.append(check("allreduce", "warn", "collective probe skipped: an earlier check failed"))
         return
+    from tasks.launch.torchrun import launcher
+
     nproc = cfg.hardware.nproc_per_node or (backend.device_count if backend.is_accelerator else 2)
     if cfg.hardware.nnodes > 1:  # every node, through the rendezvous training will use (tasks/envcheck/crossnode.py)
         from tasks.envcheck import crossnode
@@ -179,14 +181,13 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
             rdzv_id=f"{ctx.run_dir.name}-env",
             join_timeout_s=cfg.timeouts.rendezvous_s,
             env_extra=device.launch_env(backend, cfg.hardware),
+            launcher=launcher(backend.kind),  # the ranks start as training's do (forked on CPU)
         )
         facts["probe"] = result
         if "error" not in result:
             checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
         checks.extend(crossnode.judge(result, cfg.hardware))
         return
-    from tasks.launch.torchrun import launcher
-
     result = probe.run(
         backend.kind,
         nproc,
