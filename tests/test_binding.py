@@ -97,8 +97,13 @@ def test_loader_workers_from_cores_explicit_wins():
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
-def test_ranks_run_with_the_cpus_of_their_plan(tmp_path):
-    """A real torchrun job through the binding entry point; the 'worker' module prints the rank's CPU affinity."""
+@pytest.mark.parametrize("backend", ["cpu", "npu"], ids=["forked-cpu-ranks", "execd-device-ranks"])
+def test_ranks_run_with_the_cpus_of_their_plan(tmp_path, backend):
+    """A real torchrun job through the binding entry point, started as `backend`'s ranks are (tasks/launch/torchrun
+    .launcher: CPU ranks forked by the agent, device ranks exec'd); the 'worker' module prints the rank's CPU
+    affinity."""
+    from tasks.launch.torchrun import launcher
+
     cfg = load_config("ci-tiny")
     (tmp_path / "affinity_probe.py").write_text(
         # One write(2) per line: both ranks share the pipe, and print() writes the text and its newline separately.
@@ -111,8 +116,7 @@ def test_ranks_run_with_the_cpus_of_their_plan(tmp_path):
     out = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *launcher(backend),
             "--standalone",
             "--nproc-per-node",
             "2",
