@@ -60,7 +60,15 @@ MADV_POPULATE_READ = 22  # linux/mman-common.h (Linux 5.14)
 def resident_file_pages() -> list[tuple[int, int]]:
     """(address, length) runs of this process's file-backed pages that are mapped (present in its page tables):
     /proc/self/maps for the file mappings, /proc/self/pagemap bit 63 ("page present", Documentation/admin-guide/mm/
-    pagemap.rst) for their pages."""
+    pagemap.rst) for their pages. Empty where /proc does not say (the ranks then count those pages as they touch
+    them: a few MB more held)."""
+    try:
+        return _resident_file_pages()
+    except OSError:
+        return []
+
+
+def _resident_file_pages() -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []
     with open("/proc/self/maps", encoding="ascii", errors="replace") as maps, open("/proc/self/pagemap", "rb") as pm:
         for line in maps:
@@ -169,7 +177,7 @@ def _rank(flag: str, target: str, *args: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """torch.distributed.run's command line (the entry a module or a Python script)."""
-    global _announce_fd
+    global _announce_fd, _resident
     import torch.distributed.run as trun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -197,7 +205,6 @@ def main(argv: list[str] | None = None) -> None:
     for name in LAZY:
         importlib.import_module(name)
     os.environ[PRELOADED_RSS] = str(max(0, _rss() - before))
-    global _resident
     _resident = resident_file_pages()
     freeze_long_lived()  # the imports: out of the collector's passes here and in every rank (no copy-on-collect)
     watch = ExitWatch()
