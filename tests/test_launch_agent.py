@@ -40,12 +40,13 @@ raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connect
 """
 
 
-def _agent(script: Path, *args: str, nproc: int = 2, log_dir: Path | None = None):
+def _agent(script: Path, *args: str, nproc: int = 2, log_dir: Path | None = None, timeout: int = 180):
     argv = [sys.executable, "-u", "-m", "tasks.launch.agent", "--standalone", "--nproc-per-node", str(nproc)]
     argv += ["--max-restarts", "0", "--monitor-interval", "1"]
     argv += ["--log-dir", str(log_dir)] if log_dir else []
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([*argv, str(script), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    argv += [str(script), *args]
+    return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_forked_rank_holds_the_imports_and_a_fresh_interpreters_handlers(tmp_path):
@@ -63,6 +64,15 @@ def test_a_forked_rank_holds_the_imports_and_a_fresh_interpreters_handlers(tmp_p
         assert got["sigterm_default"] and got["sigint_default"], got
         assert got["compile_threads"] is None, got  # decided from the rank's own cores, not the agent's
         assert got["rss_file"] > 40e6, got  # libtorch's pages the agent had mapped (~80 MB; 7 MB unpopulated)
+
+
+def test_a_rank_that_ends_with_os_exit_0_is_a_success_not_a_hang(tmp_path):
+    """How the workers end exec'd (tasks/train/worker.py, the probe workers): forked, the agent would wait for their
+    return values forever (elastic's MultiprocessContext._poll)."""
+    script = tmp_path / "exit0.py"
+    script.write_text("import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\nos._exit(0)\n")
+    out = _agent(script, str(tmp_path), timeout=60)
+    assert out.returncode == 0 and sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".py") == ["0", "1"]
 
 
 def test_every_failed_rank_is_in_the_report_with_the_killed_one_by_its_signal(tmp_path):

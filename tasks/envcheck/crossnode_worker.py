@@ -131,8 +131,6 @@ def main() -> None:
         atomic_write_json(args.out, shared[0])
     collectives.barrier()
     dist.destroy_process_group()
-    if os.environ.get(FORKED):
-        return  # forked by tasks/launch/agent.py: elastic's _wrap sends the return value, then the process os._exits
     os._exit(0)  # see probe_worker: a rare SIGABRT at exit after destroy_process_group fails torchrun
 
 

@@ -91,8 +91,6 @@ def main() -> None:
         atomic_write_json(args.out, result)
     collectives.barrier()
     dist.destroy_process_group()
-    if os.environ.get(FORKED):
-        return  # forked by tasks/launch/agent.py: elastic's _wrap sends the return value, then the process os._exits
     # A rare SIGABRT at interpreter exit after destroy_process_group fails torchrun; the work is done and saved.
     os._exit(0)
 

@@ -12,8 +12,8 @@ contexts do not survive one), so NPU and CUDA ranks are exec'd by torch.distribu
 
 What a forked rank does differently from an exec'd one, and why:
 - binds its cores with sched_setaffinity, never numactl (an exec would throw away the fork; tasks/parallel/affinity);
-- returns from the worker on success instead of os._exit (elastic's _wrap sends the return value to the agent and
-  waits until it is read; tasks/train/worker);
+- returns on success where an exec'd rank calls os._exit(0) (elastic's _wrap sends the return value to the agent,
+  which waits for every rank's; _exit_for);
 - restores a fresh interpreter's signal handlers (the agent's SIGTERM handler raises SignalException, which would
   turn a rank torchrun stops into one that raised);
 - holds FSDP2, DTensor and DCP before its model exists: the RSS they took in the agent is handed over
@@ -169,10 +169,38 @@ def _rank(flag: str, target: str, *args: str) -> None:
 
     inductor.compile_threads = None  # decided again, from this rank's cores, on first use (after its binding)
     sys.argv = [target, *args]
-    if flag == "-m":
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(target, run_name="__main__")
+    real_exit = os._exit
+    os._exit = _exit_for(os.getpid(), real_exit)
+    try:
+        if flag == "-m":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except _Exited:
+        pass  # os._exit(0): success, returned to elastic
+    finally:
+        os._exit = real_exit  # multiprocessing ends this process with it once elastic has the return value
+
+
+class _Exited(BaseException):
+    """os._exit(0) in a forked rank's main thread, unwound to _rank (past `except Exception`, like an exit)."""
+
+
+def _exit_for(rank_pid: int, real_exit):
+    """os._exit for a forked rank. Elastic's forked ranks must return: a rank that leaves through os._exit(0) sends
+    no return value, and the agent waits for it forever (torch/distributed/elastic/multiprocessing/api.py,
+    MultiprocessContext._poll: done only when every rank's return value has arrived). Exec'd, os._exit(0) is how the
+    workers end (interpreter teardown after destroy_process_group rarely SIGABRTs); forked, it returns. A failure's
+    code, another thread's call and the rank's own children (DataLoader workers) keep the real os._exit."""
+
+    def _exit(code: int) -> None:
+        if code == 0 and os.getpid() == rank_pid and threading.current_thread() is threading.main_thread():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            raise _Exited
+        real_exit(code)
+
+    return _exit
 
 
 def main(argv: list[str] | None = None) -> None:

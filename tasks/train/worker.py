@@ -18,7 +18,6 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-from tasks.parallel.affinity import FORKED
 from tasks.train.progress import waiting
 from tasks.train.trainer import log
 
@@ -124,8 +123,6 @@ def _main(argv=None) -> int:
     sys.stderr.flush()
     if code == 0 or stopped:  # every rank at the same point (the guard and the rehearsal stop through StopTraining too)
         dist.destroy_process_group()
-    if code == 0 and os.environ.get(FORKED):
-        return 0  # forked by tasks/launch/agent.py: elastic's _wrap sends the return value, then the process os._exits
     # os._exit: skips interpreter teardown, which rarely SIGABRTs after destroy_process_group (gloo threads)
     # and would turn a finished run into a failed one.
     os._exit(code)
