@@ -1,5 +1,5 @@
 """torchrun for CPU ranks, forked: torch.distributed.run's own agent, whose ranks are forks of one interpreter that
-has already imported torch, FSDP2, DTensor, DCP and the trainer.
+has already imported torch, FSDP2, DTensor, DCP, dynamo and the trainer.
 
 An exec'd rank spends 2-3 CPU s importing those before its first step (a training stage's 2-8 ranks, each time the
 stage runs). Here the agent imports them once; each rank is a fork of it (`fork` is one of torchrun's own start
@@ -16,10 +16,13 @@ What a forked rank does differently from an exec'd one, and why:
   which waits for every rank's; _exit_for);
 - restores a fresh interpreter's signal handlers (the agent's SIGTERM handler raises SignalException, which would
   turn a rank torchrun stops into one that raised);
-- holds FSDP2, DTensor and DCP before its model exists: the RSS they took in the agent is handed over
-  ($LLM_PIPELINE_PRELOADED_RSS) and stays the training's (tasks/parallel/metrics.PhasePeaks), as when exec'd.
-Dynamo is not preloaded: only compiled runs import it, and its import fixes inductor's compile threads from the
-agent's cores (torch/_inductor/config.py decide_compile_threads), not the rank's.
+- decides inductor's compile threads again, from its own cores (importing dynamo in the agent fixed them from the
+  agent's: torch/_inductor/config.py decide_compile_threads; None is decided lazily, async_compile.py);
+- keeps an exec'd rank's memory figures: it maps the library pages the agent had mapped (a fork copies no page-table
+  entries of file mappings, mm/memory.c copy_page_range, so they would count as the training's when first touched;
+  resident_file_pages, populate), and the RSS FSDP2, DTensor, DCP and dynamo took in the agent
+  ($LLM_PIPELINE_PRELOADED_RSS) comes off its first trainer's baseline (tasks/parallel/metrics.PhasePeaks), since an
+  exec'd rank imports them while building that trainer's model.
 
 Every failed rank in the report: torch.multiprocessing reports only the first exited process it finds, in rank
 order, so a peer's "Connection closed by peer" could be named and not the rank that was killed. Each rank announces
@@ -43,7 +46,7 @@ from tasks.parallel.metrics import PRELOADED_RSS
 
 # what an exec'd rank imports before its model exists (its memory baseline, PhasePeaks.base_bytes) …
 BASE = ("torch", "torch.distributed", "tasks.device", "tasks.train.trainer", "tasks.train.worker")
-# … and while it builds the parallel model: their RSS is handed to the ranks (PRELOADED_RSS) to stay the training's
+# … and while it builds its first model: their RSS is handed to the ranks (PRELOADED_RSS) to stay that trainer's
 LAZY = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor",

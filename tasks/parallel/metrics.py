@@ -176,9 +176,10 @@ class PhasePeaks:
         self.base_bytes = memory_stats(device)["allocated_bytes"]
         if getattr(device, "type", device) == "cpu":
             # A rank forked by tasks/launch/agent.py already holds the modules an exec'd rank imports while building
-            # its parallel model (FSDP2, DTensor, DCP); they stay the training's, as exec'd: the CPU runtime
-            # reserve (tasks/planner/cluster.py) counts them.
-            self.base_bytes -= int(os.environ.get(PRELOADED_RSS, "0"))
+            # its parallel model (FSDP2, DTensor, DCP, dynamo); they stay the first trainer's, as exec'd (the CPU
+            # runtime reserve, tasks/planner/cluster.py, counts them). Taken once: a later spec's trainer and the
+            # export start with them in their baseline, exec'd too.
+            self.base_bytes -= int(os.environ.pop(PRELOADED_RSS, "0"))
 
     def enter(self, phase: str) -> None:
         from tasks.device import reset_peak

@@ -38,8 +38,8 @@ while building the parallel model (FSDP2, DTensor TP, DCP), ≈ 5 MB the mesh's 
 training step's runtime (autograd and gloo threads' malloc arenas, kernel caches). On an accelerator the allocator's
 figures never include the reserve; on CPU the RSS does, so the trainer adds it to the estimate it compares
 (tasks/stages/train.py _estimate). CPU ranks are forked by tasks/launch/agent.py after those modules are imported;
-it keeps the figure an exec'd rank's (their RSS stays the training's, PhasePeaks): the failing-rehearsal run's ranks
-held 181 and 134 MB forked, 179 and 132 MB exec'd.
+it keeps the figure an exec'd rank's (their RSS stays the first trainer's, PhasePeaks): the failing-rehearsal run's
+ranks held 181 and 134 MB forked, 179 and 132 MB exec'd.
 """
 
 from __future__ import annotations
