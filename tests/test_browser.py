@@ -115,6 +115,21 @@ def wait_for_run(ui, run_id: str) -> dict:
     pytest.fail(f"run {run_id} did not finish in {RUN_TIMEOUT_S} s")
 
 
+def wait_unpaused(ui, within_s: float = 120) -> None:
+    """The trigger form unpauses the DAG (its "Unpause llm_pipeline on trigger", on by default) in a request of its
+    own: a queued run on a paused DAG never starts, so say so now rather than after RUN_TIMEOUT_S."""
+    token = api_token(ui)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if api(ui, "/api/v2/dags/llm_pipeline", token)["is_paused"] is False:
+                return
+        except (TimeoutError, urllib.error.URLError):
+            pass
+        time.sleep(2)
+    pytest.fail(f"llm_pipeline still paused {within_s} s after the trigger: the form's unpause failed (api-server log)")
+
+
 def run_dir_of(ui, run_id: str) -> Path:
     return ui["var"] / "runs" / "llm_pipeline" / re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_")
 
@@ -273,6 +288,7 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             page.wait_for_url(re.compile(r".*/dags/llm_pipeline/runs/.+"))
             run_id = urllib.parse.unquote(page.url.split("/runs/", 1)[1].split("/")[0].split("?")[0])
             run_path = f"{ui['airflow']}/dags/llm_pipeline/runs/{urllib.parse.quote(run_id, safe='')}"
+            wait_unpaused(ui)
             # While the run works, no open page: the run's page polls the API server every few seconds (CPU the
             # tasks need on a 2-core host); each check below opens its page when the run is where it looks.
             page.goto("about:blank")
