@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 RANK_STATE = """
@@ -66,11 +68,13 @@ def test_a_forked_rank_holds_the_imports_and_a_fresh_interpreters_handlers(tmp_p
         assert got["rss_file"] > 40e6, got  # libtorch's pages the agent had mapped (~80 MB; 7 MB unpopulated)
 
 
-def test_a_rank_that_ends_with_os_exit_0_is_a_success_not_a_hang(tmp_path):
-    """How the workers end exec'd (tasks/train/worker.py, the probe workers): forked, the agent would wait for their
+@pytest.mark.parametrize("end", ["os._exit(0)", "sys.exit()"])
+def test_a_rank_that_ends_with_exit_0_is_a_success_not_a_hang(tmp_path, end):
+    """os._exit(0): how the workers end exec'd (tasks/train/worker.py, the probe workers); sys.exit() (None): exit
+    status 0 exec'd, which elastic's @record does not return on (only on 0). Forked, the agent would wait for their
     return values forever (elastic's MultiprocessContext._poll)."""
     script = tmp_path / "exit0.py"
-    script.write_text("import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\nos._exit(0)\n")
+    script.write_text(f"import os, sys\nopen(os.path.join(sys.argv[1], os.environ['RANK']), 'w').close()\n{end}\n")
     out = _agent(script, str(tmp_path), timeout=60)
     assert out.returncode == 0 and sorted(p.name for p in tmp_path.iterdir() if p.suffix != ".py") == ["0", "1"]
 

@@ -12,8 +12,8 @@ contexts do not survive one), so NPU and CUDA ranks are exec'd by torch.distribu
 
 What a forked rank does differently from an exec'd one, and why:
 - binds its cores with sched_setaffinity, never numactl (an exec would throw away the fork; tasks/parallel/affinity);
-- returns on success where an exec'd rank calls os._exit(0) (elastic's _wrap sends the return value to the agent,
-  which waits for every rank's; _exit_for);
+- returns on success where an exec'd rank calls os._exit(0) or sys.exit() (elastic's _wrap sends the return value to
+  the agent, which waits for every rank's; _exit_for, _rank);
 - restores a fresh interpreter's signal handlers (the agent's SIGTERM handler raises SignalException, which would
   turn a rank torchrun stops into one that raised);
 - decides inductor's compile threads again, from its own cores (importing dynamo in the agent fixed them from the
@@ -181,6 +181,11 @@ def _rank(flag: str, target: str, *args: str) -> None:
             runpy.run_path(target, run_name="__main__")
     except _Exited:
         pass  # os._exit(0): success, returned to elastic
+    except SystemExit as e:
+        if e.code is not None:  # elastic's @record returns on 0 and re-raises the rest: a failure's code stays
+            raise
+        # sys.exit() / `raise SystemExit`: exit status 0 exec'd (Python's rule for None); forked, the process would
+        # end 0 without a return value and the agent wait for it forever (as os._exit(0) above)
     finally:
         os._exit = real_exit  # multiprocessing ends this process with it once elastic has the return value
 
