@@ -18,6 +18,7 @@ import torch
 from data_prep.build import build_shard_set
 from data_prep.errors import CorruptShardError, DataPrepError
 from data_prep.loader import ShardLoader
+from tasks.launch.torchrun import launcher
 from tests.helpers.shards import CORPUS, shard_cfg
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,8 +55,7 @@ def test_exactly_once_across_2_ranks_x_2_workers_under_torchrun(shard_set, tmp_p
     out = tmp_path / "seen.json"
     cmd = [
         sys.executable,
-        "-m",
-        "torch.distributed.run",
+        *launcher("cpu"),  # the ranks start as training's CPU ranks do: forked by torchrun's agent
         "--standalone",
         "--nproc-per-node",
         "2",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tasks.launch.torchrun import launcher
 from tasks.profiling.advisor import advise
 from tasks.profiling.loader import load_profile
 from tasks.profiling.report import build_report
@@ -25,8 +26,7 @@ def test_profiled_two_rank_gloo_run(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "torch.distributed.run",
+            *launcher("cpu"),  # the ranks start as training's CPU ranks do: forked by torchrun's agent
             "--standalone",
             "--nproc-per-node",
             "2",
