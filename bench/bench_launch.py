@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tasks.launch.torchrun import launcher
+
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 3
 RANKS = 2  # the CPU default (dp 2): more ranks than cores would load the host by themselves
@@ -48,7 +50,7 @@ def run() -> dict:
         script.write_text(RANK)
         for i in range(RUNS):  # interleaved: a change in the host's load falls on both
             exec_.append(_cpu(["-m", "torch.distributed.run"], script, Path(tmp) / f"exec{i}"))
-            fork.append(_cpu(["-u", "-m", "tasks.launch.agent"], script, Path(tmp) / f"fork{i}"))
+            fork.append(_cpu(launcher("cpu"), script, Path(tmp) / f"fork{i}"))
     e, f = statistics.median(exec_), statistics.median(fork)
     return {
         "launch.cpu_s_2_gloo_ranks_exec": round(e, 2),
