@@ -233,14 +233,15 @@ def main(argv: list[str] | None = None) -> None:
     config, _python, cmd_args = trun.config_from_args(args)  # cmd_args: -u [-m] MODULE-or-SCRIPT [args]
     entry = cmd_args[1:] if cmd_args[1] == "-m" else ["", *cmd_args[1:]]
 
-    from tasks.procs import freeze_long_lived
+    from tasks.procs import freeze_long_lived, full_collections_paused
 
-    for name in BASE:
-        importlib.import_module(name)
-    before = _rss()
-    for name in LAZY:
-        importlib.import_module(name)
-    os.environ[PRELOADED_RSS] = str(max(0, _rss() - before))
+    with full_collections_paused():  # what every rank keeps: no full collector passes over it while it is imported
+        for name in BASE:
+            importlib.import_module(name)
+        before = _rss()
+        for name in LAZY:
+            importlib.import_module(name)
+        os.environ[PRELOADED_RSS] = str(max(0, _rss() - before))
     _resident = resident_file_pages()
     freeze_long_lived()  # the imports: out of the collector's passes here and in every rank (no copy-on-collect)
     watch = ExitWatch()
