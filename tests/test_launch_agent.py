@@ -133,3 +133,28 @@ def test_the_preloaded_modules_count_for_the_first_trainer_only(monkeypatch):
     first, later = PhasePeaks(torch.device("cpu")), PhasePeaks(torch.device("cpu"))
     assert later.base_bytes - first.base_bytes > 400 << 20  # RSS moves a little between the two; 500 MB came off
     assert PRELOADED_RSS not in os.environ
+
+
+PRELOAD = """
+import gc, json
+full = []  # the collector's full (generation 2) passes from here on
+gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1))
+before = gc.get_threshold()
+import tasks.launch.agent as agent
+agent.preload()
+print(json.dumps({"full": len(full), "frozen": gc.get_freeze_count(), "same": gc.get_threshold() == before}))
+"""
+
+
+def test_the_agent_imports_the_ranks_modules_without_full_collector_passes():
+    """agent.preload: torch, FSDP2, DTensor, DCP and dynamo imported with no full collector pass over them (CPython
+    ran four, which freed nothing); the one pass is freeze_long_lived's, which then freezes them all; the collector's
+    thresholds are CPython's again after it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", PRELOAD], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["full"] == 1, got
+    assert got["frozen"] > 200_000 and got["same"], got

@@ -211,9 +211,28 @@ def _exit_for(rank_pid: int, real_exit):
     return _exit
 
 
+def preload() -> None:
+    """Import what every rank runs (BASE, LAZY), hand LAZY's RSS to the ranks (PRELOADED_RSS), note the library pages
+    mapped (resident_file_pages), then collect once and freeze it all (no copy-on-collect in the ranks). No full
+    collector pass before that one (tasks.procs.full_collections_paused): the imports leave ~300k objects that all
+    stay, and the four passes CPython ran over them on the way freed nothing."""
+    global _resident
+    from tasks.procs import freeze_long_lived, full_collections_paused
+
+    with full_collections_paused():
+        for name in BASE:
+            importlib.import_module(name)
+        before = _rss()
+        for name in LAZY:
+            importlib.import_module(name)
+        os.environ[PRELOADED_RSS] = str(max(0, _rss() - before))
+        _resident = resident_file_pages()
+    freeze_long_lived()
+
+
 def main(argv: list[str] | None = None) -> None:
     """torch.distributed.run's command line (the entry a module or a Python script)."""
-    global _announce_fd, _resident
+    global _announce_fd
     import torch.distributed.run as trun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
@@ -233,17 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     config, _python, cmd_args = trun.config_from_args(args)  # cmd_args: -u [-m] MODULE-or-SCRIPT [args]
     entry = cmd_args[1:] if cmd_args[1] == "-m" else ["", *cmd_args[1:]]
 
-    from tasks.procs import freeze_long_lived, full_collections_paused
-
-    with full_collections_paused():  # what every rank keeps: no full collector passes over it while it is imported
-        for name in BASE:
-            importlib.import_module(name)
-        before = _rss()
-        for name in LAZY:
-            importlib.import_module(name)
-        os.environ[PRELOADED_RSS] = str(max(0, _rss() - before))
-    _resident = resident_file_pages()
-    freeze_long_lived()  # the imports: out of the collector's passes here and in every rank (no copy-on-collect)
+    preload()
     watch = ExitWatch()
     _announce_fd = watch.write_fd
     sys.stdout.flush()
