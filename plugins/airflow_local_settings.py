@@ -15,8 +15,8 @@ cyclic garbage collector of those processes, which spent a fifth to a third of t
   Objects are still freed by reference count; only cyclic garbage is left to the exiting process (CPython never
   promises `__del__` at exit). The stages' own processes do the same (tasks/procs.py, skip_exit_collection).
 
-Measured on this host, one process that imports Airflow, builds the in-process execution API (as `airflow dags
-test` does) and parses dags/: 2.8 CPU s with CPython's defaults, 2.1 without the exit passes, 1.8 with both.
+Measured on this host (bench/bench_gc.py), one process that imports Airflow, builds the in-process execution API
+(as `airflow dags test` does) and parses dags/: 3.28 CPU s with CPython's defaults, 2.08 with these (0.64x).
 """
 
 from __future__ import annotations
