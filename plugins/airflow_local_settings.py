@@ -6,8 +6,8 @@ cyclic garbage collector of those processes, which spent a fifth to a third of t
 
 - Full passes 10x rarer (FULL_PASS_EVERY): CPython runs one once 10 collections of the middle generation have
   passed and the objects promoted since the last one exceed a quarter of the long-lived. Airflow's start (its ORM
-  models, Cadwyn's versioned execution-API routers, the providers, the DAG files' imports) allocates about a million
-  objects that all stay: the repeated full passes over them found nothing to free. At 100 they still run, so cyclic
+  models, Cadwyn's versioned execution-API routers, the providers, the DAG files' imports) leaves ~320k objects
+  that all stay: the repeated full passes over them found nothing to free. At 100 they still run, so cyclic
   garbage that reaches the oldest generation is still freed, later.
 - No collection at exit: at interpreter teardown CPython collects the whole heap again, several times, as modules
   are cleared. `gc.freeze()` at exit (atexit, LIFO: after every handler registered later, Airflow's dispose_orm and
