@@ -24,8 +24,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # before anything imports torch; a caller's own setting is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The cyclic collector as in every Airflow process of the deployment (importing the hook applies it to this process):
-# full passes 10x rarer, none at exit. A test process comes to hold torch, transformers, Airflow and MLflow — millions
-# of objects that stay — and each full pass walks them all.
+# full passes 10x rarer, none at exit. A test process comes to hold torch, transformers, Airflow and MLflow, whose
+# objects all stay, and each full pass walks them all.
 importlib.import_module("plugins.airflow_local_settings")
 # Strict collectives (tasks/collectives.py): every collective of this session and of the torchrun workers it starts
 # (they inherit the environment) is checked as HCCL would check it, on gloo. `=nccl` imitates NCCL, `=0` turns it off.

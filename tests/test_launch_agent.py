@@ -148,7 +148,7 @@ print(json.dumps({"full": len(full), "frozen": gc.get_freeze_count(), "same": gc
 
 def test_the_agent_imports_the_ranks_modules_without_full_collector_passes():
     """agent.preload: torch, FSDP2, DTensor, DCP and dynamo imported with no full collector pass over them (CPython
-    ran four, which freed nothing); the one pass is freeze_long_lived's, which then freezes them all; the collector's
+    ran five, which freed nothing); the one pass is freeze_long_lived's, which then freezes them all; the collector's
     thresholds are CPython's again after it."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(

@@ -215,7 +215,7 @@ def preload() -> None:
     """Import what every rank runs (BASE, LAZY), hand LAZY's RSS to the ranks (PRELOADED_RSS), note the library pages
     mapped (resident_file_pages), then collect once and freeze it all (no copy-on-collect in the ranks). No full
     collector pass before that one (tasks.procs.full_collections_paused): the imports leave ~300k objects that all
-    stay, and the four passes CPython ran over them on the way freed nothing."""
+    stay, and the five passes CPython ran over them on the way freed nothing."""
     global _resident
     from tasks.procs import freeze_long_lived, full_collections_paused
 
