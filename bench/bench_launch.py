@@ -34,6 +34,36 @@ dist.destroy_process_group()
 """
 
 
+# The agent's imports for the env stage's collective probe (tasks.launch.agent.preloads): the trainer's set (what every
+# launch imported before) against the probe's own (torch, torch.distributed, the probe), each in a fresh interpreter.
+PROBE_ENTRY = ["tasks.envcheck.probe_worker", "--kind", "cpu"]
+PRELOAD = {
+    "trainer_set": "import tasks.launch.agent as agent; agent.preload()",
+    "probe_set": f"import tasks.launch.agent as agent; agent.preload(*agent.preloads({PROBE_ENTRY!r}))",
+}
+
+
+def _child_cpu(argv: list[str]) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def probe_preload() -> dict:
+    got: dict[str, list[float]] = {name: [] for name in PRELOAD}
+    for _ in range(RUNS):  # interleaved
+        for name, code in PRELOAD.items():
+            got[name].append(_child_cpu([sys.executable, "-c", code]))
+    t, p = statistics.median(got["trainer_set"]), statistics.median(got["probe_set"])
+    return {
+        "launch.probe_agent_imports_cpu_s_trainer_set": round(t, 3),
+        "launch.probe_agent_imports_cpu_s_probe_set": round(p, 3),
+        "launch.probe_agent_imports_cpu_ratio_probe_vs_trainer_set": round(p / t, 3),
+    }
+
+
 def _cpu(launcher: list[str], script: Path, out: Path) -> float:
     argv = [sys.executable, *launcher, "--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "0"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -56,7 +86,7 @@ def run() -> dict:
         "launch.cpu_s_2_gloo_ranks_exec": round(e, 2),
         "launch.cpu_s_2_gloo_ranks_forked": round(f, 2),
         "launch.cpu_ratio_forked_vs_exec": round(f / e, 3),
-    }
+    } | probe_preload()
 
 
 if __name__ == "__main__":

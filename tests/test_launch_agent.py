@@ -158,3 +158,47 @@ def test_the_agent_imports_the_ranks_modules_without_full_collector_passes():
     got = json.loads(out.stdout.splitlines()[-1])
     assert got["full"] == 1, got
     assert got["frozen"] > 200_000 and got["same"], got
+
+
+@pytest.mark.parametrize(
+    "entry, probe",
+    [
+        (["tasks.parallel.affinity", "--worker", "tasks.train.worker", "--spec", "s.json"], None),
+        (["tasks.train.worker", "--spec", "s.json"], None),
+        (["", "/tmp/script.py", "arg"], None),
+        (["tasks.envcheck.probe_worker", "--kind", "cpu"], "tasks.envcheck.probe_worker"),
+        (
+            ["tasks.parallel.affinity", "--worker", "tasks.envcheck.crossnode_worker", "--kind", "cpu"],
+            "tasks.envcheck.crossnode_worker",
+        ),
+    ],
+)
+def test_the_agent_imports_the_trainer_for_every_entry_but_the_env_stages_probes(entry, probe):
+    from tasks.launch import agent
+
+    want = (agent.BASE, agent.LAZY) if probe is None else (("torch", "torch.distributed", probe), ())
+    assert agent.preloads(entry) == want
+
+
+PROBE_PRELOAD = """
+import json, os, sys
+import tasks.launch.agent as agent
+agent.preload(*agent.preloads(["tasks.envcheck.probe_worker", "--kind", "cpu"]))
+heavy = ["tasks.train.trainer", *agent.LAZY]
+print(json.dumps({
+    "heavy": [m for m in heavy if m in sys.modules],
+    "probe": "tasks.envcheck.probe_worker" in sys.modules,
+    "rss": os.environ["LLM_PIPELINE_PRELOADED_RSS"],
+}))
+"""
+
+
+def test_a_probes_agent_leaves_the_trainers_modules_out():
+    """The env stage's probe ranks run torch.distributed only: their agent imports the probe (and with it torch and
+    torch.distributed) and none of the trainer, FSDP2, DTensor, DCP or dynamo (~1 CPU s a launch); no RSS handed on."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE_PRELOAD], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == {"heavy": [], "probe": True, "rss": "0"}

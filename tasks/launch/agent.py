@@ -1,5 +1,6 @@
 """torchrun for CPU ranks, forked: torch.distributed.run's own agent, whose ranks are forks of one interpreter that
-has already imported torch, FSDP2, DTensor, DCP, dynamo and the trainer.
+has already imported torch, FSDP2, DTensor, DCP, dynamo and the trainer (the env stage's probes: torch,
+torch.distributed and the probe; preloads).
 
 An exec'd rank spends 2-3 CPU s importing those before its first step (a training stage's 2-8 ranks, each time the
 stage runs). Here the agent imports them once; each rank is a fork of it (`fork` is one of torchrun's own start
@@ -54,6 +55,9 @@ LAZY = (
     "torch.distributed.checkpoint",
     "torch._dynamo",
 )
+# The env stage's collective probes: their ranks run torch.distributed and none of the trainer, so their agent imports
+# torch, torch.distributed and the probe only (the trainer, FSDP2, DTensor, DCP and dynamo cost ~1 CPU s a launch).
+PROBES = ("tasks.envcheck.probe_worker", "tasks.envcheck.crossnode_worker")
 _announce_fd: int | None = None
 _resident: list[tuple[int, int]] = []  # the agent's resident file-backed pages at the fork: (address, length) runs
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -211,21 +215,31 @@ def _exit_for(rank_pid: int, real_exit):
     return _exit
 
 
-def preload() -> None:
-    """Import what every rank runs (BASE, LAZY), hand LAZY's RSS to the ranks (PRELOADED_RSS), note the library pages
-    mapped (resident_file_pages), then collect once and freeze it all (no copy-on-collect in the ranks). No full
-    collector pass before that one (tasks.procs.full_collections_paused): the imports leave ~300k objects that all
-    stay, and the five passes CPython ran over them on the way freed nothing."""
+def preloads(entry: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What the agent imports for a launch's entry (`MODULE [args]`, or "" and a script; tasks.parallel.affinity's
+    `--worker MODULE` looked through): a probe's module with torch and torch.distributed (PROBES), else the trainer's
+    (BASE, LAZY)."""
+    module = entry[2] if entry[:2] == ["tasks.parallel.affinity", "--worker"] and len(entry) > 2 else entry[0]
+    if module in PROBES:
+        return ("torch", "torch.distributed", module), ()
+    return BASE, LAZY
+
+
+def preload(base: tuple[str, ...] = BASE, lazy: tuple[str, ...] = LAZY) -> None:
+    """Import what every rank runs (base, lazy: preloads), hand lazy's RSS to the ranks (PRELOADED_RSS), note the
+    library pages mapped (resident_file_pages), then collect once and freeze it all (no copy-on-collect in the ranks).
+    No full collector pass before that one (tasks.procs.full_collections_paused): the imports leave ~300k objects
+    that all stay, and the five passes CPython ran over them on the way freed nothing."""
     global _resident
     from tasks.procs import freeze_long_lived, full_collections_paused
 
     with full_collections_paused():
-        for name in BASE:
+        for name in base:
             importlib.import_module(name)
         before = _rss()
-        for name in LAZY:
+        for name in lazy:
             importlib.import_module(name)
-        os.environ[PRELOADED_RSS] = str(max(0, _rss() - before))
+        os.environ[PRELOADED_RSS] = str(max(0, _rss() - before)) if lazy else "0"
         _resident = resident_file_pages()
     freeze_long_lived()
 
@@ -252,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     config, _python, cmd_args = trun.config_from_args(args)  # cmd_args: -u [-m] MODULE-or-SCRIPT [args]
     entry = cmd_args[1:] if cmd_args[1] == "-m" else ["", *cmd_args[1:]]
 
-    preload()
+    preload(*preloads(entry))
     watch = ExitWatch()
     _announce_fd = watch.write_fd
     sys.stdout.flush()
