@@ -44,6 +44,7 @@ PRELOAD = {
 
 
 def _child_cpu(argv: list[str]) -> float:
+    """user + sys CPU seconds of one child process and everything it reaped, start to exit."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
@@ -66,11 +67,7 @@ def probe_preload() -> dict:
 
 def _cpu(launcher: list[str], script: Path, out: Path) -> float:
     argv = [sys.executable, *launcher, "--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "0"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run([*argv, str(script), str(out)], cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return _child_cpu([*argv, str(script), str(out)])
 
 
 def run() -> dict:
