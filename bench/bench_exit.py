@@ -7,11 +7,10 @@ over RUNS processes; the ratio is with the skip over without (< 1: cheaper)."""
 from __future__ import annotations
 
 import os
-import resource
-import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from bench.child_cpu import interleaved_medians
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 3
@@ -28,20 +27,10 @@ if sys.argv[1] == "skip":
 """
 
 
-def _cpu(variant: str) -> float:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", CHILD, variant], cwd=ROOT, env=env, check=True, capture_output=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
 def run() -> dict:
-    plain, skip = [], []
-    for _ in range(RUNS):  # interleaved: a change in the host's load falls on both
-        plain.append(_cpu("plain"))
-        skip.append(_cpu("skip"))
-    p, s = statistics.median(plain), statistics.median(skip)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    got = interleaved_medians({v: ([sys.executable, "-c", CHILD, v], env) for v in ("plain", "skip")}, RUNS)
+    p, s = got["plain"], got["skip"]
     return {
         "exit.stage_process_cpu_s_plain": round(p, 2),
         "exit.stage_process_cpu_s_skip_collection": round(s, 2),

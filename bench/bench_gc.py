@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.child_cpu import interleaved_medians
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNS = 5
@@ -75,22 +75,6 @@ freeze_long_lived()
 }
 
 
-def _child_cpu_s(argv: list[str], env: dict) -> float:
-    """user + sys CPU seconds of one child process, start to exit."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
-def _interleaved(variants: dict[str, tuple[list[str], dict]]) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(RUNS):
-        for name, (argv, env) in variants.items():
-            times[name].append(_child_cpu_s(argv, env))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def collector_settings(env: dict) -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,16 +84,17 @@ def collector_settings(env: dict) -> dict:
         )
         af = {**env, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{Path(tmp) / 'airflow.db'}"}
         argv = [sys.executable, "-c", AIRFLOW_PROCESS]
-        got = _interleaved(
+        got = interleaved_medians(
             {
                 "default": (argv, {**af, "AIRFLOW__CORE__PLUGINS_FOLDER": str(plain)}),
                 "deployment": (argv, {**af, "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins")}),
-            }
+            },
+            RUNS,
         )
     out["gc.airflow_process_cpu_s_default"] = round(got["default"], 3)
     out["gc.airflow_process_cpu_s_deployment"] = round(got["deployment"], 3)
     out["gc.airflow_process_cpu_ratio_deployment_vs_default"] = round(got["deployment"] / got["default"], 3)
-    got = _interleaved({name: ([sys.executable, "-c", code], env) for name, code in PRELOAD.items()})
+    got = interleaved_medians({name: ([sys.executable, "-c", code], env) for name, code in PRELOAD.items()}, RUNS)
     out["gc.agent_preload_cpu_s_default"] = round(got["default"], 3)
     out["gc.agent_preload_cpu_s_paused"] = round(got["paused"], 3)
     out["gc.agent_preload_cpu_ratio_paused_vs_default"] = round(got["paused"] / got["default"], 3)

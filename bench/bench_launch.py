@@ -7,13 +7,12 @@ ratio is forked over exec'd (< 1: cheaper)."""
 from __future__ import annotations
 
 import os
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from bench.child_cpu import child_cpu_s, interleaved_medians
 from tasks.launch.torchrun import launcher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,21 +42,10 @@ PRELOAD = {
 }
 
 
-def _child_cpu(argv: list[str]) -> float:
-    """user + sys CPU seconds of one child process and everything it reaped, start to exit."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True, timeout=600)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-
-
 def probe_preload() -> dict:
-    got: dict[str, list[float]] = {name: [] for name in PRELOAD}
-    for _ in range(RUNS):  # interleaved
-        for name, code in PRELOAD.items():
-            got[name].append(_child_cpu([sys.executable, "-c", code]))
-    t, p = statistics.median(got["trainer_set"]), statistics.median(got["probe_set"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    got = interleaved_medians({name: ([sys.executable, "-c", code], env) for name, code in PRELOAD.items()}, RUNS)
+    t, p = got["trainer_set"], got["probe_set"]
     return {
         "launch.probe_agent_imports_cpu_s_trainer_set": round(t, 3),
         "launch.probe_agent_imports_cpu_s_probe_set": round(p, 3),
@@ -67,7 +55,8 @@ def probe_preload() -> dict:
 
 def _cpu(launcher: list[str], script: Path, out: Path) -> float:
     argv = [sys.executable, *launcher, "--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "0"]
-    return _child_cpu([*argv, str(script), str(out)])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return child_cpu_s([*argv, str(script), str(out)], env)
 
 
 def run() -> dict:
