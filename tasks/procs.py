@@ -52,9 +52,9 @@ def full_collections_paused():
     """No full (oldest-generation) collector passes inside the block; the young generations are still collected.
     For imports of what the process keeps to its end: importing torch, FSDP2, DTensor, DCP and dynamo leaves ~300k
     objects that all stay, and the five full passes CPython ran over them on the way freed nothing (the agent's
-    preload: 2.39 → 2.06 CPU s without them, bench_gc); the young passes free the imports' own short-lived cycles
-    as before (the same RSS after them: without any pass it grew 5 MB). Follow with freeze_long_lived(), which
-    collects once and freezes."""
+    preload: 0.84-0.95x the CPU without them, bench_gc's gc.agent_preload_cpu_ratio_paused_vs_default); the young
+    passes free the imports' own short-lived cycles as before (the same RSS after them: without any pass it grew
+    5 MB). Follow with freeze_long_lived(), which collects once and freezes."""
     young, middle, full = gc.get_threshold()
     gc.set_threshold(young, middle, 2**31 - 1)
     try:
