@@ -16,6 +16,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# The session's temporary files (torch elastic's torchelastic_* directories, torch.multiprocessing's error files of a
+# failed rank, inductor's 155 MB precompiled header, g++'s and Airflow's temporaries, the Airflow stores below) in
+# one directory of this session, inherited by the xdist workers and every process the tests start, and removed when
+# the session ends (pytest_unconfigure): a run of the suite leaves nothing in the system's temporary directory but
+# pytest's own basetemp, which stays where it was (PYTEST_DEBUG_TEMPROOT: the last sessions' failed tests' files).
+SESSION_TMP = "LLM_PIPELINE_TEST_TMPDIR"
+_OWN_SESSION_TMP = SESSION_TMP not in os.environ  # the controller (or a plain pytest), not an xdist worker
+if _OWN_SESSION_TMP:
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    os.environ[SESSION_TMP] = tempfile.mkdtemp(prefix="llm-pipeline-tests-")
+    os.chmod(os.environ[SESSION_TMP], 0o711)  # passable, not listable: the Celery tests' postgres user reaches its own
+os.environ["TMPDIR"] = os.environ[SESSION_TMP]
+tempfile.tempdir = None  # gettempdir() reads $TMPDIR again
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One OpenMP thread in every test process and the processes it starts (stages, `airflow dags test`, a single torchrun
@@ -246,5 +259,10 @@ def pytest_terminal_summary(terminalreporter, config):
 def pytest_unconfigure(config):
     """The session is over: this process (the controller, each xdist worker) exits without the interpreter's full
     collections over its objects (torch, transformers, Airflow, MLflow) during teardown — the reason of
-    tasks.procs.skip_exit_collection; measured here ~1 CPU s a worker."""
+    tasks.procs.skip_exit_collection; measured here ~1 CPU s a worker. The process that made the session's
+    temporary directory (SESSION_TMP; after its xdist workers have ended) removes it."""
     gc.freeze()
+    if _OWN_SESSION_TMP:
+        import shutil
+
+        shutil.rmtree(os.environ[SESSION_TMP], ignore_errors=True)

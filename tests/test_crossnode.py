@@ -22,7 +22,13 @@ REPO = Path(__file__).resolve().parent.parent
 def test_two_nodes_probe_every_link_through_the_env_stage(tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var")}
+    (tmp_path / "tmp").mkdir()  # the nodes' temporary directory: their probes' torchrun must leave nothing there
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "LLM_PIPELINE_VAR_DIR": str(tmp_path / "var"),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
     procs = []
     for node in (0, 1):
         argv = [
@@ -67,6 +73,9 @@ def test_two_nodes_probe_every_link_through_the_env_stage(tmp_path):
     node1 = json.loads((run_dir / "env-node1.json").read_text())  # node 1's own stage result
     assert node1["status"] in ("ok", "warn")
     assert json.loads((run_dir / "env" / "crossnode-node1.json").read_text())["nodes"] == probe["nodes"]
+    # each node's torch elastic files beside its probe result, not torchelastic_* directories left in $TMPDIR
+    assert not list((tmp_path / "tmp").glob("torchelastic_*"))
+    assert all((run_dir / "env" / f"crossnode-node{n}-torchelastic").is_dir() for n in (0, 1))
 
 
 def test_a_node_that_never_arrives_is_named_within_the_bound(cfg, tmp_path):

@@ -21,7 +21,8 @@ ENV = REPO / "tests" / "fixtures" / "env"
 
 
 def _cli(tmp: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    (tmp / "tmp").mkdir(exist_ok=True)  # the run's temporary directory: the probe's torchrun must leave nothing there
+    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TMPDIR": str(tmp / "tmp")}
     env.pop("ASCEND_HOME_PATH", None)
     return subprocess.run(
         [
@@ -63,6 +64,9 @@ def test_cli_result_is_small_and_complete(cli_run):
     assert len(json.dumps(result)) < 1000  # XCom-sized
     assert read_json(tmp / "run" / "env.json")["summary"] == result["summary"]  # the runner's result file
     assert "env: OK — cpu ×2" in stderr and "[  ok] allreduce" in stderr
+    # torch elastic's per-rank files beside the probe's result, not a torchelastic_* directory left in $TMPDIR
+    assert not list((tmp / "tmp").glob("torchelastic_*"))
+    assert (tmp / "run" / "env" / "probe-torchelastic").is_dir()
 
 
 @pytest.mark.slow

@@ -113,6 +113,7 @@ def _fake_launch(out: Path, routing: dict[int, dict]):
 
     def run(*_a, **_k):
         launches.append(1)
+        run.argv = _a[0]
         traces = out / "traces"
         traces.mkdir(parents=True, exist_ok=True)
         for r in (0, 1):
@@ -133,6 +134,8 @@ def test_an_analysis_only_change_reuses_the_collect_a_collect_change_collects_ag
     monkeypatch.setattr(torchrun, "run", fake)
     source, _ = stage.collect(cfg, ctx, out)
     assert launches == [1] and source == out / "traces"
+    # torch elastic's per-rank files in the stage's logs (without --log-dir: a torchelastic_* directory in $TMPDIR)
+    assert fake.argv[fake.argv.index("--log-dir") + 1] == str(out / "logs" / "torchelastic")
     marker = json.loads((out / "traces" / "collected.json").read_text())
     assert marker["collect_hash"] == stage.collect_digest(cfg) and marker["config_hash"] == cfg.digest()
     for change in ANALYSIS_CHANGES:

@@ -89,3 +89,43 @@ def test_a_session_run_is_made_once_whichever_worker_asks(tmp_path):
     pids = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert (tmp_path / "calls").read_text() == "x" and len(pids) == 1, pids
+
+
+LEAVES = """
+import os, subprocess, sys, tempfile
+
+def test_leaves_temporary_files():
+    print("TMP=" + tempfile.gettempdir())
+    open(os.path.join(tempfile.gettempdir(), "a-file"), "w").close()
+    child = [sys.executable, "-c", "import tempfile; print(tempfile.mkdtemp(prefix='torchelastic_'))"]
+    print("CHILD=" + subprocess.run(child, capture_output=True, text=True, check=True).stdout.strip())
+"""
+
+
+def test_a_session_leaves_nothing_in_the_systems_temporary_directory(tmp_path):
+    """tests/conftest.py: a session's processes (its own and their children) write their temporary files into the
+    session's directory, which the session removes at its end; pytest's basetemp stays in the system's."""
+    import os
+    import subprocess
+    import sys
+
+    system = tmp_path / "system-tmp"
+    system.mkdir()
+    (tmp_path / "test_leaves.py").write_text(LEAVES)
+    env = {k: v for k, v in os.environ.items() if k not in ("LLM_PIPELINE_TEST_TMPDIR", "PYTEST_DEBUG_TEMPROOT")}
+    env.update(TMPDIR=str(system), PYTHONPATH=str(TESTS.parent))
+    argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-p", "tests.conftest"]
+    out = subprocess.run(
+        [*argv, "--rootdir", str(TESTS.parent), str(tmp_path / "test_leaves.py")],
+        cwd=TESTS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    session = Path(out.stdout.split("TMP=")[1].split()[0])
+    child = Path(out.stdout.split("CHILD=")[1].split()[0])
+    assert session.parent == system and child.parent == session  # the session's directory, inherited by children
+    assert not session.exists()  # removed at the end
+    assert [p.name for p in system.iterdir() if not p.name.startswith("pytest-of-")] == []  # nothing beside basetemp

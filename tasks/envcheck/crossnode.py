@@ -21,7 +21,7 @@ from pathlib import Path
 from tasks.bounds import run_bounded
 from tasks.config import REPO_ROOT
 from tasks.envcheck import check
-from tasks.envcheck.probe import worker_args
+from tasks.envcheck.probe import fresh_elastic_log_dir, worker_args
 from tasks.errors import StageError
 from tasks.fsutil import atomic_write_json, read_json
 
@@ -118,6 +118,7 @@ def run(
     )
     out = run_dir / "env" / f"crossnode-node{hw.node_rank}.json"
     out.unlink(missing_ok=True)
+    fresh_elastic_log_dir(out)
     env = {**os.environ, **(env_extra or {}), "LLM_NODE_RANK": str(hw.node_rank)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     argv = command(

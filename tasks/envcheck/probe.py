@@ -7,6 +7,7 @@ a slow ring usually means a bad topology, a wrong ASCEND_RT_VISIBLE_DEVICES spli
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,9 +37,29 @@ def command(
 
 
 def worker_args(module: str, kind: str, sizes_mb: list[float], timeout_s: int, out: Path) -> list[str]:
-    """`-m <worker module>` and the flags both probe workers (this node's and the cross-node one) take."""
+    """torchrun's `--log-dir` (elastic_log_dir), then `-m <worker module>` and the flags both probe workers (this
+    node's and the cross-node one) take."""
     sizes = [f"{s:g}" for s in sizes_mb]
-    return ["-m", module, "--kind", kind, "--sizes-mb", *sizes, "--timeout-s", str(timeout_s), "--out", str(out)]
+    return [
+        f"--log-dir={elastic_log_dir(out)}",
+        *["-m", module, "--kind", kind, "--sizes-mb", *sizes, "--timeout-s", str(timeout_s), "--out", str(out)],
+    ]
+
+
+def elastic_log_dir(out: Path) -> Path:
+    """Where torch elastic keeps a probe launch's per-rank files: beside the probe's result, replaced by each launch
+    (fresh_elastic_log_dir). Without --log-dir, elastic makes a torchelastic_* directory in the system's temporary
+    directory for every launch and never removes it (torch/distributed/elastic/multiprocessing/api.py,
+    _make_log_dir: tempfile.mkdtemp(prefix="torchelastic_")): one more a day for every scheduled env stage."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}-torchelastic")
+
+
+def fresh_elastic_log_dir(out: Path) -> Path:
+    """elastic_log_dir(out), emptied of an earlier launch's files."""
+    path = elastic_log_dir(out)
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 
 def _last_error(text: str) -> str:
@@ -59,6 +80,7 @@ def run(
     """Launch the probe and return its result, or {"error": one line} when it fails or hangs."""
     out = Path(out)
     out.unlink(missing_ok=True)
+    fresh_elastic_log_dir(out)
     env = {**os.environ, **(env_extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     # Own session: on a hang the whole torchrun tree (agent and ranks) is killed, not just the agent.

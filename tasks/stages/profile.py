@@ -210,8 +210,17 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     )
     spec.update(run_dir=str(work), resume=False, validation=None)
     spec_path = atomic_write_json(work / "launch.json", spec)
+    # elastic's per-rank files in the stage's logs (without --log-dir: a torchelastic_* directory left in the system's
+    # temporary directory by every launch, torch/distributed/elastic/multiprocessing/api.py _make_log_dir)
+    elastic_dir = out_dir / "logs" / "torchelastic"
+    shutil.rmtree(elastic_dir, ignore_errors=True)
     argv = torchrun.argv(
-        cfg, spec["nproc"], [spec_path], rdzv_id=f"{ctx.run_dir.name}-profile", backend=spec["backend"]
+        cfg,
+        spec["nproc"],
+        [spec_path],
+        rdzv_id=f"{ctx.run_dir.name}-profile",
+        log_dir=elastic_dir,
+        backend=spec["backend"],
     )
     argv += ["--profile-dir", str(traces)]
     msprof = find_msprof() if cfg.profile.use_msprof and spec["backend"] == "npu" else None

@@ -144,7 +144,8 @@ class Cluster:
         return self.root / f"{name}.log"
 
     def start_postgres(self) -> None:
-        # Its own directory right under /tmp: as root, the postgres user must reach it (pytest's tmp is 0700).
+        # Its own directory in the session's temporary directory (tests/conftest.py, 0711), not pytest's tmp (0700):
+        # as root, the postgres user must reach it.
         self.pg_root = Path(tempfile.mkdtemp(prefix="llm-pg-"))
         pgdata = self.pg_root / "data"
         user = "postgres" if os.geteuid() == 0 else None
