@@ -301,6 +301,13 @@ class ShardLoader:
             self._batches = None
             raise CorruptShardError(message)
 
+    def close(self) -> None:
+        """Stop the worker processes now, each through its own exit (the iterator's shutdown: it drops its last
+        reference here). Left to the process's end, multiprocessing terminates them (they are daemonic), and every
+        worker that passed a batch leaves its pymp-* directory (the socket of multiprocessing/resource_sharer.py, in
+        util.get_temp_dir) in $TMPDIR. The next iteration starts a fresh stream at the position."""
+        self._batches = None
+
     def batches(self):
         """Endless stream over epochs (training by steps)."""
         while True:

@@ -319,3 +319,30 @@ def test_a_swapped_tokenizer_is_refused_when_the_loader_opens(damaged):
     tok.save(str(path))
     with pytest.raises(DataPrepError, match=r"tokenizer.json was changed after sharding .* rebuild the shard set$"):
         ShardLoader(damaged, batch_size=2)
+
+
+CLOSED = """
+import sys
+from data_prep.loader import ShardLoader
+
+loader = ShardLoader(sys.argv[1], batch_size=2, num_workers=2)
+stream = iter(loader)
+for _ in range(4):  # part of an epoch: the workers are still prefetching
+    next(stream)
+if sys.argv[2] == "close":
+    loader.close()
+"""
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_closed_workers_leave_nothing_in_tmpdir(shard_set, tmp_path, close):
+    """close() stops the workers through their own exit; left to the process's end, multiprocessing terminates them
+    and each leaves its pymp-* directory in $TMPDIR (the reason the trainer closes its loader)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-c", CLOSED, str(shard_set), "close" if close else "leave"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    left = sorted(p.name for p in tmp.glob("pymp-*"))
+    assert (left == []) if close else (len(left) >= 1), left  # the second: what close() prevents does happen
