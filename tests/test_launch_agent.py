@@ -15,7 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 RANK_STATE = """
-import json, os, signal, sys
+import json, os, signal, sys, tempfile
 import tasks.launch.agent as agent  # already imported by the agent: no new import in the rank
 import torch._inductor.config as inductor
 state = {
@@ -25,6 +25,7 @@ state = {
     "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "sigint_default": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
     "compile_threads": inductor.compile_threads,
+    "tempdir": tempfile.gettempdir(),
     "rank": int(os.environ["RANK"]),
     "rss_file": next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("RssFile:")),
 }
@@ -42,11 +43,19 @@ raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connect
 """
 
 
-def _agent(script: Path, *args: str, nproc: int = 2, log_dir: Path | None = None, timeout: int = 180):
+def _agent(
+    script: Path,
+    *args: str,
+    nproc: int = 2,
+    log_dir: Path | None = None,
+    tmpdir: Path | None = None,
+    timeout: int = 180,
+):
     argv = [sys.executable, "-u", "-m", "tasks.launch.agent", "--standalone", "--nproc-per-node", str(nproc)]
     argv += ["--max-restarts", "0", "--monitor-interval", "1"]
     argv += ["--log-dir", str(log_dir)] if log_dir else []
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.update({"TMPDIR": str(tmpdir)} if tmpdir else {})
     argv += [str(script), *args]
     return subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
@@ -54,7 +63,8 @@ def _agent(script: Path, *args: str, nproc: int = 2, log_dir: Path | None = None
 def test_a_forked_rank_holds_the_imports_and_a_fresh_interpreters_handlers(tmp_path):
     script = tmp_path / "state.py"
     script.write_text(RANK_STATE)
-    out = _agent(script, str(tmp_path))
+    (tmp_path / "tmp").mkdir()
+    out = _agent(script, str(tmp_path), log_dir=tmp_path / "elastic", tmpdir=tmp_path / "tmp")
     assert out.returncode == 0, out.stderr[-3000:]
     import tasks.launch.agent as agent
 
@@ -65,6 +75,7 @@ def test_a_forked_rank_holds_the_imports_and_a_fresh_interpreters_handlers(tmp_p
         # the agent's SIGTERM handler raises SignalException: a rank torchrun stops must die of the signal
         assert got["sigterm_default"] and got["sigint_default"], got
         assert got["compile_threads"] is None, got  # decided from the rank's own cores, not the agent's
+        assert got["tempdir"] == str(tmp_path / "tmp"), got  # $TMPDIR's, not the agent's (the log dir)
         assert got["rss_file"] > 40e6, got  # libtorch's pages the agent had mapped (~80 MB; 7 MB unpopulated)
 
 
@@ -84,8 +95,12 @@ def test_every_failed_rank_is_in_the_report_with_the_killed_one_by_its_signal(tm
 
     script = tmp_path / "fail.py"
     script.write_text(KILLED_AND_SURVIVOR)
-    out = _agent(script, log_dir=tmp_path / "elastic")
+    (tmp_path / "tmp").mkdir()
+    out = _agent(script, log_dir=tmp_path / "elastic", tmpdir=tmp_path / "tmp")
     assert out.returncode != 0
+    # the survivor's traceback file (torch.multiprocessing's) in the launch's log dir, nothing left in $TMPDIR
+    assert list((tmp_path / "elastic").glob("pytorch-errorfile-*"))
+    assert not list((tmp_path / "tmp").glob("pytorch-errorfile-*"))
     report = dict(rank_errors.torchrun_failures(out.stderr))
     assert report.get(1) == -signal.SIGKILL and 0 in report, out.stderr[-3000:]  # 0: its exception, or SIGTERM
     failures = rank_errors.collect(out.stderr, tmp_path, 0, 2)

@@ -38,6 +38,7 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -60,6 +61,7 @@ LAZY = (
 PROBES = ("tasks.envcheck.probe_worker", "tasks.envcheck.crossnode_worker")
 _announce_fd: int | None = None
 _resident: list[tuple[int, int]] = []  # the agent's resident file-backed pages at the fork: (address, length) runs
+_ranks_tempdir: str | None = None  # the ranks' tempfile.tempdir: the agent's own, before a --log-dir (keep_error_files)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MADV_POPULATE_READ = 22  # linux/mman-common.h (Linux 5.14)
 
@@ -169,6 +171,7 @@ def _rank(flag: str, target: str, *args: str) -> None:
     os.close(_announce_fd)
     populate(_resident)  # the libraries' pages the agent had mapped, mapped here too: RSS as an exec'd rank's
     os.environ[FORKED] = "1"
+    tempfile.tempdir = _ranks_tempdir  # $TMPDIR's, as an exec'd rank's (the agent's points at the log dir)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -213,6 +216,19 @@ def _exit_for(rank_pid: int, real_exit):
         real_exit(code)
 
     return _exit
+
+
+def keep_error_files(log_dir: str | None) -> None:
+    """torch.multiprocessing names each rank's error file in this process (spawn.py, start_processes:
+    tempfile.NamedTemporaryFile(prefix="pytorch-errorfile-"), unlinked, its name handed to the rank, which writes its
+    traceback there when it fails) and never removes one it read: a failed rank left a pytorch-errorfile-*.pickle in
+    $TMPDIR for good. With a --log-dir, the agent's temporary files go there, beside elastic's own; the ranks keep
+    $TMPDIR (_rank: inductor's cache and the rest of a rank's temporaries stay where an exec'd rank has them)."""
+    global _ranks_tempdir
+    _ranks_tempdir = tempfile.tempdir
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+        tempfile.tempdir = os.path.abspath(log_dir)
 
 
 def preloads(entry: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -267,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     entry = cmd_args[1:] if cmd_args[1] == "-m" else ["", *cmd_args[1:]]
 
     preload(*preloads(entry))
+    keep_error_files(args.log_dir)
     watch = ExitWatch()
     _announce_fd = watch.write_fd
     sys.stdout.flush()
