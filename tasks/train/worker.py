@@ -110,8 +110,7 @@ def _main(argv=None) -> int:
     for spec in specs:
         trainer = Trainer(spec, device)
         code = trainer.fit(args.profile_dir)
-        if getattr(trainer, "loader", None) is not None:
-            trainer.loader.close()  # its workers end through their own exit: nothing of theirs left in $TMPDIR
+        trainer.loader.close()  # its workers end through their own exit: nothing of theirs left in $TMPDIR
         source, stopped = trainer.export_from, trainer.stopped
         del trainer
         # the trainer and its hooks reference each other: free the model and loader workers now, and keep what stays
