@@ -32,11 +32,14 @@ def _shrunk_vocab(shards, tmp_path, vocab: int = 64):
 
 
 @pytest.mark.slow
-def test_rank_python_exception_is_named_and_not_retried(cfg, tmp_path, shards):
-    """Token ids ≥ the vocabulary: every rank raises IndexError in the embedding; the stage names it, no retry."""
+def test_rank_python_exception_is_named_and_not_retried(cfg, tmp_path, shards, monkeypatch):
+    """Token ids ≥ the vocabulary: every rank raises IndexError in the embedding; the stage names it, no retry. The
+    failed rank's loader worker ends through its own exit: nothing of it left in $TMPDIR."""
     from tasks.stages import train
 
-    c = configure(cfg, **DP1, **{"train.steps": 2})
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    c = configure(cfg, **DP1, **{"train.steps": 2, "data.loader_workers": 1})
     with pytest.raises(StageError) as err:
         train.run(c, context(tmp_path / "run", _shrunk_vocab(shards, tmp_path)))
     msg = str(err.value)
@@ -45,6 +48,7 @@ def test_rank_python_exception_is_named_and_not_retried(cfg, tmp_path, shards):
     assert msg.startswith("rank ") and " failed at step 1: IndexError: " in msg, msg
     assert "not retried" in msg and "error file of rank" in msg, msg
     assert list((tmp_path / "run" / "logs").glob("torchelastic-node0/*/attempt_0/*/error.json"))
+    assert not list((tmp_path / "tmp").glob("pymp-*"))
 
 
 def test_rank_cause_from_log_and_retry_policy(tmp_path):

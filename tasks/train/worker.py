@@ -109,8 +109,10 @@ def _main(argv=None) -> int:
     code, stopped = 0, False
     for spec in specs:
         trainer = Trainer(spec, device)
-        code = trainer.fit(args.profile_dir)
-        trainer.loader.close()  # its workers end through their own exit: nothing of theirs left in $TMPDIR
+        try:
+            code = trainer.fit(args.profile_dir)
+        finally:  # its workers end through their own exit, also when fit raised: nothing of theirs left in $TMPDIR
+            trainer.loader.close()
         source, stopped = trainer.export_from, trainer.stopped
         del trainer
         # the trainer and its hooks reference each other: free the model and loader workers now, and keep what stays
