@@ -9,7 +9,9 @@ pickle; `load_quantized(..., source="safetensors")` rebuilds the model from them
 
 from __future__ import annotations
 
+import enum
 import pickle
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -44,10 +46,30 @@ def describe_layers(model: torch.nn.Module) -> list[Layer]:
     ]
 
 
+class _EnumByValuePickler(pickle.Pickler):
+    """Enum members pickled by value, `Class(value)`, on every Python. torchao's tensor subclasses carry enums
+    (MappingType, KernelPreference …) that torchao registers as safe globals; CPython 3.11.2 (Debian 12's) pickles a
+    member by name through `builtins.getattr` (Lib/enum.py, Enum.__reduce_ex__: `return getattr, (self.__class__,
+    self._name_)`), a global torch.load(weights_only=True) refuses ("Unsupported global: GLOBAL getattr"), where
+    3.11.7 and 3.12 pickle `self.__class__, (self._value_,)`: without this, an INT8 model quantized on Debian's
+    Python could never be loaded (and the safe path must not allow getattr)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return type(obj), (obj._value_,)
+        return NotImplemented
+
+
+# torch.save's pickle_module: a module with a Pickler (torch/serialization.py, _save subclasses pickle_module.Pickler)
+ENUM_BY_VALUE = types.ModuleType("enum_by_value_pickle")
+ENUM_BY_VALUE.Pickler = _EnumByValuePickler
+
+
 def save_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
     """torch_state_dict (torchao): tensors only, rebuilt onto our skeleton at load. torch_module (AMCT LLM flow):
     amct.convert swaps Linear for AMCT's deploy modules, which only AMCT can construct, so the module is pickled."""
-    torch.save(model.state_dict() if fmt == "torch_state_dict" else model, path)
+    obj = model.state_dict() if fmt == "torch_state_dict" else model
+    torch.save(obj, path, pickle_module=ENUM_BY_VALUE)
 
 
 def save_safetensors(model: torch.nn.Module, quant_dir: Path, meta: dict) -> dict:
