@@ -137,3 +137,21 @@ def test_likely_causes_follow_the_evidence():
     assert likely_causes("fp32", 0, fp32_clean=False)[0] == "data"
     assert likely_causes("fp32", 3, fp32_clean=False) == ["learning_rate", "data"]
     assert likely_causes("bf16", 0, fp32_clean=False) == ["data", "learning_rate", "bf16_range"]
+
+
+def test_a_checkpoint_whose_loss_rises_on_its_own_first_batches_fails_naming_them(smoke_cfg, tmp_path, shards):
+    """From model.hf_path's weights the rise is read on the same batches (the first `window`, before the first step
+    and after the last), not on later batches a corpus may make harder: AdamW at lr 1 moves each weight ~1 a step."""
+    from tasks.model import build_model, get_preset, materialize
+    from tasks.model.hf_io import save_hf
+
+    tcfg = get_preset("debug")
+    tcfg.vocab_size = 2048
+    save_hf(materialize(build_model(tcfg), "cpu", seed=0), tmp_path / "ckpt")
+    smoke_cfg.model.hf_path, smoke_cfg.smoke.lr, smoke_cfg.train.grad_clip = str(tmp_path / "ckpt"), 1.0, 0.0
+    smoke_cfg.smoke.hf_max_loss_ratio = 1.5  # its random weights start at ln(vocab), not below as a trained model's
+    with pytest.raises(StageError, match="FP32 loss rose from the checkpoint's: the first 3 batches' mean ") as e:
+        run_stage("smoke", smoke_cfg, tmp_path / "run", args=_args(shards))
+    report = json.loads((tmp_path / "run" / "smoke_report.json").read_text())
+    before, after = report["revisit"]["fp32"]
+    assert f"mean {before:.4f} → {after:.4f} after 8 steps" in str(e.value) and after > before * 1.02

@@ -43,6 +43,9 @@ class Curve:
     failure: dict | None = None
     loss_scaler: dict | None = None  # FP16: the loss scaler's state after the last step (tasks/train/loss_scale.py)
     converters: list = field(default_factory=list)  # what each model converter did (its repr, as the ranks log it)
+    # From a trained checkpoint: the mean loss of the first k batches under its weights, and again after the last
+    # step ([before, after]): the same batches, so a batch harder than another does not read as a rise.
+    revisit: list | None = None
 
 
 def tokenizer_vocab(shard_dir: Path) -> int:
@@ -136,13 +139,16 @@ def smoke_lr(cfg, tcfg) -> float:
     return cfg.smoke.lr * (width / tcfg.dim if width and tcfg.dim > width else 1.0)
 
 
-def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool, scaler=None) -> Curve:
+def run_curve(
+    precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: bool, scaler=None, revisit: int = 0
+) -> Curve:
     """`precision`'s curve from `state` over `batches`. FP16 runs with training's dynamic loss scaler (`scaler`, by
     default a fresh tasks.train.loss_scale.LossScaler as the trainer builds): the loss scaled before backward, the
-    gradients unscaled and checked, a step with inf/NaN gradients skipped (its loss kept) and counted."""
+    gradients unscaled and checked, a step with inf/NaN gradients skipped (its loss kept) and counted. `revisit` k > 0
+    (a trained checkpoint): the first k batches' mean loss before the first step and after the last (Curve.revisit)."""
     import torch
 
-    from tasks.model import build_model, converters
+    from tasks.model import build_model, converters, lm_loss
     from tasks.model.diagnose import diagnose_non_finite
     from tasks.train.loss_scale import LossScaler
     from tasks.train.step import single_process
@@ -160,6 +166,12 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
     # The trainer's step, in one process (FP16: with its loss scaler).
     train_step = single_process(model, opt, cfg.train.grad_clip, lambda: autocast, converters=convs, scaler=scaler)
     curve = Curve(precision, converters=[repr(c) for c in convs])
+
+    def mean_loss(some) -> float:
+        with torch.no_grad(), autocast:
+            return sum(lm_loss(model(x.to(dev)), y.to(dev)).item() for x, y in some) / len(some)
+
+    before = mean_loss(batches[:revisit]) if revisit else None
     devices.reset_peak(dev)
     start, timed_tokens = time.perf_counter(), 0
     for step, (x, y) in enumerate(batches):
@@ -186,6 +198,8 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
             timed_tokens += x.numel()
     devices.synchronize(dev)
     curve.tokens_per_s = timed_tokens / max(time.perf_counter() - start, 1e-9)
+    if before is not None and curve.failure is None:
+        curve.revisit = [before, mean_loss(batches[:revisit])]
     curve.peak_bytes = devices.memory_stats(dev)["peak_bytes"]
     curve.loss_scaler = scaler.state_dict() if scaler is not None else None
     return curve
@@ -194,20 +208,26 @@ def run_curve(precision: str, tcfg, state: dict, batches, dev, cfg, fp32_clean: 
 def verdict(curves: dict, cfg, pretrained: bool = False) -> tuple[list[str], dict]:
     """Failures (one line each) and the figures behind them. From random weights the loss must fall by
     smoke.min_drop; from a trained checkpoint (`pretrained`: model.hf_path's own weights), whose loss a few steps
-    barely move, it must not rise by more than that. The 16-bit curve (BF16 or FP16) is compared with FP32 within
-    smoke.bf16_tolerance."""
+    barely move, it must not rise by more than that — on the same batches (Curve.revisit: the first k before and
+    after training; batch-to-batch the loss of a corpus mixing code and prose varies by more than smoke.min_drop).
+    The 16-bit curve (BF16 or FP16) is compared with FP32 within smoke.bf16_tolerance."""
     k = max(1, min(cfg.smoke.window, cfg.smoke.steps // 2))
     need = -cfg.smoke.min_drop if pretrained else cfg.smoke.min_drop
     problems, figures = [], {}
     for name, c in curves.items():
-        first, last = sum(c.losses[:k]) / k, sum(c.losses[-k:]) / k
+        same = pretrained and c.revisit is not None
+        first, last = c.revisit if same else (sum(c.losses[:k]) / k, sum(c.losses[-k:]) / k)
         drop = (first - last) / abs(first)
         figures[f"{name}.loss_drop"] = drop
         if drop < need:
             what = "rose from the checkpoint's" if pretrained else "did not fall"
+            where = (
+                f"the first {len(c.losses[:k])} batches' mean {first:.4f} → {last:.4f} after {len(c.losses)} steps"
+                if same
+                else f"mean of first {k} {first:.4f} → last {k} {last:.4f}"
+            )
             problems.append(
-                f"{name.upper()} loss {what}: mean of first {k} {first:.4f} → last {k} "
-                f"{last:.4f} ({_pct(drop, need)} < {'−' if pretrained else ''}smoke.min_drop "
+                f"{name.upper()} loss {what}: {where} ({_pct(drop, need)} < {'−' if pretrained else ''}smoke.min_drop "
                 f"{_pct(cfg.smoke.min_drop)}); "
                 f"check smoke.lr{' (a trained model wants a small one)' if pretrained else ''} and the data"
             )
@@ -316,14 +336,16 @@ def log_compare(result: dict) -> None:
     )
 
 
-def _run_curves(precisions, tcfg, state, batches, dev, cfg, what: str) -> dict:
+def _run_curves(precisions, tcfg, state, batches, dev, cfg, what: str, revisit: int = 0) -> dict:
     from tasks.model import num_params
 
     curves: dict[str, Curve] = {}
     for precision in precisions:
         fp32_clean = "fp32" in curves and curves["fp32"].failure is None
         try:
-            curves[precision] = curve = run_curve(precision, tcfg, state, batches, dev, cfg, fp32_clean)
+            curves[precision] = curve = run_curve(
+                precision, tcfg, state, batches, dev, cfg, fp32_clean, revisit=revisit
+            )
         except RuntimeError as e:  # torch.OutOfMemoryError on CUDA, a RuntimeError naming it on NPU
             if "out of memory" not in str(e).lower():
                 raise
@@ -389,11 +411,13 @@ def run(cfg, ctx) -> dict:
         if backend.kind == "npu":
             warnings.simplefilter("always")
         what = "model" if own else f"smoke model (smoke.model={cfg.smoke.model})"
-        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg, what)
+        pretrained = own and bool(cfg.model.hf_path)
+        k = max(1, min(cfg.smoke.window, cfg.smoke.steps // 2)) if pretrained else 0  # verdict's window
+        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg, what, revisit=k)
     op_report = log_op_support(backend.kind, [str(w.message) for w in seen])
     plot_curves(curves, ctx.run_dir / "smoke_loss.png")
     failure = next((c.failure for c in curves.values() if c.failure), None)
-    problems, figures = ([], {}) if failure else verdict(curves, cfg, pretrained=own and bool(cfg.model.hf_path))
+    problems, figures = ([], {}) if failure else verdict(curves, cfg, pretrained=pretrained)
     compared = None
     if cfg.smoke.compare_with_cpu:
         compared = compare_precision(cfg, tcfg, state, batches[0][0][:1], dev)  # one sequence of the first batch
@@ -410,6 +434,7 @@ def run(cfg, ctx) -> dict:
     if failure or problems:
         report = failure or {"cause": "; ".join(problems), "layers": []}
         report["losses"] = {name: c.losses for name, c in curves.items()}
+        report["revisit"] = {name: c.revisit for name, c in curves.items() if c.revisit}  # [before, after]
         report["loss_scaler"] = {name: c.loss_scaler for name, c in curves.items() if c.loss_scaler}
         report["op_support"] = op_report
         report["smoke_model"] = smoke_model
