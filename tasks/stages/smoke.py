@@ -205,13 +205,18 @@ def run_curve(
     return curve
 
 
+def window(cfg) -> int:
+    """k: the verdict compares the mean loss of k batches (smoke.window, at most half the steps)."""
+    return max(1, min(cfg.smoke.window, cfg.smoke.steps // 2))
+
+
 def verdict(curves: dict, cfg, pretrained: bool = False) -> tuple[list[str], dict]:
     """Failures (one line each) and the figures behind them. From random weights the loss must fall by
     smoke.min_drop; from a trained checkpoint (`pretrained`: model.hf_path's own weights), whose loss a few steps
     barely move, it must not rise by more than that — on the same batches (Curve.revisit: the first k before and
     after training; batch-to-batch the loss of a corpus mixing code and prose varies by more than smoke.min_drop).
     The 16-bit curve (BF16 or FP16) is compared with FP32 within smoke.bf16_tolerance."""
-    k = max(1, min(cfg.smoke.window, cfg.smoke.steps // 2))
+    k = window(cfg)
     need = -cfg.smoke.min_drop if pretrained else cfg.smoke.min_drop
     problems, figures = [], {}
     for name, c in curves.items():
@@ -222,7 +227,7 @@ def verdict(curves: dict, cfg, pretrained: bool = False) -> tuple[list[str], dic
         if drop < need:
             what = "rose from the checkpoint's" if pretrained else "did not fall"
             where = (
-                f"the first {len(c.losses[:k])} batches' mean {first:.4f} → {last:.4f} after {len(c.losses)} steps"
+                f"the first {k} batches' mean {first:.4f} → {last:.4f} after {len(c.losses)} steps"
                 if same
                 else f"mean of first {k} {first:.4f} → last {k} {last:.4f}"
             )
@@ -412,8 +417,7 @@ def run(cfg, ctx) -> dict:
             warnings.simplefilter("always")
         what = "model" if own else f"smoke model (smoke.model={cfg.smoke.model})"
         pretrained = own and bool(cfg.model.hf_path)
-        k = max(1, min(cfg.smoke.window, cfg.smoke.steps // 2)) if pretrained else 0  # verdict's window
-        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg, what, revisit=k)
+        curves = _run_curves(precisions, tcfg, state, batches, dev, cfg, what, revisit=window(cfg) if pretrained else 0)
     op_report = log_op_support(backend.kind, [str(w.message) for w in seen])
     plot_curves(curves, ctx.run_dir / "smoke_loss.png")
     failure = next((c.failure for c in curves.values() if c.failure), None)
