@@ -951,14 +951,6 @@ def set_tags(tags: dict) -> None:
     _during_stage("tags", lambda: {"tags": clean}, lambda: mlflow.set_tags(clean))
 
 
-def subprocess_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
-    """Environment that hands the stage's run to a child process (torchrun rank 0 resumes it)."""
-    env = {"MLFLOW_TRACKING_URI": tracking_uri(cfg)}
-    if run_id:
-        env["MLFLOW_RUN_ID"] = run_id
-    return env
-
-
 def _flatten(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():

@@ -164,7 +164,7 @@ def test_the_test_session_and_its_torchrun_children_are_strict(cfg):
     from tasks.launch import torchrun
 
     assert os.environ[C.STRICT_ENV] == "hccl"
-    assert torchrun.env(cfg, "cpu", 2, None)[C.STRICT_ENV] == "hccl"
+    assert torchrun.env(cfg, "cpu", 2)[C.STRICT_ENV] == "hccl"
 
 
 def test_the_gloo_imitation_checks_direct_torch_calls_too(tmp_path, monkeypatch):

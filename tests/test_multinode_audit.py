@@ -68,7 +68,8 @@ dist.destroy_process_group()
 def test_two_nodes_on_this_host_put_global_rank_0_on_node_rank_0(tmp_path):
     """Two torchrun agents (nnodes 2, one gloo rank each) on 127.0.0.1, node 1 started first: under c10d the
     earlier process took group rank 0 (participants sorted by host and pid), so global rank 0, and its results and
-    MLflow logging, ran on node 1 without MLFLOW_RUN_ID. Now rank 0 is node 0's, with node 0's run id."""
+    metrics.jsonl (which node 0's stage process sends to MLflow), ran on node 1. Now rank 0 is node 0's; neither rank
+    is handed an MLflow run, not even one the launcher inherited."""
     from tasks.launch import binding, torchrun
 
     script = tmp_path / "probe.py"
@@ -81,7 +82,9 @@ def test_two_nodes_on_this_host_put_global_rank_0_on_node_rank_0(tmp_path):
         entry = binding.entry(cfg)
         start = next(i for i in range(len(argv)) if argv[i : i + len(entry)] == entry)
         argv = argv[:start] + [str(script), str(tmp_path)]
-        env = {**torchrun.env(cfg, "cpu", 1, "run-of-node-0"), "LLM_TEST_NODE": str(node), "OMP_NUM_THREADS": "1"}
+        with pytest.MonkeyPatch.context() as mp:  # a run id this process inherited is not the ranks'
+            mp.setenv("MLFLOW_RUN_ID", "run-of-the-caller")
+            env = {**torchrun.env(cfg, "cpu", 1), "LLM_TEST_NODE": str(node), "OMP_NUM_THREADS": "1"}
         log = open(tmp_path / f"torchrun-node{node}.log", "w")
         procs[node] = (subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log)
         if node == 1:
@@ -98,7 +101,7 @@ def test_two_nodes_on_this_host_put_global_rank_0_on_node_rank_0(tmp_path):
     assert got[0]["sum"] == got[1]["sum"] == 3.0 and got[0]["world"] == 2  # one job of two ranks
     assert (got[0]["rank"], got[0]["group_rank"]) == (0, 0), got
     assert (got[1]["rank"], got[1]["group_rank"]) == (1, 1), got
-    assert got[0]["mlflow_run_id"] == "run-of-node-0" and got[1]["mlflow_run_id"] is None
+    assert got[0]["mlflow_run_id"] is None and got[1]["mlflow_run_id"] is None
 
 
 # ---- 6. a loopback rendezvous with several nodes; the torchrun log a failure names ----------------------------------

@@ -4,19 +4,34 @@ launcher from the rank's log into the stage's log (from there Airflow's task log
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
 from tests.helpers.train_fixture import configure, context, shards  # noqa: F401
 
 
-def test_train_stage_relays_rank_0_progress_and_waits(cfg, tmp_path, shards, caplog):
+def test_train_stage_relays_rank_0_progress_and_waits_and_streams_its_metrics(
+    cfg, tmp_path, shards, caplog, monkeypatch
+):
+    import mlflow
+
+    from tasks import tracking
     from tasks.stages import train
 
     caplog.set_level(logging.INFO, logger="tasks.progress")
     one = {"parallel.dp": 1, "parallel.tp": 1, "parallel.pp": 1, "hardware.nproc_per_node": 1}
     c = configure(cfg, **one, **{"train.steps": 4, "train.log_every": 2, "train.checkpoint_every": 2})
-    train.run(c, context(tmp_path, shards, no_export=False))
+    c.tracking.enabled = True
+    client = mlflow.MlflowClient(c.tracking.uri)
+    ctx = context(tmp_path, shards, no_export=False)
+    ctx.mlflow_run_id = client.create_run(client.create_experiment(f"stream-{tmp_path.name}")).info.run_id
+    # the stage-end backfill off: every step MLflow holds was streamed while the rank trained (stream_metrics)
+    monkeypatch.setattr(tracking, "settle_metrics", lambda *a, **k: None)
+    train.run(c, ctx)
+    losses = [json.loads(ln)["loss"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    history = client.get_metric_history(ctx.mlflow_run_id, tracking.metric_key("loss"))
+    assert sorted((m.step, m.value) for m in history) == list(enumerate(losses, 1)), history
     lines = [r.getMessage() for r in caplog.records if r.name == "tasks.progress"]
     steps = [line for line in lines if line.startswith("progress: train step ")]
     # the first step, every log_every steps, the last; val loss from step 1 (eval every step: 4 // 10 < 1)

@@ -13,7 +13,6 @@ import os
 import sys
 from pathlib import Path
 
-from tasks import tracking
 from tasks.config import REPO_ROOT, PipelineConfig
 from tasks.launch import binding
 
@@ -89,9 +88,10 @@ def argv(
     return out
 
 
-def env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id: str | None) -> dict:
+def env(cfg: PipelineConfig, backend_kind: str, nproc: int) -> dict:
     """torchrun's environment: this one, the repository on PYTHONPATH, the backend's variables (HCCL, allocator,
-    CANN logs; tasks.device.launch_env), the binding plan, and rank 0's MLflow run on node 0."""
+    CANN logs; tasks.device.launch_env) and the binding plan. No rank is handed an MLflow run: the stage process
+    sends rank 0's metrics.jsonl to its own (tasks.parallel.metrics.MetricsFollower)."""
     from tasks.device import DIST_BACKEND, Backend, launch_env
 
     out = dict(os.environ)
@@ -100,10 +100,8 @@ def env(cfg: PipelineConfig, backend_kind: str, nproc: int, mlflow_run_id: str |
     # free cores makes CPU ranks spin-wait, measured 10-30x slower steps on a busy 2-core host); unset for 1 rank,
     # which then uses the host's cores (torch/distributed/run.py, `nproc_per_node > 1`).
     out.update(launch_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
-    out.pop("MLFLOW_RUN_ID", None)
+    out.pop("MLFLOW_RUN_ID", None)  # an inherited one (a stage started by another's process) is not the ranks'
     binding.prepare(cfg, backend_kind, nproc, out)
-    if cfg.tracking.enabled and cfg.hardware.node_rank == 0 and mlflow_run_id:
-        out.update(tracking.subprocess_env(cfg, mlflow_run_id))
     return out
 
 

@@ -1,5 +1,6 @@
-"""Per-step metrics: `<run-dir>/metrics.jsonl` (one JSON object per optimizer step) and the stage's MLflow run,
-both written by rank 0 only; per-rank heartbeats that let the launcher name ranks that fell behind."""
+"""Per-step metrics: `<run-dir>/metrics.jsonl` (one JSON object per optimizer step), written by rank 0 only and sent
+to the stage's MLflow run by the launching stage process (MetricsFollower: no rank imports MLflow); per-rank
+heartbeats that let the launcher name ranks that fell behind."""
 
 from __future__ import annotations
 
@@ -43,30 +44,23 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 class MetricsLog:
-    """Rank 0's sink: metrics.jsonl first (the record of truth, written and flushed before anything else), then
-    MLflow — asynchronously, from a sender thread with bounded retries, when the launcher handed over a run
-    (MLFLOW_RUN_ID). Training never waits on tracking: a step MLflow did not take is backfilled from metrics.jsonl
+    """Rank 0's sink: metrics.jsonl, each record written and flushed as its step ends (the record of truth). The
+    stage process that launched the ranks sends the records to MLflow as they appear (MetricsFollower), so training
+    never waits on tracking and no rank imports MLflow; a step MLflow did not take is backfilled from metrics.jsonl
     by the launcher at stage end (tasks.tracking.settle_metrics) or by the next stage."""
 
-    def __init__(self, path: Path, start_step: int, use_mlflow: bool):
+    def __init__(self, path: Path, start_step: int):
         self.path = Path(path)
         truncate_after(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")
-        self.sender = None
-        if use_mlflow and os.environ.get("MLFLOW_RUN_ID"):
-            self.sender = MlflowSender(os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_RUN_ID"])
 
     def log(self, record: dict) -> None:
         record = {**record, "time": time.time()}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self.sender is not None:
-            self.sender.submit(record)
 
-    def close(self, flush_s: float = 10.0) -> None:
+    def close(self) -> None:
         self._file.close()
-        if self.sender is not None:
-            self.sender.close(flush_s)
 
 
 class MlflowSender:
@@ -132,6 +126,60 @@ class MlflowSender:
         except Exception:
             return
         self.thread.join(flush_s)
+
+
+class MetricsFollower:
+    """The launcher's half of the per-step metrics: while the ranks run, a daemon thread reads what rank 0 appends
+    to metrics.jsonl (every `poll_s`, whole lines only) and hands each record of this launch to an MlflowSender.
+
+    A record belongs to this launch when its time (rank 0's clock, written as its step ends; rank 0 runs on node 0,
+    this host) is not before the follower started: a resumed run's earlier records were sent by their own launch.
+    Rank 0 rewrites the file when it resumes (truncate_after: the steps past the checkpoint are redone), a new file
+    under the same name: the follower then reads it again from its start."""
+
+    def __init__(self, path: Path, uri: str, run_id: str, poll_s: float = 0.5):
+        import threading
+
+        self.path, self.poll_s = Path(path), poll_s
+        self.since = time.time()
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of the file read so far
+        self._pos = 0  # bytes of it read: whole lines only
+        self.sender = MlflowSender(uri, run_id)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="metrics-follower", daemon=True)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.read()
+
+    def read(self) -> None:
+        """Send the whole lines appended since the last read (all of a new file's: rank 0 rewrote it)."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != self._file_id or st.st_size < self._pos:
+                    self._file_id, self._pos = (st.st_dev, st.st_ino), 0
+                f.seek(self._pos)
+                data = f.read()
+        except FileNotFoundError:  # rank 0 has not written yet
+            return
+        whole = data[: data.rfind(b"\n") + 1]  # a line rank 0 is still writing waits for the next read
+        self._pos += len(whole)
+        for line in whole.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a damaged line: the backfill reads the file again at stage end
+                continue
+            if isinstance(record, dict) and record.get("time", 0) >= self.since and "step" in record:
+                self.sender.submit(record)
+
+    def close(self, flush_s: float = 10.0) -> None:
+        """Stop following (after the ranks ended), send the last lines, and give the sender up to flush_s."""
+        self._stop.set()
+        self.thread.join()
+        self.read()
+        self.sender.close(flush_s)
 
 
 class Heartbeat:

@@ -114,8 +114,8 @@ ANALYSIS_ONLY = ("enabled", "analyzer", "fail_on_regression", "regression_thresh
 
 # Config sections the profiled run (train.prepare, the launch, the ranks) never reads, so their change cannot change
 # what a collect records: smoke (the smoke stage's model choice: tasks/model/sibling.py), evaluate (the evaluate
-# stage, its gate and the registry), tracking (the profiled run gets no MLflow run: collect passes torchrun.env no
-# run id and it drops MLFLOW_RUN_ID, so the ranks' `tracking.enabled and MLFLOW_RUN_ID` is false either way), timeouts
+# stage, its gate and the registry), tracking (no rank reads it: a training stage's own process sends metrics.jsonl
+# to MLflow, tasks.parallel.metrics.MetricsFollower, and collect starts none), timeouts
 # (bounds on how long a stage may take: a collect that finished ran within them) and quantize, which only the
 # qat_int8 model converter reads (quantize.method and skip_layers: kept when model.converters lists it, as
 # tasks.parallel.checkpoint.shaping_config keeps them). Any other section, a new one included, collects again.
@@ -230,7 +230,7 @@ def collect(cfg: PipelineConfig, ctx, out_dir: Path) -> tuple[Path, list[str]]:
     log_path = out_dir / "logs" / "torchrun.log"
     rc, log = torchrun.run(
         msprof_wrap(argv, out_dir / "msprof", msprof),
-        torchrun.env(cfg, spec["backend"], spec["nproc"], None),
+        torchrun.env(cfg, spec["backend"], spec["nproc"]),
         log_path,
         timeout=stage_timeout("profile", cfg, ctx.run_dir),
     )

@@ -398,9 +398,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         cfg, spec["nproc"], [spec_path], rdzv_id=run_dir.name, log_dir=elastic_dir, backend=spec["backend"]
     )
     log_name = "torchrun.log" if cfg.hardware.nnodes == 1 else f"torchrun-node{node}.log"
-    env = torchrun.env(cfg, spec["backend"], spec["nproc"], ctx.mlflow_run_id)
+    env = torchrun.env(cfg, spec["backend"], spec["nproc"])
     binding.record(env, train_dir)
-    with relay_progress(logs, log_name, node):
+    with relay_progress(logs, log_name, node), stream_metrics(cfg, ctx, run_dir / "metrics.jsonl", node):
         rc, log_text = torchrun.run(argv, env, logs / log_name, timeout=train_timeout(cfg, run_dir))
     if node == 0:
         drop_set_aside(run_dir)  # a --fresh run that wrote a checkpoint (even if it failed later) replaces the old one
@@ -452,6 +452,23 @@ def relay_progress(logs_dir: Path, torchrun_log: str, node: int):
     (logs_dir / torchrun_log).unlink(missing_ok=True)  # torchrun.run rewrites it: relay it from its start
     with relay(logs_dir / torchrun_log), relay(logs_dir / "rank-0.log"):
         yield
+
+
+@contextlib.contextmanager
+def stream_metrics(cfg: PipelineConfig, ctx, path: Path, node: int):
+    """Node 0 with an MLflow run: the per-step records rank 0 appends to metrics.jsonl go to this stage's run while
+    torchrun runs (tasks.parallel.metrics.MetricsFollower, a thread of this process: no rank imports MLflow, and
+    training never waits on it); what it could not send, _log_run's backfill sends after."""
+    if node != 0 or not (cfg.tracking.enabled and ctx.mlflow_run_id):
+        yield
+        return
+    from tasks.parallel.metrics import MetricsFollower
+
+    follower = MetricsFollower(path, tracking.tracking_uri(cfg), ctx.mlflow_run_id)
+    try:
+        yield
+    finally:
+        follower.close()
 
 
 def finished_at(cfg: PipelineConfig, last) -> bool:
@@ -701,8 +718,9 @@ def memory_table(figures: dict) -> dict[str, list]:
 
 
 def _log_run(cfg: PipelineConfig, ctx, spec: dict, records: list[dict], result: dict, summary: dict) -> None:
-    """Stage-run extras from the launcher. Rank 0 sent the per-step metrics asynchronously; whatever it could not
-    send (an MLflow outage mid-training) is backfilled from metrics.jsonl now, or left pending for the next stage.
+    """Stage-run extras from the launcher. The per-step metrics were sent while training ran (stream_metrics);
+    whatever was not (an MLflow outage mid-training) is backfilled from metrics.jsonl now, or left pending for the
+    next stage.
     Nothing here can fail the stage: the training is done."""
     if ctx.mlflow_run_id:
         tracking.settle_metrics(ctx.run_dir, tracking.tracking_uri(cfg), ctx.mlflow_run_id, result["metrics"])

@@ -138,10 +138,6 @@ class Trainer:
         self.train_dir = self.run_dir / "train"
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         redirect_output(self.run_dir / "logs" / f"rank-{self.rank}.log")
-        if self.rank == 0 and self.cfg.tracking.enabled and os.environ.get("MLFLOW_RUN_ID"):
-            # Rank 0's metrics sender (tasks.parallel.metrics.MlflowSender) imports MLflow in any case; imported
-            # now, its ~110 MB of RSS are part of the base a CPU run's memory is measured from, not of the model's.
-            import mlflow  # noqa: F401
         self.phases = PhasePeaks(device)
         self.phases.enter("init")
         self.mesh = build_mesh(self.lay, device.type)
@@ -248,7 +244,7 @@ class Trainer:
         self.peak = peak_flops(self.device, self.cfg.hardware.peak_tflops)
         if self.rank != 0:
             return None
-        return MetricsLog(self.run_dir / "metrics.jsonl", self.start, self.cfg.tracking.enabled)
+        return MetricsLog(self.run_dir / "metrics.jsonl", self.start)
 
     def build_guard(self) -> "DivergenceGuard":
         """The divergence guard (tasks/parallel/divergence.py), its median and best loss carried over a resume: rank 0

@@ -73,7 +73,7 @@ def torchrun(cfg, nproc: int, specs: list[Path], log: Path, env_extra: dict | No
     from tasks.launch import torchrun as launch
 
     argv = launch.argv(cfg, nproc, specs, rdzv_id="test", backend="cpu")
-    env = launch.env(cfg, "cpu", nproc, None)
+    env = launch.env(cfg, "cpu", nproc)
     env.update(env_extra or {})
     return launch.run(argv, env, log)
 
