@@ -77,11 +77,12 @@ run: db
 # Three worker processes on two cores (the tests wait on processes, servers and schedulers often: a third worker fills
 # those waits), a test file each at a time (module fixtures stay in one process), the files longest first and those
 # marked `last` (much of the host's memory) after all others (tests/conftest.py). pytest's exit 5 = "none selected":
-# PYTEST_ARGS selects nothing. --cpu-durations: the 30 tests that used the most CPU.
+# PYTEST_ARGS selects nothing. --cpu-durations: the 30 tests that used the most CPU. The tests make their own
+# temporary Airflow and MLflow stores (tests/conftest.py), so var/'s DB is not migrated first (make db: ~4 s).
 TEST_WORKERS ?= 3
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test: lint db browser services
+test: lint pyc browser services
 	@$(ABS_VAR) $(ENV) a=0; python -m pytest -q --durations=30 --cpu-durations=30 $(PYTEST_PAR) $(PYTEST_ARGS) || a=$$?; \
 	if [ $$a -eq 5 ]; then echo "make test: PYTEST_ARGS selects no test" >&2; fi; \
 	exit $$a
@@ -90,7 +91,6 @@ lint: venv  ## ruff lint + format check (pyproject.toml [tool.ruff]); make test 
 	@$(VENV)/bin/ruff check --no-cache .
 	@$(VENV)/bin/ruff format --check --no-cache . || (echo "run: .venv/bin/ruff format ." >&2; exit 1)
 
-# The tests make their own temporary Airflow and MLflow stores, so var/'s DB is not migrated first.
 test-fast: venv pyc browser services
 	@$(ABS_VAR) $(ENV) python -m pytest -q $(PYTEST_PAR) -m "not slow" $(PYTEST_ARGS)
 

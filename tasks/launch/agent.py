@@ -47,7 +47,14 @@ from tasks.parallel.affinity import FORKED  # set in each forked rank (affinity 
 from tasks.parallel.metrics import PRELOADED_RSS
 
 # what an exec'd rank imports before its model exists (its memory baseline, PhasePeaks.base_bytes) …
-BASE = ("torch", "torch.distributed", "tasks.device", "tasks.train.trainer", "tasks.train.worker")
+BASE = (
+    "torch",
+    "torch.distributed",
+    "tasks.device",
+    "tasks.train.trainer",
+    "tasks.train.worker",
+    "tasks.parallel.checkpoint",  # the trainer's, before its memory base (config models, ~0.15 CPU s a rank)
+)
 # … and while it builds its first model: their RSS is handed to the ranks (PRELOADED_RSS) to stay that trainer's
 LAZY = (
     "torch.distributed.fsdp",
