@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make db` (and so `make run`, `make test`): check that the state directory (var/, or $LLM_PIPELINE_VAR_DIR) takes a
+# `make db` (and so `make run`): check that the state directory (var/, or $LLM_PIPELINE_VAR_DIR) takes a
 # write, then migrate Airflow's metadata DB. A read-only or full var/ is one line naming the directory and the cause,
 # before Airflow writes anything; the migration's own log is shown only when this invocation wrote it.
 set -uo pipefail
