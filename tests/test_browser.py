@@ -116,9 +116,21 @@ def wait_for_run(ui, run_id: str) -> dict:
     pytest.fail(f"run {run_id} did not finish in {RUN_TIMEOUT_S} s")
 
 
+def unpause(ui) -> None:
+    """The DAG's pause switch turned off before the trigger form opens, as docs/troubleshooting.md tells a `make ui`
+    user: the form's own "Unpause llm_pipeline on trigger" sends its PATCH beside the trigger's POST, and on SQLite
+    the two can deadlock in the API server for the whole busy timeout (Airflow's audit-log dependency commits on the
+    event loop while the trigger's transaction is open: seen once, both requests 60 s, the unpause a 500)."""
+    body = json.dumps({"is_paused": False}).encode()
+    headers = {"Authorization": f"Bearer {api_token(ui)}", "Content-Type": "application/json"}
+    req = urllib.request.Request(ui["airflow"] + "/api/v2/dags/llm_pipeline", body, headers, method="PATCH")
+    with urllib.request.urlopen(req, timeout=90) as r:
+        assert json.load(r)["is_paused"] is False
+
+
 def wait_unpaused(ui, within_s: float = 120) -> None:
-    """The trigger form unpauses the DAG (its "Unpause llm_pipeline on trigger", on by default) in a request of its
-    own: a queued run on a paused DAG never starts, so say so now rather than after RUN_TIMEOUT_S."""
+    """The DAG unpaused (unpause above): a queued run on a paused DAG never starts, so say so now rather than after
+    RUN_TIMEOUT_S."""
     token = api_token(ui)
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -128,7 +140,7 @@ def wait_unpaused(ui, within_s: float = 120) -> None:
         except (TimeoutError, urllib.error.URLError):
             pass
         time.sleep(2)
-    pytest.fail(f"llm_pipeline still paused {within_s} s after the trigger: the form's unpause failed (api-server log)")
+    pytest.fail(f"llm_pipeline still paused {within_s} s after the trigger: the unpause failed (api-server log)")
 
 
 def run_dir_of(ui, run_id: str) -> Path:
@@ -281,6 +293,8 @@ def test_trigger_approve_logs_and_mlflow(ui, tmp_path):
             page.wait_for_url("**/dags/llm_pipeline**")
 
             # The trigger form: one accordion section per config area, a field per Param (element_<param>).
+            unpause(ui)
+            page.reload()  # the page as it is now: the DAG unpaused, so the form sends no unpause of its own
             page.get_by_role("button", name="Trigger").first.click()
             dialog = page.get_by_role("dialog")
             for section in SECTIONS:
