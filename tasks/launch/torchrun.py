@@ -100,7 +100,7 @@ def env(cfg: PipelineConfig, backend_kind: str, nproc: int) -> dict:
     # free cores makes CPU ranks spin-wait, measured 10-30x slower steps on a busy 2-core host); unset for 1 rank,
     # which then uses the host's cores (torch/distributed/run.py, `nproc_per_node > 1`).
     out.update(launch_env(Backend(backend_kind, DIST_BACKEND[backend_kind], nproc), cfg.hardware))
-    out.pop("MLFLOW_RUN_ID", None)  # an inherited one (a stage started by another's process) is not the ranks'
+    out.pop("MLFLOW_RUN_ID", None)  # one this process inherited is not the ranks' (the stage sends their metrics)
     binding.prepare(cfg, backend_kind, nproc, out)
     return out
 
