@@ -135,10 +135,10 @@ def fixtures_dir() -> Path:
 # Under make test's `--dist loadfile --no-loadscope-reorder` each xdist worker takes the next whole file in this order;
 # starting the longest files first keeps one long file from running alone at the end (longest-processing-time-first).
 # tests/durations.json holds each file's wall seconds (setup + call + teardown) from the last run that stored them
-# (`make test PYTEST_ARGS=--store-durations`); a file not in it counts 30 s per slow test. tests/test_scale.py (the
-# Qwen2-0.5B cut on 4 ranks) takes its place by duration too: it ran last for its memory, alone for its last ~50 s with
-# one core idle through its one-process phases; beside the other workers' files it took ~6 GB (the host's lowest
-# MemAvailable in that run 15.0 of 23.4 GB) and the idle CPU inside the suite fell 104 → 79 s.
+# (`make test PYTEST_ARGS=--store-durations`); a file not in it counts 30 s per slow test. A file with a test marked
+# `last` (much of the host's memory: tests/test_scale.py's ~10 GB over 4 ranks) starts after every other file, when
+# the other workers hold only their last, smallest files (it ran in a second pytest after the parallel part, its
+# own minute: the two cores idle through its one-process phases).
 DURATIONS = REPO / "tests" / "durations.json"
 
 
@@ -147,14 +147,16 @@ def _file(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files run longest first (each file stays whole, its tests in order)."""
+    """Files run longest first, those with a test marked `last` after all others (each file stays whole, in order)."""
     stored = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     guess: dict[str, float] = {}
+    last = {_file(item.nodeid) for item in items if item.get_closest_marker("last")}
     for item in items:
         guess[_file(item.nodeid)] = guess.get(_file(item.nodeid), 0) + 30 * bool(item.get_closest_marker("slow"))
 
     def order(item):
-        return -stored.get(_file(item.nodeid), guess[_file(item.nodeid)])
+        name = _file(item.nodeid)
+        return name in last, -stored.get(name, guess[name])
 
     items.sort(key=order)  # stable
 
