@@ -75,10 +75,10 @@ run: db
 	@bash scripts/run-pipeline.sh
 
 # Three worker processes on two cores (the tests wait on processes, servers and schedulers often: a third worker fills
-# those waits), a test file each at a time (module fixtures stay in one process), the files longest first and those
-# marked `last` (much of the host's memory) after all others (tests/conftest.py). pytest's exit 5 = "none selected":
-# PYTEST_ARGS selects nothing. --cpu-durations: the 30 tests that used the most CPU. The tests make their own
-# temporary Airflow and MLflow stores (tests/conftest.py), so var/'s DB is not migrated first (make db: ~4 s).
+# those waits), a test file each at a time (module fixtures stay in one process), the files longest first
+# (tests/conftest.py). pytest's exit 5 = "none selected": PYTEST_ARGS selects nothing. --cpu-durations: the 30 tests
+# that used the most CPU. The tests make their own temporary Airflow and MLflow stores (tests/conftest.py), so var/'s
+# DB is not migrated first (make db: ~4 s).
 TEST_WORKERS ?= 3
 PYTEST_PAR = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

@@ -135,10 +135,11 @@ def fixtures_dir() -> Path:
 # Under make test's `--dist loadfile --no-loadscope-reorder` each xdist worker takes the next whole file in this order;
 # starting the longest files first keeps one long file from running alone at the end (longest-processing-time-first).
 # tests/durations.json holds each file's wall seconds (setup + call + teardown) from the last run that stored them
-# (`make test PYTEST_ARGS=--store-durations`); a file not in it counts 30 s per slow test. A file with a test marked
-# `last` (much of the host's memory: tests/test_scale.py's ~10 GB over 4 ranks) starts after every other file, when
-# the other workers hold only their last, smallest files (it ran in a second pytest after the parallel part, its
-# own minute: the two cores idle through its one-process phases).
+# (`make test PYTEST_ARGS=--store-durations`); a file not in it counts 30 s per slow test. tests/test_scale.py (the
+# Qwen2-0.5B cut on 4 ranks) takes its place by duration too: it ran last for its memory, alone for its last ~50 s with
+# one core idle through its one-process phases. Fresh clones the same half hour, last against in its place: the
+# host's lowest MemAvailable 12.6 and 14.1 of 23.4 GB, idle CPU in the run's last 90 s 22 and 6 s, `.ci/run` 646 and
+# 615 s (most of that the host's drift: the files that started first, beside the same files in both, 5-10 % cheaper).
 DURATIONS = REPO / "tests" / "durations.json"
 
 
@@ -147,16 +148,14 @@ def _file(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files run longest first, those with a test marked `last` after all others (each file stays whole, in order)."""
+    """Files run longest first (each file stays whole, its tests in order)."""
     stored = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     guess: dict[str, float] = {}
-    last = {_file(item.nodeid) for item in items if item.get_closest_marker("last")}
     for item in items:
         guess[_file(item.nodeid)] = guess.get(_file(item.nodeid), 0) + 30 * bool(item.get_closest_marker("slow"))
 
     def order(item):
-        name = _file(item.nodeid)
-        return name in last, -stored.get(name, guess[name])
+        return -stored.get(_file(item.nodeid), guess[_file(item.nodeid)])
 
     items.sort(key=order)  # stable
 

@@ -51,7 +51,6 @@ def _hf_logits(path, tokens) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.last
 def test_qwen2_0_5b_cut_on_4_ranks_from_meta_and_from_hf_exports_matching_logits(cfg, tmp_path, shards):  # noqa: F811
     import transformers
 
