@@ -286,6 +286,12 @@ class ShardLoader:
                 batch = next(self._batches)
             except CorruptShardError as e:  # from a worker it arrives wrapped in its traceback: keep the cause
                 message = str(e).rsplit("CorruptShardError: ", 1)[-1]
+                # torch re-raises a worker's error from a frame that holds it (ExceptionWrapper.reraise): error,
+                # traceback and the iterator's frames form a cycle that only the cyclic collector frees, at any later
+                # allocation, and by then multiprocessing has closed the index queues the shutdown's None goes to:
+                # each worker's join waited out its 5 s timeout. Without the traceback the iterator goes with its
+                # last reference, below, and its workers exit at once.
+                e.__traceback__ = None
             except BaseException:  # a worker died, an interrupt: the stream is not trusted any more
                 self._batches = None
                 raise

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -221,8 +223,16 @@ def test_corrupt_shard_fails_naming_it(damaged):
     data[1024 * 3 + 100 : 1024 * 3 + 160] = b"\xff" * 60  # inside a tar header: its checksum no longer matches
     victim.write_bytes(bytes(data))
     for workers in (0, 2):
-        with pytest.raises(CorruptShardError, match=r"train-000003.tar is corrupt or truncated: only 3 of") as e:
-            list(ShardLoader(damaged, batch_size=2, num_workers=workers, shuffle=False))
+        before = set(multiprocessing.active_children())
+        gc.disable()  # the workers must end with the error itself, not at a later collection of garbage
+        try:
+            with pytest.raises(CorruptShardError, match=r"train-000003.tar is corrupt or truncated: only 3 of") as e:
+                list(ShardLoader(damaged, batch_size=2, num_workers=workers, shuffle=False))
+            # none of the loader's workers left waiting (a cycle through torch's re-raise kept them until a
+            # collection, whose shutdown then waited 5 s per worker)
+            assert set(multiprocessing.active_children()) <= before
+        finally:
+            gc.enable()
         assert "\n" not in str(e.value) and "Traceback" not in str(e.value)
 
 
