@@ -287,10 +287,10 @@ class ShardLoader:
             except CorruptShardError as e:  # from a worker it arrives wrapped in its traceback: keep the cause
                 message = str(e).rsplit("CorruptShardError: ", 1)[-1]
                 # torch re-raises a worker's error from a frame that holds it (ExceptionWrapper.reraise): error,
-                # traceback and the iterator's frames form a cycle that only the cyclic collector frees, at any later
-                # allocation, and by then multiprocessing has closed the index queues the shutdown's None goes to:
-                # each worker's join waited out its 5 s timeout. Without the traceback the iterator goes with its
-                # last reference, below, and its workers exit at once.
+                # traceback and the iterator's frames form a cycle that only the cyclic collector frees, at some later
+                # allocation; a shutdown run from the collector never reached the workers (torchdata 0.11: each join
+                # waited out its 5 s, then terminated them). Without the traceback the iterator goes with its last
+                # reference, below, and its workers exit at once.
                 e.__traceback__ = None
             except BaseException:  # a worker died, an interrupt: the stream is not trusted any more
                 self._batches = None

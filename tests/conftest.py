@@ -155,7 +155,8 @@ def pytest_collection_modifyitems(config, items):
         guess[_file(item.nodeid)] = guess.get(_file(item.nodeid), 0) + 30 * bool(item.get_closest_marker("slow"))
 
     def order(item):
-        return -stored.get(_file(item.nodeid), guess[_file(item.nodeid)])
+        name = _file(item.nodeid)
+        return -stored.get(name, guess[name])
 
     items.sort(key=order)  # stable
 
