@@ -99,8 +99,8 @@ def test_qwen2_0_5b_cut_on_4_ranks_from_meta_and_from_hf_exports_matching_logits
     # checked below, is the same; a kernel with THP off ignores the hint. Other allocators, measured on an Intel Xeon
     # host: jemalloc preloaded (torch.backends.xeon.run_cpu's --enable-jemalloc) 97–123 CPU s against glibc's 93–124,
     # no gain; those that keep freed pages for reuse (jemalloc with run_cpu's MALLOC_CONF or without decay, glibc with
-    # mmap_max=0 and no trim) fault less but hold more: rank 0's training RSS 2.65 and 3.86 GB over its base, past
-    # the bound below (the figures would be the allocator's, not the trainer's).
+    # mmap_max=0 and no trim) fault less but hold more: rank 0's training RSS 2.65-3.86 GB over its base, past the
+    # bound below (the figures would be the allocator's, not the trainer's).
     thp = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     rc, out = torchrun(meta, 4, [spec_meta, spec_hf], tmp_path / "torchrun.log", thp)
     assert rc == 0, out[-3000:]
