@@ -184,7 +184,7 @@ def test_random_init_of_any_box_is_that_box_of_the_full_tensor():
 
 
 def test_tied_output_gradient_is_the_same_and_summed_in_place():
-    """TiedOutput hands autograd a copy of the output projection's weight gradient that it owns, so the embedding's
+    """TiedOutput hands autograd the output projection's weight gradient as a tensor it owns, so the embedding's
     gradient is added to it in place: the tied weight's backward holds two vocab × hidden gradients at its peak, not
     three (measured on the RSS high-water mark, in a fresh process: tests/helpers/models.py tied_output_peaks), with
     bit-identical gradients."""
@@ -199,3 +199,42 @@ def test_tied_output_gradient_is_the_same_and_summed_in_place():
     assert out.returncode == 0, out.stderr[-3000:]
     peaks = json.loads(out.stdout.strip().splitlines()[-1])
     assert peaks["identical"] and peaks["Linear"] > 2.7 and peaks["TiedOutput"] < 2.3, peaks
+
+
+def test_tied_output_computes_its_own_weight_gradient_and_copies_only_under_autocast():
+    """On plain tensors TiedOutput's backward is _TiedLinear's (the linear backward's two matmuls, results returned
+    as they are: no copy); under autocast it is the linear backward with _OwnGrad's copy. Gradients of the weight and
+    of the input bit-identical to nn.Linear's either way."""
+
+    from torch import nn
+
+    from tasks.model import build_model, get_preset, lm_loss, materialize
+    from tasks.model.transformer import TiedOutput
+
+    tcfg = dataclasses.replace(get_preset("debug"), tie_embeddings=True)
+    model = materialize(build_model(tcfg, "meta"), "cpu", 0)
+    x = torch.randint(0, tcfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def graph(fn) -> set[str]:
+        seen, todo = set(), [fn]
+        while todo:
+            f = todo.pop()
+            if f is not None and f.name() not in seen:
+                seen.add(f.name())
+                todo.extend(n for n, _ in f.next_functions)
+        return seen
+
+    for autocast in (False, True):
+        grads = {}
+        for cls in (nn.Linear, TiedOutput):
+            model.output.__class__ = cls
+            model.zero_grad(set_to_none=True)
+            h = model.tok_embeddings(x).detach().requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = model.output(h)
+            nodes = graph(logits.grad_fn)
+            if cls is TiedOutput:
+                assert ("_TiedLinearBackward" in nodes) != autocast and ("_OwnGradBackward" in nodes) == autocast, nodes
+            lm_loss(logits.float(), x).backward()
+            grads[cls.__name__] = (model.output.weight.grad, h.grad)
+        assert all(torch.equal(a, b) for a, b in zip(grads["Linear"], grads["TiedOutput"])), autocast

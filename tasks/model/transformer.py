@@ -112,18 +112,45 @@ class _OwnGrad(torch.autograd.Function):
         return g.clone(memory_format=torch.contiguous_format)
 
 
+class _TiedLinear(torch.autograd.Function):
+    """`F.linear(x, weight)` without a bias, whose backward runs the two `mm`s the linear backward runs, on the same
+    operands, and returns their results as they are. For the column-major `weight.t()` that `F.linear` multiplies by,
+    torch's mm_mat2_backward (torch/csrc/autograd/FunctionsManual.cpp) computes the weight gradient as
+    `grad.t().mm(x).t()` and the transpose's backward transposes it back: the same values as `grad.t().mm(x)` bit
+    for bit, but a view of it, which autograd's input buffer does not add to in place. Here it is a tensor of its own,
+    so the in-place sum needs no copy (`_OwnGrad` copies a vocab × hidden gradient every backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        grad_x = g2.mm(weight).view(x.shape) if ctx.needs_input_grad[0] else None
+        return grad_x, g2.t().mm(x.reshape(-1, x.shape[-1]))
+
+
 class TiedOutput(nn.Linear):
     """The output projection of a model with tied embeddings. Its weight is the embedding's, whose two gradients
     autograd sums in its input buffer (torch/csrc/autograd/input_buffer.cpp accumulate): in place only when one of
     them is a dense tensor that the buffer alone references (tensor and storage), out of place otherwise. The linear
-    backward's weight gradient does not qualify, so the output projection's gradient, the embedding's
+    backward's weight gradient does not qualify (a view), so the output projection's gradient, the embedding's
     (aten::embedding_dense_backward, dense vocab × hidden) and their sum coexisted: the backward's peak over its
-    start was 3.0 gradients (vocab 151936, hidden 896, one process); handing on a copy it owns makes the sum in place
-    and the peak 2.0 (the copy and the original meet before the embedding's gradient exists). Same values."""
+    start was 3.0 gradients (vocab 151936, hidden 896, one process); handing on a gradient the buffer owns makes the
+    sum in place and the peak 2.0 (it and the embedding's meet before the sum). Same values, bit for bit. On plain
+    tensors without autocast `_TiedLinear` computes that gradient as a tensor of its own; a DTensor (tensor
+    parallelism), another tensor subclass or autocast (whose casts sit between the weight and the matmul) takes
+    `_OwnGrad`'s copy instead."""
 
     def forward(self, x):
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(x)
+        plain = type(self.weight) in (torch.Tensor, nn.Parameter) and type(x) is torch.Tensor
+        if plain and self.bias is None and not torch.is_autocast_enabled(x.device.type):
+            return _TiedLinear.apply(x, self.weight)
         return F.linear(x, _OwnGrad.apply(self.weight), self.bias)
 
 

@@ -288,10 +288,10 @@ def stage_breakdown(
         # embedding is split along the hidden dimension instead, whose backward stays local.)
         gather += 2 * shape.embedding_params * g
     elif shape.tie_embeddings and first and last:
-        # A tied embedding's two gradients: the output projection's (the linear backward's vocab × hidden weight
-        # gradient, handed on as a copy by tasks/model/transformer.TiedOutput) waits in autograd's input buffer
-        # while aten::embedding_dense_backward allocates the embedding's dense vocab × hidden gradient; autograd
-        # then adds it in place. Two gradient-sized tensors at once where the counts above hold one (measured on one
+        # A tied embedding's two gradients: the output projection's (the vocab × hidden weight gradient, a tensor
+        # of its own: tasks/model/transformer.TiedOutput) waits in autograd's input buffer while
+        # aten::embedding_dense_backward allocates the embedding's dense vocab × hidden gradient; autograd then
+        # adds it in place. Two gradient-sized tensors at once where the counts above hold one (measured on one
         # process, vocab 151936, hidden 896: the backward's peak over its start is 2.0 gradients).
         gather += (shape.embedding_params / t) * g  # split like the weight (vocab or hidden)
     return {**states, "activations_bytes": act, "buffers_bytes": gather}
