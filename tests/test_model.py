@@ -238,3 +238,7 @@ def test_tied_output_computes_its_own_weight_gradient_and_copies_only_under_auto
             lm_loss(logits.float(), x).backward()
             grads[cls.__name__] = (model.output.weight.grad, h.grad)
         assert all(torch.equal(a, b) for a, b in zip(grads["Linear"], grads["TiedOutput"])), autocast
+    # on meta (shapes only; no autocast state to ask there) the fallback, and a backward that runs
+    meta = build_model(tcfg, "meta")
+    lm_loss(meta(x.to("meta")), x.to("meta")).backward()
+    assert meta.output.weight.grad.shape == (tcfg.vocab_size, tcfg.dim)

@@ -142,14 +142,15 @@ class TiedOutput(nn.Linear):
     start was 3.0 gradients (vocab 151936, hidden 896, one process); handing on a gradient the buffer owns makes the
     sum in place and the peak 2.0 (it and the embedding's meet before the sum). Same values, bit for bit. On plain
     tensors without autocast `_TiedLinear` computes that gradient as a tensor of its own; a DTensor (tensor
-    parallelism), another tensor subclass or autocast (whose casts sit between the weight and the matmul) takes
-    `_OwnGrad`'s copy instead."""
+    parallelism), another tensor subclass, autocast (whose casts sit between the weight and the matmul) or the meta
+    device takes `_OwnGrad`'s copy instead."""
 
     def forward(self, x):
         if not (torch.is_grad_enabled() and self.weight.requires_grad):
             return super().forward(x)
         plain = type(self.weight) in (torch.Tensor, nn.Parameter) and type(x) is torch.Tensor
-        if plain and self.bias is None and not torch.is_autocast_enabled(x.device.type):
+        # meta has no autocast state to ask (torch.is_autocast_enabled("meta") raises): the fallback, shapes only
+        if plain and self.bias is None and x.device.type != "meta" and not torch.is_autocast_enabled(x.device.type):
             return _TiedLinear.apply(x, self.weight)
         return F.linear(x, _OwnGrad.apply(self.weight), self.bias)
 
