@@ -204,7 +204,7 @@ def test_tied_output_gradient_is_the_same_and_summed_in_place():
 def test_tied_output_computes_its_own_weight_gradient_and_copies_only_under_autocast():
     """On plain tensors TiedOutput's backward is _TiedLinear's (the linear backward's two matmuls, results returned
     as they are: no copy); under autocast it is the linear backward with _OwnGrad's copy. Gradients of the weight and
-    of the input bit-identical to nn.Linear's either way."""
+    of the input bit-identical to nn.Linear's either way. On meta (no autocast state to ask) a backward runs."""
 
     from torch import nn
 
