@@ -94,13 +94,14 @@ def test_qwen2_0_5b_cut_on_4_ranks_from_meta_and_from_hf_exports_matching_logits
     )
     spec_hf = write_spec(imported, tmp_path / "imported", shards, export=export)
     # glibc's malloc asks for transparent huge pages (madvise mode, glibc >= 2.35): gloo's CPU stand-in for FSDP's
-    # collectives allocates and frees 544 MB buffers every step, page-faulted 4 KB at a time without it (measured
-    # here: 122 → 97–99 CPU s, 72 → 49–54 s of it in the kernel). What each rank allocates, and so the RSS figures
-    # checked below, is the same; a kernel with THP off ignores the hint. Other allocators, measured on an Intel Xeon
-    # host: jemalloc preloaded (torch.backends.xeon.run_cpu's --enable-jemalloc) 97–123 CPU s against glibc's 93–124,
-    # no gain; those that keep freed pages for reuse (jemalloc with run_cpu's MALLOC_CONF or without decay, glibc with
-    # mmap_max=0 and no trim) fault less but hold more: rank 0's training RSS 2.65-3.86 GB over its base, past the
-    # bound below (the figures would be the allocator's, not the trainer's).
+    # collectives allocates and frees 544 MB buffers every step, page-faulted 4 KB at a time without it (measured on an
+    # AMD EPYC host: 122 → 97–99 CPU s, 72 → 49–54 s of it in the kernel; on an Intel Xeon VM no different: 103 and 119
+    # CPU s with it, 104 and 114 without). What each rank allocates, and so the RSS figures checked below, is the same;
+    # a kernel with THP off ignores the hint. Other allocators, measured on the Intel Xeon host: jemalloc preloaded
+    # (torch.backends.xeon.run_cpu's --enable-jemalloc) 97–123 CPU s against glibc's 93–124, no gain; those that keep
+    # freed pages for reuse (jemalloc with run_cpu's MALLOC_CONF or without decay, glibc with mmap_max=0 and no trim)
+    # fault less but hold more: rank 0's training RSS 2.65-3.86 GB over its base, past the bound below (the figures
+    # would be the allocator's, not the trainer's).
     thp = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
     rc, out = torchrun(meta, 4, [spec_meta, spec_hf], tmp_path / "torchrun.log", thp)
     assert rc == 0, out[-3000:]
