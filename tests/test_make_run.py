@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -35,10 +36,14 @@ def test_conf_never_reaches_a_shell(payload, tmp_path):
 
 @pytest.mark.slow
 def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
-    """Two `make run` started together (real make, real `airflow dags test`): each writes its own log and prints the
-    summary of the run directory it made (here both stop at env: device npu on a CPU host); the second waits for the
-    first (Airflow's metadata DB takes one `dags test` at a time) and says so."""
+    """Two `make run` at once (real make, real `airflow dags test`): each writes its own log and prints the summary of
+    the run directory it made (here both stop at env: device npu on a CPU host); the second waits for the first
+    (Airflow's metadata DB takes one `dags test` at a time) and says which run holds it. The overlap is made, not
+    hoped for: the first is held (SIGSTOP) once it has the lock until the second says it waits (started together,
+    a loaded CI host once let the first finish before the second reached the lock: neither waited, the test failed)."""
     import re
+    import signal
+    import threading
 
     env = {
         **os.environ,
@@ -49,20 +54,58 @@ def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
     for var in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"):  # a user's top-level make, even under make test
         env.pop(var, None)
     conf = '{"preset": "ci-tiny", "device": "npu"}'
-    procs = [
-        subprocess.Popen(
+
+    def start():
+        return subprocess.Popen(
             ["make", "-s", "-o", "db", "run", f"CONF={conf}"],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its own process group: held and released as one
         )
-        for _ in range(2)
-    ]
-    outs = [p.communicate(timeout=900)[0] for p in procs]
+
+    holder_file = tmp_path / "var" / "logs" / ".make-run.holder"
+    first = start()
+    second, second_lines, says_it_waits = None, [], threading.Event()
+    try:
+        deadline = time.monotonic() + 300
+        while not holder_file.is_file() or not holder_file.read_text().endswith("\n"):
+            assert first.poll() is None, f"the first make run ended before taking the lock: {first.communicate()[0]}"
+            assert time.monotonic() < deadline, "the first make run never took the lock"
+            time.sleep(0.1)
+        holder = holder_file.read_text().strip()  # "pid <its script's pid>, log <its log>"
+        os.killpg(first.pid, signal.SIGSTOP)
+        try:
+            second = start()
+
+            def read_second():
+                for line in second.stdout:
+                    second_lines.append(line)
+                    if "waiting for the other make run" in line:
+                        says_it_waits.set()
+
+            reader = threading.Thread(target=read_second, daemon=True)
+            reader.start()
+            deadline = time.monotonic() + 300
+            while not says_it_waits.wait(0.2) and reader.is_alive() and time.monotonic() < deadline:
+                pass  # until it says it waits, or ends without having waited
+        finally:
+            os.killpg(first.pid, signal.SIGCONT)
+        first_out = first.communicate(timeout=900)[0]
+        second.wait(timeout=900)
+        reader.join(timeout=60)
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    second_out = "".join(second_lines)
+    assert says_it_waits.is_set(), second_out[-2000:]
+    assert f"waiting for the other make run ({holder}) to finish" in second_out, second_out[-2000:]
+    assert "waiting for the other make run" not in first_out, first_out[-2000:]
     runs, logs = [], []
-    for p, out in zip(procs, outs):
+    for p, out in ((first, first_out), (second, second_out)):
         assert p.returncode != 0, out[-2000:]
         m = re.search(r"Run directory: (\S+)  Log: (\S+)", out)
         assert m, out[-2000:]
@@ -71,7 +114,7 @@ def test_two_make_runs_at_once_each_report_their_own_run(tmp_path, airflow_db):
         assert "torch_npu is not importable" in out  # the stage's cause is on screen
         assert Path(m.group(2)).is_file() and "env" in Path(m.group(2)).read_text()
     assert runs[0] != runs[1] and logs[0] != logs[1], (runs, logs)
-    assert sum("waiting for the other make run (pid " in out for out in outs) == 1
+    assert holder == f"pid {holder.split()[1].rstrip(',')}, log {logs[0]}", (holder, logs)  # the first held it
     for run in runs:
         assert json.loads((Path(run) / "env.json").read_text())["status"] == "failed"
 
