@@ -35,14 +35,16 @@ IDLE = "LocalExecutor: <idle>"  # a worker's process title while it waits on the
 
 
 def _dags_test_with_executor(cmd: str, env: dict, log: Path, timeout: float = 600, grace: float = 30):
-    """`airflow dags test --use-executor` in its own process group, output to `log`: (exit code, output, the pids
-    of idle workers ended). Airflow 3.3.2's LocalExecutor.end() puts one shutdown message per live worker on the
-    activity queue and joins each worker without a bound; twice in ~40 loaded runs one idle worker was still
-    blocked on an empty queue with its siblings gone, and `dags test` waited on it forever (py-spy: end() in
-    proc.join(), the worker in SimpleQueue.get(); the run itself finished). A worker still idle `grace` seconds
-    after end() began has no task to lose: it is ended (SIGTERM) so the run exits with its own status. Past
-    `timeout` (inside pytest-timeout's 900) the whole group is killed and the test fails with the log's tail (no orphan
-    left behind: the worker outlived the 900 s kill)."""
+    """`airflow dags test --use-executor` in its own process group, output to `log`: (exit code, output, the pids of
+    idle workers ended). Airflow 3.3.2's LocalExecutor.end() walks its workers, putting one shutdown message on the
+    activity queue for each that is alive, then joins each without a bound. An idle worker takes a message and exits at
+    once, so when one worker is still busy (the execution API has marked its task done, its supervisor has not
+    returned), a worker that took an earlier message can be gone before the walk reaches it: one message fewer than
+    workers, and the busy one, once done, waits on an empty queue for ever (traced: 3 puts for 4 live workers, the third
+    gone with the first message before its check; seen in two `make test` runs, and in 2 of 75 runs of this test beside
+    a busy loop). A worker still idle `grace` seconds after end() began has no task to lose: it is ended (SIGTERM) so
+    the run exits with its own status. Past `timeout` (inside pytest-timeout's 900) the whole group is killed and the
+    test fails with the log's tail (no orphan left behind: the worker outlived the 900 s kill)."""
     import psutil
 
     with open(log, "w") as f:
