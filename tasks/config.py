@@ -147,8 +147,9 @@ class ModelConfig(Section):
     aux_loss_coef: float | None = Field(None, ge=0.0, le=100.0)  # router load-balancing loss (0 = off)
     capacity_factor: float | None = Field(None, ge=0.0, le=1000.0)  # 0 = dropless; > 0 drops above it
     # Model converters applied in this order to the built model, before any parallelism (tasks/model/converters.py,
-    # docs/trainer.md); npu_fused = the NPU fused kernels below (the identity off an NPU); qat_int8 = INT8 fake
-    # quantization of the layers quantize would make INT8 (quantization-aware training; not with parallel.tp > 1).
+    # docs/trainer.md); npu_fused = the NPU fused kernels below (the identity off an NPU); math_attention = opset-11
+    # attention (the quantize stage's ONNX export); qat_int8 = INT8 fake quantization of the layers quantize would
+    # make INT8 (quantization-aware training; not with parallel.tp > 1).
     converters: list[str] = Field(default_factory=lambda: ["npu_fused"])
     # npu_fused's kernels (torch_npu.npu_rms_norm / npu_rotary_mul / npu_swiglu): auto = on an NPU, those the
     # installed torch_npu has and the SoC supports; off = plain PyTorch everywhere (tasks/model/npu_kernels.py)

@@ -111,8 +111,8 @@ PARAMS = [
         "Model",
         "Model converters",
         "Applied in this order to the model before any parallelism: npu_fused (the NPU fused kernels; the identity "
-        "elsewhere), qat_int8 (INT8 fake quantization of the layers quantize makes INT8: quantization-aware "
-        "training; not with TP > 1).",
+        "elsewhere), math_attention (opset-11 attention, as the quantize stage's ONNX export uses), qat_int8 (INT8 "
+        "fake quantization of the layers quantize makes INT8: quantization-aware training; not with TP > 1).",
     ),
     ("dp", "parallel.dp", "Parallelism", "Data parallel (DP)", "0 = chosen by the planner."),
     (

@@ -98,6 +98,25 @@ def test_math_attention_converter_swaps_and_reverts():
     assert {type(m) for m in model.modules() if isinstance(m, Attention)} == {Attention}
 
 
+def test_every_list_of_the_registered_converters_names_them_all():
+    """Where a user or a reader picks a converter from a list (docs/trainer.md step 2): the DAG form's Param help, the
+    config field's comment, the registry's docstring and docs/trainer.md's "Registered today" name every one."""
+    from tasks.pipeline import PARAMS
+
+    repo = Path(__file__).resolve().parent.parent
+    config = (repo / "tasks" / "config.py").read_text()
+    trainer_md = (repo / "docs" / "trainer.md").read_text()
+    lists = {
+        "the Model converters Param's help": next(p[4] for p in PARAMS if p[0] == "converters"),
+        "tasks/config.py's model.converters comment": config[: config.index("    converters: list[str]")][-600:],
+        "tasks/model/converters.py's docstring": converters.__doc__,
+        "docs/trainer.md's Registered today": trainer_md[trainer_md.index("Registered today") :][:400],
+    }
+    for name in converters.known():
+        missing = [where for where, text in lists.items() if f"{name} " not in text and f"`{name}`" not in text]
+        assert not missing, f"{name} is registered but not named in {missing}"
+
+
 def test_every_converter_says_what_it_did_in_its_repr():
     """Each rank logs `model converters: <repr>, …` (docs/trainer.md): every registered converter defines its own
     __repr__ (object's would log an address), starting with its name; math_attention's counts the blocks swapped."""
