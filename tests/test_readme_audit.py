@@ -98,3 +98,39 @@ def test_stages_named_in_readme_exist():
     named = readme_stages(README.read_text())
     assert {"plan", "shard", "smoke", "train", "evaluate"} <= named
     assert named - (set(STAGES) | set(OWN_SCHEDULE) | {"summary"}) == set()
+
+
+NUMBERS = ("one two three four five six seven eight nine ten eleven twelve").split()
+
+
+def test_every_written_list_of_the_stages_names_each_stage():
+    """The places docs/contributing.md ("A stage") sends a new stage's author, beyond the tests that spell the chain
+    out (test_dags, test_k8s_launcher): README's stage table and its one paragraph each, ARCHITECTURE.md's stage
+    count, main DAG chain and `stages/` line, the DAG's docstring (its description in the UI) and docs/stages.md
+    (its command). A stage added to STAGES and missed in one of them fails here, naming it."""
+    from tasks.stages import STAGES
+
+    readme = README.read_text()
+    table = readme[readme.index("## The stages") : readme.index("In one paragraph each")]
+    paragraphs = readme[readme.index("In one paragraph each") :].split("\n## ")[0]
+    arch = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+    chain = next(line for line in arch.splitlines() if line.startswith("dags/llm_pipeline.py"))
+    stages_line = arch[arch.index("  stages/ ") :].split("\n  launch/")[0]
+    stages_md = (REPO / "docs" / "stages.md").read_text()
+    dag_doc = (REPO / "dags" / "llm_pipeline.py").read_text().split('"""')[1]
+    dag_chain = dag_doc[dag_doc.index("(`python -m tasks <stage>`):") :].split(". ")[0]
+    assert f"The pipeline is {NUMBERS[len(STAGES) - 1]} stages" in arch, "ARCHITECTURE.md's stage count"
+    assert dag_chain.count("→") == len(STAGES) - 1, f"dags/llm_pipeline.py's docstring chain: {dag_chain!r}"
+    for stage in STAGES:
+        missing = [
+            where
+            for where, found in {
+                "README's stage table": f"`tasks/stages/{stage}.py`" in table,
+                "README's paragraph each": f"**{stage}**" in paragraphs,
+                "ARCHITECTURE.md's main DAG chain": f" {stage} " in f"{chain} ",
+                "ARCHITECTURE.md's stages/ line": re.search(rf"\b{stage}\b", stages_line) is not None,
+                "docs/stages.md": f"python -m tasks {stage}" in stages_md,
+            }.items()
+            if not found
+        ]
+        assert not missing, f"stage {stage} is not in {missing}"
