@@ -27,12 +27,3 @@ def celery_queue(stage: str, cfg: PipelineConfig) -> str | None:
     if stage in DEVICE_STAGES and cfg.hardware.launcher == "local" and cfg.hardware.device_queue:
         return cfg.hardware.device_queue
     return None
-
-
-def where(stage: str, cfg: PipelineConfig) -> str:
-    """What runs where, in words (README table, task logs)."""
-    if not runs_on_kubernetes(stage, cfg):
-        queue = celery_queue(stage, cfg)
-        return f"the Airflow worker of queue {queue}" if queue else "the Airflow worker"
-    pods = cfg.hardware.nnodes if stage in MULTI_NODE_STAGES else 1
-    return f"a Kubernetes Job ({pods} pod{'s' if pods > 1 else ''}) on the training nodes"
