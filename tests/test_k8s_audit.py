@@ -32,7 +32,7 @@ def k8s_cfg(cfg):
 
 @pytest.fixture
 def api_server(tmp_path, monkeypatch):
-    api = RecordedApi(validate, {"Job": ["job-running", "job-complete"]})
+    api = RecordedApi(validate, {"job": ["job-running", "job-complete"]})
     yield connected(api, tmp_path, monkeypatch)
     api.close()
 
@@ -50,14 +50,14 @@ def test_an_earlier_trys_failure_is_not_this_jobs_cause(k8s_cfg, api_server):
     run_dir.mkdir(parents=True)
     old = {"status": "failed", "error": "train: try 1's own cause"}
     (run_dir / "train.json").write_text(json.dumps(old))
-    api_server.replies = {"Job": ["job-running", "job-failed"]}
+    api_server.replies = {"job": ["job-running", "job-failed"]}
     api_server.pods = "podlist-failed"
     with pytest.raises(StageError) as err:
         _run(k8s_cfg, "manual__1", 2)
     name = k8s_job.job_name("llm_pipeline", "manual__1", 2)
     line = str(err.value)
     assert "try 1's own cause" not in line, line
-    assert f"{name}-{POD_NAMES['Job'][1]} Failed (exit 137 OOMKilled)" in line
+    assert f"{name}-{POD_NAMES['job'][1]} Failed (exit 137 OOMKilled)" in line
     assert json.loads((run_dir / "k8s" / f"train.before-{name}.json").read_text()) == old
     assert not (run_dir / "train.json").exists()
 

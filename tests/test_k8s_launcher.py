@@ -1,10 +1,11 @@
 """hardware.launcher=kubernetes: every device stage renders as a Job on the training nodes (or, hardware.k8s_kind, its
 torchrun stages as a Kubeflow PyTorchJob / TrainJob), valid against the Kubernetes API schemas and the CRDs' own
-(Volcano's PodGroup, training-operator's PyTorchJob, Trainer's TrainJob; tests/fixtures/k8s, sources named in each
-file's $comment), and the DAG's tasks route to that launcher. No API server can run here: the Kubernetes schemas are
-the official client's models (tests/fixtures/k8s/generate_schema.py); the submit/wait/collect path runs through the
-cncf provider's KubernetesHook and the client's request layer against a loopback endpoint that answers with real
-responses recorded upstream (tests/helpers/k8s_api.py, tests/data/k8s: each file names its source)."""
+(Volcano's PodGroup, training-operator's PyTorchJob, Trainer's TrainJob; tests/fixtures/k8s, made from each CRD by
+crd_schema.py, sources named in each file's $comment), and the DAG's tasks route to that launcher. No API server can run
+here: the Kubernetes schemas are the official client's models (tests/fixtures/k8s/generate_schema.py); the
+submit/wait/collect path runs through the cncf provider's KubernetesHook and the client's request layer against a
+loopback endpoint that answers with real responses recorded upstream (tests/helpers/k8s_api.py, tests/data/k8s: each
+file names its source)."""
 
 import dataclasses
 import json
@@ -192,6 +193,11 @@ def test_the_crd_schemas_catch_a_misspelt_field(k8s_cfg, tmp_path):
     del job["spec"]["runtimeRef"]
     with pytest.raises(jsonschema.ValidationError, match="runtimeRef"):
         validate(job)
+    k8s_cfg.hardware.k8s_kind, k8s_cfg.hardware.k8s_scheduler = "job", "volcano"
+    (group,) = [o for o in k8s_job.render(k8s_cfg, tmp_path, "x", "train") if o["kind"] == "PodGroup"]
+    group["spec"]["minMembers"] = group["spec"].pop("minMember")
+    with pytest.raises(jsonschema.ValidationError, match="minMembers"):
+        validate(group)
 
 
 @pytest.mark.parametrize("kind", ["job", "pytorchjob", "trainjob"])
@@ -230,7 +236,7 @@ def test_the_pod_command_gets_its_rank_and_rendezvous_from_the_operator(k8s_cfg,
     assert words[-1] == "RANK=unset"
 
 
-KIND = {"job": "Job", "pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}
+KIND = {"job": "Job", "pytorchjob": "PyTorchJob", "trainjob": "TrainJob"}  # each k8s_kind's object (the kind)
 SUCCEEDS = {"job": ["job-running", "job-complete"], "pytorchjob": [None, "pytorchjob-succeeded"],
             "trainjob": [None, "trainjob-complete"]}  # fmt: skip
 FAILS = {"job": ["job-running", "job-failed"], "pytorchjob": [None, "pytorchjob-failed"],
@@ -245,7 +251,7 @@ FAILED_REASON = {  # the recorded Failed condition's reason: message, as final_s
 def test_every_recording_names_its_source_and_has_the_apis_shape():
     """Each recorded reply cites where it comes from, says whether it is verbatim, and its status is valid against
     the kind's own schema (the Kubernetes API's V1JobStatus, the CRDs' status schemas)."""
-    from tests.helpers.k8s_schema import CRDS, check
+    from tests.helpers.k8s_schema import CRDS, check, kind_name
 
     files = sorted(DATA.glob("*.json"))
     assert len(files) == 10
@@ -253,10 +259,10 @@ def test_every_recording_names_its_source_and_has_the_apis_shape():
         rec = recorded(path.stem)
         assert rec["source"] and rec["recorded"] and rec["adjusted"] and rec["code"] in (200, 403, 409), path.name
         body = rec["body"]
-        if body["kind"] == "Job":
+        if kind_name(body) == "job":
             check("V1JobStatus", body["status"])
-        elif body["kind"] in CRDS:  # the status schema only: the 2018 PyTorchJob's spec predates runPolicy
-            jsonschema.Draft7Validator(CRDS[body["kind"]]["properties"]["status"]).validate(body["status"])
+        elif kind_name(body) in CRDS:  # the status schema only: the 2018 PyTorchJob's spec predates runPolicy
+            jsonschema.Draft7Validator(CRDS[kind_name(body)]["properties"]["status"]).validate(body["status"])
         elif body["kind"] == "Status":
             assert body["code"] == rec["code"] and body["status"] == "Failure"
 
@@ -284,9 +290,26 @@ def test_the_config_offers_exactly_the_kinds_there_are():
     assert set(get_args(HardwareConfig.model_fields["k8s_kind"].annotation)) == set(k8s_job.KINDS)
 
 
+def test_the_test_tables_key_kinds_by_their_k8s_kind_name_not_their_api_kind():
+    """The helpers' tables (CRDS, POD_NAMES, the loopback API's replies) are keyed by hardware.k8s_kind: each kind's
+    object maps back to its own name, and another API's object of the same `kind` (Volcano's batch.volcano.sh Job)
+    to none of them, nor does its 409 read as batch/v1's jobs.batch (docs/launchers.md, "Add a Kubernetes kind")."""
+    from tests.helpers.k8s_api import refusal
+    from tests.helpers.k8s_schema import kind_name
+
+    for name, kind in k8s_job.KINDS.items():
+        group, version, _, api_kind = kind.api or ("batch", "v1", "jobs", "Job")
+        assert kind_name({"apiVersion": f"{group}/{version}", "kind": api_kind}) == name
+    assert kind_name({"apiVersion": "batch.volcano.sh/v1alpha1", "kind": "Job"}) is None
+    _, body = refusal("status-409-alreadyexists", "j-1", "llm", "batch.volcano.sh", "jobs")
+    assert body["message"].startswith('jobs.batch.volcano.sh "j-1" already exists'), body["message"]
+    _, body = refusal("status-409-alreadyexists", "j-1", "llm", "batch", "jobs")
+    assert body["message"].startswith('jobs.batch "j-1" already exists'), body["message"]
+
+
 @pytest.fixture
 def api_server(tmp_path, monkeypatch):
-    api = RecordedApi(validate, {KIND[k]: v for k, v in SUCCEEDS.items()})
+    api = RecordedApi(validate, dict(SUCCEEDS))
     yield connected(api, tmp_path, monkeypatch)
     api.close()
 
@@ -334,13 +357,13 @@ def test_a_failed_job_names_the_controllers_reason_and_the_failed_pod(k8s_cfg, a
     (an OOM kill), the failed pod from the recorded pod list with its exit code, and where its logs are."""
     from tasks.errors import StageError
 
-    api_server.replies = {KIND[k]: v for k, v in FAILS.items()}
+    api_server.replies = dict(FAILS)
     api_server.pods = "podlist-failed"
     with pytest.raises(StageError) as err:
         _run(k8s_cfg, kind, "manual__2")
     line = str(err.value)
     name = k8s_job.job_name("llm_pipeline", "manual__2")
-    running_pod, failed_pod = (f"{name}-{suffix}" for suffix in POD_NAMES[KIND[kind]])
+    running_pod, failed_pod = (f"{name}-{suffix}" for suffix in POD_NAMES[kind])
     assert line.startswith(f"train job {name} failed ({FAILED_REASON[kind]}); ") and "\n" not in line
     assert f"{failed_pod} Failed (exit 137 OOMKilled)" in line and running_pod + " " not in line
     assert f"kubectl logs -l {k8s_job.KINDS[kind].pod_selector}={name}`" in line and err.value.retryable
@@ -351,7 +374,7 @@ def test_node_0s_own_cause_comes_before_the_pods(k8s_cfg, api_server):
     from tasks.runner import default_run_dir
 
     run_dir = default_run_dir("llm_pipeline", "manual__2")
-    api_server.replies = {KIND[k]: v for k, v in FAILS.items()}
+    api_server.replies = dict(FAILS)
     api_server.on_done = lambda obj: (run_dir / "train.json").write_text(
         json.dumps({"status": "failed", "error": "train: rank 3 killed by SIGKILL (out of memory?)"})
     )

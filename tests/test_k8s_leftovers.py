@@ -124,7 +124,7 @@ def test_the_submitted_try_refuses_an_earlier_tries_late_result(k8s_cfg, tmp_pat
     instead of returning try 1's result."""
     cfg = k8s_cfg
     cfg.tracking.enabled = False
-    api = connected(RecordedApi(validate, {"Job": ["job-running", "job-complete"]}), tmp_path, monkeypatch)
+    api = connected(RecordedApi(validate, {"job": ["job-running", "job-complete"]}), tmp_path, monkeypatch)
     try:
         from tasks.runner import default_run_dir
 

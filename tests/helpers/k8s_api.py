@@ -11,9 +11,10 @@ the echo of a create (201: the posted object plus server-set uid/resourceVersion
 a DELETE's `Status` Success are the server's own. Every created body is validated strictly against its kind's
 schema (`validate`), as `kubectl --validate=strict` would; a body it refuses is a 422 `Status`.
 
-`replies[kind]` is what successive GETs of the created object return, the last one repeated: a recording's name,
-or None for the object as created (no status yet: the controller has not acted). `on_done(obj)` runs when the last
-reply is first served (the pods writing <stage>.json onto the shared volume before the job is marked finished).
+`replies[name]` (name: the object's hardware.k8s_kind, `k8s_schema.kind_name`) is what successive GETs of the created
+object return, the last one repeated: a recording's name, or None for the object as created (no status yet: the
+controller has not acted). `on_done(obj)` runs when the last reply is first served (the pods writing <stage>.json onto
+the shared volume before the job is marked finished).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from tests.helpers.k8s_schema import kind_name
+
 DATA = Path(__file__).resolve().parents[1] / "data" / "k8s"
 NOW = "2026-12-01T12:00:00Z"
 PATH = re.compile(r"^/(?:api/v1|apis/(?P<group>[^/]+)/(?P<version>[^/]+))/namespaces/(?P<ns>[^/]+)/(?P<plural>[^/?]+)")
 # where each kind's pods' names come from: the Job controller's Indexed pods, training-operator's replicas, JobSet's
-POD_NAMES = {"Job": ("0", "1"), "PyTorchJob": ("master-0", "worker-0"), "TrainJob": ("node-0-0", "node-0-1")}
+POD_NAMES = {"job": ("0", "1"), "pytorchjob": ("master-0", "worker-0"), "trainjob": ("node-0-0", "node-0-1")}
 
 
 def connected(api: "RecordedApi", tmp_path: Path, monkeypatch) -> "RecordedApi":
@@ -68,7 +71,7 @@ def refusal(name: str, job: str, namespace: str, group: str, plural: str) -> tup
     rec = recorded(name)
     body = copy.deepcopy(rec["body"])
     msg = body["message"].replace("<<job_name>>", job).replace('namespace "prefect"', f'namespace "{namespace}"')
-    if plural != "jobs":
+    if (group, plural) != ("batch", "jobs"):  # another API's resource, whatever its plural (Volcano's is jobs too)
         msg = msg.replace("jobs.batch", f"{plural}.{group}").replace('resource "jobs"', f'resource "{plural}"')
         msg = msg.replace('API group "batch"', f'API group "{group}"')
         body["details"].update(group=group, kind=plural)
@@ -149,10 +152,10 @@ class RecordedApi:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def poll(self, plural: str, name: str) -> dict:
-        """The n-th reply to a GET of the created object: replies[kind][n] (the last one repeated)."""
+        """The n-th reply to a GET of the created object: replies[its k8s_kind][n] (the last one repeated)."""
         obj = self.objects[(plural, name)]
         n = self.polls[(plural, name)] = self.polls.get((plural, name), 0) + 1
-        script = self.replies[obj["kind"]]
+        script = self.replies[kind_name(obj)]
         reply = script[min(n, len(script)) - 1]
         if n >= len(script) and (plural, name) not in self.finished:
             self.finished.add((plural, name))
@@ -168,7 +171,7 @@ class RecordedApi:
             return {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"}, "items": []}
         body = recorded(self.pods)["body"]
         job = next(o for (plural, _), o in self.objects.items() if plural not in ("services", "podgroups"))
-        for pod, suffix in zip(body["items"], POD_NAMES[job["kind"]]):
+        for pod, suffix in zip(body["items"], POD_NAMES[kind_name(job)]):
             pod["metadata"].update(name=f"{job['metadata']['name']}-{suffix}", namespace=namespace)
         return body
 

@@ -13,10 +13,25 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "k8s"
 K8S = json.loads((FIXTURES / "k8s-api-schema.json").read_text())
 PODGROUP = json.loads((FIXTURES / "volcano-podgroup-v1beta1.schema.json").read_text())
+# A custom resource's schema by its hardware.k8s_kind name (kind_name): Volcano's Job, say, shares its `kind` with
+# batch/v1's, never its name there.
 CRDS = {
-    "PyTorchJob": json.loads((FIXTURES / "kubeflow-pytorchjob-v1.schema.json").read_text()),
-    "TrainJob": json.loads((FIXTURES / "kubeflow-trainjob-v1alpha1.schema.json").read_text()),
+    "pytorchjob": json.loads((FIXTURES / "kubeflow-pytorchjob-v1.schema.json").read_text()),
+    "trainjob": json.loads((FIXTURES / "kubeflow-trainjob-v1alpha1.schema.json").read_text()),
 }
+
+
+def kind_name(obj: dict) -> str | None:
+    """The hardware.k8s_kind (a key of tasks/launch/k8s_job.KINDS) whose objects have this object's apiVersion and
+    kind; None for another object (a Service, a PodGroup, a pod list, a Status). The test helpers' tables (CRDS,
+    POD_NAMES, the loopback API's replies) are keyed by it."""
+    from tasks.launch.k8s_job import KINDS
+
+    for name, kind in KINDS.items():
+        group, version, _, api_kind = kind.api or ("batch", "v1", "jobs", "Job")
+        if (obj.get("apiVersion"), obj.get("kind")) == (f"{group}/{version}", api_kind):
+            return name
+    return None
 
 
 @functools.cache
@@ -46,8 +61,8 @@ def validate(manifest: dict) -> None:
     if manifest["kind"] == "PodGroup":
         check("PodGroup", manifest)
         return
-    if manifest["kind"] in CRDS:
-        check(manifest["kind"], manifest)
+    if kind_name(manifest) in CRDS:
+        check(kind_name(manifest), manifest)
         k8s_model("V1ObjectMeta", manifest["metadata"])
         spec = manifest["spec"]
         for replica in spec.get("pytorchReplicaSpecs", {}).values():
