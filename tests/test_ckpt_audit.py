@@ -37,6 +37,24 @@ def test_rehearsal_steps_does_not_shape_training(tmp_path):
     assert config_changes(tmp_path, now) == [f"train.lr: {saved['train.lr']!r} → 1.0"]
 
 
+def test_a_field_added_since_a_checkpoint_counts_as_its_default(tmp_path):
+    """A checkpoint saved before a shaping field existed (its meta.json lacks the key) trained as the field's default:
+    a resume or rerun at the default is no change (it was "None → value" for every old run, and a finished run was
+    refused), one at another value is named with the default as the old value."""
+    from tasks.config import PipelineConfig
+    from tasks.parallel.checkpoint import config_changes, shaping_config
+
+    now = PipelineConfig().to_dict()
+    full = shaping_config(now)
+    assert {"train.lr", "model.converters", "data.seq_len"} <= full.keys()
+    for key in full:
+        (tmp_path / "meta.json").write_text(json.dumps({"shaping": {k: v for k, v in full.items() if k != key}}))
+        assert config_changes(tmp_path, now) == [], key
+    (tmp_path / "meta.json").write_text(json.dumps({"shaping": {k: v for k, v in full.items() if k != "train.lr"}}))
+    now["train"]["lr"] = 1.0
+    assert config_changes(tmp_path, now) == [f"train.lr: {full['train.lr']!r} → 1.0"]
+
+
 def test_resume_under_another_optimizer_is_refused_before_launch(cfg, tmp_path, shards):  # noqa: F811
     from tasks.stages import train
 

@@ -114,15 +114,31 @@ def _shapes(key: str) -> bool:
 
 def config_changes(path: Path, config: dict) -> list[str]:
     """'key: old → new' for each training-shaping setting that differs from what checkpoint `path` was saved with
-    (a key an older version counted as shaping, recorded in its meta.json, is judged by today's rule)."""
+    (a key an older version counted as shaping, recorded in its meta.json, is judged by today's rule; a key its
+    meta.json lacks, a field added since, counts as that field's default: what the run trained as)."""
     saved = read_meta(path).get("shaping")
     if saved is None:
         return []
     saved = {k: v for k, v in saved.items() if _shapes(k)}
     now = shaping_config(config)
+    saved |= {k: _field_default(k) for k in now.keys() - saved.keys()}
     return [
         f"{k}: {saved.get(k)!r} → {now.get(k)!r}" for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)
     ]
+
+
+def _field_default(key: str):
+    """The default of config field `key` ('section.key'), as the config's to_dict() writes it; None if none is known.
+    A new field's default keeps what the code did before it (docs/contributing.md: "A config field")."""
+    from tasks.config import PipelineConfig
+
+    sec, _, k = key.partition(".")
+    section = PipelineConfig.model_fields.get(sec)
+    field = section.annotation.model_fields.get(k) if section is not None else None
+    if field is None or field.is_required():
+        return None
+    value = field.get_default(call_default_factory=True)
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else value
 
 
 def resume_problem(path: Path, config: dict) -> str | None:
