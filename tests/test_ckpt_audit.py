@@ -7,6 +7,7 @@ saved one; a step-N directory whose meta.json was lost is named, not passed over
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ import torch.distributed as dist
 
 from tasks.errors import ConfigError
 from tests.helpers.train_fixture import configure, context, fake_run, shards  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _checkpoint(cfg, run: Path, shards: Path, step: int) -> Path:  # noqa: F811
@@ -53,6 +56,27 @@ def test_a_field_added_since_a_checkpoint_counts_as_its_default(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"shaping": {k: v for k, v in full.items() if k != "train.lr"}}))
     now["train"]["lr"] = 1.0
     assert config_changes(tmp_path, now) == [f"train.lr: {full['train.lr']!r} → 1.0"]
+
+
+def test_the_shaping_lists_name_real_fields_and_docs_stages_names_them_all():
+    """_NOT_SHAPING, _DATA_SHAPING and _QAT_SHAPING name fields the config has (a misspelt name would leave the field
+    counted as shaping, or not, silently), and docs/stages.md's Resume paragraph names each (by the word it groups
+    them under for checkpointing and validation)."""
+    from tasks.config import PipelineConfig
+    from tasks.parallel import checkpoint as ck
+
+    fields = {sec: PipelineConfig.model_fields[sec].annotation.model_fields for sec in ("train", "data", "quantize")}
+    lists = {"train": ck._NOT_SHAPING["train"], "data": ck._DATA_SHAPING, "quantize": ck._QAT_SHAPING}
+    assert set(ck._NOT_SHAPING) == {"train"}, "docs/stages.md lists train's exceptions only"
+    for sec, names in lists.items():
+        assert set(names) <= fields[sec].keys(), (sec, set(names) - fields[sec].keys())
+    stages_md = (REPO / "docs" / "stages.md").read_text()
+    resume = stages_md[stages_md.index("- Resume: rerunning") :].split("\n- ")[0]
+    grouped = {"checkpoint_every": "checkpointing", "keep_checkpoints": "checkpointing", "eval_every": "validation",
+               "eval_samples": "validation", "early_stop_patience": "validation"}  # fmt: skip
+    for names in lists.values():
+        for name in names:
+            assert re.search(rf"\b{grouped.get(name, name)}\b", resume), f"docs/stages.md's Resume lacks {name}"
 
 
 def test_resume_under_another_optimizer_is_refused_before_launch(cfg, tmp_path, shards):  # noqa: F811
