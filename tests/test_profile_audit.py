@@ -194,3 +194,26 @@ def test_a_path_with_collect_and_a_shard_dir_with_analyze_are_refused(tmp_path, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "drop --shard-dir" in err
     assert not (tmp_path / "run" / "profile" / "report.json").exists()
+
+
+def test_docs_stages_names_every_rule_the_profile_stage_can_report():
+    """Every finding's rule id the profiling code can emit (a `Finding("…")` or a `{"rule": "…"}` in
+    tasks/profiling/) is in docs/stages.md's Profiling section, where a user reads what each means and its threshold."""
+    import ast
+    import re
+
+    repo = Path(__file__).resolve().parent.parent
+    rules = set()
+    for path in (repo / "tasks" / "profiling").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Finding" and node.args:
+                rules.add(node.args[0].value)
+            elif isinstance(node, ast.Dict):
+                for key, value in zip(node.keys, node.values):
+                    if isinstance(key, ast.Constant) and key.value == "rule" and isinstance(value, ast.Constant):
+                        rules.add(value.value)
+    assert {"utilisation.low", "moe.expert_imbalance", "analysis.disagreement", "operator.ai_cpu_list"} <= rules
+    stages_md = (repo / "docs" / "stages.md").read_text()
+    section = stages_md[stages_md.index("## Profiling") :].split("\n## ")[0]
+    named = set(re.findall(r"`([a-z]+\.[a-z_]+)`", section))
+    assert rules - named == set(), f"rules missing from docs/stages.md's Profiling section: {sorted(rules - named)}"
