@@ -222,12 +222,16 @@ def config_from_hf(hf: dict) -> TransformerConfig:
         vocab_size=hf["vocab_size"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        max_seq_len=hf.get("max_position_embeddings", MAX_POSITIONS_DEFAULT[family]),
         qkv_bias=family == "qwen2" or (family == "qwen2_moe" and bool(hf.get("qkv_bias", True))),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **moe,
     )
 
+
+# max_position_embeddings where a config.json leaves it out: its Config class's default, as transformers reads it
+# (LlamaConfig 2048; Qwen2Config and Qwen2MoeConfig 32768)
+MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen2_moe": 32768}
 
 # hidden_act names transformers' ACT2FN maps to SiLU (transformers/activations.py: "silu", and "swish" as nn.SiLU)
 SILU_ACTS = ("silu", "swish")

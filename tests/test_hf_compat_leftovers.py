@@ -142,3 +142,17 @@ def test_what_transformers_computes_otherwise_is_still_refused(tmp_path, base, s
     with pytest.raises(StageError) as e:
         TransformerConfig.from_hf_config(tmp_path)
     assert said in str(e.value) and "unsupported setting" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Qwen2Moe"])
+def test_a_config_without_max_position_embeddings_reads_as_transformers_reads_it(family):
+    """A hand-written config.json may leave max_position_embeddings out: its length is its Config class's default
+    (LlamaConfig 2048, Qwen2's 32768), as transformers loads it — not Llama's 2048 for every family."""
+    import transformers
+
+    from tasks.shape import config_from_hf
+
+    theirs = getattr(transformers, f"{family}Config")(num_hidden_layers=2)
+    hf = {k: v for k, v in theirs.to_dict().items() if k != "max_position_embeddings"}
+    hf["architectures"] = [f"{family}ForCausalLM"]
+    assert config_from_hf(hf).max_seq_len == theirs.max_position_embeddings
