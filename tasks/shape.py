@@ -247,6 +247,11 @@ def _windowed_layers(hf: dict, family: str) -> list[str]:
     use = hf.get("use_sliding_window", False)
     if family == "llama":
         return [f"0..{n - 1} use_sliding_window"] if use else []
+    if family not in ("qwen2", "qwen2_moe"):  # a family added to FAMILIES without its rule here
+        raise StageError(
+            f"{family}: no rule for which layers slide: add how its Config sets each layer's attention to "
+            "tasks/shape.py _windowed_layers (docs/contributing.md, A model family)"
+        )
     types = hf.get("layer_types")
     if types is None and family == "qwen2":  # Qwen2Config: sliding_window None unless use_sliding_window
         window = hf.get("sliding_window", 4096) if use else None

@@ -156,3 +156,19 @@ def test_a_config_without_max_position_embeddings_reads_as_transformers_reads_it
     hf = {k: v for k, v in theirs.to_dict().items() if k != "max_position_embeddings"}
     hf["architectures"] = [f"{family}ForCausalLM"]
     assert config_from_hf(hf).max_seq_len == theirs.max_position_embeddings
+
+
+def test_a_family_added_without_its_hf_rules_fails_naming_where_they_go():
+    """docs/contributing.md, A model family: a name added to FAMILIES reaches neither Qwen2's window rule nor its
+    config.json keys by falling through; each says in one line which function needs the family's own branch."""
+    import dataclasses
+
+    from tasks.model import get_preset
+    from tasks.model.hf_config import to_hf_config
+    from tasks.shape import _windowed_layers
+
+    with pytest.raises(StageError, match=r"^mistral: no rule for which layers slide: .* _windowed_layers"):
+        _windowed_layers({"num_hidden_layers": 2, "sliding_window": 4096}, "mistral")
+    tcfg = dataclasses.replace(get_preset("debug"), family="mistral", qkv_bias=False)
+    with pytest.raises(StageError, match=r"^save_hf: no config.json keys for family mistral: .* to_hf_config"):
+        to_hf_config(tcfg)

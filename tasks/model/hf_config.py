@@ -112,6 +112,11 @@ def ours_to_hf(name: str) -> str:
 
 def to_hf_config(tcfg: TransformerConfig, dtype="float32") -> dict:
     """config.json for `tcfg`; `dtype` a torch.dtype or its name."""
+    if tcfg.family not in ("llama", "qwen2", "qwen2_moe"):  # added to FAMILIES without its keys below
+        raise StageError(
+            f"save_hf: no config.json keys for family {tcfg.family}: write the ones whose transformers default differs "
+            "from what this model computes in tasks/model/hf_config.py to_hf_config (docs/contributing.md)"
+        )
     if tcfg.family == "llama" and tcfg.qkv_bias:
         raise StageError("save_hf: Llama has no q/k/v-only bias; use family qwen2 for a model with qkv_bias")
     if tcfg.family == "qwen2_moe" and not tcfg.shared_ffn_dim:
