@@ -192,7 +192,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override config values: --set a.b=1 c.d=2, or --set repeated (positional arguments go before --set)",
+        help="override config values: --set a.b=1 c.d=2, or --set repeated (positional arguments go before --set); "
+        "the keys, their defaults and ranges: tasks/config.py (docs/configuration.md); a misspelt key names the "
+        "nearest one",
     )
     parser.add_argument(
         "--run-dir",
