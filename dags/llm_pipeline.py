@@ -35,6 +35,7 @@ from airflow.sdk import (
 from tasks.pipeline import (  # light: no torch, no mlflow
     RetryableStageFailure,
     StageFailure,
+    approval_timeout_from_run_config,
     bound_from_run_config,
     end_parent_run,
     param_schemas,
@@ -159,7 +160,7 @@ def _approval_timeout_h() -> int:
     return load_config().evaluate.approval_timeout_h
 
 
-APPROVAL_TIMEOUT_H = _approval_timeout_h()  # the default preset's, at parse time (an operator argument)
+APPROVAL_TIMEOUT_H = _approval_timeout_h()  # the default preset's, at parse time; each run's own: pre_execute
 
 
 def stage_task(stage_id: str):
@@ -254,10 +255,10 @@ def llm_pipeline():
         body="{{ ti.xcom_pull(task_ids='approval_needed')['body'] }}",
         defaults="Reject",  # what an unanswered request becomes after response_timeout
         # a datetime.timedelta: the task runner's msgpack encoder refuses pendulum's Duration
-        response_timeout=datetime.timedelta(hours=APPROVAL_TIMEOUT_H),
+        response_timeout=datetime.timedelta(hours=APPROVAL_TIMEOUT_H),  # this run's, set by the pre_execute
+        pre_execute=approval_timeout_from_run_config,
         doc_md="Approve: the new version becomes the champion (the promote task). Reject, or no answer within "
-        "evaluate.approval_timeout_h (the default preset's, read when the DAG is parsed): the champion stays. "
-        "Answer under Browse → Required actions.",
+        "evaluate.approval_timeout_h (this run's config): the champion stays. Answer under Browse → Required actions.",
     )
 
     @task(task_id="promote", doc_md="Sets the alias champion on the approved version (tasks.quant.registry.promote).")

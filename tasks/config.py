@@ -357,7 +357,7 @@ class EvaluateConfig(Section):
     registered_model: str = "llm-pipeline-demo"
     fail_on_gate: bool = True
     # a person approves the champion in Airflow (the DAG's `approve` task) instead of evaluate promoting it; the
-    # approval task waits at most approval_timeout_h hours (read when the DAG is parsed), then takes "Reject"
+    # approval task waits at most approval_timeout_h hours (the run's own config), then takes "Reject"
     require_approval: bool = False
     approval_timeout_h: int = Field(72, ge=1, le=24 * 90)
 

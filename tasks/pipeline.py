@@ -809,6 +809,24 @@ def shard_step(step: str, params: dict, dag_id: str, run_id: str, arg=None):
     raise StageError(cause)
 
 
+def approval_timeout_from_run_config(context) -> None:
+    """pre_execute of the `approve` task: how long it waits for a person, from this run's own config
+    (evaluate.approval_timeout_h of the run's preset and Params), replacing the parse-time default preset's. The
+    provider's HITLOperator.execute reads response_timeout after pre_execute (operators/hitl.py: the timeout it
+    parks the task with). A config the stages refuse leaves the parse-time value (the run has failed before)."""
+    import datetime
+
+    from tasks.errors import StageError
+    from tasks.runner import default_run_dir
+
+    try:
+        run_dir = default_run_dir(context["dag"].dag_id, context["run_id"])
+        cfg = config_for_run(dict(context["params"]), run_dir, context["dag"].dag_id)
+    except StageError:
+        return
+    context["task"].response_timeout = datetime.timedelta(hours=cfg.evaluate.approval_timeout_h)
+
+
 def bound_from_run_config(context, stage: str | None = None) -> None:
     """pre_execute: the task's execution_timeout from this run's own config (Params; train: steps × the planner's
     step estimate × margin), replacing the parse-time bound of the default preset. `stage`: whose bound (default the

@@ -241,3 +241,23 @@ def test_a_stage_bug_names_its_real_result_file(monkeypatch, tmp_path):
         dag.get_task("env").python_callable()
     where = default_run_dir("llm_pipeline", "manual__1") / "env.json"
     assert str(e.value) == f"env: RuntimeError: boom (traceback below and in {where})", str(e.value)
+
+
+def test_the_approval_waits_as_long_as_the_runs_own_preset_says(monkeypatch, tmp_path):
+    """evaluate.approval_timeout_h of the run's preset, not the default preset's read at parse time: the approve
+    task's pre_execute sets the response_timeout HITLOperator.execute parks the task with."""
+    import datetime
+
+    import yaml
+
+    monkeypatch.setenv("LLM_PIPELINE_VAR_DIR", str(tmp_path / "var"))
+    preset = yaml.safe_load((REPO / "configs" / "ci-tiny.yaml").read_text())
+    preset.setdefault("evaluate", {})["approval_timeout_h"] = 5
+    (tmp_path / "site.yaml").write_text(yaml.safe_dump(preset))
+    dag = _dag("llm_pipeline")
+    task = dag.get_task("approve")
+    assert task.response_timeout == datetime.timedelta(hours=72)  # the default preset's, at parse time
+    task._pre_execute_hook(  # as the task runner calls it before execute (task_runner._execute_task)
+        {"task": task, "dag": dag, "run_id": "manual__1", "params": {"preset": str(tmp_path / "site.yaml")}}
+    )
+    assert task.response_timeout == datetime.timedelta(hours=5)
