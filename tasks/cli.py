@@ -193,8 +193,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SECTION.KEY=VALUE",
         help="override config values: --set a.b=1 c.d=2, or --set repeated (positional arguments go before --set); "
-        "the keys, their defaults and ranges: tasks/config.py (docs/configuration.md); a misspelt key names the "
-        "nearest one",
+        "the keys, their defaults and ranges: tasks/config.py, data.* in data_prep/config.py (docs/configuration.md); "
+        "a misspelt key names the nearest one",
     )
     parser.add_argument(
         "--run-dir",
