@@ -97,3 +97,24 @@ def test_export_without_hf_path_keeps_the_tokenizer_sources_metadata(two_checkpo
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (7, c["eos"], 5)
     assert generation == json.loads((c["gqa"] / "generation_config.json").read_text())
     assert "attention_dropout" not in config  # no hf_path: nothing of llama-gen's carried
+
+
+def test_a_null_or_absent_bos_is_not_replaced_by_transformers_default(tmp_path):
+    """A source config.json whose bos_token_id is null, and a shard set's tokenizer (EOS only): the export says null,
+    so transformers does not load LlamaConfig's BOS 1 (a token of this vocabulary) in its place."""
+    import transformers
+
+    from tasks.model.hf_io import special_tokens
+
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps({"bos_token_id": None, "eos_token_id": 3}))
+    shard_set = tmp_path / "shards"
+    shard_set.mkdir()
+    (shard_set / "manifest.json").write_text(json.dumps({"eos_id": 3}))
+    for ids in (special_tokens(None, source)[0], special_tokens(shard_set)[0]):
+        assert ids["bos_token_id"] is None and ids["eos_token_id"] == 3, ids
+        out = tmp_path / "out"
+        out.mkdir(exist_ok=True)
+        (out / "config.json").write_text(json.dumps({"model_type": "llama", **ids}))
+        assert transformers.AutoConfig.from_pretrained(out).bos_token_id is None

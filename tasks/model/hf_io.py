@@ -217,10 +217,13 @@ def special_tokens(tokenizer_dir: Path | None, hf_path: str | os.PathLike | None
         source = (shard.get("tokenizer") or {}).get("source") if isinstance(shard.get("tokenizer"), dict) else None
         if source and (Path(source).parent / "config.json").is_file():
             home = Path(source).parent
+    # An id the source leaves null stays null in the export, and a shard set's tokenizer (ours: EOS only) has no BOS
+    # or pad: left out, transformers would load its Config class's own (LlamaConfig: BOS 1, some other token here).
     if home is None:
-        return ({"eos_token_id": shard["eos_id"]} if shard.get("eos_id") is not None else {}), None
+        eos = shard.get("eos_id")
+        return ({"bos_token_id": None, "eos_token_id": eos, "pad_token_id": None} if eos is not None else {}), None
     hf = json.loads((home / "config.json").read_text())
-    ids = {k: hf[k] for k in SPECIAL_IDS if hf.get(k) is not None}
+    ids = {k: hf[k] for k in SPECIAL_IDS if k in hf}
     generation = home / "generation_config.json"
     return ids, generation if generation.is_file() else None
 
