@@ -286,10 +286,17 @@ def repo_input(p: str) -> str:
                 f"{p} is read from the repository root ({path}, which does not exist), not the working directory; "
                 f"give the absolute path {here.resolve()}"
             )
-    elif not _matches(path) and _matches(here):  # a glob: the same, for what it matches
+        if path.exists() and here.exists() and path.resolve() != here.resolve():  # the user may mean either
+            raise DataPrepError(
+                f"{p} is read from the repository root ({path}), and the working directory has its own "
+                f"({here.resolve()}); give the absolute path of the one you mean"
+            )
+    elif _matches(here) and Path.cwd().resolve() != REPO_ROOT.resolve():  # a glob: the same, for what it matches
+        there = _matches(path)
+        which = "matches files there too" if there else "matches nothing"
         raise DataPrepError(
-            f"{p} is read from the repository root ({path}, which matches nothing), not the working directory; "
-            f"give the absolute pattern {Path.cwd() / here}"
+            f"{p} is read from the repository root ({path}, which {which}), not the working directory; give the "
+            f"absolute pattern {Path.cwd() / here}" + (f" or {path}" if there else "")
         )
     return str(path)
 

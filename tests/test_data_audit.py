@@ -227,6 +227,28 @@ def test_a_relative_glob_missing_at_the_repository_but_matching_here_gets_the_hi
     assert repo_input("nowhere-at-all/*.txt") == str(REPO / "nowhere-at-all/*.txt")  # no match anywhere: read later
 
 
+def test_a_relative_input_that_exists_both_here_and_at_the_repository_is_refused_as_ambiguous(tmp_path, monkeypatch):
+    """`docs` typed in a directory that has its own docs/: the repository's was read, silently (15 pages of this
+    project instead of the user's corpus); both exist, so the user names one. From the repository root, as the
+    pipeline itself runs, the two are one and nothing changes."""
+    from data_prep.config import repo_input
+    from data_prep.errors import DataPrepError
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "mine.md").write_text("text")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataPrepError) as e:
+        repo_input("docs")
+    assert str(e.value) == (
+        f"docs is read from the repository root ({REPO / 'docs'}), and the working directory has its own "
+        f"({tmp_path / 'docs'}); give the absolute path of the one you mean"
+    )
+    with pytest.raises(DataPrepError, match=r"docs/\*.md is read from the repository root .* which matches files"):
+        repo_input("docs/*.md")
+    monkeypatch.chdir(REPO)
+    assert repo_input("docs") == str(REPO / "docs") and repo_input("docs/*.md") == str(REPO / "docs/*.md")
+
+
 # --- bench/run_all.py ------------------------------------------------------------------------------------------
 
 QUIET = {"load1_mean": 1.5, "cpus": 2, "loaded": False, "steal_pct": 0.0}
