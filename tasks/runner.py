@@ -65,11 +65,12 @@ def flag_path(p: str) -> Path:
     return Path(p).expanduser().absolute()
 
 
-def shard_dir(ctx: "StageContext", fallback: str | None = None) -> Path:
-    """The shard set a stage reads: --shard-dir, else the shard stage's result in this run directory, else
-    `fallback`; it must hold a manifest.json."""
+def shard_dir(ctx: "StageContext", fallback: str | None = None, recorded: str | None = None) -> Path:
+    """The shard set a stage reads: --shard-dir, else `recorded` (the set an earlier stage's own record names, which
+    this stage must read too), else the shard stage's result in this run directory, else `fallback`; it must hold a
+    manifest.json."""
     flag = getattr(ctx.args, "shard_dir", None)
-    given = flag or ctx.inputs.get("shard", {}).get("shard_dir") or fallback
+    given = flag or recorded or ctx.inputs.get("shard", {}).get("shard_dir") or fallback
     if not given:
         raise StageError(
             f"{ctx.stage}: no shard set: run `python -m tasks shard` with this --run-dir first, or pass --shard-dir DIR"
@@ -83,14 +84,16 @@ def shard_dir(ctx: "StageContext", fallback: str | None = None) -> Path:
 FROM_SHARD_SET = ("data.seq_len", "data.vocab_size")  # what a stage reading a shard set takes from its manifest
 
 
-def shard_set(cfg: PipelineConfig, ctx: "StageContext", fallback: str | None = None) -> Path:
+def shard_set(
+    cfg: PipelineConfig, ctx: "StageContext", fallback: str | None = None, recorded: str | None = None
+) -> Path:
     """shard_dir(), and the config made to agree with it: data.seq_len (and data.vocab_size, the BPE size the set
     was trained for) come from the manifest unless the caller set a different value explicitly (cfg.explicit):
     that is one ConfigError line, since the model would train on windows of another length than asked."""
     from data_prep.errors import DataPrepError
     from data_prep.manifest import load_manifest
 
-    path = shard_dir(ctx, fallback)
+    path = shard_dir(ctx, fallback, recorded)
     try:
         manifest = load_manifest(path)
     except DataPrepError as e:

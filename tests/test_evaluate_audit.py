@@ -289,3 +289,39 @@ def test_a_wrong_value_inside_a_mapping_setting_is_one_line():
         with pytest.raises(ConfigError) as e:
             apply_overrides(cfg, {"evaluate.num_fewshot": value})
         assert str(e.value) == want
+
+
+# ---- 8. the shard set quantize calibrated on ---------------------------------------------------------------------
+
+
+def test_evaluate_reads_the_shard_set_quantize_calibrated_on_and_refuses_another(cfg, tmp_path):
+    """quantize --shard-dir A, then evaluate in a run directory whose shard stage built B: evaluate scored B's val
+    split, whose evaluation windows could hold the tokens calibration saw on A. It reads A (quantize's record wins
+    over the run directory's shard stage); an explicit --shard-dir B is refused in one line."""
+    from data_prep.build import build_shard_set
+    from tasks.quant import inputs
+    from tasks.runner import StageContext, shard_dir
+    from tests.helpers.shards import shard_cfg
+
+    a = build_shard_set(shard_cfg(tmp_path / "a")).shard_dir
+    b = build_shard_set(shard_cfg(tmp_path / "b", max_documents=3)).shard_dir
+    assert inputs.manifest_digest(a) != inputs.manifest_digest(b)
+    ctx = StageContext(
+        tmp_path / "run", "evaluate", argparse.Namespace(shard_dir=None), {"shard": {"shard_dir": str(b)}}
+    )
+    assert shard_dir(ctx, recorded=str(a)) == a and shard_dir(ctx) == b
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    q = _quant_dir(tmp_path, model, model_fingerprint=inputs.fingerprint(model))
+    meta = json.loads((q / "quant_meta.json").read_text())
+    meta.update(shard_dir=str(a), calibration_data_digest=inputs.manifest_digest(a))
+    (q / "quant_meta.json").write_text(json.dumps(meta))
+    cfg.tracking.enabled = False
+    args = argparse.Namespace(model_dir=str(model), shard_dir=str(b), quant_dir=str(q))
+    with pytest.raises(StageError) as e:
+        run_stage("evaluate", cfg, tmp_path / "run", args=args)
+    assert str(e.value) == (
+        f"evaluate: {b} is another shard set than the one quantize calibrated on ({a}): its evaluation windows could "
+        f"hold tokens calibration saw; evaluate without --shard-dir (quantize's set), or rerun quantize --shard-dir {b}"
+    )

@@ -526,7 +526,15 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
     _check_source(meta, model_dir, quant_dir)
-    shard_dir = runner.shard_set(cfg, ctx, fallback=meta["shard_dir"])
+    # The set quantize calibrated and gated on, whatever this run directory's shard stage holds now: evaluation
+    # scores the part of its val split calibration never saw (inputs.SPLIT_RULE), which holds only within one set.
+    shard_dir = runner.shard_set(cfg, ctx, recorded=meta["shard_dir"])
+    if meta.get("calibration_data_digest") and inputs.manifest_digest(shard_dir) != meta["calibration_data_digest"]:
+        raise StageError(
+            f"evaluate: {shard_dir} is another shard set than the one quantize calibrated on ({meta['shard_dir']}): "
+            "its evaluation windows could hold tokens calibration saw; evaluate without --shard-dir (quantize's set), "
+            f"or rerun quantize --shard-dir {shard_dir}"
+        )
     runner.verified(cfg, shard_dir, "val", "for the evaluation")
     check_tokenizers(model_dir, shard_dir, "evaluate", quant_meta=meta, quant_dir=quant_dir)
     digest = inputs.manifest_digest(shard_dir)
