@@ -114,9 +114,31 @@ def shard_set(
             )
         else:
             setattr(getattr(cfg, section), key, value)
+    if ctx.stage != "shard":  # a later stage reads the set as built: a data.* value that decides another set's contents
+        problems += _read_set_problems(cfg, ctx.stage, path, manifest)  # would be ignored here, and remembered
     if problems:
         raise ConfigError(problems)
     return path
+
+
+def _read_set_problems(cfg: PipelineConfig, stage: str, path: Path, manifest: dict) -> list[str]:
+    """One line for each data.* key set explicitly (--set, Params, the run directory's remembered values) that decides
+    what a set holds and differs from the set `stage` reads: only the shard stage builds a set, so the value would
+    do nothing here, while MLflow and cli-config.json recorded it as this run's data."""
+    problems = []
+    for dotted in sorted(k for k in cfg.explicit if k.startswith("data.") and k not in FROM_SHARD_SET):
+        key = dotted.partition(".")[2]
+        if key in BUILD_ONLY or key == "shard_multiple":  # how a set is cut up, not what it holds
+            continue
+        pair = set_value(cfg, key, manifest)
+        if pair is None or pair[0] == pair[1]:
+            continue
+        mine, theirs = (", ".join(map(str, v)) if isinstance(v, list) else v for v in pair)
+        problems.append(
+            f"{dotted}: {mine} differs from the shard set {stage} reads ({theirs}: {path}); only the shard stage "
+            f"builds a set: rerun `python -m tasks shard` with it (then {stage}), or leave it unset"
+        )
+    return problems
 
 
 def verified(cfg: PipelineConfig, shard_dir: Path, split: str, why: str) -> None:
@@ -397,3 +419,77 @@ def _tag_error(cfg, run_dir: Path, run_id, cause: str) -> None:
         uri = tracking.tracking_uri(cfg)
         tags = {"pipeline.status": "failed", "pipeline.error": cause[:5000]}  # status: a filter on it finds failures
         tracking.set_tags_or_defer(run_dir, uri, tags, "the stage's error tag")
+
+
+def data_inputs(paths: list[str]) -> list[str]:
+    """data.inputs resolved as config paths are (repo_path: relative to the repository root); a relative one missing
+    there but present in the working directory (where a user typed --set data.inputs=[corpus]) is one line naming
+    both, not "does not exist"."""
+    from data_prep.config import repo_input
+    from data_prep.errors import DataPrepError
+
+    try:
+        return [repo_input(p) for p in paths]
+    except DataPrepError as e:
+        raise ConfigError(f"data.inputs: {e}") from None
+
+
+def shard_multiple(cfg: PipelineConfig) -> int:
+    """Readers per epoch = ranks × loader workers: the shard count is planned as a multiple of it."""
+    if cfg.data.shard_multiple:
+        return cfg.data.shard_multiple
+    nproc = cfg.hardware.nproc_per_node
+    if not nproc:
+        from tasks.device import detect
+
+        nproc = detect(cfg.hardware.device).device_count
+    workers = cfg.data.loader_workers if cfg.data.loader_workers >= 0 else 4  # -1: sized per rank, at most 4
+    return max(1, nproc * cfg.hardware.nnodes) * max(1, workers)
+
+
+# data.* keys that only steer a build (how it is split up and shown), not what a set holds or how a run reads it: set
+# beside --shard-dir they would do nothing. The other keys outside the set's config (data.out_dir: the disk checks';
+# the loader's workers, prefetch and verify_sha256) still apply to a run that adopts a set.
+BUILD_ONLY = ("partitions", "tokenize_processes", "progress")
+
+
+def set_value(cfg: PipelineConfig, key: str, manifest: dict):
+    """(this run's data.<key>, the adopted set's) for a key that decides a set's contents, or None for one that
+    does not. The set's come from its manifest: the build config it recorded (data_prep's cache key fields), its
+    inputs and its tokenizer."""
+    d, recorded = cfg.data, manifest.get("config", {})
+    tok = manifest["tokenizer"]
+    if key == "inputs":
+        return (data_inputs(d.inputs), data_inputs(manifest["source"]["inputs"])) if "source" in manifest else None
+    if key == "tokenizer":
+        if d.tokenizer == "train" or tok["source"] == "train":
+            shown = {"train": "train (a BPE trained on the corpus)"}
+            return shown.get(d.tokenizer, d.tokenizer), shown.get(tok["source"], tok["source"])
+        mine = tokenizer_identity(d.tokenizer)  # the same files under another path are the same tokenizer
+        if mine == tok["identity"]:
+            return mine, mine
+        return f"{d.tokenizer} (identity {mine[:12]}…)", f"{tok['source']} (identity {tok['identity'][:12]}…)"
+    if key == "vocab_size" and tok["source"] != "train":  # a given tokenizer keeps its own vocabulary
+        return d.vocab_size, manifest["vocab_size"]
+    if key == "shard_multiple":  # 0: automatic, as a build of this run would make it
+        mine, theirs = shard_multiple(cfg), recorded.get(key, manifest.get("shard_multiple"))
+        return (mine, theirs) if d.shard_multiple or mine == theirs else (f"0 (automatic: {mine})", theirs)
+    if key in recorded:
+        return getattr(d, key), recorded[key]
+    return None
+
+
+def tokenizer_identity(spec: str) -> str:
+    """The identity (data_prep.tokenizer.identity) a set built with tokenizer `spec` records: its tokenizer.json and
+    companion files, as the build copies them in."""
+    from data_prep.errors import DataPrepError
+    from data_prep.fsio import sha256_file
+    from data_prep.tokenizer import identity, tokenizer_companions, tokenizer_file
+
+    path = str(repo_path(spec))
+    try:
+        files = {"tokenizer.json": sha256_file(tokenizer_file(path))}
+        files.update({f.name: sha256_file(f) for f in tokenizer_companions(path)})
+    except (DataPrepError, OSError) as e:
+        raise ConfigError(f"data.tokenizer: {e}; leave it unset to adopt the set's own tokenizer") from None
+    return identity(files)

@@ -296,3 +296,28 @@ def test_a_train_rerun_re_exports_a_corrupt_export(cfg, tmp_path, shards):  # no
     weights.write_bytes(bytes(data))
     assert not train.run(c, context(run, shards, no_export=False))["reused"]
     verify(run / "hf")
+
+
+# ---- a data.* value a later stage cannot apply -----------------------------------------------------------------------
+
+
+def test_a_data_value_a_later_stage_cannot_apply_is_refused_not_remembered(tmp_path, capsys, shards):  # noqa: F811
+    """`train --set data.inputs=[…] data.max_documents=5` on a built set trained on that set as it is, exit 0, and
+    cli-config.json (and MLflow) kept the new values as the run's data. Only the shard stage builds a set: each such
+    value is one line, exit 2, nothing remembered; the set's own values (and the loader's keys) still pass."""
+    from tasks.cli import CLI_CONFIG_FILE
+
+    run = tmp_path / "D"
+    common = ("--run-dir", run, NO_TRACKING, "--config", "ci-tiny", "--shard-dir", shards)
+    assert _main("plan", "--run-dir", run, NO_TRACKING, "--config", "ci-tiny") == 0
+    remembered = (run / CLI_CONFIG_FILE).read_text()
+    capsys.readouterr()
+    assert _main("train", *common, "--set", "data.inputs=[/usr/share/doc]", "data.max_documents=5") == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err.startswith("error: data.inputs: /usr/share/doc differs from the shard set train reads (")
+        and "\n" not in err
+    )
+    assert "; data.max_documents: 5 differs from the shard set train reads (" in err
+    assert "only the shard stage builds a set: rerun `python -m tasks shard` with it (then train)" in err
+    assert (run / CLI_CONFIG_FILE).read_text() == remembered

@@ -20,32 +20,7 @@ from pathlib import Path
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
 from tasks.errors import ConfigError, StageError
-
-
-def _inputs(paths: list[str]) -> list[str]:
-    """data.inputs resolved as config paths are (repo_path: relative to the repository root); a relative one missing
-    there but present in the working directory (where a user typed --set data.inputs=[corpus]) is one line naming
-    both, not "does not exist"."""
-    from data_prep.config import repo_input
-    from data_prep.errors import DataPrepError
-
-    try:
-        return [repo_input(p) for p in paths]
-    except DataPrepError as e:
-        raise ConfigError(f"data.inputs: {e}") from None
-
-
-def shard_multiple(cfg: PipelineConfig) -> int:
-    """Readers per epoch = ranks × loader workers: the shard count is planned as a multiple of it."""
-    if cfg.data.shard_multiple:
-        return cfg.data.shard_multiple
-    nproc = cfg.hardware.nproc_per_node
-    if not nproc:
-        from tasks.device import detect
-
-        nproc = detect(cfg.hardware.device).device_count
-    workers = cfg.data.loader_workers if cfg.data.loader_workers >= 0 else 4  # -1: sized per rank, at most 4
-    return max(1, nproc * cfg.hardware.nnodes) * max(1, workers)
+from tasks.runner import BUILD_ONLY, data_inputs, set_value, shard_multiple
 
 
 def shard_config(cfg: PipelineConfig, check_model: bool = True):
@@ -58,7 +33,7 @@ def shard_config(cfg: PipelineConfig, check_model: bool = True):
         check_checkpoint(cfg, tokenizer)
     return d.model_copy(
         update={
-            "inputs": _inputs(d.inputs),
+            "inputs": data_inputs(d.inputs),
             "out_dir": str(repo_path(d.out_dir)),
             "tokenizer": tokenizer,
             "shard_multiple": shard_multiple(cfg),
@@ -238,54 +213,6 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
     }
 
 
-# data.* keys that only steer a build (how it is split up and shown), not what a set holds or how a run reads it: set
-# beside --shard-dir they would do nothing. The other keys outside the set's config (data.out_dir: the disk checks';
-# the loader's workers, prefetch and verify_sha256) still apply to a run that adopts a set.
-BUILD_ONLY = ("partitions", "tokenize_processes", "progress")
-
-
-def _set_value(cfg: PipelineConfig, key: str, manifest: dict):
-    """(this run's data.<key>, the adopted set's) for a key that decides a set's contents, or None for one that
-    does not. The set's come from its manifest: the build config it recorded (data_prep's cache key fields), its
-    inputs and its tokenizer."""
-    d, recorded = cfg.data, manifest.get("config", {})
-    tok = manifest["tokenizer"]
-    if key == "inputs":
-        return (_inputs(d.inputs), _inputs(manifest["source"]["inputs"])) if "source" in manifest else None
-    if key == "tokenizer":
-        if d.tokenizer == "train" or tok["source"] == "train":
-            shown = {"train": "train (a BPE trained on the corpus)"}
-            return shown.get(d.tokenizer, d.tokenizer), shown.get(tok["source"], tok["source"])
-        mine = _tokenizer_identity(d.tokenizer)  # the same files under another path are the same tokenizer
-        if mine == tok["identity"]:
-            return mine, mine
-        return f"{d.tokenizer} (identity {mine[:12]}…)", f"{tok['source']} (identity {tok['identity'][:12]}…)"
-    if key == "vocab_size" and tok["source"] != "train":  # a given tokenizer keeps its own vocabulary
-        return d.vocab_size, manifest["vocab_size"]
-    if key == "shard_multiple":  # 0: automatic, as a build of this run would make it
-        mine, theirs = shard_multiple(cfg), recorded.get(key, manifest.get("shard_multiple"))
-        return (mine, theirs) if d.shard_multiple or mine == theirs else (f"0 (automatic: {mine})", theirs)
-    if key in recorded:
-        return getattr(d, key), recorded[key]
-    return None
-
-
-def _tokenizer_identity(spec: str) -> str:
-    """The identity (data_prep.tokenizer.identity) a set built with tokenizer `spec` records: its tokenizer.json and
-    companion files, as the build copies them in."""
-    from data_prep.errors import DataPrepError
-    from data_prep.fsio import sha256_file
-    from data_prep.tokenizer import identity, tokenizer_companions, tokenizer_file
-
-    path = str(repo_path(spec))
-    try:
-        files = {"tokenizer.json": sha256_file(tokenizer_file(path))}
-        files.update({f.name: sha256_file(f) for f in tokenizer_companions(path)})
-    except (DataPrepError, OSError) as e:
-        raise ConfigError(f"data.tokenizer: {e}; leave it unset to adopt the set's own tokenizer") from None
-    return identity(files)
-
-
 def check_adopted_config(cfg: PipelineConfig, shard_dir: Path, manifest: dict) -> None:
     """Every data.* key set explicitly (cfg.explicit: --set, Params, a run directory's remembered values) that decides
     a set's contents must agree with the adopted set's manifest: a different one would otherwise be ignored here and
@@ -300,7 +227,7 @@ def check_adopted_config(cfg: PipelineConfig, shard_dir: Path, manifest: dict) -
                 "a new set without --shard-dir"
             )
             continue
-        pair = _set_value(cfg, key, manifest)
+        pair = set_value(cfg, key, manifest)
         if pair is None or pair[0] == pair[1]:
             continue
         mine, theirs = (", ".join(map(str, v)) if isinstance(v, list) else v for v in pair)
