@@ -325,3 +325,52 @@ def test_evaluate_reads_the_shard_set_quantize_calibrated_on_and_refuses_another
         f"evaluate: {b} is another shard set than the one quantize calibrated on ({a}): its evaluation windows could "
         f"hold tokens calibration saw; evaluate without --shard-dir (quantize's set), or rerun quantize --shard-dir {b}"
     )
+
+
+# ---- 9. model.hf_path named after training ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["quantize", "evaluate"])
+def test_a_model_hf_path_training_did_not_start_from_is_refused_not_ignored(cfg, tmp_path, stage):
+    """`quantize --set model.hf_path=X` in a trained run directory quantized the train stage's export, exit 0, and
+    remembered X, which then broke the next train. One line naming --model-dir; the path training started from, a
+    --model-dir, and a train result from before train recorded `init_from` still pass this check."""
+    from tasks.quant.inputs import check_hf_path
+    from tasks.runner import StageContext
+
+    other = tmp_path / "other-ckpt"
+    other.mkdir()
+    cfg.model.hf_path = str(other)
+    train = {"status": "ok", "init_from": None, "hf_dir": str(tmp_path / "run" / "hf")}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.json").write_text(json.dumps(train))
+    cfg.tracking.enabled = False
+    with pytest.raises(StageError) as e:
+        run_stage(stage, cfg, tmp_path / "run", args=argparse.Namespace(model_dir=None, shard_dir=None, quant_dir=None))
+    assert str(e.value) == (
+        f"{stage}: model.hf_path {other} is where training starts, and this run's model was trained from a random "
+        f"init; {stage} reads its export ({tmp_path / 'run' / 'hf'}): pass --model-dir {other} to {stage} that "
+        "checkpoint, or rerun train with it"
+    )
+    ctx = StageContext(tmp_path / "run", stage, argparse.Namespace(model_dir=None), {"train": train})
+    for inputs in ({"train": {**train, "init_from": str(other)}}, {"train": {"status": "ok"}}):
+        check_hf_path(cfg, StageContext(tmp_path / "run", stage, argparse.Namespace(model_dir=None), inputs))
+    check_hf_path(cfg, StageContext(ctx.run_dir, stage, argparse.Namespace(model_dir=str(other)), ctx.inputs))
+
+
+def test_the_model_card_names_the_set_trained_on_beside_the_one_evaluated_on(tmp_path):
+    """Re-sharded after training, a registered version's card said only the evaluation set, as if the model had
+    been trained on it; the train stage's result now names its set, and the card says both when they differ."""
+    from tasks.runner import StageContext
+    from tasks.stages.evaluate import _card
+
+    evaluated = tmp_path / "set-b"
+    evaluated.mkdir()
+    (evaluated / "manifest.json").write_text(json.dumps({"vocab_size": 300, "tokenizer": {"source": "train"}}))
+    train = {"manifest_digest": "a" * 64, "shard_dir": str(tmp_path / "set-a"), "steps": 5}
+    ctx = StageContext(tmp_path / "run", "evaluate", argparse.Namespace(), {"train": train})
+    assert _card(ctx, evaluated, "b" * 64, {})["data"] == (
+        f"trained on shard set set-a (manifest digest {'a' * 64}); evaluated on shard set set-b, manifest digest "
+        f"{'b' * 64}"
+    )
+    assert _card(ctx, evaluated, "a" * 64, {})["data"] == f"shard set set-b, manifest digest {'a' * 64}"

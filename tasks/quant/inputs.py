@@ -37,6 +37,23 @@ def model_dir(ctx, fallback: str | None = None) -> Path:
     return path
 
 
+def check_hf_path(cfg, ctx) -> None:
+    """quantize and evaluate read the train stage's export; model.hf_path only says where training starts. A path
+    that training here did not start from (a --set after train) would be ignored: one line naming --model-dir."""
+    from tasks.config import repo_path
+
+    train = ctx.inputs.get("train", {})
+    if getattr(ctx.args, "model_dir", None) or not cfg.model.hf_path or "init_from" not in train:
+        return
+    asked = str(repo_path(cfg.model.hf_path))
+    if asked != train["init_from"]:
+        raise StageError(
+            f"{ctx.stage}: model.hf_path {asked} is where training starts, and this run's model was trained from "
+            f"{train['init_from'] or 'a random init'}; {ctx.stage} reads its export ({train.get('hf_dir')}): pass "
+            f"--model-dir {asked} to {ctx.stage} that checkpoint, or rerun train with it"
+        )
+
+
 def fingerprint(path: Path) -> str:
     """Cheap identity of a model directory (names, sizes, mtimes): a retrained model in place is not reused."""
     stats = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(path).iterdir() if f.is_file())

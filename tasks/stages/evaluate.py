@@ -282,8 +282,12 @@ def _card(ctx, shard_dir: Path, digest: str, dag: dict) -> dict:
     manifest = read_json(shard_dir / "manifest.json")
     tok = manifest.get("tokenizer", {})
     train = ctx.inputs.get("train", {})
+    trained = train.get("manifest_digest")  # the set the model was trained on, when this run trained it
+    data = f"shard set {shard_dir.name}, manifest digest {digest}"
+    if trained and trained != digest:
+        data = f"trained on shard set {Path(train['shard_dir']).name} (manifest digest {trained}); evaluated on {data}"
     return {
-        "data": f"shard set {shard_dir.name}, manifest digest {digest}",
+        "data": data,
         "tokenizer": f"{tok.get('source', '?')}, vocab {manifest.get('vocab_size', '?')}, "
         f"sha256 {str(tok.get('sha256', '?'))[:16]}",
         "layout": train.get("layout") or "unknown (not trained in this run)",
@@ -521,6 +525,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks.quant.artifact import load_quantized
 
     max_drop = registry.check_threshold(cfg.evaluate.max_drop_pct)
+    inputs.check_hf_path(cfg, ctx)
     quant_dir = _quant_dir(ctx)
     meta = _quant_record(quant_dir / META)
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.

@@ -72,6 +72,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     from tasks import device as devices
     from tasks.model.hf_io import check_tokenizers
 
+    inputs.check_hf_path(cfg, ctx)
     model_dir, shard_dir = inputs.model_dir(ctx), runner.shard_set(cfg, ctx)
     runner.verified(cfg, shard_dir, "val", "for calibration and the quality gate")
     check_tokenizers(model_dir, shard_dir, "quantize")  # calibrating on another tokenizer's ids is silent otherwise

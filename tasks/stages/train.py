@@ -613,6 +613,9 @@ def _result(cfg: PipelineConfig, ctx, spec: dict, reused: bool) -> dict:
         **val,
         "early_stop": stop,
         "exported_from": summary.get("export_from") if hf_dir.is_dir() else None,
+        "init_from": spec.get("init_from"),  # model.hf_path's weights it started from (None: random init)
+        "shard_dir": spec.get("shard_dir"),  # the set it trained on, and its manifest digest
+        "manifest_digest": ckpt.shard_digest(spec["shard_dir"]) if spec.get("shard_dir") else None,
         "reused": reused,
         "metrics": str(run_dir / "metrics.jsonl"),
         "checkpoint_dir": str(run_dir / "checkpoints"),
