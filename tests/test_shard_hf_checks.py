@@ -93,6 +93,18 @@ def test_train_tokenizer_beside_hf_path_refused_before_tokenizing(cfg, tmp_path,
     assert f"data.tokenizer={ckpt}" in line
 
 
+def test_a_checkpoint_without_a_tokenizer_is_not_offered_as_its_own(cfg, tmp_path, ckpt):
+    """Its fix named the checkpoint as data.tokenizer, which then failed with "no tokenizer.json found"."""
+    bare = _variant(ckpt, tmp_path, "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    line = _refused(cfg, tmp_path, bare, "model.hf_path: data.tokenizer is train", tokenizer="train", error=ConfigError)
+    assert line.endswith(
+        f"{bare} holds no tokenizer.json: shard with data.tokenizer=<the tokenizer.json it was trained with, or a "
+        "directory holding it>"
+    )
+
+
 def test_another_tokenizer_refused_before_tokenizing(cfg, tmp_path, ckpt):
     other = tmp_path / "other-tok"
     stdlib_bpe(300).save_pretrained(other)

@@ -59,9 +59,16 @@ def check_checkpoint(cfg: PipelineConfig, tokenizer: str) -> None:
 
     hf_dir = repo_path(cfg.model.hf_path)
     if tokenizer == "train":
+        own = (hf_dir / "tokenizer.json").is_file()
         raise ConfigError(
-            f"model.hf_path: data.tokenizer is train (a new BPE on the corpus), but the checkpoint's embedding rows "
-            f"are its own tokenizer's ids; shard with data.tokenizer={cfg.model.hf_path} (the checkpoint's own)"
+            "model.hf_path: data.tokenizer is train (a new BPE on the corpus), but the checkpoint's embedding rows "
+            "are its own tokenizer's ids; "
+            + (
+                f"shard with data.tokenizer={cfg.model.hf_path} (the checkpoint's own)"
+                if own
+                else f"{hf_dir} holds no tokenizer.json: shard with data.tokenizer=<the tokenizer.json it was "
+                "trained with, or a directory holding it>"
+            )
         )
     try:
         path = tokenizer_file(tokenizer)
