@@ -56,15 +56,18 @@ def test_shard_stage_logs_to_mlflow_and_caches(shard_cfg, tmp_path):
     assert client.get_run(again["mlflow_run_id"]).data.metrics["shard.cache_hit"] == 1
 
 
-def test_a_vocab_size_the_given_tokenizer_does_not_use_is_said(shard_cfg, tmp_path):
-    """The DAG's Vocabulary size (data.vocab_size) beside a given tokenizer was accepted and ignored without a word."""
+def test_a_vocab_size_the_given_tokenizer_does_not_use_is_said(shard_cfg, tmp_path, capsys):
+    """The DAG's Vocabulary size (data.vocab_size) beside a given tokenizer was accepted and ignored without a word;
+    then said only in shard.json, the CLI's line reading `shard: warn` with no reason: it is on stderr too."""
     first = run_stage("shard", shard_cfg, tmp_path / "run1")
     shard_cfg.data.tokenizer = str(Path(first["shard_dir"]) / "tokenizer.json")
     shard_cfg.data.vocab_size = 32000
     quiet = run_stage("shard", shard_cfg, tmp_path / "run2")  # the preset's value, not asked for: nothing to say
     assert not any("data.vocab_size" in w for w in quiet["warnings"])
     shard_cfg.explicit.add("data.vocab_size")  # as --set data.vocab_size=32000 or the Param marks it
+    capsys.readouterr()
     said = run_stage("shard", shard_cfg, tmp_path / "run3")
+    assert "warning: data.vocab_size 32000 is not used: the given tokenizer" in capsys.readouterr().err
     assert said["status"] == "warn" and [w for w in said["warnings"] if "data.vocab_size" in w] == [
         f"data.vocab_size 32000 is not used: the given tokenizer (data.tokenizer) keeps its own vocabulary of "
         f"{first['vocab_size']} tokens; unset data.vocab_size (it sizes only a BPE trained on the corpus)"

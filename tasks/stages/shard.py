@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -336,7 +337,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         f"{splits['train']['samples']} train + {splits['val']['samples']} val sequences of {m['seq_len']} "
         f"in {n_shards} shards, {result.tokens / 1e6:.2f}M tokens, vocab {m['vocab_size']} ({how})"
     )
-    warnings = m["warnings"] + _unused_vocab_size(cfg, m["vocab_size"])
+    unused = _unused_vocab_size(cfg, m["vocab_size"])
+    for w in unused:  # the build logged its own warnings as it went; this one is the stage's
+        print(f"warning: {w}", file=sys.stderr, flush=True)
+    warnings = m["warnings"] + unused
     return {
         "status": "warn" if warnings else "ok",
         "summary": summary,
