@@ -374,3 +374,21 @@ def test_the_model_card_names_the_set_trained_on_beside_the_one_evaluated_on(tmp
         f"{'b' * 64}"
     )
     assert _card(ctx, evaluated, "a" * 64, {})["data"] == f"shard set set-b, manifest digest {'a' * 64}"
+
+
+@pytest.mark.parametrize("stage", ["quantize", "evaluate"])
+def test_a_model_without_its_tokenizer_is_one_line_before_quantizing(cfg, tmp_path, stage):
+    """A transformers checkpoint saved without its tokenizer passed quantize (exit 0, minutes of work) and then
+    failed evaluate in three lines: each stage says it in one, before any model is loaded."""
+    from data_prep.build import build_shard_set
+    from tasks.model.hf_io import check_tokenizers
+    from tests.helpers.models import tiny_qwen2
+    from tests.helpers.shards import shard_cfg
+
+    shards = build_shard_set(shard_cfg(tmp_path / "s")).shard_dir
+    model = tmp_path / "bare"
+    tiny_qwen2(model, vocab=300)
+    with pytest.raises(StageError) as e:
+        check_tokenizers(model, shards, stage)
+    assert str(e.value).startswith(f"{stage}: the model {model} has no tokenizer.json, which evaluate reads its text")
+    assert "\n" not in str(e.value)

@@ -162,8 +162,15 @@ def check_tokenizers(
 ) -> None:
     """Where a model (and its quantized artifact) meets a shard set: one StageError line unless they share the
     tokenizer (same-size vocabularies of two tokenizers index the embedding silently)."""
+    from tasks.model import model_dir as exports
     from tasks.model.model_dir import identity_problem
 
+    if exports.read_manifest(model_dir) is None and not (Path(model_dir) / "tokenizer.json").is_file():
+        raise StageError(  # evaluate reads text with the model's own tokenizer (tasks/harness/models.py)
+            f"{stage}: the model {model_dir} has no tokenizer.json, which evaluate reads its text with; copy its "
+            f"tokenizer.json into {model_dir} (transformers' AutoTokenizer.from_pretrained(<its tokenizer files>)"
+            f".save_pretrained('{model_dir}') writes one)"
+        )
     problem = tokenizer_problem(model_dir, shard_dir, f"{stage}: the model")
     if problem is None and quant_meta is not None:
         problem = identity_problem(quant_meta.get("tokenizer"), shard_dir, f"{stage}: the quantized model {quant_dir}")
