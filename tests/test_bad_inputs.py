@@ -1087,3 +1087,18 @@ def test_a_warmup_longer_than_the_run_is_said(cfg, tmp_path, shards):  # noqa: F
     ), note
     spec = train.prepare(configure(cfg, **one, **{"train.warmup_steps": 6}), context(tmp_path / "ok", shards))
     assert not any("warmup" in w for w in spec["warnings"])
+
+
+def test_training_by_hand_after_a_failed_smoke_says_so(cfg, tmp_path, shards):  # noqa: F811
+    """The DAG does not train a model smoke failed; `python -m tasks train` in that run directory trained it without
+    a word. It still trains (the user asked), with a warning naming smoke's cause."""
+    from tasks.stages import train
+    from tests.helpers.train_fixture import configure, context
+
+    one = {"hardware.nproc_per_node": 1, "parallel.dp": 1, "train.steps": 6}
+    ctx = context(tmp_path / "run", shards)
+    ctx.inputs["smoke"] = {"status": "failed", "error": "smoke: loss is NaN at step 2 in layers.0.attention"}
+    [note] = [w for w in train.prepare(configure(cfg, **one), ctx)["warnings"] if "smoke" in w]
+    assert note.startswith("the smoke stage failed in this run directory (smoke: loss is NaN at step 2 in layers.0.")
+    ctx.inputs["smoke"] = {"status": "ok"}
+    assert not any("smoke" in w for w in train.prepare(configure(cfg, **one), ctx)["warnings"])

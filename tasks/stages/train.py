@@ -154,6 +154,12 @@ def prepare(cfg: PipelineConfig, ctx) -> dict:
             f"data.prefetch_factor {cfg.data.prefetch_factor} is not used: data.loader_workers 0 reads batches in the "
             "training process; set data.loader_workers (>= 1, or -1) to prefetch, or leave data.prefetch_factor out"
         )
+    smoke = ctx.inputs.get("smoke", {})
+    if smoke.get("status") == "failed":  # the DAG stops here; by hand it is the user's call, said
+        warnings_.append(
+            f"the smoke stage failed in this run directory ({str(smoke.get('error', ''))[:200]}): training anyway, as "
+            "asked (the DAG would not train this model); rerun smoke first to check it"
+        )
     t = cfg.train
     if t.warmup_steps > t.steps:  # the linear warm-up never ends: the run never trains at train.lr, nor decays
         warnings_.append(
