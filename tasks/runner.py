@@ -130,14 +130,12 @@ def _read_set_problems(cfg: PipelineConfig, stage: str, path: Path, manifest: di
         key = dotted.partition(".")[2]
         if key in BUILD_ONLY or key == "shard_multiple":  # how a set is cut up, not what it holds
             continue
-        pair = set_value(cfg, key, manifest)
-        if pair is None or pair[0] == pair[1]:
-            continue
-        mine, theirs = (", ".join(map(str, v)) if isinstance(v, list) else v for v in pair)
-        problems.append(
-            f"{dotted}: {mine} differs from the shard set {stage} reads ({theirs}: {path}); only the shard stage "
-            f"builds a set: rerun `python -m tasks shard` with it (then {stage}), or leave it unset"
-        )
+        shown = differing_value(cfg, key, manifest)
+        if shown:
+            problems.append(
+                f"{dotted}: {shown[0]} differs from the shard set {stage} reads ({shown[1]}: {path}); only the shard "
+                f"stage builds a set: rerun `python -m tasks shard` with it (then {stage}), or leave it unset"
+            )
     return problems
 
 
@@ -477,6 +475,15 @@ def set_value(cfg: PipelineConfig, key: str, manifest: dict):
     if key in recorded:
         return getattr(d, key), recorded[key]
     return None
+
+
+def differing_value(cfg: PipelineConfig, key: str, manifest: dict) -> tuple[str, str] | None:
+    """(this run's data.<key>, the set's), as text, when the key decides a set's contents and the two differ."""
+    pair = set_value(cfg, key, manifest)
+    if pair is None or pair[0] == pair[1]:
+        return None
+    mine, theirs = (", ".join(map(str, v)) if isinstance(v, list) else str(v) for v in pair)
+    return mine, theirs
 
 
 def tokenizer_identity(spec: str) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from tasks import tracking
 from tasks.config import PipelineConfig, repo_path
 from tasks.errors import ConfigError, StageError
-from tasks.runner import BUILD_ONLY, data_inputs, set_value, shard_multiple
+from tasks.runner import BUILD_ONLY, data_inputs, differing_value, shard_multiple
 
 
 def shard_config(cfg: PipelineConfig, check_model: bool = True):
@@ -235,14 +235,12 @@ def check_adopted_config(cfg: PipelineConfig, shard_dir: Path, manifest: dict) -
                 "a new set without --shard-dir"
             )
             continue
-        pair = set_value(cfg, key, manifest)
-        if pair is None or pair[0] == pair[1]:
-            continue
-        mine, theirs = (", ".join(map(str, v)) if isinstance(v, list) else v for v in pair)
-        problems.append(
-            f"{dotted}: {mine} differs from the adopted shard set's {theirs} ({shard_dir}); leave it unset to use "
-            "the set's, or build a new set with it without --shard-dir"
-        )
+        shown = differing_value(cfg, key, manifest)
+        if shown:
+            problems.append(
+                f"{dotted}: {shown[0]} differs from the adopted shard set's {shown[1]} ({shard_dir}); leave it unset "
+                "to use the set's, or build a new set with it without --shard-dir"
+            )
     if problems:
         raise ConfigError(problems)
 
