@@ -181,6 +181,10 @@ def test_a_partial_architecture_takes_the_family_rule_not_the_config_preset(cfg,
             ("--params", "7e9", "--model", "llama3-8b", "--layers", "40"),
             "--params: a bare parameter count, not with --model, --layers; give one or the other",
         ),
+        (  # no shape, no activations: the value was dropped, every row said "recompute none"
+            ("--params", "7e9", "--cluster", "910b", "--nodes", "1", "--recompute", "full"),
+            "--recompute full: a plan from --params alone sizes model states only (no layer shape, no activations)",
+        ),
         (
             ("--params", "13e9", "--device-memory-gb", "64"),
             "--device-memory-gb 64 without --cluster would keep the cpu-laptop preset's other facts (0.037 TFLOP/s",

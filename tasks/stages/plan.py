@@ -276,6 +276,12 @@ def problem(cfg: PipelineConfig, ctx, config_pins: bool = True) -> tuple[Problem
         zero = par.zero
     if rc is None and "parallel.recompute" in ex:
         rc = par.recompute
+    if shape is None and rc not in (None, "none"):  # --params: no layers, so no activations for recompute to size
+        raise StageError(
+            f"{'--recompute' if _arg(ctx, 'recompute') else 'parallel.recompute'} {rc}: a plan from --params alone "
+            "sizes model states only (no layer shape, no activations), so recompute cannot be planned; give the "
+            "model's shape (--model, --hf-config or --hidden/--layers/--heads), or leave it out"
+        )
     pb = Problem(
         cluster=_cluster(cfg, ctx),
         shape=shape,
