@@ -32,7 +32,9 @@ def _overrides(sets: list[str]) -> dict:
         key, sep, value = item.partition("=")
         if not sep:
             raise DataPrepError(f"--set {item!r}: expected key=value")
-        out[key.strip()] = value  # read as the field's type by the model (data_prep.config.from_text)
+        # data.text_field, as the pipeline and this CLI's own warnings name it, is the same key here; each value is
+        # read as its field's type by the model (data_prep.config.from_text)
+        out[key.strip().removeprefix("data.")] = value
     return out
 
 

@@ -78,9 +78,10 @@ def test_inputs_from_the_config_or_set_are_enough(tmp_path, capsys, built):
         ["--config", str(flat)],
         ["--config", str(REPO / "configs" / "ci-tiny.yaml")],
         ["--set", f"inputs={CORPUS}"],
+        ["--set", f"data.inputs={CORPUS}"],  # as the pipeline, and this CLI's own warnings, name the key
     ):
         assert cli.main(["shard", *argv]) == 2 and errors(capsys) == ["error: stub"]
-    assert [cfg.inputs for cfg in built] == [[str(CORPUS)], ["stdlib"], [str(CORPUS)]]
+    assert [cfg.inputs for cfg in built] == [[str(CORPUS)], ["stdlib"], [str(CORPUS)], [str(CORPUS)]]
     # --input replaces the config file's inputs (the flag is the more specific; documented in --help)
     assert cli.main(["shard", "--config", str(flat), "--input", "stdlib"]) == 2 and built[-1].inputs == ["stdlib"]
 
