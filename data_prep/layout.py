@@ -218,9 +218,9 @@ _SKIPS = {  # counter → (what was skipped, the fix)
         "repair them or remove them from data.inputs",
     ),
     "too_long": ("document(s) longer than data.max_chars skipped", "raise data.max_chars or split the files"),
-    "bad_records": (
-        "record(s) without a string data.text_field skipped",
-        "set data.text_field to the records' text key",
+    "bad_records": (  # a line that is no JSON object counts here too (corpus._jsonl_file)
+        "record(s) that are not JSON objects with a string data.text_field skipped",
+        "set data.text_field to the records' text key, or repair the lines that are not JSON",
     ),
 }
 
