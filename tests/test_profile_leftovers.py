@@ -53,8 +53,8 @@ def test_torch_gzip_traces_are_analysed_and_a_cut_short_one_is_named(tmp_path):
     with pytest.raises(StageError, match=r"rank1\..*\.pt\.trace\.json\.gz") as e:
         load_profile(tmp_path / "t")
     assert "\n" not in str(e.value) and "collect the profile again" in str(e.value)
-    files[1].write_bytes(b"not gzip")  # named as a trace, not one
-    with pytest.raises(StageError, match="is not a torch.profiler trace"):
+    files[1].write_bytes(b"not gzip")  # named as a gzip'd trace, not gzip at all: said so
+    with pytest.raises(StageError, match=r"rank1\..*\.pt\.trace\.json\.gz is not gzip \(8 bytes, no gzip header\)"):
         load_profile(tmp_path / "t")
 
 

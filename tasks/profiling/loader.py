@@ -46,6 +46,10 @@ TRACE_SUFFIXES = (".pt.trace.json", ".pt.trace.json.gz")
 def _not_a_trace(p: Path) -> str:
     size = p.stat().st_size
     what = "is empty (0 bytes)" if size == 0 else f"is not a torch.profiler trace ({size} bytes, no traceEvents)"
+    if size and p.name.endswith(".gz"):
+        with open(p, "rb") as f:
+            if f.read(2) != b"\x1f\x8b":  # gzip's magic (RFC 1952, 2.3.1)
+                what = f"is not gzip ({size} bytes, no gzip header)"
     return (
         f"{p} {what}: the trace was cut short or never written; collect the profile again (or move the file out "
         "of its folder to analyse the other ranks without it)"
