@@ -40,6 +40,8 @@ def load_manifest(shard_dir: str | Path) -> dict:
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if not Path(shard_dir).exists():
+            raise DataPrepError(f"{shard_dir} does not exist; give the shard set's directory") from None
         raise DataPrepError(f"{shard_dir} is not a shard set (no {MANIFEST}); run the shard stage first") from None
     except (OSError, ValueError) as e:
         raise DataPrepError(f"{path} is unreadable ({e})") from None

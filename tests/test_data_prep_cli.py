@@ -239,3 +239,12 @@ def test_a_directory_walk_names_the_files_it_does_not_read(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="data_prep"):
         resolve_inputs([str(tmp_path / "sub")])  # nothing passed by: nothing said
     assert not caplog.records
+
+
+def test_verify_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    """`verify /no/such/dir` read "is not a shard set (no manifest.json)", as if the directory were there."""
+    assert cli.main(["verify", str(tmp_path / "nowhere")]) == 2
+    assert errors(capsys) == [f"error: {tmp_path / 'nowhere'} does not exist; give the shard set's directory"]
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["verify", str(tmp_path / "empty")]) == 2
+    assert errors(capsys)[0].startswith(f"error: {tmp_path / 'empty'} is not a shard set (no manifest.json)")

@@ -204,7 +204,7 @@ def test_bad_positions_and_sizes(shard_set):
         ShardLoader(shard_set, batch_size=100_000)
     with pytest.raises(DataPrepError, match="need 0 <= dp_rank"):
         ShardLoader(shard_set, dp_rank=2, dp_world=2)
-    with pytest.raises(DataPrepError, match="no manifest.json"):
+    with pytest.raises(DataPrepError, match="nowhere does not exist; give the shard set.s directory"):
         ShardLoader(shard_set / "nowhere")
     with pytest.raises(DataPrepError, match="no split 'test'"):
         ShardLoader(shard_set, split="test")
