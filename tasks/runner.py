@@ -114,8 +114,9 @@ def shard_set(
             )
         else:
             setattr(getattr(cfg, section), key, value)
-    if ctx.stage != "shard":  # a later stage reads the set as built: a data.* value that decides another set's contents
-        problems += _read_set_problems(cfg, ctx.stage, path, manifest)  # would be ignored here, and remembered
+    # A stage reads the set as built (only the shard stage builds one, and it does not read through here): a data.*
+    # value that decides another set's contents would be ignored here, and remembered as the run's.
+    problems += _read_set_problems(cfg, ctx.stage, path, manifest)
     if problems:
         raise ConfigError(problems)
     return path
@@ -452,7 +453,7 @@ BUILD_ONLY = ("partitions", "tokenize_processes", "progress")
 
 
 def set_value(cfg: PipelineConfig, key: str, manifest: dict):
-    """(this run's data.<key>, the adopted set's) for a key that decides a set's contents, or None for one that
+    """(this run's data.<key>, the shard set's) for a key that decides a set's contents, or None for one that
     does not. The set's come from its manifest: the build config it recorded (data_prep's cache key fields), its
     inputs and its tokenizer."""
     d, recorded = cfg.data, manifest.get("config", {})

@@ -50,6 +50,10 @@ def test_shard_set_contents_and_manifest(built):
     stats = m["stats"]
     # records.jsonl: one copy of alpha.txt, a record without "text", a line that is not JSON; latin1.txt is not UTF-8
     assert stats["duplicates"] == 1 and stats["bad_records"] == 2 and stats["undecodable"] == 1
+    assert (  # the line that is not JSON is among them: the fix names both causes
+        "2 record(s) that are not JSON objects with a string data.text_field skipped: not in the shard set; set "
+        "data.text_field to the records' text key, or repair the lines that are not JSON"
+    ) in m["warnings"]
     assert stats["too_short"] == 1 and stats["documents_out"] == 4 + 12 + 1
     for split in ("train", "val"):
         s = m["splits"][split]
