@@ -95,6 +95,7 @@ def main(argv=None) -> int:
             print(f"ok: {args.shard_dir} matches its manifest")
             return 0
         from data_prep.build import build_shard_set
+        from data_prep.layout import ended_line
 
         overrides = _overrides(args.sets)
         for flag, key, given in (("--input", "inputs", args.input), ("--out", "out_dir", args.out)):
@@ -160,11 +161,15 @@ def main(argv=None) -> int:
             k: {"samples": v["samples"], "shards": len(v["shards"])} for k, v in result.manifest["splits"].items()
         },
     }
+    ended = result.manifest["source"].get("ended")
+    if ended:
+        summary["ended"] = ended
     print(
         json.dumps(summary, indent=2)
         if args.json
         else f"{'cached' if result.cache_hit else 'built'} {result.shard_dir} "
         + " ".join(f"{k}={v['samples']} samples/{v['shards']} shards" for k, v in summary["splits"].items())
+        + (f"; {ended_line(ended)}" if ended else "")
     )
     return 0
 

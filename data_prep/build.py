@@ -183,7 +183,12 @@ def _manifest(job: Job, layout: dict, entries: dict[str, list[dict]]) -> dict:
             "identity": identity(sha256s),
             **({"files": tok["files"]} if len(tok["files"]) > 1 else {}),
         },
-        "source": {"inputs": list(job.data["inputs"]), "files": len(job.files), "fingerprint": layout["content_key"]},
+        "source": {
+            "inputs": list(job.data["inputs"]),
+            "files": len(job.files),
+            "fingerprint": layout["content_key"],
+            **({"ended": layout["ended"]} if layout.get("ended") else {}),
+        },
         "config": cfg.key_fields(),
         "stats": layout["stats"],
         "shard_multiple": cfg.shard_multiple,

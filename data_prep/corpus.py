@@ -70,22 +70,33 @@ def stdlib_files() -> list[Path]:
     return sorted((p for p in found if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
 
 
-def _say_symlinked_dirs(root: Path, what: str) -> None:
+def _say(notes: list[str] | None, fmt: str, *args) -> None:
+    """One warning line about the inputs: logged, and kept in `notes` (the build records them in the manifest)."""
+    log.warning(fmt, *args)
+    if notes is not None:
+        notes.append(fmt % args)
+
+
+def _say_symlinked_dirs(root: Path, what: str, notes: list[str] | None = None) -> None:
     """One warning line naming the symlinked directories under `root` that a walk or a `**` glob passes by (neither
     follows them: a loop would never end), so that a linked-in part of the corpus is not lost unnoticed."""
     links = [Path(d, n) for d, dirs, _ in os.walk(root) for n in dirs if os.path.islink(os.path.join(d, n))]
     if links:
-        log.warning(
-            "%s (%d skipped, e.g. %s); give them as inputs of their own to include them", what, len(links), links[0]
+        _say(
+            notes,
+            "%s (%d skipped, e.g. %s); give them as inputs of their own to include them",
+            what,
+            len(links),
+            links[0],
         )
 
 
-def _walk(directory: Path) -> list[Path]:
+def _walk(directory: Path, notes: list[str] | None = None) -> list[Path]:
     """A directory's corpus files. Like a glob's `**`, the walk does not follow symlinked directories (a loop would
     never end), nor enter hidden ones: those it passes are named in one warning line, and the files it does not read
     (other formats, hidden entries, dangling symlinks) are counted in another, so that a linked-in part of the
     corpus is not lost unnoticed."""
-    _say_symlinked_dirs(directory, f"input {directory}: symlinked directories are not followed")
+    _say_symlinked_dirs(directory, f"input {directory}: symlinked directories are not followed", notes)
     found, passed, hidden, dangling = [], {}, [], []
     for dirpath, dirnames, filenames in os.walk(directory):
         hidden += [Path(dirpath, d) for d in dirnames if d.startswith(".")]
@@ -103,7 +114,8 @@ def _walk(directory: Path) -> list[Path]:
                 passed.setdefault(_kind_suffix(p) or "(no suffix)", []).append(p)
     if passed:
         counts = ", ".join(f"{k} {len(v)}" for k, v in sorted(passed.items(), key=lambda kv: (-len(kv[1]), kv[0])))
-        log.warning(
+        _say(
+            notes,
             "input %s: %d file(s) not read (%s; first %s): a directory walk reads %s (and their .gz); name other "
             "text files directly or with a glob, convert tables to .jsonl or .parquet",
             directory,
@@ -124,7 +136,7 @@ def _walk(directory: Path) -> list[Path]:
             f"{len(dangling)} dangling symlink(s) (first {first} -> {os.readlink(first)}): fix or remove the links"
         )
     if said:
-        log.warning("input %s: a directory walk skipped %s", directory, "; and ".join(said))
+        _say(notes, "input %s: a directory walk skipped %s", directory, "; and ".join(said))
     return sorted(found)
 
 
@@ -136,7 +148,7 @@ def _kind_suffix(path: Path) -> str:
     return suffixes[-1].lower() if suffixes else ""
 
 
-def _glob(spec: str) -> list[Path]:
+def _glob(spec: str, notes: list[str] | None = None) -> list[Path]:
     """A glob's matches, sorted. pathlib's `**` does not follow symlinked directories (glob.glob does, and a link
     loop makes it run forever); the symlinked directories it passed are named in one warning line."""
     path = Path(spec).expanduser()
@@ -146,12 +158,14 @@ def _glob(spec: str) -> list[Path]:
     hidden = lambda m: any(p.startswith(".") for p in m.relative_to(root).parts)  # noqa: E731 (as glob.glob)
     matches = sorted(m for m in root.glob(pattern) if not hidden(m)) if root.is_dir() else []
     if "**" in pattern and root.is_dir():
-        _say_symlinked_dirs(root, f"input {spec}: ** does not follow symlinked directories")
+        _say_symlinked_dirs(root, f"input {spec}: ** does not follow symlinked directories", notes)
     return matches
 
 
-def resolve_inputs(inputs: list[str]) -> list[Path]:
-    """Files, directories (walked) and globs → a de-duplicated file list in input order, each group sorted."""
+def resolve_inputs(inputs: list[str], notes: list[str] | None = None) -> list[Path]:
+    """Files, directories (walked) and globs → a de-duplicated file list in input order, each group sorted. Each
+    warning about the inputs (files a walk did not read, a table read as one document …) is logged and, given
+    `notes`, appended to it."""
     files: list[Path] = []
     for spec in inputs:
         if spec == STDLIB:
@@ -159,11 +173,12 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
             continue
         path = Path(spec).expanduser()
         if any(c in spec for c in "*?["):
-            matches = _glob(spec)
+            matches = _glob(spec, notes)
             found = [m for m in matches if m.is_file()]
             lookalikes = [m for m in found if _kind_suffix(m) in _RECORD_LOOKALIKES]
             if lookalikes:  # as a file named directly: one line for the glob, not one per file
-                log.warning(
+                _say(
+                    notes,
                     "input %s matched %d %s file(s) (first %s): each is read as one text document (only .jsonl "
                     "lines and .parquet rows are records); rename JSON Lines to .jsonl, convert other tables to "
                     ".jsonl or .parquet",
@@ -174,12 +189,13 @@ def resolve_inputs(inputs: list[str]) -> list[Path]:
                 )
             files += found
             for d in (m for m in matches if m.is_dir()):
-                files += _walk(d)
+                files += _walk(d, notes)
         elif path.is_dir():
-            files += _walk(path)
+            files += _walk(path, notes)
         elif path.is_file():
             if _kind_suffix(path) in _RECORD_LOOKALIKES:
-                log.warning(
+                _say(
+                    notes,
                     "input %s is read as one text document (only .jsonl lines and .parquet rows are records); "
                     "rename JSON Lines to .jsonl, convert other tables to .jsonl or .parquet",
                     spec,

@@ -213,7 +213,8 @@ def prepare(cfg: ShardConfig, create: bool = True, hold: contextlib.ExitStack | 
     cfg.validate()
     if not cfg.shard_multiple:  # 0 = automatic; alone, data_prep knows of one reader (the pipeline passes its own)
         cfg = cfg.model_copy(update={"shard_multiple": 1})
-    files = resolve_inputs(cfg.inputs)
+    notes: list[str] = []  # the inputs' warnings: the manifest records them with the build's own
+    files = resolve_inputs(cfg.inputs, notes)
     stats = [p.stat() for p in files]
     sizes = [st.st_size for st in stats]
     partitions = plan_partitions(sizes, cfg.partitions)
@@ -259,6 +260,7 @@ def prepare(cfg: ShardConfig, create: bool = True, hold: contextlib.ExitStack | 
             "config": cfg.key_fields(),
             "inputs": list(cfg.inputs),
             "files": [str(p) for p in files],
+            "input_warnings": notes,
             "bytes": sum(sizes),
             "partitions": partitions,
             "tokenizer": tokenizer,

@@ -74,6 +74,7 @@ def _layout(job: Job, writers: int) -> dict:
         keep[last + 1 :] = False
         c = int(np.searchsorted(offsets, last, side="right") - 1)
         cut = (c, last - int(offsets[c]) + 1)
+    ended = _ended(job, int(every["file"][last])) if cut else None
     used = len(parts) if cut is None else cut[0] + 1
     stats, digests, first_bad = _reading(parts, cut, every, keep, offsets)
     content = content_key(digests)
@@ -82,6 +83,8 @@ def _layout(job: Job, writers: int) -> dict:
         raise _empty_corpus(len(job.files), stats)
     if intact(job.out_dir / version):  # the same contents were published (copied or touched)
         return {"version": version, "published": True, "content_key": content}
+    if ended:
+        log.info("%s", ended_line(ended))
 
     window = cfg.seq_len + 1
     dtype = np.dtype(job.data["tokenizer"]["dtype"])
@@ -133,6 +136,7 @@ def _layout(job: Job, writers: int) -> dict:
         )
     for w in warnings:
         log.warning("%s", w)
+    warnings = job.data.get("input_warnings", []) + warnings  # logged when the inputs were resolved
     n = max(1, min(writers, len(shards)))
     bounds = np.linspace(0, len(shards), n + 1).astype(int)
     writes = [_ranges(shards[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -143,9 +147,28 @@ def _layout(job: Job, writers: int) -> dict:
         "seed": seed,
         "stats": stats.as_dict(),
         "warnings": warnings,
+        "ended": ended,
         "splits": splits,
         "writes": writes,
     }
+
+
+def _ended(job: Job, last_file: int) -> dict:
+    """Where data.max_documents ended the corpus: its last kept document's file, and the input files after it
+    (not read)."""
+    return {
+        "max_documents": job.cfg.max_documents,
+        "last_file": job.files[last_file],
+        "files_not_read": len(job.files) - last_file - 1,
+    }
+
+
+def ended_line(ended: dict) -> str:
+    """The manifest's `source.ended`, said in one line (the CLI's and the shard stage's summary)."""
+    return (
+        f"data.max_documents={ended['max_documents']} ended the corpus at a document of {ended['last_file']}: what "
+        f"follows it there and the {ended['files_not_read']} input file(s) after it were not read"
+    )
 
 
 def _reading(parts, cut, every, keep, offsets) -> tuple[CorpusStats, list[str], str | None]:

@@ -4,8 +4,10 @@ Format "llm-pipeline-shards/2" (keys sorted, so the same build gives the same by
   version, format, seq_len, sample_tokens (= seq_len + 1), dtype, vocab_size, eos_token, eos_id,
   tokenizer {file, sha256 (of tokenizer.json), source, files [tokenizer.json, companions…],
              file_sha256 {name: sha256} (every tokenizer file), identity (tokenizer.identity of file_sha256)},
-  source {inputs, files, fingerprint (sha256 of the inputs' contents, in order)},
-  config (the settings that shaped the bytes), stats (CorpusStats counters), shard_multiple, warnings [..],
+  source {inputs, files, fingerprint (sha256 of the inputs' contents, in order),
+          ended {max_documents, last_file, files_not_read} (only when data.max_documents ended the corpus)},
+  config (the settings that shaped the bytes), stats (CorpusStats counters), shard_multiple,
+  warnings [..] (the inputs' lines — files a directory walk did not read … — then the build's),
   splits {train|val: {samples, tokens, token_stream, dropped_samples,
                       shards: [{name, samples, tokens, bytes, sha256, samples_crc32}]}}.
 samples_crc32 is the crc32 of the shard's samples (key bytes, then payload bytes, in tar order): the loader checks it

@@ -239,6 +239,15 @@ def test_a_directory_walk_names_the_files_it_does_not_read(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="data_prep"):
         resolve_inputs([str(tmp_path / "sub")])  # nothing passed by: nothing said
     assert not caplog.records
+    # the build records the lines in the manifest's warnings, beside its own: they were printed, then lost
+    (tmp_path / "sub" / "e.txt").write_text((CORPUS / "alpha.txt").read_text())
+    notes: list[str] = []
+    assert resolve_inputs([str(tmp_path)], notes) == files and notes[0] == lines[0]
+    assert notes[1].startswith(f"input {tmp_path}: a directory walk skipped 1 hidden entry")
+    out = tmp_path.parent / f"{tmp_path.name}-out"
+    assert cli.main(["shard", "--input", str(tmp_path), "--out", str(out), *SMALL]) == 0
+    (manifest,) = [load_manifest(d) for d in out.iterdir() if d.name.startswith("shards-")]
+    assert manifest["warnings"][:2] == notes
 
 
 def test_verify_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):

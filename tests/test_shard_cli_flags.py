@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from data_prep.layout import ended_line
 from data_prep.manifest import digest
 from data_prep.testing import tiny_shard_set
 from tasks.cli import main
@@ -108,6 +109,8 @@ def test_an_explicit_data_value_must_match_the_adopted_set(tmp_path, capsys, sha
     assert rc == 0 and err == []
     recorded = json.loads((tmp_path / "ok" / "shard.json").read_text())
     assert recorded["seq_len"] == 32 and recorded["published"]
+    ended = json.loads((shard_set / "manifest.json").read_text())["source"]["ended"]
+    assert ended["max_documents"] == 40 and recorded["summary"].endswith(f"; {ended_line(ended)}")  # where 40 cut
 
 
 def test_an_explicit_tokenizer_is_compared_by_its_files(tmp_path, capsys, shard_set):

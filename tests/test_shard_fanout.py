@@ -19,7 +19,7 @@ import pytest
 from data_prep.build import build_shard_set, publish
 from data_prep.errors import DataPrepError
 from data_prep.job import FAULT_ENV, plan_partitions, prepare
-from data_prep.layout import run_layout
+from data_prep.layout import ended_line, run_layout
 from data_prep.manifest import digest
 from data_prep.partition import run_partition
 from data_prep.writer import run_write
@@ -120,6 +120,16 @@ def test_max_documents_cuts_the_same_corpus_for_any_partitioning(corpus, tmp_pat
     many = build_shard_set(shard_cfg(tmp_path / "many", [corpus], partitions=8, max_documents=9))
     assert one.manifest["stats"]["documents_out"] == 9 and many.partitions == 8
     assert many.digest == one.digest and tree_bytes(many.shard_dir) == tree_bytes(one.shard_dir)
+    # where the cut fell, recorded: the five one-document files, then records.jsonl's 4th record; tiny.txt and the
+    # copy of alpha after it were not read (a cut used to leave no trace of how much of the corpus went unread)
+    ended = {"max_documents": 9, "last_file": str(corpus / "records.jsonl"), "files_not_read": 2}
+    assert one.manifest["source"]["ended"] == ended
+    assert ended_line(ended) == (
+        f"data.max_documents=9 ended the corpus at a document of {corpus / 'records.jsonl'}: what follows it there and "
+        "the 2 input file(s) after it were not read"
+    )
+    whole = build_shard_set(shard_cfg(tmp_path / "whole", [corpus], partitions=1, max_documents=10**6))
+    assert "ended" not in whole.manifest["source"]  # nothing cut: nothing said
 
 
 def test_steps_in_any_order_in_fresh_processes_give_the_reference(reference, corpus, tmp_path):

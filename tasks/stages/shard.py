@@ -173,6 +173,7 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
     """Use a published shard set as it is: its manifest digest must equal the one given, and every data.* value set
     explicitly that decides a set's contents must be the set's (check_adopted_config); nothing is rewritten."""
     from data_prep.errors import DataPrepError
+    from data_prep.layout import ended_line
     from data_prep.manifest import check_files, digest, load_manifest
 
     from tasks.runner import flag_path
@@ -203,7 +204,8 @@ def adopt(cfg: PipelineConfig, ctx) -> dict:
         "status": "ok",
         "warnings": m.get("warnings", []),
         "summary": f"published set {m['version']} (sha256 {sha[:12]}…): {splits['train']['samples']} train + "
-        f"{splits['val']['samples']} val sequences of {m['seq_len']}, not re-sharded",
+        f"{splits['val']['samples']} val sequences of {m['seq_len']}, not re-sharded"
+        + (f"; {ended_line(m['source']['ended'])}" if m.get("source", {}).get("ended") else ""),
         "shard_dir": str(shard_dir),
         "manifest": str(shard_dir / "manifest.json"),
         "manifest_digest": sha,
@@ -284,6 +286,7 @@ def _unused_vocab_size(cfg: PipelineConfig, vocab: int) -> list[str]:
 def run(cfg: PipelineConfig, ctx) -> dict:
     from data_prep.build import build_shard_set
     from data_prep.errors import DataPrepError
+    from data_prep.layout import ended_line
 
     check_args(ctx.args)
     if getattr(ctx.args, "shard_dir", None):
@@ -335,6 +338,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         f"{splits['train']['samples']} train + {splits['val']['samples']} val sequences of {m['seq_len']} "
         f"in {n_shards} shards, {result.tokens / 1e6:.2f}M tokens, vocab {m['vocab_size']} ({how})"
     )
+    if ended := m["source"].get("ended"):
+        summary += f"; {ended_line(ended)}"
     unused = _unused_vocab_size(cfg, m["vocab_size"])
     for w in unused:  # the build logged its own warnings as it went; this one is the stage's
         print(f"warning: {w}", file=sys.stderr, flush=True)
