@@ -210,6 +210,7 @@ def run_stage(
         problem = tracking.model_name_problem(cfg.evaluate.registered_model)
         if problem:
             raise ConfigError(problem)
+    check_relative_paths(cfg)
     suffix = getattr(module, "EXPERIMENT_SUFFIX", "")
     if suffix:
         import copy
@@ -431,6 +432,24 @@ def data_inputs(paths: list[str]) -> list[str]:
         return [repo_input(p) for p in paths]
     except DataPrepError as e:
         raise ConfigError(f"data.inputs: {e}") from None
+
+
+def check_relative_paths(cfg: PipelineConfig) -> None:
+    """data.tokenizer and model.hf_path are read as config paths are (repo_path): a relative one missing at the
+    repository root but present in the working directory (`--set model.hf_path=my-model` typed beside it), or
+    present in both as different things, is one line naming both, not "no tokenizer.json found" for a path the user
+    never typed."""
+    from data_prep.config import repo_input
+    from data_prep.errors import DataPrepError
+
+    given = {"data.tokenizer": "" if cfg.data.tokenizer == "train" else cfg.data.tokenizer}
+    given["model.hf_path"] = cfg.model.hf_path
+    for key, value in given.items():
+        if value and not any(c in value for c in "*?["):  # not inputs: no glob is read as one
+            try:
+                repo_input(value)
+            except DataPrepError as e:
+                raise ConfigError(f"{key}: {e}") from None
 
 
 def shard_multiple(cfg: PipelineConfig) -> int:

@@ -159,3 +159,19 @@ def test_relative_paths_flags_from_the_working_directory_config_values_named(tmp
         f"error: data.inputs: corp is read from the repository root ({REPO / 'corp'}, which does not exist), not the "
         f"working directory; give the absolute path {work / 'corp'}"
     ], err
+    # the same for the other paths a config value names (they read "no tokenizer.json found" in the repository's)
+    shutil.copy(shard_set / "tokenizer.json", work / "corp")
+    for key in ("data.tokenizer", "model.hf_path"):
+        rc, err = shard(tmp_path, capsys, "--set", f"{key}=corp")
+        assert rc == 2 and err == [
+            f"error: {key}: corp is read from the repository root ({REPO / 'corp'}, which does not exist), not the "
+            f"working directory; give the absolute path {work / 'corp'}"
+        ], err
+    rc, err = shard(tmp_path, capsys, "--set", "model.hf_path=docs")  # the repository's docs/ and one here
+    assert err == [] or "is read from the repository root" not in err[0]
+    (work / "docs").mkdir()
+    rc, err = shard(tmp_path, capsys, "--set", "model.hf_path=docs")
+    assert rc == 2 and err == [
+        f"error: model.hf_path: docs is read from the repository root ({REPO / 'docs'}), and the working directory has "
+        f"its own ({work / 'docs'}); give the absolute path of the one you mean"
+    ], err
