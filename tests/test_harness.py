@@ -353,6 +353,20 @@ def test_demo_task_comes_from_the_val_split_only(tmp_path):
     no_val = tiny_shard_set(tmp_path / "nv", seq_len=64, n_docs=8, val_fraction=0.0, shard_multiple=1)
     with pytest.raises(StageError, match=r"^demo-continuation: the val split of .* gives 0 examples .* reshard"):
         demo_task.write(no_val, tmp_path / "nv-task", 40, 0, demo_keep, "evaluation part")
+    # a val split of one long document gives none either, and says why ("0 examples (… passages)" hid it)
+    from data_prep.build import build_shard_set
+    from data_prep.clean import VAL, doc_hash, normalize, split_of
+    from tests.helpers.shards import shard_cfg
+
+    split = lambda f: split_of(doc_hash(normalize(f.read_text())), 0.5)  # noqa: E731 (the build's own rule)
+    files = sorted(f for f in (STDLIB / "json").glob("*.py") if len(f.read_text()) > 2000)
+    one = [next(f for f in files if split(f) == VAL)] + [f for f in files if split(f) != VAL]
+    cfg = shard_cfg(tmp_path / "ov", one, seq_len=64, val_fraction=0.5, shard_multiple=1, shard_size_mb=1)
+    one_val = build_shard_set(cfg)  # one shard per split: no window left out (a gap reads as two documents)
+    val_split = one_val.manifest["splits"]["val"]
+    assert val_split["samples"] > 10 and val_split["dropped_samples"] == 0
+    with pytest.raises(StageError, match=r"passages, all of one document: the wrong choices come from other documen"):
+        demo_task.write(one_val.shard_dir, tmp_path / "ov-task", 40, 0, demo_keep, "evaluation part")
 
 
 def test_evaluate_says_why_quantize_scores_are_not_reused(tmp_path, capsys):

@@ -147,10 +147,13 @@ def examples(shard_dir: Path, n: int, seed: int, keep) -> list[dict]:
             if len(out) < n and cuts[i] and (ex := _example(pieces[i], cuts[i].pop(), pieces, rng)) is not None:
                 out.append(ex)
     if len(out) < min(n, MIN_EXAMPLES):
+        docs = len({p.doc for p in pieces})
+        # one document, however long, gives none: an example's wrong choices are spans of other documents
+        why = ", all of one document: the wrong choices come from other documents" if docs == 1 else ""
         raise StageError(
             f"{NAME}: the val split of {shard_dir} gives {len(out)} examples ({len(windows)} windows, "
-            f"{len(pieces)} passages), fewer than {min(n, MIN_EXAMPLES)}; reshard with a larger data.val_fraction or "
-            "corpus, or evaluate on other evaluate.tasks"
+            f"{len(pieces)} passages{why}), fewer than {min(n, MIN_EXAMPLES)}; reshard with a larger "
+            "data.val_fraction or corpus, or evaluate on other evaluate.tasks"
         )
     return out
 
