@@ -111,7 +111,11 @@ def from_text(value: Any, annotation) -> Any:
     kinds = {type(a) for a in _literal(annotation)} or {annotation}
     if kinds == {str}:
         return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
-    value = _yaml(value) if isinstance(value, str) else value
+    if isinstance(value, str):
+        parsed = _yaml(value)
+        if isinstance(parsed, bool) and bool not in kinds:  # `yes`, `on` as typed: the error echoed 'true'
+            return value
+        value = parsed
     if isinstance(value, bool) and bool not in kinds:  # True == 1: Literal[0, 1] would take it
         return str(value).lower()
     return int(value) if int in kinds and isinstance(value, float) and value.is_integer() else value

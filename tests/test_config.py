@@ -55,6 +55,8 @@ def test_digest_tracks_content():
         (["hardware.launcher=kubernets"], "'kubernets' is not one of local, kubernetes; did you mean kubernetes?"),
         (["train.precision=BF16"], "'BF16' is not one of fp32, bf16, fp16; did you mean bf16?"),
         (["data.seq_len=abc"], "data.seq_len: expected an integer, got 'abc'"),
+        (["train.steps=yes"], "train.steps: expected an integer, got 'yes'"),  # as typed (it read 'true')
+        (["train.lr=off"], "train.lr: expected a finite number, got 'off'"),
         (["data.nope=1"], "data.nope: unknown key"),
         (["nosection.x=1"], "nosection.x: unknown section"),
         (["train.micro_batch=16", "train.global_batch=8"], "train.micro_batch: 16 exceeds train.global_batch 8"),
