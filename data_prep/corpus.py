@@ -51,6 +51,7 @@ class CorpusStats:
     documents_out: int = 0
     first_undecodable: str = field(default="", compare=False)  # the first file with invalid UTF-8 (not a counter)
     path: str = field(default="", compare=False, repr=False)  # the file being read
+    quiet: bool = field(default=False, compare=False, repr=False)  # a second reading (the BPE's): files not named again
 
     def as_dict(self) -> dict:
         """The counters (what the manifest's `stats` holds)."""
@@ -303,6 +304,8 @@ def _text_file(f, max_chars: int, on_error: str, stats: CorpusStats, bom: list[b
     head = f.read(_SNIFF_BYTES)
     if b"\0" in head:
         stats.binary_files += 1
+        if not stats.quiet:
+            log.warning("skipping binary input %s: NUL bytes in its first %d bytes", stats.path, _SNIFF_BYTES)
         return
     if head.startswith(codecs.BOM_UTF8):  # an encoding signature, not text (Python's utf-8-sig drops it too)
         head = head[len(codecs.BOM_UTF8) :]
@@ -416,7 +419,8 @@ def iter_documents(
                     f"repair or re-download it, or remove it from data.inputs"
                 ) from None
             stats.unreadable_files += 1
-            log.warning("skipping unreadable input %s: %s: %s", path, type(e).__name__, e)
+            if not stats.quiet:
+                log.warning("skipping unreadable input %s: %s: %s", path, type(e).__name__, e)
         finally:  # also when the consumer stops early (max_documents): the hash covers the whole file
             if raw is not None:
                 try:

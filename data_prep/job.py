@@ -279,7 +279,7 @@ def _tokenizer(cfg: ShardConfig, files: list[Path], set_dir: Path):
 
     names = ["tokenizer.json"]
     if cfg.tokenizer == "train":
-        train_texts = (t for split, t in clean_documents(files, cfg, CorpusStats()) if split == TRAIN)
+        train_texts = (t for split, t in clean_documents(files, cfg, CorpusStats(quiet=True)) if split == TRAIN)
         tok = train_bpe(train_texts, cfg.vocab_size, cfg.eos_token or "<|endoftext|>")
         partial = set_dir / ".tokenizer.json.partial"
         tok.save(str(partial))

@@ -233,8 +233,8 @@ def _npy(array: np.ndarray) -> bytes:
 
 _SKIPS = {  # counter → (what was skipped, the fix)
     "binary_files": (
-        "file(s) skipped as binary (NUL bytes in the first 8 KiB: UTF-16/32 text?)",
-        "convert them to UTF-8",
+        "file(s) skipped as binary (NUL bytes in the first 8 KiB; the log names each)",
+        "convert them to UTF-8 if they are UTF-16/32 text, else remove them from data.inputs",
     ),
     "unreadable_files": (
         "file(s) skipped as unreadable (the log names each)",

@@ -598,16 +598,19 @@ def test_a_damaged_published_set_is_moved_aside_and_rebuilt(tmp_path, caplog, da
     assert len(list((tmp_path / "o").glob("*.damaged-*"))) == 1
 
 
-def test_inputs_dropped_whole_each_get_one_warning_naming_the_fix(tmp_path):
+def test_inputs_dropped_whole_each_get_one_warning_naming_the_fix(tmp_path, caplog):
     """A UTF-16 file (binary skip), a file longer than data.max_chars and a record without data.text_field: each
-    kind one line in the manifest's warnings, saying what to do."""
+    kind one line in the manifest's warnings, saying what to do; the log names each binary file."""
     (tmp_path / "in").mkdir()
     shutil.copy(CORPUS / "alpha.txt", tmp_path / "in" / "alpha.txt")
     (tmp_path / "in" / "utf16.txt").write_bytes((CORPUS / "beta.txt").read_text().encode("utf-16"))
     (tmp_path / "in" / "long.txt").write_text("word " * 1000)  # 5000 characters
     records = [{"content": "a record with its text under another key"}, {"text": (CORPUS / "gamma.txt").read_text()}]
     (tmp_path / "in" / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    r = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "in"], max_chars=4000))
+    with caplog.at_level(logging.WARNING, logger="data_prep"):
+        r = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "in"], max_chars=4000))
+    said = [m for m in caplog.messages if m.startswith("skipping binary input ")]
+    assert said == [f"skipping binary input {tmp_path / 'in' / 'utf16.txt'}: NUL bytes in its first 8192 bytes"]
     stats = r.manifest["stats"]
     assert stats["binary_files"] == 1 and stats["too_long"] == 1 and stats["bad_records"] == 1
     for fix in ("convert them to UTF-8", "raise data.max_chars", "set data.text_field"):
