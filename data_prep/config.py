@@ -404,15 +404,15 @@ class DataConfig(Section):
         return self
 
     def key_fields(self) -> dict:
-        return self.model_dump(exclude=_NOT_IN_KEY)
+        """The settings that shape a set's bytes (what job.json and the manifest record). vocab_size sizes only a BPE
+        trained on the corpus: beside a given tokenizer it changes no byte, so it is left out (a build's later steps
+        read their config from these fields: kept, it changed the layout's seed and the version)."""
+        exclude = _NOT_IN_KEY | ({"vocab_size"} if self.tokenizer != "train" else set())
+        return self.model_dump(exclude=exclude)
 
     def config_hash(self) -> str:
-        """The build key's and the version's config part (and the layout's seed). vocab_size sizes only a BPE
-        trained on the corpus: beside a given tokenizer it changes no byte, so it is left out."""
-        fields = self.key_fields()
-        if self.tokenizer != "train":
-            fields.pop("vocab_size", None)
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        """The build key's and the version's config part (and the layout's seed)."""
+        return hashlib.sha256(json.dumps(self.key_fields(), sort_keys=True).encode()).hexdigest()[:16]
 
     @classmethod
     def yaml_values(cls, path: str | Path) -> dict:

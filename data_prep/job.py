@@ -79,7 +79,10 @@ class Job:
 
     @property
     def cfg(self) -> ShardConfig:
-        return ShardConfig.model_validate(self.data["config"])
+        """The build's settings (job.json's key fields), with whether the tokenizer was trained or given: beside a
+        given one, vocab_size is no key field and the default stands in (read as a BPE's, it was the version's)."""
+        source = (self.data.get("tokenizer") or {}).get("source", "train")
+        return ShardConfig.model_validate({**self.data["config"], "tokenizer": source})
 
     @property
     def files(self) -> list[str]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from data_prep.manifest import digest, load_manifest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -164,6 +166,14 @@ def test_unused_settings_are_said_and_vocab_size_beside_a_given_tokenizer_keys_n
     assert any(m.startswith("loader_workers=8, prefetch_factor=9: the loader's setting(s)") for m in said), said
     assert main(_shard(*given)) == 0  # vocab_size changed no byte: the same set, found
     assert capsys.readouterr().out.startswith(f"cached {out}/shards-")
+    # built afresh elsewhere, without it: the same bytes and version (its later steps keyed the layout's seed and the
+    # version with it, and the manifest recorded the unused value)
+    (first,) = out.glob("shards-*")
+    other = tmp_path / "out2"
+    assert main(_shard("--input", str(corpus), "--out", str(other), "--set", f"tokenizer={tk}")) == 0
+    (second,) = other.glob("shards-*")
+    assert second.name == first.name and digest(second) == digest(first)
+    assert "vocab_size" not in load_manifest(first)["config"]
 
 
 # --- identical builds at once ----------------------------------------------------------------------------------
