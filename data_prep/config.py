@@ -284,7 +284,7 @@ def repo_input(p: str) -> str:
     path, here = repo_path(p), Path(p).expanduser()
     if here.is_absolute():
         return str(path)
-    if not any(c in p for c in "*?["):
+    if not any(c in p for c in "*?[") or os.path.lexists(path) or os.path.lexists(here):  # `data[1].txt` named
         if not path.exists() and here.exists():
             raise DataPrepError(
                 f"{p} is read from the repository root ({path}, which does not exist), not the working directory; "

@@ -173,7 +173,7 @@ def resolve_inputs(inputs: list[str], notes: list[str] | None = None) -> list[Pa
             files += stdlib_files()
             continue
         path = Path(spec).expanduser()
-        if any(c in spec for c in "*?["):
+        if any(c in spec for c in "*?[") and not os.path.lexists(path):  # an existing `data[1].txt` is that file
             matches = _glob(spec, notes)
             found = [m for m in matches if m.is_file()]
             lookalikes = [m for m in found if _kind_suffix(m) in _RECORD_LOOKALIKES]
@@ -188,11 +188,28 @@ def resolve_inputs(inputs: list[str], notes: list[str] | None = None) -> list[Pa
                     "/".join(sorted({_kind_suffix(m) for m in lookalikes})),
                     lookalikes[0],
                 )
+            found += [f for d in matches if d.is_dir() for f in _walk(d, notes)]
+            if not found:  # beside other inputs, a mistyped pattern lost its files without a word
+                raise DataPrepError(
+                    f"input {spec} matches nothing; fix the pattern or remove it from data.inputs"
+                    if not matches
+                    else f"input {spec} matches no file, only directories holding none a walk reads "
+                    f"({' '.join(sorted(WALK_SUFFIXES))} and their .gz); fix the pattern or remove it from data.inputs"
+                )
             files += found
-            for d in (m for m in matches if m.is_dir()):
-                files += _walk(d, notes)
         elif path.is_dir():
-            files += _walk(path, notes)
+            found = _walk(path, notes)
+            if not found:
+                raise DataPrepError(
+                    f"input {spec} is a directory with no file a walk reads ({' '.join(sorted(WALK_SUFFIXES))} and "
+                    "their .gz); name its files directly or with a glob, or remove it from data.inputs"
+                )
+            files += found
+        elif path.exists() and not path.is_file():  # read once, it could not be hashed for the cache key
+            raise DataPrepError(
+                f"input {spec} is not a regular file (a pipe, socket or device: <(…) or a FIFO is read only once, "
+                "and a build reads its inputs more than once); write it to a file and give that"
+            )
         elif path.is_file():
             if _kind_suffix(path) in _RECORD_LOOKALIKES:
                 _say(
@@ -205,6 +222,14 @@ def resolve_inputs(inputs: list[str], notes: list[str] | None = None) -> list[Pa
         else:
             raise DataPrepError(f"input {spec} does not exist")
     unique = list(dict.fromkeys(Path(os.path.abspath(p)) for p in files))
+    for p in unique:
+        try:
+            str(p).encode("utf-8")
+        except UnicodeEncodeError:  # the name goes into job.json, the manifest, logs and MLflow
+            raise DataPrepError(
+                f"input file {os.fsencode(p)!r} has a name that is not valid UTF-8; rename it (e.g. convmv -f latin1 "
+                "-t utf-8) or remove it from data.inputs"
+            ) from None
     if not unique:
         raise DataPrepError(
             f"no input files matched {', '.join(inputs)} (looked for {', '.join(sorted(WALK_SUFFIXES))} and their .gz)"

@@ -174,11 +174,42 @@ def test_empty_corpus_and_no_matching_files(tmp_path):
     assert one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "empty.txt", tmp_path / "short.txt"])).startswith(
         "empty corpus: no document kept from 2 input file(s)"
     )
-    assert "no input files matched" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "nothing-*.txt"]))
+    nothing = tmp_path / "nothing-*.txt"
+    assert one_line_error(shard_cfg(tmp_path / "o", [nothing])) == (
+        f"input {nothing} matches nothing; fix the pattern or remove it from data.inputs"
+    )
     assert "does not exist" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "missing.txt"]))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "data.bin").write_bytes(b"x")
-    assert "no input files matched" in one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "d"]))
+    assert one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "d"])).startswith(
+        f"input {tmp_path / 'd'} is a directory with no file a walk reads (.jsonl .md .parquet .rst .text .txt and "
+    )
+    # beside an input that reads, each of these lost its part of the corpus without a word
+    for bad in (nothing, tmp_path / "d", tmp_path / "d*"):
+        assert one_line_error(shard_cfg(tmp_path / "o", [CORPUS, bad])).startswith(f"input {bad} ")
+
+
+def test_odd_input_names_are_read_as_named_or_refused(tmp_path):
+    """A file named with glob characters is that file (it read `data1.txt`, or "no input files matched"); a pipe
+    is refused in one line (it read "does not exist"); a name that is not UTF-8 too (a traceback from the cache key)."""
+    from data_prep.corpus import resolve_inputs
+
+    (tmp_path / "data[1].txt").write_text("the bracketed one")
+    (tmp_path / "data1.txt").write_text("what the pattern matches")
+    assert resolve_inputs([str(tmp_path / "data[1].txt")]) == [tmp_path / "data[1].txt"]
+    assert resolve_inputs([str(tmp_path / "data[1]*.txt")]) == [tmp_path / "data1.txt"]  # a pattern still is one
+    os.mkfifo(tmp_path / "pipe")
+    assert one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "pipe"])).startswith(
+        f"input {tmp_path / 'pipe'} is not a regular file (a pipe, socket or device"
+    )
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "ok.txt").write_text((CORPUS / "alpha.txt").read_text())
+    with open(os.path.join(os.fsencode(tmp_path / "w"), b"caf\xe9.txt"), "w") as f:
+        f.write("latin-1 name")
+    assert one_line_error(shard_cfg(tmp_path / "o", [tmp_path / "w"])) == (
+        f"input file {os.fsencode(tmp_path / 'w')!r}"[:-1] + "/caf\\xe9.txt' has a name that is not valid UTF-8; "
+        "rename it (e.g. convmv -f latin1 -t utf-8) or remove it from data.inputs"
+    )
 
 
 def test_binary_file_is_a_counted_skip(tmp_path):
@@ -264,7 +295,7 @@ def test_cli_error_is_one_line_exit_2(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert r.returncode == 2 and r.stderr.startswith("error: no input files matched") and r.stderr.count("\n") == 1
+    assert r.returncode == 2 and r.stderr.startswith("error: input ") and r.stderr.count("\n") == 1
 
 
 def test_cli_takes_several_pairs_after_one_set(tmp_path):
