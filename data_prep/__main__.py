@@ -17,6 +17,7 @@ import argparse
 import errno
 import json
 import logging
+import os
 import sys
 
 from data_prep.config import ShardConfig, config_paths, default_out_dir
@@ -118,6 +119,9 @@ def main(argv=None) -> int:
             )
         values.setdefault("out_dir", str(default_out_dir()))  # not ./var of the working directory
         cfg = ShardConfig.from_dict(values)
+        if "inputs" in overrides:  # typed here: recorded (manifest, job) as absolute, not as the spelling of one cwd
+            absolute = [p if p == "stdlib" else os.path.abspath(os.path.expanduser(p)) for p in cfg.inputs]
+            cfg = cfg.model_copy(update={"inputs": absolute})
         _unused_settings(overrides, cfg)
         result = build_shard_set(cfg)
         if "vocab_size" in overrides and cfg.tokenizer != "train":  # as the pipeline's shard stage says it

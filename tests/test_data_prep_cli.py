@@ -210,7 +210,7 @@ def test_a_config_files_relative_paths_are_read_as_the_pipeline_reads_them(tmp_p
     assert cfg.out_dir == str(tmp_path / "v" / "sets") and cfg.tokenizer == str(CORPUS / "tok")
     # the command line's paths stay the working directory's
     assert cli.main(["shard", "--config", str(conf), "--input", "here", "--out", "o"]) == 2 and errors(capsys)
-    assert (built[-1].inputs, built[-1].out_dir) == (["here"], "o")
+    assert (built[-1].inputs, built[-1].out_dir) == ([str(tmp_path / "here")], "o")
     # a relative input that exists only where the command runs: one line naming both places
     (tmp_path / "mine").mkdir()
     conf.write_text("inputs: [mine]\n")
@@ -257,3 +257,17 @@ def test_verify_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli.main(["verify", str(tmp_path / "empty")]) == 2
     assert errors(capsys)[0].startswith(f"error: {tmp_path / 'empty'} is not a shard set (no manifest.json)")
+
+
+def test_inputs_typed_relative_are_recorded_absolute(tmp_path, monkeypatch):
+    """`--input c1` from /tmp/dp was recorded as `c1`: a later stage adopting the set read it from the repository
+    (`differs from the adopted shard set's <repo>/c1`, a path that never existed)."""
+    (tmp_path / "c1").mkdir()
+    (tmp_path / "c1" / "a.txt").write_text((CORPUS / "alpha.txt").read_text())
+    monkeypatch.chdir(tmp_path)
+    for argv in (["--input", "c1", "c1/*.txt"], ["--set", "inputs=[c1]"]):
+        out = tmp_path / f"out{len(argv)}"
+        assert cli.main(["shard", *argv, "--out", str(out), *SMALL]) == 0
+        (built,) = out.glob("shards-*")
+        inputs = load_manifest(built)["source"]["inputs"]
+        assert inputs == [str(tmp_path / "c1"), str(tmp_path / "c1" / "*.txt")][: len(inputs)], inputs
