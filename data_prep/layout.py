@@ -128,6 +128,11 @@ def _layout(job: Job, writers: int) -> dict:
             f"(data.on_decode_error={cfg.on_decode_error}); convert the files to UTF-8 to keep their text"
         )
     warnings += skipped_warnings(stats)
+    if stats.too_short and stats.too_short * 10 >= stats.documents_in:  # a few empty files are no news; most are
+        warnings.append(
+            f"{stats.too_short} of {stats.documents_in} document(s) shorter than data.min_chars ({cfg.min_chars}) "
+            "skipped: not in the shard set; lower data.min_chars to keep them"
+        )
     tok = job.data["tokenizer"]
     if tok.get("source") == "train" and tok["vocab_size"] < cfg.vocab_size:  # the model is sized to what was built
         warnings.append(
