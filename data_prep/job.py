@@ -30,6 +30,7 @@ from data_prep.corpus import resolve_inputs, stat_key
 from data_prep.errors import DataPrepError
 from data_prep.manifest import FORMAT, MANIFEST
 from data_prep.tokenizer import (
+    TEXT_ENCODING,
     find_eos,
     load_tokenizer,
     token_dtype,
@@ -136,7 +137,9 @@ class Prepared:
 
 
 def build_key(files: list[Path], cfg: ShardConfig, partitions: int, stats=None) -> str:
+    # TEXT_ENCODING: a set built before a special token's string in the text was encoded as text is not reused
     key = [FORMAT, stat_key(files, stats), cfg.config_hash(), tokenizer_identity(cfg.tokenizer), partitions]
+    key.append(TEXT_ENCODING)
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
 
 

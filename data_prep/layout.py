@@ -25,6 +25,7 @@ from data_prep.job import Job, intact, unless_published
 from data_prep.manifest import FORMAT
 from data_prep.pack import plan_shards, window_order
 from data_prep.partition import load_partition
+from data_prep.tokenizer import TEXT_ENCODING
 
 log = logging.getLogger(__name__)
 LAYOUT = "layout.json"
@@ -32,7 +33,7 @@ SEGMENT = np.dtype([("part", "<u4"), ("start", "<u8"), ("length", "<u8")])
 
 
 def version_name(content: str, job: Job) -> str:
-    key = [FORMAT, content, job.cfg.config_hash(), job.data["tokenizer"]["key"]]
+    key = [FORMAT, content, job.cfg.config_hash(), job.data["tokenizer"]["key"], TEXT_ENCODING]
     return "shards-" + hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
 
 

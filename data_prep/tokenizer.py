@@ -17,16 +17,22 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from data_prep.errors import DataPrepError
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+# How a document's text is encoded: as ordinary text, a special token's string in it ("<|endoftext|>", "</s>",
+# "<|im_start|>" …) included; the EOS after it is appended by id. Part of the build key and of the version name
+# (data_prep.job.build_key, data_prep.layout.version_name): sets built before it encoded such a string as the special
+# token (an EOS in the middle of a document), and are not reused.
+TEXT_ENCODING = "special-tokens-as-text"
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, eos_token: str = "<|endoftext|>") -> Tokenizer:
-    """Byte-level BPE (GPT-2 style): every byte is representable, so no text is ever <unk>."""
+    """Byte-level BPE (GPT-2 style): every byte is representable, so no text is ever <unk>. The trainer reads a
+    special token's string in the text as ordinary text (its merges are learned like any other), as encoding does."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -162,9 +168,25 @@ def dir_identity(directory: str | Path) -> str:
 # --- encoding --------------------------------------------------------------------------------------------------
 
 
+def text_encoder(tok: Tokenizer, eos_id: int) -> Tokenizer:
+    """A copy of `tok` that encodes a special token's string in the text as ordinary text (`encode_special_tokens`;
+    `add_special_tokens=False` only leaves out the post-processor's BOS/EOS), the EOS too even where the tokenizer
+    does not mark it special: the only EOS in the stream is the one appended after each document. A copy, so the
+    tokenizer given (saved into the shard set, or the caller's) is left as it is; the setting is not serialised by
+    tokenizers 0.23 either, so tokenizer.json would not carry it. Other added tokens not marked special are matched
+    in the text as the tokenizer defines them."""
+    enc = Tokenizer.from_str(tok.to_str())
+    added = enc.get_added_tokens_decoder().get(eos_id)
+    if added is not None and not added.special:
+        enc.add_special_tokens([AddedToken(added.content, special=True, normalized=False)])
+    enc.encode_special_tokens = True
+    return enc
+
+
 def encode_docs(tok: Tokenizer, texts: list[str], eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of the documents, each followed by EOS, as one flat array; and each document's length (with EOS).
-    `encode_batch_fast`: the same ids as `encode_batch`, without computing character offsets."""
+    `tok`: a `text_encoder`. `encode_batch_fast`: the same ids as `encode_batch`, without computing character
+    offsets."""
     parts, eos = [], np.array([eos_id], dtype=dtype)
     lengths = np.empty(len(texts), dtype=np.int64)
     for i, enc in enumerate(tok.encode_batch_fast(texts, add_special_tokens=False)):
@@ -179,7 +201,9 @@ def encode_stream(
 ) -> Iterator[tuple[object, np.ndarray, np.ndarray]]:
     """(key, texts) batches → (key, ids, lengths) in the same order, encoded in `threads` threads. tokenizers' own
     thread pool is off while it runs (TOKENIZERS_PARALLELISM, read at every call: the threads are the parallelism)
-    and the variable is restored afterwards, so later encodes in the same process use every core again."""
+    and the variable is restored afterwards, so later encodes in the same process use every core again. The text is
+    encoded as ordinary text (`text_encoder`)."""
+    tok = text_encoder(tok, eos_id)
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize") if threads > 1 else None

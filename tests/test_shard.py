@@ -356,6 +356,55 @@ def test_model_directory_tokenizer_uses_its_eos(tmp_path):
     assert other.manifest["eos_token"] == "<|endoftext|>" and "files" not in other.manifest["tokenizer"]  # just itself
 
 
+def stream_of(shard_dir: Path, split: str = "train") -> np.ndarray:
+    """The split's token stream: every window of every shard, in key (stream) order, none left out."""
+    m = load_manifest(shard_dir)
+    samples = sorted(s for e in m["splits"][split]["shards"] for s in tar_samples(shard_dir / e["name"]))
+    assert [int(k.split(".")[0]) for k, _ in samples] == list(range(len(samples)))  # no window left out
+    return np.concatenate([ids for _, ids in samples])
+
+
+@pytest.mark.parametrize("given", ["train", "model", "plain-eos"])
+def test_special_token_strings_in_documents_are_text(tmp_path, given):
+    """Found by a user: a document holding "<|endoftext|>" (the trained BPE's EOS) or a given tokenizer's "<|im_end|>"
+    / "<|im_start|>" as text got that token's id mid-document: two EOS for one document (30 such files, 60 EOS), the
+    model learning boundaries that are not there. Now the text is encoded as text (its round trip is exact) and each
+    document has exactly one EOS, appended after it; also an EOS the tokenizer does not mark special ("plain-eos").
+    The shard set's tokenizer.json is the one given, still matching special tokens in text for whoever loads it."""
+    from tokenizers import Tokenizer
+
+    from data_prep.tokenizer import train_bpe
+
+    specials = ("<|endoftext|>", "<|im_end|>", "<|im_start|>", "<eos>")
+    docs = [f"doc {i}: before {specials[i % 4]} after, and {specials[(i + 1) % 4]}x{i}" for i in range(30)]
+    (tmp_path / "in").mkdir()
+    for i, text in enumerate(docs):
+        (tmp_path / "in" / f"{i:02d}.txt").write_text(text)
+    kw = dict(seq_len=8, val_fraction=0, shard_multiple=1, shard_size_mb=1)  # one shard: every window in it
+    if given != "train":
+        tok = train_bpe(iter(docs), 300)
+        tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+        tok.add_tokens(["<eos>"])  # an added token not marked special
+        (tmp_path / "model").mkdir()
+        tok.save(str(tmp_path / "model" / "tokenizer.json"))
+        eos = "<|im_end|>" if given == "model" else "<eos>"
+        (tmp_path / "model" / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+        kw["tokenizer"] = str(tmp_path / "model")
+    r = build_shard_set(shard_cfg(tmp_path / "o", [tmp_path / "in"], **kw))
+    m, eos_id = r.manifest, r.manifest["eos_id"]
+    assert m["eos_token"] == {"train": "<|endoftext|>", "model": "<|im_end|>", "plain-eos": "<eos>"}[given]
+    assert m["stats"]["documents_out"] == 30
+    tok = Tokenizer.from_file(str(r.shard_dir / "tokenizer.json"))
+    stream = stream_of(r.shard_dir)
+    ends = np.flatnonzero(stream == eos_id)
+    pieces = [tok.decode(stream[a + 1 : b].tolist()) for a, b in zip([-1, *ends[:-1]], ends)]  # between EOS
+    tail = tok.decode(stream[ends[-1] + 1 :].tolist())  # the last document, cut where the stream's windows end
+    assert pieces == docs[: len(pieces)] and len(pieces) >= len(docs) - 1 and docs[-1].startswith(tail)
+    if given != "train":
+        assert (r.shard_dir / "tokenizer.json").read_bytes() == (tmp_path / "model" / "tokenizer.json").read_bytes()
+    assert tok.encode("<|endoftext|>").ids == [tok.token_to_id("<|endoftext|>")]  # the file's own behaviour, kept
+
+
 # --- integrity and identity -----------------------------------------------------------------------------------
 
 
