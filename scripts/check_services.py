@@ -4,8 +4,11 @@
 
 The URLs are Airflow's own effective configuration (airflow.cfg + AIRFLOW__* variables), so this checks exactly
 what the scheduler and the workers will use; the broker and result backend only under the CeleryExecutor. Without
-it a Celery worker retries a dead broker forever and a scheduler dies in a page-long traceback. Passwords are never
-printed. docker/docker-compose.yml and the bare-metal recipe (docs/scale-out.md) run it before each component.
+it a Celery worker retries a dead broker forever and a scheduler dies in a page-long traceback. No part of a password
+is printed: a URL shows its user name and what follows the userinfo's last '@', a driver's error has the password
+replaced, and a URL whose own parser would misread an unescaped '@', ':', '/', '?', '#' or ';' in the password (and
+then echo its pieces) is named as such, with the fix (percent-encode it), never connected to. docker/docker-compose.yml
+and the bare-metal recipe (docs/scale-out.md) run it before each component.
 """
 
 from __future__ import annotations
@@ -13,27 +16,116 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from urllib.parse import quote, unquote
 
 TIMEOUT_S = 5
 
 
+class Unusable(str):
+    """A reason that is no outage (nothing to start): the setting itself is wrong, and the reason says the fix."""
+
+
+def _pieces(url: str) -> list[str]:
+    """A broker URL may be a failover list (`redis://a;redis://b`, kombu); anything else is one URL."""
+    pieces = url.split(";")
+    return pieces if len(pieces) > 1 and all("://" in p for p in pieces) else [url]
+
+
+def _split(url: str) -> tuple[str, str | None, str]:
+    """(`scheme://`, the userinfo or None, what follows it). The userinfo ends at the URL's LAST '@': a host never
+    holds one, a password may (typed unescaped). An '@' in the path or query is taken for the userinfo's end too,
+    which hides more than the password, never less."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url  # no scheme: still no userinfo shown
+    userinfo, at, after = rest.rpartition("@")
+    return scheme + sep, (userinfo if at else None), (after if at else rest)
+
+
+def _secrets(url: str) -> list[str]:
+    """The password(s) of the URL as typed, decoded and re-encoded: what an exception's text must not show."""
+    out = set()
+    for piece in _pieces(url):
+        _, userinfo, _ = _split(piece)
+        if userinfo is not None and ":" in userinfo:
+            pw = userinfo.partition(":")[2]
+            out.update(v for v in (pw, unquote(pw), quote(unquote(pw), safe="")) if v)
+    return sorted(out, key=len, reverse=True)
+
+
 def where(url: str) -> str:
-    """The URL as shown to people, password removed, e.g. `postgresql+psycopg2://airflow@db:5432/airflow`."""
-    from sqlalchemy.engine import URL, make_url
+    """The URL as shown to people, password removed, e.g. `postgresql+psycopg2://airflow@db:5432/airflow`: the user
+    name (up to the userinfo's first ':') is kept, nothing between it and the host."""
+    shown = []
+    for piece in _pieces(url):
+        head, userinfo, rest = _split(piece)
+        if userinfo is None:
+            shown.append(piece)
+        elif not head:
+            shown.append(f"***@{rest}")
+        else:
+            user = userinfo.partition(":")[0]
+            shown.append(f"{head}{user + '@' if user else ''}{rest}")
+    return ";".join(shown)
 
-    try:
-        u = make_url(url)
-        shown = URL.create(u.drivername, u.username, None, u.host, u.port, u.database, u.query).render_as_string()
-        return shown.replace("://@", "://")  # redis://:password@host: no user either
-    except Exception:  # not an SQLAlchemy URL (redis://…): drop the userinfo's password by hand
-        scheme, sep, rest = url.partition("://")
-        userinfo, at, host = rest.rpartition("@")
-        return f"{scheme}{sep}{userinfo.split(':')[0] + '@' if at else ''}{host}"
+
+def _scrub(text: str, url: str) -> str:
+    for secret in _secrets(url):
+        text = text.replace(secret, "***")
+    return text
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(getattr(e, "orig", None) or e).strip()
+def _first_line(e: BaseException, url: str = "") -> str:
+    """The exception's first line, any password of `url` in it replaced by `***` (a driver may echo the URL)."""
+    text = _scrub(str(getattr(e, "orig", None) or e).strip(), url)
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def _sqlalchemy_parts(url: str) -> list[tuple]:
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url.removeprefix("db+"))
+    return [(u.username, u.password, u.host, u.port, u.database)]
+
+
+def _kombu_parts(url: str) -> list[tuple]:
+    from kombu.utils.url import url_to_parts
+
+    parts = [url_to_parts(p) for p in url.split(";")]  # kombu's Connection splits at every ';' (failover URLs)
+    return [(p.username, p.password, p.hostname, p.port, p.path) for p in parts]
+
+
+def _try(parse, url: str) -> list[tuple] | None:
+    try:
+        return parse(url)
+    except Exception:  # a port that is no number, an IPv6 bracket left open, …
+        return None
+
+
+def unreadable(url: str, parse) -> Unusable | None:
+    """A reason when `parse` (the consumer's own URL parser: SQLAlchemy's, or kombu's, which redis-py shares less
+    the ';' split) cannot read the URL's userinfo up to its last '@': it fails on the URL but not on the same URL
+    with the userinfo percent-encoded, or it reads a host or database holding an '@' (the rest of a password), or
+    kombu splits the password at a ';'. Then its error would show pieces of the password. None when the parser
+    reads the URL as meant, e.g. an '@' or ':' in a Redis password (kombu takes the host after the last '@')."""
+    for piece in _pieces(url):
+        head, userinfo, rest = _split(piece)
+        if not head or userinfo is None or head.startswith(("sqlite", "unix", "file")):
+            continue  # no userinfo, or a scheme whose URL is a file path (which may hold an '@')
+        user, colon, pw = userinfo.partition(":")
+        encoded = f"{head}{quote(unquote(user), safe='')}{colon}{quote(unquote(pw), safe='')}@{rest}"
+        if encoded == piece:
+            continue
+        read, meant = _try(parse, piece), _try(parse, encoded)
+        if meant is None or read == meant:
+            continue  # read as meant; or the URL is wrong elsewhere too, and the check's own line says where
+        if read is None or len(read) != len(meant) or any("@" in str(p[2] or "") + str(p[4] or "") for p in read):
+            return Unusable(
+                "its user name or password cannot be told apart from the host: an '@', ':', '/', '?', '#' or ';' "
+                "in it must be percent-encoded (urllib.parse.quote(password, safe='')), or choose one of letters, "
+                "digits and -._~"
+            )
+    return None
 
 
 def check_db(url: str) -> str | None:
@@ -43,6 +135,9 @@ def check_db(url: str) -> str | None:
     from sqlalchemy.pool import NullPool
 
     url = url.removeprefix("db+")  # Celery's database result backend: db+<SQLAlchemy URL>
+    bad = unreadable(url, _sqlalchemy_parts)
+    if bad:  # connecting would misread it: another host, or the password's pieces echoed in the driver's error
+        return bad
     args = {"connect_timeout": TIMEOUT_S} if url.startswith("postgresql") else {}
     try:  # a missing driver (postgresql:// is psycopg 3 in SQLAlchemy 2.1; we ship psycopg2) is a reason too
         engine = create_engine(url, connect_args=args, poolclass=NullPool)
@@ -52,14 +147,10 @@ def check_db(url: str) -> str | None:
     except ModuleNotFoundError as e:  # the URL's dialect picks a DB-API driver that is not installed
         return missing_driver(url, e)
     except ArgumentError as e:  # not a URL at all: nothing to start ("start it" was the advice)
-        return Unusable(f"{_first_line(e)}; write one such as postgresql+psycopg2://user@host:5432/db")
+        return Unusable(f"{_first_line(e, url)}; write one such as postgresql+psycopg2://user@host:5432/db")
     except Exception as e:
-        return _first_line(e)
+        return _first_line(e, url)
     return None
-
-
-class Unusable(str):
-    """A reason that is no outage (nothing to start): the setting itself is wrong, and the reason says the fix."""
 
 
 def missing_driver(url: str, e: ModuleNotFoundError) -> Unusable:
@@ -80,13 +171,16 @@ def missing_driver(url: str, e: ModuleNotFoundError) -> Unusable:
 
 def check_broker(url: str) -> str | None:
     """None when the broker answers (a Redis PING, or kombu's connect for other transports)."""
+    bad = unreadable(url, _kombu_parts)  # redis-py reads a URL as kombu does, less the ';' split
+    if bad:
+        return bad
     if url.startswith(("redis://", "rediss://")):
         import redis
 
         try:
             redis.Redis.from_url(url, socket_connect_timeout=TIMEOUT_S, socket_timeout=TIMEOUT_S).ping()
         except Exception as e:
-            return _first_line(e)
+            return _first_line(e, url)
         return None
     from kombu import Connection
 
@@ -94,7 +188,7 @@ def check_broker(url: str) -> str | None:
         with Connection(url, connect_timeout=TIMEOUT_S) as conn:
             conn.ensure_connection(max_retries=1, timeout=TIMEOUT_S)
     except Exception as e:
-        return _first_line(e)
+        return _first_line(e, url)
     return None
 
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 import yaml
@@ -84,6 +85,63 @@ def test_unreachable_broker_and_db_are_named_in_one_line_each():
     last = out.stderr.strip().splitlines()[2]
     assert last.startswith(f"Celery result backend unreachable at redis://127.0.0.1:{broker}/1: "), out.stderr
     assert "Connection refused" in last and "plugin" not in last
+
+
+def test_no_piece_of_a_password_with_url_characters_is_printed():
+    """A password holding '@', ':' or '/' typed into the URLs as is: the metadata DB's line was SQLAlchemy's
+    `invalid literal for int() with base 10: 'w0rd@127.0.0.1:5999'` with "start it", and the broker's where showed
+    `redis://tPW@127.0.0.1` (SQLAlchemy's parse of a Redis URL). Now nothing of a password is printed; a URL its
+    parser cannot read is named as such, with the fix; one it reads as meant (kombu and redis-py take the host after
+    the last '@') is checked as usual."""
+    db, broker = free_port(), free_port()
+    out = check_services(  # the user's own settings (docs/scale-out.md walked with such passwords)
+        {
+            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://airflow:p@ss:w0rd@127.0.0.1:{db}/airflow",
+            "AIRFLOW__CELERY__BROKER_URL": f"redis://:s3cr@tPW@127.0.0.1:{broker}/0",
+            "AIRFLOW__CELERY__RESULT_BACKEND": "",  # the default: db+ the metadata DB's URL
+        }
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 3, out.stderr
+    for piece in ("w0rd", "ss:", "s3cr", "tPW"):
+        assert piece not in out.stderr, (piece, out.stderr)
+    fix = "must be percent-encoded (urllib.parse.quote(password, safe=''))"
+    assert lines[0] == (
+        f"metadata DB at postgresql+psycopg2://airflow@127.0.0.1:{db}/airflow cannot be used: its user name or "
+        f"password cannot be told apart from the host: an '@', ':', '/', '?', '#' or ';' in it {fix}, or choose one "
+        "of letters, digits and -._~ (in AIRFLOW__DATABASE__SQL_ALCHEMY_CONN)"
+    )
+    assert lines[1].startswith(f"Celery broker unreachable at redis://127.0.0.1:{broker}/0: Error 111 "), lines[1]
+    assert lines[2].startswith(f"Celery result backend at db+postgresql+psycopg2://airflow@127.0.0.1:{db}/airflow ")
+    assert fix in lines[2] and "start it" not in lines[0] + lines[2]
+    # distinct pieces, each URL's parser misled in its own way: SQLAlchemy reads the host `Zm9` ('@'), kombu and
+    # redis-py end the host at the '/' (`Port could not be cast to integer value as 'Gf6w'`)
+    db_pw, redis_pw = "Kx7q@Zm9:Rt4/Wb2", "Gf6w/Yt2"
+    env = {
+        "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"postgresql+psycopg2://airflow:{db_pw}@127.0.0.1:{db}/airflow",
+        "AIRFLOW__CELERY__BROKER_URL": f"redis://:{redis_pw}@127.0.0.1:{broker}/0",
+        "AIRFLOW__CELERY__RESULT_BACKEND": f"redis://:{redis_pw}@127.0.0.1:{broker}/1",
+    }
+    out = check_services(env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 3, out.stderr
+    for piece in ("Kx7q", "Zm9", "Rt4", "Wb2", "Gf6w", "Yt2"):
+        assert piece not in out.stderr, (piece, out.stderr)
+    assert all(fix in line and "start it" not in line for line in lines), out.stderr
+    assert lines[1].startswith(f"Celery broker at redis://127.0.0.1:{broker}/0 cannot be used: "), lines[1]
+    # percent-encoded as the line says: the URLs are read, the services are down, and no form of a password shows
+    encoded = {
+        k: v.replace(db_pw, quote(db_pw, safe="")).replace(redis_pw, quote(redis_pw, safe="")) for k, v in env.items()
+    }
+    out = check_services(encoded)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 3, out.stderr
+    assert lines[0].startswith(f"metadata DB unreachable at postgresql+psycopg2://airflow@127.0.0.1:{db}/airflow: ")
+    assert all("start it" in line for line in lines), out.stderr
+    for piece in ("Kx7q", "Zm9", "Rt4", "Wb2", "Gf6w", "Yt2"):
+        assert piece not in out.stderr, (piece, out.stderr)
 
 
 def test_device_stages_go_to_the_presets_device_queue(tmp_path):

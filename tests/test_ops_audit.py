@@ -232,15 +232,69 @@ def test_npu_api_refuses_an_amct_dir_it_cannot_read_before_refreshing_anything(t
     assert not downloads
 
 
-def test_check_services_does_not_say_start_it_for_a_url_that_is_no_url():
+def _check_services():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import check_services
     finally:
         sys.path.remove(str(REPO / "scripts"))
+    return check_services
+
+
+def test_check_services_does_not_say_start_it_for_a_url_that_is_no_url():
+    check_services = _check_services()
     [line] = check_services.problems("LocalExecutor", "notaurl")
     assert line.startswith("metadata DB at notaurl cannot be used: Could not parse SQLAlchemy URL"), line
     assert "write one such as postgresql+psycopg2://" in line and "start it" not in line
+
+
+def test_check_services_shows_no_part_of_a_password_and_refuses_only_what_its_parser_misreads():
+    """where() split the userinfo at a Redis URL's first '@' (SQLAlchemy's parse: `redis://tPW@127.0.0.1`), and an
+    exception's text was printed as it came (a driver may echo the URL). Shown: the user name, then the host after
+    the LAST '@'; an '@' that is not the userinfo's end hides more, never a password."""
+    cs = _check_services()
+    shown = {
+        "postgresql+psycopg2://airflow:p@ss:w0rd@db:5432/airflow": "postgresql+psycopg2://airflow@db:5432/airflow",
+        "redis://:s3cr@tPW@db:6379/0": "redis://db:6379/0",
+        "redis://:a/b?c#d@db:6379/0": "redis://db:6379/0",
+        "db+postgresql+psycopg2://airflow:x%40y@db/airflow": "db+postgresql+psycopg2://airflow@db/airflow",
+        "redis://:p1@h1:6379/0;redis://:p2@h2:6379/0": "redis://h1:6379/0;redis://h2:6379/0",  # kombu's failover
+        "user:pw@db/airflow": "***@db/airflow",  # no scheme: still no userinfo
+        "postgresql+psycopg2://airflow@/airflow?host=/run/pg": "postgresql+psycopg2://airflow@/airflow?host=/run/pg",
+        "postgresql+psycopg2://u:pw@db/a?sslrootcert=/x@y.pem": "postgresql+psycopg2://u@y.pem",  # hides more
+        "sqlite:////srv/u@x/airflow.db": "sqlite:////srv/u@x/airflow.db",
+    }
+    for url, expected in shown.items():
+        assert cs.where(url) == expected, url
+    # a driver's text that echoes the URL: the password, as typed or decoded, is replaced
+    url = "redis://:Hq3v%40Lp8@db:6379/0"
+    line = cs._first_line(ValueError(f"cannot connect to {url} (password Hq3v@Lp8)\nsecond line"), url)
+    assert line == "cannot connect to redis://:***@db:6379/0 (password ***)", line
+    # refused (one line, with the fix) only where the consumer's own parser misreads the userinfo
+    sa, kombu = cs._sqlalchemy_parts, cs._kombu_parts
+    misread = [
+        ("postgresql+psycopg2://airflow:p@ss:w0rd@db:5432/airflow", sa),  # port 'w0rd@db:5432': no number
+        ("postgresql+psycopg2://airflow:p@ss@db:5432/airflow", sa),  # host 'ss@db'
+        ("redis://:ab/cd@db:6379/0", kombu),  # netloc ':ab': port 'ab'
+        ("redis://:12/34@db:6379/0", kombu),  # port 12, db '34@db:6379/0'
+        ("redis://:a;b@db:6379/0", kombu),  # kombu's failover split
+        ("redis://:a#b@db:6379/0", kombu),
+    ]
+    for url, parse in misread:
+        reason = cs.unreadable(url, parse)
+        assert isinstance(reason, cs.Unusable) and "urllib.parse.quote(password, safe='')" in reason, url
+    read_as_meant = [
+        ("redis://:s3cr@tPW@db:6379/0", kombu),  # kombu and redis-py take the host after the last '@'
+        ("redis://:a:b@db:6379/0", kombu),
+        ("amqp://guest:gu@st@db:5672//", kombu),
+        ("postgresql+psycopg2://airflow:a/b:c?d@db:5432/airflow", sa),  # SQLAlchemy: the password ends at '@'
+        ("postgresql+psycopg2://airflow:p%40ss@db:5432/airflow", sa),
+        ("postgresql+psycopg2://u:pw@db/a?sslrootcert=/x@y.pem", sa),  # an '@' in the query
+        ("sqlite:////srv/u@x/airflow.db", sa),  # a path, no userinfo
+        ("postgresql+psycopg2://airflow:pw@db:5432/airflow", sa),
+    ]
+    for url, parse in read_as_meant:
+        assert cs.unreadable(url, parse) is None, url
 
 
 def test_make_clean_refuses_a_var_dir_that_make_ui_or_make_run_is_using():
