@@ -100,7 +100,18 @@ def test_compose_services_files_and_ports():
     volumes = compose()["volumes"]
     assert "mlartifacts" in volumes
     assert any(v.startswith("mlartifacts:") for v in services["mlflow"]["volumes"])
-    assert any(v.startswith("mlartifacts:") for v in services["airflow-scheduler"]["volumes"])
+    # the server stores and serves the artifacts (--serve-artifacts): no Airflow service mounts them (the compose
+    # file mounted them in every one, "shared by the server and the workers", while docs/scale-out.md said none
+    # needs them), and the pipeline leaves an http(s) server's experiment at its default, mlflow-artifacts:/
+    for name, svc in services.items():
+        if name != "mlflow":
+            assert not any(v.startswith("mlartifacts:") for v in svc.get("volumes", [])), name
+    from mlflow.store.tracking import DEFAULT_ARTIFACTS_URI
+    from mlflow.utils.server_cli_utils import resolve_default_artifact_root
+
+    assert "--default-artifact-root" not in services["mlflow"]["command"]
+    assert resolve_default_artifact_root(True, "", "postgresql+psycopg2://db/mlflow") == DEFAULT_ARTIFACTS_URI
+    assert "no worker needs the artifact disk" in (REPO / "docs" / "scale-out.md").read_text()
 
 
 def test_compose_takes_every_secret_from_the_environment():
