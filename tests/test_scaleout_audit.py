@@ -103,3 +103,22 @@ def test_bare_metal_flower_asks_for_a_password():
     (line,) = [ln for ln in recipe.splitlines() if "airflow celery flower" in ln]
     assert re.search(r"AIRFLOW__CELERY__FLOWER_BASIC_AUTH=\S+:\S+ airflow celery flower|--basic-auth", line), line
     assert "AIRFLOW__CELERY__FLOWER_BASIC_AUTH" in str(COMPOSE["services"]["flower"]["environment"])
+
+
+def test_the_bare_metal_recipe_creates_the_role_and_the_databases_its_urls_name():
+    """The recipe said `createdb airflow; createdb mlflow`: no `airflow` role (its URLs log in as airflow with
+    $PGPASS), and databases owned by postgres, in whose schema public PostgreSQL 15+ lets no one else create tables
+    (`airflow db migrate`: permission denied for schema public). Each URL's user is created with a password and owns
+    its database, as compose's airflow owns mlflow (docker/postgres-init.sql)."""
+    from sqlalchemy.engine import make_url
+
+    recipe = DOC.split("## Bare metal", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    urls = [make_url(u) for u in re.findall(r"postgresql\+psycopg2://[^\s\"']+", recipe)]
+    named = {(u.username, u.database) for u in urls}
+    assert {db for _, db in named} == {"airflow", "mlflow"}, named
+    roles = re.findall(r"^sudo -u postgres createuser --pwprompt (\w+)$", recipe, re.M)
+    owners = {db: owner for owner, db in re.findall(r"^sudo -u postgres createdb --owner=(\w+) (\w+)$", recipe, re.M)}
+    for user, db in named:
+        assert user in roles, f"the recipe's URLs log in as {user!r}, which it never creates"
+        assert owners.get(db) == user, f"database {db!r}: owner {owners.get(db)!r}, its URLs' user {user!r}"
+    assert "CREATE DATABASE mlflow OWNER airflow;" in (REPO / "docker" / "postgres-init.sql").read_text()
