@@ -105,6 +105,33 @@ def test_bare_metal_flower_asks_for_a_password():
     assert "AIRFLOW__CELERY__FLOWER_BASIC_AUTH" in str(COMPOSE["services"]["flower"]["environment"])
 
 
+def test_the_npu_worker_is_given_the_paths_of_the_deployment_it_joins():
+    """The NPU node's worker was told to use the bare-metal block (every host's) also against the compose stack:
+    LLM_PIPELINE_VAR_DIR=/shared/llm, BASE_LOG_FOLDER=/shared/llm/logs, HF_HOME=/shared/llm/hf, where the compose
+    services use /var/lib/llm, so the shard and run paths in XCom and the task logs did not resolve. The doc's table
+    gives each deployment's own value: the bare-metal recipe's, and compose's (its environment, else the image's)."""
+    section = DOC.split("## Queues for NPU nodes", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) == 3:
+            for name in re.findall(r"`([A-Z_]+)`", cells[0]):
+                rows[name] = cells[1:]
+    bare = _bare_metal_exports()
+    worker = COMPOSE["services"]["celery-worker"]["environment"]
+    for dockerfile in ("Dockerfile.cpu", "Dockerfile.ascend"):  # compose runs the one, NPU nodes the other
+        image = dict(re.findall(r"\b([A-Z_]+)=(/\S+)", (REPO / "docker" / dockerfile).read_text()))
+        for name in ("LLM_PIPELINE_VAR_DIR", "AIRFLOW__LOGGING__BASE_LOG_FOLDER"):
+            assert image[name] == worker.get(name, image[name]), (dockerfile, name)
+    compose = {**image, **worker}
+    for name in ("LLM_PIPELINE_VAR_DIR", "AIRFLOW__LOGGING__BASE_LOG_FOLDER", "HF_HOME"):
+        assert name in rows, f"docs/scale-out.md: the NPU worker's {name} is not in the table"
+        on_bare_metal, on_compose = rows[name]
+        assert f"`{bare[name]}`" in on_bare_metal, (name, on_bare_metal)
+        assert f"`{compose[name]}`" in on_compose and bare[name] not in on_compose, (name, on_compose)
+    assert compose["HF_HOME"].startswith(compose["LLM_PIPELINE_VAR_DIR"] + "/")
+
+
 def test_the_bare_metal_recipe_creates_the_role_and_the_databases_its_urls_name():
     """The recipe said `createdb airflow; createdb mlflow`: no `airflow` role (its URLs log in as airflow with
     $PGPASS), and databases owned by postgres, in whose schema public PostgreSQL 15+ lets no one else create tables
