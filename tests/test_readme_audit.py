@@ -134,3 +134,17 @@ def test_every_written_list_of_the_stages_names_each_stage():
             if not found
         ]
         assert not missing, f"stage {stage} is not in {missing}"
+
+
+def test_every_documented_cli_trigger_comes_after_an_unpause_of_its_dag():
+    """DAGs start paused (airflow.cfg: dags_are_paused_at_creation), and `airflow dags trigger D` does not unpause
+    D: the run stays queued for ever. A page that triggers D from the command line unpauses it first (docs/data.md
+    and docs/real-size.md did not)."""
+    assert re.search(r"^dags_are_paused_at_creation = True$", (REPO / "airflow.cfg").read_text(), re.M)
+    missing = []
+    for page in PAGES:
+        text = page.read_text()
+        for m in re.finditer(r"airflow dags trigger (\w+)", text):
+            if f"airflow dags unpause {m.group(1)}" not in text[: m.start()]:
+                missing.append(f"{page.relative_to(REPO)}: {m.group(0)}")
+    assert not missing, missing
