@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from urllib.parse import quote, unquote
 
@@ -42,13 +43,19 @@ def _split(url: str) -> tuple[str, str | None, str]:
     return scheme + sep, (userinfo if at else None), (after if at else rest)
 
 
+# a password given as a query parameter (`?password=…`: libpq's keyword, redis-py's keyword argument)
+PW_PARAM = re.compile(r"([?&](?:password|passwd|pwd)=)([^&#]*)", re.I)
+
+
 def _secrets(url: str) -> list[str]:
     """The password(s) of the URL as typed, decoded and re-encoded: what an exception's text must not show."""
     out = set()
     for piece in _pieces(url):
         _, userinfo, _ = _split(piece)
+        found = [m.group(2) for m in PW_PARAM.finditer(piece)]
         if userinfo is not None and ":" in userinfo:
-            pw = userinfo.partition(":")[2]
+            found.append(userinfo.partition(":")[2])
+        for pw in found:
             out.update(v for v in (pw, unquote(pw), quote(unquote(pw), safe="")) if v)
     return sorted(out, key=len, reverse=True)
 
@@ -66,7 +73,7 @@ def where(url: str) -> str:
         else:
             user = userinfo.partition(":")[0]
             shown.append(f"{head}{user + '@' if user else ''}{rest}")
-    return ";".join(shown)
+    return PW_PARAM.sub(r"\1***", ";".join(shown))
 
 
 def _scrub(text: str, url: str) -> str:

@@ -263,6 +263,9 @@ def test_check_services_shows_no_part_of_a_password_and_refuses_only_what_its_pa
         "postgresql+psycopg2://airflow@/airflow?host=/run/pg": "postgresql+psycopg2://airflow@/airflow?host=/run/pg",
         "postgresql+psycopg2://u:pw@db/a?sslrootcert=/x@y.pem": "postgresql+psycopg2://u@y.pem",  # hides more
         "sqlite:////srv/u@x/airflow.db": "sqlite:////srv/u@x/airflow.db",
+        "postgresql+psycopg2://airflow@db/airflow?password=Vq8z&sslmode=require": (  # libpq's keyword
+            "postgresql+psycopg2://airflow@db/airflow?password=***&sslmode=require"
+        ),
     }
     for url, expected in shown.items():
         assert cs.where(url) == expected, url
@@ -270,6 +273,8 @@ def test_check_services_shows_no_part_of_a_password_and_refuses_only_what_its_pa
     url = "redis://:Hq3v%40Lp8@db:6379/0"
     line = cs._first_line(ValueError(f"cannot connect to {url} (password Hq3v@Lp8)\nsecond line"), url)
     assert line == "cannot connect to redis://:***@db:6379/0 (password ***)", line
+    url = "postgresql+psycopg2://airflow@db/airflow?password=Vq8z"
+    assert cs._first_line(ValueError("password Vq8z refused"), url) == "password *** refused"
     # refused (one line, with the fix) only where the consumer's own parser misreads the userinfo
     sa, kombu = cs._sqlalchemy_parts, cs._kombu_parts
     misread = [
