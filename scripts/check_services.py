@@ -113,8 +113,9 @@ def unreadable(url: str, parse) -> Unusable | None:
     """A reason when `parse` (the consumer's own URL parser: SQLAlchemy's, or kombu's, which redis-py shares less
     the ';' split) cannot read the URL's userinfo up to its last '@': it fails on the URL but not on the same URL
     with the userinfo percent-encoded, or it reads a host or database holding an '@' (the rest of a password), or
-    kombu splits the password at a ';'. Then its error would show pieces of the password. None when the parser
-    reads the URL as meant, e.g. an '@' or ':' in a Redis password (kombu takes the host after the last '@')."""
+    kombu splits the password at a ';', or it fails on both and the userinfo holds one of those characters. Then
+    its error would show pieces of the password. None when the parser reads the URL as meant, e.g. an '@' or ':' in
+    a Redis password (kombu takes the host after the last '@')."""
     for piece in _pieces(url):
         head, userinfo, rest = _split(piece)
         if not head or userinfo is None or head.startswith(("sqlite", "unix", "file")):
@@ -124,9 +125,14 @@ def unreadable(url: str, parse) -> Unusable | None:
         if encoded == piece:
             continue
         read, meant = _try(parse, piece), _try(parse, encoded)
-        if meant is None or read == meant:
-            continue  # read as meant; or the URL is wrong elsewhere too, and the check's own line says where
-        if read is None or len(read) != len(meant) or any("@" in str(p[2] or "") + str(p[4] or "") for p in read):
+        if read is not None and read == meant:
+            continue  # read as meant
+        if meant is None:  # wrong elsewhere too (a port that is no number): its error may hold the password's
+            misread = read is None and any(c in "@:/?#;" for c in user + pw)  # pieces, so that fix comes first
+        else:
+            misread = read is None or len(read) != len(meant)
+            misread = misread or any("@" in str(p[2] or "") + str(p[4] or "") for p in read)
+        if misread:
             return Unusable(
                 "its user name or password cannot be told apart from the host: an '@', ':', '/', '?', '#' or ';' "
                 "in it must be percent-encoded (urllib.parse.quote(password, safe='')), or choose one of letters, "

@@ -284,6 +284,7 @@ def test_check_services_shows_no_part_of_a_password_and_refuses_only_what_its_pa
         ("redis://:12/34@db:6379/0", kombu),  # port 12, db '34@db:6379/0'
         ("redis://:a;b@db:6379/0", kombu),  # kombu's failover split
         ("redis://:a#b@db:6379/0", kombu),
+        ("postgresql+psycopg2://airflow:p@ss:x9q@db:abc/airflow", sa),  # a bad port too: 'x9q@db:abc' was shown
     ]
     for url, parse in misread:
         reason = cs.unreadable(url, parse)
