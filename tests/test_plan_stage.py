@@ -463,7 +463,11 @@ def test_the_plan_sizes_the_run_directorys_shard_seq_len(cfg, tmp_path):
     cfg.tracking.enabled = False
     assert cfg.data.seq_len == 128
     (tmp_path / "shard.json").write_text(json.dumps({"stage": "shard", "status": "ok", "seq_len": 64}))
-    assert read_json(run_stage("plan", cfg, tmp_path, args=plan_args())["plan_json"])["seq_len"] == 64
+    result = run_stage("plan", cfg, tmp_path, args=plan_args())
+    assert read_json(result["plan_json"])["seq_len"] == 64
+    # the config's other length is said, not replaced in silence
+    assert "seq 64 is this run directory's shard set's, not the config's data.seq_len 128" in result["summary"]
+    assert "--seq-len 128" in result["summary"] and "\n" not in result["summary"]
     with pytest.raises(StageError) as err:
         plan_of(tmp_path, "demo-cpu", sets=["data.seq_len=128"])
     assert str(err.value).startswith("data.seq_len: 128 differs from the shard set's 64")

@@ -511,18 +511,25 @@ def _moe_plan(cfg: PipelineConfig, ctx, tcfg, name: str) -> tuple:
     return pb, desc, doc, moe.render(result, header, cfg.plan.top_k), result
 
 
-def _shard_seq_len(cfg: PipelineConfig, ctx) -> None:
+def _shard_seq_len(cfg: PipelineConfig, ctx) -> str:
     """In a run directory with a shard set, plan the sequence length train will use: the shard set's (as
-    tasks.runner.shard_set makes every stage that reads it), unless data.seq_len was set explicitly to another."""
-    seq = (ctx.inputs.get("shard") or {}).get("seq_len")
+    tasks.runner.shard_set makes every stage that reads it), unless data.seq_len was set explicitly to another.
+    Returns the line that says so when the config's (its preset's) data.seq_len is another, else ""."""
+    shard = ctx.inputs.get("shard") or {}
+    seq = shard.get("seq_len")
     if not seq or seq == cfg.data.seq_len or _arg(ctx, "seq_len"):
-        return
+        return ""
     if "data.seq_len" in cfg.explicit:
         raise StageError(
             f"data.seq_len: {cfg.data.seq_len} differs from the shard set's {seq}; leave it unset to use the shard "
             "set's, or plan another length with --seq-len"
         )
-    cfg.data.seq_len = seq
+    own, cfg.data.seq_len = cfg.data.seq_len, seq
+    where = f" ({shard['shard_dir']})" if shard.get("shard_dir") else ""
+    return (
+        f"seq {seq} is this run directory's shard set's{where}, not the config's data.seq_len {own}: training here "
+        f"takes the shard set's; --seq-len {own} plans the config's, a shard set built with it trains it"
+    )
 
 
 def _model_sets_unused(cfg: PipelineConfig, ctx) -> None:
@@ -546,7 +553,7 @@ def _model_sets_unused(cfg: PipelineConfig, ctx) -> None:
 
 def run(cfg: PipelineConfig, ctx) -> dict:
     _model_sets_unused(cfg, ctx)
-    _shard_seq_len(cfg, ctx)
+    seq_note = _shard_seq_len(cfg, ctx)
     moe = _moe_model(cfg, ctx)
     pinned = False
     if moe is not None:
@@ -623,6 +630,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     )
     if status == "warn":
         summary = f"pinned {layout} {chosen['reason']} (estimate); training may run out of memory"
+    if seq_note:
+        summary = f"{summary}; {seq_note}"
     device = cfg.hardware.device
     if device in ("npu", "cuda") and c.kind != device and not _arg(ctx, "cluster"):
         status, summary = (
