@@ -498,3 +498,17 @@ def test_expert_parallelism_on_a_dense_model_is_refused_by_the_plan(tmp_path):
         plan_of(tmp_path / "run", "demo-cpu", sets=["parallel.ep=2", "parallel.dp=2"])
     what_if = plan_of(tmp_path / "what-if", "demo-cpu", "--model", "debug", sets=["parallel.ep=2"])  # not the config's
     assert what_if["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    "argv", [("--seq-len", "32768", "--nodes", "2"), ("--model", "llama3-8b", "--seq-len", "16384")]
+)
+def test_a_seq_len_over_the_models_context_is_planned_with_trainings_refusal_said(tmp_path, argv):
+    """The plan sizes any length (memory and step time do not read the RoPE table), but training refuses one over
+    model.max_seq_len (tasks/model/resolve.py): the plan warns, naming the setting, instead of an unqualified ok."""
+    result = plan_of(tmp_path, "llama3-8b-h100", *argv)
+    seq = argv[argv.index("--seq-len") + 1]
+    assert result["status"] == "warn", result["summary"]
+    assert f"training would refuse this length: data.seq_len: {seq} exceeds model max_seq_len 8192" in result["summary"]
+    assert f"model.max_seq_len >= {seq}" in result["summary"] and "\n" not in result["summary"]
+    assert plan_of(tmp_path, "llama3-8b-h100", "--nodes", "2")["status"] == "ok"  # within the context: no word

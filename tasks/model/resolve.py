@@ -16,12 +16,13 @@ WEIGHT_SHAPE = tuple(k for k in SHAPE_OVERRIDES if k not in NOT_IN_WEIGHTS)
 MOE_ONLY = ("top_k", "moe_ffn_dim", "shared_ffn_dim", "aux_loss_coef", "capacity_factor")
 
 
-def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
+def from_pipeline(cfg, vocab_size: int | None = None, check_seq_len: bool = True) -> TransformerConfig:
     """The model of a PipelineConfig: `TransformerConfig.from_preset(model.preset, **overrides)`, or
     `from_hf_config(model.hf_path, **overrides)`, checked against the shard set.
 
     `vocab_size` is the tokenizer's size: it fills the embedding of a preset without a vocabulary of its own (debug,
-    demo, moe-demo) and must fit in any model.
+    demo, moe-demo) and must fit in any model. `check_seq_len` False: data.seq_len may exceed the model's
+    max_seq_len (the planner sizes any length, and says what training would refuse: seq_len_problem).
     """
     mc = cfg.model
     if mc.hf_path:
@@ -67,13 +68,20 @@ def from_pipeline(cfg, vocab_size: int | None = None) -> TransformerConfig:
             f"model.vocab_size: tokenizer has {vocab_size} tokens but the model embedding only "
             f"{tcfg.vocab_size}; set model.vocab_size >= {vocab_size} (or leave it unset on a CPU-sized preset)"
         )
-    seq_len = cfg.data.seq_len
-    if seq_len > tcfg.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len: {seq_len} exceeds model max_seq_len {tcfg.max_seq_len}; set data.seq_len <= "
-            f"{tcfg.max_seq_len} (the context the model was made for), or model.max_seq_len >= {seq_len}"
-        )
+    problem = seq_len_problem(cfg.data.seq_len, tcfg)
+    if problem and check_seq_len:
+        raise ConfigError(problem)
     return tcfg
+
+
+def seq_len_problem(seq_len: int, tcfg: TransformerConfig) -> str:
+    """Training's refusal of sequences longer than the model's context (its RoPE table), else ""."""
+    if seq_len <= tcfg.max_seq_len:
+        return ""
+    return (
+        f"data.seq_len: {seq_len} exceeds model max_seq_len {tcfg.max_seq_len}; set data.seq_len <= "
+        f"{tcfg.max_seq_len} (the context the model was made for), or model.max_seq_len >= {seq_len}"
+    )
 
 
 _SAID: set = set()

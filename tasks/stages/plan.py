@@ -10,7 +10,6 @@ rounding; Qwen2 has none, so it needs --ffn), and the plan calls it `custom`.
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -151,12 +150,11 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
         derived, rule = custom_fields(family or "llama3", shape["dim"], shape["n_heads"], shape)
         tcfg, name = TransformerConfig(**derived, **shape), "custom"
     else:
-        c = copy.deepcopy(cfg)
-        c.data.seq_len = seq_len  # the planned length need not fit the preset's RoPE table: only its shape matters
-        c.model.max_seq_len = max(c.model.max_seq_len or 0, seq_len)
         shard = ctx.inputs.get("shard") or {}
         vocab = shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
-        tcfg, name = from_pipeline(c, vocab_size=vocab), cfg.model.hf_path or cfg.model.preset
+        # the planned length need not fit the model's RoPE table (only its shape matters): what training would refuse
+        # is a warning in run() (_seq_len_warning)
+        tcfg, name = from_pipeline(cfg, vocab_size=vocab, check_seq_len=False), cfg.model.hf_path or cfg.model.preset
     if tcfg.n_experts and shape:  # the MoE planner takes no shape flags: refused, never a silent dense model
         raise StageError(
             f"{', '.join('--' + f.replace('_', '-') for f, v in _SHAPE_FLAGS.items() if v in shape)}: {name} is a "
@@ -411,11 +409,11 @@ def _moe_model(cfg: PipelineConfig, ctx):
     elif _arg(ctx, "model"):
         tcfg = TransformerConfig.from_preset(_arg(ctx, "model"))
     else:
-        c = copy.deepcopy(cfg)
-        c.model.max_seq_len = max(c.model.max_seq_len or 0, c.data.seq_len)
         shard = ctx.inputs.get("shard") or {}
         tcfg = from_pipeline(
-            c, vocab_size=shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
+            cfg,
+            vocab_size=shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None),
+            check_seq_len=False,
         )
     return (
         (tcfg, _arg(ctx, "hf_config") or _arg(ctx, "model") or cfg.model.hf_path or cfg.model.preset)
@@ -532,6 +530,16 @@ def _shard_seq_len(cfg: PipelineConfig, ctx) -> str:
     )
 
 
+def _seq_len_warning(pb) -> str:
+    """A planned sequence longer than the model's context (max_seq_len, its RoPE table): the plan sizes it (memory
+    and step time do not depend on the table), but training refuses it (tasks.model.resolve.seq_len_problem); said
+    as training says it, naming the setting that lets it train, else ""."""
+    from tasks.model.resolve import seq_len_problem
+
+    problem = seq_len_problem(pb.seq_len, pb.shape) if getattr(pb, "shape", None) is not None else ""
+    return f"training would refuse this length: {problem}" if problem else ""
+
+
 def _model_sets_unused(cfg: PipelineConfig, ctx) -> None:
     """A what-if model (--model, --hf-config, --params, shape flags) replaces the config's: a model.* value that
     names or shapes the config's model (model.preset, model.hf_path, a shape override) set explicitly for this run
@@ -632,6 +640,9 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         summary = f"pinned {layout} {chosen['reason']} (estimate); training may run out of memory"
     if seq_note:
         summary = f"{summary}; {seq_note}"
+    for warning in (_seq_len_warning(pb),):
+        if warning:
+            status, summary = "warn", f"{summary}; {warning}"
     device = cfg.hardware.device
     if device in ("npu", "cuda") and c.kind != device and not _arg(ctx, "cluster"):
         status, summary = (
