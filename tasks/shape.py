@@ -179,39 +179,17 @@ class TransformerConfig:
         return problems
 
 
-def config_from_hf(hf: dict) -> TransformerConfig:
-    """TransformerConfig from a config.json dict; anything this model cannot represent fails in one line."""
-    # transformers falls back to model_type when `architectures` is missing (a hand-written config.json): so do we
-    arch = (hf.get("architectures") or [BY_MODEL_TYPE.get(hf.get("model_type"))])[0]
-    if arch not in ARCHITECTURES:
-        raise StageError(
-            f"unsupported architecture {arch or hf.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)}; "
-            "a new family: docs/contributing.md, A model family)"
-        )
-    family = ARCHITECTURES[arch]
+def config_from_hf(hf: dict, rope_scaling_ok: bool = False) -> TransformerConfig:
+    """TransformerConfig from a config.json dict; anything this model cannot represent fails in one line.
+    `rope_scaling_ok`: a scaled RoPE (Llama-3.1's rope_type llama3, …) is read as the plain shape it has, for a
+    planner's what-if (memory and step time do not depend on it); hf_refusal() still says training refuses it."""
+    arch, family = _hf_family(hf)
     moe = _moe_from_hf(hf) if family == "qwen2_moe" else {}
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    # Both keys may be there (transformers 5 writes rope_parameters, older files rope_scaling): any scaling refuses.
-    types = [d.get("rope_type", d.get("type")) for d in (hf.get("rope_parameters"), hf.get("rope_scaling")) if d]
-    rope_type = next((t for t in types if t not in (None, "default")), "default")
     heads = hf["num_attention_heads"]
-    windowed = _windowed_layers(hf, family)
-    unsupported = {
-        f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") not in SILU_ACTS,
-        f"rope_type {rope_type!r}": rope_type != "default",
-        "attention_bias (o_proj bias)": family == "llama" and hf.get("attention_bias", False),
-        # transformers' Qwen2 / Qwen2-MoE MLPs are bias-free whatever mlp_bias says (only LlamaMLP reads it)
-        "mlp_bias": family == "llama" and hf.get("mlp_bias", False),
-        "head_dim != hidden_size / heads": hf.get("head_dim") not in (None, hf["hidden_size"] // heads),
-        f"use_sliding_window (layers not full attention: {', '.join(windowed)})": bool(windowed),
-    }
-    bad = [k for k, v in unsupported.items() if v]
+    bad = [k for k in _unsupported(hf, family) if not (rope_scaling_ok and k.startswith("rope_type"))]
     if bad:
-        raise StageError(
-            f"{arch}: unsupported setting {', '.join(bad)} (this model computes unscaled RoPE, SiLU and no such "
-            "bias or window: it would silently compute another function); use a checkpoint without it, or add it to "
-            "the model (docs/contributing.md, A model family)"
-        )
+        raise StageError(_refusal(arch, bad))
     return TransformerConfig(
         family=family,
         dim=hf["hidden_size"],
@@ -227,6 +205,53 @@ def config_from_hf(hf: dict) -> TransformerConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         **moe,
     )
+
+
+def _refusal(arch: str, bad: list[str]) -> str:
+    return (
+        f"{arch}: unsupported setting {', '.join(bad)} (this model computes unscaled RoPE, SiLU and no such "
+        "bias or window: it would silently compute another function); use a checkpoint without it, or add it to "
+        "the model (docs/contributing.md, A model family)"
+    )
+
+
+def hf_refusal(hf: dict) -> str:
+    """Training's refusal of a config.json whose settings this model cannot compute (config_from_hf's line), else
+    "" (an unsupported architecture included: config_from_hf refuses that before anything is read)."""
+    arch, family = _hf_family(hf)
+    bad = _unsupported(hf, family)
+    return _refusal(arch, bad) if bad else ""
+
+
+def _hf_family(hf: dict) -> tuple[str, str]:
+    """(architecture, family) of a config.json; an architecture this model does not have fails in one line."""
+    # transformers falls back to model_type when `architectures` is missing (a hand-written config.json): so do we
+    arch = (hf.get("architectures") or [BY_MODEL_TYPE.get(hf.get("model_type"))])[0]
+    if arch not in ARCHITECTURES:
+        raise StageError(
+            f"unsupported architecture {arch or hf.get('model_type')!r} (supported: {', '.join(ARCHITECTURES)}; "
+            "a new family: docs/contributing.md, A model family)"
+        )
+    return arch, ARCHITECTURES[arch]
+
+
+def _unsupported(hf: dict, family: str) -> list[str]:
+    """The settings of a config.json this model would compute otherwise than transformers does."""
+    # Both keys may be there (transformers 5 writes rope_parameters, older files rope_scaling): any scaling refuses.
+    types = [d.get("rope_type", d.get("type")) for d in (hf.get("rope_parameters"), hf.get("rope_scaling")) if d]
+    rope_type = next((t for t in types if t not in (None, "default")), "default")
+    heads = hf["num_attention_heads"]
+    windowed = _windowed_layers(hf, family)
+    unsupported = {
+        f"hidden_act {hf.get('hidden_act')!r}": hf.get("hidden_act", "silu") not in SILU_ACTS,
+        f"rope_type {rope_type!r}": rope_type != "default",
+        "attention_bias (o_proj bias)": family == "llama" and hf.get("attention_bias", False),
+        # transformers' Qwen2 / Qwen2-MoE MLPs are bias-free whatever mlp_bias says (only LlamaMLP reads it)
+        "mlp_bias": family == "llama" and hf.get("mlp_bias", False),
+        "head_dim != hidden_size / heads": hf.get("head_dim") not in (None, hf["hidden_size"] // heads),
+        f"use_sliding_window (layers not full attention: {', '.join(windowed)})": bool(windowed),
+    }
+    return [k for k, v in unsupported.items() if v]
 
 
 # max_position_embeddings where a config.json leaves it out: its Config class's default, as transformers reads it

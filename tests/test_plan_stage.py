@@ -512,3 +512,31 @@ def test_a_seq_len_over_the_models_context_is_planned_with_trainings_refusal_sai
     assert f"training would refuse this length: data.seq_len: {seq} exceeds model max_seq_len 8192" in result["summary"]
     assert f"model.max_seq_len >= {seq}" in result["summary"] and "\n" not in result["summary"]
     assert plan_of(tmp_path, "llama3-8b-h100", "--nodes", "2")["status"] == "ok"  # within the context: no word
+
+
+def test_a_llama_3_1_config_is_planned_with_trainings_rope_refusal_said(tmp_path):
+    """Llama-3.1/3.2/3.3's config.json scales RoPE (rope_type llama3), which training refuses; memory and step time
+    do not depend on it, so the what-if plan reads the shape and warns with training's own refusal."""
+    transformers = pytest.importorskip("transformers")
+    from tasks.shape import TransformerConfig
+
+    shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32)
+    scaled = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    transformers.LlamaConfig(
+        **shape,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling={**scaled, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    ).save_pretrained(tmp_path / "llama-3.2-1b")
+    with pytest.raises(StageError) as refusal:  # training's refusal, as model.hf_path
+        TransformerConfig.from_hf_config(tmp_path / "llama-3.2-1b")
+    argv = ("--hf-config", str(tmp_path / "llama-3.2-1b"), "--cluster", "h100-80g", "--nodes", "1")
+    result = plan_of(tmp_path / "run", "demo-cpu", *argv, "--seq-len", "4096", "--global-batch", "64")
+    assert result["status"] == "warn", result["summary"]
+    assert f"training would refuse it as model.hf_path: {refusal.value}" in result["summary"]
+    assert "rope_type 'llama3'" in result["summary"] and "\n" not in result["summary"]
+    assert result["best"]["total_bytes"] > 0

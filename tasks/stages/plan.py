@@ -183,18 +183,36 @@ def _count(n: float) -> str:
     return next((f"{n / d:.2f}{u}" for d, u in ((1e9, "B"), (1e6, "M"), (1e3, "K")) if n >= d), f"{n:.0f}")
 
 
-def _hf_config(path: Path):
-    from tasks.shape import config_from_hf
-
+def _read_hf(path: Path) -> tuple[Path, dict]:
     path = path / "config.json" if path.is_dir() else path
     try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
+        return path, json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise StageError(f"--hf-config {path}: cannot read JSON ({e})") from None
+
+
+def _hf_config(path: Path):
+    """The shape an HF config.json gives; a scaled RoPE (Llama-3.1/3.2/3.3's rope_type llama3) is read as its shape
+    (memory and step time do not depend on it), training's refusal of it said by _hf_config_warning."""
+    from tasks.shape import config_from_hf
+
+    path, hf = _read_hf(path)
     try:
-        return config_from_hf(hf)
+        return config_from_hf(hf, rope_scaling_ok=True)
     except KeyError as e:
         raise StageError(f"--hf-config {path}: missing key {e}") from None
+
+
+def _hf_config_warning(ctx) -> str:
+    """What training would say of --hf-config's config.json as model.hf_path (its refusal, as tasks.shape words it),
+    else ""."""
+    from tasks.shape import hf_refusal
+
+    if not _arg(ctx, "hf_config"):
+        return ""
+    path, hf = _read_hf(Path(_arg(ctx, "hf_config")))
+    problem = hf_refusal(hf)
+    return f"training would refuse it as model.hf_path: {path}: {problem}" if problem else ""
 
 
 def _cluster(cfg: PipelineConfig, ctx):
@@ -640,7 +658,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
         summary = f"pinned {layout} {chosen['reason']} (estimate); training may run out of memory"
     if seq_note:
         summary = f"{summary}; {seq_note}"
-    for warning in (_seq_len_warning(pb),):
+    for warning in (_seq_len_warning(pb), _hf_config_warning(ctx)):
         if warning:
             status, summary = "warn", f"{summary}; {warning}"
     device = cfg.hardware.device
