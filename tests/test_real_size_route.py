@@ -78,7 +78,9 @@ def test_a_failing_rehearsal_stops_the_dag_at_train_in_one_line_and_loses_nothin
     assert train["status"] == "failed" and "\n" not in cause and not rehearsal["ok"], log[-4000:]
     top = max(rehearsal["held_per_rank"])
     assert cause.startswith("rehearsal at dp2 tp1 pp1 zero3 none mb2×1: rank "), cause
-    assert f"peaked at {top / 1e9:.2f} GB, over the {FAIL_GB:.2f} GB a device holds (the plan's estimate " in cause
+    assert (
+        f"peaked at {top / 1e6:.1f} MB, over the {FAIL_GB * 1e3:.1f} MB a device holds (the plan's estimate " in cause
+    )
     assert cause.endswith("(checkpoints kept: checkpoint step-2)") and rehearsal["steps"] == 3, cause
     assert FAIL_GB * 1e9 < top < 2 * FAIL_GB * 1e9  # the device is just below what a rank held
     # The run's first error-level log line (the train task's; the stages before it passed) is the cause.

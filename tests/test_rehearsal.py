@@ -63,6 +63,15 @@ def test_over_the_device_slow_steps_and_nothing_left(spec):
     )
 
 
+def test_figures_under_a_gigabyte_read_apart_in_megabytes(spec):
+    """A 0.128 GB device and a 0.131 GB peak both rounded to "0.13 GB": the line gives figures that differ as such."""
+    small = {**spec, "capacity_bytes": 0.128 * GB, "estimate_bytes": 0.1204 * GB}
+    over = rehearsal.verdict(small, [0.1312 * GB], spec["estimate_step_s"])
+    assert "peaked at 131.2 MB, over the 128.0 MB a device holds (the plan's estimate 120.4 MB)" in over["cause"]
+    assert rehearsal.sizes(30.1 * GB, 30.104 * GB) == ["30.100 GB", "30.104 GB"]  # as many decimals as they need
+    assert rehearsal.sizes(2 * GB, 2 * GB) == ["2.00 GB", "2.00 GB"]
+
+
 def test_cpu_judges_what_a_rank_held_against_its_own_tolerance_and_reports_the_step_time(spec):
     """On CPU the RSS peak is checked against the device, what the rank held beyond its pre-model RSS against the
     estimate (plan.cpu_tolerance), and the step time is reported only."""
@@ -109,7 +118,7 @@ def test_device_memory_below_the_measured_peak_stops_in_one_line(cfg, tmp_path, 
     assert "\n" not in msg and not err.value.retryable and not got["ok"]
     top = max(got["held_per_rank"])
     assert msg.startswith("rehearsal at dp2 tp1 pp1 zero3 none mb2×2: rank ")
-    assert f"peaked at {top / GB:.2f} GB, over the 0.08 GB a device holds (the plan's estimate 0.12 GB)" in msg
+    assert f"peaked at {top / 1e6:.1f} MB, over the 80.0 MB a device holds (the plan's estimate 1" in msg
     assert msg.endswith("(checkpoints kept: checkpoint step-2)")
     assert not (tmp_path / "hf").exists() and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
         "step-1",

@@ -10,7 +10,7 @@ slower than planned. Measured and estimated figures go to MLflow as `rehearsal.*
 
 from __future__ import annotations
 
-from tasks.units import GB
+from tasks.units import GB, MB
 
 LAYOUT_KEYS = ("dp", "tp", "pp", "ep", "zero", "recompute", "micro_batch", "microbatches", "pp_schedule")
 ALTERNATIVES = 20  # ranked plans carried in the spec: enough to find one that fits at the measured ratio
@@ -97,6 +97,17 @@ def next_plan(sp: dict, memory_ratio: float) -> dict | None:
     return None
 
 
+def sizes(*values: float) -> list[str]:
+    """Byte figures compared in one line, in one unit (MB when all are under 1 GB), with enough decimals that
+    different figures read differently (0.128 GB against a 0.131 GB peak is not "0.13 GB over 0.13 GB")."""
+    unit, div, digits = ("MB", MB, 1) if max(values) < GB else ("GB", GB, 2)
+    for d in range(digits, digits + 7):
+        texts = [f"{v / div:.{d}f}" for v in values]
+        if all(a != b for i, a in enumerate(texts) for j, b in enumerate(texts) if values[i] != values[j]):
+            break
+    return [f"{t} {unit}" for t in texts]
+
+
 def verdict(sp: dict, peaks: list[float], step_s: float, held: list[float] | None = None) -> dict:
     """`peaks`: each rank's measured peak bytes over the rehearsal; `step_s`: the measured step time (the first step,
     which pays for allocation and kernel selection, left out); `held`: what each rank's peak is compared with the
@@ -124,13 +135,12 @@ def verdict(sp: dict, peaks: list[float], step_s: float, held: list[float] | Non
     }
     rank, what = out["peak_rank"], None
     if top > cap:
-        what = (
-            f"rank {rank} peaked at {top / GB:.2f} GB, over the {cap / GB:.2f} GB a device holds "
-            f"(the plan's estimate {est / GB:.2f} GB)"
-        )
+        top_t, cap_t, est_t = sizes(top, cap, est)
+        what = f"rank {rank} peaked at {top_t}, over the {cap_t} a device holds (the plan's estimate {est_t})"
     elif most > est * (1 + tol):
+        most_t, est_t = sizes(most, est)
         what = (
-            f"rank {rank} peaked at {most / GB:.2f} GB against the plan's {est / GB:.2f} GB estimate "
+            f"rank {rank} peaked at {most_t} against the plan's {est_t} estimate "
             f"(+{ratio - 1:.0%}, beyond {key} {tol:.0%})"
         )
     elif est_s and step_s > est_s * (1 + tol):
