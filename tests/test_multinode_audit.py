@@ -216,6 +216,10 @@ def test_set_degrees_are_kept_by_a_what_if_plan(tmp_path):
             ["parallel.dp=2", "parallel.tp=2", "parallel.pp=1"],
             "--set parallel.dp=2 parallel.tp=2 parallel.pp=1: dp 2 × tp 2 × pp 1 = 4 is not the what-if cluster's 16",
         ),
+        (  # more than the cluster has: "exceeds", not "does not divide"
+            ["parallel.dp=16", "parallel.tp=2"],
+            "--set parallel.dp=16 parallel.tp=2: dp 16 × tp 2 = 32 exceeds the what-if cluster's 16 devices (2×8); ",
+        ),
     ],
 )
 def test_set_degrees_a_what_if_cluster_cannot_run_are_refused_in_one_line(tmp_path, sets, needle):

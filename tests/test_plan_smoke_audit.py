@@ -212,6 +212,6 @@ def test_a_config_files_interleaved_schedule_is_not_handed_to_a_layout_without_p
 def test_moe_degrees_over_the_world_with_microbatches_fail_in_one_line(tmp_path):
     """tp 2 × pp 2 on 2 ranks with parallel.microbatches set: a ZeroDivisionError traceback (dp 0) in the plan."""
     sets = [*MOE[:2], "hardware.nproc_per_node=2", "parallel.tp=2", "parallel.pp=2", "parallel.microbatches=2"]
-    with pytest.raises(StageError, match=r"pinned tp 2 × pp 2 does not divide world 2 devices") as e:
+    with pytest.raises(StageError, match=r"pinned tp 2 × pp 2 = 4 exceeds world 2 devices") as e:
         _plan(tmp_path, "ci-tiny", [*sets, "model.n_layers=8", "train.global_batch=4", "train.micro_batch=1"])
     assert "\n" not in str(e.value)

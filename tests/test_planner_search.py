@@ -89,6 +89,9 @@ def test_pins_that_cannot_fit_the_world_are_explained():
     pb = Problem(get_cluster("910b"), LLAMA3_70B, 4096, 64, pins={"dp": 3})
     [r] = search(pb)["rejected"]
     assert r["reason"] == "pinned dp 3 does not divide world 8 devices"
+    pb = Problem(get_cluster("910b", nodes=16), LLAMA3_70B, 4096, 64, pins={"dp": 16, "tp": 8, "pp": 2})
+    [r] = search(pb)["rejected"]  # 256 devices asked of 128: more than there are, not a divisibility problem
+    assert r["reason"] == "pinned dp 16 × tp 8 × pp 2 = 256 exceeds world 128 devices"
     pb = Problem(get_cluster("910b"), LLAMA3_70B, 4096, 64, pins={"dp": 1, "tp": 2, "pp": 2})
     [r] = search(pb)["rejected"]
     assert r["reason"] == "dp 1 × tp 2 × pp 2 = 4 ≠ world 8 devices"

@@ -46,6 +46,7 @@ from tasks.planner.search import (
     achieved_flops,
     feasible,
     fixed_micro_batch,
+    pins_problem,
     train_problem,
 )
 from tasks.shape import TransformerConfig
@@ -256,7 +257,7 @@ def candidates(pb: MoeProblem):
     if pb.cluster.world % (pb.tp * pb.pp):  # the pinned tp × pp leave no whole data-parallel degree
         yield (
             {"tp": pb.tp, "pp": pb.pp},
-            f"pinned tp {pb.tp} × pp {pb.pp} does not divide world {pb.cluster.world} devices",
+            pins_problem({"tp": pb.tp, "pp": pb.pp}, pb.cluster.world),
             None,
         )
         return

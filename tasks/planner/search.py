@@ -239,13 +239,22 @@ def _micro_batches(pb: Problem, per_rank: int) -> list[int]:
     return fits if pb.shape is not None else fits[-1:]  # without a shape the micro-batch changes nothing
 
 
+def pins_problem(pins: dict, world: int) -> str:
+    """Pinned degrees whose product leaves no whole data-parallel degree on `world` devices: more devices than there
+    are ("exceeds"), or a count that does not divide them."""
+    names = " × ".join(f"{k} {v}" for k, v in pins.items())
+    product = math.prod(pins.values())
+    if product > world:
+        return f"pinned {names}{f' = {product}' if len(pins) > 1 else ''} exceeds world {world} devices"
+    return f"pinned {names} does not divide world {world} devices"
+
+
 def candidates(pb: Problem):
     """Yield (row, reason, layout): every combination; reason None when it can run (memory not yet checked),
     layout None when the row is rejected before a full layout exists."""
     c = pb.cluster
     if pb.pins and c.world % math.prod(pb.pins.values()):
-        pins = " × ".join(f"{k} {v}" for k, v in pb.pins.items())
-        yield dict(pb.pins), f"pinned {pins} does not divide world {c.world} devices", None
+        yield dict(pb.pins), pins_problem(pb.pins, c.world), None
         return
     if len(pb.pins) == 3 and math.prod(pb.pins.values()) != c.world:
         yield dict(pb.pins), layout_problem(pb, pb.pins["dp"], pb.pins["tp"], pb.pins["pp"]), None

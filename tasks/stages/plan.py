@@ -350,7 +350,7 @@ def _check_set_degrees(cfg: PipelineConfig, ctx, pins: dict, cluster) -> None:
         product *= v
     if world % product == 0 and (len(pins) < 3 or product == world):
         return
-    how = "does not divide" if world % product else "is not"
+    how = "exceeds" if product > world else "does not divide" if world % product else "is not"
     raise StageError(
         f"--set {' '.join(f'parallel.{k}={v}' for k, v in kept.items())}: "
         f"{' × '.join(f'{k} {v}' for k, v in pins.items())}{f' = {product}' if len(pins) > 1 else ''} {how} the "
