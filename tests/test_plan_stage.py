@@ -540,3 +540,12 @@ def test_a_llama_3_1_config_is_planned_with_trainings_rope_refusal_said(tmp_path
     assert f"training would refuse it as model.hf_path: {refusal.value}" in result["summary"]
     assert "rope_type 'llama3'" in result["summary"] and "\n" not in result["summary"]
     assert result["best"]["total_bytes"] > 0
+
+
+def test_more_ranks_a_node_than_the_cluster_has_devices_is_refused_in_one_line(tmp_path):
+    """hardware.nproc_per_node 16 on 910b (8 NPUs a node) was planned as one node of 16 devices without a word."""
+    with pytest.raises(StageError) as err:
+        plan_of(tmp_path, "qwen2-7b-910b", sets=["hardware.nproc_per_node=16"])
+    assert str(err.value).startswith("hardware.nproc_per_node: 16 exceeds the 8 devices a 910b node has")
+    assert "\n" not in str(err.value)
+    assert plan_of(tmp_path, "llama3-70b-910c")["status"] in ("ok", "warn")  # 910c: 16 a node

@@ -234,6 +234,19 @@ def _cluster(cfg: PipelineConfig, ctx):
             f"--cluster ({', '.join(k for k, v in CLUSTERS.items() if v.kind != 'cpu')}), or set "
             f"hardware.cluster explicitly"
         )
+    node = CLUSTERS.get(name)
+    if (
+        own
+        and node
+        and node.kind != "cpu"
+        and hw.nproc_per_node > node.devices_per_node
+        and not _arg(ctx, "devices_per_node")
+    ):  # a node holds no more devices than its preset's: 16 ranks on one 8-NPU node was planned as 1 × 16 devices
+        raise StageError(
+            f"hardware.nproc_per_node: {hw.nproc_per_node} exceeds the {node.devices_per_node} devices a "
+            f"{name} node has (hardware.cluster {name}); set hardware.nproc_per_node <= {node.devices_per_node} and "
+            "more hardware.nnodes, or plan another node with --devices-per-node"
+        )
     return get_cluster(
         name,
         nodes=_arg(ctx, "nodes") or (hw.nnodes if own else 0),
