@@ -549,3 +549,23 @@ def test_more_ranks_a_node_than_the_cluster_has_devices_is_refused_in_one_line(t
     assert str(err.value).startswith("hardware.nproc_per_node: 16 exceeds the 8 devices a 910b node has")
     assert "\n" not in str(err.value)
     assert plan_of(tmp_path, "llama3-70b-910c")["status"] in ("ok", "warn")  # 910c: 16 a node
+
+
+def test_a_vocabulary_over_the_checkpoints_embedding_names_where_it_comes_from(tmp_path):
+    """Without a shard set the size is data.vocab_size (the BPE the shard stage would train): the line said "the
+    shard set's tokenizer has 151646 tokens" of a set that does not exist."""
+    transformers = pytest.importorskip("transformers")
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4)
+    transformers.LlamaConfig(**shape, num_key_value_heads=2, vocab_size=128256).save_pretrained(tmp_path / "llama")
+    sets = [f"model.hf_path={tmp_path / 'llama'}"]
+    with pytest.raises(ConfigError) as err:
+        plan_of(tmp_path / "new", "qwen2-7b-910b", sets=sets)
+    assert str(err.value).startswith(
+        "model.hf_path: data.vocab_size (the BPE tokenizer the shard stage would train; no shard set here) has "
+        "151646 tokens but the checkpoint's embedding only 128256"
+    ), str(err.value)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "shard.json").write_text(json.dumps({"status": "ok", "seq_len": 4096, "vocab_size": 151646}))
+    with pytest.raises(ConfigError) as err:
+        plan_of(tmp_path / "run", "qwen2-7b-910b", sets=sets)
+    assert str(err.value).startswith("model.hf_path: the shard set's tokenizer has 151646 tokens but"), str(err.value)

@@ -16,13 +16,16 @@ WEIGHT_SHAPE = tuple(k for k in SHAPE_OVERRIDES if k not in NOT_IN_WEIGHTS)
 MOE_ONLY = ("top_k", "moe_ffn_dim", "shared_ffn_dim", "aux_loss_coef", "capacity_factor")
 
 
-def from_pipeline(cfg, vocab_size: int | None = None, check_seq_len: bool = True) -> TransformerConfig:
+def from_pipeline(
+    cfg, vocab_size: int | None = None, check_seq_len: bool = True, vocab_from: str = ""
+) -> TransformerConfig:
     """The model of a PipelineConfig: `TransformerConfig.from_preset(model.preset, **overrides)`, or
     `from_hf_config(model.hf_path, **overrides)`, checked against the shard set.
 
     `vocab_size` is the tokenizer's size: it fills the embedding of a preset without a vocabulary of its own (debug,
-    demo, moe-demo) and must fit in any model. `check_seq_len` False: data.seq_len may exceed the model's
-    max_seq_len (the planner sizes any length, and says what training would refuse: seq_len_problem).
+    demo, moe-demo) and must fit in any model; `vocab_from` says where that size comes from when it is not a shard
+    set's tokenizer (a plan without one: "data.vocab_size (…)"). `check_seq_len` False: data.seq_len may exceed the
+    model's max_seq_len (the planner sizes any length, and says what training would refuse: seq_len_problem).
     """
     mc = cfg.model
     if mc.hf_path:
@@ -57,15 +60,21 @@ def from_pipeline(cfg, vocab_size: int | None = None, check_seq_len: bool = True
         )
     tcfg.validate()
     if vocab_size and vocab_size > tcfg.vocab_size and mc.hf_path:
+        # a shard set's tokenizer may be the checkpoint's own (then the checkpoint disagrees with itself)
+        which = vocab_from or "the shard set's tokenizer"
+        same = (
+            ""
+            if vocab_from
+            else " — if that is the one, the checkpoint's tokenizer and its config.json's vocab_size disagree: fix "
+            "the checkpoint"
+        )
         raise ConfigError(
-            f"model.hf_path: the shard set's tokenizer has {vocab_size} tokens but the checkpoint's "
-            f"embedding only {tcfg.vocab_size}; shard with the checkpoint's own tokenizer "
-            f"(data.tokenizer={mc.hf_path}) — if that is the one, the checkpoint's tokenizer and its config.json's "
-            "vocab_size disagree: fix the checkpoint"
+            f"model.hf_path: {which} has {vocab_size} tokens but the checkpoint's embedding only {tcfg.vocab_size}; "
+            f"shard with the checkpoint's own tokenizer (data.tokenizer={mc.hf_path}){same}"
         )
     if vocab_size and vocab_size > tcfg.vocab_size:
         raise ConfigError(
-            f"model.vocab_size: tokenizer has {vocab_size} tokens but the model embedding only "
+            f"model.vocab_size: {vocab_from or 'tokenizer'} has {vocab_size} tokens but the model embedding only "
             f"{tcfg.vocab_size}; set model.vocab_size >= {vocab_size} (or leave it unset on a CPU-sized preset)"
         )
     problem = seq_len_problem(cfg.data.seq_len, tcfg)

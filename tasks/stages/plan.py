@@ -150,11 +150,11 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
         derived, rule = custom_fields(family or "llama3", shape["dim"], shape["n_heads"], shape)
         tcfg, name = TransformerConfig(**derived, **shape), "custom"
     else:
-        shard = ctx.inputs.get("shard") or {}
-        vocab = shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None)
+        vocab, vocab_from = _vocab(cfg, ctx)
         # the planned length need not fit the model's RoPE table (only its shape matters): what training would refuse
         # is a warning in run() (_seq_len_warning)
-        tcfg, name = from_pipeline(cfg, vocab_size=vocab, check_seq_len=False), cfg.model.hf_path or cfg.model.preset
+        tcfg = from_pipeline(cfg, vocab_size=vocab, check_seq_len=False, vocab_from=vocab_from)
+        name = cfg.model.hf_path or cfg.model.preset
     if tcfg.n_experts and shape:  # the MoE planner takes no shape flags: refused, never a silent dense model
         raise StageError(
             f"{', '.join('--' + f.replace('_', '-') for f, v in _SHAPE_FLAGS.items() if v in shape)}: {name} is a "
@@ -176,6 +176,17 @@ def _model(cfg: PipelineConfig, ctx, seq_len: int):
             f"{'; ' + rule if rule else ''})"
         ),
     )
+
+
+def _vocab(cfg: PipelineConfig, ctx) -> tuple[int | None, str]:
+    """(the tokenizer size the config's model must hold, where it comes from for from_pipeline's lines): the run
+    directory's shard set's, else data.vocab_size when the shard stage would train the BPE, else none known."""
+    shard = ctx.inputs.get("shard") or {}
+    if shard.get("vocab_size"):
+        return shard["vocab_size"], ""
+    if cfg.data.tokenizer == "train":
+        return cfg.data.vocab_size, "data.vocab_size (the BPE tokenizer the shard stage would train; no shard set here)"
+    return None, ""
 
 
 def _count(n: float) -> str:
@@ -440,12 +451,8 @@ def _moe_model(cfg: PipelineConfig, ctx):
     elif _arg(ctx, "model"):
         tcfg = TransformerConfig.from_preset(_arg(ctx, "model"))
     else:
-        shard = ctx.inputs.get("shard") or {}
-        tcfg = from_pipeline(
-            cfg,
-            vocab_size=shard.get("vocab_size") or (cfg.data.vocab_size if cfg.data.tokenizer == "train" else None),
-            check_seq_len=False,
-        )
+        vocab, vocab_from = _vocab(cfg, ctx)
+        tcfg = from_pipeline(cfg, vocab_size=vocab, check_seq_len=False, vocab_from=vocab_from)
     return (
         (tcfg, _arg(ctx, "hf_config") or _arg(ctx, "model") or cfg.model.hf_path or cfg.model.preset)
         if tcfg.n_experts
