@@ -177,3 +177,18 @@ def test_ranking_prefers_faster_then_smaller_and_table_renders():
     assert text.startswith("header line")
     assert f"feasible plans: {len(result['plans'])}" in text
     assert len([ln for ln in text.splitlines() if ln[:3].strip().isdigit()]) == 5
+
+
+def test_the_tables_other_column_is_what_its_legend_says():
+    """'other' is buffers_bytes + the reserve: without ZeRO 3 it still holds TP's whole-vocabulary embedding
+    gradients (Llama-3-8B dp2 tp2 pp2 zero0 on h100: 5.2 GB against a 1 GB reserve), which the legend left out."""
+    from tasks.model.config import get_preset
+
+    c = get_cluster("h100-80g")
+    pb = Problem(c, get_preset("llama3-8b"), 8192, 64, zero_stages=[0], pins={"dp": 2, "tp": 2, "pp": 2})
+    result = search(pb)
+    row = result["plans"][0]
+    assert row["zero"] == 0 and row["buffers_bytes"] > 4 * row["reserve_bytes"] > 0
+    text = render(result, "header line")
+    assert "ZeRO-3 gather buffers + runtime reserve" not in text
+    assert "under TP an untied embedding's whole-vocabulary gradients" in text and "FSDP's root unit" in text

@@ -11,6 +11,15 @@ _HEAD = (
 )
 
 
+# What the 'other' column holds: memory.stage_breakdown's buffers_bytes (transient whole tensors, each counted only
+# where it applies) + the runtime reserve.
+OTHER = (
+    "'other' = transient buffers (ZeRO-3's gathered layers; under ZeRO 2/3 FSDP's root unit: embedding/output "
+    "gradient whole until the reduce-scatter; under TP an untied embedding's whole-vocabulary gradients; a tied "
+    "embedding's second gradient) + runtime reserve"
+)
+
+
 def plan_line(i, p: dict, unit: float = GB) -> str:
     other = p["buffers_bytes"] + p["reserve_bytes"]
     mem = " ".join(
@@ -56,7 +65,7 @@ def render(result: dict, header: str, top_k: int = 10, rejected_k: int = 10, pin
         lines += ["", "alternatives:"]
     lines += [
         f"feasible plans: {len(plans)} (memory in {name} = 1e{6 if small else 9} bytes per device; "
-        f"'other' = ZeRO-3 gather buffers + runtime reserve; step s assumes no compute/communication overlap)"
+        f"{OTHER}; step s assumes no compute/communication overlap)"
     ]
     lines += [_HEAD] if plans else []
     lines += [plan_line(i, p, unit) for i, p in enumerate(plans[:top_k], 1)]
