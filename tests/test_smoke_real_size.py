@@ -323,3 +323,23 @@ def test_a_trained_checkpoint_must_not_rise_random_weights_must_fall(cfg):
     assert verdict({"fp32": Curve("fp32", noisy, revisit=[3.578, 3.571])}, cfg, pretrained=True)[0] == []
     (line,) = verdict({"fp32": Curve("fp32", noisy, revisit=[3.578, 3.75])}, cfg, pretrained=True)[0]
     assert line.startswith("FP32 loss rose from the checkpoint's: the first 5 batches' mean 3.5780 → 3.7500 after 10")
+
+
+def test_the_real_size_docs_state_the_8b_estimate_with_its_conditions():
+    """docs/real-size.md gave "≈ 135 GB by the planner's estimate" for Llama-3-8B at seq 128: that is micro-batch 4
+    (demo-cpu's smoke.micro_batch, smoke's line); estimate_for_run at micro-batch 1 gives 130.1 GB. Both, each with
+    its micro-batch."""
+    from pathlib import Path
+
+    from tasks.config import load_config
+    from tasks.model.config import get_preset
+    from tasks.planner import estimate_for_run
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "real-size.md").read_text(encoding="utf-8")
+    shape = get_preset("llama3-8b")
+    one = estimate_for_run(shape, 128, 1, precision="fp32") / 1e9
+    smoke_mb = load_config("demo-cpu").smoke.micro_batch
+    smoke = estimate_for_run(shape, 128, smoke_mb, precision="fp32") / 1e9
+    assert f"{one:.1f} GB at micro-batch 1, {smoke:.1f} GB at demo-cpu's `smoke.micro_batch` {smoke_mb}" in " ".join(
+        text.split()
+    )
