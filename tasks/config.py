@@ -46,7 +46,9 @@ class HardwareConfig(Section):
     node_rank: int = Field(0, ge=0, le=4095)
     rdzv_endpoint: str = "127.0.0.1:29400"  # rendezvous host:port (multi-node: node 0's address, as all nodes reach it)
     cluster: str = "cpu-laptop"  # planner cluster preset (910b, 910c, a100-80g, h100-80g, cpu-laptop)
-    device_memory_gb: float = Field(0.0, ge=0.0, le=1e5)  # 0 = from the cluster preset / measured
+    # per device, decimal GB; 0 = the cluster preset's. Never taken from the host: the env stage fails when the measured
+    # memory (npu-smi's HBM total, torch's total_memory on CUDA) is below the figure used (device-memory check).
+    device_memory_gb: float = Field(0.0, ge=0.0, le=1e5)
     intra_node_gbps: float = Field(0.0, ge=0.0, le=1e6)  # 0 = from the cluster preset
     inter_node_gbps: float = Field(0.0, ge=0.0, le=1e6)
     # One all-to-all call's fixed cost (α) in the MoE planner (tasks/planner/moe.py); the dense plan's collectives are

@@ -178,3 +178,40 @@ def test_stage_failure_is_one_line_and_still_reported(cfg, tmp_path, fake_npu_sm
     run_id = read_json(tmp_path / "run" / "env.json")["mlflow_run_id"]  # the failed run still holds the facts
     assert mlflow.MlflowClient(cfg.tracking.uri).get_run(run_id).data.metrics["env.checks_fail"] == 2
     assert {c["name"] for c in report["checks"] if c["status"] == "fail"} == {"driver-firmware", "npu-health"}
+
+
+def test_device_memory_below_the_plans_sizing_fails_the_stage(cfg, tmp_path, monkeypatch):
+    """Two 910B4 chips with 32 GB of HBM under the 910b preset (64 GB per device, what plan, smoke and rehearsal size
+    with): the env stage fails naming both figures and the fix; it used to record 32768 MB and say only npu-health ok.
+    The npu-smi text is the 910B2C fixture with a 910B4's name and HBM total."""
+    text = (ENV / "npu-smi" / "910b2c.txt").read_text().replace("910B2C", "910B4 ").replace("65536", "32768")
+    (tmp_path / "910b4.txt").write_text(text)
+    exe = tmp_path / "bin" / "npu-smi"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\ncat '{tmp_path / '910b4.txt'}'\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+    cfg.hardware.cluster = "910b"
+    args = argparse.Namespace(no_probe=True, ascend_root=str(ENV / "ascend-legacy"))
+    with pytest.raises(StageError) as err:
+        run_stage("env", cfg, tmp_path / "run", args=args)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("device-memory: each device has 34.36 GB (npu-smi: 910B4 HBM total 32768 MiB)")
+    assert "the plan sizes devices with 64 GB (hardware.cluster 910b's preset memory)" in msg
+    assert "set hardware.device_memory_gb to the real size (34.36) or pick the hardware.cluster" in msg
+    report = read_json(tmp_path / "run" / "env" / "env.json")
+    assert report["device_memory"] == {
+        "measured_gb": 34.36,
+        "measured": "npu-smi: 910B4 HBM total 32768 MiB",
+        "sizing_gb": 64.0,
+    }
+
+    from tasks.stages.env import _device_memory_check
+
+    cfg.hardware.device_memory_gb = 32.0  # the real size given: the plan now sizes with it
+    memory = _device_memory_check(cfg, {"npu_smi": report["npu_smi"]})
+    assert memory["status"] == "ok" and "(hardware.device_memory_gb)" in memory["detail"]
+    cfg.hardware.device_memory_gb, cfg.hardware.cluster = 0.0, "cpu-laptop"  # a CPU preset sizes host memory
+    assert _device_memory_check(cfg, {"npu_smi": report["npu_smi"]}) is None

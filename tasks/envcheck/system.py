@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tasks.config import HardwareConfig, watchdog_problem
 from tasks.envcheck import check
-from tasks.units import GB
+from tasks.units import GB, MIB
 
 
 def _bounds(field: str) -> tuple[int, int]:
@@ -202,6 +202,51 @@ def check_visible(
         "visible-devices",
         "ok",
         f"{ranks} ranks on {device_count} visible {label}" + (f" ({var}={value})" if value else ""),
+    )
+
+
+# --- device memory vs the plan's sizing -------------------------------------------------------------------------
+
+
+def measured_device_memory(kind: str, facts: dict) -> dict | None:
+    """The smallest per-device memory this host reports for an accelerator of `kind` (the cluster preset's kind), in
+    GB: npu-smi's HBM total per chip on Ascend (MiB, tasks/npu_smi.py; any backend: npu-smi answers without
+    torch_npu), torch's `get_device_properties(i).total_memory` on CUDA (the env stage's `devices` facts). None when
+    the host does not report one."""
+    if kind == "npu":
+        chips = [c for c in (facts.get("npu_smi") or {}).get("chips", []) if c.get("memory_total_mb")]
+        hbm = [c for c in chips if c.get("memory_kind") == "HBM"] or chips
+        if hbm:
+            low = min(hbm, key=lambda c: c["memory_total_mb"])
+            return {
+                "gb": round(low["memory_total_mb"] * MIB / GB, 2),
+                "source": f"npu-smi: {low['name']} {low['memory_kind']} total {low['memory_total_mb']} MiB",
+            }
+    if kind == "cuda" and (facts.get("backend") or {}).get("kind") == "cuda" and facts.get("devices"):
+        low = min(facts["devices"], key=lambda d: d["memory_gb"])
+        return {"gb": low["memory_gb"], "source": f"torch: {low['name']} total_memory"}
+    return None
+
+
+def check_device_memory(measured: dict | None, sizing_gb: float, sizing_source: str) -> dict | None:
+    """The plan, the smoke budget and the rehearsal size every device with `sizing_gb` (hardware.device_memory_gb,
+    else the cluster preset's): a device with less memory than that is a plan that cannot fit, so a failure naming
+    both figures and the fix. None when nothing was measured."""
+    if measured is None:
+        return None
+    if measured["gb"] < sizing_gb:
+        return check(
+            "device-memory",
+            "fail",
+            f"each device has {measured['gb']:g} GB ({measured['source']}) but the plan sizes devices with "
+            f"{sizing_gb:g} GB ({sizing_source}): set hardware.device_memory_gb to the real size "
+            f"({measured['gb']:g}) or pick the hardware.cluster that matches these devices",
+        )
+    return check(
+        "device-memory",
+        "ok",
+        f"{measured['gb']:g} GB per device ({measured['source']}), at least the {sizing_gb:g} GB the plan sizes "
+        f"with ({sizing_source})",
     )
 
 

@@ -108,12 +108,32 @@ def _system_checks(cfg: PipelineConfig, ctx, backend: device.Backend | None, fac
                 len(chips) if chips and kind == "npu" else None,
             )
         )
+    checks.extend(filter(None, [_device_memory_check(cfg, facts)]))
     checks.append(system.check_host_memory(host["memory_available_gb"], host["memory_total_gb"], hw.min_host_memory_gb))
     disk_check, facts["free_disk_gb"] = system.check_disk(
         {"shards": repo_path(cfg.data.out_dir), "checkpoints": ctx.run_dir}, hw.min_free_disk_gb
     )
     checks.append(disk_check)
     _network_checks(cfg, kind, facts, checks)
+
+
+def _device_memory_check(cfg: PipelineConfig, facts: dict) -> dict | None:
+    """The measured per-device memory (npu-smi's HBM total; torch's total_memory on CUDA) against the figure the plan,
+    smoke and rehearsal size with: hardware.device_memory_gb, else hardware.cluster's preset (tasks/planner/cluster.py,
+    as tasks/stages/plan.py and tasks/model/sibling.py read it). Only for an accelerator cluster: a CPU preset's
+    figure is host memory per rank, not a device's."""
+    from tasks.planner.cluster import PRESETS
+
+    hw = cfg.hardware
+    preset = PRESETS.get(hw.cluster)
+    if preset is None or preset.kind == "cpu":
+        return None
+    measured = system.measured_device_memory(preset.kind, facts)
+    sizing = hw.device_memory_gb or preset.memory_gb
+    source = "hardware.device_memory_gb" if hw.device_memory_gb else f"hardware.cluster {hw.cluster}'s preset memory"
+    if measured is not None:
+        facts["device_memory"] = {"measured_gb": measured["gb"], "measured": measured["source"], "sizing_gb": sizing}
+    return system.check_device_memory(measured, sizing, source)
 
 
 def _network_checks(cfg: PipelineConfig, kind: str, facts: dict, checks: list) -> None:
