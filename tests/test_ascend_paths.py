@@ -78,6 +78,29 @@ def test_hccl_event_timeout_zero_and_pg_timeout_pair():
     assert c["status"] == "warn" and "never times out" in c["detail"]
 
 
+def test_hccl_event_timeout_unset_is_exec_plus_30_and_exec_never_with_event_set_warns(monkeypatch):
+    """torch_npu's ProcessGroupHCCL (Ascend/pytorch torch_npu/csrc/distributed/ProcessGroupHCCL.cpp): an unset
+    HCCL_EVENT_TIMEOUT waits HCCL_EXEC_TIMEOUT + 30 s, so llama3-70b-910c's EXEC 5600 is consistent without one (the
+    check shows the wait in force, it used to say nothing about it); the docs' 1868 s exported beside EXEC 5600 warns,
+    and so does EVENT set while EXEC is 0 (never), as torch_npu does."""
+    from tasks import device
+    from tasks.config import load_config
+
+    for var in ("HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT", "HCCL_EVENT_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load_config("llama3-70b-910c")
+    hccl = device.hccl_env(cfg.hardware)
+    c = system.check_hccl(hccl, "npu", cfg.train.timeout_s)
+    assert (
+        c["status"] == "ok"
+        and "HCCL_EVENT_TIMEOUT unset (torch_npu waits 5630 s: HCCL_EXEC_TIMEOUT + 30)" in c["detail"]
+    )
+    c = system.check_hccl({**hccl, "HCCL_EVENT_TIMEOUT": "1868"}, "npu", cfg.train.timeout_s)
+    assert c["status"] == "warn" and "HCCL_EVENT_TIMEOUT=1868 should exceed HCCL_EXEC_TIMEOUT=5600" in c["detail"]
+    c = system.check_hccl({**hccl, "HCCL_EXEC_TIMEOUT": "0", "HCCL_EVENT_TIMEOUT": "1868"}, "npu", 6000)
+    assert c["status"] == "warn" and "HCCL_EVENT_TIMEOUT=1868 ends the wait while HCCL_EXEC_TIMEOUT=0" in c["detail"]
+
+
 def test_default_pg_timeout_exceeds_default_exec_timeout():
     from tasks.config import ConfigError, load_config
 

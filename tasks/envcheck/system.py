@@ -112,8 +112,14 @@ def check_clock(clock: dict, nnodes: int, max_offset_ms: float, warn_offset_ms: 
 def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = None) -> dict:
     """HCCL_*_TIMEOUT must be integers in CANN's ranges (a failure on NPU, a warning elsewhere).
 
-    - HCCL_EVENT_TIMEOUT=0 means "never time out" (documented); EVENT <= EXEC only makes torch_npu warn, so it is a
-      warning here too (Ascend/pytorch docs/zh/api/environment_variable/collective_communication/HCCL_EVENT_TIMEOUT.md).
+    - HCCL_EVENT_TIMEOUT (torch_npu's wait on HCCL's events): 0 means "never time out"; when set it must exceed
+      HCCL_EXEC_TIMEOUT (Ascend/pytorch docs/zh/api/environment_variable/collective_communication/
+      HCCL_EVENT_TIMEOUT.md). torch_npu only warns when EVENT <= EXEC, or when EXEC is 0 (never) and EVENT is set, so
+      both are warnings here too. Unset, torch_npu waits HCCL_EXEC_TIMEOUT + 30 s (0 when EXEC is 0): the docs'
+      default 1868 s is only the initial value, replaced when the process group starts (ProcessGroupHCCL
+      constructor, kOpWaitTimeoutOffset = 30, torch_npu/csrc/distributed/ProcessGroupHCCL.cpp on master and the
+      v2.7.1-7.3.0, v2.7.1-26.0.0, v2.12.0-26.1.0 branches) — so an unset one always exceeds EXEC: the check
+      shows the value in force instead of the documented default.
     - The process-group timeout (train.timeout_s) must exceed HCCL_EXEC_TIMEOUT, or the torch watchdog kills the
       job before HCCL reports which collective and rank failed: a failure on NPU.
     """
@@ -134,6 +140,11 @@ def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = Non
             f"HCCL_EVENT_TIMEOUT={ev} should exceed HCCL_EXEC_TIMEOUT={ex} (torch_npu warns; the event "
             f"wait may end first and hide the execution error)"
         )
+    elif ev and ex == 0:
+        warnings.append(
+            f"HCCL_EVENT_TIMEOUT={ev} ends the wait while HCCL_EXEC_TIMEOUT=0 never times out (torch_npu warns): "
+            f"unset HCCL_EVENT_TIMEOUT, or set both"
+        )
     if pg_timeout_s is not None and ex is not None:
         if ex == 0:
             warnings.append(
@@ -147,6 +158,9 @@ def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = Non
     if warnings and kind == "npu":
         return check("hccl-timeouts", "warn", "; ".join(warnings))
     shown = ", ".join(f"{k}={v}" for k, v in parsed.items())
+    if "HCCL_EVENT_TIMEOUT" not in values and ex is not None:
+        wait = f"{ex + 30} s: HCCL_EXEC_TIMEOUT + 30" if ex else "forever: HCCL_EXEC_TIMEOUT is 0"
+        shown += f", HCCL_EVENT_TIMEOUT unset (torch_npu waits {wait})"
     if pg_timeout_s is not None:
         shown += f", train.timeout_s={pg_timeout_s}"
     return check("hccl-timeouts", "ok", shown + ("" if kind == "npu" else f" (unused on {kind})"))
