@@ -67,7 +67,9 @@ class HardwareConfig(Section):
     # false: the env stage skips its torchrun collective probe (a warning says so), as `python -m tasks env --no-probe`
     # does; for DAG runs on hosts whose links an earlier run already probed
     collective_probe: bool = True
-    expected_bus_gbps: float = Field(0.0, ge=0.0, le=1e6)  # 0 = backend default (HCCS ~50 GB/s on NPU, none on CPU)
+    # the env probe warns below half of it; 0 = the cluster's link figure (intra_node_gbps / the preset's; across
+    # nodes inter_node_gbps / the preset's) when hardware.cluster is of the backend's kind, else none (probe.py)
+    expected_bus_gbps: float = Field(0.0, ge=0.0, le=1e6)
     # Clock offset to NTP, multi-node: warn above 10 ms (cross-node profile timelines stop lining up), fail above
     # 500 ms (HCCL link set-up times out across nodes) — the field guides' two numbers, README "Ascend: thresholds".
     warn_clock_offset_ms: float = Field(10.0, ge=0.0, le=1e7)

@@ -127,15 +127,38 @@ def _result(busbw, ok=True, world=8):
 
 
 def test_probe_judgement():
-    assert [c["status"] for c in probe.judge(_result(46.0), "npu")] == ["ok", "ok"]
-    slow = probe.judge(_result(20.0), "npu")[1]
-    assert slow["status"] == "warn" and "below half the expected 50 GB/s" in slow["detail"]
+    assert [c["status"] for c in probe.judge(_result(46.0), "npu", 56.0)] == ["ok", "ok"]
+    slow = probe.judge(_result(20.0), "npu", 56.0, "hardware.cluster 910b's intra-node figure")[1]
+    assert slow["status"] == "warn"
+    assert "below half the expected 56 GB/s (hardware.cluster 910b's intra-node figure)" in slow["detail"]
     assert probe.judge(_result(20.0), "npu", expected_bus_gbps=30.0)[1]["status"] == "ok"
     assert probe.judge(_result(1.0), "cpu")[1]["status"] == "ok"  # no expectation on CPU
     assert probe.judge(_result(46.0, ok=False), "npu")[0]["status"] == "fail"
     assert probe.judge({"error": "collective probe failed (torchrun exit 1): x"}, "cpu")[0]["status"] == "fail"
     argv = probe.command("cpu", 2, [1.0, 16.0], Path("/tmp/p.json"))
     assert argv[1:4] == ["-m", "torch.distributed.run", "--standalone"] and "--nproc-per-node=2" in argv
+
+
+def test_probe_expects_the_cluster_presets_link_figure():
+    """The expected bus bandwidth was 910B's ~50 GB/s on every NPU cluster: a 910c node measuring 60 GB/s (under a
+    third of the 196 GB/s per die its plan assumes) passed. Now: the cluster's intra-node figure (inter-node across
+    nodes), hardware.* overrides first, none when the preset is not of the backend's kind."""
+    from tasks.config import load_config
+
+    one = load_config("llama3-70b-910c", sets=["hardware.nnodes=1"]).hardware
+    assert probe.expected_bus("npu", one) == (196.0, "hardware.cluster 910c's intra-node figure")
+    slow = probe.judge(_result(60.0), "npu", *probe.expected_bus("npu", one))[1]
+    assert slow["status"] == "warn" and "below half the expected 196 GB/s (hardware.cluster 910c's" in slow["detail"]
+    eight = load_config("llama3-70b-910c").hardware  # 8 nodes: the world's ring crosses the 25 GB/s RDMA ports
+    assert probe.expected_bus("npu", eight) == (25.0, "hardware.cluster 910c's inter-node figure")
+    b = load_config("qwen2-7b-910b").hardware
+    assert probe.expected_bus("npu", b) == (56.0, "hardware.cluster 910b's intra-node figure")
+    b.intra_node_gbps = 40.0
+    assert probe.expected_bus("npu", b) == (40.0, "hardware.intra_node_gbps")
+    b.expected_bus_gbps = 30.0
+    assert probe.expected_bus("npu", b) == (30.0, "hardware.expected_bus_gbps")
+    assert probe.expected_bus("cuda", load_config("qwen2-7b-910b").hardware) == (0.0, "")  # a 910b preset on CUDA
+    assert probe.expected_bus("cpu", load_config("demo-cpu").hardware) == (0.0, "")
 
 
 def test_bad_probe_sizes_are_a_config_error(cfg):

@@ -1,7 +1,11 @@
 """Collective probe: torchrun one rank per local device (2 on CPU) running probe_worker, then judge the result.
 
-On NPU the bus bandwidth is compared with the intra-node HCCS figure (~50 GB/s on 910B) and flagged below half:
-a slow ring usually means a bad topology, a wrong ASCEND_RT_VISIBLE_DEVICES split or a degraded link.
+On an accelerator the bus bandwidth is compared with the link figure the plan uses and flagged below half: a slow ring
+usually means a bad topology, a wrong ASCEND_RT_VISIBLE_DEVICES split or a degraded link. The figure is
+hardware.expected_bus_gbps when set, else the configured cluster's (tasks/planner/cluster.py: hardware.intra_node_gbps
+or the preset's intra-node figure, 56 GB/s on 910b, 196 GB/s per die on 910c; across nodes the ring's slowest hop is
+the inter-node link, so hardware.inter_node_gbps or the preset's); none on CPU or when the cluster preset is not of
+the backend's kind.
 """
 
 from __future__ import annotations
@@ -17,7 +21,23 @@ from tasks.config import REPO_ROOT
 from tasks.envcheck import check
 from tasks.fsutil import read_json
 
-DEFAULT_EXPECTED_BUS_GBPS = {"npu": 50.0}  # HCCS intra-node, 910B; CUDA/CPU: no default expectation
+
+def expected_bus(kind: str, hardware) -> tuple[float, str]:
+    """(GB/s, where it comes from) the probe's bus bandwidth is judged against; (0.0, "") for no expectation."""
+    from tasks.planner.cluster import PRESETS
+
+    if hardware.expected_bus_gbps:
+        return hardware.expected_bus_gbps, "hardware.expected_bus_gbps"
+    preset = PRESETS.get(hardware.cluster)
+    if kind == "cpu" or preset is None or preset.kind != kind:
+        return 0.0, ""
+    if hardware.nnodes > 1:  # the probe's all_reduce spans the nodes: its ring runs at the inter-node links' rate
+        if hardware.inter_node_gbps:
+            return hardware.inter_node_gbps, "hardware.inter_node_gbps"
+        return preset.inter_gbps, f"hardware.cluster {preset.name}'s inter-node figure"
+    if hardware.intra_node_gbps:
+        return hardware.intra_node_gbps, "hardware.intra_node_gbps"
+    return preset.intra_gbps, f"hardware.cluster {preset.name}'s intra-node figure"
 
 
 def command(
@@ -107,8 +127,9 @@ def run(
     return read_json(out)
 
 
-def judge(result: dict, kind: str, expected_bus_gbps: float = 0.0) -> list[dict]:
-    """all_reduce correctness (fail) and bus bandwidth against the expected figure (warn below half)."""
+def judge(result: dict, kind: str, expected_bus_gbps: float = 0.0, expected_source: str = "") -> list[dict]:
+    """all_reduce correctness (fail) and bus bandwidth against the expected figure (`expected_bus`; warn below half,
+    nothing to compare when 0)."""
     if "error" in result:
         return [check("allreduce", "fail", result["error"])]
     n = result["world_size"]
@@ -126,18 +147,21 @@ def judge(result: dict, kind: str, expected_bus_gbps: float = 0.0) -> list[dict]
         return out  # one rank: no link to measure
     best = max(result["sizes"], key=lambda s: s["busbw_gbps"])
     figure = f"bus bandwidth {best['busbw_gbps']:.2f} GB/s at {best['size_mb']:g} MB"
-    expected = expected_bus_gbps or DEFAULT_EXPECTED_BUS_GBPS.get(kind, 0.0)
+    expected = expected_bus_gbps
+    source = f" ({expected_source})" if expected_source else ""
     if expected and best["busbw_gbps"] < expected / 2:
         out.append(
             check(
                 "bus-bandwidth",
                 "warn",
-                f"{figure} is below half the expected {expected:g} GB/s: check "
+                f"{figure} is below half the expected {expected:g} GB/s{source}: check "
                 "the device topology (npu-smi info -t topo), the visible devices "
                 "and link health; larger hardware.probe_sizes_mb measure closer "
                 "to peak",
             )
         )
     else:
-        out.append(check("bus-bandwidth", "ok", figure + (f" (expected ~{expected:g} GB/s)" if expected else "")))
+        out.append(
+            check("bus-bandwidth", "ok", figure + (f" (expected ~{expected:g} GB/s{source})" if expected else ""))
+        )
     return out

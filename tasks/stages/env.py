@@ -205,7 +205,7 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
         )
         facts["probe"] = result
         if "error" not in result:
-            checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
+            checks.extend(probe.judge(result, backend.kind, *probe.expected_bus(backend.kind, cfg.hardware)))
         checks.extend(crossnode.judge(result, cfg.hardware))
         return
     result = probe.run(
@@ -217,7 +217,7 @@ def _probe(cfg: PipelineConfig, ctx, backend: device.Backend, facts: dict, check
         launcher=launcher(backend.kind),  # the ranks start as training's do (forked on CPU)
     )
     facts["probe"] = result
-    checks.extend(probe.judge(result, backend.kind, cfg.hardware.expected_bus_gbps))
+    checks.extend(probe.judge(result, backend.kind, *probe.expected_bus(backend.kind, cfg.hardware)))
 
 
 def _summary(facts: dict) -> str:
