@@ -520,6 +520,24 @@ def test_env_stage_names_the_amct_pair():
     assert compat.check_amct(None, "2.13.0", None, None) is None
 
 
+def test_amct_check_agrees_with_the_stack_check_on_cann_8_5_0():
+    """AMCT's pin (torch 2.7.1+cpu, torch_npu 2.7.1.post4) on CANN 8.5.0: the stack check failed ("requires CANN
+    9.0.0", Ascend/pytorch COMPATIBILITY.en.md) while the amct check said ok (AMCT's own floor, CANN >= 8.5.0,
+    hicann/amct README). Both are true: the amct check now also holds torch_npu to the installed CANN's build and
+    names it."""
+    m = compat.load_matrix()
+    stack = compat.check_npu_stack(m, "2.7.1+cpu", "2.7.1.post4", "8.5.0")
+    assert stack["status"] == "fail" and "requires CANN 9.0.0" in stack["detail"]
+    c = compat.check_amct("9.0.0", "2.7.1+cpu", "2.7.1.post4", "8.5.0", m)
+    assert c["status"] == "warn"
+    assert (
+        "torch_npu 2.7.1.post4, the CANN 9.0.0 build, on CANN 8.5.0: pip install torch-npu==2.7.1.post2" in c["detail"]
+    )
+    assert compat.check_npu_stack(m, "2.7.1+cpu", "2.7.1.post2", "8.5.0")["status"] == "ok"
+    assert compat.check_amct("8.5.0", "2.7.1+cpu", "2.7.1.post2", "8.5.0", m)["status"] == "ok"
+    assert compat.check_amct("9.0.0", "2.7.1+cpu", "2.7.1.post4", "9.0.0", m)["status"] == "ok"
+
+
 # --- 10. AMCT PTQ: one device, export-friendly attention, fp32 refused, int8_dynamic is per-token ------------------
 
 

@@ -199,13 +199,19 @@ def check_driver_cann(driver: dict | None, cann: dict | None) -> dict | None:
     return check("driver-cann", "ok", f"driver {driver['version']} is in CANN {cann['version']}'s compatible list")
 
 
-def check_amct(amct: str | None, torch: str | None, torch_npu: str | None, cann: str | None) -> dict | None:
+def check_amct(
+    amct: str | None, torch: str | None, torch_npu: str | None, cann: str | None, matrix: dict | None = None
+) -> dict | None:
     """AMCT (quantize.backend=amct) runs only on its supported pair: CANN >= 8.5.0 and a CPU build of torch 2.1.0 or
-    2.7.1 with the matching torch_npu (hicann/amct README and requirements.txt). None when AMCT is not installed."""
+    2.7.1 with the matching torch_npu (hicann/amct README and docs/zh/quick_install.md: torch_npu 配套 per Ascend's
+    version table). "Matching" is the published table's (compat_matrix.yaml, Ascend/pytorch COMPATIBILITY.en.md):
+    the torch_npu built for the installed CANN — AMCT's own requirements.txt pins 2.7.1.post4, the CANN 9.0.0 build;
+    on CANN 8.5.0 torch 2.7.1's is 2.7.1.post2. None when AMCT is not installed."""
     from tasks.quant.amct_backend import AMCT_MIN_CANN, AMCT_PAIR, AMCT_TORCH
 
     if not amct:
         return None
+    matrix = matrix or load_matrix()
     problems = []
     if not torch or base_version(torch) not in AMCT_TORCH:
         problems.append(f"torch {torch or 'missing'}")
@@ -215,6 +221,16 @@ def check_amct(amct: str | None, torch: str | None, torch_npu: str | None, cann:
         problems.append(f"torch_npu {torch_npu}")
     if not cann or _key(_norm_cann(cann))[:3] < _key(AMCT_MIN_CANN):
         problems.append(f"CANN {cann or 'missing'}")
+    elif torch_npu and not problems:
+        row = next((r for r in matrix["pairs"] if r["torch_npu"] == torch_npu.split("+")[0]), None)
+        if row and _norm_cann(row["cann"]) != _norm_cann(cann):
+            pair = best_pair(matrix, cann, torch)
+            fix = (
+                f": pip install torch-npu=={pair['torch_npu']}"
+                if pair and pair["torch"] == base_version(torch)
+                else f", not the CANN {cann} one"
+            )
+            problems.append(f"torch_npu {torch_npu}, the CANN {row['cann']} build, on CANN {cann}{fix}")
     if problems:
         return check(
             "amct",
@@ -234,6 +250,6 @@ def version_checks(v: dict, matrix: dict | None = None) -> list[dict]:
         check_npu_stack(matrix, v.get("torch"), v.get("torch_npu"), cann),
         check_firmware(v.get("driver"), v.get("firmware")),
         check_driver_cann(v.get("driver"), v.get("cann")),
-        check_amct(v.get("amct"), v.get("torch"), v.get("torch_npu"), cann),
+        check_amct(v.get("amct"), v.get("torch"), v.get("torch_npu"), cann, matrix),
     ]
     return [c for c in out if c]

@@ -28,11 +28,17 @@ FLOW_API = {
     "ptq": ("create_quant_config", "quantize_model", "save_model"),
     "qat": ("create_quant_retrain_config", "create_quant_retrain_model", "save_quant_retrain_model"),
 }
-# AMCT's own requirement (hicann/amct README, requirements.txt): CANN >= 8.5.0, a CPU build of torch 2.1.0 or 2.7.1
-# with the matching torch_npu.
+# AMCT's own requirement (hicann/amct README "CANN（Toolkit & Ops） ≥ 8.5.0", requirements.txt,
+# docs/zh/quick_install.md): CANN >= 8.5.0, a CPU build of torch 2.1.0 or 2.7.1 with the torch_npu built for the
+# installed CANN (Ascend/pytorch COMPATIBILITY.en.md: torch 2.7.1 → 2.7.1.post2 on CANN 8.5.0, 2.7.1.post4 on
+# 9.0.0 — the one AMCT's requirements.txt and requirements-npu-amct.txt pin). tasks/envcheck/compat.check_amct holds
+# the installed stack to it.
 AMCT_TORCH = ("2.1.0", "2.7.1")
 AMCT_MIN_CANN = "8.5.0"
-AMCT_PAIR = "AMCT needs CANN >= 8.5.0 and torch 2.1.0 or 2.7.1 (+cpu build) with the matching torch_npu"
+AMCT_PAIR = (
+    "AMCT needs CANN >= 8.5.0 and torch 2.1.0 or 2.7.1 (+cpu build) with the torch_npu built for that CANN "
+    "(2.7.1.post2 on 8.5.0, 2.7.1.post4 on 9.0.0)"
+)
 
 
 def _exposes(module, name: str) -> bool:
