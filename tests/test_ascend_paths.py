@@ -101,6 +101,22 @@ def test_hccl_event_timeout_unset_is_exec_plus_30_and_exec_never_with_event_set_
     assert c["status"] == "warn" and "HCCL_EVENT_TIMEOUT=1868 ends the wait while HCCL_EXEC_TIMEOUT=0" in c["detail"]
 
 
+def test_aiv_expansion_mode_caps_hccl_exec_timeout_at_1091():
+    """CANN's HCCL_EXEC_TIMEOUT page (canncommercial/900 envref_07_0078): under HCCL_OP_EXPANSION_MODE=AIV on A2/A3 the
+    range is [0, 1091] and 0 or anything above is taken as 1091 s. llama3-70b-910c's 5600 s with AIV exported was
+    accepted without a word; now a warning names the 1091 s HCCL will use."""
+    base = {"HCCL_CONNECT_TIMEOUT": "7200", "HCCL_EXEC_TIMEOUT": "5600"}
+    c = system.check_hccl(base, "npu", 6000, "AIV")
+    assert c["status"] == "warn"
+    assert (
+        "HCCL_EXEC_TIMEOUT=5600 under HCCL_OP_EXPANSION_MODE=AIV: HCCL allows [0, 1091] there and uses 1091 s"
+        in (c["detail"])
+    )
+    assert system.check_hccl(base, "npu", 6000, "AI_CPU")["status"] == "ok"
+    assert system.check_hccl({**base, "HCCL_EXEC_TIMEOUT": "1000"}, "npu", 1900, "AIV")["status"] == "ok"
+    assert "uses 1091 s" in system.check_hccl({**base, "HCCL_EXEC_TIMEOUT": "0"}, "npu", 1900, "AIV")["detail"]
+
+
 def test_default_pg_timeout_exceeds_default_exec_timeout():
     from tasks.config import ConfigError, load_config
 

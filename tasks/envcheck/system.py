@@ -109,7 +109,17 @@ def check_clock(clock: dict, nnodes: int, max_offset_ms: float, warn_offset_ms: 
 # --- HCCL timeouts and visible devices --------------------------------------------------------------------------
 
 
-def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = None) -> dict:
+# HCCL_EXEC_TIMEOUT under HCCL_OP_EXPANSION_MODE=AIV on Atlas A2/A3: range [0, 1091], default 1091,
+# "若设置为0或超出最大值1091，将按照1091处理" (0 or above 1091 is taken as 1091) — CANN 9.0.0 env-var
+# reference, HCCL_EXEC_TIMEOUT
+# (https://www.hiascend.com/document/detail/zh/canncommercial/900/maintenref/envvar/envref_07_0078.html; the same in
+# CANNCommunityEdition/900beta1; 8.1.RC1beta1's page: under AIV the wait is fixed at 1091 s).
+AIV_EXEC_TIMEOUT_MAX = 1091
+
+
+def check_hccl(
+    values: dict[str, str], kind: str, pg_timeout_s: int | None = None, expansion_mode: str | None = None
+) -> dict:
     """HCCL_*_TIMEOUT must be integers in CANN's ranges (a failure on NPU, a warning elsewhere).
 
     - HCCL_EVENT_TIMEOUT (torch_npu's wait on HCCL's events): 0 means "never time out"; when set it must exceed
@@ -122,6 +132,8 @@ def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = Non
       shows the value in force instead of the documented default.
     - The process-group timeout (train.timeout_s) must exceed HCCL_EXEC_TIMEOUT, or the torch watchdog kills the
       job before HCCL reports which collective and rank failed: a failure on NPU.
+    - `expansion_mode` (the exported HCCL_OP_EXPANSION_MODE): under AIV, HCCL takes an EXEC of 0 or above 1091 s as
+      1091 s (AIV_EXEC_TIMEOUT_MAX): a warning naming the value HCCL will use.
     """
     problems, warnings = [], []
     parsed = {}
@@ -144,6 +156,13 @@ def check_hccl(values: dict[str, str], kind: str, pg_timeout_s: int | None = Non
         warnings.append(
             f"HCCL_EVENT_TIMEOUT={ev} ends the wait while HCCL_EXEC_TIMEOUT=0 never times out (torch_npu warns): "
             f"unset HCCL_EVENT_TIMEOUT, or set both"
+        )
+    if (expansion_mode or "").strip().upper() == "AIV" and ex is not None and not 0 < ex <= AIV_EXEC_TIMEOUT_MAX:
+        warnings.append(
+            f"HCCL_EXEC_TIMEOUT={ex} under HCCL_OP_EXPANSION_MODE=AIV: HCCL allows [0, {AIV_EXEC_TIMEOUT_MAX}] there "
+            f"and uses {AIV_EXEC_TIMEOUT_MAX} s for 0 or anything above (CANN HCCL_EXEC_TIMEOUT docs): a collective "
+            f"or checkpoint wait longer than that times out; unset HCCL_OP_EXPANSION_MODE or plan for "
+            f"{AIV_EXEC_TIMEOUT_MAX} s"
         )
     if pg_timeout_s is not None and ex is not None:
         if ex == 0:

@@ -94,7 +94,8 @@ def _system_checks(cfg: PipelineConfig, ctx, backend: device.Backend | None, fac
     if os.environ.get("HCCL_EVENT_TIMEOUT"):
         hccl["HCCL_EVENT_TIMEOUT"] = os.environ["HCCL_EVENT_TIMEOUT"]
     facts["hccl_env"] = hccl
-    checks.append(system.check_hccl(hccl, kind, cfg.train.timeout_s))
+    mode = facts["hccl_op_expansion_mode"] = os.environ.get("HCCL_OP_EXPANSION_MODE")
+    checks.append(system.check_hccl(hccl, kind, cfg.train.timeout_s, mode))
     if backend:
         var = device.visible_devices_env(kind)
         chips = (facts.get("npu_smi") or {}).get("chips")
