@@ -117,6 +117,18 @@ def test_aiv_expansion_mode_caps_hccl_exec_timeout_at_1091():
     assert "uses 1091 s" in system.check_hccl({**base, "HCCL_EXEC_TIMEOUT": "0"}, "npu", 1900, "AIV")["detail"]
 
 
+def test_docs_say_every_cluster_preset_is_planned_with_fused_attention():
+    """docs/ascend.md said older SoCs "drop the planner's flash-attention assumption"; the planner and the smoke budget
+    pass only hardware.cluster to fused_attention_available and every preset answers True, so nothing drops it."""
+    from tasks.device import fused_attention_available
+    from tasks.planner.cluster import PRESETS
+
+    assert all(fused_attention_available(name) for name in PRESETS)
+    text = " ".join((REPO / "docs" / "ascend.md").read_text().split())
+    assert "drop the planner's flash-attention assumption" not in text
+    assert "plan and smoke budget assume a fused kernel for every cluster preset" in text
+
+
 def test_default_pg_timeout_exceeds_default_exec_timeout():
     from tasks.config import ConfigError, load_config
 
