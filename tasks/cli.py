@@ -66,6 +66,12 @@ def dag_run_config(run_dir: str | None, config: str | None, node: int = 0) -> tu
         if sets and _preset_id(config) != remembered.get("preset"):
             log.info(f"config: --config {config}; not this run directory's --set values (for another, in {cli})")
             return config, None
+        if remembered.get("preset") and _preset_id(config) != remembered["preset"]:  # it rebound the directory unsaid
+            log.info(
+                f"config: --config {config}, where this run directory's is {remembered['preset']} (from {cli}); once "
+                f"this stage succeeds the directory's is {_preset_id(config)} (a later stage here without --config "
+                "takes it)"
+            )
         if unfinished:
             log.info(f"config: --config {config}{given} (from {cli}{unfinished})")
         return config, sets

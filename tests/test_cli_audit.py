@@ -239,6 +239,16 @@ def test_the_default_preset_is_remembered_and_said_where_it_matters(tmp_path, mo
         "ci-tiny; --config to choose another"
     ]
     assert not json.loads((run / "plan" / "plan.json").read_text())["model"].startswith("debug ")  # not ci-tiny's
+    # another --config here rebinds the directory: said (a plan of qwen2-7b-910b made the next smoke its, unsaid)
+    assert _main("plan", "--run-dir", run, "--config", "ci-tiny", NO_TRACKING) == 0
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("config: ")]
+    assert said == [
+        f"config: --config ci-tiny, where this run directory's is demo-cpu (from {run / CLI_CONFIG_FILE}); once this "
+        "stage succeeds the directory's is ci-tiny (a later stage here without --config takes it)"
+    ]
+    assert json.loads((run / CLI_CONFIG_FILE).read_text()) == {"preset": "ci-tiny"}
+    assert _main("plan", "--run-dir", run, "--config", "ci-tiny", NO_TRACKING) == 0  # its own again: nothing to say
+    assert not [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("config: ")]
 
 
 # ---- 8. list-of-text --set values -----------------------------------------------------------------------------------

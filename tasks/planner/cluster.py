@@ -7,8 +7,9 @@ the runtime reserve. Bandwidths are per device and per direction, the β of the 
 - 910b (Atlas 800T A2, Ascend 910B2/B3): 8 NPUs per node, 64 GB HBM each. Inside a node the NPUs form a full mesh of
   HCCS links, 7 per NPU at 56 GB/s each (392 GB/s per NPU in aggregate). A ring step uses one neighbour link, so we
   take the per-link 56 GB/s (conservative for HCCL's mesh algorithms; the env stage's bus-bandwidth probe expects
-  this preset's link figure, tasks.envcheck.probe.expected_bus). Across nodes each NPU has its own 200 Gb/s RoCE port: 25 GB/s. Dense FP16/BF16 peak ~313 TFLOP/s
-  (the commonly quoted 910B figure; a 910B2 is sometimes quoted higher, set hardware.peak_tflops if yours is).
+  this preset's link figure, tasks.envcheck.probe.expected_bus). Across nodes each NPU has its own 200 Gb/s RoCE
+  port: 25 GB/s. Dense FP16/BF16 peak ~313 TFLOP/s (the commonly quoted 910B figure; a 910B2 is sometimes quoted
+  higher, set hardware.peak_tflops if yours is).
 - 910c (Atlas A3 / CloudMatrix384; Zuo et al. 2025, arXiv:2506.12708 §3): a 910C is two dies, each seen by
   torch_npu as one device with 64 GB of the package's 128 GB HBM and 376 TFLOP/s FP16; 16 devices per node; each
   die has 7 × 224 Gb/s UB links (196 GB/s) for scale-up and a 200 Gb/s RDMA port (25 GB/s) for scale-out.
