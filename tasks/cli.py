@@ -72,8 +72,8 @@ def dag_run_config(run_dir: str | None, config: str | None, node: int = 0) -> tu
                 f"this stage succeeds the directory's is {_preset_id(config)} (a later stage here without --config "
                 "takes it)"
             )
-        if unfinished:
-            log.info(f"config: --config {config}{given} (from {cli}{unfinished})")
+        if unfinished or sets:  # the directory's --set values apply under its --config too: said, not silent
+            log.info(f"config: --config {config}{given} (from {cli}{unfinished}); --set a key again to change it")
         return config, sets
     if not recorded.get("preset"):
         from tasks.config import DEFAULT_PRESET

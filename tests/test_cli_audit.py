@@ -249,6 +249,15 @@ def test_the_default_preset_is_remembered_and_said_where_it_matters(tmp_path, mo
     assert json.loads((run / CLI_CONFIG_FILE).read_text()) == {"preset": "ci-tiny"}
     assert _main("plan", "--run-dir", run, "--config", "ci-tiny", NO_TRACKING) == 0  # its own again: nothing to say
     assert not [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("config: ")]
+    # its --set values apply under the same --config again: said (a user's earlier tasks and shots came back unsaid)
+    assert _main("plan", "--run-dir", run, "--config", "ci-tiny", "--set", "train.lr=0.01", NO_TRACKING) == 0
+    capsys.readouterr()
+    assert _main("plan", "--run-dir", run, "--config", "ci-tiny", NO_TRACKING) == 0
+    said = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("config: ")]
+    assert said == [
+        f"config: --config ci-tiny with --set train.lr=0.01 (from {run / CLI_CONFIG_FILE}); --set a key again to "
+        "change it"
+    ]
 
 
 # ---- 8. list-of-text --set values -----------------------------------------------------------------------------------
