@@ -66,8 +66,8 @@ def dag_run_config(run_dir: str | None, config: str | None, node: int = 0) -> tu
         if sets and _preset_id(config) != remembered.get("preset"):
             log.info(f"config: --config {config}; not this run directory's --set values (for another, in {cli})")
             return config, None
-        if remembered.get("preset") and _preset_id(config) != remembered["preset"]:  # it rebound the directory unsaid
-            log.info(
+        if remembered.get("preset") and _preset_id(config) != remembered["preset"] and _loads(config):  # it rebound
+            log.info(  # the directory unsaid (a --config that does not load is refused in its own line, no more)
                 f"config: --config {config}, where this run directory's is {remembered['preset']} (from {cli}); once "
                 f"this stage succeeds the directory's is {_preset_id(config)} (a later stage here without --config "
                 "takes it)"
@@ -129,6 +129,17 @@ def result_file(stage: str, node: int) -> str:
     """The stage's result file as tasks.runner.run_stage writes it: node 0's <stage>.json, node N's
     <stage>-node<N>.json."""
     return f"{stage}.json" if node == 0 else f"{stage}-node{node}.json"
+
+
+def _loads(config: str) -> bool:
+    """--config names a preset file that loads (a bad one gets its own error line; nothing said before it)."""
+    from tasks.config import ConfigError, load_yaml, resolve_preset
+
+    try:
+        load_yaml(resolve_preset(config))
+    except ConfigError:
+        return False
+    return True
 
 
 def _preset_id(config: str) -> str:
