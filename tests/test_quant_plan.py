@@ -59,7 +59,10 @@ def test_qat_handoff_formats():
 
 
 def test_skip_patterns_match_our_and_hf_names():
-    assert hf_name("layers.3.feed_forward.w2") == "layers.3.mlp.down_proj"
+    assert hf_name("layers.3.feed_forward.w2") == "model.layers.3.mlp.down_proj"  # transformers' module path
+    assert hf_name("output") == "lm_head" and hf_name("tok_embeddings") == "model.embed_tokens"
+    assert is_skipped("layers.0.feed_forward.w3", ["model.layers.0."])  # was "matches no layer"
+    assert not is_skipped("layers.10.feed_forward.w3", ["model.layers.1."]) and not is_skipped("output", ["model."])
     assert is_skipped("output", ["lm_head"]) and is_skipped("tok_embeddings", ["embed"])
     assert is_skipped("layers.0.feed_forward.w2", ["down_proj"]) and not is_skipped("layers.0.attention.wq", ["wk"])
     assert not is_skipped("layers.0.attention.wq", ["", "lm_head"])

@@ -48,9 +48,11 @@ class Layer:
 
 
 def hf_name(name: str) -> str:
+    """Our module name in HF terms, as transformers spells the module path: under `model.` but for `lm_head`
+    ("layers.0.attention.wq" → "model.layers.0.self_attn.q_proj"; "model.layers.0." was refused as matching none)."""
     for ours, theirs in HF_ALIASES.items():
         name = name.replace(ours, theirs)
-    return name
+    return name if name == "lm_head" or name.startswith("lm_head.") else f"model.{name}"
 
 
 def is_skipped(name: str, patterns) -> bool:
