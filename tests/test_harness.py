@@ -153,6 +153,130 @@ def test_task_yaml_from_a_temp_dir_scores_as_with_hflm(lms, tmp_path):
     assert ours_r["entries"][str(path)]["shots"] == ours_r["tasks"]["py_quiz"]["shots"] == 1  # recorded with the score
 
 
+def _by_name(lm, folder: Path, group: str, limit: int | None, shots: dict[str, int]) -> dict:
+    """lm-eval's own results for `group` loaded by name, its folder on the include_path: what suite reports for a
+    group by name (few-shot per task, the same seeds)."""
+    import numpy as np
+    import torch
+    from lm_eval.evaluator import evaluate
+    from lm_eval.tasks import TaskManager
+
+    from tasks.harness import suite
+
+    loaded = TaskManager(include_path=str(folder), include_defaults=False).load([group])
+    for name, task in loaded["tasks"].items():
+        task.set_config(key="num_fewshot", value=shots.get(name, 0))
+        task.set_fewshot_seed(seed=suite.SEEDS[3])
+    random.seed(suite.SEEDS[0])
+    np.random.seed(suite.SEEDS[1])
+    torch.manual_seed(suite.SEEDS[2])
+    return evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=False)
+
+
+def test_a_group_yaml_path_is_scored_as_the_group_by_name(lms, tmp_path):
+    """A group YAML's path in evaluate.tasks (`group: my_group`, `task: [a, b]`) was refused as "lm-eval rejects this
+    task (TypeError: unhashable type: 'list')": lm-eval loads a path as a task named by its `task:`. Now it is the
+    group, loaded by name from its folder: each task's score and the group's aggregate as lm-eval's evaluator gives
+    them for the group by name, evaluate.num_fewshot by group name, evaluate.limit per task; a group without
+    aggregate_metric_list scores the mean of its tasks."""
+    from tasks.harness import suite
+
+    ours, _ = lms
+    rows = [dict(q, question=f"# {i}\n{q['question']}") for i, q in enumerate(QA * 3)]
+    _yaml_task(tmp_path, "grp_a", rows)
+    _yaml_task(tmp_path, "grp_b", QA[:3])
+    weighted = tmp_path / "_my_group.yaml"
+    weighted.write_text(
+        "group: my_group\ntask: [grp_a, grp_b]\naggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\n"
+    )
+    s = suite.load([str(weighted)], None, 5, {"my_group": 2}, ["acc"])
+    assert s.entries == {str(weighted): ["grp_a", "grp_b"]} and s.names == s.groups == {str(weighted): "my_group"}
+    got = suite.score(ours, s)
+    want = _by_name(ours, tmp_path, "my_group", 5, {"grp_a": 2, "grp_b": 2})
+    assert {t: (r["value"], r["n"], r["shots"]) for t, r in got["tasks"].items()} == {
+        "grp_a": (want["results"]["grp_a"]["acc,none"], 5, 2),
+        "grp_b": (want["results"]["grp_b"]["acc,none"], 3, 2),
+    }
+    entry = got["entries"][str(weighted)]
+    assert entry == {
+        "name": "my_group",
+        "metric": "acc",
+        "value": want["groups"]["my_group"]["acc,none"],
+        "n": 8,
+        "shots": 2,
+    }
+    assert entry["value"] == pytest.approx(
+        (5 * got["tasks"]["grp_a"]["value"] + 3 * got["tasks"]["grp_b"]["value"]) / 8
+    )
+    plain = tmp_path / "_plain.yaml"
+    plain.write_text("group: plain_group\ntask:\n  - grp_a\n  - grp_b\n")
+    s = suite.load([str(plain)], None, 5, {}, ["acc"])
+    got = suite.score(ours, s)
+    assert got["entries"][str(plain)]["name"] == "plain_group"
+    assert got["entries"][str(plain)]["value"] == pytest.approx(sum(t["value"] for t in got["tasks"].values()) / 2)
+    (tmp_path / "_twin.yaml").write_text("group: my_group\ntask: [grp_b]\n")  # indexed after _my_group.yaml
+    with pytest.raises(StageError, match=r"_twin.yaml: lm-eval's index gives its group name 'my_group' to \S+/_my_gr"):
+        suite.load([str(tmp_path / "_twin.yaml")], None, None, {}, ["acc"])
+    (tmp_path / "old.yaml").write_text("group: old_style\ntask: grp_b\n")  # no list: a group of nothing
+    with pytest.raises(StageError, match=r"old.yaml: lm-eval finds no task in it \(a group YAML lists its tasks"):
+        suite.load([str(tmp_path / "old.yaml")], None, None, {}, ["acc"])
+
+
+def test_mmlu_from_a_local_copy_as_docs_evaluation_says(lms, tmp_path):
+    """docs/evaluation.md's recipe, in miniature: lm-eval's mmlu/default folder copied (four subjects, one per
+    subgroup), its template's dataset_path pointed by the doc's sed at a local folder laid out like cais/mmlu
+    (README `configs:`, a parquet file per subject and split), its group file's path in evaluate.tasks. It was refused
+    (TypeError: unhashable type: 'list'); now the mmlu group, scored as lm-eval scores it by name, and its subgroup
+    file _mmlu_stem.yaml the same way."""
+    import shutil
+
+    import lm_eval
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.harness import suite
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "evaluation.md").read_text()
+    cp = "cp -r .venv/lib/python3.11/site-packages/lm_eval/tasks/mmlu/default /data/tasks/mmlu"
+    sed = "sed -i 's|^dataset_path: cais/mmlu|dataset_path: /data/mmlu|' /data/tasks/mmlu/_default_template_yaml"
+    assert cp in doc and sed in doc and "'evaluate.tasks=[/data/tasks/mmlu/_mmlu.yaml]'" in doc
+    folder, data = tmp_path / "tasks" / "mmlu", tmp_path / "mmlu"
+    shutil.copytree(Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "default", folder)
+    subjects = ["abstract_algebra", "business_ethics", "econometrics", "formal_logic"]
+    for path in folder.glob("mmlu_*.yaml"):
+        if path.stem.removeprefix("mmlu_") not in subjects:
+            path.unlink()
+    template = folder / "_default_template_yaml"
+    text = template.read_text()
+    assert text.startswith("dataset_path: cais/mmlu\n")  # what the doc's sed replaces
+    template.write_text(text.replace("dataset_path: cais/mmlu", f"dataset_path: {data}", 1))
+    configs = ""
+    for k, subject in enumerate(subjects):
+        configs += f"- config_name: {subject}\n  data_files:\n"
+        for split, n in (("test", 4), ("validation", 2), ("dev", 5)):
+            configs += f"  - split: {split}\n    path: {subject}/{split}-*\n"
+            (data / subject).mkdir(parents=True, exist_ok=True)
+            rows = [QA[(i + k) % 4] for i in range(n)]
+            table = {
+                "question": [r["question"] for r in rows],
+                "subject": [subject] * n,
+                "choices": [[c.strip() for c in r["choices"]] + ["None"] for r in rows],
+                "answer": [(i + k) % 4 for i in range(n)],
+            }
+            pq.write_table(pa.table(table), data / subject / f"{split}-00000-of-00001.parquet")
+    (data / "README.md").write_text(f"---\nconfigs:\n{configs}---\n")
+    ours, _ = lms
+    entry = str(folder / "_mmlu.yaml")
+    s = suite.load([entry], None, None, {"mmlu": 2}, ["acc"])
+    assert s.names == {entry: "mmlu"} and s.entries[entry] == [f"mmlu_{x}" for x in subjects]
+    got = suite.score(ours, s)
+    want = _by_name(ours, folder, "mmlu", None, {f"mmlu_{x}": 2 for x in subjects})
+    assert got["entries"][entry]["value"] == want["groups"]["mmlu"]["acc,none"] and got["entries"][entry]["n"] == 16
+    assert {t: r["value"] for t, r in got["tasks"].items()} == {t: want["results"][t]["acc,none"] for t in got["tasks"]}
+    stem = str(folder / "_mmlu_stem.yaml")
+    assert suite.load([stem], None, None, {}, ["acc"]).entries == {stem: ["mmlu_abstract_algebra"]}
+
+
 def test_progress_lines_per_model_and_task_and_no_bars(lms, tmp_path, caplog, capfd):
     """Issue 28: a model's scoring prints progress lines per task (what runs, requests done/total, rate, ETA) at the
     start, every log_every requests and at the end, through logging (tasks.progress: Airflow's task log, `make

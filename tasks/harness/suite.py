@@ -1,11 +1,12 @@
 """evaluate.tasks → lm-eval tasks, loaded and checked before any model is (one line per problem), then scored.
 
-An entry is a task, group or tag name known to lm-eval (e.g. `mmlu`, `ceval-valid`, `arc_easy`), a path to a task
-YAML in lm-eval's own format (its folder joins TaskManager's include_path, so a YAML may name its siblings), or
-`demo-continuation` (tasks.harness.demo_task, written from the shard set's val split). Nothing is fetched from a
-hub: Hugging Face datasets run offline and read what is on disk (the HF datasets cache, or local files a task YAML
-names). Each entry's score is its first metric among evaluate.task_metrics (a group: lm-eval's aggregate when the
-group defines one, else the mean of its tasks); the macro average is over the entries.
+An entry is a task, group or tag name known to lm-eval (e.g. `mmlu`, `ceval-valid`, `arc_easy`), a path to a task or
+group YAML in lm-eval's own format (its folder joins TaskManager's include_path, so a YAML may name its siblings; a
+group YAML is loaded by its `group:` name), or `demo-continuation` (tasks.harness.demo_task, written from the shard
+set's val split). Nothing is fetched from a hub: Hugging Face datasets run offline and read what is on disk (the HF
+datasets cache, or local files a task YAML names). Each entry's score is its first metric among evaluate.task_metrics (a
+group: lm-eval's aggregate when the group defines one, else the mean of its tasks); the macro average is over the
+entries.
 """
 
 from __future__ import annotations
@@ -76,12 +77,45 @@ _MANAGERS: dict[bool, tuple[tuple, object]] = {}
 
 
 def _manager(entries: list[str], extra_paths: list[Path]):
-    """TaskManager over our own folders only (fast), with lm-eval's 10 000+ tasks indexed only when a name needs it."""
+    """TaskManager over our own folders only (fast), with lm-eval's 10 000+ tasks indexed only when a name needs it:
+    an entry's, or one a group YAML's `task:` list names (through the groups it names)."""
     folders = sorted({str(p.parent) for p in extra_paths})
     own = _task_manager(folders, defaults=False)
-    if all(e in own.all_tasks or is_path(e) for e in entries):
+    members = [name for p in extra_paths for name in _members(own, str(p))]
+    if all(e in own.all_tasks or is_path(e) for e in entries) and all(m in own.all_tasks for m in members):
         return own
     return _task_manager(folders, defaults=True)
+
+
+def _group_name(spec: str) -> str | None:
+    """The `group:` name of a group YAML, as lm-eval's index tells a group from a task (TaskIndex._kind_of: a `group`
+    key and no `class`; includes merged); None for a task YAML."""
+    cfg = _yaml(spec)
+    name = cfg.get("group")
+    return name if isinstance(name, str) and "class" not in cfg else None
+
+
+def _members(tm, spec: str) -> list[str]:
+    """The task, group and tag names a group YAML's `task:` list gives, and those of the groups it names that `tm`
+    indexes (an inline subgroup's too); [] for a task YAML."""
+    if _group_name(spec) is None:
+        return []
+    out: list[str] = []
+    todo = [_yaml(spec)]
+    while todo:
+        listed = todo.pop().get("task")
+        for item in listed if isinstance(listed, list) else []:
+            if isinstance(item, dict) and isinstance(item.get("group"), str) and item["group"] not in tm.task_index:
+                todo.append(item)  # an inline subgroup: its own task list
+                continue
+            name = item.get("task") or item.get("group") if isinstance(item, dict) else item
+            if not isinstance(name, str) or name in out:
+                continue
+            out.append(name)
+            found = tm.task_index.get(name)
+            if found is not None and found.kind.name == "GROUP" and found.cfg:
+                todo.append(found.cfg)
+    return out
 
 
 def _task_manager(folders: list[str], defaults: bool):
@@ -155,8 +189,22 @@ def check_names(entries: list[str], defaults: bool = True) -> None:
 
 
 def _load_one(tm, entry: str, spec: str):
+    """lm-eval's TaskDict of one entry. A group YAML is loaded by its group name, its folder on the include_path:
+    lm-eval 0.4.13 loads a YAML path as a task named by its `task:` (TaskIndex.entry_from_path), which for a group is
+    its list of tasks (TypeError: unhashable type: 'list')."""
+    target = spec
+    group = _group_name(spec) if is_path(entry) else None
+    if group is not None and (found := tm.task_index.get(group)) is not None:  # not indexed: lm-eval says why
+        where = Path(found.yaml_path).resolve() if found.yaml_path else None
+        if where != Path(spec).resolve():
+            raise StageError(
+                f"evaluate.tasks: {entry}: lm-eval's index gives its group name {group!r} to {where or 'a tag'}, "
+                "not to this file (one definition per name across the folders of evaluate.tasks' YAMLs); rename one "
+                "of them"
+            )
+        target = group
     try:
-        return tm.load([spec])
+        return tm.load([target])
     except KeyError as e:
         if is_path(entry):  # the file exists (load checked): a key its dataset lacks, e.g. a split
             problem = _split_problem(spec, e.args[0] if e.args else None)
@@ -297,6 +345,11 @@ def load(entries: list[str], demo_yaml: Path | None, limit: int | None, fewshot:
     suite = Suite({}, {}, {}, loaded, {}, limit, specs=specs)
     for entry, spec in specs.items():
         one = _load_one(tm, entry, spec)
+        if not one["tasks"]:
+            raise StageError(
+                f"evaluate.tasks: {entry}: lm-eval finds no task in it"
+                + (" (a group YAML lists its tasks, groups or tags under `task:`)" if is_path(entry) else "")
+            )
         suite.entries[entry] = sorted(one["tasks"])
         tops = [g for g in one["groups"] if not any(g in kids for kids in one["group_map"].values())]
         suite.groups.update({entry: tops[0]} if len(tops) == 1 else {})
