@@ -316,6 +316,12 @@ def test_bad_task_inputs_are_one_line(tmp_path, ckpt, monkeypatch):
 
     good = _yaml_task(tmp_path, "good_quiz", QA)
     fails(r"evaluate.tasks: 'hellaswagg' is not an lm-eval task, group or tag \(close: hellaswag", ["hellaswagg"])
+    # the project's own task is a close match too, and case and -/_ do not count: it was "(close: mmlu_continuation, …)"
+    for typo, close in [("demo_continuation", "demo-continuation"), ("Demo-Continuation", "demo-continuation")]:
+        fails(rf"evaluate.tasks: '{typo}' is not an lm-eval task, group or tag \(close: {close}[,)]", [typo])
+    fails(r"'HellaSwag' is not an lm-eval task, group or tag \(close: hellaswag[,)]", ["HellaSwag"])
+    with pytest.raises(StageError, match=r"'DEMO_continuation' is not an .* \(close: demo-continuation\)"):
+        suite.check_names(["DEMO_continuation"], defaults=False)  # the env stage's early check
     fails(r"evaluate.tasks: .*nowhere.yaml: no such task YAML file", [str(tmp_path / "nowhere.yaml")])
     with monkeypatch.context() as m:  # a relative path is the repository's, not the cwd's: said, with the file
         m.chdir(tmp_path)

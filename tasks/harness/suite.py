@@ -148,9 +148,21 @@ def _fingerprint(folders: list[str]) -> tuple:
     return tuple(out)
 
 
+def _fold(name: str) -> str:
+    return name.lower().replace("-", "_")
+
+
 def unknown_name(tm, entry: str) -> str:
-    """The one line for an evaluate.tasks name that lm-eval's index `tm` does not know (load, check_names)."""
-    close = difflib.get_close_matches(entry, tm.all_tasks, n=3)
+    """The one line for an evaluate.tasks name that lm-eval's index `tm` does not know (load, check_names). Close
+    matches are lm-eval's names and demo-continuation, compared with case and -/_ folded (`Demo_Continuation` is
+    demo-continuation), a name that differs only so first."""
+    from tasks.harness.demo_task import NAME
+
+    folded: dict[str, list[str]] = {}
+    for name in [NAME, *tm.all_tasks]:
+        folded.setdefault(_fold(name), []).append(name)
+    keys = difflib.get_close_matches(_fold(entry), list(folded), n=3)
+    close = [name for key in keys for name in folded[key]][:3]
     return (
         f"evaluate.tasks: {entry!r} is not an lm-eval task, group or tag"
         + (f" (close: {', '.join(close)})" if close else "")
