@@ -177,8 +177,9 @@ def test_a_group_yaml_path_is_scored_as_the_group_by_name(lms, tmp_path):
     """A group YAML's path in evaluate.tasks (`group: my_group`, `task: [a, b]`) was refused as "lm-eval rejects this
     task (TypeError: unhashable type: 'list')": lm-eval loads a path as a task named by its `task:`. Now it is the
     group, loaded by name from its folder: each task's score and the group's aggregate as lm-eval's evaluator gives
-    them for the group by name, evaluate.num_fewshot by group name, evaluate.limit per task; a group without
-    aggregate_metric_list scores the mean of its tasks."""
+    them for the group by name, evaluate.num_fewshot by group and by task name (the task's wins; a task's name set
+    every task of its entry), evaluate.limit per task; a group without aggregate_metric_list scores the mean of its
+    tasks."""
     from tasks.harness import suite
 
     ours, _ = lms
@@ -189,13 +190,13 @@ def test_a_group_yaml_path_is_scored_as_the_group_by_name(lms, tmp_path):
     weighted.write_text(
         "group: my_group\ntask: [grp_a, grp_b]\naggregate_metric_list:\n  - metric: acc\n    weight_by_size: true\n"
     )
-    s = suite.load([str(weighted)], None, 5, {"my_group": 2}, ["acc"])
+    s = suite.load([str(weighted)], None, 5, {"my_group": 2, "grp_b": 1}, ["acc"])
     assert s.entries == {str(weighted): ["grp_a", "grp_b"]} and s.names == s.groups == {str(weighted): "my_group"}
     got = suite.score(ours, s)
-    want = _by_name(ours, tmp_path, "my_group", 5, {"grp_a": 2, "grp_b": 2})
+    want = _by_name(ours, tmp_path, "my_group", 5, {"grp_a": 2, "grp_b": 1})
     assert {t: (r["value"], r["n"], r["shots"]) for t, r in got["tasks"].items()} == {
         "grp_a": (want["results"]["grp_a"]["acc,none"], 5, 2),
-        "grp_b": (want["results"]["grp_b"]["acc,none"], 3, 2),
+        "grp_b": (want["results"]["grp_b"]["acc,none"], 3, 1),
     }
     entry = got["entries"][str(weighted)]
     assert entry == {

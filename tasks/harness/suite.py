@@ -456,12 +456,14 @@ def _check_metrics(suite: Suite, metrics: list[str]) -> None:
 
 def _apply_fewshot(suite: Suite, fewshot: dict) -> None:
     """evaluate.num_fewshot: {entry, group or task name: shots}; other tasks keep their YAML's (else 0)."""
-    by_name = {}
+    by_name: dict[str, set[str]] = {}
     for entry, leaves in suite.entries.items():
-        for key in {entry, suite.names[entry], *leaves}:
-            by_name.setdefault(key, []).extend(leaves)
-    for group, kids in suite.loaded["group_map"].items():
-        by_name.setdefault(group, []).extend(_leaves(suite, group))
+        for key in (entry, suite.names[entry]):
+            by_name.setdefault(key, set()).update(leaves)
+        for leaf in leaves:  # a task's name is that task only, not its entry's every task
+            by_name.setdefault(leaf, set()).add(leaf)
+    for group in suite.loaded["group_map"]:
+        by_name.setdefault(group, set()).update(_leaves(suite, group))
     unknown = sorted(set(fewshot) - set(by_name))
     if unknown:
         raise StageError(f"evaluate.num_fewshot: {unknown[0]!r} is none of evaluate.tasks or their tasks")
@@ -469,7 +471,7 @@ def _apply_fewshot(suite: Suite, fewshot: dict) -> None:
         if task.get_config("num_fewshot") is None:
             task.set_config(key="num_fewshot", value=0)
     for key, shots in sorted(fewshot.items(), key=lambda kv: len(by_name[kv[0]]), reverse=True):  # specific wins
-        for name in by_name[key]:
+        for name in sorted(by_name[key]):
             suite.loaded["tasks"][name].set_config(key="num_fewshot", value=shots)
             suite.fewshot[name] = shots
     for name, task in suite.loaded["tasks"].items():
