@@ -125,6 +125,13 @@ def test_generation_kwargs_greedy_decoding_cannot_honour_are_refused(tmp_path, b
             suite.load([str(path)], None, None, {}, ["exact_match"])
     ok = _gen_yaml(tmp_path, "gen_ok", "  do_sample: false\n  temperature: 0.0\n  top_p: 0.95\n  num_beams: 1\n")
     assert suite.load([str(ok)], None, None, {}, ["exact_match"]).entries == {str(ok): ["gen_ok"]}
+    # docs/evaluation.md's sentence: a temperature above 0 samples unless do_sample is false; top_k & co. do nothing
+    hot = _gen_yaml(tmp_path, "gen_temp", "  temperature: 0.7\n")
+    with pytest.raises(StageError, match=r"task gen_temp samples \(do_sample/temperature\).*do_sample: false"):
+        suite.load([str(hot)], None, None, {}, ["exact_match"])
+    for name, extra in [("gen_cool", "  temperature: 0.7\n  do_sample: false\n"), ("gen_top_k", "  top_k: 5\n")]:
+        path = _gen_yaml(tmp_path, name, extra + "  min_p: 0.1\n  typical_p: 0.9\n")
+        assert suite.load([str(path)], None, None, {}, ["exact_match"]).entries == {str(path): [name]}
     ours, _ = bos_lms
     reqs = _requests("generate_until", [("x =", {"until": ["\n"], "max_gen_toks": 4, "num_beams": 3})])
     with pytest.raises(StageError, match=r"generation_kwargs.num_beams: 3, which the models' greedy decoding cannot"):
