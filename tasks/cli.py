@@ -131,6 +131,23 @@ def result_file(stage: str, node: int) -> str:
     return f"{stage}.json" if node == 0 else f"{stage}-node{node}.json"
 
 
+def _json_failure(args, stage: str, run_dir, node: int, cause: str) -> None:
+    """--json: a failed or refused stage's result on stdout too (it printed nothing, and a script read an empty
+    string): the failure record the runner wrote for this cause, else {stage, status, error}."""
+    if not getattr(args, "json", False):
+        return
+    from tasks.fsutil import read_json
+
+    path = Path(run_dir) / result_file(stage, node) if run_dir is not None else None
+    try:
+        record = read_json(path) if path is not None and path.is_file() else {}
+    except (OSError, ValueError):
+        record = {}
+    if record.get("status") != "failed" or record.get("error") != cause:  # another run's, or refused before it ran
+        record = {"stage": stage, "status": "failed", "error": cause}
+    print(json.dumps(record, indent=2, default=str))
+
+
 def _loads(config: str) -> bool:
     """--config names a preset file that loads (a bad one gets its own error line; nothing said before it)."""
     from tasks.config import ConfigError, load_yaml, resolve_preset
@@ -309,9 +326,11 @@ def main(argv=None) -> int:
             _drop_pending(pending, left if result.get("status") == "failed" else None)
     except (StageError, DataPrepError) as e:
         print(f"error: {e}", file=sys.stderr)
+        _json_failure(args, stage, run_dir, node, str(e))
         return 2
     except OSError as e:  # read-only/full/missing paths outside a stage (config file, var dir): one line
         print(f"error: {os_error_cause(e)}", file=sys.stderr)
+        _json_failure(args, stage, run_dir, node, os_error_cause(e))
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -35,6 +35,24 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and out.stderr.startswith(needle)
 
 
+def test_json_prints_a_failed_stages_record_too(tmp_path):
+    """--json on a failed or refused stage printed nothing on stdout (a script parsed an empty string): the failure
+    record the runner wrote, else {stage, status, error}; stderr keeps its one line."""
+    run = tmp_path / "r"
+    out = cli("quantize", "--config", "ci-tiny", "--run-dir", str(run), "--json", "--no-tracking")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: quantize: no trained model: run the train stage first or pass --model-dir"
+    ]
+    assert json.loads(out.stdout) == json.loads((run / "quantize.json").read_text())
+    assert json.loads(out.stdout)["status"] == "failed"
+    refused = cli("plan", "--config", "ci-tiny", "--run-dir", str(run), "--json", "--set", "train.steps=yes")
+    assert refused.returncode == 2 and json.loads(refused.stdout) == {
+        "stage": "plan",
+        "status": "failed",
+        "error": "train.steps: expected an integer, got 'yes'",
+    }
+
+
 def test_the_dags_launcher_is_named_not_silently_ignored(tmp_path):
     """hardware.launcher routes the DAG's device tasks; the CLI runs a stage here (it is what each pod runs) and says
     so in one line before the stage's own (here: no shard set yet); a stage that never leaves the worker says
