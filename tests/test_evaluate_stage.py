@@ -241,3 +241,48 @@ def test_qat_in_quantize_after_a_failed_ptq_gate(cfg, tiny, tmp_path):
     assert "QAT 50 steps after PTQ ppl_drop_pct" in r["summary"]
     v = MlflowClient(cfg.tracking.uri).get_model_version(cfg.evaluate.registered_model, r["version"])
     assert v.tags["quant.passed_by"] == "qat" and float(v.tags["eval.ptq_gate_value"]) > 2.0
+
+
+def test_an_fp16_reference_is_named_fp16_in_metrics_tables_figure_and_registry(cfg, untrained, tmp_path, monkeypatch):
+    """quantize.dtype=fp16 (910A): the reference is FP16. Its task column, its eval.task.* metrics, comparison.md's
+    main-table row, the figure's bars and the registered unquantized version (`-fp16`, described as FP16, loading as
+    float16) all say so; before, the column and the per-task metric were dropped and the rest said BF16."""
+    from mlflow import MlflowClient
+
+    from tasks.quant import report
+
+    labels = []
+    real_figure = report.figure
+
+    def figure(stages):  # the bars' labels as drawn
+        fig = real_figure(stages)
+        labels.extend(t.get_text() for ax in fig.axes for t in ax.get_xticklabels())
+        return fig
+
+    monkeypatch.setattr(report, "figure", figure)
+    cfg.quantize.dtype = "fp16"
+    cfg.quantize.qat_on_fail = False
+    cfg.evaluate.registered_model = "evaluate-fp16-test"
+    cfg.evaluate.max_drop_pct = 100.0  # an untrained model: the gate is not what this checks
+    cfg.evaluate.demo_examples = 10
+    cfg.evaluate.prompts = []
+    cfg.evaluate.agreement_windows = 1
+    q = run_stage("quantize", cfg, tmp_path, args=_args(untrained))
+    r = run_stage("evaluate", cfg, tmp_path, args=_args(untrained, q["quant_dir"]))
+    assert r["passed"] and set(r["task_macro"]) == {"fp32", "fp16", "int8"}
+    assert {"fp32", "fp16", "int8"} <= set(r["tasks"]["demo-continuation"])
+    run = MlflowClient(cfg.tracking.uri).get_run(r["mlflow_run_id"]).data
+    assert "eval.task.demo-continuation.fp16_acc_mutual_info" in run.metrics and "eval.macro.fp16" in run.metrics
+    assert not any(".bf16_" in k or k.endswith(".bf16") for k in run.metrics if k.startswith("eval.task."))
+    md = (tmp_path / "evaluate" / "comparison.md").read_text()
+    assert "| task | metric | examples | shots | FP32 | FP16 | INT8 |" in md
+    assert "| FP16 (reference) |" in md and "BF16" not in md
+    assert "FP16" in labels and "BF16" not in labels
+    assert "BF16" not in r["summary"] and "x FP16" in r["summary"]
+    assert r["bf16_model"]["registered_model"] == "evaluate-fp16-test-fp16"
+    client = MlflowClient(cfg.tracking.uri)
+    int8 = client.get_model_version("evaluate-fp16-test", r["version"])
+    assert "| FP32 | FP16 | INT8 |" in int8.description and "BF16" not in int8.description
+    ref = client.get_model_version("evaluate-fp16-test-fp16", r["bf16_model"]["version"])
+    assert ref.description.startswith("FP16: the unquantized model") and ref.tags["reference.dtype"] == "fp16"
+    assert int8.tags["bf16.registered_model"] == "evaluate-fp16-test-fp16"

@@ -1,11 +1,20 @@
 """The FP-vs-INT8 comparison as a table (JSON rows + markdown) and a figure, for MLflow and for a human; the per-task
-table (FP32 / BF16 / INT8 / champion) for the registered version's description.
+table (FP32 / BF16 or FP16 / INT8 / champion) for the registered version's description.
+
+The 16-bit model is named by its dtype everywhere (m["half"]: quantize.dtype, BF16 when that is fp32); the figure
+keys `bf16_*` / `*_vs_bf16` keep their names (they are stable metric names) and hold the FP16 model's figures then.
 
 `stages` is evaluate's metric dicts of the INT8 models measured (the one quantize handed on)."""
 
 from __future__ import annotations
 
-COLORS = {"FP32": "#4c72b0", "BF16": "#8c8c8c", "INT8 PTQ": "#dd8452", "INT8 QAT": "#55a868"}
+COLORS = {"FP32": "#4c72b0", "BF16": "#8c8c8c", "FP16": "#8172b3", "INT8 PTQ": "#dd8452", "INT8 QAT": "#55a868"}
+
+
+def half_label(m: dict) -> str:
+    """ "BF16" or "FP16": the 16-bit model measured beside FP32 and INT8 (its size and speed, the reference unless
+    quantize.dtype is fp32)."""
+    return m.get("half", "bf16").upper()
 
 
 def _label(m: dict) -> str:
@@ -14,7 +23,8 @@ def _label(m: dict) -> str:
 
 def comparison_rows(stages: list[dict]) -> list[dict]:
     m = stages[0]
-    ref_is_bf16 = m["reference"] == "bf16"
+    half = half_label(m)
+    ref_is_half = m["reference"] == m.get("half", "bf16")  # the 16-bit model is the reference (not FP32)
     rows = [
         {
             "model": "FP32",
@@ -28,11 +38,11 @@ def comparison_rows(stages: list[dict]) -> list[dict]:
             "gate_value_pct": None,
         },
         {
-            "model": "BF16 (reference)" if ref_is_bf16 else "BF16",
-            "task_accuracy": m["ref_task_macro"] if ref_is_bf16 else None,
-            "perplexity": m["ref_ppl"] if ref_is_bf16 else None,
-            "top1_accuracy": m["ref_accuracy"] if ref_is_bf16 else None,
-            "greedy_agreement": 1.0 if ref_is_bf16 else None,
+            "model": f"{half} (reference)" if ref_is_half else half,
+            "task_accuracy": m["ref_task_macro"] if ref_is_half else None,
+            "perplexity": m["ref_ppl"] if ref_is_half else None,
+            "top1_accuracy": m["ref_accuracy"] if ref_is_half else None,
+            "greedy_agreement": 1.0 if ref_is_half else None,
             "size_mb": m["bf16_mb"],
             "prefill_tok_s": m["bf16_prefill_tokens_per_s"],
             "decode_tok_s": m["bf16_decode_tokens_per_s"],
@@ -68,7 +78,7 @@ def _table(cols: list[str], rows: list[list]) -> list[str]:
 
 def task_lines(tasks: dict) -> list[str]:
     """The per-task table: one row per evaluate.tasks entry, a column per model measured."""
-    models = [m for m in ("fp32", "bf16", "int8", "champion") if any(m in r for r in tasks.values())]
+    models = [m for m in ("fp32", "bf16", "fp16", "int8", "champion") if any(m in r for r in tasks.values())]
     cols = ["task", "metric", "examples", "shots"] + [m.upper() if m != "champion" else "champion" for m in models]
     rows = [[r["name"], r["metric"], r["n"], r.get("shots")] + [r.get(m) for m in models] for r in tasks.values()]
     return _table(cols, rows)
@@ -97,11 +107,12 @@ def markdown(rows: list[dict], stages: list[dict], generations: list[dict], spli
         f"Speed on {m['device']}: batch 1, prompt {m['latency_prompt_tokens']} tokens, "
         f"{m['latency_new_tokens']} new tokens with a KV cache.",
     ]
+    half = half_label(m)
     for what in ("decode", "prefill"):
         r = stages[-1][f"{what}_speed_vs_bf16"]
         lines.append(
-            f"- {what}: INT8 {r:.2f}x BF16 speed, {stages[-1][f'{what}_speed_vs_fp32']:.2f}x FP32"
-            + (" — INT8 is slower than BF16 here" if r < 1 else "")
+            f"- {what}: INT8 {r:.2f}x {half} speed, {stages[-1][f'{what}_speed_vs_fp32']:.2f}x FP32"
+            + (f" — INT8 is slower than {half} here" if r < 1 else "")
         )
     if generations:
         lines += ["", "## Greedy generations", ""]
@@ -140,18 +151,20 @@ def description(tasks: dict, m: dict, champion: dict | None, reason: str, card: 
         "",
         f"Champion: {reason}." if champion or reason else "",
         f"Supplementary (val tokens): perplexity {m['ref_ppl']:.4f} → {m['int8_ppl']:.4f}, next-token top-1 "
-        f"{m['ref_accuracy']:.4f} → {m['int8_accuracy']:.4f}; size {m['size_ratio_vs_bf16']:.2f}x BF16.",
+        f"{m['ref_accuracy']:.4f} → {m['int8_accuracy']:.4f}; size {m['size_ratio_vs_bf16']:.2f}x {half_label(m)}.",
     ]
     if card:
         lines += ["", "## Model card", "", *_table(["", ""], [[CARD[k], card[k]] for k in CARD if k in card])]
     return "\n".join(lines) + "\n"
 
 
-def bf16_description(int8_description: str) -> str:
-    """The BF16 version's description: what it is, then the INT8 version's model card (same data, same lineage)."""
+def bf16_description(int8_description: str, half: str = "bf16") -> str:
+    """The BF16 (FP16) version's description: what it is, then the INT8 version's model card (same data, same
+    lineage)."""
     return (
-        "BF16: the unquantized model (the train stage's HF export, `extra_files/`: config.json, safetensors, "
-        "tokenizer) that the INT8 version below was quantized from and gated against.\n\n" + int8_description
+        f"{half.upper()}: the unquantized model (the train stage's HF export, `extra_files/`: config.json, "
+        "safetensors, tokenizer) that the INT8 version below was quantized from and gated against.\n\n"
+        + int8_description
     )
 
 
@@ -160,24 +173,25 @@ def figure(stages: list[dict]):
 
     m = stages[0]
     ints = [f"INT8 {s['stage'].upper()}" for s in stages]
+    pair = ["FP32", half_label(m)]
     fig = Figure(figsize=(17, 3.2))
     axes = fig.subplots(1, 5)
     panels = [
         (
             "task accuracy (macro)",
-            ["FP32", "BF16"] + ints,
+            pair + ints,
             [m["fp_task_macro"], m["ref_task_macro"]] + [s["int8_task_macro"] for s in stages],
         ),
         (
             "next-token top-1 accuracy",
-            ["FP32", "BF16"] + ints,
+            pair + ints,
             [m["fp_accuracy"], m["ref_accuracy"]] + [s["int8_accuracy"] for s in stages],
         ),
-        ("perplexity", ["FP32", "BF16"] + ints, [m["fp_ppl"], m["ref_ppl"]] + [s["int8_ppl"] for s in stages]),
-        ("size on disk (MB)", ["FP32", "BF16"] + ints, [m["fp32_mb"], m["bf16_mb"]] + [s["int8_mb"] for s in stages]),
+        ("perplexity", pair + ints, [m["fp_ppl"], m["ref_ppl"]] + [s["int8_ppl"] for s in stages]),
+        ("size on disk (MB)", pair + ints, [m["fp32_mb"], m["bf16_mb"]] + [s["int8_mb"] for s in stages]),
         (
             f"decode tokens/s, batch 1 ({m['device']})",
-            ["FP32", "BF16"] + ints,
+            pair + ints,
             [m["fp32_decode_tokens_per_s"], m["bf16_decode_tokens_per_s"]]
             + [s["int8_decode_tokens_per_s"] for s in stages],
         ),

@@ -31,7 +31,7 @@ from tasks.quant.plan import gate_advice
 from tasks.units import MB
 
 GATE_METRICS = gate.GATE_METRICS
-MODELS = ("fp32", "bf16", "int8")
+MODELS = ("fp32", "bf16", "fp16", "int8")  # the 16-bit model is named by its dtype (quantize.dtype)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -123,6 +123,9 @@ class Measurer:
         self.tokenizer = load_tokenizer(model_dir)
         self.fp32 = full_precision(model_dir, "fp32", self.device)
         self.ref_name = ref_dtype
+        # the 16-bit model sized and timed beside FP32 and INT8 (the `bf16_*` / `*_vs_bf16` figures): the reference
+        # itself in BF16 or FP16 (quantize.dtype), a BF16 copy when the reference is FP32
+        self.half = ref_dtype if ref_dtype in ("bf16", "fp16") else "bf16"
         if ref_dtype == "fp32":
             self.bf16 = copy.deepcopy(self.fp32).to(torch.bfloat16)
             self.ref = self.fp32
@@ -154,6 +157,7 @@ class Measurer:
         m = {
             "stage": stage,
             "reference": self.ref_name,
+            "half": self.half,
             "fp_ppl": self.fp_q["ppl"],
             "ref_ppl": self.ref_q["ppl"],
             "int8_ppl": q["ppl"],
@@ -298,13 +302,19 @@ def _card(ctx, shard_dir: Path, digest: str, dag: dict) -> dict:
     }
 
 
+def reference_model_name(cfg: PipelineConfig, half: str) -> str:
+    """The registered model of the unquantized 16-bit model: `<registered_model>-bf16`, or `-fp16` when quantize.dtype
+    is fp16 (its artifact loads as torch.float16: a registry user reads the dtype off the name)."""
+    return f"{cfg.evaluate.registered_model}-{half}"
+
+
 def _register_bf16(uri, ctx, cfg, digest, model_dir: Path, measurer, description: str, tags: dict) -> tuple[str, str]:
-    """The unquantized model (the train stage's HF export, run in BF16) as a version of `<registered_model>-bf16`,
-    with the export's files (config.json, safetensors, tokenizer) beside it; the same export and data → the same
-    version on a rerun. → (name, version)."""
+    """The unquantized model (the train stage's HF export, run in BF16, or FP16 with quantize.dtype fp16) as a version
+    of `<registered_model>-bf16` (`-fp16`), with the export's files (config.json, safetensors, tokenizer) beside it;
+    the same export and data → the same version on a rerun. → (name, version)."""
     from tasks.quant.artifact import pip_requirements
 
-    name = f"{cfg.evaluate.registered_model}-bf16"
+    name = reference_model_name(cfg, measurer.half)
     key = hashlib.sha256(f"{inputs.fingerprint(model_dir)}/{digest}".encode()).hexdigest()[:16]
     existing = registry.find_version(uri, name, "bf16.key", key)
     if existing is not None:
@@ -316,7 +326,7 @@ def _register_bf16(uri, ctx, cfg, digest, model_dir: Path, measurer, description
         uri,
         name,
         measurer.bf16,
-        dict(tags, **{"bf16.key": key}),
+        dict(tags, **{"bf16.key": key, "reference.dtype": measurer.half}),
         pip_requirements({}),
         files,
         description,
@@ -372,7 +382,7 @@ def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard
         **dag,
     }
     bf16_name, bf16_version = _register_bf16(
-        uri, ctx, cfg, digest, model_dir, measurer, report.bf16_description(description), lineage
+        uri, ctx, cfg, digest, model_dir, measurer, report.bf16_description(description, measurer.half), lineage
     )
     link = {"bf16.registered_model": bf16_name, "bf16.version": bf16_version}
     tags = dict(_tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks)), **link)
@@ -454,21 +464,23 @@ SHORT = {
 
 
 def _headline(m: dict) -> str:
-    """The summary's first 80 characters: gate metric and verdict's figure, decode speed vs BF16 (saying when INT8
-    is slower), size."""
-    d = m["decode_speed_vs_bf16"]
+    """The summary's first 80 characters: gate metric and verdict's figure, decode speed vs the 16-bit model (BF16,
+    or FP16 with quantize.dtype fp16; saying when INT8 is slower), size."""
+    d, half = m["decode_speed_vs_bf16"], report.half_label(m)
     return (
         f"{m['stage'].upper()} {SHORT[m['gate_metric']]} {m['gate_value']:+.2f}% (≤{m['max_drop_pct']:g}%), "
-        f"decode {d:.2f}x BF16{' (INT8 slower)' if d < 1 else ''}, {m['size_ratio_vs_bf16']:.2f}x size"
+        f"decode {d:.2f}x {half}{' (INT8 slower)' if d < 1 else ''}, {m['size_ratio_vs_bf16']:.2f}x size"
     )
 
 
 def _speed_note(m: dict) -> str:
-    """Size and speed vs BF16 (the headline: INT8 weight-only computes in BF16), saying where INT8 is slower."""
-    parts = [f"{m['size_ratio_vs_bf16']:.2f}x BF16 size"]
+    """Size and speed vs the 16-bit model (the headline: INT8 weight-only computes in it), saying where INT8 is
+    slower."""
+    half = report.half_label(m)
+    parts = [f"{m['size_ratio_vs_bf16']:.2f}x {half} size"]
     for what in ("decode", "prefill"):
         r = m[f"{what}_speed_vs_bf16"]
-        parts.append(f"{what} {r:.2f}x BF16 speed" + (" (INT8 slower here)" if r < 1 else ""))
+        parts.append(f"{what} {r:.2f}x {half} speed" + (" (INT8 slower here)" if r < 1 else ""))
     return ", ".join(parts)
 
 
