@@ -223,13 +223,26 @@ def _figures(passed: bool, value: float) -> dict:
         "task_accuracy_drop_pct": value,
         "gate_metric": "task_accuracy_drop_pct",
         "gate_value": value,
+        "method": "int8_weight_only",
+        "backend": "torchao",
+        "max_drop_pct": 2.0,
+        "reference": "bf16",
+        "fp_task_macro": 0.52,
+        "ref_task_macro": 0.51,
+        "ref_ppl": 2.95,
+        "ref_accuracy": 0.4,
+        "int8_accuracy": 0.39,
+        "size_ratio_vs_bf16": 0.55,
     }
+
+
+ROWS_T = {"t": {"name": "t", "metric": "acc", "n": 40, "shots": 0, "fp32": 0.52, "bf16": 0.51, "int8": 0.5}}
 
 
 def test_a_version_that_misses_a_re_evaluation_is_tagged_failed_and_keeps_its_aliases(cfg, tmp_path):
     from mlflow import MlflowClient
 
-    from tasks.quant import registry
+    from tasks.quant import registry, report
     from tasks.stages import evaluate
 
     cfg.evaluate.registered_model = "audit-retag"
@@ -240,21 +253,41 @@ def test_a_version_that_misses_a_re_evaluation_is_tagged_failed_and_keeps_its_al
     meta = {"weights_sha256": "a" * 64, "method": "int8_weight_only", "backend": "torchao"}
     ctx = SimpleNamespace(inputs={}, mlflow_run_id=None)
     client = MlflowClient(cfg.tracking.uri)
-    assert evaluate._retag_missed(cfg, ctx, meta, _figures(False, 9.0), "d1", quant, model, None) is None  # none yet
+    missed = (_figures(False, 9.0), "d1", quant, model, None, ROWS_T, {"data": "shard set s"})
+    assert evaluate._retag_missed(cfg, ctx, meta, *missed) is None  # none yet
     key = evaluate._version_key(meta, quant, model, "d1")
     passed = evaluate._tags(cfg.tracking.uri, ctx, meta, _figures(True, 0.5), "d1", key, {"value": 3.0}, ["t"])
     assert passed["eval.gate_passed"] == "true" and passed["quant.passed_by"] == "ptq"
+    card = report.description(ROWS_T, _figures(True, 0.5), None, "", {"data": "shard set s"})
+    assert card.startswith("INT8 int8_weight_only (torchao, PTQ): `task_accuracy_drop_pct` +0.50% (gate ≤ 2%)")
     client.create_registered_model("audit-retag")
-    v = client.create_model_version("audit-retag", str(quant), tags=passed).version
+    v = client.create_model_version("audit-retag", str(quant), tags=passed, description=card).version
+    client.create_registered_model("audit-retag-bf16")  # the linked reference version copies the INT8 card
+    ref = client.create_model_version("audit-retag-bf16", str(model), description=report.bf16_description(card)).version
+    registry.link(
+        cfg.tracking.uri, "audit-retag", str(v), {"bf16.registered_model": "audit-retag-bf16", "bf16.version": ref}
+    )
+    registry.link(
+        cfg.tracking.uri, "audit-retag-bf16", ref, {"int8.registered_model": "audit-retag", "int8.version": v}
+    )
     registry.set_alias(cfg.tracking.uri, "audit-retag", registry.CHAMPION, str(v))
 
-    got = evaluate._retag_missed(cfg, ctx, meta, _figures(False, 9.0), "d1", quant, model, None)
+    got = evaluate._retag_missed(cfg, ctx, meta, *missed)
     assert got == str(v)
-    tags = client.get_model_version("audit-retag", str(v)).tags
+    version = client.get_model_version("audit-retag", str(v))
+    tags = version.tags
     assert tags["eval.gate_passed"] == "false" and tags["eval.gate_value"] == "9.0000"
     assert tags["quant.passed_by"] == "none" and "eval.ptq_gate_value" not in tags  # no earlier figure left
+    # the model card says the newest evaluation too, first: never the earlier pass's gate line
+    assert version.description.startswith(
+        "GATE MISSED in the newest evaluation: INT8 int8_weight_only (torchao, PTQ) `task_accuracy_drop_pct` +9.00% "
+        "exceeds the gate (≤ 2%)"
+    )
+    assert "+0.50%" not in version.description and "| t | acc | 40 | 0 |" in version.description
+    ref_card = client.get_model_version("audit-retag-bf16", ref).description
+    assert ref_card.startswith("BF16: the unquantized model") and "GATE MISSED in the newest evaluation" in ref_card
     assert registry.aliases(cfg.tracking.uri, "audit-retag") == {"champion": str(v)}  # aliases stay
-    other = evaluate._retag_missed(cfg, ctx, meta, _figures(False, 9.0), "d2", quant, model, None)
+    other = evaluate._retag_missed(cfg, ctx, meta, _figures(False, 9.0), "d2", *missed[2:])
     assert other is None  # other data: other weights' evaluation, not this version's
 
 

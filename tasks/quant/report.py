@@ -141,11 +141,24 @@ CARD = {
 def description(tasks: dict, m: dict, champion: dict | None, reason: str, card: dict | None = None) -> str:
     """The registered version's description, a model card: the gate, the per-task table, the champion comparison,
     then data, tokenizer, training and lineage (`card`, keys of CARD)."""
+    ref = m["reference"].upper()
+    macro = (
+        f"macro task accuracy FP32 {m['fp_task_macro']:.4f}, {ref} {m['ref_task_macro']:.4f}, INT8 "
+        f"{m['int8_task_macro']:.4f}."
+    )
+    if m.get("passed", True):
+        head = (
+            f"INT8 {m['method']} ({m['backend']}, {m['stage'].upper()}): `{m['gate_metric']}` "
+            f"{m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']:g}%) against {ref}; {macro}"
+        )
+    else:  # a re-evaluation of registered weights missed: the card says so first, never the earlier pass
+        head = (
+            f"GATE MISSED in the newest evaluation: INT8 {m['method']} ({m['backend']}, {m['stage'].upper()}) "
+            f"`{m['gate_metric']}` {m['gate_value']:+.2f}% exceeds the gate (≤ {m['max_drop_pct']:g}%) against "
+            f"{ref} (tag eval.gate_passed=false; aliases left as they were); {macro}"
+        )
     lines = [
-        f"INT8 {m['method']} ({m['backend']}, {m['stage'].upper()}): `{m['gate_metric']}` "
-        f"{m['gate_value']:+.2f}% (gate ≤ {m['max_drop_pct']:g}%) against {m['reference'].upper()}; macro task "
-        f"accuracy FP32 {m['fp_task_macro']:.4f}, {m['reference'].upper()} {m['ref_task_macro']:.4f}, INT8 "
-        f"{m['int8_task_macro']:.4f}.",
+        head,
         "",
         *task_lines(tasks),
         "",

@@ -432,18 +432,36 @@ def _register(cfg, ctx, meta, m, digest, quant_dir, model, ptq, model_dir, shard
     return out, rows
 
 
-def _retag_missed(cfg, ctx, meta, m, digest, quant_dir: Path, model_dir: Path, ptq) -> str | None:
-    """Weights already registered (the same quant.key) that miss the gate now: that version's tags say this newest
-    evaluation (eval.gate_passed false, its figures), never an earlier pass it contradicts. Aliases stay: a champion
-    that fails a re-evaluation stays champion until a DAG run promotes another. → the version retagged, or None."""
+def _retag_missed(
+    cfg, ctx, meta, m, digest, quant_dir: Path, model_dir: Path, ptq, rows: dict, card: dict | None
+) -> str | None:
+    """Weights already registered (the same quant.key) that miss the gate now: that version's tags and its model card
+    (the description, and the linked BF16/FP16 version's when it is linked to this one) say this newest evaluation
+    (eval.gate_passed false, its figures, "Gate missed"), never an earlier pass it contradicts. Aliases stay: a
+    champion that fails a re-evaluation stays champion until a DAG run promotes another. → the version retagged, or
+    None."""
     uri, name = tracking.tracking_uri(cfg), cfg.evaluate.registered_model
     key = _version_key(meta, quant_dir, model_dir, digest)
     existing = registry.find_version(uri, name, "quant.key", key)
     if existing is None:
         return None
+    version = str(existing.version)
     tags = _tags(uri, ctx, meta, m, digest, key, ptq, list(cfg.evaluate.tasks))
-    registry.link(uri, name, str(existing.version), tags, drop=tuple(k for k in PER_EVALUATION if k not in tags))
-    return str(existing.version)
+    description = report.description(rows, m, None, "", card)
+    registry.describe(uri, name, version, description)
+    registry.link(uri, name, version, tags, drop=tuple(k for k in PER_EVALUATION if k not in tags))
+    ref_name, ref_version = (existing.tags or {}).get("bf16.registered_model"), existing.tags.get("bf16.version")
+    if ref_name and ref_version:  # its card copies this version's: rewritten while it is linked to this version
+        import mlflow
+        from mlflow.exceptions import MlflowException
+
+        try:
+            ref_tags = mlflow.MlflowClient(uri).get_model_version(ref_name, ref_version).tags or {}
+        except MlflowException:  # deleted by hand: nothing to rewrite
+            ref_tags = {}
+        if ref_tags.get("int8.version") == version and ref_tags.get("int8.registered_model") == name:
+            registry.describe(uri, ref_name, ref_version, report.bf16_description(description, m.get("half", "bf16")))
+    return version
 
 
 def _figures(m: dict) -> str:
@@ -622,7 +640,8 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     if passed and ctx.mlflow_run_id:
         reg, rows = _register(cfg, ctx, meta, final, digest, quant_dir, model, ptq, model_dir, shard_dir, measurer)
     elif ctx.mlflow_run_id:
-        result["retagged_version"] = _retag_missed(cfg, ctx, meta, final, digest, quant_dir, model_dir, ptq)
+        card = _card(ctx, shard_dir, digest, _dag_tags(tracking.tracking_uri(cfg), ctx))
+        result["retagged_version"] = _retag_missed(cfg, ctx, meta, final, digest, quant_dir, model_dir, ptq, rows, card)
     result["tasks"] = rows
     result["summary_detail"] = _task_detail(measurer.scores, final, reg)
     _write_report(ctx.run_dir / "evaluate", final, rows, gens, split, meta)
