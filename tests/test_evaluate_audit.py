@@ -425,3 +425,39 @@ def test_a_model_without_its_tokenizer_is_one_line_before_quantizing(cfg, tmp_pa
         check_tokenizers(model, shards, stage)
     assert str(e.value).startswith(f"{stage}: the model {model} has no tokenizer.json, which evaluate reads its text")
     assert "\n" not in str(e.value)
+
+
+# ---- 9. quantize.* values evaluate was given that did not make the INT8 model ---------------------------------------
+
+
+def test_a_quantize_setting_the_int8_model_was_not_made_with_is_refused_not_logged(cfg, tmp_path):
+    """`evaluate --set quantize.method=smoothquant quantize.dtype=fp16 'quantize.skip_layers=[]'` on an int8_weight_only
+    model quantized in BF16: evaluate measured the model as it was, against BF16, and logged the given values as
+    this evaluation's. Each value that decides the INT8 model and differs from quant_meta.json is one line, before
+    anything is loaded; a value equal to the record, or one not given, is no problem."""
+    from tasks.config import apply_overrides
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    recorded = {"method": "int8_weight_only", "backend": "torchao", "skip_layers": ["lm_head", "embed"]}
+    q = _quant_dir(tmp_path, model, dtype="bf16", calibration_batches=4, calibration_data_digest=None, **recorded)
+    cfg.quantize.method = "int8_dynamic"  # not given (a preset's value): not compared
+    apply_overrides(cfg, {"quantize.method": "smoothquant", "quantize.dtype": "fp16", "quantize.skip_layers": []})
+    apply_overrides(cfg, {"quantize.calibration_batches": 9, "quantize.backend": "auto"})  # decide nothing here
+    with pytest.raises(ConfigError) as e:
+        _evaluate(cfg, tmp_path, q, model)
+    meta = q / "quant_meta.json"
+    assert e.value.problems == [
+        f"quantize.dtype: fp16 differs from the INT8 model's bf16 ({meta}); evaluate measures the model quantize "
+        "made: rerun `python -m tasks quantize` with it (then evaluate), or leave it unset",
+        f"quantize.method: smoothquant differs from the INT8 model's int8_weight_only ({meta}); evaluate measures "
+        "the model quantize made: rerun `python -m tasks quantize` with it (then evaluate), or leave it unset",
+        f"quantize.skip_layers: [] differs from the INT8 model's lm_head, embed ({meta}); evaluate measures the "
+        "model quantize made: rerun `python -m tasks quantize` with it (then evaluate), or leave it unset",
+    ]
+    apply_overrides(cfg, {"quantize.method": "int8_weight_only", "quantize.dtype": "bf16"})
+    apply_overrides(cfg, {"quantize.skip_layers": ["lm_head", "embed"], "quantize.backend": "torchao"})
+    with pytest.raises(StageError) as same:  # the values quantize used: the check passes, the missing shards stop it
+        _evaluate(cfg, tmp_path, q, model)
+    assert not isinstance(same.value, ConfigError) or "quantize." not in str(same.value)

@@ -286,3 +286,4 @@ def test_an_fp16_reference_is_named_fp16_in_metrics_tables_figure_and_registry(c
     ref = client.get_model_version("evaluate-fp16-test-fp16", r["bf16_model"]["version"])
     assert ref.description.startswith("FP16: the unquantized model") and ref.tags["reference.dtype"] == "fp16"
     assert int8.tags["bf16.registered_model"] == "evaluate-fp16-test-fp16"
+    assert run.params["evaluate.model_dir"] == str(untrained["model_dir"])  # --model-dir: what was evaluated

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from tasks import runner, tracking
 from tasks.config import PipelineConfig
-from tasks.errors import StageError
+from tasks.errors import ConfigError, StageError
 from tasks.fsutil import atomic_save_figure, atomic_write_json, atomic_write_text, read_json
 from tasks.quant import gate, inputs, quality, registry, report
 from tasks.quant.artifact import META
@@ -66,6 +66,44 @@ def _quant_record(path: Path) -> dict:
     if not isinstance(data, dict):
         raise StageError(f"evaluate: {path} holds no JSON object (a {type(data).__name__}); rerun the quantize stage")
     return data
+
+
+def _recorded_quantize(meta: dict) -> dict:
+    """The quantize.* values that made the INT8 model, as quant_meta.json records them: {key: value}. A key is left out
+    where the record cannot say (an older record) or where the value did not decide this model (the AMCT flow of a
+    torchao model, calibration batches of a method that reads none, QAT settings of a PTQ model)."""
+    out = {k: meta[k] for k in ("method", "backend", "skip_layers") if k in meta}
+    out["dtype"] = meta.get("dtype", "bf16")
+    if meta.get("amct_flow") is not None:
+        out["amct_flow"] = meta["amct_flow"]
+    if meta.get("calibration_data_digest") and "calibration_batches" in meta:
+        out["calibration_batches"] = meta["calibration_batches"]
+    if meta.get("stage") == "qat":
+        out["qat_on_fail"] = True
+        if "qat_steps" in meta:
+            out["qat_steps"] = meta["qat_steps"]
+    return out
+
+
+def _check_quantize_settings(cfg: PipelineConfig, meta: dict, quant_dir: Path) -> None:
+    """evaluate measures the INT8 model quantize made; a quantize.* value given explicitly (--set, Params, the run
+    directory's remembered values) that would have made another model is one line each, not ignored while MLflow
+    and cli-config.json record it as this evaluation's (the same rule as data.* against a shard set)."""
+    recorded, problems = _recorded_quantize(meta), []
+    for dotted in sorted(k for k in cfg.explicit if k.startswith("quantize.")):
+        key = dotted.partition(".")[2]
+        if key not in recorded or (key == "backend" and cfg.quantize.backend == "auto"):  # auto: the host decides
+            continue
+        mine, theirs = getattr(cfg.quantize, key), recorded[key]
+        if (list(mine) if isinstance(mine, (list, tuple)) else mine) == theirs:
+            continue
+        shown = [", ".join(map(str, v)) or "[]" if isinstance(v, (list, tuple)) else str(v) for v in (mine, theirs)]
+        problems.append(
+            f"{dotted}: {shown[0]} differs from the INT8 model's {shown[1]} ({quant_dir / META}); evaluate measures "
+            "the model quantize made: rerun `python -m tasks quantize` with it (then evaluate), or leave it unset"
+        )
+    if problems:
+        raise ConfigError(problems)
 
 
 def _check_source(meta: dict, model_dir: Path, quant_dir: Path) -> None:
@@ -558,6 +596,7 @@ def run(cfg: PipelineConfig, ctx) -> dict:
     inputs.check_hf_path(cfg, ctx)
     quant_dir = _quant_dir(ctx)
     meta = _quant_record(quant_dir / META)
+    _check_quantize_settings(cfg, meta, quant_dir)  # before anything is loaded
     # Standalone (no earlier results, no flags): the model and the shard set the quantize stage used.
     model_dir = inputs.model_dir(ctx, fallback=meta["model_dir"])
     _check_source(meta, model_dir, quant_dir)
@@ -591,6 +630,10 @@ def run(cfg: PipelineConfig, ctx) -> dict:
             "evaluate.gate_metric": cfg.evaluate.gate_metric,
             "evaluate.limit": cfg.evaluate.limit,
             "evaluate.data_digest": digest,
+            # what was evaluated: model.* params are the config's (a --model-dir run's preset, not the checkpoint's)
+            "evaluate.model_dir": str(model_dir),
+            "evaluate.model_fingerprint": inputs.fingerprint(model_dir),
+            "evaluate.quant_dir": str(quant_dir),
             "split.rule": split["rule"],
             "split.evaluation_sequences": split["sequences"],
             "split.evaluation_keys_digest": split["keys_digest"],
