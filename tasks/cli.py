@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         print(__doc__.strip() + "\n\nstages: " + ", ".join([*STAGES, *OWN_SCHEDULE]) + ", summary")
         return 0
     stage = argv.pop(0)
-    run_dir, node = None, 0
+    run_dir, node, args = None, 0, None
     from tasks.logs import console
 
     console()  # the stages' log lines (progress, warnings) on stderr

@@ -262,8 +262,9 @@ def test_cli_13b_on_one_card_subprocess(tmp_path):
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
     assert "no feasible plan for 13.00B params" in proc.stderr and "needs 239.0 GB > 64 GB" in proc.stderr
+    failed = json.loads(proc.stdout)  # --json: the failure record on stdout too
+    assert failed["status"] == "failed" and failed["error"] == proc.stderr.strip().removeprefix("error: ")
 
 
 def test_cli_70b_json(tmp_path, capsys):
