@@ -1,6 +1,7 @@
 """Quantize-stage audit findings: QAT's embedding and sizes, what verify_output holds an earlier result to
 (quantization_config.json, AMCT's ONNX models), the AMCT classic PTQ method, the tokenizer identity recorded for a
-transformers-saved model, absolute model paths, unreadable earlier records, decimal MB, the skip_layers hint."""
+transformers-saved model, absolute model paths, unreadable earlier records, decimal MB, the skip_layers hint, a
+checkpoint with fewer embedding rows than its tokenizer has tokens."""
 
 from __future__ import annotations
 
@@ -266,3 +267,40 @@ def test_skip_layers_hint_has_no_duplicates():
     with pytest.raises(StageError) as e:
         unmatched_skips([Layer("output", "Linear", (8, 8)), Layer("lm_head", "Linear", (8, 8))], ["lm_hed"])
     assert str(e.value).count("'lm_head'") == 1, str(e.value)
+
+
+# ---- 11: a checkpoint whose embedding has fewer rows than its tokenizer has tokens ----
+
+
+def _llama(path: Path, vocab: int, tokenizer: Path) -> Path:
+    """A random tiny Llama saved by transformers with `vocab` embedding rows, `tokenizer` (a tokenizer.json) beside."""
+    import transformers
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    config = transformers.LlamaConfig(**shape, num_key_value_heads=2, max_position_embeddings=256, vocab_size=vocab)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    shutil.copyfile(tokenizer, path / "tokenizer.json")
+    return path
+
+
+def test_a_model_vocab_below_its_tokenizers_is_one_line_before_anything_is_written(cfg, tiny, tmp_path):
+    """vocab_size below its tokenizer's tokens: quantize wrote its PTQ model, then failed in the task gate with
+    `IndexError: index out of range in self` (passed, with this gate that runs no model); quantize and evaluate now
+    say it in one line first. A vocab_size above the tokenizer's (a padded embedding, as Qwen2's) is fine."""
+    from tasks.model.hf_io import check_tokenizers, tokenizer_ids
+
+    tok = tiny["shard_dir"] / "tokenizer.json"
+    n = tokenizer_ids(tok)
+    model = _llama(tmp_path / "small", n - 57, tok)
+    with pytest.raises(StageError) as e:
+        run_stage("quantize", cfg, tmp_path / "run", args=_args(model, tiny["shard_dir"]))
+    assert str(e.value) == (
+        f"quantize: the model {model} has vocab_size {n - 57} (config.json: its embedding rows) but its tokenizer "
+        f"({model / 'tokenizer.json'}) has {n} tokens: ids {n - 57}..{n - 1} index past the embedding; the "
+        "checkpoint and the tokenizer are not a pair: put the tokenizer it was trained with beside it (and shard with "
+        "it), or use a checkpoint whose vocab_size covers this tokenizer"
+    )
+    assert not (tmp_path / "run" / "quantize").exists()
+    with pytest.raises(StageError, match=f"^evaluate: the model {model} has vocab_size {n - 57} "):
+        check_tokenizers(model, tiny["shard_dir"], "evaluate")  # evaluate reads the same model directory
+    check_tokenizers(_llama(tmp_path / "padded", n + 63, tok), tiny["shard_dir"], "quantize")

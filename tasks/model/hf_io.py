@@ -161,7 +161,8 @@ def check_tokenizers(
     model_dir: str | os.PathLike, shard_dir: str | os.PathLike, stage: str, quant_meta=None, quant_dir=None
 ) -> None:
     """Where a model (and its quantized artifact) meets a shard set: one StageError line unless they share the
-    tokenizer (same-size vocabularies of two tokenizers index the embedding silently)."""
+    tokenizer (same-size vocabularies of two tokenizers index the embedding silently) and the model's embedding has
+    a row for every id of it (vocab_problem)."""
     from tasks.model import model_dir as exports
     from tasks.model.model_dir import identity_problem
 
@@ -171,11 +172,40 @@ def check_tokenizers(
             f"tokenizer.json into {model_dir} (transformers' AutoTokenizer.from_pretrained(<its tokenizer files>)"
             f".save_pretrained('{model_dir}') writes one)"
         )
-    problem = tokenizer_problem(model_dir, shard_dir, f"{stage}: the model")
+    own = Path(model_dir) / "tokenizer.json"
+    problem = vocab_problem(model_dir, own, stage, "its tokenizer")  # before anything runs into an IndexError
+    problem = problem or tokenizer_problem(model_dir, shard_dir, f"{stage}: the model")
     if problem is None and quant_meta is not None:
         problem = identity_problem(quant_meta.get("tokenizer"), shard_dir, f"{stage}: the quantized model {quant_dir}")
+    if problem is None and not own.is_file():  # an export without its tokenizer.json: the shard set's is its own
+        problem = vocab_problem(model_dir, Path(shard_dir) / "tokenizer.json", stage, "the shard set's tokenizer")
     if problem:
         raise StageError(problem)
+
+
+def tokenizer_ids(path: str | os.PathLike) -> int:
+    """How many ids the tokenizer.json at `path` can produce: its highest id + 1, added tokens included."""
+    from tokenizers import Tokenizer
+
+    return max(Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
+
+def vocab_problem(model_dir: str | os.PathLike, tokenizer: Path, stage: str, whose: str) -> str | None:
+    """One line when `tokenizer` (the model's own tokenizer.json, else the shard set's) produces ids the model's
+    embedding has no row for (config.json's vocab_size below its tokens): the first such id is an IndexError deep in
+    a forward pass, after quantize has written its model. A larger vocab_size is normal (an embedding padded to a
+    multiple, as Qwen2's); None then, or when there is no tokenizer.json to count."""
+    if not tokenizer.is_file():
+        return None
+    vocab, ids = read_hf_config(model_dir).vocab_size, tokenizer_ids(tokenizer)
+    if ids <= vocab:
+        return None
+    return (
+        f"{stage}: the model {model_dir} has vocab_size {vocab} (config.json: its embedding rows) but {whose} "
+        f"({tokenizer}) has {ids} tokens: ids {vocab}..{ids - 1} index past the embedding; the checkpoint and the "
+        f"tokenizer are not a pair: put the tokenizer it was trained with beside it (and shard with it), or use a "
+        f"checkpoint whose vocab_size covers this tokenizer"
+    )
 
 
 SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
