@@ -1,7 +1,7 @@
 """Quantize-stage audit findings: QAT's embedding and sizes, what verify_output holds an earlier result to
 (quantization_config.json, AMCT's ONNX models), the AMCT classic PTQ method, the tokenizer identity recorded for a
 transformers-saved model, absolute model paths, unreadable earlier records, decimal MB, the skip_layers hint, a
-checkpoint with fewer embedding rows than its tokenizer has tokens."""
+checkpoint with fewer embedding rows than its tokenizer has tokens, one with NaN weights."""
 
 from __future__ import annotations
 
@@ -304,3 +304,40 @@ def test_a_model_vocab_below_its_tokenizers_is_one_line_before_anything_is_writt
     with pytest.raises(StageError, match=f"^evaluate: the model {model} has vocab_size {n - 57} "):
         check_tokenizers(model, tiny["shard_dir"], "evaluate")  # evaluate reads the same model directory
     check_tokenizers(_llama(tmp_path / "padded", n + 63, tok), tiny["shard_dir"], "quantize")
+
+
+# ---- 12: NaN weights are one line before any gate or QAT ----
+
+
+def _poison(model: Path, tensor: str, nbytes: int = 4096) -> Path:
+    """`nbytes` of `tensor`'s data in model.safetensors overwritten with 0xFF (NaN in fp32), as a corrupt copy."""
+    path = model / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    size = int.from_bytes(raw[:8], "little")
+    start = 8 + size + json.loads(raw[8 : 8 + size])[tensor]["data_offsets"][0]
+    raw[start : start + nbytes] = b"\xff" * nbytes
+    path.write_bytes(bytes(raw))
+    return model
+
+
+def test_nan_weights_are_one_line_before_the_gate_or_qat(cfg, tiny, tmp_path):
+    """lm_head.weight holding NaN: the task gate scored the NaN reference and the NaN INT8 model alike (drop +0.00%,
+    passed; evaluate registered it), and with QAT the advice was to lower train.min_lr. Now one line names the
+    tensor and the fix before PTQ writes anything; evaluate loads the model the same way (load_hf)."""
+    from tasks.model.hf_io import load_hf, tokenizer_ids
+
+    tok = tiny["shard_dir"] / "tokenizer.json"
+    model = _poison(_llama(tmp_path / "nan", tokenizer_ids(tok), tok), "lm_head.weight")
+    said = (
+        f"the model {model} holds NaN or infinite weights (lm_head.weight): its logits and perplexity are not finite, "
+        "so no gate or score can judge it; the checkpoint is corrupt or its training diverged: re-export it, or use "
+        "another (an earlier) checkpoint"
+    )
+    cfg.quantize.qat_on_fail = True
+    with pytest.raises(StageError) as e:
+        run_stage("quantize", cfg, tmp_path / "run", args=_args(model, tiny["shard_dir"]))
+    assert str(e.value) == said
+    assert not (tmp_path / "run" / "quantize").exists() and not (tmp_path / "run" / "quantize_qat").exists()
+    with pytest.raises(StageError) as e:
+        load_hf(model)
+    assert str(e.value) == said

@@ -52,15 +52,43 @@ def hf_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     return [(ours_to_hf(name), t)]
 
 
-def load_hf(path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+def load_hf(
+    path: str | os.PathLike, device="cpu", dtype: torch.dtype = torch.float32, finite: bool = True
+) -> Transformer:
     """A local HF Llama/Qwen2 directory (single or sharded safetensors) → Transformer on `device` in `dtype`.
 
     One process, whole model: for a sharded model, `materialize(model, device, source=HFWeights(path))` after
-    parallelising reads only each rank's slices (tasks.model.init)."""
+    parallelising reads only each rank's slices (tasks.model.init). A weight holding NaN or inf is one StageError
+    line naming it (nonfinite_problem: no gate or score can judge such a model); `finite` False skips the check
+    (smoke, whose forward hooks name the first layer whose output is not finite)."""
     verify(path)  # sizes + sha256 from our export's manifest, every safetensors header against its file
     source = HFWeights(path)
     model = build_model(source.tcfg, device="meta").to(dtype)
-    return materialize(model, device, source=source)
+    model = materialize(model, device, source=source)
+    bad = nonfinite_weights(model) if finite else []
+    if bad:
+        raise StageError(nonfinite_problem(path, bad))
+    return model
+
+
+def nonfinite_weights(model: Transformer) -> list[str]:
+    """The checkpoint names of the weights holding a NaN or an infinity (tensor by tensor: one bool mask at a time)."""
+    bad = []
+    for name, t in model.named_parameters():
+        if not bool(torch.isfinite(t).all()):
+            bad += [hf for hf, piece in hf_tensors(name, t.detach()) if not bool(torch.isfinite(piece).all())]
+    return bad
+
+
+def nonfinite_problem(path: str | os.PathLike, bad: list[str]) -> str:
+    """One line for a checkpoint with NaN/inf weights: every gate and score of it is meaningless (NaN logits score
+    every model alike: a drop of 0 passes), and fine-tuning it (QAT) only reports a NaN loss."""
+    names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    return (
+        f"the model {path} holds NaN or infinite weights ({names}): its logits and perplexity are not finite, so no "
+        "gate or score can judge it; the checkpoint is corrupt or its training diverged: re-export it, or use "
+        "another (an earlier) checkpoint"
+    )
 
 
 def save_hf(

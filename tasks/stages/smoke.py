@@ -85,7 +85,7 @@ def initial_model(cfg, tcfg, own_weights: bool):
     from tasks.model.hf_io import load_hf
 
     if own_weights and cfg.model.hf_path:
-        return load_hf(repo_path(cfg.model.hf_path)).state_dict()
+        return load_hf(repo_path(cfg.model.hf_path), finite=False).state_dict()  # its hooks name the layer
     return materialize(build_model(tcfg), "cpu", cfg.train.seed).state_dict()
 
 
