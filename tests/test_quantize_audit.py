@@ -1,7 +1,7 @@
 """Quantize-stage audit findings: QAT's embedding and sizes, what verify_output holds an earlier result to
 (quantization_config.json, AMCT's ONNX models), the AMCT classic PTQ method, the tokenizer identity recorded for a
 transformers-saved model, absolute model paths, unreadable earlier records, decimal MB, the skip_layers hint, a
-checkpoint with fewer embedding rows than its tokenizer has tokens, one with NaN weights."""
+checkpoint with fewer embedding rows than its tokenizer has tokens, one with NaN weights or non-finite logits."""
 
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def test_a_model_vocab_below_its_tokenizers_is_one_line_before_anything_is_writt
     check_tokenizers(_llama(tmp_path / "padded", n + 63, tok), tiny["shard_dir"], "quantize")
 
 
-# ---- 12: NaN weights are one line before any gate or QAT ----
+# ---- 12: NaN weights or non-finite logits are one line before any gate or QAT; a NaN figure never passes ----
 
 
 def _poison(model: Path, tensor: str, nbytes: int = 4096) -> Path:
@@ -341,3 +341,50 @@ def test_nan_weights_are_one_line_before_the_gate_or_qat(cfg, tiny, tmp_path):
     with pytest.raises(StageError) as e:
         load_hf(model)
     assert str(e.value) == said
+
+
+def test_a_reference_with_non_finite_logits_is_one_line(tiny, tmp_path):
+    """Finite weights whose logits overflow (the final norm and lm_head at 1e20): the gate's reference is refused
+    in one line before any INT8 model is judged against it."""
+    import transformers
+
+    from tasks.config import load_config
+    from tasks.model.hf_io import tokenizer_ids
+    from tasks.quant import gate
+
+    tok = tiny["shard_dir"] / "tokenizer.json"
+    model = _llama(tmp_path / "big", tokenizer_ids(tok), tok)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        hf.model.norm.weight.fill_(1e20)
+        hf.lm_head.weight.fill_(1e20)
+    hf.save_pretrained(model)
+    c = load_config("demo-cpu")
+    c.evaluate.gate_metric = "ppl_drop_pct"
+    with pytest.raises(StageError) as e:
+        gate.Gate(c, tmp_path / "run", model, tiny["shard_dir"], torch.device("cpu"))
+    assert str(e.value) == (
+        f"quantize: the reference model (BF16 of {model}): its logits on val tokens are not finite (NaN or infinity), "
+        "so no INT8 model can be judged against it; the checkpoint is corrupt or its training diverged: re-export "
+        "it, or use another (an earlier) checkpoint"
+    )
+
+
+def test_an_int8_model_with_nan_logits_misses_the_task_gate(tiny, monkeypatch):
+    """NaN logits get task scores — the same for every such model (0.247 for FP32, BF16 and INT8 alike): a drop of
+    0 passed. An INT8 model whose logits on the gate's check batch are not finite now has the figure NaN and misses."""
+    from tasks.config import load_config
+    from tasks.model.hf_io import load_hf
+    from tasks.quant import gate
+
+    g = gate.Gate.__new__(gate.Gate)
+    g.cfg, g.device, g.metric, g.max_drop = load_config("demo-cpu"), torch.device("cpu"), gate.TASK_GATE, 2.0
+    g.suite, g.tokenizer, g.ref_figures = None, None, {"macro": 0.247}
+    g.probe = torch.arange(16).unsqueeze(0)
+    monkeypatch.setattr(gate, "score", lambda *a, **k: {"macro": 0.247})
+    model = load_hf(tiny["model_dir"]).eval()
+    assert g.judge(model)["passed"]
+    with torch.no_grad():
+        model.output.weight.fill_(float("nan"))
+    verdict = g.judge(model)
+    assert not verdict["passed"] and verdict["value"] != verdict["value"]  # NaN

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -153,30 +154,42 @@ class Gate:
 
     def __init__(self, cfg, run_dir: Path, model_dir: Path, shard_dir: Path, device, suite=None):
         from tasks.harness.models import full_precision, load_tokenizer
+        from tasks.quant import inputs, quality
 
         self.cfg, self.device, self.metric = cfg, device, cfg.evaluate.gate_metric
-        self.max_drop = cfg.evaluate.max_drop_pct
+        self.max_drop, dtype = cfg.evaluate.max_drop_pct, cfg.quantize.dtype
         if self.metric == TASK_GATE:
             self.suite = suite or load_suite(cfg, run_dir, shard_dir, model_dir)
             self.tokenizer = load_tokenizer(model_dir)
-        self.ref = full_precision(model_dir, cfg.quantize.dtype, device)
+        self.ref = full_precision(model_dir, dtype, device)  # NaN/inf weights: one line naming them (load_hf)
+        # One batch every judged model's logits are checked on (NaN logits get task scores, the same for every such
+        # model: a drop of 0), the reference's first, before any gate figure or QAT.
         if self.metric == TASK_GATE:
-            label = f"quantize {cfg.quantize.dtype.upper()}"
-            self.ref_figures = score(self.ref, self.tokenizer, self.suite, cfg, device, label)
+            self.probe = inputs.val_part(shard_dir, 1, 1, "calibration")[0][0][0]  # never empty in quantize
         else:
-            from tasks.quant import quality
-
             self.data = quality.eval_data(cfg, shard_dir, self.ref.config.max_seq_len)
+            self.probe = self.data.batches[0][0]
+        what = f"quantize: the reference model ({dtype.upper()} of {model_dir})"
+        if not quality.finite_logits(self.ref, self.probe, device):
+            raise StageError(quality.reference_problem(what, dtype))
+        if self.metric == TASK_GATE:
+            self.ref_figures = score(self.ref, self.tokenizer, self.suite, cfg, device, f"quantize {dtype.upper()}")
+        else:
             self.ref_figures = quality.quality(self.ref, self.data, device)
+            if not all(math.isfinite(self.ref_figures[k]) for k in ("ppl", "accuracy")):
+                ppl = self.ref_figures["ppl"]
+                raise StageError(quality.reference_problem(what, dtype, f"its perplexity ({ppl}) and logits"))
 
     def judge(self, model) -> dict:
-        """{"metric", "value", "passed", "figures"}: the INT8 model's figures and its drop against the reference."""
+        """{"metric", "value", "passed", "figures"}: the INT8 model's figures and its drop against the reference.
+        A figure that is not finite (NaN, as from an INT8 model whose logits are) misses the gate, never passes it."""
+        from tasks.quant import quality
+
+        finite = quality.finite_logits(model, self.probe, self.device)
         if self.metric == TASK_GATE:
             figures = score(model, self.tokenizer, self.suite, self.cfg, self.device, "quantize INT8")
             value = relative_drop(self.ref_figures["macro"], figures["macro"])
         else:
-            from tasks.quant import quality
-
             figures = quality.quality(model, self.data, self.device)
             drops = quality.drops(self.ref_figures, figures)
             if self.metric not in drops:
@@ -185,7 +198,9 @@ class Gate:
                     "evaluate.agreement_windows is 0); set one, or gate on another metric"
                 )
             value = drops[self.metric]
-        return {"metric": self.metric, "value": value, "passed": value <= self.max_drop, "figures": figures}
+        value = value if finite else float("nan")
+        passed = math.isfinite(value) and value <= self.max_drop
+        return {"metric": self.metric, "value": value, "passed": passed, "figures": figures}
 
 
 def record_key(cfg, s, model_dir: Path, quant_dir: Path, kind: str) -> str:

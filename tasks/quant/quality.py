@@ -70,3 +70,21 @@ def drops(ref: dict, q: dict) -> dict:
             agreement_tokens=sum(len(c) for c in ref["continuations"]),
         )
     return out
+
+
+def finite_logits(model, inputs, device) -> bool:
+    """Whether `model`'s logits on `inputs` (one batch of token ids) are all finite: NaN logits give a NaN perplexity,
+    and task scores that are the same for every such model (a drop of 0)."""
+    import torch
+
+    with torch.no_grad():
+        return bool(torch.isfinite(model(inputs.to(device))).all())
+
+
+def reference_problem(what: str, dtype: str, figure: str = "its logits on val tokens") -> str:
+    """One line for a reference (the unquantized model every INT8 model is judged against) whose outputs are not
+    finite: the gate would compare NaN with NaN. Its weights are finite (tasks.model.hf_io.load_hf refuses others)."""
+    fix = "the checkpoint is corrupt or its training diverged: re-export it, or use another (an earlier) checkpoint"
+    if dtype == "fp16":
+        fix = f"FP16 overflows where BF16 does not: set quantize.dtype=bf16; else {fix}"
+    return f"{what}: {figure} are not finite (NaN or infinity), so no INT8 model can be judged against it; {fix}"
