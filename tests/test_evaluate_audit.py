@@ -152,6 +152,20 @@ def test_suite_key_changes_with_an_included_yaml_or_a_function_file(tmp_path):
     utils = path.parent / "utils.py"  # a helper the !function calls changes its prompt
     utils.write_text(utils.read_text().replace("return doc['question']", "return 'Q: ' + doc['question']"))
     assert suite_key(_load(path), cfg) != changed
+    # a task reading a local copy of a dataset (dataset_path: a folder, as docs/evaluation.md's MMLU recipe): its
+    # data changed, the key changes (only data_files were hashed: quantize's old scores were reused)
+    data = tmp_path / "local"
+    data.mkdir()
+    (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    local = tmp_path / "local.yaml"
+    local.write_text(
+        f"task: audit_local\ndataset_path: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: question\ndoc_to_choice: choices\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n"
+    )
+    key = suite_key(_load(local), cfg)
+    assert suite_key(_load(local), cfg) == key
+    (data / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    assert suite_key(_load(local), cfg) != key
 
 
 # ---- 4. few-shot counts ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -96,6 +97,10 @@ def suite_key(s, cfg) -> dict:
             for t in s.entries[entry]:  # local data files a YAML names (the demo task's JSONL)
                 for p in s.data_files.get(t, []):
                     files[f"{t}:{p}"] = hashlib.sha256(Path(p).read_bytes()).hexdigest()
+    for name, task in s.loaded["tasks"].items():  # a local copy of a hub dataset (dataset_path: /data/mmlu)
+        where = getattr(getattr(task, "config", None), "dataset_path", None)
+        if isinstance(where, str) and Path(where).is_dir():
+            files[f"{name}:{where}"] = _folder_fingerprint(Path(where))
     return {
         "entries": s.entries,
         "files": files,
@@ -107,6 +112,19 @@ def suite_key(s, cfg) -> dict:
         "lm_eval": version("lm_eval"),
         "batch_size": cfg.evaluate.batch_size,
     }
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    """A dataset folder's files by relative path, size and mtime (not read: a local MMLU is hundreds of MB; a file
+    rewritten gets a new mtime): its data changed, the quantize stage's scores are not reused (only data_files
+    were hashed)."""
+    h = hashlib.sha256()
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if d not in (".git", ".cache"))  # a clone's metadata, datasets' cache
+        for n in sorted(names):
+            st = os.stat(os.path.join(root, n))
+            h.update(f"{os.path.relpath(os.path.join(root, n), folder)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def task_digest(task) -> str:
