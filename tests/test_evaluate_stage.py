@@ -268,6 +268,7 @@ def test_an_fp16_reference_is_named_fp16_in_metrics_tables_figure_and_registry(c
     cfg.evaluate.prompts = []
     cfg.evaluate.agreement_windows = 1
     q = run_stage("quantize", cfg, tmp_path, args=_args(untrained))
+    assert "x FP16, " in q["summary"] and "BF16" not in q["summary"]  # quantize's own line too
     r = run_stage("evaluate", cfg, tmp_path, args=_args(untrained, q["quant_dir"]))
     assert r["passed"] and set(r["task_macro"]) == {"fp32", "fp16", "int8"}
     assert {"fp32", "fp16", "int8"} <= set(r["tasks"]["demo-continuation"])

@@ -348,9 +348,10 @@ def _result(meta: dict, out: Path, reused: bool) -> dict:
         "quantized_layers": len(meta["quantized_layers"]),
         "reused": reused,
     }
+    ref = "FP16" if meta.get("dtype") == "fp16" else "BF16"  # the 16-bit reference (the same bytes either way)
     r["summary"] = (
         f"{meta['backend']} {meta['method']}: {r['int8_mb']:.2f} MB = {r['size_ratio_vs_bf16']:.2f}x "
-        f"BF16, {r['size_ratio_vs_fp32']:.2f}x FP32 ({r['quantized_layers']} layers INT8)"
+        f"{ref}, {r['size_ratio_vs_fp32']:.2f}x FP32 ({r['quantized_layers']} layers INT8)"
     )
     r["status"] = "ok"
     return r
