@@ -64,11 +64,13 @@ DOCS = {
     "profile": "A short profiled run of the same trainer and plan (torch_npu.profiler on Ascend, torch.profiler "
     "elsewhere), analysed into a report with advisor findings and a comparison with the last baseline.",
     "quantize": "INT8 quantization (AMCT on Ascend, torchao elsewhere; skips configured layers), gated on "
-    "evaluate.gate_metric (default: the task accuracy drop vs BF16 on evaluate.tasks, lm-eval) within "
-    "evaluate.max_drop_pct; QAT when PTQ misses the gate and quantize.qat_on_fail is set.",
-    "evaluate": "INT8 vs BF16 and FP32 on evaluate.tasks (lm-evaluation-harness; demo-continuation from the val "
-    "split) and on held-out tokens (perplexity, top-1, greedy agreement, size, speed); the gate registers a version "
-    "(alias candidate), and the champion, scored on the same tasks in the same run, gives way unless it is better.",
+    "evaluate.gate_metric (default: the task accuracy drop vs BF16, FP16 with quantize.dtype=fp16, on "
+    "evaluate.tasks, lm-eval) within evaluate.max_drop_pct; QAT when PTQ misses the gate and quantize.qat_on_fail "
+    "is set.",
+    "evaluate": "INT8 vs BF16 (FP16 with quantize.dtype=fp16) and FP32 on evaluate.tasks (lm-evaluation-harness; "
+    "demo-continuation from the val split) and on held-out tokens (perplexity, top-1, greedy agreement, size, "
+    "speed); the gate registers a version (alias candidate), and the champion, scored on the same tasks in the same "
+    "run, gives way unless it is better.",
 }
 
 
