@@ -179,3 +179,29 @@ def test_weights_its_config_json_does_not_describe_are_refused_not_dropped(tmp_p
         msg = str(e.value)
         assert f"tensor {first!r} (and {more} more) is not part of the model its config.json describes" in msg, name
         assert "fix config.json" in msg and "\n" not in msg
+
+
+def test_a_tied_config_over_a_distinct_lm_head_is_refused(tmp_path):
+    """config.json says tie_word_embeddings true, the file stores its own, different lm_head.weight: transformers keeps
+    it untied, this model used the embedding (logits off by up to 1.25, 0 % argmax agreement), trained and exported
+    another model without a word. One line now; an lm_head.weight equal to the embedding (some exporters write both)
+    is fine."""
+    from safetensors.torch import load_file, save_file
+
+    from tasks.model.model_dir import verify
+    from tests.helpers.models import tiny_qwen2
+
+    tiny_qwen2(tmp_path / "m", vocab=96, tie_word_embeddings=False)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(StageError) as e:
+        verify(tmp_path / "m")
+    assert str(e.value) == (
+        f"{tmp_path / 'm'}: config.json ties the embeddings (tie_word_embeddings true) but lm_head.weight differs from "
+        "model.embed_tokens.weight (transformers then keeps lm_head.weight untied; this model would use the "
+        "embedding); set tie_word_embeddings to false in config.json, or use the checkpoint whose weights it describes"
+    )
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+    verify(tmp_path / "m")  # the same tensor twice: the tie holds, no error

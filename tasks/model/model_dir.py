@@ -158,6 +158,8 @@ def check_tensor_names(path: str | os.PathLike, tcfg) -> None:
         names = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     else:
         names = read_header(files[0])
+    if tcfg.tie_embeddings and {"lm_head.weight", "model.embed_tokens.weight"} <= set(names):
+        _check_tied(path, tcfg, {n: path / names[n] if index.is_file() else files[0] for n in names})
     unused = unused_tensors(tcfg, names)
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -166,6 +168,27 @@ def check_tensor_names(path: str | os.PathLike, tcfg) -> None:
             f"{tcfg.family}, {tcfg.n_layers} layers, q/k/v bias {tcfg.qkv_bias}, {tcfg.n_experts} experts), so its "
             "weights would be dropped; fix config.json to describe the weights (architectures, num_hidden_layers, "
             "the bias settings) or use the checkpoint they belong to"
+        )
+
+
+def _check_tied(path: Path, tcfg, where: dict) -> None:
+    """config.json ties the embeddings and the file stores an lm_head.weight too: the same tensor is fine (some
+    exporters write both); another one is one line. transformers then keeps lm_head.weight untied ("both are present
+    in the checkpoints with different values, so we will NOT tie them"); this model would compute its output with
+    the embedding, another model, in silence, and its export would drop lm_head.weight."""
+    import torch
+    from safetensors import safe_open
+
+    def tensor(name):
+        with safe_open(str(where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    if not torch.equal(tensor("lm_head.weight"), tensor("model.embed_tokens.weight")):
+        raise StageError(
+            f"{path}: config.json ties the embeddings (tie_word_embeddings true) but lm_head.weight differs from "
+            "model.embed_tokens.weight (transformers then keeps lm_head.weight untied; this model would use the "
+            "embedding); set tie_word_embeddings to false in config.json, or use the checkpoint whose weights it "
+            "describes"
         )
 
 
