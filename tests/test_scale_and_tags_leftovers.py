@@ -144,3 +144,17 @@ def test_a_retried_stage_run_carries_its_own_try_number(tmp_path, monkeypatch):
     assert sorted(r.data.tags["airflow.try_number"] for r in stages) == ["1", "2"]
     assert {r.data.tags["mlflow.parentRunId"] for r in stages} == {parents[0].info.run_id}
     assert all(r.data.tags["airflow.run_id"] == "r1" and r.info.status == "FAILED" for r in stages)
+
+
+def test_a_torchrun_killed_from_outside_is_named_as_such(tmp_path):
+    """torchrun SIGKILLed with its ranks: the line was 'torchrun exited with code -9: ' + the log's last three lines
+    (a binding line, a RuntimeWarning, a progress line), none of them the cause."""
+    from tasks.parallel.diagnosis import explain
+
+    log = "[binding] local rank 1 → CPUs 1\n<frozen runpy>:128: RuntimeWarning: …\nprogress: done after 0s\n"
+    error = explain(tmp_path / "train", -9, log, [], {}, "checkpoint step-9")
+    assert error.retryable and str(error) == (
+        "torchrun was killed by SIGKILL from outside (the kernel's OOM killer, an operator, a scheduler's preemption: "
+        "dmesg or the scheduler's events say which); see logs/torchrun.log; a retry resumes from checkpoint step-9"
+    )
+    assert str(explain(tmp_path / "train", 3, log, [], {}, "none")).startswith("torchrun exited with code 3: ")

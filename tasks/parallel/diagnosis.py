@@ -228,6 +228,13 @@ def explain(
             f"logs/rank-*.log and logs/{log_name}; a retry resumes from {resume_from}",
             retryable=True,
         )
+    if rc < 0:  # torchrun itself was killed (its ranks went with it): the log's last lines are not the cause
+        return StageError(
+            f"torchrun was {_exit_text(rc)} from outside (the kernel's OOM killer, an operator, a scheduler's "
+            f"preemption: dmesg or the scheduler's events say which); see logs/{log_name}; a retry resumes from "
+            f"{resume_from}",
+            retryable=True,
+        )
     tail = " | ".join(torchrun_log.strip().splitlines()[-3:])
     return StageError(
         f"torchrun exited with code {rc}: {tail}; see logs/{log_name}; a retry resumes from {resume_from}",
