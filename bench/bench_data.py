@@ -3,7 +3,8 @@
 - sharding.tokens_per_s_ratio_vs_tokenizer: the whole shard build (resolve, read, clean, dedupe, tokenise in 2
   threads, pack, write tars with their sha256 and crc32, fsync, publish) in tokens/s, over the raw `tokenizers`
   batch encode of the same documents already in memory, with the API the builder uses (`encode_batch_fast`: the
-  same ids as `encode_batch`, without character offsets; Rust, all cores) — best of two each, interleaved. Goal
+  same ids as `encode_batch`, without character offsets; Rust, all cores; a special token's string in the text read
+  as text, `encode_special_tokens`) — best of two each, interleaved. Goal
   ≥ 0.95. sharding.tokens_per_s_ratio_vs_encode_batch: the same build over `encode_batch` (offsets computed).
 - sharding.seconds_by_size / sharding.peak_rss_mb_by_size: three corpus sizes; time should grow linearly, the
   build's peak memory should stay flat. A sampler thread sums VmRSS over this process and any descendants every
@@ -144,6 +145,7 @@ def _tokenizer_baseline(
 
     texts = [t for _, t in clean_documents([Path(f) for f in files], ShardConfig(), CorpusStats())]
     tok = Tokenizer.from_file(str(tokenizer))
+    tok.encode_special_tokens = True  # as the builder encodes a document (data_prep.tokenizer.text_encoder)
     best = 0.0
     for _ in range(repeats):
         start, cpu0 = time.perf_counter(), _cpu_s()
