@@ -28,6 +28,8 @@ state = {
     "tempdir": tempfile.gettempdir(),
     "rank": int(os.environ["RANK"]),
     "rss_file": next(int(ln.split()[1]) * 1024 for ln in open("/proc/self/status") if ln.startswith("RssFile:")),
+    "master_addr": os.environ.get("MASTER_ADDR"),
+    "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
 }
 open(os.path.join(sys.argv[1], f"rank{state['rank']}.json"), "w").write(json.dumps(state))
 """
@@ -77,6 +79,9 @@ def test_a_forked_rank_holds_the_imports_and_a_fresh_interpreters_handlers(tmp_p
         assert got["compile_threads"] is None, got  # decided from the rank's own cores, not the agent's
         assert got["tempdir"] == str(tmp_path / "tmp"), got  # $TMPDIR's, not the agent's (the log dir)
         assert got["rss_file"] > 40e6, got  # libtorch's pages the agent had mapped (~80 MB; 7 MB unpopulated)
+        # no name lookup in a one-node rank: a fork can inherit glibc's resolver lock held (rank 3 of 4 hung in
+        # getaddrinfo("localhost") in a `make test` run); the store by address, gloo on the loopback interface
+        assert got["master_addr"] == "127.0.0.1" and got["gloo_ifname"] == "lo", got
 
 
 @pytest.mark.parametrize("end", ["os._exit(0)", "sys.exit()"])

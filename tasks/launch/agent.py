@@ -37,6 +37,7 @@ import importlib
 import os
 import runpy
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -171,6 +172,21 @@ def _rss() -> int:
     return memory_stats(torch.device("cpu"))["allocated_bytes"]
 
 
+def _no_name_lookups() -> None:
+    """A one-node job's rank looks up no name. glibc's resolver keeps a process-wide lock (resolv/resolv_conf.c
+    `lock`) that fork does not reset: a rank forked while another agent thread held it inherits it held, and its
+    first lookup waits for ever (seen in a `make test` run: rank 3 of 4 in getaddrinfo("localhost") → get_nss_addresses
+    → __resolv_context_get → get_locked_global, the other ranks waiting for it in gloo's rendezvous). The store is
+    reached by address (a numeric host takes no lock: getaddrinfo converts it before NSS) and gloo's device is the
+    loopback interface (GLOO_SOCKET_IFNAME, read by ProcessGroupGloo: getifaddrs, no lookup of the hostname)."""
+    if os.environ.get("MASTER_ADDR") != "localhost":  # another node's address: the user's network, untouched
+        return
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    loopback = [name for _, name in socket.if_nameindex() if name in ("lo", "lo0")]
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback[0])
+
+
 def _rank(flag: str, target: str, *args: str) -> None:
     """A forked rank: announce the pid, restore a fresh interpreter's state, run the entry (`-m MODULE` or a script
     path, as torchrun's) as __main__."""
@@ -178,6 +194,7 @@ def _rank(flag: str, target: str, *args: str) -> None:
     os.close(_announce_fd)
     populate(_resident)  # the libraries' pages the agent had mapped, mapped here too: RSS as an exec'd rank's
     os.environ[FORKED] = "1"
+    _no_name_lookups()
     tempfile.tempdir = _ranks_tempdir  # $TMPDIR's, as an exec'd rank's (the agent's points at the log dir)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
