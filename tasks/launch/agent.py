@@ -23,7 +23,9 @@ What a forked rank does differently from an exec'd one, and why:
   entries of file mappings, mm/memory.c copy_page_range, so they would count as the training's when first touched;
   resident_file_pages, populate), and the RSS FSDP2, DTensor, DCP and dynamo took in the agent
   ($LLM_PIPELINE_PRELOADED_RSS) comes off its first trainer's baseline (tasks/parallel/metrics.PhasePeaks), since an
-  exec'd rank imports them while building that trainer's model.
+  exec'd rank imports them while building that trainer's model;
+- looks up no name in a one-node job (the store by 127.0.0.1, gloo on the loopback interface): glibc's resolver lock
+  is not reset by fork, and a rank forked while an agent thread held it waits for ever (_no_name_lookups).
 
 Every failed rank in the report: torch.multiprocessing reports only the first exited process it finds, in rank
 order, so a peer's "Connection closed by peer" could be named and not the rank that was killed. Each rank announces
